@@ -1,0 +1,1 @@
+"""The coordinator: the round loop, the public API and the `svip` CLI."""

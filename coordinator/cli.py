@@ -1,0 +1,172 @@
+"""`svip`: the command line. `svip generate` runs the engine on one prompt, a batch or n samples.
+
+Errors the user can fix are one line on stderr (`svip: error: ...`) and a non-zero exit:
+2 for bad input, 1 for models that cannot be loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import secrets
+import sys
+
+from svip_common.contracts import POLICY_NAMES, GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest, ModelLoadError, SvipError
+from svip_common.randomness import sample_seed
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line, no usage dump
+        raise InvalidRequest(f"{message} (see '{self.prog} --help')")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="svip", description="Speculative decoding with SVIP.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("prompt", nargs="?", help="prompt text")
+    src = gen.add_argument_group("prompt sources (exactly one)")
+    src.add_argument("--prompt-file", metavar="PATH", help="read the prompt text from a file")
+    src.add_argument("--prompt-ids", metavar="IDS", help="token ids instead of text: 1,2,3")
+    src.add_argument("--input", metavar="FILE.jsonl", help='batch: {"prompt": ...} or {"prompt_ids": [...]} per line')
+    models = gen.add_argument_group("models")
+    models.add_argument("--target", help="target model directory or hub id")
+    models.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone")
+    models.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64, auto")
+    models.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    pol = gen.add_argument_group("length policy")
+    pol.add_argument("--policy", default="svip", help=f"one of {', '.join(POLICY_NAMES)} (default svip)")
+    pol.add_argument("--threshold", type=float, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3)")
+    pol.add_argument("--entropy-scale", type=float, default=0.15, help="svip: entropy scale (0.15)")
+    pol.add_argument("--draft-length", type=int, default=5, help="constant: k; heuristic: starting k (5)")
+    pol.add_argument("--max-draft-length", type=int, default=40, help="hard cap on any block (40)")
+    pol.add_argument("--confidence", type=float, default=0.4, help="confidence: stop when q(token) < c (0.4)")
+    smp = gen.add_argument_group("sampling")
+    smp.add_argument("--max-new-tokens", type=int, default=128)
+    smp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    smp.add_argument("--top-k", type=int, default=0, help="0 = off")
+    smp.add_argument("--top-p", type=float, default=1.0)
+    smp.add_argument("--seed", type=int, help="random seed (default: drawn and reported)")
+    smp.add_argument("--n", type=int, default=1, help="independent samples of one prompt")
+    gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = build_parser().parse_args(argv)
+        return _generate(args)
+    except InvalidRequest as exc:
+        print(f"svip: error: {exc}", file=sys.stderr)
+        return 2
+    except SvipError as exc:
+        print(f"svip: error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from coordinator.prompts import encode
+
+    prompts = _prompt_sources(args)
+    base_request = _request_template(args)
+    engine = _load_engine(args)
+    out = sys.stdout
+    for prompt in prompts:
+        ids = encode(engine.target.tokenizer, prompt)
+        for i in range(args.n):
+            sampling = dataclasses.replace(base_request.sampling, seed=sample_seed(base_request.sampling.seed, i))
+            request = dataclasses.replace(base_request, prompt_ids=ids, sampling=sampling)
+            result = engine.generate(request)
+            text = engine.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+            if args.json:
+                out.write(json.dumps(_result_json(args, engine, request, result, text)) + "\n")
+            else:
+                out.write(text + "\n")
+            out.flush()
+    return 0
+
+
+def _prompt_sources(args: argparse.Namespace) -> list[str | list[int]]:
+    from coordinator.prompts import parse_id_list, read_input_file, read_prompt_file, text_prompt
+
+    given = [name for name in ("prompt", "prompt_file", "prompt_ids", "input") if getattr(args, name) is not None]
+    if len(given) != 1:
+        raise InvalidRequest(
+            "give exactly one prompt source: PROMPT, --prompt-file, --prompt-ids or --input"
+            + (f" (got {', '.join(given)})" if given else "")
+        )
+    if args.prompt is not None:
+        return [text_prompt(args.prompt)]
+    if args.prompt_file is not None:
+        return [read_prompt_file(args.prompt_file)]
+    if args.prompt_ids is not None:
+        return [parse_id_list(args.prompt_ids)]
+    return read_input_file(args.input)
+
+
+def _request_template(args: argparse.Namespace) -> GenerationRequest:
+    """Everything but the prompt, validated before any model is loaded."""
+    if args.n < 1:
+        raise InvalidRequest(f"--n must be >= 1, got {args.n}")
+    seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
+    request = GenerationRequest(
+        prompt_ids=(0,),
+        max_new_tokens=args.max_new_tokens,
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed),
+        policy=PolicyConfig(
+            name=args.policy,
+            threshold=args.threshold,
+            entropy_scale=args.entropy_scale,
+            draft_length=args.draft_length,
+            max_draft_length=args.max_draft_length,
+            confidence=args.confidence,
+        ),
+    )
+    request.validate(vocab_size=1, max_positions=None)
+    return request
+
+
+def _load_engine(args: argparse.Namespace):
+    if args.target is None:
+        raise InvalidRequest("--target is required: no embedded model pair is bundled yet")
+    if args.draft is None:
+        raise InvalidRequest("--draft is required: a draft model directory, or 'none' for the target alone")
+    import transformers
+
+    transformers.utils.logging.disable_progress_bar()
+    transformers.utils.logging.set_verbosity_error()
+    from coordinator.engine import SpeculativeEngine
+    from svip_common.models import load_model
+
+    target = load_model(args.target, args.dtype, args.device)
+    draft = None if args.draft == "none" else load_model(args.draft, args.dtype, args.device)
+    return SpeculativeEngine(target, draft)
+
+
+def _result_json(args, engine, request, result, text: str) -> dict:
+    stats = result.stats.to_dict()
+    stats["config"] = {
+        "mode": "inprocess",
+        "target": args.target,
+        "draft": None if engine.drafter is None else args.draft,
+        "dtype": args.dtype,
+        "device": args.device,
+        "max_new_tokens": request.max_new_tokens,
+        "policy": dataclasses.asdict(engine.resolve(request).policy),
+        "sampling": dataclasses.asdict(request.sampling),
+    }
+    return {
+        "text": text,
+        "token_ids": result.token_ids,
+        "prompt_token_ids": result.prompt_ids,
+        "finish_reason": result.finish_reason,
+        "stats": stats,
+    }
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,96 @@
+"""The in-process engine: draft and target in one process, one round at a time.
+
+This is the reference every other mode must match token for token. A round reads as its
+algorithm: propose a block, verify it, commit the settled tokens, and let both caches roll back
+on the next call to what the committed sequence still shares.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+
+from draft_worker.drafter import Drafter, NullDraftSession
+from svip_common.contracts import GenerationRequest, GenerationResult, GenerationStats
+from svip_common.models import LoadedModel, check_same_vocabulary
+from target_worker.verifier import Verifier
+
+OnTokens = Callable[[list[int]], None]
+
+
+class SpeculativeEngine:
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+        if draft is not None:
+            check_same_vocabulary(target, draft)
+        self.target = target
+        self.verifier = Verifier(target)
+        self.drafter = Drafter(draft, target.vocab_size) if draft is not None else None
+
+    def resolve(self, request: GenerationRequest) -> GenerationRequest:
+        """The request as it will run: validated, policy 'none' when there is no draft."""
+        if self.drafter is None and request.policy.name != "none":
+            request = dataclasses.replace(
+                request, policy=dataclasses.replace(request.policy, name="none")
+            )
+        request.validate(self.target.vocab_size, self.target.max_positions)
+        return request
+
+    def generate(self, request: GenerationRequest, on_tokens: OnTokens | None = None):
+        request = self.resolve(request)
+        stop_ids = frozenset(self.target.eos_token_ids) | frozenset(request.stop_token_ids)
+        target = self.verifier.open(request.sampling)
+        if self.drafter is None or request.policy.name == "none":
+            draft = NullDraftSession()
+        else:
+            draft = self.drafter.open(request.sampling, request.policy, tuple(stop_ids))
+        stats = GenerationStats()
+        committed, generated = list(request.prompt_ids), []
+        start = time.perf_counter()
+        finish_reason = None
+        while finish_reason is None:
+            round_start = time.perf_counter()
+            draft_s, target_s = draft.forward_s, target.forward_s
+            budget = request.max_new_tokens - len(generated)
+            block = draft.propose(committed, budget=budget - 1)
+            verdict = target.verify(committed, block)
+            draft.feedback(len(block), verdict.accepted)
+            settled = [*block.tokens[: verdict.accepted], verdict.token]
+            settled, finish_reason = _clip(settled, budget, stop_ids)
+            committed += settled
+            generated += settled
+            _record_round(stats, block, verdict.accepted)
+            stats.round_s.append(time.perf_counter() - round_start)
+            stats.draft_forward_s.append(draft.forward_s - draft_s)
+            stats.target_forward_s.append(target.forward_s - target_s)
+            if on_tokens is not None:
+                on_tokens(settled)
+        stats.wall_s = time.perf_counter() - start
+        stats.draft_forwards, stats.target_forwards = draft.forwards, target.forwards
+        return GenerationResult(
+            prompt_ids=list(request.prompt_ids),
+            token_ids=generated,
+            finish_reason=finish_reason,
+            stats=stats,
+        )
+
+
+def _clip(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
+    """Cut the settled tokens at the first stop id (kept) or at the token budget."""
+    for i, token in enumerate(settled[:budget]):
+        if token in stop_ids:
+            return settled[: i + 1], "stop"
+    if len(settled) >= budget:
+        return settled[:budget], "length"
+    return settled, None
+
+
+def _record_round(stats: GenerationStats, block, accepted: int) -> None:
+    stats.rounds += 1
+    stats.draft_tokens += len(block)
+    stats.accepted_tokens += accepted
+    stats.draft_lengths.append(len(block))
+    stats.accepted_lengths.append(accepted)
+    if block.entropies:
+        stats.stop_entropies.append(block.entropies[-1])
+

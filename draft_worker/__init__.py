@@ -1,0 +1,1 @@
+"""The draft side: length policies and the drafter that proposes variable-length blocks."""

@@ -1,0 +1,124 @@
+"""The drafter: hosts the draft model and proposes one variable-length block per round.
+
+A ``DraftSession`` owns one request's draft KV cache and length policy. ``propose`` first rolls
+the cache back to what is still valid for the committed sequence (the rollback after a
+rejection), then drafts until the policy, the hard cap, EOS or the token budget stops it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import torch
+
+from draft_worker.policies import LengthPolicy, make_policy
+from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
+from svip_common.kv_cache import KVCache
+from svip_common.models import LoadedModel
+from svip_common.randomness import Purpose, uniform
+from svip_common.sampling import entropy, sample_index, warp_probs
+
+
+class Drafter:
+    """The draft model, shared by the sessions it opens."""
+
+    def __init__(self, draft: LoadedModel, target_vocab_size: int):
+        self.draft = draft
+        self.width = target_vocab_size  # q is laid over the target's vocabulary
+
+    def open(
+        self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
+    ) -> DraftSession:
+        return DraftSession(self, sampling, make_policy(policy), stop_token_ids)
+
+
+class DraftSession:
+    def __init__(
+        self,
+        drafter: Drafter,
+        sampling: SamplingParams,
+        policy: LengthPolicy,
+        stop_token_ids: Sequence[int],
+    ):
+        self.sampling = sampling
+        self.policy = policy
+        self.stop_token_ids = frozenset(stop_token_ids)
+        self._width = drafter.width
+        self._cache = KVCache(drafter.draft.model)
+        self.forwards = 0
+        self.forward_s = 0.0
+
+    @property
+    def cached_tokens(self) -> int:
+        return len(self._cache)
+
+    @torch.inference_mode()
+    def propose(self, committed: Sequence[int], budget: int) -> Block:
+        """Draft at most ``budget`` tokens after ``committed``."""
+        base = len(committed)
+        limit = min(self.policy.max_length(), budget)
+        block = Block(base=base, tokens=[], probs=[], entropies=[])
+        if limit <= 0:
+            return block
+        kept = self._cache.rollback_to_prefix_of(committed, limit=base - 1)
+        pending = list(committed[kept:])
+        q_rows = []
+        while True:
+            q = warp_probs(self._forward(pending), self.sampling)[0]  # [vocab]
+            token = self._choose(q, base + len(block))
+            h = float(entropy(q))
+            step = StepState(index=len(block) + 1, token_id=token, prob=float(q[token]), entropy=h)
+            block.tokens.append(token)
+            block.probs.append(step.prob)
+            block.entropies.append(h)
+            q_rows.append(q)
+            if step.index >= limit or token in self.stop_token_ids or self.policy.should_stop(step):
+                break
+            pending = [token]
+        if not self.sampling.greedy:
+            block.q_rows = torch.stack(q_rows)  # [k, vocab]
+        return block
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        self.policy.update(drafted, accepted)
+
+    def _choose(self, q: torch.Tensor, position: int) -> int:
+        if self.sampling.greedy:
+            return int(torch.argmax(q))
+        return sample_index(q, uniform(self.sampling.seed, position, Purpose.DRAFT))
+
+    def _forward(self, token_ids: list[int]) -> torch.Tensor:
+        start = time.perf_counter()
+        logits = self._cache.forward(token_ids, logits_to_keep=1)  # [1, draft_vocab]
+        logits = _to_width(logits, self._width)
+        self.forward_s += time.perf_counter() - start
+        self.forwards += 1
+        return logits
+
+
+class NullDraftSession:
+    """Stands in for a draft session when no draft model is loaded: every block is empty."""
+
+    def __init__(self):
+        self.forwards = 0
+        self.forward_s = 0.0
+        self.cached_tokens = 0
+
+    def propose(self, committed: Sequence[int], budget: int) -> Block:
+        return Block(base=len(committed), tokens=[], probs=[], entropies=[])
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+def _to_width(logits: torch.Tensor, width: int) -> torch.Tensor:
+    """Lay the draft's logits [n, draft_vocab] over the target's vocabulary [n, width]: ids the
+    draft lacks get -inf, ids the target lacks (padding rows) are cut."""
+    have = logits.shape[-1]
+    if have == width:
+        return logits
+    if have > width:
+        return logits[..., :width]
+    pad = logits.new_full((*logits.shape[:-1], width - have), float("-inf"))
+    return torch.cat([logits, pad], dim=-1)

@@ -1,0 +1,127 @@
+"""Length policies: when does the draft stop a block?
+
+A policy is a small pure object. ``should_stop(step)`` is asked after each drafted token (the token
+that triggers a stop is still sent); ``update(drafted, accepted)`` hears each verdict. The drafter
+enforces the hard cap, EOS and max_new_tokens itself, so a policy only says what is its own.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Protocol
+
+from svip_common.contracts import PolicyConfig, StepState
+
+
+class LengthPolicy(Protocol):
+    name: str
+
+    def max_length(self) -> int:
+        """The longest block this policy may draft now (0: do not draft)."""
+
+    def should_stop(self, step: StepState) -> bool: ...
+
+    def update(self, drafted: int, accepted: int) -> None: ...
+
+
+class SvipPolicy:
+    """SVIP (Zhang et al., 2024): stop once sqrt(entropy_scale * H(q_t)) > threshold."""
+
+    name = "svip"
+
+    def __init__(self, threshold: float, entropy_scale: float, cap: int):
+        self.threshold, self.entropy_scale, self.cap = threshold, entropy_scale, cap
+
+    def max_length(self) -> int:
+        return self.cap
+
+    def should_stop(self, step: StepState) -> bool:
+        return math.sqrt(self.entropy_scale * max(step.entropy, 0.0)) > self.threshold
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+class ConstantPolicy:
+    """Always k tokens (the hard cap still bounds k)."""
+
+    name = "constant"
+
+    def __init__(self, k: int, cap: int):
+        self.k, self.cap = k, cap
+
+    def max_length(self) -> int:
+        return min(self.k, self.cap)
+
+    def should_stop(self, step: StepState) -> bool:
+        return False
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+class HeuristicPolicy:
+    """Hugging Face's schedule: +2 after a fully accepted block, -1 otherwise, floor 1."""
+
+    name = "heuristic"
+
+    def __init__(self, k: int, cap: int):
+        self.k, self.cap = k, cap
+
+    def max_length(self) -> int:
+        return min(self.k, self.cap)
+
+    def should_stop(self, step: StepState) -> bool:
+        return False
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.k = self.k + 2 if accepted == drafted else max(1, self.k - 1)
+
+
+class ConfidencePolicy:
+    """Stop when the drafted token's probability falls below c."""
+
+    name = "confidence"
+
+    def __init__(self, confidence: float, cap: int):
+        self.confidence, self.cap = confidence, cap
+
+    def max_length(self) -> int:
+        return self.cap
+
+    def should_stop(self, step: StepState) -> bool:
+        return step.prob < self.confidence
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+class NoDraftPolicy:
+    """The target alone: no block is ever drafted."""
+
+    name = "none"
+
+    def max_length(self) -> int:
+        return 0
+
+    def should_stop(self, step: StepState) -> bool:
+        return True
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+
+def make_policy(config: PolicyConfig) -> LengthPolicy:
+    config.validate()
+    cap = config.max_draft_length
+    if config.name == "svip":
+        return SvipPolicy(config.threshold, config.entropy_scale, cap)
+    if config.name == "constant":
+        return ConstantPolicy(config.draft_length, cap)
+    if config.name == "heuristic":
+        return HeuristicPolicy(config.draft_length, cap)
+    if config.name == "confidence":
+        return ConfidencePolicy(config.confidence, cap)
+    return NoDraftPolicy()

@@ -1,0 +1,177 @@
+"""The types every part of the system speaks: request parameters, the draft block, the target's
+verdict, the per-step state a length policy sees, and the result of a generation.
+
+Words (see DESIGN.md): *committed* tokens are settled by the target and never change; a *block* is
+a run of draft tokens proposed on a committed prefix of length ``base``; a *verdict* says how many
+of them the target accepted and which token resolves the next position (a *correction* after a
+rejection, a *bonus* after full acceptance).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from svip_common.errors import InvalidRequest
+
+POLICY_NAMES = ("svip", "constant", "heuristic", "confidence", "none")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How a token is chosen from logits. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_k: int = 0  # 0 = no top-k filter
+    top_p: float = 1.0
+    seed: int = 0
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidRequest(f"temperature must be a number >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not (0.0 < self.top_p <= 1.0):
+            raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
+        if not (0 <= self.seed < 2**63):
+            raise InvalidRequest(f"seed must be in [0, 2^63), got {self.seed}")
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    """Which length policy drafts a block, and its knobs (unused knobs are ignored)."""
+
+    name: str = "svip"
+    threshold: float = 0.3  # svip: stop once sqrt(entropy_scale * H) > threshold
+    entropy_scale: float = 0.15
+    draft_length: int = 5  # constant: k; heuristic: the starting k
+    max_draft_length: int = 40  # hard cap on any block
+    confidence: float = 0.4  # confidence: stop when q(drafted token) < confidence
+
+    def validate(self) -> None:
+        if self.name not in POLICY_NAMES:
+            raise InvalidRequest(
+                f"unknown policy {self.name!r}; choose one of {', '.join(POLICY_NAMES)}"
+            )
+        if not math.isfinite(self.threshold) or self.threshold < 0:
+            raise InvalidRequest(f"threshold must be a number >= 0, got {self.threshold}")
+        if not math.isfinite(self.entropy_scale) or self.entropy_scale <= 0:
+            raise InvalidRequest(f"entropy_scale must be > 0, got {self.entropy_scale}")
+        if self.draft_length < 1:
+            raise InvalidRequest(f"draft length must be >= 1, got {self.draft_length}")
+        if self.max_draft_length < 1:
+            raise InvalidRequest(f"max draft length must be >= 1, got {self.max_draft_length}")
+        if not (0.0 <= self.confidence <= 1.0):
+            raise InvalidRequest(f"confidence must be in [0, 1], got {self.confidence}")
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int = 128
+    sampling: SamplingParams = SamplingParams()
+    policy: PolicyConfig = PolicyConfig()
+    stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, besides the model's EOS
+
+    def validate(self, vocab_size: int, max_positions: int | None) -> None:
+        if not self.prompt_ids:
+            raise InvalidRequest("prompt is empty")
+        bad = [t for t in self.prompt_ids if not (0 <= t < vocab_size)]
+        if bad:
+            raise InvalidRequest(
+                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
+            )
+        if self.max_new_tokens < 1:
+            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
+        total = len(self.prompt_ids) + self.max_new_tokens
+        if max_positions is not None and total > max_positions:
+            raise InvalidRequest(
+                f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens ({self.max_new_tokens})"
+                f" exceeds the model's context of {max_positions} tokens"
+            )
+        self.sampling.validate()
+        self.policy.validate()
+
+
+@dataclass(frozen=True)
+class StepState:
+    """What a length policy sees after the draft picked one token of the block."""
+
+    index: int  # 1-based: how many tokens the block holds, this one included
+    token_id: int
+    prob: float  # q(token) under the distribution the token was drawn from
+    entropy: float  # H in nats: of softmax(raw logits) when greedy, of the warped q when sampling
+
+
+@dataclass
+class Block:
+    """Draft tokens proposed after the first ``base`` committed tokens."""
+
+    base: int
+    tokens: list[int]
+    probs: list[float]  # q(d_i) for each drafted token
+    entropies: list[float]
+    q_rows: torch.Tensor | None = None  # [k, vocab] warped q, kept on the draft side (sampling)
+    epoch: int = 0
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """The target's answer to a block: ``accepted`` drafted tokens, then ``token`` settles the next
+    position (a correction if accepted < len(block), else a bonus)."""
+
+    base: int
+    accepted: int
+    token: int
+    epoch: int = 0
+
+
+@dataclass
+class GenerationStats:
+    rounds: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    draft_lengths: list[int] = field(default_factory=list)
+    accepted_lengths: list[int] = field(default_factory=list)
+    stop_entropies: list[float] = field(default_factory=list)  # entropy of each block's last token
+    target_forwards: int = 0
+    draft_forwards: int = 0
+    wall_s: float = 0.0
+    round_s: list[float] = field(default_factory=list)
+    draft_forward_s: list[float] = field(default_factory=list)  # per round
+    target_forward_s: list[float] = field(default_factory=list)  # per round
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return 1.0 + self.accepted_tokens / self.rounds if self.rounds else 0.0
+
+    def to_dict(self) -> dict:
+        out = dataclasses.asdict(self)
+        for key in ("round_s", "draft_forward_s", "target_forward_s", "stop_entropies"):
+            out[key] = [round(x, 6) for x in out[key]]
+        out["wall_s"] = round(self.wall_s, 6)
+        out["acceptance_rate"] = round(self.acceptance_rate, 6)
+        out["mean_acceptance_length"] = round(self.mean_acceptance_length, 6)
+        return out
+
+
+@dataclass
+class GenerationResult:
+    prompt_ids: list[int]
+    token_ids: list[int]  # generated tokens only
+    finish_reason: str  # "stop" (EOS / stop id) or "length"
+    stats: GenerationStats

@@ -1,0 +1,87 @@
+"""Loading a Hugging Face causal LM and its tokenizer, and checking that a draft fits a target."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from svip_common.errors import ModelLoadError
+
+DTYPES = {
+    "auto": "auto",
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+}
+
+
+@dataclass
+class LoadedModel:
+    path: str
+    model: PreTrainedModel
+    tokenizer: object  # a transformers tokenizer
+    vocab_size: int  # width of the logits
+    max_positions: int | None  # context length, when the config states one
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
+    """Load model and tokenizer from a local directory (or a hub id where a hub is reachable)."""
+    if _looks_like_local_path(path) and not os.path.isdir(path):
+        raise ModelLoadError(f"no model directory at {path!r}")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"{path!r} is not a Hugging Face model directory (no config.json)")
+    if dtype not in DTYPES:
+        raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+    except (OSError, ValueError, KeyError) as exc:
+        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"cannot load model from {path!r}: {first_line}") from None
+    try:
+        model = model.to(device).eval()
+    except (RuntimeError, AssertionError) as exc:
+        raise ModelLoadError(f"cannot place model {path!r} on device {device!r}: {exc}") from None
+    config = model.config.get_text_config(decoder=True)
+    return LoadedModel(
+        path=path,
+        model=model,
+        tokenizer=tokenizer,
+        vocab_size=model.get_output_embeddings().weight.shape[0],
+        max_positions=getattr(config, "max_position_embeddings", None),
+        eos_token_ids=_eos_ids(model, tokenizer),
+    )
+
+
+def _looks_like_local_path(path: str) -> bool:
+    """Hub ids are 'name' or 'org/name'; anything else is meant as a directory."""
+    return os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or os.path.exists(path)
+
+
+def _eos_ids(model: PreTrainedModel, tokenizer) -> tuple[int, ...]:
+    ids = getattr(model.generation_config, "eos_token_id", None)
+    if ids is None:
+        ids = tokenizer.eos_token_id
+    if ids is None:
+        return ()
+    return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+
+def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+    """The draft must map every token to the same id as the target (logit widths may differ, as in
+    Qwen2.5 0.5B/7B: the draft's q is padded or cut to the target's width)."""
+    t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()
+    if t_vocab == d_vocab:
+        return
+    differing = sorted(set(t_vocab.items()) ^ set(d_vocab.items()), key=lambda kv: kv[1])
+    example = differing[0] if differing else ("?", -1)
+    raise ModelLoadError(
+        f"draft {draft.path!r} ({len(d_vocab)} tokens) does not share the vocabulary of target "
+        f"{target.path!r} ({len(t_vocab)} tokens); first difference: token {example[0]!r} "
+        f"at id {example[1]}"
+    )

@@ -1,0 +1,55 @@
+"""The one logits -> distribution transform, used by the draft for q and by the target for p, so
+both pass through exactly the same temperature / top-k / top-p warping (as gpt-fast's single
+``logits_to_probs``).
+
+In greedy mode (temperature 0) the distribution is softmax(raw logits): its argmax is the token,
+and its entropy is what SVIP reads.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from svip_common.contracts import SamplingParams
+
+
+def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
+    """logits: [n, vocab] -> probabilities [n, vocab] (float32) after warping."""
+    logits = logits.float()
+    if params.greedy:
+        return torch.softmax(logits, dim=-1)
+    logits = logits / params.temperature
+    vocab = logits.shape[-1]
+    if 0 < params.top_k < vocab:
+        kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if params.top_p < 1.0:
+        logits = _top_p_filter(logits, params.top_p)
+    return torch.softmax(logits, dim=-1)
+
+
+def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
+    sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [n, vocab]
+    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
+    drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # mass before this token
+    drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+    return logits.masked_fill(drop, float("-inf"))
+
+
+def entropy(probs: torch.Tensor) -> torch.Tensor:
+    """Shannon entropy in nats over the last axis; zero-probability entries contribute 0."""
+    logp = torch.log(probs.clamp_min(1e-30))
+    return -(probs * logp).sum(dim=-1)
+
+
+def sample_index(probs: torch.Tensor, u: float) -> int:
+    """Inverse-CDF draw from probs [vocab] (need not be normalised) with one uniform u in [0, 1)."""
+    cdf = probs.double().cumsum(dim=0)
+    target = u * cdf[-1]
+    index = int(torch.searchsorted(cdf, target.reshape(1), right=True).item())
+    index = min(index, probs.shape[0] - 1)
+    while probs[index] <= 0 and index > 0:  # u * total landed on a flat stretch's right edge
+        index -= 1
+    return index
+

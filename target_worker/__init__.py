@@ -1,0 +1,1 @@
+"""The target side: verification of draft blocks (greedy and exact rejection sampling)."""
