@@ -1,0 +1,180 @@
+"""The `svip generate` command: JSON output, batches, samples, and a one-line error (never a
+traceback) for each kind of bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from coordinator.cli import main
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def run_cli(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def pair_args(model_dirs, draft=None) -> list[str]:
+    return ["--target", model_dirs.target, "--draft", draft or model_dirs.close_draft]
+
+
+def test_generate_json(capsys, model_dirs, models):
+    code, out, err = run_cli(
+        capsys, "generate", "def fibonacci(n):", *pair_args(model_dirs), "--max-new-tokens", "12", "--json"
+    )
+    assert code == 0, err
+    record = json.loads(out)
+    assert set(record) >= {"text", "token_ids", "prompt_token_ids", "stats", "finish_reason"}
+    stats = record["stats"]
+    for key in ("rounds", "draft_tokens", "accepted_tokens", "draft_lengths", "accepted_lengths",
+                "target_forwards", "draft_forwards", "wall_s", "config"):
+        assert key in stats
+    assert len(record["token_ids"]) == 12
+    assert len(stats["draft_lengths"]) == len(stats["accepted_lengths"]) == stats["rounds"]
+    assert stats["config"]["policy"]["name"] == "svip" and stats["config"]["policy"]["threshold"] == 0.3
+    assert record["text"] == models["target"].tokenizer.decode(record["token_ids"], skip_special_tokens=True)
+    assert record["prompt_token_ids"] == models["target"].tokenizer("def fibonacci(n):")["input_ids"]
+
+
+def test_plain_output_is_the_text(capsys, model_dirs):
+    code, out, _ = run_cli(capsys, "generate", "def", *pair_args(model_dirs), "--max-new-tokens", "5")
+    code_json, out_json, _ = run_cli(capsys, "generate", "def", *pair_args(model_dirs), "--max-new-tokens", "5", "--json")
+    assert code == code_json == 0
+    assert out == json.loads(out_json)["text"] + "\n"
+
+
+def test_draft_none_equals_speculative_greedy(capsys, model_dirs):
+    outputs = []
+    for draft, policy in ((model_dirs.close_draft, "svip"), ("none", "svip"), (model_dirs.random_draft, "heuristic")):
+        code, out, err = run_cli(
+            capsys, "generate", "--prompt-ids", "5,6,7,8", *pair_args(model_dirs, draft),
+            "--policy", policy, "--max-new-tokens", "20", "--json",
+        )
+        assert code == 0, err
+        outputs.append(json.loads(out)["token_ids"])
+    assert outputs[0] == outputs[1] == outputs[2]
+
+
+def test_batch_input_keeps_order(capsys, model_dirs, tmp_path):
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text('{"prompt": "def"}\n\n{"prompt_ids": [5, 6, 7]}\n{"prompt": "import os"}\n')
+    code, out, err = run_cli(capsys, "generate", "--input", str(batch), *pair_args(model_dirs), "--max-new-tokens", "4", "--json")
+    assert code == 0, err
+    records = [json.loads(line) for line in out.splitlines()]
+    assert len(records) == 3
+    assert records[1]["prompt_token_ids"] == [5, 6, 7]
+    single = run_cli(capsys, "generate", "--prompt-ids", "5,6,7", *pair_args(model_dirs), "--max-new-tokens", "4", "--json")
+    assert json.loads(single[1])["token_ids"] == records[1]["token_ids"]
+
+
+def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
+    args = ["generate", "def", *pair_args(model_dirs), "--max-new-tokens", "16", "--temperature", "1", "--json"]
+    code, out, _ = run_cli(capsys, *args, "--n", "3", "--seed", "10")
+    assert code == 0
+    samples = [json.loads(line) for line in out.splitlines()]
+    assert [s["stats"]["config"]["sampling"]["seed"] for s in samples] == [10, 11, 12]
+    assert len({tuple(s["token_ids"]) for s in samples}) > 1
+    _, again, _ = run_cli(capsys, *args, "--seed", "11")
+    assert json.loads(again)["token_ids"] == samples[1]["token_ids"]
+
+
+@pytest.mark.parametrize(
+    "extra, message",
+    [
+        (["--prompt-ids", "1,x,3"], "--prompt-ids: 'x' is not an integer"),
+        (["--prompt-ids", "1,99999"], "prompt token id 99999 is outside the vocabulary"),
+        (["--prompt-ids", "1,-4"], "prompt token id -4 is outside the vocabulary"),
+        (["", ], "prompt is empty"),
+        (["x", "--max-new-tokens", "0"], "max_new_tokens must be >= 1"),
+        (["x", "--max-new-tokens", "-3"], "max_new_tokens must be >= 1"),
+        (["x", "--temperature", "-0.5"], "temperature must be a number >= 0"),
+        (["x", "--top-p", "0"], "top_p must be in (0, 1]"),
+        (["x", "--top-p", "1.2"], "top_p must be in (0, 1]"),
+        (["x", "--policy", "fastest"], "unknown policy 'fastest'"),
+        (["x", "--threshold", "-1"], "threshold must be a number >= 0"),
+        (["x", "--draft-length", "0"], "draft length must be >= 1"),
+        (["x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
+        (["x", "--n", "0"], "--n must be >= 1"),
+        (["x", "--max-new-tokens", "600"], "exceeds the model's context of 512 tokens"),
+        (["x", "--prompt-ids", "1"], "give exactly one prompt source"),
+        ([], "give exactly one prompt source"),
+        (["--prompt-file", "/nonexistent/prompt.txt"], "cannot read prompt file"),
+        (["--input", "/nonexistent/batch.jsonl"], "cannot read input file"),
+    ],
+)
+def test_bad_input_gets_one_line_error(capsys, model_dirs, extra, message):
+    code, out, err = run_cli(capsys, "generate", *extra, *pair_args(model_dirs))
+    assert code == 2
+    assert out == ""
+    assert err.startswith("svip: error: ") and err.count("\n") == 1
+    assert message in err
+
+
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        (b'{"prompt": "ok"}\n{"prompt": \n', "batch.jsonl:2: not valid JSON"),
+        (b'{"prompt": 3}\n', '"prompt" must be a string'),
+        (b'{"prompt_ids": [1, "a"]}\n', '"prompt_ids" must be a list of integers'),
+        (b'{"text": "hi"}\n', 'exactly one of "prompt", "prompt_ids"'),
+        (b"\n\n", "holds no prompts"),
+        (b'{"prompt": "\xff"}\n', "is not valid UTF-8"),
+    ],
+)
+def test_malformed_input_file(capsys, model_dirs, tmp_path, content, message):
+    path = tmp_path / "batch.jsonl"
+    path.write_bytes(content)
+    code, _, err = run_cli(capsys, "generate", "--input", str(path), *pair_args(model_dirs))
+    assert code == 2 and message in err and err.count("\n") == 1
+
+
+def test_non_utf8_prompt_file(capsys, model_dirs, tmp_path):
+    path = tmp_path / "prompt.txt"
+    path.write_bytes(b"caf\xe9")
+    code, _, err = run_cli(capsys, "generate", "--prompt-file", str(path), *pair_args(model_dirs))
+    assert code == 2 and "is not valid UTF-8" in err
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["--target", "/nonexistent/model", "--draft", "none"], "no model directory at '/nonexistent/model'"),
+        (["--draft", "none"], "--target is required"),
+    ],
+)
+def test_model_errors(capsys, model_dirs, tmp_path, args, message):
+    code, _, err = run_cli(capsys, "generate", "x", *args)
+    assert code in (1, 2) and message in err and err.count("\n") == 1
+
+
+def test_not_a_model_directory(capsys, tmp_path):
+    code, _, err = run_cli(capsys, "generate", "x", "--target", str(tmp_path), "--draft", "none")
+    assert code == 1 and "is not a Hugging Face model directory" in err
+
+
+def test_mismatched_vocabularies(capsys, model_dirs, tmp_path):
+    from tests.tiny_models import build_model, build_tokenizer, save_model
+
+    tok = build_tokenizer(vocab_size=300)
+    other = save_model(tmp_path / "other", tok, build_model(tok, seed=9, hidden=32, layers=1))
+    code, _, err = run_cli(capsys, "generate", "x", "--target", model_dirs.target, "--draft", other)
+    assert code == 1 and "does not share the vocabulary" in err
+
+
+def test_console_script_non_utf8_argv_and_no_traceback(model_dirs):
+    """Through the real process boundary: bytes that are not UTF-8 on the command line."""
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "generate", b"caf\xe9", *pair_args(model_dirs)],
+        capture_output=True, env=env, cwd=REPO, timeout=120,
+    )
+    assert proc.returncode == 2
+    assert proc.stderr.decode().strip() == "svip: error: prompt is not valid UTF-8"
+    assert b"Traceback" not in proc.stderr

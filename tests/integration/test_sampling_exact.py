@@ -1,0 +1,95 @@
+"""Speculative sampling end to end: the marginal distribution of the first generated tokens
+matches the target's own (warped) distribution, by a chi-square goodness-of-fit test.
+
+False-positive rate: each test runs chi-square at alpha = 1e-3 on 2 positions; across the 2
+sampling configurations that is at most 4e-3 (Bonferroni) for a correct implementation. The
+samples are seeded, so a given build passes or fails deterministically. The same samples checked
+against the draft's own distribution must be rejected, so the test has power.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from scipy.stats import chisquare
+
+from coordinator.engine import SpeculativeEngine
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.sampling import warp_probs
+
+ALPHA = 1e-3
+SAMPLES = 2500
+CONFIGS = {
+    "t1": SamplingParams(temperature=1.0),
+    "warped": SamplingParams(temperature=0.8, top_k=40, top_p=0.9),
+}
+
+
+@torch.inference_mode()
+def exact_marginals(model, prompt, sampling) -> tuple[torch.Tensor, torch.Tensor]:
+    """p(t1) and p(t2) = sum_x p(t1 = x) p(t2 | x), both [vocab], from the model alone."""
+    p1 = warp_probs(model(input_ids=torch.tensor([prompt])).logits[0, -1:], sampling)[0].double()
+    vocab = p1.shape[0]
+    prefixes = torch.tensor([list(prompt)] * vocab)  # [vocab, n]
+    inputs = torch.cat([prefixes, torch.arange(vocab)[:, None]], dim=1)  # [vocab, n + 1]
+    p2_given = warp_probs(model(input_ids=inputs).logits[:, -1], sampling).double()  # [vocab, vocab]
+    return p1, p1 @ p2_given
+
+
+def chi_square_pvalue(samples: list[int], probs: torch.Tensor) -> float:
+    """Goodness of fit, pooling tokens with expected count < 5 into one bin."""
+    n = len(samples)
+    counts = torch.bincount(torch.tensor(samples), minlength=probs.shape[0]).double()
+    expected = probs * n
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    if float(obs[exp == 0].sum()) > 0:
+        return 0.0
+    exp = exp * (obs.sum() / exp.sum())
+    return float(chisquare(obs.numpy(), exp.numpy()).pvalue)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", list(CONFIGS))
+def test_first_tokens_follow_the_target(models, prompt_ids, config):
+    sampling = CONFIGS[config]
+    prompt = prompt_ids["medium"]
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    policy = PolicyConfig(name="constant", draft_length=3)
+    firsts, seconds, rejections = [], [], 0
+    for seed in range(SAMPLES):
+        request = GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
+        result = engine.generate(request)
+        firsts.append(result.token_ids[0])
+        seconds.append(result.token_ids[1])
+        rejections += result.stats.accepted_lengths[0] < result.stats.draft_lengths[0]
+    assert rejections > SAMPLES // 10  # corrections really happened
+    p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, p1) > ALPHA
+    assert chi_square_pvalue(seconds, p2) > ALPHA
+    q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
+
+
+def test_seeded_runs_reproduce(models, prompt_ids):
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
+    for policy in (PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="heuristic")):
+        request = GenerationRequest(prompt_ids["long"], 40, sampling=sampling, policy=policy)
+        first, second = engine.generate(request), engine.generate(request)
+        assert first.token_ids == second.token_ids
+        assert first.stats.draft_lengths == second.stats.draft_lengths
+    other = GenerationRequest(prompt_ids["long"], 40, sampling=SamplingParams(temperature=0.9, seed=99), policy=policy)
+    assert engine.generate(other).token_ids != first.token_ids
+
+
+def test_sampling_without_draft_is_the_target_alone(models, prompt_ids):
+    """Without a draft every position is one round, drawn from p; seeded, it reproduces."""
+    sampling = SamplingParams(temperature=1.0, seed=5)
+    alone = SpeculativeEngine(models["target"], None)
+    request = GenerationRequest(prompt_ids["short"], 20, sampling=sampling)
+    a, b = alone.generate(request), alone.generate(request)
+    assert a.token_ids == b.token_ids and a.stats.rounds == 20

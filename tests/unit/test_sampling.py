@@ -1,0 +1,85 @@
+"""The shared logits -> distribution transform, entropy, the inverse-CDF draw and the seeded
+per-position randomness."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from svip_common.contracts import SamplingParams
+from svip_common.errors import InvalidRequest
+from svip_common.randomness import Purpose, sample_seed, uniform
+from svip_common.sampling import entropy, sample_index, warp_probs
+
+LOGITS = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
+
+
+def test_greedy_is_softmax_of_raw_logits():
+    assert torch.allclose(warp_probs(LOGITS, SamplingParams()), torch.softmax(LOGITS, -1))
+
+
+def test_temperature():
+    out = warp_probs(LOGITS, SamplingParams(temperature=0.5))
+    assert torch.allclose(out, torch.softmax(LOGITS / 0.5, -1))
+
+
+def test_top_k_keeps_k_most_likely():
+    out = warp_probs(LOGITS, SamplingParams(temperature=1.0, top_k=2))[0]
+    assert (out > 0).tolist() == [True, True, False, False, False]
+    assert math.isclose(float(out.sum()), 1.0, rel_tol=1e-6)
+
+
+def test_top_p_keeps_smallest_set_reaching_p():
+    base = torch.softmax(LOGITS, -1)[0]  # ~[0.55, 0.20, 0.12, 0.07, 0.03]
+    out = warp_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.6))[0]
+    assert (out > 0).tolist() == [True, True, False, False, False]
+    assert float(base[0]) < 0.6 < float(base[:2].sum())
+    only_top = warp_probs(LOGITS, SamplingParams(temperature=1.0, top_p=0.1))[0]
+    assert (only_top > 0).tolist() == [True, False, False, False, False]
+
+
+def test_entropy_in_nats():
+    assert math.isclose(float(entropy(torch.full((4,), 0.25))), math.log(4), rel_tol=1e-6)
+    assert float(entropy(torch.tensor([1.0, 0.0, 0.0]))) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_sample_index_inverse_cdf():
+    probs = torch.tensor([0.0, 0.25, 0.0, 0.75])
+    assert sample_index(probs, 0.0) == 1
+    assert sample_index(probs, 0.2499) == 1
+    assert sample_index(probs, 0.25) == 3
+    assert sample_index(probs, 0.999999) == 3
+    assert sample_index(torch.tensor([2.0, 2.0]), 0.6) == 1  # unnormalised is fine
+
+
+def test_uniform_is_keyed_and_uniform():
+    a = uniform(7, 10, Purpose.ACCEPT)
+    assert a == uniform(7, 10, Purpose.ACCEPT)
+    assert len({a, uniform(8, 10, Purpose.ACCEPT), uniform(7, 11, Purpose.ACCEPT), uniform(7, 10, Purpose.DRAFT)}) == 4
+    draws = torch.tensor([uniform(3, i, Purpose.RESOLVE) for i in range(20000)], dtype=torch.float64)
+    assert 0.0 <= float(draws.min()) and float(draws.max()) < 1.0
+    assert abs(float(draws.mean()) - 0.5) < 0.01
+    hist = torch.histc(draws, bins=10, min=0, max=1)
+    assert float(hist.min()) > 1800 and float(hist.max()) < 2200
+
+
+def test_sample_seeds():
+    assert sample_seed(5, 0) == 5 and sample_seed(5, 3) == 8
+
+
+@pytest.mark.parametrize(
+    "params, message",
+    [
+        (SamplingParams(temperature=-1.0), "temperature must be"),
+        (SamplingParams(temperature=float("nan")), "temperature must be"),
+        (SamplingParams(top_p=0.0), "top_p must be in"),
+        (SamplingParams(top_p=1.5), "top_p must be in"),
+        (SamplingParams(top_k=-2), "top_k must be"),
+        (SamplingParams(seed=-1), "seed must be"),
+    ],
+)
+def test_bad_sampling_params_are_named(params, message):
+    with pytest.raises(InvalidRequest, match=message):
+        params.validate()
