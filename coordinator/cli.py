@@ -22,6 +22,15 @@ class _Parser(argparse.ArgumentParser):
         raise InvalidRequest(f"{message} (see '{self.prog} --help')")
 
 
+def _threshold(text: str) -> float | str:
+    if text == "auto":
+        return text
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="svip", description="Speculative decoding with SVIP.")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
@@ -38,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--device", default="cpu", help="torch device (default cpu)")
     pol = gen.add_argument_group("length policy")
     pol.add_argument("--policy", default="svip", help=f"one of {', '.join(POLICY_NAMES)} (default svip)")
-    pol.add_argument("--threshold", type=float, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3)")
+    pol.add_argument("--threshold", type=_threshold, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3), or 'auto' (learnt for the pair)")
     pol.add_argument("--entropy-scale", type=float, default=0.15, help="svip: entropy scale (0.15)")
     pol.add_argument("--draft-length", type=int, default=5, help="constant: k; heuristic: starting k (5)")
     pol.add_argument("--max-draft-length", type=int, default=40, help="hard cap on any block (40)")
@@ -156,9 +165,11 @@ def _result_json(args, engine, request, result, text: str) -> dict:
         "dtype": args.dtype,
         "device": args.device,
         "max_new_tokens": request.max_new_tokens,
-        "policy": dataclasses.asdict(engine.resolve(request).policy),
+        "policy": _policy_json(engine.resolve(request).policy),
         "sampling": dataclasses.asdict(request.sampling),
     }
+    if request.policy.threshold == "auto" and engine.drafter is not None:
+        stats["config"]["threshold_auto"] = engine.calibration().to_dict()
     return {
         "text": text,
         "token_ids": result.token_ids,
@@ -166,6 +177,12 @@ def _result_json(args, engine, request, result, text: str) -> dict:
         "finish_reason": result.finish_reason,
         "stats": stats,
     }
+
+
+def _policy_json(policy) -> dict:
+    out = dataclasses.asdict(policy)
+    out.pop("oracle_tokens")
+    return out
 
 
 if __name__ == "__main__":

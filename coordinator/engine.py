@@ -11,8 +11,9 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from coordinator.calibration import Calibration, calibrate
 from draft_worker.drafter import Drafter, NullDraftSession
-from svip_common.contracts import GenerationRequest, GenerationResult, GenerationStats
+from svip_common.contracts import AUTO, GenerationRequest, GenerationResult, GenerationStats
 from svip_common.models import LoadedModel, check_same_vocabulary
 from target_worker.verifier import Verifier
 
@@ -26,14 +27,25 @@ class SpeculativeEngine:
         self.target = target
         self.verifier = Verifier(target)
         self.drafter = Drafter(draft, target.vocab_size) if draft is not None else None
+        self._calibration: Calibration | None = None
+
+    def calibration(self) -> Calibration:
+        """The pair's learnt SVIP threshold, measured on first use (a few seconds)."""
+        if self._calibration is None:
+            self._calibration = calibrate(self.target, self.drafter.draft)
+        return self._calibration
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
-        """The request as it will run: validated, policy 'none' when there is no draft."""
-        if self.drafter is None and request.policy.name != "none":
-            request = dataclasses.replace(
-                request, policy=dataclasses.replace(request.policy, name="none")
-            )
+        """The request as it will run: validated, policy 'none' when there is no draft, and
+        threshold 'auto' replaced by the pair's calibrated value."""
+        policy = request.policy
+        if self.drafter is None and policy.name != "none":
+            policy = dataclasses.replace(policy, name="none")
+        request = dataclasses.replace(request, policy=policy)
         request.validate(self.target.vocab_size, self.target.max_positions)
+        if policy.threshold == AUTO:
+            threshold = self.calibration().threshold_for(policy.entropy_scale) if self.drafter else 0.0
+            request = dataclasses.replace(request, policy=dataclasses.replace(policy, threshold=threshold))
         return request
 
     def generate(self, request: GenerationRequest, on_tokens: OnTokens | None = None):

@@ -68,7 +68,7 @@ class DraftSession:
             q = warp_probs(self._forward(pending), self.sampling)[0]  # [vocab]
             token = self._choose(q, base + len(block))
             h = float(entropy(q))
-            step = StepState(index=len(block) + 1, token_id=token, prob=float(q[token]), entropy=h)
+            step = StepState(len(block) + 1, base + len(block), token, float(q[token]), h)
             block.tokens.append(token)
             block.probs.append(step.prob)
             block.entropies.append(h)

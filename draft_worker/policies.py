@@ -11,6 +11,7 @@ import math
 from typing import Protocol
 
 from svip_common.contracts import PolicyConfig, StepState
+from svip_common.errors import InvalidRequest
 
 
 class LengthPolicy(Protocol):
@@ -113,10 +114,31 @@ class NoDraftPolicy:
         pass
 
 
+class OraclePolicy:
+    """Benchmark ceiling, greedy only: knows the target's continuation and stops a block at the
+    first drafted token the target will reject (that token is still sent, as with any policy)."""
+
+    name = "oracle"
+
+    def __init__(self, reference: tuple[int, ...], cap: int):
+        self.reference, self.cap = reference, cap
+
+    def max_length(self) -> int:
+        return self.cap
+
+    def should_stop(self, step: StepState) -> bool:
+        return step.position >= len(self.reference) or step.token_id != self.reference[step.position]
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+
 def make_policy(config: PolicyConfig) -> LengthPolicy:
     config.validate()
     cap = config.max_draft_length
     if config.name == "svip":
+        if isinstance(config.threshold, str):
+            raise InvalidRequest("threshold 'auto' must be resolved for the model pair before drafting")
         return SvipPolicy(config.threshold, config.entropy_scale, cap)
     if config.name == "constant":
         return ConstantPolicy(config.draft_length, cap)
@@ -124,4 +146,6 @@ def make_policy(config: PolicyConfig) -> LengthPolicy:
         return HeuristicPolicy(config.draft_length, cap)
     if config.name == "confidence":
         return ConfidencePolicy(config.confidence, cap)
+    if config.name == "oracle":
+        return OraclePolicy(config.oracle_tokens, cap)
     return NoDraftPolicy()

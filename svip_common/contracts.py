@@ -18,6 +18,8 @@ import torch
 from svip_common.errors import InvalidRequest
 
 POLICY_NAMES = ("svip", "constant", "heuristic", "confidence", "none")
+AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
+ORACLE = "oracle"  # benchmark-only ceiling: needs the target's own greedy continuation
 
 
 @dataclass(frozen=True)
@@ -49,19 +51,25 @@ class PolicyConfig:
     """Which length policy drafts a block, and its knobs (unused knobs are ignored)."""
 
     name: str = "svip"
-    threshold: float = 0.3  # svip: stop once sqrt(entropy_scale * H) > threshold
+    threshold: float | str = 0.3  # svip: stop once sqrt(entropy_scale * H) > threshold; or "auto"
     entropy_scale: float = 0.15
     draft_length: int = 5  # constant: k; heuristic: the starting k
     max_draft_length: int = 40  # hard cap on any block
     confidence: float = 0.4  # confidence: stop when q(drafted token) < confidence
+    oracle_tokens: tuple[int, ...] = ()  # oracle: prompt + the target's greedy continuation
 
     def validate(self) -> None:
-        if self.name not in POLICY_NAMES:
+        if self.name == ORACLE and not self.oracle_tokens:
+            raise InvalidRequest("the oracle policy needs the target's greedy continuation")
+        if self.name not in POLICY_NAMES and self.name != ORACLE:
             raise InvalidRequest(
                 f"unknown policy {self.name!r}; choose one of {', '.join(POLICY_NAMES)}"
             )
-        if not math.isfinite(self.threshold) or self.threshold < 0:
-            raise InvalidRequest(f"threshold must be a number >= 0, got {self.threshold}")
+        if isinstance(self.threshold, str):
+            if self.threshold != AUTO:
+                raise InvalidRequest(f"threshold must be a number >= 0 or 'auto', got {self.threshold!r}")
+        elif not math.isfinite(self.threshold) or self.threshold < 0:
+            raise InvalidRequest(f"threshold must be a number >= 0 or 'auto', got {self.threshold}")
         if not math.isfinite(self.entropy_scale) or self.entropy_scale <= 0:
             raise InvalidRequest(f"entropy_scale must be > 0, got {self.entropy_scale}")
         if self.draft_length < 1:
@@ -98,6 +106,8 @@ class GenerationRequest:
             )
         self.sampling.validate()
         self.policy.validate()
+        if self.policy.name == ORACLE and not self.sampling.greedy:
+            raise InvalidRequest("the oracle policy is defined for greedy decoding only")
 
 
 @dataclass(frozen=True)
@@ -105,6 +115,7 @@ class StepState:
     """What a length policy sees after the draft picked one token of the block."""
 
     index: int  # 1-based: how many tokens the block holds, this one included
+    position: int  # the token's absolute position in the sequence (prompt included)
     token_id: int
     prob: float  # q(token) under the distribution the token was drawn from
     entropy: float  # H in nats: of softmax(raw logits) when greedy, of the warped q when sampling

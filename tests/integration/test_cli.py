@@ -99,6 +99,7 @@ def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
         (["x", "--top-p", "1.2"], "top_p must be in (0, 1]"),
         (["x", "--policy", "fastest"], "unknown policy 'fastest'"),
         (["x", "--threshold", "-1"], "threshold must be a number >= 0"),
+        (["x", "--threshold", "high"], "expected a number or 'auto', got 'high'"),
         (["x", "--draft-length", "0"], "draft length must be >= 1"),
         (["x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
         (["x", "--n", "0"], "--n must be >= 1"),

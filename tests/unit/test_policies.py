@@ -17,7 +17,7 @@ def _steps(logit_rows: list[list[float]], sampling=SamplingParams()) -> list[Ste
     probs = warp_probs(torch.tensor(logit_rows), sampling)  # [n, vocab]
     tokens = torch.argmax(probs, dim=-1)
     return [
-        StepState(index=i + 1, token_id=int(t), prob=float(p[t]), entropy=float(entropy(p)))
+        StepState(index=i + 1, position=10 + i, token_id=int(t), prob=float(p[t]), entropy=float(entropy(p)))
         for i, (p, t) in enumerate(zip(probs, tokens))
     ]
 
@@ -56,8 +56,8 @@ def test_svip_stops_on_the_first_token_over_threshold():
 def test_svip_boundary_is_strict():
     policy = make_policy(PolicyConfig(name="svip", threshold=0.3, entropy_scale=0.15))
     h_edge = 0.3**2 / 0.15
-    assert not policy.should_stop(StepState(1, 0, 0.5, h_edge - 1e-9))
-    assert policy.should_stop(StepState(1, 0, 0.5, h_edge + 1e-9))
+    assert not policy.should_stop(StepState(1, 10, 0, 0.5, h_edge - 1e-9))
+    assert policy.should_stop(StepState(1, 10, 0, 0.5, h_edge + 1e-9))
     assert math.isclose(math.sqrt(0.15 * h_edge), 0.3)
 
 
