@@ -41,8 +41,8 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--prompt-ids", metavar="IDS", help="token ids instead of text: 1,2,3")
     src.add_argument("--input", metavar="FILE.jsonl", help='batch: {"prompt": ...} or {"prompt_ids": [...]} per line')
     models = gen.add_argument_group("models")
-    models.add_argument("--target", help="target model directory or hub id")
-    models.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone")
+    models.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
+    models.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone (default: the embedded pair)")
     models.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64, auto")
     models.add_argument("--device", default="cpu", help="torch device (default cpu)")
     pol = gen.add_argument_group("length policy")
@@ -60,12 +60,19 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--seed", type=int, help="random seed (default: drawn and reported)")
     smp.add_argument("--n", type=int, default=1, help="independent samples of one prompt")
     gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
+    from coordinator.bench.command import add_arguments
+
+    add_arguments(sub.add_parser("bench", help="benchmark length policies against each other and Hugging Face"))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "bench":
+            from coordinator.bench.command import run
+
+            return run(args, _load_engine)
         return _generate(args)
     except InvalidRequest as exc:
         print(f"svip: error: {exc}", file=sys.stderr)
@@ -140,10 +147,14 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
 
 
 def _load_engine(args: argparse.Namespace):
-    if args.target is None:
-        raise InvalidRequest("--target is required: no embedded model pair is bundled yet")
-    if args.draft is None:
-        raise InvalidRequest("--draft is required: a draft model directory, or 'none' for the target alone")
+    target_path, draft_path = args.target, args.draft
+    if target_path is None:
+        from svip_assets import default_pair
+
+        target_path, embedded_draft = default_pair()
+        draft_path = embedded_draft if draft_path is None else draft_path
+    elif draft_path is None:
+        raise InvalidRequest("--draft is required with --target: a draft model directory, or 'none' for the target alone")
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -151,8 +162,8 @@ def _load_engine(args: argparse.Namespace):
     from coordinator.engine import SpeculativeEngine
     from svip_common.models import load_model
 
-    target = load_model(args.target, args.dtype, args.device)
-    draft = None if args.draft == "none" else load_model(args.draft, args.dtype, args.device)
+    target = load_model(target_path, args.dtype, args.device)
+    draft = None if draft_path == "none" else load_model(draft_path, args.dtype, args.device)
     return SpeculativeEngine(target, draft)
 
 
@@ -160,8 +171,8 @@ def _result_json(args, engine, request, result, text: str) -> dict:
     stats = result.stats.to_dict()
     stats["config"] = {
         "mode": "inprocess",
-        "target": args.target,
-        "draft": None if engine.drafter is None else args.draft,
+        "target": engine.target.path,
+        "draft": None if engine.drafter is None else engine.drafter.draft.path,
         "dtype": args.dtype,
         "device": args.device,
         "max_new_tokens": request.max_new_tokens,

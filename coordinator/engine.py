@@ -13,11 +13,20 @@ from collections.abc import Callable
 
 from coordinator.calibration import Calibration, calibrate
 from draft_worker.drafter import Drafter, NullDraftSession
-from svip_common.contracts import AUTO, GenerationRequest, GenerationResult, GenerationStats
+from svip_common.contracts import (
+    AUTO,
+    Block,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    Verdict,
+)
 from svip_common.models import LoadedModel, check_same_vocabulary
 from target_worker.verifier import Verifier
 
-OnTokens = Callable[[list[int]], None]
+# Called after each round with the block, its verdict and the tokens it settled (streaming,
+# benchmarks).
+OnRound = Callable[[Block, Verdict, list[int]], None]
 
 
 class SpeculativeEngine:
@@ -48,7 +57,7 @@ class SpeculativeEngine:
             request = dataclasses.replace(request, policy=dataclasses.replace(policy, threshold=threshold))
         return request
 
-    def generate(self, request: GenerationRequest, on_tokens: OnTokens | None = None):
+    def generate(self, request: GenerationRequest, on_round: OnRound | None = None) -> GenerationResult:
         request = self.resolve(request)
         stop_ids = frozenset(self.target.eos_token_ids) | frozenset(request.stop_token_ids)
         target = self.verifier.open(request.sampling)
@@ -75,8 +84,8 @@ class SpeculativeEngine:
             stats.round_s.append(time.perf_counter() - round_start)
             stats.draft_forward_s.append(draft.forward_s - draft_s)
             stats.target_forward_s.append(target.forward_s - target_s)
-            if on_tokens is not None:
-                on_tokens(settled)
+            if on_round is not None:
+                on_round(block, verdict, settled)
         stats.wall_s = time.perf_counter() - start
         stats.draft_forwards, stats.target_forwards = draft.forwards, target.forwards
         return GenerationResult(

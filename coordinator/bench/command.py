@@ -1,0 +1,99 @@
+"""`svip bench`: the command around the runner and the report."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+from coordinator.bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
+from coordinator.bench.methods import build_methods
+from coordinator.bench.report import aggregate, write_all
+from coordinator.bench.runner import Progress, machine_description, run_all
+from svip_common.errors import InvalidRequest
+
+QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
+
+
+def add_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument("--target", help="target model (default: the embedded pair)")
+    bench.add_argument("--draft", help="draft model (default: the embedded pair)")
+    bench.add_argument("--dtype", default="float32")
+    bench.add_argument("--device", default="cpu")
+    bench.add_argument("--dataset", help="spec-bench.jsonl (default ../shared/specbench/spec-bench.jsonl, or $SVIP_SPECBENCH)")
+    bench.add_argument("--categories", help=f"comma list from {', '.join(SPECBENCH_CATEGORIES + (CODE,))} (default all)")
+    bench.add_argument("--prompts-per-category", type=int, default=10)
+    bench.add_argument("--repeats", type=int, default=3)
+    bench.add_argument("--max-new-tokens", type=int, default=128)
+    bench.add_argument("--max-prompt-tokens", type=int, default=192, help="keep the last N prompt tokens (192)")
+    bench.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="constant draft lengths to run (1..8)")
+    bench.add_argument("--no-hf", action="store_true", help="skip Hugging Face's assisted generation")
+    bench.add_argument("--quick", action="store_true", help="2 prompts per category, 1 repeat, 64 tokens, k in 2,4,6")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads (1: one core, as on a GPU each model owns one device)")
+    bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
+
+
+def run(args: argparse.Namespace, load_engine) -> int:
+    import torch
+
+    if args.quick:
+        for key, value in QUICK.items():
+            setattr(args, key, value)
+    if args.prompts_per_category < 1 or args.repeats < 1 or args.max_new_tokens < 1:
+        raise InvalidRequest("--prompts-per-category, --repeats and --max-new-tokens must be >= 1")
+    ks = _parse_ks(args.ks)
+    categories = _parse_categories(args.categories)
+    torch.set_num_threads(args.threads)
+    engine = load_engine(args)
+    if engine.drafter is None:
+        raise InvalidRequest("svip bench needs a draft model")
+    prompts = []
+    spec = [c for c in categories if c != CODE]
+    if spec:
+        prompts += [p for p in load_specbench(specbench_path(args.dataset), args.prompts_per_category) if p.category in spec]
+    if CODE in categories:
+        from svip_assets import SPLIT_FILE
+
+        prompts += load_code_prompts(SPLIT_FILE, args.prompts_per_category)
+    calibration = engine.calibration()
+    methods = build_methods(ks, 0.3, calibration.threshold, include_hf=not args.no_hf)
+    print(f"bench: {len(prompts)} prompts x {len(methods)} methods x {args.repeats} repeats; "
+          f"svip-auto threshold {calibration.threshold} (cost ratio {calibration.cost_ratio:.3f})", file=sys.stderr)
+    progress = Progress(len(prompts) * len(methods) * args.repeats)
+    runs, violations = run_all(engine, methods, prompts, args.max_new_tokens, args.repeats, args.max_prompt_tokens, progress=progress)
+    header = {
+        "command": "svip bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "machine": machine_description(),
+        "target": engine.target.path, "draft": engine.drafter.draft.path,
+        "prompts": len(prompts), "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
+        "auto_calibration": calibration.to_dict(),
+    }
+    table = aggregate(runs, methods)
+    md = write_all(Path(args.out), header, table, runs, violations, {"svip": 0.3, "svip-auto": calibration.threshold}, 0.15)
+    print(md)
+    if violations:
+        print(f"EXACTNESS VIOLATIONS ({len(violations)}): " + "; ".join(violations[:10]), file=sys.stderr)
+        return 1
+    return 0
+
+
+def _parse_ks(spec: str) -> list[int]:
+    try:
+        ks = sorted({int(k) for k in spec.split(",") if k.strip()})
+    except ValueError:
+        raise InvalidRequest(f"--ks: expected comma-separated integers, got {spec!r}") from None
+    if not ks or ks[0] < 1:
+        raise InvalidRequest("--ks: draft lengths must be >= 1")
+    return ks
+
+
+def _parse_categories(spec: str | None) -> list[str]:
+    known = SPECBENCH_CATEGORIES + (CODE,)
+    if spec is None:
+        return list(known)
+    cats = [c.strip() for c in spec.split(",") if c.strip()]
+    unknown = [c for c in cats if c not in known]
+    if unknown or not cats:
+        raise InvalidRequest(f"unknown category {unknown[0] if unknown else '(none)'!r}; choose from {', '.join(known)}")
+    return cats

@@ -1,0 +1,92 @@
+"""Runs the benchmark: prompts x methods x repeats, interleaved so that machine drift hits every
+method alike, with the target-alone output of each prompt as the exactness reference."""
+
+from __future__ import annotations
+
+import platform
+import random
+import sys
+
+import torch
+
+from coordinator.bench.datasets import Prompt
+from coordinator.bench.methods import ForwardCounter, Method, Run, run_engine, run_hf
+from coordinator.engine import SpeculativeEngine
+from svip_common.contracts import GenerationRequest, PolicyConfig
+
+
+def machine_description() -> str:
+    import os
+
+    return (
+        f"{platform.system()} {platform.machine()}, {os.cpu_count()} cores, torch threads="
+        f"{torch.get_num_threads()}, python {platform.python_version()}, torch {torch.__version__}"
+    )
+
+
+def encode_prompts(engine: SpeculativeEngine, prompts: list[Prompt], max_prompt_tokens: int) -> list[tuple[int, ...]]:
+    """Token ids, keeping the last max_prompt_tokens (long rag / summarization prompts)."""
+    tok = engine.target.tokenizer
+    return [tuple(tok(p.text)["input_ids"][-max_prompt_tokens:]) for p in prompts]
+
+
+def reference_outputs(engine: SpeculativeEngine, encoded, max_new: int) -> list[list[int]]:
+    """Target alone, greedy: the output every method must reproduce (and the oracle's knowledge).
+    Also warms up both models."""
+    refs = []
+    for ids in encoded:
+        refs.append(engine.generate(GenerationRequest(ids, max_new, policy=PolicyConfig(name="none"))).token_ids)
+        engine.generate(GenerationRequest(ids, 8, policy=PolicyConfig(name="constant")))
+    return refs
+
+
+def run_all(
+    engine: SpeculativeEngine,
+    methods: list[Method],
+    prompts: list[Prompt],
+    max_new: int,
+    repeats: int,
+    max_prompt_tokens: int,
+    seed: int = 0,
+    progress=None,
+) -> tuple[list[Run], list[str]]:
+    """All runs, and a list of exactness violations (method, prompt) — empty when all is well."""
+    encoded = encode_prompts(engine, prompts, max_prompt_tokens)
+    refs = reference_outputs(engine, encoded, max_new)
+    counters = None
+    if any(m.hf for m in methods):
+        counters = (ForwardCounter(engine.target.model), ForwardCounter(engine.drafter.draft.model))
+    runs, violations = [], []
+    rng = random.Random(seed)
+    for repeat in range(repeats):
+        for prompt, ids, ref in zip(prompts, encoded, refs):
+            order = list(methods)
+            rng.shuffle(order)
+            for method in order:
+                if method.hf:
+                    fields = run_hf(engine, counters, method, ids, max_new)
+                else:
+                    fields = run_engine(engine, method, ids, max_new, ref)
+                run = Run(method=method.name, category=prompt.category, prompt_id=prompt.prompt_id, repeat=repeat, **fields)
+                if run.token_ids != ref:
+                    violations.append(f"{method.name} on {prompt.category}/{prompt.prompt_id}")
+                runs.append(run)
+                if progress is not None:
+                    progress.update(1)
+    return runs, violations
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total: int, stream=sys.stderr):
+        self.total, self.done, self.stream = total, 0, stream
+
+    def update(self, n: int) -> None:
+        self.done += n
+        width = 30
+        filled = int(width * self.done / max(1, self.total))
+        self.stream.write(f"\rbench [{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} runs")
+        if self.done >= self.total:
+            self.stream.write("\n")
+        self.stream.flush()

@@ -1,0 +1,19 @@
+"""The embedded model pair, shipped with the package so `svip generate` runs with no download.
+svip_assets/pair/MODEL_CARD.md says how it was trained and what it measures."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from svip_common.errors import ModelLoadError
+
+PAIR_DIR = Path(__file__).resolve().parent / "pair"
+SPLIT_FILE = PAIR_DIR / "split.json"  # which stdlib files were train / validation / test
+
+
+def default_pair() -> tuple[str, str]:
+    """(target directory, draft directory) of the embedded pair."""
+    target, draft = PAIR_DIR / "target", PAIR_DIR / "draft"
+    if not (target / "config.json").is_file() or not (draft / "config.json").is_file():
+        raise ModelLoadError(f"the embedded model pair is missing from {str(PAIR_DIR)!r}; pass --target and --draft")
+    return str(target), str(draft)

@@ -1,0 +1,68 @@
+"""`svip bench` end to end on the small test pair: every method runs, every greedy output equals
+the target alone (the bench itself checks and fails otherwise), and JSON, markdown and plots are
+written. Speed is not asserted here: that is what the benchmark reports."""
+
+from __future__ import annotations
+
+import json
+
+from coordinator.bench.methods import Run
+from coordinator.bench.report import summarize
+from coordinator.cli import main
+
+
+def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
+    dataset = tmp_path / "spec.jsonl"
+    rows = [
+        {"question_id": i, "category": cat, "prompt": f"{cat} prompt number {i}: def f(x):"}
+        for i, cat in enumerate(["qa", "qa", "translation", "translation", "qa"])
+    ]
+    dataset.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--dataset", str(dataset),
+        "--categories", "qa,translation,code", "--prompts-per-category", "2", "--repeats", "2",
+        "--max-new-tokens", "16", "--ks", "2,3", "--out", str(out),
+    ])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["exactness_violations"] == []
+    assert set(doc["results"]) == {"qa", "translation", "code", "all"}
+    methods = set(doc["results"]["all"])
+    assert methods == {"target", "constant-2", "constant-3", "heuristic", "confidence", "svip", "svip-auto",
+                       "oracle", "hf-constant-2", "hf-constant-3", "hf-heuristic"}
+    assert doc["best_constant"] in ("constant-2", "constant-3")
+    oracle, const = doc["results"]["all"]["oracle"], doc["results"]["all"]["constant-3"]
+    assert oracle["target_forwards_per_token"] <= const["target_forwards_per_token"] + 1e-9
+    assert any(b["tokens"] for b in doc["entropy_acceptance"])
+    for name in ("speedup.png", "draft_lengths.png", "entropy_acceptance.png"):
+        assert (out / name).stat().st_size > 1000
+    md = (out / "results.md").read_text()
+    assert "| all | svip |" in md and "c = 0.05" in md
+    assert "bench [" in captured.err  # progress bar
+
+
+def test_bench_rejects_bad_arguments(capsys, model_dirs, tmp_path):
+    assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--categories", "poetry"]) == 2
+    assert "unknown category 'poetry'" in capsys.readouterr().err
+    assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--ks", "0"]) == 2
+    assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--dataset", str(tmp_path / "missing.jsonl"), "--categories", "qa"]) == 2
+    assert "cannot read Spec-Bench prompts" in capsys.readouterr().err
+
+
+def _run(method, repeat, tokens, wall, target_fwd, draft_fwd, **kw):
+    return Run(method, "qa", "1", repeat, list(range(tokens)), wall, target_fwd, draft_fwd, **kw)
+
+
+def test_summary_arithmetic():
+    base = [_run("target", r, 100, 1.0, 100, 0) for r in range(3)]
+    spec = [_run("svip", r, 100, w, 40, 120, draft_tokens=120, accepted_tokens=60, rounds=40, draft_lengths=[3] * 40)
+            for r, w in enumerate((0.5, 0.4, 0.8))]
+    s = summarize(spec, base)
+    assert s["speedup"] == {"median": 2.0, "min": 1.25, "max": 2.5}
+    assert s["target_forwards_per_token"] == 0.4
+    assert s["mean_acceptance_length"] == 1 + 180 / 120
+    assert s["acceptance_rate"] == 0.5
+    assert abs(s["projected_speedup"]["0.1"] - 300 / (120 + 0.1 * 360)) < 1e-12
