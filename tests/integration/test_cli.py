@@ -147,10 +147,11 @@ def test_non_utf8_prompt_file(capsys, model_dirs, tmp_path):
     "args, message",
     [
         (["--target", "/nonexistent/model", "--draft", "none"], "no model directory at '/nonexistent/model'"),
-        (["--draft", "none"], "--target is required"),
+        (["--target", "TARGET"], "--draft is required with --target"),
     ],
 )
 def test_model_errors(capsys, model_dirs, tmp_path, args, message):
+    args = [model_dirs.target if a == "TARGET" else a for a in args]
     code, _, err = run_cli(capsys, "generate", "x", *args)
     assert code in (1, 2) and message in err and err.count("\n") == 1
 
