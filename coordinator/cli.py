@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone (default: the embedded pair)")
     models.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64, auto")
     models.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    models.add_argument("--mode", choices=["inprocess", "distributed"], default="inprocess",
+                        help="inprocess (default), or distributed: draft and target as Ray actors over gRPC")
+    models.add_argument("--pipeline", choices=["sync", "async"], help="distributed: async (default) overlaps drafting with verification")
     pol = gen.add_argument_group("length policy")
     pol.add_argument("--policy", default="svip", help=f"one of {', '.join(POLICY_NAMES)} (default svip)")
     pol.add_argument("--threshold", type=_threshold, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3), or 'auto' (learnt for the pair)")
@@ -85,11 +88,22 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    from coordinator.prompts import encode
-
     prompts = _prompt_sources(args)
     base_request = _request_template(args)
+    if args.mode == "inprocess" and args.pipeline is not None:
+        raise InvalidRequest("--pipeline applies to --mode distributed")
     engine = _load_engine(args)
+    try:
+        _generate_all(args, engine, prompts, base_request)
+    finally:
+        if args.mode == "distributed":
+            engine.close()
+    return 0
+
+
+def _generate_all(args, engine, prompts, base_request) -> None:
+    from coordinator.prompts import encode
+
     out = sys.stdout
     for prompt in prompts:
         ids = encode(engine.target.tokenizer, prompt)
@@ -103,7 +117,6 @@ def _generate(args: argparse.Namespace) -> int:
             else:
                 out.write(text + "\n")
             out.flush()
-    return 0
 
 
 def _prompt_sources(args: argparse.Namespace) -> list[str | list[int]]:
@@ -162,24 +175,30 @@ def _load_engine(args: argparse.Namespace):
     from coordinator.engine import SpeculativeEngine
     from svip_common.models import load_model
 
+    draft_path = None if draft_path == "none" else draft_path
+    if getattr(args, "mode", "inprocess") == "distributed":
+        from coordinator.local import LocalDistributed
+
+        return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device)
     target = load_model(target_path, args.dtype, args.device)
-    draft = None if draft_path == "none" else load_model(draft_path, args.dtype, args.device)
+    draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
     return SpeculativeEngine(target, draft)
 
 
 def _result_json(args, engine, request, result, text: str) -> dict:
     stats = result.stats.to_dict()
     stats["config"] = {
-        "mode": "inprocess",
+        "mode": args.mode,
+        "pipeline": (args.pipeline or "async") if args.mode == "distributed" else None,
         "target": engine.target.path,
-        "draft": None if engine.drafter is None else engine.drafter.draft.path,
+        "draft": engine.draft_path,
         "dtype": args.dtype,
         "device": args.device,
         "max_new_tokens": request.max_new_tokens,
         "policy": _policy_json(engine.resolve(request).policy),
         "sampling": dataclasses.asdict(request.sampling),
     }
-    if request.policy.threshold == "auto" and engine.drafter is not None:
+    if request.policy.threshold == "auto" and args.mode == "inprocess" and engine.drafter is not None:
         stats["config"]["threshold_auto"] = engine.calibration().to_dict()
     return {
         "text": text,

@@ -38,6 +38,10 @@ class SpeculativeEngine:
         self.drafter = Drafter(draft, target.vocab_size) if draft is not None else None
         self._calibration: Calibration | None = None
 
+    @property
+    def draft_path(self) -> str | None:
+        return None if self.drafter is None else self.drafter.draft.path
+
     def calibration(self) -> Calibration:
         """The pair's learnt SVIP threshold, measured on first use (a few seconds)."""
         if self._calibration is None:
@@ -59,7 +63,7 @@ class SpeculativeEngine:
 
     def generate(self, request: GenerationRequest, on_round: OnRound | None = None) -> GenerationResult:
         request = self.resolve(request)
-        stop_ids = frozenset(self.target.eos_token_ids) | frozenset(request.stop_token_ids)
+        stop_ids = request.stop_ids(self.target.eos_token_ids)
         target = self.verifier.open(request.sampling)
         if self.drafter is None or request.policy.name == "none":
             draft = NullDraftSession()
@@ -77,7 +81,7 @@ class SpeculativeEngine:
             verdict = target.verify(committed, block)
             draft.feedback(len(block), verdict.accepted)
             settled = [*block.tokens[: verdict.accepted], verdict.token]
-            settled, finish_reason = _clip(settled, budget, stop_ids)
+            settled, finish_reason = clip_settled(settled, budget, stop_ids)
             committed += settled
             generated += settled
             _record_round(stats, block, verdict.accepted)
@@ -96,7 +100,7 @@ class SpeculativeEngine:
         )
 
 
-def _clip(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
+def clip_settled(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
     """Cut the settled tokens at the first stop id (kept) or at the token budget."""
     for i, token in enumerate(settled[:budget]):
         if token in stop_ids:

@@ -18,6 +18,7 @@ from svip_common.kv_cache import KVCache
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.sampling import entropy, sample_index, warp_probs
+from target_worker.rejection import recover
 
 
 class Drafter:
@@ -82,6 +83,14 @@ class DraftSession:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
+
+    @torch.inference_mode()
+    def resolve_correction(self, block: Block, accepted: int, p_row: torch.Tensor) -> int:
+        """After a sampled rejection whose q stayed here: draw the correction for position
+        block.base + accepted from norm(max(0, p - q)), p sent by the target."""
+        position = block.base + accepted
+        u = uniform(self.sampling.seed, position, Purpose.RESOLVE)
+        return recover(p_row.to(block.q_rows.device).float(), block.q_rows[accepted], u)
 
     def _choose(self, q: torch.Tensor, position: int) -> int:
         if self.sampling.greedy:

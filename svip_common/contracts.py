@@ -87,6 +87,12 @@ class GenerationRequest:
     sampling: SamplingParams = SamplingParams()
     policy: PolicyConfig = PolicyConfig()
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, besides the model's EOS
+    ignore_eos: bool = False  # generate to max_new_tokens through the model's EOS (benchmarks)
+
+    def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
+        """The ids that end this request's output."""
+        eos = () if self.ignore_eos else eos_token_ids
+        return frozenset(eos) | frozenset(self.stop_token_ids)
 
     def validate(self, vocab_size: int, max_positions: int | None) -> None:
         if not self.prompt_ids:
@@ -136,15 +142,21 @@ class Block:
         return len(self.tokens)
 
 
+NO_TOKEN = -1
+
+
 @dataclass(frozen=True)
 class Verdict:
     """The target's answer to a block: ``accepted`` drafted tokens, then ``token`` settles the next
-    position (a correction if accepted < len(block), else a bonus)."""
+    position (a correction if accepted < len(block), else a bonus). ``token`` is NO_TOKEN when
+    the correction is left to the draft side, which holds q: then ``p_row`` is the target's
+    warped p at the rejected position, [vocab]."""
 
     base: int
     accepted: int
     token: int
     epoch: int = 0
+    p_row: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
 @dataclass
@@ -161,6 +173,16 @@ class GenerationStats:
     round_s: list[float] = field(default_factory=list)
     draft_forward_s: list[float] = field(default_factory=list)  # per round
     target_forward_s: list[float] = field(default_factory=list)  # per round
+    # distributed mode only
+    discarded_tokens: int = 0  # pre-drafted tokens dropped by rollbacks (stale blocks)
+    draft_busy_s: float = 0.0
+    target_busy_s: float = 0.0
+    both_busy_s: float = 0.0  # overlap: draft and target computing at once
+    draft_wait_s: float = 0.0  # bubbles: wall time the draft was idle
+    target_wait_s: float = 0.0
+    wire_bytes: int = 0  # this session's messages, both workers, both directions
+    wire_bytes_per_round: float = 0.0
+    timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (worker, start, end), s from start
 
     @property
     def acceptance_rate(self) -> float:
@@ -174,6 +196,7 @@ class GenerationStats:
         out = dataclasses.asdict(self)
         for key in ("round_s", "draft_forward_s", "target_forward_s", "stop_entropies"):
             out[key] = [round(x, 6) for x in out[key]]
+        out["timeline"] = [(w, round(a, 6), round(b, 6)) for w, a, b in self.timeline]
         out["wall_s"] = round(self.wall_s, 6)
         out["acceptance_rate"] = round(self.acceptance_rate, 6)
         out["mean_acceptance_length"] = round(self.mean_acceptance_length, 6)

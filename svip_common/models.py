@@ -31,18 +31,14 @@ class LoadedModel:
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
     """Load model and tokenizer from a local directory (or a hub id where a hub is reachable)."""
-    if _looks_like_local_path(path) and not os.path.isdir(path):
-        raise ModelLoadError(f"no model directory at {path!r}")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        raise ModelLoadError(f"{path!r} is not a Hugging Face model directory (no config.json)")
+    _check_local_path(path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
     except (OSError, ValueError, KeyError) as exc:
-        first_line = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise ModelLoadError(f"cannot load model from {path!r}: {first_line}") from None
+        raise ModelLoadError(f"cannot load model from {path!r}: {_first_line(exc)}") from None
     try:
         model = model.to(device).eval()
     except (RuntimeError, AssertionError) as exc:
@@ -56,6 +52,48 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> Loaded
         max_positions=getattr(config, "max_position_embeddings", None),
         eos_token_ids=_eos_ids(model, tokenizer),
     )
+
+
+@dataclass
+class ModelInfo:
+    """What the coordinator needs of a model it does not host: tokenizer and limits, no weights."""
+
+    path: str
+    tokenizer: object
+    vocab_size: int
+    max_positions: int | None
+    eos_token_ids: tuple[int, ...]
+
+
+def load_model_info(path: str) -> ModelInfo:
+    from transformers import AutoConfig, GenerationConfig
+
+    _check_local_path(path)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        config = AutoConfig.from_pretrained(path).get_text_config(decoder=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot load model from {path!r}: {_first_line(exc)}") from None
+    try:
+        eos = GenerationConfig.from_pretrained(path).eos_token_id
+    except OSError:
+        eos = None
+    if eos is None:
+        eos = tokenizer.eos_token_id
+    eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
+    return ModelInfo(path, tokenizer, config.vocab_size, getattr(config, "max_position_embeddings", None), eos_ids)
+
+
+def _first_line(exc: Exception) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _check_local_path(path: str) -> None:
+    if _looks_like_local_path(path) and not os.path.isdir(path):
+        raise ModelLoadError(f"no model directory at {path!r}")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        raise ModelLoadError(f"{path!r} is not a Hugging Face model directory (no config.json)")
 
 
 def _looks_like_local_path(path: str) -> bool:
@@ -72,7 +110,7 @@ def _eos_ids(model: PreTrainedModel, tokenizer) -> tuple[int, ...]:
     return tuple(ids) if isinstance(ids, (list, tuple)) else (int(ids),)
 
 
-def check_same_vocabulary(target: LoadedModel, draft: LoadedModel) -> None:
+def check_same_vocabulary(target: LoadedModel | ModelInfo, draft: LoadedModel | ModelInfo) -> None:
     """The draft must map every token to the same id as the target (logit widths may differ, as in
     Qwen2.5 0.5B/7B: the draft's q is padded or cut to the target's width)."""
     t_vocab, d_vocab = target.tokenizer.get_vocab(), draft.tokenizer.get_vocab()

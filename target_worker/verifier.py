@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 import torch
 
-from svip_common.contracts import Block, SamplingParams, Verdict
+from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
 from svip_common.kv_cache import KVCache
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
@@ -34,6 +34,8 @@ class TargetSession:
     def __init__(self, verifier: Verifier, sampling: SamplingParams):
         self.sampling = sampling
         self._cache = KVCache(verifier.target.model)
+        self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
+        self._pending_at = -1
         self.forwards = 0
         self.forward_s = 0.0
 
@@ -43,12 +45,15 @@ class TargetSession:
 
     @torch.inference_mode()
     def verify(self, committed: Sequence[int], block: Block) -> Verdict:
+        """Settle the block. When the block's q rows live on the draft side (distributed
+        sampling), a rejection returns ``token = -1`` and ``p_row``, and the draft side draws the
+        correction from norm(max(0, p_row - q))."""
         base, k = len(committed), len(block)
         logits = self._score(committed, block.tokens)  # [k + 1, vocab]
         if self.sampling.greedy:
             target_tokens = torch.argmax(logits, dim=-1).tolist()  # [k + 1]
             accepted = accept_greedy(target_tokens, block.tokens)
-            return Verdict(base=base, accepted=accepted, token=target_tokens[accepted])
+            return Verdict(base=base, accepted=accepted, token=target_tokens[accepted], epoch=block.epoch)
         p = warp_probs(logits, self.sampling)  # [k + 1, vocab]
         seed = self.sampling.seed
         if k:
@@ -58,16 +63,35 @@ class TargetSession:
         else:
             accepted = 0
         u = uniform(seed, base + accepted, Purpose.RESOLVE)
-        if accepted < k:
-            token = recover(p[accepted], block.q_rows[accepted], u)
-        else:
+        if accepted == k:
             token = sample_index(p[k], u)
-        return Verdict(base=base, accepted=accepted, token=token)
+        elif block.q_rows is None:
+            return Verdict(base=base, accepted=accepted, token=NO_TOKEN, epoch=block.epoch, p_row=p[accepted])
+        else:
+            token = recover(p[accepted], block.q_rows[accepted], u)
+        return Verdict(base=base, accepted=accepted, token=token, epoch=block.epoch)
 
     def _score(self, committed: Sequence[int], drafted: list[int]) -> torch.Tensor:
-        kept = self._cache.rollback_to_prefix_of(committed, limit=len(committed) - 1)
+        """Target logits for positions len(committed) .. len(committed) + len(drafted).
+
+        The row for the first of them is reused from the previous forward when the cache holds
+        exactly ``committed`` (a pre-drafted block continuing a fully accepted one)."""
+        base = len(committed)
+        kept = self._cache.rollback_to_prefix_of(committed)
+        reuse = kept == base and self._pending_at == base and self._pending is not None
+        if not reuse and kept == base:
+            self._cache.rollback(base - 1)
+            kept = base - 1
         start = time.perf_counter()
-        logits = self._cache.forward([*committed[kept:], *drafted], logits_to_keep=len(drafted) + 1)
+        if reuse and not drafted:
+            logits = self._pending
+        elif reuse:
+            tail = self._cache.forward(drafted, logits_to_keep=len(drafted))  # [k, vocab]
+            logits = torch.cat([self._pending, tail])
+        else:
+            logits = self._cache.forward([*committed[kept:], *drafted], logits_to_keep=len(drafted) + 1)
+        if not (reuse and not drafted):
+            self.forwards += 1
         self.forward_s += time.perf_counter() - start
-        self.forwards += 1
+        self._pending, self._pending_at = logits[-1:], len(self._cache)
         return logits

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from svip_common.contracts import Block, PolicyConfig, SamplingParams, Verdict
+from svip_common.contracts import NO_TOKEN, Block, PolicyConfig, SamplingParams, Verdict
 from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 
@@ -18,7 +18,6 @@ DTYPES = {
     "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
-NO_TOKEN = -1
 
 
 def tensor_to_proto(t: torch.Tensor) -> pb.Tensor:
@@ -95,14 +94,14 @@ def block_from_proto(msg: pb.Block) -> Block:
     return Block(base=msg.base, tokens=list(msg.tokens), probs=probs, entropies=entropies, epoch=msg.epoch)
 
 
-def verdict_to_proto(session_id: str, verdict: Verdict, p_row: torch.Tensor | None = None) -> pb.Verdict:
+def verdict_to_proto(session_id: str, verdict: Verdict) -> pb.Verdict:
     msg = pb.Verdict(session_id=session_id, epoch=verdict.epoch, base=verdict.base,
                      accepted=verdict.accepted, token=verdict.token)
-    if p_row is not None:
-        msg.p_row.CopyFrom(tensor_to_proto(p_row.float()))
+    if verdict.p_row is not None:
+        msg.p_row.CopyFrom(tensor_to_proto(verdict.p_row.float()))
     return msg
 
 
-def verdict_from_proto(msg: pb.Verdict) -> tuple[Verdict, torch.Tensor | None]:
+def verdict_from_proto(msg: pb.Verdict) -> Verdict:
     p_row = tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
-    return Verdict(base=msg.base, accepted=msg.accepted, token=msg.token, epoch=msg.epoch), p_row
+    return Verdict(base=msg.base, accepted=msg.accepted, token=msg.token, epoch=msg.epoch, p_row=p_row)

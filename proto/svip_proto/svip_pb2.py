@@ -24,15 +24,15 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15svip_proto/svip.proto\x12\x07svip.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x8a\x01\n\x0cPolicyConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tthreshold\x18\x02 \x01(\x01\x12\x15\n\rentropy_scale\x18\x03 \x01(\x01\x12\x14\n\x0c\x64raft_length\x18\x04 \x01(\x05\x12\x18\n\x10max_draft_length\x18\x05 \x01(\x05\x12\x12\n\nconfidence\x18\x06 \x01(\x01\"\xdd\x01\n\x0cStartSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.svip.v1.SamplingParams\x12%\n\x06policy\x18\x04 \x01(\x0b\x32\x15.svip.v1.PolicyConfig\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12#\n\x08pipeline\x18\x07 \x01(\x0e\x32\x11.svip.v1.Pipeline\"\xa6\x01\n\x05\x42lock\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12 \n\x07q_probs\x18\x05 \x01(\x0b\x32\x0f.svip.v1.Tensor\x12\"\n\tentropies\x18\x06 \x01(\x0b\x32\x0f.svip.v1.Tensor\x12\x16\n\x0eresolved_token\x18\x07 \x01(\x05\"_\n\x0bVerifyBlock\x12\x1d\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x0e.svip.v1.Block\x12\x0c\n\x04keep\x18\x02 \x01(\r\x12\x0e\n\x06\x61ppend\x18\x03 \x03(\x05\x12\x13\n\x0b\x64\x65\x66\x65r_bonus\x18\x04 \x01(\x08\"{\n\x07Verdict\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\r\n\x05token\x18\x05 \x01(\x05\x12\x1e\n\x05p_row\x18\x06 \x01(\x0b\x32\x0f.svip.v1.Tensor\"\x8d\x01\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\r\x12\r\n\x05token\x18\x06 \x01(\x05\x12\x1e\n\x05p_row\x18\x07 \x01(\x0b\x32\x0f.svip.v1.Tensor\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1c\n\x06\x43losed\x12\x12\n\nsession_id\x18\x01 \x01(\t\":\n\x05\x45rror\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x88\x01\n\x0c\x44raftRequest\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.svip.v1.StartSessionH\x00\x12%\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32\x11.svip.v1.FeedbackH\x00\x12!\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x0f.svip.v1.CancelH\x00\x42\x06\n\x04kind\"y\n\nDraftEvent\x12\x1f\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x0e.svip.v1.BlockH\x00\x12!\n\x06\x63losed\x18\x02 \x01(\x0b\x32\x0f.svip.v1.ClosedH\x00\x12\x1f\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x0e.svip.v1.ErrorH\x00\x42\x06\n\x04kind\"\x8a\x01\n\rTargetRequest\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.svip.v1.StartSessionH\x00\x12&\n\x06verify\x18\x02 \x01(\x0b\x32\x14.svip.v1.VerifyBlockH\x00\x12!\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x0f.svip.v1.CancelH\x00\x42\x06\n\x04kind\"~\n\x0bTargetEvent\x12#\n\x07verdict\x18\x01 \x01(\x0b\x32\x10.svip.v1.VerdictH\x00\x12!\n\x06\x63losed\x18\x02 \x01(\x0b\x32\x0f.svip.v1.ClosedH\x00\x12\x1f\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x0e.svip.v1.ErrorH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"[\n\x0bWorkerStats\x12\x15\n\ropen_sessions\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\x04\x12\x1e\n\x16stale_blocks_discarded\x18\x03 \x01(\x04*K\n\x08Pipeline\x12\x18\n\x14PIPELINE_UNSPECIFIED\x10\x00\x12\x11\n\rPIPELINE_SYNC\x10\x01\x12\x12\n\x0ePIPELINE_ASYNC\x10\x02\x32~\n\x0b\x44raftWorker\x12\x39\n\x07Session\x12\x15.svip.v1.DraftRequest\x1a\x13.svip.v1.DraftEvent(\x01\x30\x01\x12\x34\n\x05Stats\x12\x15.svip.v1.StatsRequest\x1a\x14.svip.v1.WorkerStats2\x81\x01\n\x0cTargetWorker\x12;\n\x07Session\x12\x16.svip.v1.TargetRequest\x1a\x14.svip.v1.TargetEvent(\x01\x30\x01\x12\x34\n\x05Stats\x12\x15.svip.v1.StatsRequest\x1a\x14.svip.v1.WorkerStatsb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x15svip_proto/svip.proto\x12\x07svip.v1\"4\n\x06Tensor\x12\x0c\n\x04\x64\x61ta\x18\x01 \x01(\x0c\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\r\n\x05shape\x18\x03 \x03(\x03\"Q\n\x0eSamplingParams\x12\x13\n\x0btemperature\x18\x01 \x01(\x01\x12\r\n\x05top_k\x18\x02 \x01(\x05\x12\r\n\x05top_p\x18\x03 \x01(\x01\x12\x0c\n\x04seed\x18\x04 \x01(\x04\"\x8a\x01\n\x0cPolicyConfig\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x11\n\tthreshold\x18\x02 \x01(\x01\x12\x15\n\rentropy_scale\x18\x03 \x01(\x01\x12\x14\n\x0c\x64raft_length\x18\x04 \x01(\x05\x12\x18\n\x10max_draft_length\x18\x05 \x01(\x05\x12\x12\n\nconfidence\x18\x06 \x01(\x01\"\xdd\x01\n\x0cStartSession\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x12\n\nprompt_ids\x18\x02 \x03(\x05\x12)\n\x08sampling\x18\x03 \x01(\x0b\x32\x17.svip.v1.SamplingParams\x12%\n\x06policy\x18\x04 \x01(\x0b\x32\x15.svip.v1.PolicyConfig\x12\x16\n\x0estop_token_ids\x18\x05 \x03(\x05\x12\x16\n\x0emax_new_tokens\x18\x06 \x01(\x05\x12#\n\x08pipeline\x18\x07 \x01(\x0e\x32\x11.svip.v1.Pipeline\"\xe1\x01\n\x05\x42lock\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\r\x12\x0e\n\x06tokens\x18\x04 \x03(\x05\x12 \n\x07q_probs\x18\x05 \x01(\x0b\x32\x0f.svip.v1.Tensor\x12\"\n\tentropies\x18\x06 \x01(\x0b\x32\x0f.svip.v1.Tensor\x12\x16\n\x0eresolved_token\x18\x07 \x01(\x05\x12\x10\n\x08\x66ollowup\x18\x08 \x01(\x08\x12\x12\n\nstarted_at\x18\t \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\n \x01(\x01\"<\n\x0bVerifyBlock\x12\x1d\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x0e.svip.v1.Block\x12\x0e\n\x06\x61ppend\x18\x02 \x03(\x05\"\xa4\x01\n\x07Verdict\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x04 \x01(\r\x12\r\n\x05token\x18\x05 \x01(\x05\x12\x1e\n\x05p_row\x18\x06 \x01(\x0b\x32\x0f.svip.v1.Tensor\x12\x12\n\nstarted_at\x18\x07 \x01(\x01\x12\x13\n\x0b\x66inished_at\x18\x08 \x01(\x01\"\x8d\x01\n\x08\x46\x65\x65\x64\x62\x61\x63k\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\r\n\x05\x65poch\x18\x02 \x01(\r\x12\x0c\n\x04\x62\x61se\x18\x03 \x01(\r\x12\x0f\n\x07\x64rafted\x18\x04 \x01(\r\x12\x10\n\x08\x61\x63\x63\x65pted\x18\x05 \x01(\r\x12\r\n\x05token\x18\x06 \x01(\x05\x12\x1e\n\x05p_row\x18\x07 \x01(\x0b\x32\x0f.svip.v1.Tensor\"\x1c\n\x06\x43\x61ncel\x12\x12\n\nsession_id\x18\x01 \x01(\t\"\x1c\n\x06\x43losed\x12\x12\n\nsession_id\x18\x01 \x01(\t\":\n\x05\x45rror\x12\x12\n\nsession_id\x18\x01 \x01(\t\x12\x0c\n\x04\x63ode\x18\x02 \x01(\x05\x12\x0f\n\x07message\x18\x03 \x01(\t\"\x88\x01\n\x0c\x44raftRequest\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.svip.v1.StartSessionH\x00\x12%\n\x08\x66\x65\x65\x64\x62\x61\x63k\x18\x02 \x01(\x0b\x32\x11.svip.v1.FeedbackH\x00\x12!\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x0f.svip.v1.CancelH\x00\x42\x06\n\x04kind\"y\n\nDraftEvent\x12\x1f\n\x05\x62lock\x18\x01 \x01(\x0b\x32\x0e.svip.v1.BlockH\x00\x12!\n\x06\x63losed\x18\x02 \x01(\x0b\x32\x0f.svip.v1.ClosedH\x00\x12\x1f\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x0e.svip.v1.ErrorH\x00\x42\x06\n\x04kind\"\x8a\x01\n\rTargetRequest\x12&\n\x05start\x18\x01 \x01(\x0b\x32\x15.svip.v1.StartSessionH\x00\x12&\n\x06verify\x18\x02 \x01(\x0b\x32\x14.svip.v1.VerifyBlockH\x00\x12!\n\x06\x63\x61ncel\x18\x03 \x01(\x0b\x32\x0f.svip.v1.CancelH\x00\x42\x06\n\x04kind\"~\n\x0bTargetEvent\x12#\n\x07verdict\x18\x01 \x01(\x0b\x32\x10.svip.v1.VerdictH\x00\x12!\n\x06\x63losed\x18\x02 \x01(\x0b\x32\x0f.svip.v1.ClosedH\x00\x12\x1f\n\x05\x65rror\x18\x03 \x01(\x0b\x32\x0e.svip.v1.ErrorH\x00\x42\x06\n\x04kind\"\x0e\n\x0cStatsRequest\"U\n\x0bWorkerStats\x12\x15\n\ropen_sessions\x18\x01 \x01(\r\x12\x15\n\rcached_tokens\x18\x02 \x01(\x04\x12\x18\n\x10tokens_processed\x18\x03 \x01(\x04*K\n\x08Pipeline\x12\x18\n\x14PIPELINE_UNSPECIFIED\x10\x00\x12\x11\n\rPIPELINE_SYNC\x10\x01\x12\x12\n\x0ePIPELINE_ASYNC\x10\x02\x32~\n\x0b\x44raftWorker\x12\x39\n\x07Session\x12\x15.svip.v1.DraftRequest\x1a\x13.svip.v1.DraftEvent(\x01\x30\x01\x12\x34\n\x05Stats\x12\x15.svip.v1.StatsRequest\x1a\x14.svip.v1.WorkerStats2\x81\x01\n\x0cTargetWorker\x12;\n\x07Session\x12\x16.svip.v1.TargetRequest\x1a\x14.svip.v1.TargetEvent(\x01\x30\x01\x12\x34\n\x05Stats\x12\x15.svip.v1.StatsRequest\x1a\x14.svip.v1.WorkerStatsb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'svip_proto.svip_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_PIPELINE']._serialized_start=1831
-  _globals['_PIPELINE']._serialized_end=1906
+  _globals['_PIPELINE']._serialized_start=1891
+  _globals['_PIPELINE']._serialized_end=1966
   _globals['_TENSOR']._serialized_start=34
   _globals['_TENSOR']._serialized_end=86
   _globals['_SAMPLINGPARAMS']._serialized_start=88
@@ -42,33 +42,33 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_STARTSESSION']._serialized_start=313
   _globals['_STARTSESSION']._serialized_end=534
   _globals['_BLOCK']._serialized_start=537
-  _globals['_BLOCK']._serialized_end=703
-  _globals['_VERIFYBLOCK']._serialized_start=705
-  _globals['_VERIFYBLOCK']._serialized_end=800
-  _globals['_VERDICT']._serialized_start=802
-  _globals['_VERDICT']._serialized_end=925
-  _globals['_FEEDBACK']._serialized_start=928
-  _globals['_FEEDBACK']._serialized_end=1069
-  _globals['_CANCEL']._serialized_start=1071
-  _globals['_CANCEL']._serialized_end=1099
-  _globals['_CLOSED']._serialized_start=1101
-  _globals['_CLOSED']._serialized_end=1129
-  _globals['_ERROR']._serialized_start=1131
-  _globals['_ERROR']._serialized_end=1189
-  _globals['_DRAFTREQUEST']._serialized_start=1192
-  _globals['_DRAFTREQUEST']._serialized_end=1328
-  _globals['_DRAFTEVENT']._serialized_start=1330
-  _globals['_DRAFTEVENT']._serialized_end=1451
-  _globals['_TARGETREQUEST']._serialized_start=1454
-  _globals['_TARGETREQUEST']._serialized_end=1592
-  _globals['_TARGETEVENT']._serialized_start=1594
-  _globals['_TARGETEVENT']._serialized_end=1720
-  _globals['_STATSREQUEST']._serialized_start=1722
-  _globals['_STATSREQUEST']._serialized_end=1736
-  _globals['_WORKERSTATS']._serialized_start=1738
-  _globals['_WORKERSTATS']._serialized_end=1829
-  _globals['_DRAFTWORKER']._serialized_start=1908
-  _globals['_DRAFTWORKER']._serialized_end=2034
-  _globals['_TARGETWORKER']._serialized_start=2037
-  _globals['_TARGETWORKER']._serialized_end=2166
+  _globals['_BLOCK']._serialized_end=762
+  _globals['_VERIFYBLOCK']._serialized_start=764
+  _globals['_VERIFYBLOCK']._serialized_end=824
+  _globals['_VERDICT']._serialized_start=827
+  _globals['_VERDICT']._serialized_end=991
+  _globals['_FEEDBACK']._serialized_start=994
+  _globals['_FEEDBACK']._serialized_end=1135
+  _globals['_CANCEL']._serialized_start=1137
+  _globals['_CANCEL']._serialized_end=1165
+  _globals['_CLOSED']._serialized_start=1167
+  _globals['_CLOSED']._serialized_end=1195
+  _globals['_ERROR']._serialized_start=1197
+  _globals['_ERROR']._serialized_end=1255
+  _globals['_DRAFTREQUEST']._serialized_start=1258
+  _globals['_DRAFTREQUEST']._serialized_end=1394
+  _globals['_DRAFTEVENT']._serialized_start=1396
+  _globals['_DRAFTEVENT']._serialized_end=1517
+  _globals['_TARGETREQUEST']._serialized_start=1520
+  _globals['_TARGETREQUEST']._serialized_end=1658
+  _globals['_TARGETEVENT']._serialized_start=1660
+  _globals['_TARGETEVENT']._serialized_end=1786
+  _globals['_STATSREQUEST']._serialized_start=1788
+  _globals['_STATSREQUEST']._serialized_end=1802
+  _globals['_WORKERSTATS']._serialized_start=1804
+  _globals['_WORKERSTATS']._serialized_end=1889
+  _globals['_DRAFTWORKER']._serialized_start=1968
+  _globals['_DRAFTWORKER']._serialized_end=2094
+  _globals['_TARGETWORKER']._serialized_start=2097
+  _globals['_TARGETWORKER']._serialized_end=2226
 # @@protoc_insertion_point(module_scope)

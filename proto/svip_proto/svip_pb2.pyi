@@ -73,7 +73,7 @@ class StartSession(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token")
+    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "started_at", "finished_at")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -81,6 +81,9 @@ class Block(_message.Message):
     Q_PROBS_FIELD_NUMBER: _ClassVar[int]
     ENTROPIES_FIELD_NUMBER: _ClassVar[int]
     RESOLVED_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    FOLLOWUP_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -88,35 +91,38 @@ class Block(_message.Message):
     q_probs: Tensor
     entropies: Tensor
     resolved_token: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ...) -> None: ...
+    followup: bool
+    started_at: float
+    finished_at: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
 class VerifyBlock(_message.Message):
-    __slots__ = ("block", "keep", "append", "defer_bonus")
+    __slots__ = ("block", "append")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
-    KEEP_FIELD_NUMBER: _ClassVar[int]
     APPEND_FIELD_NUMBER: _ClassVar[int]
-    DEFER_BONUS_FIELD_NUMBER: _ClassVar[int]
     block: Block
-    keep: int
     append: _containers.RepeatedScalarFieldContainer[int]
-    defer_bonus: bool
-    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., keep: _Optional[int] = ..., append: _Optional[_Iterable[int]] = ..., defer_bonus: _Optional[bool] = ...) -> None: ...
+    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., append: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Verdict(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "accepted", "token", "p_row")
+    __slots__ = ("session_id", "epoch", "base", "accepted", "token", "p_row", "started_at", "finished_at")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     P_ROW_FIELD_NUMBER: _ClassVar[int]
+    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
     accepted: int
     token: int
     p_row: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    started_at: float
+    finished_at: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
 
 class Feedback(_message.Message):
     __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row")
@@ -203,11 +209,11 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("open_sessions", "cached_tokens", "stale_blocks_discarded")
+    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed")
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    STALE_BLOCKS_DISCARDED_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
     open_sessions: int
     cached_tokens: int
-    stale_blocks_discarded: int
-    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., stale_blocks_discarded: _Optional[int] = ...) -> None: ...
+    tokens_processed: int
+    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ...) -> None: ...

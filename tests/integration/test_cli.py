@@ -180,3 +180,27 @@ def test_console_script_non_utf8_argv_and_no_traceback(model_dirs):
     assert proc.returncode == 2
     assert proc.stderr.decode().strip() == "svip: error: prompt is not valid UTF-8"
     assert b"Traceback" not in proc.stderr
+
+
+def test_distributed_mode_from_the_command_line(model_dirs, capsys):
+    """`--mode distributed` starts Ray and both worker actors on loopback, and prints the same
+    tokens as the in-process engine, with the pipeline's own stats."""
+    args = ["generate", "--prompt-ids", "5,6,7,8", *pair_args(model_dirs), "--max-new-tokens", "16", "--json"]
+    env = {**os.environ, "PYTHONPATH": REPO}
+    proc = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", *args, "--mode", "distributed", "--pipeline", "async"],
+        capture_output=True, env=env, cwd=REPO, timeout=300, text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    distributed = json.loads(proc.stdout)
+    code, out, _ = run_cli(capsys, *args)
+    assert code == 0
+    assert distributed["token_ids"] == json.loads(out)["token_ids"]
+    stats = distributed["stats"]
+    assert stats["config"]["mode"] == "distributed" and stats["config"]["pipeline"] == "async"
+    assert stats["wire_bytes"] > 0 and "discarded_tokens" in stats and stats["timeline"]
+
+
+def test_pipeline_needs_distributed_mode(capsys, model_dirs):
+    code, _, err = run_cli(capsys, "generate", "x", *pair_args(model_dirs), "--pipeline", "sync")
+    assert code == 2 and "--pipeline applies to --mode distributed" in err

@@ -67,10 +67,10 @@ def test_block_and_verdict_round_trip():
     back = convert.block_from_proto(convert.block_to_proto("s1", block, greedy=False))
     assert (back.base, back.tokens, back.probs, back.epoch) == (17, [5, 6, 7], [0.5, 0.25, 0.125], 2)
     assert back.entropies == pytest.approx([0.1, 0.2, 0.3])
-    verdict = Verdict(base=17, accepted=1, token=-1, epoch=2)
     p_row = torch.softmax(torch.randn(50), -1)
-    v, row = convert.verdict_from_proto(convert.verdict_to_proto("s1", verdict, p_row))
-    assert v == verdict and torch.equal(row, p_row)
+    verdict = Verdict(base=17, accepted=1, token=-1, epoch=2, p_row=p_row)
+    v = convert.verdict_from_proto(convert.verdict_to_proto("s1", verdict))
+    assert v == verdict and torch.equal(v.p_row, p_row)
 
 
 def test_greedy_block_is_token_ids_and_a_small_header():

@@ -1,0 +1,88 @@
+"""Ray placement of the two workers: a local Ray on this machine bound to loopback, a target
+actor and a draft actor, each on its own GPU (num_gpus=1) or, without GPUs, on its own CPU core
+(a role resource each and one torch thread), so that the two overlap for real."""
+
+from __future__ import annotations
+
+import os
+
+from svip_common.errors import SvipError
+from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info
+
+DRAFT_RESOURCE, TARGET_RESOURCE = "svip_draft", "svip_target"
+START_TIMEOUT_S = 120.0
+
+
+def init_local_ray(pairs: int = 1) -> None:
+    """Start (or join) a Ray instance on this machine whose every listener is on 127.0.0.1."""
+    # Must be in the environment before ray is first imported, and is inherited by the processes
+    # Ray starts (DESIGN.md, Placement). Never set in a cluster deployment.
+    os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    import ray
+
+    if ray.is_initialized():
+        return
+    ray.init(
+        _node_ip_address="127.0.0.1",
+        include_dashboard=False,
+        num_cpus=max(2 * pairs, os.cpu_count() or 2),  # one logical CPU per worker actor
+        resources={DRAFT_RESOURCE: pairs, TARGET_RESOURCE: pairs},
+        log_to_driver=False,
+        configure_logging=False,
+    )
+
+
+def actor_options(role: str, gpus: float) -> dict:
+    if gpus > 0:
+        return {"num_gpus": gpus}
+    return {"num_cpus": 1, "resources": {DRAFT_RESOURCE if role == "draft" else TARGET_RESOURCE: 1}}
+
+
+class WorkerPair:
+    """A target actor and (optionally) a draft actor, started and serving gRPC."""
+
+    def __init__(self, target_path: str, draft_path: str | None, dtype: str = "float32", device: str = "cpu",
+                 target_gpus: float = 0, draft_gpus: float = 0):
+        import ray
+
+        from draft_worker.actor import DraftActor
+        from target_worker.actor import TargetActor
+
+        self.target_info: ModelInfo = load_model_info(target_path)
+        if draft_path is not None:
+            check_same_vocabulary(self.target_info, load_model_info(draft_path))
+        self.target = ray.remote(TargetActor).options(**actor_options("target", target_gpus)).remote(
+            target_path, dtype=dtype, device=device)
+        self.draft = None
+        self.target_address = self.draft_address = None
+        if draft_path is not None:
+            self.draft = ray.remote(DraftActor).options(**actor_options("draft", draft_gpus)).remote(
+                draft_path, target_vocab_size=self.target_info.vocab_size, dtype=dtype, device=device)
+        try:
+            self.target_address = ray.get(self.target.start.remote(), timeout=START_TIMEOUT_S)
+            self.draft_address = ray.get(self.draft.start.remote(), timeout=START_TIMEOUT_S) if self.draft is not None else None
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise SvipError(
+                f"the workers were not placed within {START_TIMEOUT_S:.0f} s: Ray has no free "
+                f"GPU / '{DRAFT_RESOURCE}' / '{TARGET_RESOURCE}' slot for them"
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            self.shutdown()
+            raise SvipError(f"a worker failed to start: {exc}") from None
+
+    def kill(self, role: str) -> None:
+        import ray
+
+        ray.kill(self.target if role == "target" else self.draft, no_restart=True)
+
+    def shutdown(self) -> None:
+        import ray
+
+        for actor in (self.target, self.draft):
+            if actor is not None:
+                try:
+                    ray.get(actor.shutdown.remote(), timeout=10)
+                except Exception:  # already dead: nothing to stop
+                    pass
+                ray.kill(actor, no_restart=True)

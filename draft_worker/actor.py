@@ -1,0 +1,25 @@
+"""The draft model as a Ray actor serving DraftWorker over gRPC."""
+
+from __future__ import annotations
+
+from draft_worker.drafter import Drafter
+from draft_worker.service import DraftService
+from svip_common.actor import ModelActor
+from svip_proto import svip_pb2_grpc as pb_grpc
+
+
+class DraftActor(ModelActor):
+    service_name = "svip.v1.DraftWorker"
+
+    def __init__(self, model_path: str, target_vocab_size: int, **kwargs):
+        super().__init__(model_path, **kwargs)
+        self.target_vocab_size = target_vocab_size
+
+    def make_service(self):
+        return DraftService(Drafter(self.model, self.target_vocab_size))
+
+    def register(self, server, service) -> None:
+        pb_grpc.add_DraftWorkerServicer_to_server(service, server)
+
+    def vocabulary(self) -> dict:
+        return self.model.tokenizer.get_vocab()

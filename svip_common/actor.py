@@ -1,0 +1,44 @@
+"""The lifecycle both worker actors share: load a model, serve it over gRPC, report health,
+shut down. Each worker package subclasses it with the service it hosts (draft_worker/actor.py,
+target_worker/actor.py); Ray places the actor (its GPU, or a CPU core and a role resource)."""
+
+from __future__ import annotations
+
+import torch
+
+from svip_common.grpc_server import start_server
+from svip_common.models import LoadedModel, load_model
+
+
+class ModelActor:
+    service_name = ""
+
+    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", threads: int = 1, host: str = "127.0.0.1"):
+        torch.set_num_threads(threads)
+        if device == "auto":
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.model: LoadedModel = load_model(model_path, dtype, device)
+        self.host = host
+        self._server = None
+        self.port = None
+
+    def make_service(self):
+        raise NotImplementedError
+
+    def register(self, server, service) -> None:
+        raise NotImplementedError
+
+    async def start(self) -> str:
+        """Start the gRPC server; returns its address host:port."""
+        if self._server is None:
+            service = self.make_service()
+            self._server, self.port = await start_server(lambda s: self.register(s, service), self.service_name, self.host)
+        return f"{self.host}:{self.port}"
+
+    async def health(self) -> bool:
+        return self._server is not None
+
+    async def shutdown(self) -> None:
+        if self._server is not None:
+            await self._server.stop(grace=1.0)
+            self._server = None

@@ -1,0 +1,259 @@
+"""The distributed pipeline on real Ray actors and real gRPC on loopback: greedy output equal to
+the in-process engine and to the target alone in sync and async mode, for every policy and for 8
+concurrent sessions; the sampling distribution; stale blocks never verified; cancellation frees
+both caches; a killed worker is a clear error; greedy wire bytes are ids and small headers."""
+
+from __future__ import annotations
+
+import asyncio
+import subprocess
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from coordinator.client import WorkerUnavailable
+from coordinator.cluster import WorkerPair, init_local_ray
+from coordinator.distributed import DistributedEngine
+from coordinator.engine import SpeculativeEngine
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
+from svip_proto import svip_pb2 as pb
+from svip_proto import svip_pb2_grpc as pb_grpc
+from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
+
+POLICIES = {
+    "svip": PolicyConfig(name="svip", threshold=0.6),
+    "constant": PolicyConfig(name="constant", draft_length=4),
+    "heuristic": PolicyConfig(name="heuristic", draft_length=3),
+    "confidence": PolicyConfig(name="confidence", confidence=0.2),
+    "none": PolicyConfig(name="none"),
+}
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs):
+    import ray
+
+    init_local_ray(pairs=2)  # the second pair is for the worker-kill test
+    pair = WorkerPair(model_dirs.target, model_dirs.close_draft)
+    yield pair
+    pair.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engines(pair, loop):
+    out = {}
+    for mode in ("sync", "async"):
+        engine = DistributedEngine(pair.target_info, pair.target_address, pair.draft_address, mode)
+        loop.run_until_complete(engine.connect())
+        out[mode] = engine
+    yield out
+    for engine in out.values():
+        loop.run_until_complete(engine.close())
+
+
+@pytest.fixture(scope="module")
+def inprocess(models):
+    return SpeculativeEngine(models["target"], models["close_draft"])
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_greedy_equals_inprocess_and_target_alone(engines, inprocess, models, prompt_ids, loop, mode, policy):
+    alone = SpeculativeEngine(models["target"], None)
+    for name, ids in prompt_ids.items():
+        request = GenerationRequest(ids, MAX_NEW, policy=POLICIES[policy])
+        result = loop.run_until_complete(engines[mode].generate(request))
+        assert result.token_ids == inprocess.generate(request).token_ids == alone.generate(request).token_ids, (mode, policy, name)
+        assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_eight_concurrent_sessions_each_equal_their_run_alone(engines, inprocess, prompt_ids, loop, mode):
+    prompts = list(prompt_ids.values())
+    requests = [
+        GenerationRequest(prompts[i % len(prompts)], 24 + 3 * i, policy=list(POLICIES.values())[i % 4])
+        for i in range(8)
+    ]
+
+    async def all_at_once():
+        return await asyncio.gather(*(engines[mode].generate(r) for r in requests))
+
+    results = loop.run_until_complete(all_at_once())
+    for request, result in zip(requests, results):
+        assert result.token_ids == inprocess.generate(request).token_ids
+
+
+def test_async_discards_stale_blocks_without_verifying_them(engines, pair, prompt_ids, loop):
+    engine = engines["async"]
+    before = loop.run_until_complete(engine.worker_stats())
+    request = GenerationRequest(prompt_ids["long"], 60, policy=POLICIES["constant"])
+    stats = loop.run_until_complete(engine.generate(request)).stats
+    after = loop.run_until_complete(engine.worker_stats())
+    verified = after["target"].tokens_processed - before["target"].tokens_processed
+    drafted = after["draft"].tokens_processed - before["draft"].tokens_processed
+    assert stats.discarded_tokens > 0  # rejections happened while the next block was drafted
+    assert verified == sum(stats.draft_lengths)  # only current-epoch blocks reached the target
+    assert drafted == sum(stats.draft_lengths) + stats.discarded_tokens
+
+
+def test_async_overlaps_draft_and_target(engines, prompt_ids, loop):
+    stats = loop.run_until_complete(engines["async"].generate(
+        GenerationRequest(prompt_ids["long"], 60, policy=POLICIES["constant"]))).stats
+    assert stats.both_busy_s > 0
+    workers = {w for w, _, _ in stats.timeline}
+    assert workers == {"draft", "target"}
+
+
+def test_greedy_wire_bytes_are_ids_and_small_headers(engines, prompt_ids, loop, models):
+    stats = loop.run_until_complete(engines["async"].generate(
+        GenerationRequest(prompt_ids["short"], 60, policy=POLICIES["constant"]))).stats
+    mean_k = sum(stats.draft_lengths) / stats.rounds
+    # per round: the block twice (draft -> coordinator -> target), verdict, feedback, each with a
+    # 32-byte session id; tokens <= 3 bytes, entropies 4 bytes; no vocabulary-sized vector
+    assert stats.wire_bytes_per_round < 400 + 2 * 8 * mean_k
+    assert stats.wire_bytes_per_round < models["target"].vocab_size * 4
+
+
+def test_sampled_rejections_ship_one_row_not_k(engines, prompt_ids, loop, models):
+    request = GenerationRequest(prompt_ids["short"], 40, sampling=SamplingParams(temperature=1.0, seed=3),
+                                policy=POLICIES["constant"])
+    stats = loop.run_until_complete(engines["sync"].generate(request)).stats
+    rejections = sum(a < d for a, d in zip(stats.accepted_lengths, stats.draft_lengths))
+    row = models["target"].vocab_size * 4
+    assert rejections > 0
+    # one row per rejection, relayed target -> coordinator -> draft; never one per drafted token
+    assert stats.wire_bytes < 2 * rejections * (row + 64) + stats.rounds * 600
+    assert stats.wire_bytes < sum(stats.draft_lengths) * row
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sampling_distribution_through_the_pipeline(engines, models, prompt_ids, loop, mode):
+    sampling = SamplingParams(temperature=1.0)
+    prompt = prompt_ids["medium"]
+    policy = PolicyConfig(name="constant", draft_length=3)
+    requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=s), policy=policy)
+                for s in range(1500)]
+
+    async def run_all():
+        out = []
+        for i in range(0, len(requests), 50):
+            out += await asyncio.gather(*(engines[mode].generate(r) for r in requests[i : i + 50]))
+        return out
+
+    results = loop.run_until_complete(run_all())
+    p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
+    assert chi_square_pvalue([r.token_ids[0] for r in results], p1) > ALPHA
+    assert chi_square_pvalue([r.token_ids[1] for r in results], p2) > ALPHA
+    q1, _ = exact_marginals(models["close_draft"].model, prompt, sampling)
+    assert chi_square_pvalue([r.token_ids[0] for r in results], q1) < ALPHA
+
+
+def test_seeded_sampling_reproduces_across_runs(engines, prompt_ids, loop):
+    request = GenerationRequest(prompt_ids["long"], 30, sampling=SamplingParams(temperature=0.9, seed=11),
+                                policy=POLICIES["svip"])
+    first = loop.run_until_complete(engines["async"].generate(request))
+    second = loop.run_until_complete(engines["async"].generate(request))
+    assert first.token_ids == second.token_ids
+
+
+def test_cancelled_session_frees_both_caches(engines, prompt_ids, loop):
+    engine = engines["async"]
+
+    async def start_then_cancel():
+        task = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids["short"], 400, policy=POLICIES["constant"], ignore_eos=True)))
+        await asyncio.sleep(0.3)
+        busy = await engine.worker_stats()
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        for _ in range(100):
+            stats = await engine.worker_stats()
+            if stats["target"].open_sessions == 0 and stats["draft"].open_sessions == 0:
+                return busy, stats
+            await asyncio.sleep(0.05)
+        return busy, stats
+
+    busy, after = loop.run_until_complete(start_then_cancel())
+    assert busy["target"].open_sessions == 1 and busy["target"].cached_tokens > 0
+    assert after["target"].open_sessions == 0 and after["draft"].open_sessions == 0
+    assert after["target"].cached_tokens == 0 and after["draft"].cached_tokens == 0
+
+
+def test_bad_request_is_invalid_argument_and_the_stream_goes_on(pair, loop):
+    async def exchange():
+        async with grpc.aio.insecure_channel(pair.target_address) as channel:
+            stub = pb_grpc.TargetWorkerStub(channel)
+            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="svip.v1.TargetWorker"))
+            requests = asyncio.Queue()
+
+            async def gen():
+                while (r := await requests.get()) is not None:
+                    yield r
+
+            call = stub.Session(gen())
+            requests.put_nowait(pb.TargetRequest(verify=pb.VerifyBlock(block=pb.Block(session_id="ghost", base=3))))
+            first = await call.read()
+            requests.put_nowait(pb.TargetRequest(start=pb.StartSession(session_id="s", prompt_ids=[1, 99999])))
+            second = await call.read()
+            start = pb.StartSession(session_id="ok", prompt_ids=[1, 2], sampling=pb.SamplingParams(top_p=1.0))
+            requests.put_nowait(pb.TargetRequest(start=start))
+            requests.put_nowait(pb.TargetRequest(verify=pb.VerifyBlock(block=pb.Block(session_id="ok", base=2))))
+            third = await call.read()
+            requests.put_nowait(None)
+            return health, first, second, third
+
+    health, first, second, third = loop.run_until_complete(exchange())
+    assert health.status == health_pb2.HealthCheckResponse.SERVING
+    assert first.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "no session 'ghost'" in first.error.message
+    assert "outside the vocabulary" in second.error.message
+    assert third.WhichOneof("kind") == "verdict" and third.verdict.base == 2
+
+
+def test_distributed_rejects_bad_requests_with_named_errors(engines, loop):
+    with pytest.raises(InvalidRequest, match="top_p"):
+        loop.run_until_complete(engines["async"].generate(
+            GenerationRequest((1, 2), 5, sampling=SamplingParams(temperature=1.0, top_p=0.0))))
+    with pytest.raises(InvalidRequest, match="outside the vocabulary"):
+        loop.run_until_complete(engines["async"].generate(GenerationRequest((1, 10**6), 5)))
+
+
+def test_listeners_are_loopback_only(pair):
+    """Every TCP listener of this machine's Ray and worker processes is on 127.0.0.1."""
+    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
+    ray_lines = [line for line in out.splitlines() if any(n in line for n in ("raylet", "gcs_server", "ray::", "python"))]
+    assert ray_lines
+    for line in ray_lines:
+        local = line.split()[3]
+        assert local.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")), line
+
+
+def test_killed_worker_is_a_clear_error(model_dirs, loop, pair):
+    """Last in this module: a second pair whose draft is killed mid-session."""
+    doomed = WorkerPair(model_dirs.target, model_dirs.close_draft)
+    engine = DistributedEngine(doomed.target_info, doomed.target_address, doomed.draft_address, "async")
+    loop.run_until_complete(engine.connect())
+
+    async def kill_midway():
+        task = asyncio.create_task(engine.generate(GenerationRequest((5, 6, 7), 400, policy=POLICIES["constant"], ignore_eos=True)))
+        await asyncio.sleep(0.3)
+        doomed.kill("draft")
+        return await asyncio.wait_for(task, timeout=30)
+
+    try:
+        with pytest.raises(WorkerUnavailable, match="draft worker"):
+            loop.run_until_complete(kill_midway())
+    finally:
+        loop.run_until_complete(engine.close())
+        doomed.shutdown()
