@@ -17,6 +17,9 @@ QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
+    bench.add_argument("--mode", choices=["policies", "pipeline"], default="policies",
+                       help="policies: length policies and Hugging Face side by side (default); "
+                       "pipeline: in-process vs distributed sync vs async, concurrency, timeline")
     bench.add_argument("--target", help="target model (default: the embedded pair)")
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
     bench.add_argument("--dtype", default="float32")
@@ -56,19 +59,23 @@ def run(args: argparse.Namespace, load_engine) -> int:
         from svip_assets import SPLIT_FILE
 
         prompts += load_code_prompts(SPLIT_FILE, args.prompts_per_category)
+    header = {
+        "command": "svip bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
+        "machine": machine_description(),
+        "target": engine.target.path, "draft": engine.drafter.draft.path,
+        "prompts": len(prompts), "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
+    }
+    if args.mode == "pipeline":
+        from coordinator.bench import pipeline
+
+        return pipeline.run(engine, prompts, args, header)
     calibration = engine.calibration()
     methods = build_methods(ks, 0.3, calibration.threshold, include_hf=not args.no_hf)
     print(f"bench: {len(prompts)} prompts x {len(methods)} methods x {args.repeats} repeats; "
           f"svip-auto threshold {calibration.threshold} (cost ratio {calibration.cost_ratio:.3f})", file=sys.stderr)
     progress = Progress(len(prompts) * len(methods) * args.repeats)
     runs, violations = run_all(engine, methods, prompts, args.max_new_tokens, args.repeats, args.max_prompt_tokens, progress=progress)
-    header = {
-        "command": "svip bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
-        "machine": machine_description(),
-        "target": engine.target.path, "draft": engine.drafter.draft.path,
-        "prompts": len(prompts), "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
-        "auto_calibration": calibration.to_dict(),
-    }
+    header["auto_calibration"] = calibration.to_dict()
     table = aggregate(runs, methods)
     md = write_all(Path(args.out), header, table, runs, violations, {"svip": 0.3, "svip-auto": calibration.threshold}, 0.15)
     print(md)

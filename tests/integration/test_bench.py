@@ -66,3 +66,20 @@ def test_summary_arithmetic():
     assert s["mean_acceptance_length"] == 1 + 180 / 120
     assert s["acceptance_rate"] == 0.5
     assert abs(s["projected_speedup"]["0.1"] - 300 / (120 + 0.1 * 360)) < 1e-12
+
+
+def test_pipeline_bench(tmp_path, model_dirs, capsys):
+    """`--mode pipeline`: in-process, distributed sync and async agree token for token (the bench
+    fails otherwise) and the throughput table, concurrency figure and timeline are written."""
+    out = tmp_path / "pipe"
+    code = main([
+        "bench", "--mode", "pipeline", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+        "--categories", "code", "--prompts-per-category", "2", "--repeats", "1", "--max-new-tokens", "12",
+        "--out", str(out),
+    ])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    doc = json.loads((out / "pipeline.json").read_text())
+    assert doc["exactness_violations"] == []
+    assert set(doc["tokens_per_s"]) == {"inprocess", "sync", "async"}
+    assert doc["concurrency"]["8"] > 0 and doc["timeline"]
+    assert (out / "timeline.png").stat().st_size > 1000
