@@ -79,8 +79,8 @@ def run_all(
 class Progress:
     """A one-line progress bar on stderr."""
 
-    def __init__(self, total: int, stream=sys.stderr):
-        self.total, self.done, self.stream = total, 0, stream
+    def __init__(self, total: int, stream=None):
+        self.total, self.done, self.stream = total, 0, stream or sys.stderr
 
     def update(self, n: int) -> None:
         self.done += n
