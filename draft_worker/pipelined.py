@@ -37,6 +37,10 @@ class PipelinedDraft:
     epoch: int = 0
     outstanding: list[Outgoing] = field(default_factory=list)  # sent, not yet answered (<= 2)
 
+    @property
+    def cached_tokens(self) -> int:
+        return self.session.cached_tokens
+
     def __post_init__(self):
         self.known = list(self.prompt)
         self.limit = len(self.prompt) + self.max_new_tokens

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 from collections.abc import Iterator
 
 import grpc
@@ -11,40 +9,24 @@ import grpc
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import Outgoing, PipelinedDraft
 from svip_common.errors import InvalidRequest
-from svip_common.grpc_server import SessionStream
+from svip_common.grpc_server import SessionService
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 
 
-class DraftService(pb_grpc.DraftWorkerServicer):
+class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
+    role = "draft"
+
     def __init__(self, drafter: Drafter):
+        super().__init__()
         self.drafter = drafter
-        self.sessions: dict[str, PipelinedDraft] = {}
-        self._lock = threading.Lock()
-        self.tokens_processed = 0
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix="draft")
-
-    async def Session(self, request_iterator, context):
-        stream = SessionStream(self._handle, self._close, _error, self._pool)
-        async for event in stream.run(request_iterator):
-            yield event
-
-    async def Stats(self, request, context):
-        with self._lock:
-            return pb.WorkerStats(
-                open_sessions=len(self.sessions),
-                cached_tokens=sum(s.session.cached_tokens for s in self.sessions.values()),
-                tokens_processed=self.tokens_processed,
-            )
 
     # --- on the compute thread -------------------------------------------------------------
     def _handle(self, request: pb.DraftRequest) -> Iterator[pb.DraftEvent]:
         kind = request.WhichOneof("kind")
         if kind == "start":
             msg = request.start
-            if msg.session_id in self.sessions:
-                raise InvalidRequest(f"session {msg.session_id!r} already exists")
             if not msg.prompt_ids:
                 raise InvalidRequest("prompt is empty")
             sampling = convert.sampling_from_proto(msg.sampling)
@@ -60,8 +42,7 @@ class DraftService(pb_grpc.DraftWorkerServicer):
                 prompt=list(msg.prompt_ids), max_new_tokens=msg.max_new_tokens, stop_token_ids=stop,
                 pipelined=msg.pipeline == pb.PIPELINE_ASYNC,
             )
-            with self._lock:
-                self.sessions[msg.session_id] = session
+            self._new_session(msg.session_id, session)
             yield from self._events(msg.session_id, session, session.start())
             return
         if kind == "feedback":
@@ -77,12 +58,6 @@ class DraftService(pb_grpc.DraftWorkerServicer):
             return
         raise InvalidRequest("empty draft request")
 
-    def _session(self, session_id: str) -> PipelinedDraft:
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise InvalidRequest(f"no session {session_id!r}")
-        return session
-
     def _events(self, session_id: str, session: PipelinedDraft, sent: Iterator[Outgoing]) -> Iterator[pb.DraftEvent]:
         greedy = session.session.sampling.greedy
         for item in sent:
@@ -91,10 +66,5 @@ class DraftService(pb_grpc.DraftWorkerServicer):
             block.followup, block.started_at, block.finished_at = item.followup, item.started_at, item.finished_at
             yield pb.DraftEvent(block=block)
 
-    def _close(self, session_id: str) -> None:
-        with self._lock:
-            self.sessions.pop(session_id, None)
-
-
-def _error(session_id: str, code: grpc.StatusCode, message: str) -> pb.DraftEvent:
-    return pb.DraftEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
+    def _error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.DraftEvent:
+        return pb.DraftEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))

@@ -6,13 +6,15 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from svip_common.errors import SvipError
+from svip_common.errors import InvalidRequest, SvipError
+from svip_proto import svip_pb2 as pb
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a full-vocabulary float32 row is ~600 KB at 152k tokens
 GRPC_OPTIONS = [
@@ -88,3 +90,52 @@ def _session_id(request) -> str:
     if kind == "verify":
         return inner.block.session_id
     return inner.session_id
+
+
+class SessionService:
+    """What both worker services share: the session table, one compute thread, the session
+    stream, Stats and cancellation. Subclasses implement ``_handle`` (request -> events) and
+    ``_error_event``; their sessions expose ``cached_tokens``."""
+
+    role = ""
+
+    def __init__(self):
+        self.sessions: dict = {}
+        self.tokens_processed = 0
+        self._lock = threading.Lock()
+        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.role)
+
+    async def Session(self, request_iterator, context):
+        stream = SessionStream(self._handle, self._close, self._error_event, self._pool)
+        async for event in stream.run(request_iterator):
+            yield event
+
+    async def Stats(self, request, context):
+        with self._lock:
+            return pb.WorkerStats(
+                open_sessions=len(self.sessions),
+                cached_tokens=sum(s.cached_tokens for s in self.sessions.values()),
+                tokens_processed=self.tokens_processed,
+            )
+
+    def _new_session(self, session_id: str, session) -> None:
+        with self._lock:
+            if session_id in self.sessions:
+                raise InvalidRequest(f"session {session_id!r} already exists")
+            self.sessions[session_id] = session
+
+    def _session(self, session_id: str):
+        session = self.sessions.get(session_id)
+        if session is None:
+            raise InvalidRequest(f"no session {session_id!r}")
+        return session
+
+    def _close(self, session_id: str) -> None:
+        with self._lock:
+            self.sessions.pop(session_id, None)
+
+    def _handle(self, request):
+        raise NotImplementedError
+
+    def _error_event(self, session_id: str, code: grpc.StatusCode, message: str):
+        raise NotImplementedError
