@@ -13,7 +13,7 @@ import secrets
 import sys
 
 from svip_common.contracts import POLICY_NAMES, GenerationRequest, PolicyConfig, SamplingParams
-from svip_common.errors import InvalidRequest, ModelLoadError, SvipError
+from svip_common.errors import InvalidRequest, SvipError
 from svip_common.randomness import sample_seed
 
 

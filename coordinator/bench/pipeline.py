@@ -12,7 +12,7 @@ import sys
 import time
 from pathlib import Path
 
-from coordinator.bench.runner import Progress, encode_prompts, machine_description
+from coordinator.bench.runner import Progress, encode_prompts
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig
