@@ -20,6 +20,7 @@ import torch
 
 from coordinator.calibration import measure_cost_ratio, record_trajectory
 from svip_common.models import load_model
+from training.train_pair import encode, evaluate, load_corpus
 
 BANDS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 99.0)
 
@@ -48,6 +49,9 @@ def main() -> None:
     pair = Path(args.pair)
     target, draft = load_model(str(pair / "target")), load_model(str(pair / "draft"))
     info = {k: json.loads((pair / k / "training.json").read_text()) for k in ("target", "draft")}
+    val_ids = encode(target.tokenizer, load_corpus()["texts"]["validation"])
+    for kind, model in (("target", target), ("draft", draft)):  # the shipped (bfloat16) weights
+        info[kind]["validation_loss"] = evaluate(model.model, val_ids, seq_len=256, max_windows=200)
     prompts = validation_prompts(pair / "split.json", args.prompts)
     trajs = [record_trajectory(target, draft, list(target.tokenizer(p)["input_ids"]), args.new_tokens) for p in prompts]
     pairs = [(h, m) for t in trajs for h, m in zip(t.entropies, t.matches)]
@@ -81,7 +85,7 @@ category from the test files). pydoc's topics join the training split.
 | training steps (batch 16 x 256 tokens) | {info['target']['steps']} | {info['draft']['steps']} |
 | tokens seen | {info['target']['tokens_seen'] / 1e6:.1f}M | {info['draft']['tokens_seen'] / 1e6:.1f}M |
 | training time (1 CPU thread) | {info['target']['train_s'] / 60:.0f} min | {info['draft']['train_s'] / 60:.0f} min |
-| validation loss (nats/token) | {info['target']['validation_loss']:.3f} | {info['draft']['validation_loss']:.3f} |
+| validation loss (nats/token, 200 windows of 256) | {info['target']['validation_loss']:.3f} | {info['draft']['validation_loss']:.3f} |
 
 ## As a pair (measured by `training/model_card.py` on {len(prompts)} validation prompts, {args.new_tokens} greedy tokens each)
 

@@ -101,13 +101,16 @@ def batches(data: np.ndarray, batch: int, seq_len: int, rng: np.random.Generator
 
 @torch.no_grad()
 def evaluate(model, data: np.ndarray, seq_len: int, max_windows: int = 64) -> float:
+    """Mean next-token cross-entropy (nats/token) over consecutive held-out windows."""
+    was_training = model.training
     model.eval()
     n = min(max_windows, (len(data) - 1) // seq_len)
     losses = []
     for i in range(n):
-        chunk = torch.from_numpy(data[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64))[None]
-        losses.append(float(model(input_ids=chunk[:, :-1], labels=chunk[:, 1:].clone()).loss))
-    model.train()
+        chunk = torch.from_numpy(data[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64))[None]  # [1, L + 1]
+        logits = model(input_ids=chunk[:, :-1]).logits.float()  # [1, L, vocab]
+        losses.append(float(torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:])))
+    model.train(was_training)
     return float(np.mean(losses))
 
 
