@@ -48,6 +48,8 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--mode", choices=["inprocess", "distributed"], default="inprocess",
                         help="inprocess (default), or distributed: draft and target as Ray actors over gRPC")
     models.add_argument("--pipeline", choices=["sync", "async"], help="distributed: async (default) overlaps drafting with verification")
+    models.add_argument("--target-gpus", type=int, default=1,
+                        help="distributed with --device cuda: GPUs the target spans (1); the draft takes one")
     pol = gen.add_argument_group("length policy")
     pol.add_argument("--policy", default="svip", help=f"one of {', '.join(POLICY_NAMES)} (default svip)")
     pol.add_argument("--threshold", type=_threshold, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3), or 'auto' (learnt for the pair)")
@@ -179,7 +181,9 @@ def _load_engine(args: argparse.Namespace):
     if getattr(args, "mode", "inprocess") == "distributed":
         from coordinator.local import LocalDistributed
 
-        return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device)
+        if args.target_gpus < 1:
+            raise InvalidRequest(f"--target-gpus must be >= 1, got {args.target_gpus}")
+        return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device, args.target_gpus)
     target = load_model(target_path, args.dtype, args.device)
     draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
     return SpeculativeEngine(target, draft)

@@ -12,9 +12,11 @@ from svip_common.contracts import GenerationRequest, GenerationResult
 
 class LocalDistributed:
     def __init__(self, target_path: str, draft_path: str | None, pipeline: str = "async",
-                 dtype: str = "float32", device: str = "cpu"):
+                 dtype: str = "float32", device: str = "cpu", target_gpus: int = 1):
         init_local_ray()
-        self.pair = WorkerPair(target_path, draft_path, dtype=dtype, device=device)
+        gpus = device.startswith("cuda")
+        self.pair = WorkerPair(target_path, draft_path, dtype=dtype, device=device,
+                               target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0)
         self.target = self.pair.target_info
         self.draft_path = draft_path
         self.loop = asyncio.new_event_loop()

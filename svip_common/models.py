@@ -29,18 +29,20 @@ class LoadedModel:
     eos_token_ids: tuple[int, ...]
 
 
-def load_model(path: str, dtype: str = "float32", device: str = "cpu") -> LoadedModel:
-    """Load model and tokenizer from a local directory (or a hub id where a hub is reachable)."""
+def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: bool = False) -> LoadedModel:
+    """Load model and tokenizer from a local directory (or a hub id where a hub is reachable).
+    spread: place the layers across every visible GPU (a target too large for one)."""
     _check_local_path(path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype])
+        placement = {"device_map": "auto"} if spread else {}
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path!r}: {_first_line(exc)}") from None
     try:
-        model = model.to(device).eval()
+        model = (model if spread else model.to(device)).eval()
     except (RuntimeError, AssertionError) as exc:
         raise ModelLoadError(f"cannot place model {path!r} on device {device!r}: {exc}") from None
     config = model.config.get_text_config(decoder=True)

@@ -103,6 +103,7 @@ def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
         (["x", "--draft-length", "0"], "draft length must be >= 1"),
         (["x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
         (["x", "--n", "0"], "--n must be >= 1"),
+        (["x", "--mode", "distributed", "--target-gpus", "0"], "--target-gpus must be >= 1"),
         (["x", "--max-new-tokens", "600"], "exceeds the model's context of 512 tokens"),
         (["x", "--prompt-ids", "1"], "give exactly one prompt source"),
         ([], "give exactly one prompt source"),
