@@ -6,11 +6,14 @@ can stop far too early or too late elsewhere. Calibration measures, for the pair
 1. how acceptance depends on the draft's entropy: the target decodes a few prompts greedily, and
    one teacher-forced draft pass over each continuation gives, per position, the draft's entropy
    H_i and whether its argmax matches the target's token (m_i);
-2. the pair's cost ratio c = draft forward time / target forward time, timed on this machine;
+2. the costs, timed on this machine, in units of one target forward of one token: a draft
+   forward (c), and each extra token the target verifies in the same forward (v; near 0 on a
+   GPU, where a forward is memory-bound, but not on a CPU);
 
 then replays SVIP offline on those trajectories for a grid of thresholds and keeps the one with
-the least modelled time per token, (rounds + c * drafted) / emitted. Only block lengths change
-with the threshold, never which tokens are emitted, so exactness is untouched.
+the least modelled time per token, sum over rounds of (1 + (v + c) * drafted) / emitted. Only
+block lengths change with the threshold, never which tokens are emitted, so exactness is
+untouched.
 """
 
 from __future__ import annotations
@@ -45,12 +48,24 @@ class Trajectory:
     matches: list[bool]  # draft argmax == target token there
 
 
+@dataclass(frozen=True)
+class CostModel:
+    """Round cost in one-token target forwards: 1 + (verify_slope + draft_ratio) * drafted."""
+
+    draft_ratio: float
+    verify_slope: float = 0.0
+
+    def round_cost(self, drafted: int) -> float:
+        return 1.0 + (self.verify_slope + self.draft_ratio) * drafted
+
+
 @dataclass
 class Calibration:
     threshold: float
     entropy_scale: float
     cost_ratio: float
     tokens: int  # positions the estimate rests on
+    verify_slope: float = 0.0
     time_per_token: dict[float, float] = field(default_factory=dict)  # threshold -> modelled cost
 
     @property
@@ -67,6 +82,7 @@ class Calibration:
             "threshold": self.threshold,
             "entropy_scale": self.entropy_scale,
             "cost_ratio": round(self.cost_ratio, 4),
+            "verify_slope": round(self.verify_slope, 4),
             "tokens": self.tokens,
         }
 
@@ -92,9 +108,9 @@ def record_trajectory(target: LoadedModel, draft: LoadedModel, prompt_ids: list[
     )
 
 
-def replay_svip(traj: Trajectory, threshold: float, scale: float, cap: int, cost_ratio: float) -> tuple[float, int]:
+def replay_svip(traj: Trajectory, threshold: float, scale: float, cap: int, cost: CostModel) -> tuple[float, int]:
     """Modelled (cost in target forwards, emitted tokens) of SVIP along one trajectory."""
-    n, start, cost, emitted = len(traj.matches), 0, 0.0, 0
+    n, start, total, emitted = len(traj.matches), 0, 0.0, 0
     while start < n:
         drafted = accepted = 0
         rejected = False
@@ -104,39 +120,46 @@ def replay_svip(traj: Trajectory, threshold: float, scale: float, cap: int, cost
             accepted += not rejected
             if math.sqrt(scale * traj.entropies[i]) > threshold:
                 break
-        cost += 1.0 + cost_ratio * drafted
+        total += cost.round_cost(drafted)
         emitted += accepted + 1
         start += accepted + 1
-    return cost, emitted
+    return total, emitted
 
 
-def choose_threshold(trajs: list[Trajectory], scale: float, cap: int, cost_ratio: float) -> tuple[float, dict]:
+def choose_threshold(trajs: list[Trajectory], scale: float, cap: int, cost: CostModel) -> tuple[float, dict]:
     table = {}
     for threshold in THRESHOLD_GRID:
-        totals = [replay_svip(t, threshold, scale, cap, cost_ratio) for t in trajs]
+        totals = [replay_svip(t, threshold, scale, cap, cost) for t in trajs]
         table[threshold] = sum(c for c, _ in totals) / max(1, sum(e for _, e in totals))
     best = min(table, key=lambda t: (table[t], t))
     return best, table
 
 
 @torch.inference_mode()
-def measure_cost_ratio(target: LoadedModel, draft: LoadedModel, context: int = 64, repeats: int = 15) -> float:
-    """Median one-token forward time with a warm cache, draft over target."""
+def forward_time(model, tokens: int = 1, context: int = 64, repeats: int = 15) -> float:
+    """Median time of one forward of `tokens` tokens after a warm cache of `context`."""
+    cache = KVCache(model)
+    cache.forward(list(range(1, context + 1)), logits_to_keep=1)
+    times = []
+    for i in range(repeats):
+        _sync(model)
+        start = time.perf_counter()
+        cache.forward([i + 1 + j for j in range(tokens)], logits_to_keep=tokens)
+        _sync(model)
+        times.append(time.perf_counter() - start)
+        cache.rollback(context)
+    return statistics.median(times)
 
-    def one_token_time(model) -> float:
-        cache = KVCache(model)
-        cache.forward(list(range(1, context + 1)), logits_to_keep=1)
-        times = []
-        for i in range(repeats):
-            _sync(model)
-            start = time.perf_counter()
-            cache.forward([i + 1], logits_to_keep=1)
-            _sync(model)
-            times.append(time.perf_counter() - start)
-            cache.rollback(context)
-        return statistics.median(times)
 
-    return one_token_time(draft.model) / one_token_time(target.model)
+def measure_cost_ratio(target: LoadedModel, draft: LoadedModel) -> float:
+    """One-token forward time, draft over target."""
+    return forward_time(draft.model) / forward_time(target.model)
+
+
+def measure_costs(target: LoadedModel, draft: LoadedModel, block: int = 8) -> CostModel:
+    one = forward_time(target.model)
+    many = forward_time(target.model, tokens=block + 1)
+    return CostModel(draft_ratio=forward_time(draft.model) / one, verify_slope=max(0.0, (many - one) / block / one))
 
 
 def _sync(model) -> None:
@@ -155,6 +178,9 @@ def calibrate(
     trajs = [
         record_trajectory(target, draft, list(target.tokenizer(p)["input_ids"]), new_tokens) for p in prompts
     ]
-    ratio = measure_cost_ratio(target, draft)
-    threshold, table = choose_threshold(trajs, entropy_scale, cap, ratio)
-    return Calibration(threshold, entropy_scale, ratio, sum(len(t.matches) for t in trajs), table)
+    cost = measure_costs(target, draft)
+    threshold, table = choose_threshold(trajs, entropy_scale, cap, cost)
+    return Calibration(
+        threshold=threshold, entropy_scale=entropy_scale, cost_ratio=cost.draft_ratio,
+        tokens=sum(len(t.matches) for t in trajs), verify_slope=cost.verify_slope, time_per_token=table,
+    )
