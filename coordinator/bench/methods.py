@@ -98,13 +98,23 @@ def run_hf(engine: SpeculativeEngine, counters: tuple[ForwardCounter, ForwardCou
     t_count, d_count = counters
     t0, d0 = t_count.count, d_count.count
     input_ids = torch.tensor([list(ids)], device=target.model.device)
-    start = time.perf_counter()
-    out = target.model.generate(
-        input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=draft.model,
-        do_sample=False, max_new_tokens=max_new, eos_token_id=list(target.eos_token_ids) or None,
-        pad_token_id=(target.eos_token_ids or (0,))[0], **method.hf,
-    )
-    wall = time.perf_counter() - start
+    # Hugging Face reads the schedule from the assistant's own generation config, not from
+    # generate()'s keyword arguments
+    assistant_config = draft.model.generation_config
+    saved = {key: getattr(assistant_config, key, None) for key in method.hf}
+    for key, value in method.hf.items():
+        setattr(assistant_config, key, value)
+    try:
+        start = time.perf_counter()
+        out = target.model.generate(
+            input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=draft.model,
+            do_sample=False, max_new_tokens=max_new, eos_token_id=list(target.eos_token_ids) or None,
+            pad_token_id=(target.eos_token_ids or (0,))[0],
+        )
+        wall = time.perf_counter() - start
+    finally:
+        for key, value in saved.items():
+            setattr(assistant_config, key, value)
     return dict(
         token_ids=out[0, len(ids):].tolist(), wall_s=wall,
         target_forwards=t_count.count - t0, draft_forwards=d_count.count - d0,

@@ -33,6 +33,8 @@ def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
     assert methods == {"target", "constant-2", "constant-3", "heuristic", "confidence", "svip", "svip-auto",
                        "oracle", "hf-constant-2", "hf-constant-3", "hf-heuristic"}
     assert doc["best_constant"] in ("constant-2", "constant-3")
+    hf = doc["results"]["all"]
+    assert hf["hf-constant-2"]["draft_forwards_per_token"] != hf["hf-constant-3"]["draft_forwards_per_token"]
     oracle, const = doc["results"]["all"]["oracle"], doc["results"]["all"]["constant-3"]
     assert oracle["target_forwards_per_token"] <= const["target_forwards_per_token"] + 1e-9
     assert any(b["tokens"] for b in doc["entropy_acceptance"])
