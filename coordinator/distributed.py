@@ -3,7 +3,6 @@ per worker, each run by a SessionPipeline (sync or async)."""
 
 from __future__ import annotations
 
-import dataclasses
 import uuid
 from collections.abc import Callable
 
@@ -29,12 +28,8 @@ class DistributedEngine:
             await self.draft_conn.open()
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
-        policy = request.policy
-        if self.draft_conn is None and policy.name != "none":
-            policy = dataclasses.replace(policy, name="none")
-        request = dataclasses.replace(request, policy=policy)
-        request.validate(self.target.vocab_size, self.target.max_positions)
-        if policy.threshold == AUTO and policy.name == "svip":
+        request = request.checked_for(self.draft_conn is not None, self.target.vocab_size, self.target.max_positions)
+        if request.policy.threshold == AUTO and request.policy.name == "svip":
             raise InvalidRequest("threshold 'auto' is available in-process only for now; pass a number")
         return request
 

@@ -51,11 +51,8 @@ class SpeculativeEngine:
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
         """The request as it will run: validated, policy 'none' when there is no draft, and
         threshold 'auto' replaced by the pair's calibrated value."""
+        request = request.checked_for(self.drafter is not None, self.target.vocab_size, self.target.max_positions)
         policy = request.policy
-        if self.drafter is None and policy.name != "none":
-            policy = dataclasses.replace(policy, name="none")
-        request = dataclasses.replace(request, policy=policy)
-        request.validate(self.target.vocab_size, self.target.max_positions)
         if policy.threshold == AUTO:
             threshold = self.calibration().threshold_for(policy.entropy_scale) if self.drafter else 0.0
             request = dataclasses.replace(request, policy=dataclasses.replace(policy, threshold=threshold))

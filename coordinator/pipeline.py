@@ -119,9 +119,9 @@ class SessionPipeline:
 
     def _on_verdict(self, msg: pb.Verdict) -> None:
         self.intervals.append(("target", msg.started_at, msg.finished_at))
-        verdict = convert.verdict_from_proto(msg)
+        # the coordinator only relays p_row (draft side draws the correction): never decoded here
         block, self.in_verification = self.in_verification, None
-        k, accepted = len(block.tokens), verdict.accepted
+        k, accepted = len(block.tokens), msg.accepted
         self._record_round(block, accepted)
         settled = list(block.tokens[:accepted])
         deferred = False
@@ -130,11 +130,11 @@ class SessionPipeline:
             if self.held is not None:
                 self.stats.discarded_tokens += len(self.held.tokens)
                 self.held = None
-            token = verdict.token
+            token = msg.token
         elif block.followup:
             deferred, token = True, NO_TOKEN  # the held block's first token settles the next place
         else:
-            token = verdict.token
+            token = msg.token
         if token != NO_TOKEN:
             settled.append(token)
         self._commit(settled)
@@ -145,7 +145,7 @@ class SessionPipeline:
             return
         feedback = pb.Feedback(session_id=self.sid, epoch=self.epoch, base=block.base, drafted=k,
                                accepted=accepted, token=token)
-        if verdict.p_row is not None:
+        if msg.HasField("p_row"):
             feedback.p_row.CopyFrom(msg.p_row)
         self.draft.send(self.sid, pb.DraftRequest(feedback=feedback))
         if deferred and self.held is not None:

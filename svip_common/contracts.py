@@ -89,6 +89,14 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, besides the model's EOS
     ignore_eos: bool = False  # generate to max_new_tokens through the model's EOS (benchmarks)
 
+    def checked_for(self, has_draft: bool, vocab_size: int, max_positions: int | None) -> GenerationRequest:
+        """This request validated against a model, with policy 'none' when no draft is loaded."""
+        request = self
+        if not has_draft and self.policy.name != "none":
+            request = dataclasses.replace(self, policy=dataclasses.replace(self.policy, name="none"))
+        request.validate(vocab_size, max_positions)
+        return request
+
     def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
         """The ids that end this request's output."""
         eos = () if self.ignore_eos else eos_token_ids
