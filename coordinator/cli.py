@@ -65,15 +65,51 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--seed", type=int, help="random seed (default: drawn and reported)")
     smp.add_argument("--n", type=int, default=1, help="independent samples of one prompt")
     gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
+    _add_serve_parser(sub)
     from coordinator.bench.command import add_arguments
 
     add_arguments(sub.add_parser("bench", help="benchmark length policies against each other and Hugging Face"))
     return parser
 
 
+def _add_serve_parser(sub) -> None:
+    srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (Ray Serve) on this machine")
+    srv.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
+    srv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    srv.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
+    srv.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone")
+    srv.add_argument("--model-name", help="the model id clients send (default: the target's path, or svip-pair)")
+    srv.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, auto")
+    srv.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: each worker takes GPUs")
+    srv.add_argument("--target-gpus", type=int, default=1, help="cuda: GPUs the target spans (1)")
+    srv.add_argument("--pipeline", choices=["sync", "async"], default="async")
+    srv.add_argument("--replicas", type=int, default=1, help="pipelines (draft + target pairs) to run (1)")
+    srv.add_argument("--max-in-flight", type=int, default=16, help="sessions generating at once per pipeline (16)")
+    srv.add_argument("--max-waiting", type=int, default=32, help="requests waiting per pipeline before 429 (32)")
+    srv.add_argument("--policy", default="svip", help=f"default length policy: {', '.join(POLICY_NAMES)}")
+    srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
+
+
+def _serve(args: argparse.Namespace) -> int:
+    from svip_serve.local import serve_forever
+    from svip_serve.settings import ServeSettings
+
+    if not 0 < args.port < 65536:
+        raise InvalidRequest(f"--port must be in 1..65535, got {args.port}")
+    settings = ServeSettings.from_args({
+        "target": args.target, "draft": args.draft, "model_name": args.model_name, "dtype": args.dtype,
+        "device": args.device, "target_gpus": args.target_gpus, "pipeline": args.pipeline,
+        "num_replicas": args.replicas, "max_in_flight": args.max_in_flight, "max_waiting": args.max_waiting,
+        "policy": args.policy, "threshold": args.threshold,
+    })
+    return serve_forever(settings, args.host, args.port)
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         args = build_parser().parse_args(argv)
+        if args.command == "serve":
+            return _serve(args)
         if args.command == "bench":
             from coordinator.bench.command import run
 

@@ -25,24 +25,44 @@ def init_local_ray(pairs: int = 1) -> None:
     ray.init(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
-        num_cpus=max(2 * pairs, os.cpu_count() or 2),  # one logical CPU per worker actor
+        num_cpus=max(3 * pairs, os.cpu_count() or 2),  # a logical CPU per worker actor, and per Serve replica
         resources={DRAFT_RESOURCE: pairs, TARGET_RESOURCE: pairs},
         log_to_driver=False,
         configure_logging=False,
+        runtime_env={"worker_process_setup_hook": "coordinator.cluster.loopback_worker_setup"},
     )
 
 
-def actor_options(role: str, gpus: float) -> dict:
+def loopback_worker_setup() -> None:
+    """Run in every worker process of the local Ray. Ray Serve 2.60's replicas bind their
+    inter-deployment gRPC server to [::] whatever Ray was told (serve/_private/replica.py); here
+    that server goes on 127.0.0.1 like every other listener. Local mode only."""
+    from ray.serve._private import replica
+
+    bind = replica.add_port_to_grpc_server
+    replica.add_port_to_grpc_server = lambda server, address: bind(server, address.replace("[::]", "127.0.0.1", 1))
+
+
+def actor_options(role: str, gpus: float, placement=None, bundle: int | None = None, cpus: float = 1) -> dict:
+    """Ray options for a worker actor: its GPUs, or a CPU core and its role resource; inside a
+    placement group (a Serve replica's), its own bundle of that group instead of role resources."""
+    if placement is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        strategy = PlacementGroupSchedulingStrategy(placement_group=placement, placement_group_bundle_index=bundle)
+        return {"num_cpus": cpus, "num_gpus": gpus, "scheduling_strategy": strategy}
     if gpus > 0:
         return {"num_gpus": gpus}
     return {"num_cpus": 1, "resources": {DRAFT_RESOURCE if role == "draft" else TARGET_RESOURCE: 1}}
 
 
 class WorkerPair:
-    """A target actor and (optionally) a draft actor, started and serving gRPC."""
+    """A target actor and (optionally) a draft actor, started and serving gRPC. placement: a
+    placement group whose bundles[0] / bundles[1] hold the target / the draft (a Serve replica's)."""
 
     def __init__(self, target_path: str, draft_path: str | None, dtype: str = "float32", device: str = "cpu",
-                 target_gpus: float = 0, draft_gpus: float = 0):
+                 target_gpus: float = 0, draft_gpus: float = 0, placement=None,
+                 bundles: tuple[int, int] = (0, 0), worker_cpus: float = 1):
         import ray
 
         from draft_worker.actor import DraftActor
@@ -51,12 +71,14 @@ class WorkerPair:
         self.target_info: ModelInfo = load_model_info(target_path)
         if draft_path is not None:
             check_same_vocabulary(self.target_info, load_model_info(draft_path))
-        self.target = ray.remote(TargetActor).options(**actor_options("target", target_gpus)).remote(
+        self.target = ray.remote(TargetActor).options(
+            **actor_options("target", target_gpus, placement, bundles[0], worker_cpus)).remote(
             target_path, dtype=dtype, device=device)
         self.draft = None
         self.target_address = self.draft_address = None
         if draft_path is not None:
-            self.draft = ray.remote(DraftActor).options(**actor_options("draft", draft_gpus)).remote(
+            self.draft = ray.remote(DraftActor).options(
+                **actor_options("draft", draft_gpus, placement, bundles[1], worker_cpus)).remote(
                 draft_path, target_vocab_size=self.target_info.vocab_size, dtype=dtype, device=device)
         try:
             self.target_address = ray.get(self.target.start.remote(), timeout=START_TIMEOUT_S)

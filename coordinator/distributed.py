@@ -33,7 +33,7 @@ class DistributedEngine:
             raise InvalidRequest("threshold 'auto' is available in-process only for now; pass a number")
         return request
 
-    async def generate(self, request: GenerationRequest, on_tokens: Callable[[list[int]], None] | None = None) -> GenerationResult:
+    async def generate(self, request: GenerationRequest, on_tokens: Callable[[list[int]], bool | None] | None = None) -> GenerationResult:
         request = self.resolve(request)
         stop_ids = request.stop_ids(self.target.eos_token_ids)
         draft = None if request.policy.name == "none" else self.draft_conn

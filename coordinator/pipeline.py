@@ -7,7 +7,8 @@ In async mode the draft writes block k+1 while the target verifies block k. On a
 acceptance the held block k+1 is sent on (its first token is checked against the target's stored
 row for that position); on a rejection the epoch advances, the draft rolls back and every block
 of the old epoch is discarded by its tag, never verified. Sync mode is the same exchange with no
-block drafted ahead. Settled tokens stream to the caller as they settle.
+block drafted ahead. Settled tokens stream to the caller as they settle; the caller's callback
+may end the session (a stop string), which cancels it on both workers like any other finish.
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ class SessionPipeline:
         target: WorkerConnection,
         draft: WorkerConnection | None,
         pipeline: str,
-        on_tokens: Callable[[list[int]], None] | None = None,
+        on_tokens: Callable[[list[int]], bool | None] | None = None,
     ):
         self.sid, self.request, self.stop_ids = session_id, request, stop_ids
         self.target, self.draft, self.pipeline = target, draft, pipeline
@@ -168,8 +169,9 @@ class SessionPipeline:
         tokens, self.finish_reason = clip_settled(tokens, budget, self.stop_ids)
         self.committed += tokens
         self.generated += tokens
-        if tokens and self.on_tokens is not None:
-            self.on_tokens(tokens)
+        # the caller may end the output here (an API stop string): finish as a stop
+        if tokens and self.on_tokens is not None and self.on_tokens(tokens) and self.finish_reason is None:
+            self.finish_reason = "stop"
 
     def _record_round(self, block: pb.Block, accepted: int) -> None:
         s = self.stats

@@ -68,7 +68,10 @@ A draft/target pair of Llama-architecture causal LMs trained from scratch by
 `training/train_pair.py` on the Python standard library's own source (plus pydoc's topic texts),
 so that `svip generate` runs on any machine with no download. Both share one byte-level BPE
 tokenizer ({len(target.tokenizer)} tokens) trained on the training split. Weights are stored in
-bfloat16 and loaded as float32 by default.
+bfloat16 and loaded as float32 by default. The tokenizer's chat template (`chat_template.jinja`)
+writes a conversation as Python comments (`# user: ...`) and starts the reply on a fresh line
+after `# assistant:`, so `/v1/chat/completions` works on the pair; the models were not trained
+on chat, so replies are code.
 
 ## Corpus and split
 

@@ -64,6 +64,13 @@ def load_corpus() -> dict[str, list[str]]:
     return {"texts": texts, "names": names}
 
 
+# A code model's chat: the conversation as Python comments, the reply starting on a fresh line.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}# {{ message['role'] }}: {{ message['content'] | replace('\\n', '\\n# ') }}\n"
+    "{% endfor %}{% if add_generation_prompt %}# assistant:\n{% endif %}"
+)
+
+
 def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -73,7 +80,7 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE)
 
 
 def encode(tokenizer, texts: list[str]) -> np.ndarray:

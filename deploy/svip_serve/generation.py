@@ -1,0 +1,83 @@
+"""One API request on the pipeline: the coordinator's settled tokens become text deltas as they
+settle, stop strings end the session early, and a consumer that goes away (client disconnect)
+cancels the session, which frees both workers' caches."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+from svip_common.contracts import GenerationRequest, GenerationResult
+from svip_serve.text import TextStream
+
+_END = object()
+
+
+class Generation:
+    def __init__(self, engine, request: GenerationRequest, tokenizer, stops: tuple[str, ...]):
+        self.engine, self.request = engine, request
+        self.text = TextStream(tokenizer, stops)
+        self.result: GenerationResult | None = None
+        self.first_token_at: float | None = None
+        self._queue: asyncio.Queue = asyncio.Queue()
+
+    def _on_tokens(self, token_ids: list[int]) -> bool:
+        if self.first_token_at is None:
+            self.first_token_at = time.monotonic()
+        delta = self.text.push(token_ids)
+        if delta:
+            self._queue.put_nowait(delta)
+        return self.text.stopped  # True ends the session: the rest would be cut anyway
+
+    async def deltas(self):
+        """Text as it settles. Raises what the pipeline raised (after the text before it)."""
+        task = asyncio.ensure_future(self.engine.generate(self.request, on_tokens=self._on_tokens))
+        task.add_done_callback(lambda _: self._queue.put_nowait(_END))
+        try:
+            while (item := await self._queue.get()) is not _END:
+                yield item
+            self.result = task.result()
+            tail = self.text.finish()
+            if tail:
+                yield tail
+        finally:
+            if not task.done():  # the consumer left: cancel the session on both workers
+                task.cancel()
+                try:
+                    await task
+                except (asyncio.CancelledError, Exception):
+                    pass
+
+    async def run(self) -> str:
+        """The whole text (non-streaming)."""
+        async for _ in self.deltas():
+            pass
+        return self.text.text
+
+    @property
+    def finish_reason(self) -> str:
+        return "stop" if self.text.stopped else self.result.finish_reason
+
+    @property
+    def completion_tokens(self) -> int:
+        return self.text.token_count if self.text.stopped else len(self.result.token_ids)
+
+    def stats(self) -> dict:
+        """The request's speculative-decoding stats: the `svip` field of a response."""
+        s = self.result.stats
+        policy = self.request.policy
+        return {
+            "policy": policy.name,
+            "threshold": policy.threshold if policy.name == "svip" else None,
+            "rounds": s.rounds,
+            "draft_tokens": s.draft_tokens,
+            "accepted_tokens": s.accepted_tokens,
+            "acceptance_rate": round(s.acceptance_rate, 6),
+            "mean_acceptance_length": round(s.mean_acceptance_length, 6),
+            "draft_lengths": s.draft_lengths,
+            "accepted_lengths": s.accepted_lengths,
+            "discarded_tokens": s.discarded_tokens,
+            "both_busy_s": round(s.both_busy_s, 6),
+            "wire_bytes": s.wire_bytes,
+            "wall_s": round(s.wall_s, 6),
+        }

@@ -1,0 +1,95 @@
+"""Prometheus metrics through Ray's metrics agent (every node exports them on its metrics port).
+Names follow vLLM's speculative-decoding counters (DESIGN.md, Metrics) under the `svip:` prefix,
+so a vLLM dashboard carries over by swapping the prefix; SVIP's own series sit beside them."""
+
+from __future__ import annotations
+
+from svip_common.contracts import GenerationStats
+
+LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
+LENGTH_BUCKETS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40]
+ENTROPY_BUCKETS = [0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+BYTES_BUCKETS = [64, 128, 256, 512, 1024, 4096, 16384, 65536, 262144, 1048576]
+
+
+class ServeMetrics:
+    def __init__(self, model_name: str):
+        from ray.util import metrics as m
+
+        tags = ("model_name",)
+        self.tags = {"model_name": model_name}
+
+        def counter(name, doc, extra=()):
+            return m.Counter(f"svip:{name}", doc, tag_keys=tags + extra)
+
+        def histogram(name, doc, buckets):
+            return m.Histogram(f"svip:{name}", doc, boundaries=buckets, tag_keys=tags)
+
+        # vLLM's spec-decode counters
+        self.drafts = counter("spec_decode_num_drafts", "Draft blocks verified by the target (rounds).")
+        self.draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens proposed and verified.")
+        self.accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens the target accepted.")
+        self.accepted_per_pos = counter("spec_decode_num_accepted_tokens_per_pos",
+                                        "Accepted draft tokens by position in the block (0-based).", ("position",))
+        self.emitted = counter("spec_decode_num_emitted_tokens", "Tokens emitted (accepted, corrections, bonuses).")
+        # SVIP's own
+        self.discarded = counter("spec_decode_num_discarded_tokens", "Pre-drafted tokens dropped by rollbacks.")
+        self.both_busy = counter("spec_decode_overlap_seconds", "Time draft and target computed at once.")
+        self.draft_wait = counter("spec_decode_draft_wait_seconds", "Time the draft worker idled (bubbles).")
+        self.target_wait = counter("spec_decode_target_wait_seconds", "Time the target worker idled (bubbles).")
+        self.draft_length = histogram("spec_decode_draft_length", "Length of each draft block.", LENGTH_BUCKETS)
+        self.stop_entropy = histogram("spec_decode_stop_entropy", "Draft entropy (nats) where a block stopped.",
+                                      ENTROPY_BUCKETS)
+        self.wire_bytes = histogram("spec_decode_wire_bytes_per_round", "gRPC bytes per round, both workers.",
+                                    BYTES_BUCKETS)
+        # requests
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
+        self.generation_tokens = counter("generation_tokens", "Tokens returned to clients.")
+        self.requests = counter("request_success", "Finished requests.", ("finished_reason",))
+        self.rejected = counter("request_rejected", "Requests refused before generating.", ("reason",))
+        self.latency = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                                 LATENCY_BUCKETS)
+        self.ttft = histogram("time_to_first_token_seconds", "Arrival to first settled token.", LATENCY_BUCKETS)
+        self.running = m.Gauge("svip:num_requests_running", "Sessions generating on this replica.", tag_keys=tags)
+        self.waiting = m.Gauge("svip:num_requests_waiting", "Requests waiting for a session slot.", tag_keys=tags)
+
+    def record_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int,
+                          finish_reason: str, latency_s: float, ttft_s: float | None) -> None:
+        t = self.tags
+        self._inc(self.drafts, stats.rounds)
+        self._inc(self.draft_tokens, stats.draft_tokens)
+        self._inc(self.accepted, stats.accepted_tokens)
+        per_pos: dict[int, int] = {}
+        for accepted in stats.accepted_lengths:
+            for pos in range(accepted):
+                per_pos[pos] = per_pos.get(pos, 0) + 1
+        for pos, count in per_pos.items():
+            self.accepted_per_pos.inc(count, {**t, "position": str(pos)})
+        self._inc(self.emitted, completion_tokens)
+        self._inc(self.discarded, stats.discarded_tokens)
+        self._inc(self.both_busy, stats.both_busy_s)
+        self._inc(self.draft_wait, stats.draft_wait_s)
+        self._inc(self.target_wait, stats.target_wait_s)
+        for length in stats.draft_lengths:
+            self.draft_length.observe(length, t)
+        for entropy in stats.stop_entropies:
+            self.stop_entropy.observe(entropy, t)
+        if stats.rounds:
+            self.wire_bytes.observe(stats.wire_bytes_per_round, t)
+        self._inc(self.prompt_tokens, prompt_tokens)
+        self._inc(self.generation_tokens, completion_tokens)
+        self.requests.inc(1, {**t, "finished_reason": finish_reason})
+        self.latency.observe(latency_s, t)
+        if ttft_s is not None:
+            self.ttft.observe(ttft_s, t)
+
+    def record_rejected(self, reason: str) -> None:
+        self.rejected.inc(1, {**self.tags, "reason": reason})
+
+    def set_load(self, running: int, waiting: int) -> None:
+        self.running.set(running, self.tags)
+        self.waiting.set(waiting, self.tags)
+
+    def _inc(self, counter, value: float) -> None:
+        if value > 0:  # Ray counters refuse 0 increments
+            counter.inc(value, self.tags)

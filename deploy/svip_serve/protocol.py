@@ -1,0 +1,273 @@
+"""The OpenAI request and response shapes: one validating parser per endpoint, turning a JSON
+body into an ApiRequest or an ApiError that names the field at fault, and the builders of
+completion, chat and streaming-chunk bodies. Nothing here touches models or Ray."""
+
+from __future__ import annotations
+
+import math
+import secrets
+import time
+import uuid
+from dataclasses import dataclass, field
+
+from svip_common.contracts import POLICY_NAMES, PolicyConfig, SamplingParams
+
+MAX_STOP_STRINGS = 16
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+class ApiError(Exception):
+    """A request the server refuses, as an OpenAI-style error body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 type_: str = "invalid_request_error", code: str | None = None, headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.type, self.code = status, message, param, type_, code
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+def bad(message: str, param: str | None = None) -> ApiError:
+    return ApiError(400, message, param)
+
+
+@dataclass
+class ApiRequest:
+    kind: str  # "completion" or "chat"
+    model: str | None
+    prompt: str | list[int] | None = None  # completions
+    messages: list[dict] | None = None  # chat
+    max_tokens: int | None = None  # None: up to the model's context (chat)
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    stream: bool = False
+    include_usage: bool = False
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    ignore_eos: bool = False
+
+
+# --- field readers: each names the field and the type it wanted ---------------------------------
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise bad(f"'{name}' must be a number, got {_shown(value)}", name)
+    return float(value)
+
+
+def _integer(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise bad(f"'{name}' must be an integer, got {_shown(value)}", name)
+    return value
+
+
+def _boolean(body: dict, name: str, default: bool) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise bad(f"'{name}' must be true or false, got {_shown(value)}", name)
+    return value
+
+
+def _shown(value) -> str:
+    names = {bool: "boolean", str: "string", list: "array", dict: "object", int: "integer", float: "number",
+             type(None): "null"}
+    kind = names.get(type(value), type(value).__name__)
+    return kind if isinstance(value, (list, dict, type(None))) else f"{kind} {value!r}"
+
+
+# --- the parameters both endpoints share ---------------------------------------------------------
+
+def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
+    if not isinstance(body, dict):
+        raise bad("the request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise bad(f"'model' must be a string, got {_shown(model)}", "model")
+    n = _integer(body, "n", 1)
+    if n != 1:
+        raise bad(f"'n' must be 1: this server returns one choice per request, got {n}", "n")
+    best_of = _integer(body, "best_of", 1)
+    if best_of != 1:
+        raise bad(f"'best_of' must be 1, got {best_of}", "best_of")
+    _refuse_unsupported(body)
+    max_tokens = _integer(body, "max_completion_tokens", None) if kind == "chat" else None
+    max_tokens = _integer(body, "max_tokens", max_tokens)
+    if kind == "completion" and max_tokens is None:
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
+    if max_tokens is not None and max_tokens < 1:
+        raise bad(f"'max_tokens' must be >= 1, got {max_tokens}", "max_tokens")
+    temperature = _number(body, "temperature", 1.0)
+    if temperature < 0:
+        raise bad(f"'temperature' must be >= 0 (0 is greedy), got {temperature:g}", "temperature")
+    top_p = _number(body, "top_p", 1.0)
+    if not 0 < top_p <= 1:
+        raise bad(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
+    top_k = _integer(body, "top_k", 0)
+    if top_k < 0:
+        raise bad(f"'top_k' must be >= 0 (0 disables it), got {top_k}", "top_k")
+    seed = _integer(body, "seed", None)
+    if seed is None:
+        seed = secrets.randbelow(2**31)
+    elif not 0 <= seed < 2**63:
+        raise bad(f"'seed' must be in [0, 2^63), got {seed}", "seed")
+    stream_options = body.get("stream_options") or {}
+    if not isinstance(stream_options, dict):
+        raise bad(f"'stream_options' must be an object, got {_shown(stream_options)}", "stream_options")
+    return ApiRequest(
+        kind=kind,
+        model=model,
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature, top_k, top_p, seed),
+        stop=_stop(body.get("stop")),
+        stream=_boolean(body, "stream", False),
+        include_usage=_boolean(stream_options, "include_usage", False),
+        policy=_policy(body, defaults),
+        ignore_eos=_boolean(body, "ignore_eos", False),
+    )
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """Parameters that would change the output: refused rather than silently ignored."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0.0) != 0.0:
+            raise bad(f"'{name}' is not supported (speculative decoding keeps the target's distribution as is)", name)
+    if body.get("logit_bias"):
+        raise bad("'logit_bias' is not supported", "logit_bias")
+    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "response_format"):
+        value = body.get(name)
+        if value not in (None, False, 0, "", [], {}) and not (name == "response_format" and value == {"type": "text"}):
+            raise bad(f"'{name}' is not supported by this server", name)
+
+
+def _stop(value) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad(f"'stop' must be a string or an array of strings, got {_shown(value)}", "stop")
+    if len(stops) > MAX_STOP_STRINGS:
+        raise bad(f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    return tuple(s for s in stops if s)
+
+
+def _policy(body: dict, defaults: PolicyConfig) -> PolicyConfig:
+    """Extension parameters (send them with the OpenAI client's extra_body); the deployment's
+    defaults where a request gives none."""
+    name = body.get("policy") or defaults.name
+    if not isinstance(name, str) or name not in POLICY_NAMES:
+        raise bad(f"'policy' must be one of {', '.join(POLICY_NAMES)}, got {_shown(name)}", "policy")
+    threshold = body.get("threshold")
+    if threshold is None:
+        threshold = defaults.threshold
+    elif threshold != "auto":
+        threshold = _number(body, "threshold", defaults.threshold)
+    policy = PolicyConfig(
+        name=name,
+        threshold=threshold,
+        entropy_scale=_number(body, "entropy_scale", defaults.entropy_scale),
+        draft_length=_integer(body, "draft_length", defaults.draft_length),
+        max_draft_length=_integer(body, "max_draft_length", defaults.max_draft_length),
+        confidence=_number(body, "confidence", defaults.confidence),
+    )
+    return policy
+
+
+# --- endpoints ------------------------------------------------------------------------------------
+
+def parse_completion(body, defaults: PolicyConfig = PolicyConfig()) -> ApiRequest:
+    request = _common(body, "completion", defaults)
+    if "prompt" not in body or body["prompt"] is None:
+        raise bad("'prompt' is required", "prompt")
+    request.prompt = _prompt(body["prompt"])
+    return request
+
+
+def _prompt(value) -> str | list[int]:
+    if isinstance(value, str):
+        if not value:
+            raise bad("'prompt' is empty", "prompt")
+        return value
+    if isinstance(value, list) and value and all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        return list(value)
+    if isinstance(value, list) and len(value) == 1:
+        return _prompt(value[0])  # a batch of one
+    if isinstance(value, list) and len(value) > 1 and all(isinstance(p, (str, list)) for p in value):
+        raise bad(f"'prompt' holds {len(value)} prompts; send one prompt per request", "prompt")
+    raise bad(f"'prompt' must be a string or an array of token ids, got {_shown(value)}", "prompt")
+
+
+def parse_chat(body, defaults: PolicyConfig = PolicyConfig()) -> ApiRequest:
+    request = _common(body, "chat", defaults)
+    messages = body.get("messages")
+    if messages is None:
+        raise bad("'messages' is required", "messages")
+    if not isinstance(messages, list) or not messages:
+        raise bad("'messages' must be a non-empty array of {role, content} objects", "messages")
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
+            raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
+        msg["content"] = _content(msg.get("content"), i)
+    request.messages = messages
+    return request
+
+
+def _content(value, i: int) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+        return "".join(p["text"] for p in value)
+    raise bad(f"messages[{i}].content must be a string or an array of text parts", "messages")
+
+
+# --- responses ------------------------------------------------------------------------------------
+
+def new_id(kind: str) -> str:
+    return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, usage_: dict, svip: dict) -> dict:
+    if kind == "completion":
+        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
+                  "finish_reason": finish_reason}
+        obj = "chat.completion"
+    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
+            "usage": usage_, "svip": svip}
+
+
+def chunk_body(kind: str, rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
+               first: bool = False) -> dict:
+    if kind == "completion":
+        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        obj = "text_completion"
+    else:
+        delta = {} if text is None else {"content": text}
+        if first:
+            delta["role"] = "assistant"
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        obj = "chat.completion.chunk"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(kind: str, rid: str, model: str, created: int, usage_: dict, svip: dict) -> dict:
+    obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_,
+            "svip": svip}

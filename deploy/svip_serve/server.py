@@ -1,0 +1,253 @@
+"""The Serve deployment: an OpenAI-compatible FastAPI ingress whose every replica drives one SVIP
+pipeline (a target and a draft actor in the replica's placement group, over gRPC on the node's
+loopback). Requests become GenerationRequests, tokens stream back as server-sent events."""
+
+
+import asyncio
+import json
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, StreamingResponse
+from ray import serve
+from starlette.exceptions import HTTPException
+
+from coordinator.client import WorkerUnavailable
+from coordinator.prompts import encode
+from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.errors import InvalidRequest, SvipError
+from svip_serve.admission import Admission, Slot
+from svip_serve.generation import Generation
+from svip_serve.protocol import (
+    ApiError, ApiRequest, bad, chunk_body, new_id, parse_chat, parse_completion, response_body, usage,
+    usage_chunk,
+)
+from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
+
+api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible")
+
+
+@api.exception_handler(ApiError)
+async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+    return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
+
+
+@api.exception_handler(HTTPException)
+async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+    error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
+                     type_="invalid_request_error" if exc.status_code < 500 else "server_error")
+    return JSONResponse(error.body(), status_code=exc.status_code)
+
+
+async def _json_body(request: Request):
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+
+
+def _sse(obj) -> str:
+    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+def encode_chat(tokenizer, text: str) -> tuple[int, ...]:
+    """A rendered chat prompt's ids: the template already placed every special token."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    if not ids:
+        raise bad("the messages render to an empty prompt", "messages")
+    return tuple(ids)
+
+
+def _api_error(exc: SvipError) -> ApiError:
+    if isinstance(exc, InvalidRequest):
+        return bad(str(exc))
+    if isinstance(exc, WorkerUnavailable):
+        return ApiError(503, f"the model workers are unavailable: {exc}", type_="server_error", code="worker_unavailable")
+    return ApiError(500, f"generation failed: {exc}", type_="server_error")
+
+
+class _SlotStreamingResponse(StreamingResponse):
+    """A stream that gives back its admission slot however it ends, even if never started."""
+
+    def __init__(self, content, slot: Slot):
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self._slot = slot
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._slot.release()
+
+
+# Serve pickles the class when the decorator runs: every helper it uses is defined above.
+@serve.deployment(name="SVIPServer")
+@serve.ingress(api)
+class SVIPServer:
+    def __init__(self, settings: ServeSettings):
+        from ray.util import get_current_placement_group
+
+        from coordinator.cluster import WorkerPair
+        from coordinator.distributed import DistributedEngine
+        from svip_serve.metrics import ServeMetrics
+
+        self.settings = settings
+        target, draft = settings.model_paths()
+        gpus = settings.gpus
+        self.pair = WorkerPair(
+            target, draft, dtype=settings.dtype, device=settings.device,
+            target_gpus=settings.target_gpus if gpus else 0, draft_gpus=settings.draft_gpus if gpus else 0,
+            placement=get_current_placement_group(), bundles=(TARGET_BUNDLE, DRAFT_BUNDLE),
+            worker_cpus=settings.worker_cpus,
+        )
+        self.info = self.pair.target_info
+        self.target_path, self.draft_path = target, draft
+        self.engine = DistributedEngine(self.info, self.pair.target_address, self.pair.draft_address, settings.pipeline)
+        self._connected = False
+        self._connect_lock = asyncio.Lock()
+        self.metrics = ServeMetrics(settings.served_name)
+        self.admission = Admission(settings.max_in_flight, settings.max_waiting, self.metrics.set_load)
+        self.created = int(time.time())
+        self.policy_defaults = PolicyConfig(name=settings.policy, threshold=settings.threshold)
+
+    async def _engine(self):
+        if not self._connected:
+            async with self._connect_lock:
+                if not self._connected:
+                    await self.engine.connect()
+                    self._connected = True
+        return self.engine
+
+    def _broken(self) -> str | None:
+        conns = (self.engine.target_conn, self.engine.draft_conn)
+        return next((c.broken for c in conns if c is not None and c.broken), None)
+
+    async def check_health(self) -> None:
+        """Serve's replica health check: a lost worker fails it, and Serve replaces the replica
+        (its worker actors go with it)."""
+        await self._engine()
+        if (why := self._broken()) is not None:
+            raise RuntimeError(why)
+
+    # --- endpoints ------------------------------------------------------------------------------
+
+    @api.get("/health")
+    async def health(self) -> JSONResponse:
+        try:
+            await self._engine()
+        except SvipError as exc:
+            return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
+        if (why := self._broken()) is not None:
+            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+        return JSONResponse({"status": "ok", "model": self.settings.served_name,
+                             "running": self.admission.running, "waiting": self.admission.waiting})
+
+    @api.get("/v1/models")
+    async def models(self) -> JSONResponse:
+        card = {"id": self.settings.served_name, "object": "model", "created": self.created, "owned_by": "svip",
+                "root": self.target_path, "draft": self.draft_path, "max_model_len": self.info.max_positions}
+        return JSONResponse({"object": "list", "data": [card]})
+
+    @api.get("/v1/svip/workers")
+    async def workers(self) -> JSONResponse:
+        """This replica's workers: open sessions and cached tokens (0 and 0 when idle)."""
+        stats = await (await self._engine()).worker_stats()
+        return JSONResponse({role: {"open_sessions": s.open_sessions, "cached_tokens": s.cached_tokens,
+                                    "tokens_processed": s.tokens_processed} for role, s in stats.items()})
+
+    @api.post("/v1/completions")
+    async def completions(self, request: Request):
+        arrived = time.monotonic()
+        return await self._serve(parse_completion(await _json_body(request), self.policy_defaults), arrived)
+
+    @api.post("/v1/chat/completions")
+    async def chat_completions(self, request: Request):
+        arrived = time.monotonic()
+        return await self._serve(parse_chat(await _json_body(request), self.policy_defaults), arrived)
+
+    # --- one request ----------------------------------------------------------------------------
+
+    async def _serve(self, req: ApiRequest, arrived: float):
+        try:
+            self._check_model(req.model)
+            request = self._generation_request(req)
+        except ApiError as exc:
+            self.metrics.record_rejected("invalid")
+            raise exc
+        try:
+            slot = self.admission.reserve()
+        except ApiError:
+            self.metrics.record_rejected("busy")
+            raise
+        generation = Generation(await self._engine(), request, self.info.tokenizer, req.stop)
+        rid = new_id(req.kind)
+        if req.stream:
+            return _SlotStreamingResponse(self._stream(req, generation, rid, slot, arrived), slot)
+        try:
+            async with slot:
+                text = await generation.run()
+        except SvipError as exc:
+            raise _api_error(exc) from None
+        self._record(generation, arrived)
+        return JSONResponse(response_body(req.kind, rid, self.settings.served_name, text, generation.finish_reason,
+                                          self._usage(generation), generation.stats()))
+
+    async def _stream(self, req: ApiRequest, generation: Generation, rid: str, slot: Slot, arrived: float):
+        model, created = self.settings.served_name, int(time.time())
+        try:
+            async with slot:
+                if req.kind == "chat":
+                    yield _sse(chunk_body(req.kind, rid, model, created, "", first=True))
+                async for delta in generation.deltas():
+                    yield _sse(chunk_body(req.kind, rid, model, created, delta))
+                last = chunk_body(req.kind, rid, model, created, None, generation.finish_reason)
+                last["usage"], last["svip"] = self._usage(generation), generation.stats()
+                yield _sse(last)
+                if req.include_usage:
+                    yield _sse(usage_chunk(req.kind, rid, model, created, self._usage(generation), generation.stats()))
+                self._record(generation, arrived)
+        except SvipError as exc:  # after the text already sent: an error event, then the end
+            yield _sse(_api_error(exc).body())
+        yield "data: [DONE]\n\n"
+
+    def _check_model(self, model: str | None) -> None:
+        if model is not None and model != self.settings.served_name:
+            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.settings.served_name!r}",
+                           param="model", code="model_not_found")
+
+    def _prompt_ids(self, req: ApiRequest) -> tuple[int, ...]:
+        tokenizer = self.info.tokenizer
+        if req.kind == "completion":
+            return encode(tokenizer, req.prompt)
+        if not getattr(tokenizer, "chat_template", None):
+            raise bad(f"the model {self.settings.served_name!r} has no chat template; use /v1/completions", "messages")
+        try:
+            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
+        except Exception as exc:  # the template's own checks (jinja raise_exception) name the problem
+            raise bad(f"the chat template rejected the messages: {exc}", "messages") from None
+        return encode_chat(tokenizer, text)
+
+    def _generation_request(self, req: ApiRequest) -> GenerationRequest:
+        try:
+            prompt_ids = self._prompt_ids(req)
+            ctx = self.info.max_positions
+            if ctx is not None and len(prompt_ids) >= ctx:
+                raise bad(f"the prompt is {len(prompt_ids)} tokens; the model's context is {ctx} tokens", "prompt")
+            max_tokens = req.max_tokens if req.max_tokens is not None else (ctx - len(prompt_ids) if ctx else 256)
+            if ctx is not None and len(prompt_ids) + max_tokens > ctx:
+                raise bad(f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                          f"context of {ctx} tokens", "max_tokens")
+            request = GenerationRequest(prompt_ids, max_tokens, req.sampling, req.policy, ignore_eos=req.ignore_eos)
+            return self.engine.resolve(request)
+        except InvalidRequest as exc:
+            raise bad(str(exc)) from None
+
+    def _usage(self, generation: Generation) -> dict:
+        return usage(len(generation.request.prompt_ids), generation.completion_tokens)
+
+    def _record(self, generation: Generation, arrived: float) -> None:
+        ttft = generation.first_token_at - arrived if generation.first_token_at is not None else None
+        self.metrics.record_generation(generation.result.stats, len(generation.request.prompt_ids),
+                                       generation.completion_tokens, generation.finish_reason,
+                                       time.monotonic() - arrived, ttft)

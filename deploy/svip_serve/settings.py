@@ -1,0 +1,94 @@
+"""What one deployment of the app serves and how it is placed: the `args` of the Serve config
+(deploy/serve-config.yaml, the Helm chart's serveConfigV2) and of `svip serve`, checked up front
+with errors that name the key."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from svip_common.contracts import POLICY_NAMES, PolicyConfig
+from svip_common.errors import InvalidRequest
+
+EMBEDDED_MODEL_NAME = "svip-pair"
+
+
+@dataclass(frozen=True)
+class ServeSettings:
+    target: str | None = None  # model directory or hub id; None: the embedded pair
+    draft: str | None = None  # None with the embedded target: its draft; "none": the target alone
+    model_name: str | None = None  # the id clients pass as `model` (default: the target's path)
+    dtype: str = "float32"
+    device: str = "cpu"  # "cpu", or "cuda": the workers take GPUs from the replica's placement group
+    target_gpus: int = 1  # cuda: GPUs the target spans (one node)
+    draft_gpus: int = 1
+    worker_cpus: float = 1.0  # logical CPUs each worker reserves
+    pipeline: str = "async"
+    num_replicas: int = 1  # one pipeline (draft + target) per replica
+    max_in_flight: int = 16  # sessions generating at once on a replica's pipeline
+    max_waiting: int = 32  # requests a replica holds for a free slot; past it: 429
+    max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
+    policy: str = "svip"  # request default; a request's `policy` overrides it
+    threshold: float = 0.3
+
+    @classmethod
+    def from_args(cls, args: dict | None) -> ServeSettings:
+        args = dict(args or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(args) - known)
+        if unknown:
+            raise InvalidRequest(f"unknown app argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        settings = cls(**args)
+        settings.validate()
+        return settings
+
+    def validate(self) -> None:
+        if self.device not in ("cpu", "cuda"):
+            raise InvalidRequest(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.target is None and self.draft not in (None, "none"):
+            raise InvalidRequest("a draft was given without a target; give both, or neither for the embedded pair")
+        if self.target is not None and self.draft is None:
+            raise InvalidRequest("a target needs a draft: a model directory or hub id, or 'none' for the target alone")
+        if self.pipeline not in ("sync", "async"):
+            raise InvalidRequest(f"pipeline must be 'sync' or 'async', got {self.pipeline!r}")
+        for name in ("target_gpus", "draft_gpus", "num_replicas", "max_in_flight"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
+                raise InvalidRequest(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
+        for name in ("max_waiting", "max_queued_requests"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.worker_cpus <= 0:
+            raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
+        if self.policy not in POLICY_NAMES:
+            raise InvalidRequest(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
+        PolicyConfig(name=self.policy, threshold=self.threshold).validate()
+
+    def model_paths(self) -> tuple[str, str | None]:
+        """(target, draft or None) as directories or hub ids."""
+        if self.target is None:
+            from svip_assets import default_pair
+
+            target, draft = default_pair()
+            return target, None if self.draft == "none" else draft
+        return self.target, None if self.draft == "none" else self.draft
+
+    @property
+    def served_name(self) -> str:
+        return self.model_name or (self.target or EMBEDDED_MODEL_NAME)
+
+    @property
+    def gpus(self) -> bool:
+        return self.device == "cuda"
+
+    def bundles(self) -> list[dict[str, float]]:
+        """The replica's placement group: the replica itself, then the target, then the draft,
+        packed onto one node (the workers listen on that node's loopback)."""
+        target, draft = {"CPU": self.worker_cpus}, {"CPU": self.worker_cpus}
+        if self.gpus:
+            target["GPU"], draft["GPU"] = float(self.target_gpus), float(self.draft_gpus)
+        bundles = [{"CPU": REPLICA_CPUS}, target]
+        return bundles + [draft] if self.draft != "none" else bundles
+
+
+REPLICA_CPUS = 0.5  # the replica only relays: asyncio, gRPC and tokenization
+TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2

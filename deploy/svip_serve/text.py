@@ -1,0 +1,93 @@
+"""Token ids to text as they settle: incremental detokenization that never splits a multi-byte
+character, and OpenAI `stop` strings that end the output and never appear in it, even when a
+stop string spans several tokens or arrives inside one block."""
+
+from __future__ import annotations
+
+REPLACEMENT = "\ufffd"  # what a tokenizer decodes half a UTF-8 character to
+
+
+class IncrementalDetokenizer:
+    """Decodes a growing id list a window at a time (prefix / read offsets), so each step costs
+    O(window), not O(sequence)."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self._prefix = 0  # start of the window decoded for context
+        self._read = 0  # ids before this have been turned into text
+
+    def push(self, token_id: int) -> str:
+        """The text that token adds; '' while it ends in an incomplete character."""
+        self.ids.append(token_id)
+        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before = decode(self.ids[self._prefix : self._read])
+        now = decode(self.ids[self._prefix :])
+        if len(now) <= len(before) or now.endswith(REPLACEMENT):
+            return ""
+        self._prefix, self._read = self._read, len(self.ids)
+        return now[len(before) :]
+
+
+class StopMatcher:
+    """Holds back the tail of the text that could still become a stop string."""
+
+    def __init__(self, stops: tuple[str, ...]):
+        self.stops = tuple(s for s in stops if s)
+        self.pending = ""  # text not yet released: a possible stop-string prefix
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """(text safe to release, stopped). After a stop, what preceded it is released and the
+        stop string and anything after it are dropped."""
+        self.pending += text
+        hits = [i for i in (self.pending.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            out, self.pending = self.pending[: min(hits)], ""
+            return out, True
+        keep = self._longest_stop_prefix_suffix()
+        out = self.pending[: len(self.pending) - keep]
+        self.pending = self.pending[len(self.pending) - keep :]
+        return out, False
+
+    def flush(self) -> str:
+        out, self.pending = self.pending, ""
+        return out
+
+    def _longest_stop_prefix_suffix(self) -> int:
+        best = 0
+        for stop in self.stops:
+            for n in range(min(len(stop) - 1, len(self.pending)), best, -1):
+                if self.pending.endswith(stop[:n]):
+                    best = n
+                    break
+        return best
+
+
+class TextStream:
+    """Ids in, text deltas out, with stop strings applied; counts the tokens that made the text."""
+
+    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+        self.detok = IncrementalDetokenizer(tokenizer)
+        self.matcher = StopMatcher(stops)
+        self.text = ""  # released so far
+        self.token_count = 0  # tokens consumed, up to and including the one that hit a stop
+        self.stopped = False
+
+    def push(self, token_ids: list[int]) -> str:
+        """The text released by these tokens; stops consuming at a stop string."""
+        out = []
+        for token_id in token_ids:
+            if self.stopped:
+                break
+            self.token_count += 1
+            piece, self.stopped = self.matcher.feed(self.detok.push(token_id))
+            out.append(piece)
+        delta = "".join(out)
+        self.text += delta
+        return delta
+
+    def finish(self) -> str:
+        """Release what was held back as a possible stop prefix (the output ended without one)."""
+        delta = "" if self.stopped else self.matcher.flush()
+        self.text += delta
+        return delta
