@@ -76,6 +76,7 @@ def _add_serve_parser(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (Ray Serve) on this machine")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
     srv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
+    srv.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics on 127.0.0.1 (default 8080)")
     srv.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
     srv.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone")
     srv.add_argument("--model-name", help="the model id clients send (default: the target's path, or svip-pair)")
@@ -94,15 +95,16 @@ def _serve(args: argparse.Namespace) -> int:
     from svip_serve.local import serve_forever
     from svip_serve.settings import ServeSettings
 
-    if not 0 < args.port < 65536:
-        raise InvalidRequest(f"--port must be in 1..65535, got {args.port}")
+    for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
+        if not 0 < port < 65536:
+            raise InvalidRequest(f"{flag} must be in 1..65535, got {port}")
     settings = ServeSettings.from_args({
         "target": args.target, "draft": args.draft, "model_name": args.model_name, "dtype": args.dtype,
         "device": args.device, "target_gpus": args.target_gpus, "pipeline": args.pipeline,
         "num_replicas": args.replicas, "max_in_flight": args.max_in_flight, "max_waiting": args.max_waiting,
         "policy": args.policy, "threshold": args.threshold,
     })
-    return serve_forever(settings, args.host, args.port)
+    return serve_forever(settings, args.host, args.port, args.metrics_port)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -13,8 +13,9 @@ DRAFT_RESOURCE, TARGET_RESOURCE = "svip_draft", "svip_target"
 START_TIMEOUT_S = 120.0
 
 
-def init_local_ray(pairs: int = 1) -> None:
-    """Start (or join) a Ray instance on this machine whose every listener is on 127.0.0.1."""
+def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
+    """Start (or join) a Ray instance on this machine whose every listener is on 127.0.0.1.
+    metrics_port: where Ray's agent serves Prometheus metrics (None: a free port)."""
     # Must be in the environment before ray is first imported, and is inherited by the processes
     # Ray starts (DESIGN.md, Placement). Never set in a cluster deployment.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
@@ -30,6 +31,7 @@ def init_local_ray(pairs: int = 1) -> None:
         log_to_driver=False,
         configure_logging=False,
         runtime_env={"worker_process_setup_hook": "coordinator.cluster.loopback_worker_setup"},
+        _metrics_export_port=metrics_port,
     )
 
 

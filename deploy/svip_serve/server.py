@@ -13,9 +13,9 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from coordinator.client import WorkerUnavailable
-from coordinator.prompts import encode
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, SvipError
+from svip_serve import prompting
 from svip_serve.admission import Admission, Slot
 from svip_serve.generation import Generation
 from svip_serve.protocol import (
@@ -49,14 +49,6 @@ async def _json_body(request: Request):
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
-
-
-def encode_chat(tokenizer, text: str) -> tuple[int, ...]:
-    """A rendered chat prompt's ids: the template already placed every special token."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    if not ids:
-        raise bad("the messages render to an empty prompt", "messages")
-    return tuple(ids)
 
 
 def _api_error(exc: SvipError) -> ApiError:
@@ -216,21 +208,9 @@ class SVIPServer:
             raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.settings.served_name!r}",
                            param="model", code="model_not_found")
 
-    def _prompt_ids(self, req: ApiRequest) -> tuple[int, ...]:
-        tokenizer = self.info.tokenizer
-        if req.kind == "completion":
-            return encode(tokenizer, req.prompt)
-        if not getattr(tokenizer, "chat_template", None):
-            raise bad(f"the model {self.settings.served_name!r} has no chat template; use /v1/completions", "messages")
-        try:
-            text = tokenizer.apply_chat_template(req.messages, add_generation_prompt=True, tokenize=False)
-        except Exception as exc:  # the template's own checks (jinja raise_exception) name the problem
-            raise bad(f"the chat template rejected the messages: {exc}", "messages") from None
-        return encode_chat(tokenizer, text)
-
     def _generation_request(self, req: ApiRequest) -> GenerationRequest:
         try:
-            prompt_ids = self._prompt_ids(req)
+            prompt_ids = prompting.prompt_ids(self.info.tokenizer, req, self.settings.served_name)
             ctx = self.info.max_positions
             if ctx is not None and len(prompt_ids) >= ctx:
                 raise bad(f"the prompt is {len(prompt_ids)} tokens; the model's context is {ctx} tokens", "prompt")

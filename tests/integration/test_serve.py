@@ -1,0 +1,309 @@
+"""The Serve app as a user runs it: `svip serve` on 127.0.0.1 with the embedded pair, called with
+the official `openai` client and raw HTTP. Greedy completions equal `svip generate`, streamed and
+not; chat goes through the pair's chat template; stop strings; bad requests get an OpenAI-style
+4xx and the server keeps serving; 16 concurrent streams; backpressure; a client that disconnects
+frees both workers' caches; Prometheus metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+from transformers import AutoTokenizer
+
+from svip_assets import default_pair
+
+MODEL = "svip-pair"
+MAX_NEW = 40
+PROMPTS = [
+    "def fibonacci(n):", "import os\n\ndef walk(path):", "class Stack:\n    def __init__(self):",
+    "def parse_args(argv):", "# Sort a list of numbers\ndef sort(xs):", "def read_lines(path):",
+    "class Point:", "def gcd(a, b):", "import json\n\ndef load(path):", "def is_prime(n):",
+    "def flatten(items):", "class Node:\n    def __init__(self, value):", "def merge(a, b):",
+    "def count_words(text):", "def main():\n    parser =", "def reverse(s):",
+]
+CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A function that adds two numbers."}]
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server():
+    port, metrics_port = free_port(), free_port()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "coordinator.cli", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
+         "--max-in-flight", "16", "--max-waiting", "8"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+    )
+    base = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read()
+        try:
+            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
+                break
+        except httpx.HTTPError:
+            pass
+        time.sleep(1)
+    else:
+        proc.kill()
+        pytest.fail("svip serve did not become healthy in 180 s")
+    yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "proc": proc}
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return AutoTokenizer.from_pretrained(default_pair()[0])
+
+
+@pytest.fixture(scope="module")
+def reference(tokenizer, tmp_path_factory):
+    """`svip generate` (in-process engine, greedy) on every prompt and on the rendered chat."""
+    chat_text = tokenizer.apply_chat_template(CHAT, add_generation_prompt=True, tokenize=False)
+    chat_ids = tokenizer(chat_text, add_special_tokens=False)["input_ids"]
+    batch = tmp_path_factory.mktemp("serve") / "prompts.jsonl"
+    lines = [json.dumps({"prompt": p}) for p in PROMPTS] + [json.dumps({"prompt_ids": chat_ids})]
+    batch.write_text("\n".join(lines) + "\n")
+    out = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "generate", "--input", str(batch), "--max-new-tokens", str(MAX_NEW),
+         "--temperature", "0", "--json"], capture_output=True, text=True, check=True,
+    ).stdout
+    records = [json.loads(line) for line in out.splitlines()]
+    return {"prompts": records[:-1], "chat": records[-1]}
+
+
+def sse_events(response: httpx.Response) -> list:
+    lines = [line for line in response.iter_lines() if line]
+    assert all(line.startswith("data: ") for line in lines)
+    assert lines[-1] == "data: [DONE]"
+    return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_completions_equal_svip_generate(client, reference):
+    for prompt, ref in zip(PROMPTS[:4], reference["prompts"]):
+        r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
+        choice = r.choices[0]
+        assert choice.text == ref["text"]
+        assert choice.finish_reason == ("length" if ref["finish_reason"] == "length" else "stop")
+        assert r.usage.prompt_tokens == len(ref["prompt_token_ids"])
+        assert r.usage.completion_tokens == len(ref["token_ids"])
+        svip = r.model_extra["svip"]
+        assert svip["rounds"] == len(svip["draft_lengths"]) > 0 and svip["policy"] == "svip"
+        assert 0 <= svip["accepted_tokens"] <= svip["draft_tokens"]
+
+
+@pytest.mark.parametrize("policy", ["constant", "heuristic", "none"])
+def test_every_policy_gives_the_same_greedy_text(client, reference, policy):
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0,
+                                  extra_body={"policy": policy, "draft_length": 3})
+    assert r.choices[0].text == reference["prompts"][0]["text"]
+    assert r.model_extra["svip"]["policy"] == policy
+
+
+def test_streamed_completions_equal_svip_generate(client, reference):
+    for prompt, ref in zip(PROMPTS[:4], reference["prompts"]):
+        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
+                                                stream=True))
+        assert "".join(c.choices[0].text for c in chunks) == ref["text"]
+        last = chunks[-1]
+        assert last.choices[0].finish_reason is not None
+        assert last.usage.completion_tokens == len(ref["token_ids"])
+
+
+def test_raw_stream_is_server_sent_events_ending_in_done(server, reference):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
+        assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+        events = sse_events(r)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(reference["prompts"][0]["token_ids"])
+    assert "svip" in events[-1] and "svip" in events[-2] and events[-2]["choices"][0]["finish_reason"]
+
+
+def test_chat_uses_the_chat_template(client, reference):
+    ref = reference["chat"]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0)
+    assert r.choices[0].message.role == "assistant"
+    assert r.choices[0].message.content == ref["text"]
+    assert r.usage.prompt_tokens == len(ref["prompt_token_ids"])
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0,
+                                                 stream=True))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
+    assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_stop_strings_cut_the_text(client, reference):
+    ref_text = reference["prompts"][0]["text"]
+    stop = ref_text[12:16]
+    expected = ref_text[: ref_text.index(stop)]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0, stop=[stop, "@@@"])
+    assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
+    assert 0 < r.usage.completion_tokens < len(reference["prompts"][0]["token_ids"])
+    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0,
+                                            stop=stop, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected
+    assert chunks[-1].choices[0].finish_reason == "stop"
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0.8, top_p=0.9, seed=1234)
+    assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
+
+
+BAD = [
+    ("completions", {"model": MODEL, "max_tokens": 5}, 400, "'prompt' is required"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be >= 1"),
+    ("completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "'temperature'"),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "'top_p'"),
+    ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "'top_p'"),
+    ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 3}, 400, "'n' must be 1"),
+    ("completions", {"model": MODEL, "prompt": "x " * 2100}, 400, "context"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 2100}, 400, "context"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "must be an integer"),
+    ("completions", {"model": MODEL, "prompt": {"text": "x"}}, 400, "'prompt' must be"),
+    ("completions", {"model": MODEL, "prompt": "x", "stream": "true"}, 400, "'stream'"),
+    ("completions", {"model": MODEL, "prompt": [5, 99999]}, 400, "outside the vocabulary"),
+    ("completions", {"model": MODEL, "prompt": "x", "policy": "svip", "threshold": "auto"}, 400, "auto"),
+    ("completions", {"model": MODEL, "prompt": "x", "draft_length": 0}, 400, "draft length"),
+    ("chat/completions", {"model": MODEL}, 400, "'messages' is required"),
+    ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, "'messages' must be"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "'n'"),
+]
+
+
+@pytest.mark.parametrize("endpoint, body, status, words", BAD)
+def test_bad_requests_get_openai_errors(server, endpoint, body, status, words):
+    r = httpx.post(f"{server['base']}/v1/{endpoint}", json=body, timeout=30)
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert words in error["message"] and error["type"] == "invalid_request_error"
+
+
+@pytest.mark.parametrize("content, words", [
+    (b"{not json", "not valid JSON"), (b"", "not valid JSON"), (b"[1, 2]", "JSON object"), (b"\xff\xfe", "not valid JSON"),
+])
+def test_malformed_bodies(server, content, words):
+    r = httpx.post(f"{server['base']}/v1/completions", content=content, headers={"content-type": "application/json"})
+    assert r.status_code == 400 and words in r.json()["error"]["message"]
+
+
+def test_unknown_route_and_method(server):
+    assert httpx.get(f"{server['base']}/v1/nothing").json()["error"]["message"].endswith("Not Found")
+    assert httpx.get(f"{server['base']}/v1/completions").status_code == 405
+
+
+def test_the_openai_client_sees_errors_as_exceptions_and_the_server_keeps_serving(client, reference):
+    with pytest.raises(openai.BadRequestError, match="top_p"):
+        client.completions.create(model=MODEL, prompt="x", top_p=2.0)
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="nope", prompt="x")
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0)
+    assert r.choices[0].text == reference["prompts"][0]["text"]
+
+
+def test_models_and_health(client, server):
+    models = client.models.list().data
+    assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == 2048
+    health = httpx.get(server["base"] + "/health").json()
+    assert health["status"] == "ok"
+
+
+def test_sixteen_concurrent_streams_are_each_exact(client, reference):
+    def stream(i):
+        chunks = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=MAX_NEW, temperature=0, stream=True)
+        parts, usage = [], None
+        for c in chunks:
+            parts.append(c.choices[0].text)
+            usage = c.usage or usage
+        return "".join(parts), usage
+
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(stream, range(16)))
+    for (text, usage), ref in zip(results, reference["prompts"]):
+        assert text == ref["text"] and usage.completion_tokens == len(ref["token_ids"])
+
+
+def workers(server) -> dict:
+    return httpx.get(server["base"] + "/v1/svip/workers", timeout=10).json()
+
+
+def wait_idle(server, timeout: float = 15.0) -> dict:
+    deadline = time.monotonic() + timeout
+    while True:
+        stats = workers(server)
+        idle = all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values())
+        if idle or time.monotonic() > deadline:
+            return stats
+        time.sleep(0.2)
+
+
+def test_client_disconnect_cancels_the_session_and_frees_both_caches(server):
+    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1900, "temperature": 0, "stream": True,
+            "ignore_eos": True}
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
+        lines = r.iter_lines()
+        got = [next(lines) for _ in range(6)]
+        assert any(line.startswith("data: {") for line in got)
+        busy = workers(server)
+        assert busy["target"]["open_sessions"] == 1 and busy["draft"]["cached_tokens"] > 0
+    stats = wait_idle(server)
+    assert all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values()), stats
+
+
+def test_backpressure_refuses_with_429_and_serves_the_rest(server):
+    body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+
+    def call(_):
+        return httpx.post(server["base"] + "/v1/completions", json=body, timeout=300)
+
+    with ThreadPoolExecutor(40) as pool:
+        responses = list(pool.map(call, range(40)))
+    codes = [r.status_code for r in responses]
+    assert set(codes) <= {200, 429} and codes.count(429) >= 8, codes  # 16 running + 8 waiting per replica
+    refused = next(r for r in responses if r.status_code == 429)
+    assert "server busy" in refused.json()["error"]["message"] and refused.headers["retry-after"]
+    texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}
+    assert len(texts) == 1  # every admitted request got the same, complete greedy text
+    assert all(r.json()["usage"]["completion_tokens"] == 120 for r in responses if r.status_code == 200)
+    assert wait_idle(server)["target"]["open_sessions"] == 0
+
+
+def test_prometheus_metrics_carry_the_spec_decode_counters(server):
+    names = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
+             "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_emitted_tokens", "spec_decode_draft_length",
+             "time_to_first_token_seconds", "e2e_request_latency_seconds")
+    deadline, text = time.monotonic() + 60, ""
+    while time.monotonic() < deadline:
+        text = httpx.get(server["metrics"], timeout=10).text
+        if all(f"svip:{n}" in text for n in names):
+            break
+        time.sleep(2)
+    missing = [n for n in names if f"svip:{n}" not in text]
+    assert not missing, missing
+    drafts = [line for line in text.splitlines() if line.startswith("svip:spec_decode_num_drafts")]
+    assert drafts and float(drafts[0].split()[-1]) > 0

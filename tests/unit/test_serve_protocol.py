@@ -1,0 +1,141 @@
+"""The OpenAI request parser names the field at fault; admission refuses past its limits and
+frees places however a request ends; app settings are checked before anything starts."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from svip_common.contracts import PolicyConfig
+from svip_common.errors import InvalidRequest
+from svip_serve.admission import Admission
+from svip_serve.prompting import chat_prompt_ids
+from svip_serve.protocol import ApiError, parse_chat, parse_completion
+from svip_serve.settings import ServeSettings
+
+BASE = {"model": "m", "prompt": "def f():"}
+
+
+def test_completion_defaults_follow_openai():
+    req = parse_completion(dict(BASE))
+    assert req.max_tokens == 16 and req.sampling.temperature == 1.0 and req.sampling.top_p == 1.0
+    assert req.stop == () and not req.stream and req.policy == PolicyConfig()
+
+
+def test_extension_parameters_and_deployment_defaults():
+    defaults = PolicyConfig(name="heuristic", threshold=0.5)
+    assert parse_completion(dict(BASE), defaults).policy.name == "heuristic"
+    req = parse_completion({**BASE, "policy": "svip", "threshold": 0.8, "top_k": 5, "stop": "\n\n"}, defaults)
+    assert req.policy.name == "svip" and req.policy.threshold == 0.8
+    assert req.sampling.top_k == 5 and req.stop == ("\n\n",)
+
+
+@pytest.mark.parametrize("patch, param, words", [
+    ({"prompt": None}, "prompt", "required"),
+    ({"prompt": ""}, "prompt", "empty"),
+    ({"prompt": 7}, "prompt", "string or an array of token ids"),
+    ({"prompt": ["a", "b"]}, "prompt", "one prompt per request"),
+    ({"max_tokens": 0}, "max_tokens", ">= 1"),
+    ({"max_tokens": -3}, "max_tokens", ">= 1"),
+    ({"max_tokens": "10"}, "max_tokens", "must be an integer"),
+    ({"max_tokens": True}, "max_tokens", "must be an integer"),
+    ({"temperature": -0.5}, "temperature", ">= 0"),
+    ({"temperature": "hot"}, "temperature", "must be a number"),
+    ({"top_p": 0}, "top_p", "(0, 1]"),
+    ({"top_p": 1.01}, "top_p", "(0, 1]"),
+    ({"n": 2}, "n", "must be 1"),
+    ({"seed": -1}, "seed", "[0, 2^63)"),
+    ({"stop": 3}, "stop", "string or an array of strings"),
+    ({"stream": "yes"}, "stream", "true or false"),
+    ({"model": 5}, "model", "must be a string"),
+    ({"logprobs": 3}, "logprobs", "not supported"),
+    ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
+    ({"policy": "fastest"}, "policy", "must be one of"),
+])
+def test_bad_completion_fields_name_the_field(patch, param, words):
+    body = {**BASE, **patch}
+    if body["prompt"] is None:
+        del body["prompt"]
+    with pytest.raises(ApiError) as err:
+        parse_completion(body)
+    assert err.value.status == 400 and err.value.param == param and words in err.value.message
+    assert err.value.body()["error"]["type"] == "invalid_request_error"
+
+
+def test_body_must_be_an_object():
+    with pytest.raises(ApiError, match="JSON object"):
+        parse_completion([1, 2])
+
+
+@pytest.mark.parametrize("messages, words", [
+    (None, "required"), ([], "non-empty array"), (["hi"], "string 'role'"),
+    ([{"role": "user", "content": 5}], "content must be a string"),
+])
+def test_bad_chat_messages(messages, words):
+    body = {"model": "m"} if messages is None else {"model": "m", "messages": messages}
+    with pytest.raises(ApiError, match=words):
+        parse_chat(body)
+
+
+def test_chat_text_parts_are_joined_and_max_completion_tokens_read():
+    req = parse_chat({"messages": [{"role": "user", "content": [{"type": "text", "text": "a"},
+                                                                  {"type": "text", "text": "b"}]}],
+                      "max_completion_tokens": 9})
+    assert req.messages[0]["content"] == "ab" and req.max_tokens == 9
+
+
+def test_a_model_without_chat_template_is_a_400(models):
+    tokenizer = models["target"].tokenizer
+    assert not getattr(tokenizer, "chat_template", None)
+    with pytest.raises(ApiError) as err:
+        chat_prompt_ids(tokenizer, [{"role": "user", "content": "hi"}], "tiny")
+    assert err.value.status == 400 and "no chat template" in err.value.message
+
+
+def test_admission_refuses_past_in_flight_plus_waiting():
+    async def scenario():
+        adm = Admission(max_in_flight=1, max_waiting=1)
+        first, second = adm.reserve(), adm.reserve()
+        with pytest.raises(ApiError) as err:
+            adm.reserve()
+        assert err.value.status == 429 and err.value.headers["Retry-After"]
+        async with first:
+            assert (adm.running, adm.waiting) == (1, 1)
+            waiter = asyncio.ensure_future(second.__aenter__())
+            await asyncio.sleep(0)
+            assert not waiter.done()  # waits for the slot
+        await waiter
+        assert (adm.running, adm.waiting) == (1, 0)
+        second.release()
+        second.release()  # idempotent
+        assert (adm.running, adm.waiting) == (0, 0)
+        gone = adm.reserve()
+        gone.release()  # a client that left before its stream started frees its place
+        assert (adm.running, adm.waiting) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("args, words", [
+    ({"nonsense": 1}, "unknown app argument"),
+    ({"device": "tpu"}, "device must be"),
+    ({"target": "/m"}, "needs a draft"),
+    ({"draft": "/d"}, "without a target"),
+    ({"num_replicas": 0}, "num_replicas"),
+    ({"max_in_flight": 0}, "max_in_flight"),
+    ({"policy": "x"}, "policy must be"),
+    ({"threshold": -1}, "threshold"),
+])
+def test_bad_app_arguments(args, words):
+    with pytest.raises(InvalidRequest, match=words):
+        ServeSettings.from_args(args)
+
+
+def test_placement_bundles():
+    cpu = ServeSettings.from_args({})
+    assert cpu.bundles()[1:] == [{"CPU": 1.0}, {"CPU": 1.0}]
+    gpu = ServeSettings.from_args({"target": "t", "draft": "d", "device": "cuda", "target_gpus": 2})
+    assert gpu.bundles()[1:] == [{"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 1.0}]
+    alone = ServeSettings.from_args({"target": "t", "draft": "none", "device": "cuda"})
+    assert len(alone.bundles()) == 2 and alone.served_name == "t"
