@@ -1,6 +1,8 @@
 """Prometheus metrics through Ray's metrics agent (every node exports them on its metrics port).
-Names follow vLLM's speculative-decoding counters (DESIGN.md, Metrics) under the `svip:` prefix,
-so a vLLM dashboard carries over by swapping the prefix; SVIP's own series sit beside them."""
+Names follow vLLM's speculative-decoding counters (DESIGN.md, Metrics): `vllm:spec_decode_*` is
+`ray_svip_spec_decode_*` here (Ray prefixes `ray_` and, from 2.60, drops names with a colon;
+counters end in `_total`), so a vLLM dashboard carries over by renaming; SVIP's own series sit
+beside them."""
 
 from __future__ import annotations
 
@@ -20,10 +22,10 @@ class ServeMetrics:
         self.tags = {"model_name": model_name}
 
         def counter(name, doc, extra=()):
-            return m.Counter(f"svip:{name}", doc, tag_keys=tags + extra)
+            return m.Counter(f"svip_{name}", doc, tag_keys=tags + extra)
 
         def histogram(name, doc, buckets):
-            return m.Histogram(f"svip:{name}", doc, boundaries=buckets, tag_keys=tags)
+            return m.Histogram(f"svip_{name}", doc, boundaries=buckets, tag_keys=tags)
 
         # vLLM's spec-decode counters
         self.drafts = counter("spec_decode_num_drafts", "Draft blocks verified by the target (rounds).")
@@ -50,8 +52,8 @@ class ServeMetrics:
         self.latency = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
                                  LATENCY_BUCKETS)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first settled token.", LATENCY_BUCKETS)
-        self.running = m.Gauge("svip:num_requests_running", "Sessions generating on this replica.", tag_keys=tags)
-        self.waiting = m.Gauge("svip:num_requests_waiting", "Requests waiting for a session slot.", tag_keys=tags)
+        self.running = m.Gauge("svip_num_requests_running", "Sessions generating on this replica.", tag_keys=tags)
+        self.waiting = m.Gauge("svip_num_requests_waiting", "Requests waiting for a session slot.", tag_keys=tags)
 
     def record_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int,
                           finish_reason: str, latency_s: float, ttft_s: float | None) -> None:

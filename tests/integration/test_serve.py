@@ -300,10 +300,10 @@ def test_prometheus_metrics_carry_the_spec_decode_counters(server):
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
         text = httpx.get(server["metrics"], timeout=10).text
-        if all(f"svip:{n}" in text for n in names):
+        if all(f"ray_svip_{n}" in text for n in names):
             break
         time.sleep(2)
-    missing = [n for n in names if f"svip:{n}" not in text]
+    missing = [n for n in names if f"ray_svip_{n}" not in text]
     assert not missing, missing
-    drafts = [line for line in text.splitlines() if line.startswith("svip:spec_decode_num_drafts")]
+    drafts = [line for line in text.splitlines() if line.startswith("ray_svip_spec_decode_num_drafts_total{")]
     assert drafts and float(drafts[0].split()[-1]) > 0
