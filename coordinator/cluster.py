@@ -30,19 +30,23 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
         resources={DRAFT_RESOURCE: pairs, TARGET_RESOURCE: pairs},
         log_to_driver=False,
         configure_logging=False,
-        runtime_env={"worker_process_setup_hook": "coordinator.cluster.loopback_worker_setup"},
         _metrics_export_port=metrics_port,
     )
 
 
-def loopback_worker_setup() -> None:
-    """Run in every worker process of the local Ray. Ray Serve 2.60's replicas bind their
-    inter-deployment gRPC server to [::] whatever Ray was told (serve/_private/replica.py); here
-    that server goes on 127.0.0.1 like every other listener. Local mode only."""
+def keep_serve_grpc_on_loopback() -> None:
+    """Call in a Serve replica's constructor. Ray Serve 2.60 binds each replica's inter-deployment
+    gRPC server to [::] whatever Ray was told (serve/_private/replica.py, after the constructor);
+    on a Ray bound to loopback (local mode) it goes on 127.0.0.1 like every other listener. On a
+    cluster this does nothing."""
+    import ray
     from ray.serve._private import replica
 
+    if ray.util.get_node_ip_address() != "127.0.0.1" or getattr(replica, "_svip_loopback", False):
+        return
     bind = replica.add_port_to_grpc_server
     replica.add_port_to_grpc_server = lambda server, address: bind(server, address.replace("[::]", "127.0.0.1", 1))
+    replica._svip_loopback = True
 
 
 def actor_options(role: str, gpus: float, placement=None, bundle: int | None = None, cpus: float = 1) -> dict:

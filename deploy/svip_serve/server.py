@@ -80,10 +80,11 @@ class SVIPServer:
     def __init__(self, settings: ServeSettings):
         from ray.util import get_current_placement_group
 
-        from coordinator.cluster import WorkerPair
+        from coordinator.cluster import WorkerPair, keep_serve_grpc_on_loopback
         from coordinator.distributed import DistributedEngine
         from svip_serve.metrics import ServeMetrics
 
+        keep_serve_grpc_on_loopback()
         self.settings = settings
         target, draft = settings.model_paths()
         gpus = settings.gpus

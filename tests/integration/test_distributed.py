@@ -6,7 +6,6 @@ both caches; a killed worker is a clear error; greedy wire bytes are ids and sma
 from __future__ import annotations
 
 import asyncio
-import subprocess
 
 import grpc
 import pytest
@@ -20,6 +19,7 @@ from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParam
 from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from tests.loopback import assert_loopback_listeners
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
 
 POLICIES = {
@@ -231,12 +231,7 @@ def test_distributed_rejects_bad_requests_with_named_errors(engines, loop):
 
 def test_listeners_are_loopback_only(pair):
     """Every TCP listener of this machine's Ray and worker processes is on 127.0.0.1."""
-    out = subprocess.run(["ss", "-ltnpH"], capture_output=True, text=True, check=True).stdout
-    ray_lines = [line for line in out.splitlines() if any(n in line for n in ("raylet", "gcs_server", "ray::", "python"))]
-    assert ray_lines
-    for line in ray_lines:
-        local = line.split()[3]
-        assert local.startswith(("127.0.0.1:", "[::ffff:127.0.0.1]:", "[::1]:")), line
+    assert_loopback_listeners()
 
 
 def test_killed_worker_is_a_clear_error(model_dirs, loop, pair):

@@ -21,6 +21,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from svip_assets import default_pair
+from tests.loopback import assert_loopback_listeners
 
 MODEL = "svip-pair"
 MAX_NEW = 40
@@ -226,6 +227,11 @@ def test_the_openai_client_sees_errors_as_exceptions_and_the_server_keeps_servin
     assert r.choices[0].text == reference["prompts"][0]["text"]
 
 
+def test_listeners_are_loopback_only(server):
+    """Ray, its workers, the Serve proxy and replica (its inter-deployment gRPC server too)."""
+    assert_loopback_listeners()
+
+
 def test_models_and_health(client, server):
     models = client.models.list().data
     assert [m.id for m in models] == [MODEL] and models[0].model_extra["max_model_len"] == 2048
@@ -307,3 +313,12 @@ def test_prometheus_metrics_carry_the_spec_decode_counters(server):
     assert not missing, missing
     drafts = [line for line in text.splitlines() if line.startswith("ray_svip_spec_decode_num_drafts_total{")]
     assert drafts and float(drafts[0].split()[-1]) > 0
+
+
+def test_the_helm_test_smoke_check_passes_against_the_server(server):
+    env = {**os.environ, "SVIP_URL": server["base"], "SVIP_MODEL": MODEL}
+    out = subprocess.run([sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "svip smoke: ok" in out.stdout, out.stdout + out.stderr
+    env["SVIP_MODEL"] = "missing"
+    out = subprocess.run([sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1 and "not 'missing'" in out.stdout
