@@ -4,9 +4,11 @@ HTTP proxy on --host/--port (127.0.0.1:8000 by default), until interrupted."""
 from __future__ import annotations
 
 import signal
+import socket
 import sys
 import threading
 
+from svip_common.errors import SvipError
 from svip_serve.settings import ServeSettings
 
 APP_NAME = "svip"
@@ -14,6 +16,10 @@ APP_NAME = "svip"
 
 def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, metrics_port: int | None = None) -> str:
     """Start Ray, Serve and the app; returns the API's base URL once the app is running."""
+    check_free(host, port, "--port")
+    if metrics_port is not None:
+        check_free("127.0.0.1", metrics_port, "--metrics-port")
+    check_models(settings)
     from coordinator.cluster import init_local_ray
 
     init_local_ray(pairs=settings.num_replicas, metrics_port=metrics_port)  # first: it sets Ray's loopback switch before ray is imported
@@ -21,9 +27,33 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, me
 
     from svip_serve.app import build_app
 
-    serve.start(http_options={"host": host, "port": port})
-    serve.run(build_app(_args(settings)), name=APP_NAME, route_prefix="/")
+    try:
+        serve.start(http_options={"host": host, "port": port})
+        serve.run(build_app(_args(settings)), name=APP_NAME, route_prefix="/")
+    except Exception as exc:  # a Ray task error: its last line names the cause
+        stop()
+        if isinstance(exc, SvipError):
+            raise
+        raise SvipError(f"the app did not start: {str(exc).strip().splitlines()[-1]}") from None
     return f"http://{host}:{port}/v1"
+
+
+def check_models(settings: ServeSettings) -> None:
+    """The models' configs and tokenizers load and fit together: a clear error before Ray starts."""
+    from svip_common.models import check_same_vocabulary, load_model_info
+
+    target, draft = settings.model_paths()
+    info = load_model_info(target)
+    if draft is not None:
+        check_same_vocabulary(info, load_model_info(draft))
+
+
+def check_free(host: str, port: int, flag: str) -> None:
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            raise SvipError(f"{flag} {port}: cannot listen on {host}:{port} ({exc.strerror})") from None
 
 
 def stop() -> None:

@@ -205,3 +205,34 @@ def test_distributed_mode_from_the_command_line(model_dirs, capsys):
 def test_pipeline_needs_distributed_mode(capsys, model_dirs):
     code, _, err = run_cli(capsys, "generate", "x", *pair_args(model_dirs), "--pipeline", "sync")
     assert code == 2 and "--pipeline applies to --mode distributed" in err
+
+
+@pytest.mark.parametrize("args, code, message", [
+    (["--replicas", "0"], 2, "num_replicas must be an integer >= 1"),
+    (["--port", "70000"], 2, "--port must be in 1..65535"),
+    (["--max-in-flight", "0"], 2, "max_in_flight must be an integer >= 1"),
+    (["--policy", "fastest"], 2, "policy must be one of"),
+    (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),
+    (["--draft", "/somewhere"], 2, "a draft was given without a target"),
+])
+def test_serve_refuses_bad_settings_before_starting(capsys, args, code, message):
+    import socket
+
+    with socket.socket() as probe:  # a free port: the settings, not the port, must be refused
+        probe.bind(("127.0.0.1", 0))
+        free = str(probe.getsockname()[1])
+    ports = [] if "--port" in args else ["--port", free, "--metrics-port", free]
+    got, out, err = run_cli(capsys, "serve", *ports, *args)
+    assert got == code and message in err and "Traceback" not in err, err
+    assert err.count("\n") == 1
+
+
+def test_serve_refuses_a_port_in_use(capsys):
+    import socket
+
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        code, _, err = run_cli(capsys, "serve", "--port", str(port))
+    assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err
