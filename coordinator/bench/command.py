@@ -17,9 +17,10 @@ QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--mode", choices=["policies", "pipeline"], default="policies",
+    bench.add_argument("--mode", choices=["policies", "pipeline", "serve"], default="policies",
                        help="policies: length policies and Hugging Face side by side (default); "
-                       "pipeline: in-process vs distributed sync vs async, concurrency, timeline")
+                       "pipeline: in-process vs distributed sync vs async, concurrency, timeline; "
+                       "serve: the Serve app over HTTP at 1/4/16 streaming clients, svip vs target alone")
     bench.add_argument("--target", help="target model (default: the embedded pair)")
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
     bench.add_argument("--dtype", default="float32")
@@ -69,6 +70,10 @@ def run(args: argparse.Namespace, load_engine) -> int:
         from coordinator.bench import pipeline
 
         return pipeline.run(engine, prompts, args, header)
+    if args.mode == "serve":
+        from coordinator.bench import serve
+
+        return serve.run(engine, prompts, args, header)
     calibration = engine.calibration()
     methods = build_methods(ks, 0.3, calibration.threshold, include_hf=not args.no_hf)
     print(f"bench: {len(prompts)} prompts x {len(methods)} methods x {args.repeats} repeats; "

@@ -1,0 +1,170 @@
+"""`svip bench --mode serve`: the whole serving stack under load. The Serve app runs on this
+machine (`svip serve`'s start()); streaming clients send the same prompts over HTTP at rising
+concurrency with SVIP and with the target alone (policy none, same pipeline), interleaved and
+shuffled per repeat. Reports aggregate tokens/s, time to first token and request latency, and
+checks that every output equals the in-process engine's greedy output."""
+
+from __future__ import annotations
+
+import json
+import random
+import socket
+import statistics
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+from coordinator.bench.runner import Progress, encode_prompts
+from svip_common.contracts import GenerationRequest, PolicyConfig
+
+LEVELS = (1, 4, 16)
+POLICIES = ("svip", "none")
+
+
+def run(engine, prompts, args, header: dict) -> int:
+    import httpx
+
+    from svip_serve import local
+    from svip_serve.settings import ServeSettings
+
+    threshold = engine.calibration().threshold
+    encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
+    reference = [engine.generate(GenerationRequest(ids, args.max_new_tokens, ignore_eos=True,
+                                                   policy=PolicyConfig(name="none"))).token_ids for ids in encoded]
+    inprocess = _inprocess_tps(engine, encoded, args.max_new_tokens, threshold)
+    texts = [engine.target.tokenizer.decode(r, skip_special_tokens=True) for r in reference]
+    port = _free_port()
+    settings = ServeSettings(target=engine.target.path, draft=engine.draft_path, dtype=args.dtype,
+                             model_name="bench", max_in_flight=max(LEVELS), max_waiting=max(LEVELS))
+    base = local.start(settings, port=port)
+    client = httpx.Client(timeout=600)
+    try:
+        for ids in encoded[:2]:  # warm-up
+            _stream(client, base, ids, 8, "svip", threshold)
+        results, violations = _levels(client, base, encoded, texts, args, threshold)
+    finally:
+        client.close()
+        local.stop()
+    doc = {"header": {**header, "threshold": threshold, "levels": LEVELS}, "inprocess_tokens_per_s": inprocess,
+           "results": results, "exactness_violations": violations}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "serve.json").write_text(json.dumps(doc, indent=1))
+    md = _markdown(doc)
+    (out / "serve.md").write_text(md)
+    _plot(out / "serve.png", results)
+    print(md)
+    if violations:
+        print(f"EXACTNESS VIOLATIONS: {violations[:10]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _inprocess_tps(engine, encoded, max_new: int, threshold: float) -> float:
+    tokens = wall = 0.0
+    for ids in encoded:
+        r = engine.generate(GenerationRequest(ids, max_new, ignore_eos=True, policy=PolicyConfig(threshold=threshold)))
+        tokens, wall = tokens + len(r.token_ids), wall + r.stats.wall_s
+    return tokens / wall
+
+
+def _stream(client, base: str, ids, max_tokens: int, policy: str, threshold: float) -> dict:
+    """One streamed request: its text, token count, time to first token and latency."""
+    body = {"model": "bench", "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "ignore_eos": True, "policy": policy, "threshold": threshold}
+    start = time.perf_counter()
+    first, parts, usage = None, [], None
+    with client.stream("POST", f"{base}/completions", json=body) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if not line.startswith("data: {"):
+                continue
+            event = json.loads(line[6:])
+            if event["choices"] and event["choices"][0]["text"]:
+                first = first or time.perf_counter()
+                parts.append(event["choices"][0]["text"])
+            usage = event.get("usage") or usage
+    end = time.perf_counter()
+    return {"text": "".join(parts), "tokens": usage["completion_tokens"], "ttft": (first or end) - start,
+            "latency": end - start}
+
+
+def _levels(client, base, encoded, texts, args, threshold):
+    runs = {(n, p): [] for n in LEVELS for p in POLICIES}  # per repeat: tokens/s, ttfts, latencies
+    violations = []
+    rng = random.Random(0)
+    progress = Progress(args.repeats * len(LEVELS) * len(POLICIES))
+    for rep in range(args.repeats):
+        for n in LEVELS:
+            batch = [i % len(encoded) for i in range(max(n, len(encoded)))]
+            for policy in rng.sample(POLICIES, len(POLICIES)):
+                start = time.perf_counter()
+                with ThreadPoolExecutor(n) as pool:
+                    done = list(pool.map(lambda i: _stream(client, base, encoded[i], args.max_new_tokens, policy, threshold), batch))
+                wall = time.perf_counter() - start
+                for i, d in zip(batch, done):
+                    if d["text"] != texts[i]:
+                        violations.append(f"repeat {rep}, concurrency {n}, {policy}, prompt {i}")
+                runs[(n, policy)].append({"tps": sum(d["tokens"] for d in done) / wall,
+                                          "ttft": [d["ttft"] for d in done], "latency": [d["latency"] for d in done]})
+                progress.update(1)
+    results = []
+    for n in LEVELS:
+        for policy in POLICIES:
+            reps = runs[(n, policy)]
+            tps = [r["tps"] for r in reps]
+            ttft = sorted(t for r in reps for t in r["ttft"])
+            results.append({"concurrency": n, "policy": policy, "tokens_per_s": statistics.median(tps),
+                            "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+                            "svip_over_none": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(n, "none")])]),
+                            "ttft_p50": statistics.median(ttft), "ttft_p95": ttft[int(0.95 * (len(ttft) - 1))],
+                            "latency_p50": statistics.median(t for r in reps for t in r["latency"])})
+    return results, violations
+
+
+def _markdown(doc: dict) -> str:
+    h = doc["header"]
+    lines = [f"Command: `{h['command']}`", f"Machine: {h['machine']}",
+             f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
+             f"{h['max_new_tokens']} new tokens, greedy, streamed over HTTP (SSE) through Ray Serve; svip threshold "
+             f"{h['threshold']} (auto), none = the target alone on the same pipeline.",
+             f"In-process engine, one stream, svip: {doc['inprocess_tokens_per_s']:.1f} tokens/s.", "",
+             "| clients | policy | tokens/s (min–max) | svip / none | TTFT p50 | TTFT p95 | latency p50 |",
+             "|---|---|---|---|---|---|---|"]
+    for r in doc["results"]:
+        lines.append(f"| {r['concurrency']} | {r['policy']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–"
+                     f"{r['tokens_per_s_max']:.1f}) | {r['svip_over_none']:.2f}x | {1000 * r['ttft_p50']:.0f} ms | "
+                     f"{1000 * r['ttft_p95']:.0f} ms | {r['latency_p50']:.2f} s |")
+    lines.append(f"\nExactness: {len(doc['exactness_violations'])} outputs differed from the in-process greedy output.")
+    return "\n".join(lines) + "\n"
+
+
+def _plot(path: Path, results) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
+    for policy, color in (("svip", "tab:blue"), ("none", "tab:gray")):
+        rows = [r for r in results if r["policy"] == policy]
+        xs = [r["concurrency"] for r in rows]
+        a.plot(xs, [r["tokens_per_s"] for r in rows], "o-", color=color, label=policy)
+        b.plot(xs, [1000 * r["ttft_p50"] for r in rows], "o-", color=color, label=f"{policy} p50")
+        b.plot(xs, [1000 * r["ttft_p95"] for r in rows], "o--", color=color, alpha=0.6, label=f"{policy} p95")
+    for ax, label in ((a, "aggregate tokens/s"), (b, "time to first token (ms)")):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(LEVELS, [str(n) for n in LEVELS])
+        ax.set_xlabel("concurrent streaming clients")
+        ax.set_ylabel(label)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
