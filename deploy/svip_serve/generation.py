@@ -34,8 +34,8 @@ class Generation:
         task = asyncio.ensure_future(self.engine.generate(self.request, on_tokens=self._on_tokens))
         task.add_done_callback(lambda _: self._queue.put_nowait(_END))
         try:
-            while (item := await self._queue.get()) is not _END:
-                yield item
+            while (text := await self._next_text()) is not _END:
+                yield text
             self.result = task.result()
             tail = self.text.finish()
             if tail:
@@ -47,6 +47,21 @@ class Generation:
                     await task
                 except (asyncio.CancelledError, Exception):
                     pass
+
+    async def _next_text(self):
+        """Everything settled since the last call as one delta (a consumer that falls behind
+        gets fewer, larger chunks), or _END once the session ended and all text was taken."""
+        item = await self._queue.get()
+        if item is _END:
+            return _END
+        parts = [item]
+        while not self._queue.empty():
+            item = self._queue.get_nowait()
+            if item is _END:
+                self._queue.put_nowait(_END)  # seen on the next call, after this text
+                break
+            parts.append(item)
+        return "".join(parts)
 
     async def run(self) -> str:
         """The whole text (non-streaming)."""

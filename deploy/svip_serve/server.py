@@ -28,12 +28,12 @@ api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatibl
 
 
 @api.exception_handler(ApiError)
-async def _api_error(_request: Request, exc: ApiError) -> JSONResponse:
+async def _on_api_error(_request: Request, exc: ApiError) -> JSONResponse:
     return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
 
 @api.exception_handler(HTTPException)
-async def _http_error(request: Request, exc: HTTPException) -> JSONResponse:
+async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     error = ApiError(exc.status_code, f"{request.method} {request.url.path}: {exc.detail}",
                      type_="invalid_request_error" if exc.status_code < 500 else "server_error")
     return JSONResponse(error.body(), status_code=exc.status_code)
@@ -169,11 +169,15 @@ class SVIPServer:
             self.metrics.record_rejected("invalid")
             raise exc
         try:
+            engine = await self._engine()
+        except SvipError as exc:
+            raise _api_error(exc) from None
+        try:
             slot = self.admission.reserve()
         except ApiError:
             self.metrics.record_rejected("busy")
             raise
-        generation = Generation(await self._engine(), request, self.info.tokenizer, req.stop)
+        generation = Generation(engine, request, self.info.tokenizer, req.stop)
         rid = new_id(req.kind)
         if req.stream:
             return _SlotStreamingResponse(self._stream(req, generation, rid, slot, arrived), slot)
