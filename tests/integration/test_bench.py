@@ -85,3 +85,20 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
     assert set(doc["tokens_per_s"]) == {"inprocess", "sync", "async"}
     assert doc["concurrency"]["8"] > 0 and doc["timeline"]
     assert (out / "timeline.png").stat().st_size > 1000
+
+
+def test_serve_bench(tmp_path, model_dirs, capsys):
+    """`--mode serve`: the Serve app over HTTP at 1/4/16 clients, svip and the target alone,
+    every streamed output equal to the in-process greedy output (the bench fails otherwise)."""
+    out = tmp_path / "serve"
+    code = main([
+        "bench", "--mode", "serve", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+        "--categories", "code", "--prompts-per-category", "2", "--repeats", "1", "--max-new-tokens", "8",
+        "--out", str(out),
+    ])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    doc = json.loads((out / "serve.json").read_text())
+    assert doc["exactness_violations"] == []
+    assert {(r["concurrency"], r["policy"]) for r in doc["results"]} == {(n, p) for n in (1, 4, 16) for p in ("svip", "none")}
+    assert all(r["tokens_per_s"] > 0 and 0 < r["ttft_p50"] <= r["ttft_p95"] for r in doc["results"])
+    assert (out / "serve.png").stat().st_size > 1000 and "| 16 | svip |" in (out / "serve.md").read_text()
