@@ -170,6 +170,20 @@ def test_stop_strings_cut_the_text(client, reference):
     assert chunks[-1].choices[0].finish_reason == "stop"
 
 
+def test_sampling_equals_the_distributed_engine_with_the_same_seed(client):
+    """The API passes every sampling parameter to the same distributed pipeline whose output
+    distribution tests/integration/test_distributed.py checks: same seed, same tokens."""
+    cli = subprocess.run(
+        [sys.executable, "-m", "coordinator.cli", "generate", PROMPTS[0], "--mode", "distributed", "--pipeline", "async",
+         "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50", "--seed", "1234", "--max-new-tokens", str(MAX_NEW),
+         "--json"], capture_output=True, text=True, check=True,
+    )
+    expected = json.loads(cli.stdout)["text"]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.8, top_p=0.9,
+                                  seed=1234, extra_body={"top_k": 50})
+    assert r.choices[0].text == expected
+
+
 def test_seeded_sampling_is_reproducible(client):
     kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0.8, top_p=0.9, seed=1234)
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
