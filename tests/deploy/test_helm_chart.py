@@ -134,7 +134,7 @@ def test_network_policy_keeps_ray_and_worker_ports_inside_the_release():
     own, cluster = policy["ingress"]
     assert "ports" not in own and own["from"] == [{"podSelector": {"matchLabels": policy["podSelector"]["matchLabels"]}}]
     assert cluster["from"] == [{"namespaceSelector": {}}]  # in-cluster only: no ipBlock, no world
-    assert sorted(p["port"] for p in cluster["ports"]) == [8000, 8080, 8265]
+    assert sorted(p["port"] for p in cluster["ports"]) == [8000, 8080, 8265, 52365]
 
 
 def test_pdb_covers_the_gpu_workers():
