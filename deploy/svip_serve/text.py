@@ -20,13 +20,15 @@ class IncrementalDetokenizer:
     def push(self, token_id: int) -> str:
         """The text that token adds; '' while it ends in an incomplete character."""
         self.ids.append(token_id)
-        decode = lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        before = decode(self.ids[self._prefix : self._read])
-        now = decode(self.ids[self._prefix :])
+        before = self._decode(self.ids[self._prefix : self._read])
+        now = self._decode(self.ids[self._prefix :])
         if len(now) <= len(before) or now.endswith(REPLACEMENT):
             return ""
         self._prefix, self._read = self._read, len(self.ids)
         return now[len(before) :]
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True)
 
 
 class StopMatcher:
