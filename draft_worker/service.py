@@ -9,7 +9,7 @@ import grpc
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import Outgoing, PipelinedDraft
 from svip_common.errors import InvalidRequest
-from svip_common.grpc_server import SessionService
+from svip_common.grpc_server import SessionService, check_prompt
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -27,14 +27,10 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         kind = request.WhichOneof("kind")
         if kind == "start":
             msg = request.start
-            if not msg.prompt_ids:
-                raise InvalidRequest("prompt is empty")
+            check_prompt(msg.prompt_ids, self.drafter.width)
             sampling = convert.sampling_from_proto(msg.sampling)
             policy = convert.policy_from_proto(msg.policy)
             stop = frozenset(msg.stop_token_ids)
-            bad = [t for t in msg.prompt_ids if not 0 <= t < self.drafter.width]
-            if bad:
-                raise InvalidRequest(f"prompt token id {bad[0]} is outside the vocabulary [0, {self.drafter.width})")
             if msg.max_new_tokens < 1:
                 raise InvalidRequest(f"max_new_tokens must be >= 1, got {msg.max_new_tokens}")
             session = PipelinedDraft(

@@ -92,6 +92,19 @@ def _session_id(request) -> str:
     return inner.session_id
 
 
+def check_token_ids(ids, vocab: int, what: str = "token id") -> None:
+    """A message's token ids against the model's width: the worker's InvalidRequest, never an index error."""
+    bad = [t for t in ids if not 0 <= t < vocab]
+    if bad:
+        raise InvalidRequest(f"{what} {bad[0]} is outside the vocabulary [0, {vocab})")
+
+
+def check_prompt(ids, vocab: int) -> None:
+    if not ids:
+        raise InvalidRequest("prompt is empty")
+    check_token_ids(ids, vocab, "prompt token id")
+
+
 class SessionService:
     """What both worker services share: the session table, one compute thread, the session
     stream, Stats and cancellation. Subclasses implement ``_handle`` (request -> events) and

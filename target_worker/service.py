@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import grpc
 
 from svip_common.errors import InvalidRequest
-from svip_common.grpc_server import SessionService
+from svip_common.grpc_server import SessionService, check_prompt, check_token_ids
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -38,17 +38,15 @@ class TargetService(SessionService, pb_grpc.TargetWorkerServicer):
         vocab = self.verifier.target.vocab_size
         if kind == "start":
             msg = request.start
-            if not msg.prompt_ids:
-                raise InvalidRequest("prompt is empty")
-            _check_ids(msg.prompt_ids, vocab, "prompt token id")
+            check_prompt(msg.prompt_ids, vocab)
             sampling = convert.sampling_from_proto(msg.sampling)
             self._new_session(msg.session_id, RemoteTarget(self.verifier.open(sampling), list(msg.prompt_ids)))
             return
         if kind == "verify":
             msg = request.verify
             remote = self._session(msg.block.session_id)
-            _check_ids(msg.append, vocab, "token id")
-            _check_ids(msg.block.tokens, vocab, "drafted token id")
+            check_token_ids(msg.append, vocab)
+            check_token_ids(msg.block.tokens, vocab, "drafted token id")
             block = convert.block_from_proto(msg.block)
             if len(remote.committed) + len(msg.append) != block.base:
                 raise InvalidRequest(
@@ -73,9 +71,3 @@ class TargetService(SessionService, pb_grpc.TargetWorkerServicer):
 
     def _error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.TargetEvent:
         return pb.TargetEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
-
-
-def _check_ids(ids, vocab: int, what: str) -> None:
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequest(f"{what} {bad[0]} is outside the vocabulary [0, {vocab})")
