@@ -43,10 +43,7 @@ class Slot:
         self._state = "waiting"
 
     async def __aenter__(self) -> Slot:
-        await self._adm._slots.acquire()
-        if self._state != "waiting":  # released while waiting
-            self._adm._slots.release()
-            raise asyncio.CancelledError
+        await self._adm._slots.acquire()  # cancelled while waiting: no slot taken, release() frees the place
         self._state = "running"
         self._adm.waiting -= 1
         self._adm.running += 1

@@ -11,6 +11,8 @@ from svip_common.contracts import POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
 
 EMBEDDED_MODEL_NAME = "svip-pair"
+REPLICA_CPUS = 0.5  # the replica only relays: asyncio, gRPC and tokenization
+TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2  # bundle 0 holds the replica
 
 
 @dataclass(frozen=True)
@@ -89,6 +91,3 @@ class ServeSettings:
         bundles = [{"CPU": REPLICA_CPUS}, target]
         return bundles + [draft] if self.draft != "none" else bundles
 
-
-REPLICA_CPUS = 0.5  # the replica only relays: asyncio, gRPC and tokenization
-TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2

@@ -5,15 +5,17 @@ package the project installs."""
 from __future__ import annotations
 
 import re
-import tomllib
 from pathlib import Path
 
+import pytest
 import yaml
 from ray.serve import Application
 from ray.serve.schema import ServeDeploySchema
 
 from svip_serve.app import build_app
 from svip_serve.settings import ServeSettings
+
+tomllib = pytest.importorskip("tomllib")  # Python 3.11+
 
 REPO = Path(__file__).resolve().parents[2]
 SERVE_CONFIG = REPO / "deploy" / "serve-config.yaml"
