@@ -12,7 +12,7 @@ import json
 import secrets
 import sys
 
-from svip_common.contracts import POLICY_NAMES, GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.contracts import POLICY_NAMES, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.randomness import sample_seed
 
@@ -195,7 +195,7 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
             confidence=args.confidence,
         ),
     )
-    request.validate(vocab_size=1, max_positions=None)
+    request.validate(Limits(tokens=1, positions=None))
     return request
 
 

@@ -51,9 +51,9 @@ class WorkerConnection:
             async for event in self._call:
                 kind = event.WhichOneof("kind")
                 session_id = getattr(event, kind).session_id
-                self.bytes_received[session_id] += event.ByteSize()
                 queue = self._queues.get(session_id)
-                if queue is not None:
+                if queue is not None:  # a late event of an ended session is dropped, counters and all
+                    self.bytes_received[session_id] += event.ByteSize()
                     queue.put_nowait((self.role, event))
             self._broken = f"{self.role} worker at {self.address} closed the stream"
         except grpc.aio.AioRpcError as exc:
@@ -76,7 +76,8 @@ class WorkerConnection:
     def send(self, session_id: str, request) -> None:
         if self._broken:
             raise WorkerUnavailable(self._broken)
-        self.bytes_sent[session_id] += request.ByteSize()
+        if session_id in self._queues:
+            self.bytes_sent[session_id] += request.ByteSize()
         self._outbox.put_nowait(request)
 
     @property

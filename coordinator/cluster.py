@@ -7,7 +7,8 @@ from __future__ import annotations
 import os
 
 from svip_common.errors import SvipError
-from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info
+from svip_common.contracts import DRAFT_LENGTH_CAP
+from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info, pair_limits
 
 DRAFT_RESOURCE, TARGET_RESOURCE = "svip_draft", "svip_target"
 START_TIMEOUT_S = 120.0
@@ -68,24 +69,28 @@ class WorkerPair:
 
     def __init__(self, target_path: str, draft_path: str | None, dtype: str = "float32", device: str = "cpu",
                  target_gpus: float = 0, draft_gpus: float = 0, placement=None,
-                 bundles: tuple[int, int] = (0, 0), worker_cpus: float = 1):
+                 bundles: tuple[int, int] = (0, 0), worker_cpus: float = 1,
+                 max_draft_length: int = DRAFT_LENGTH_CAP):
         import ray
 
         from draft_worker.actor import DraftActor
         from target_worker.actor import TargetActor
 
         self.target_info: ModelInfo = load_model_info(target_path)
+        draft_info = None
         if draft_path is not None:
-            check_same_vocabulary(self.target_info, load_model_info(draft_path))
+            draft_info = load_model_info(draft_path)
+            check_same_vocabulary(self.target_info, draft_info)
+        self.limits = pair_limits(self.target_info, draft_info, max_draft_length)
         self.target = ray.remote(TargetActor).options(
             **actor_options("target", target_gpus, placement, bundles[0], worker_cpus)).remote(
-            target_path, dtype=dtype, device=device)
+            target_path, self.limits, dtype=dtype, device=device)
         self.draft = None
         self.target_address = self.draft_address = None
         if draft_path is not None:
             self.draft = ray.remote(DraftActor).options(
                 **actor_options("draft", draft_gpus, placement, bundles[1], worker_cpus)).remote(
-                draft_path, target_vocab_size=self.target_info.vocab_size, dtype=dtype, device=device)
+                draft_path, self.limits, target_vocab_size=self.target_info.vocab_size, dtype=dtype, device=device)
         try:
             self.target_address = ray.get(self.target.start.remote(), timeout=START_TIMEOUT_S)
             self.draft_address = ray.get(self.draft.start.remote(), timeout=START_TIMEOUT_S) if self.draft is not None else None

@@ -8,17 +8,18 @@ from collections.abc import Callable
 
 from coordinator.client import WorkerConnection
 from coordinator.pipeline import PIPELINES, SessionPipeline
-from svip_common.contracts import AUTO, GenerationRequest, GenerationResult
+from svip_common.contracts import AUTO, GenerationRequest, GenerationResult, Limits
 from svip_common.errors import InvalidRequest
 from svip_common.models import ModelInfo
 from svip_proto import svip_pb2_grpc as pb_grpc
 
 
 class DistributedEngine:
-    def __init__(self, target: ModelInfo, target_address: str, draft_address: str | None, pipeline: str = "async"):
+    def __init__(self, target: ModelInfo, limits: Limits, target_address: str, draft_address: str | None,
+                 pipeline: str = "async"):
         if pipeline not in PIPELINES:
             raise InvalidRequest(f"unknown pipeline {pipeline!r}; choose sync or async")
-        self.target, self.pipeline = target, pipeline
+        self.target, self.limits, self.pipeline = target, limits, pipeline
         self.target_conn = WorkerConnection("target", target_address, pb_grpc.TargetWorkerStub)
         self.draft_conn = WorkerConnection("draft", draft_address, pb_grpc.DraftWorkerStub) if draft_address else None
 
@@ -28,7 +29,7 @@ class DistributedEngine:
             await self.draft_conn.open()
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
-        request = request.checked_for(self.draft_conn is not None, self.target.vocab_size, self.target.max_positions)
+        request = request.checked_for(self.draft_conn is not None, self.limits)
         if request.policy.threshold == AUTO and request.policy.name == "svip":
             raise InvalidRequest("threshold 'auto' is available in-process only for now; pass a number")
         return request

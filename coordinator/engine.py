@@ -21,7 +21,7 @@ from svip_common.contracts import (
     GenerationStats,
     Verdict,
 )
-from svip_common.models import LoadedModel, check_same_vocabulary
+from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
 from target_worker.verifier import Verifier
 
 # Called after each round with the block, its verdict and the tokens it settled (streaming,
@@ -34,8 +34,9 @@ class SpeculativeEngine:
         if draft is not None:
             check_same_vocabulary(target, draft)
         self.target = target
-        self.verifier = Verifier(target)
-        self.drafter = Drafter(draft, target.vocab_size) if draft is not None else None
+        self.limits = pair_limits(target, draft)
+        self.verifier = Verifier(target, self.limits.tokens)
+        self.drafter = Drafter(draft, target.vocab_size, self.limits.tokens) if draft is not None else None
         self._calibration: Calibration | None = None
 
     @property
@@ -51,7 +52,7 @@ class SpeculativeEngine:
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
         """The request as it will run: validated, policy 'none' when there is no draft, and
         threshold 'auto' replaced by the pair's calibrated value."""
-        request = request.checked_for(self.drafter is not None, self.target.vocab_size, self.target.max_positions)
+        request = request.checked_for(self.drafter is not None, self.limits)
         policy = request.policy
         if policy.threshold == AUTO:
             threshold = self.calibration().threshold_for(policy.entropy_scale) if self.drafter else 0.0

@@ -20,7 +20,7 @@ class LocalDistributed:
         self.target = self.pair.target_info
         self.draft_path = draft_path
         self.loop = asyncio.new_event_loop()
-        self.engine = DistributedEngine(self.target, self.pair.target_address, self.pair.draft_address, pipeline)
+        self.engine = DistributedEngine(self.target, self.pair.limits, self.pair.target_address, self.pair.draft_address, pipeline)
         self.loop.run_until_complete(self.engine.connect())
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:

@@ -11,12 +11,12 @@ from svip_proto import svip_pb2_grpc as pb_grpc
 class DraftActor(ModelActor):
     service_name = "svip.v1.DraftWorker"
 
-    def __init__(self, model_path: str, target_vocab_size: int, **kwargs):
-        super().__init__(model_path, **kwargs)
+    def __init__(self, model_path: str, limits, target_vocab_size: int, **kwargs):
+        super().__init__(model_path, limits, **kwargs)
         self.target_vocab_size = target_vocab_size
 
     def make_service(self):
-        return DraftService(Drafter(self.model, self.target_vocab_size))
+        return DraftService(Drafter(self.model, self.target_vocab_size, self.limits.tokens), self.limits)
 
     def register(self, server, service) -> None:
         pb_grpc.add_DraftWorkerServicer_to_server(service, server)

@@ -17,16 +17,17 @@ from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
 from svip_common.kv_cache import KVCache
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
-from svip_common.sampling import entropy, sample_index, warp_probs
+from svip_common.sampling import entropy, mask_padding, sample_index, warp_probs
 from target_worker.rejection import recover
 
 
 class Drafter:
     """The draft model, shared by the sessions it opens."""
 
-    def __init__(self, draft: LoadedModel, target_vocab_size: int):
+    def __init__(self, draft: LoadedModel, target_vocab_size: int, token_limit: int | None = None):
         self.draft = draft
         self.width = target_vocab_size  # q is laid over the target's vocabulary
+        self.token_limit = min(draft.token_limit, target_vocab_size) if token_limit is None else token_limit
 
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
@@ -46,6 +47,7 @@ class DraftSession:
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
         self._width = drafter.width
+        self._limit = drafter.token_limit
         self._cache = KVCache(drafter.draft.model)
         self.forwards = 0
         self.forward_s = 0.0
@@ -100,7 +102,7 @@ class DraftSession:
     def _forward(self, token_ids: list[int]) -> torch.Tensor:
         start = time.perf_counter()
         logits = self._cache.forward(token_ids, logits_to_keep=1)  # [1, draft_vocab]
-        logits = _to_width(logits, self._width)
+        logits = mask_padding(_to_width(logits, self._width), self._limit)
         self.forward_s += time.perf_counter() - start
         self.forwards += 1
         return logits

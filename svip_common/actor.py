@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import torch
 
+from svip_common.contracts import Limits
 from svip_common.grpc_server import start_server
 from svip_common.models import LoadedModel, load_model
 
@@ -13,14 +14,15 @@ from svip_common.models import LoadedModel, load_model
 class ModelActor:
     service_name = ""
 
-    def __init__(self, model_path: str, dtype: str = "float32", device: str = "cpu", threads: int = 1,
-                 host: str = "127.0.0.1"):
+    def __init__(self, model_path: str, limits: Limits, dtype: str = "float32", device: str = "cpu",
+                 threads: int = 1, host: str = "127.0.0.1"):
         torch.set_num_threads(threads)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
         # Ray makes only this actor's GPUs visible: more than one means the model spans them
         spread = device.startswith("cuda") and torch.cuda.device_count() > 1
         self.model: LoadedModel = load_model(model_path, dtype, device, spread=spread)
+        self.limits = limits  # what this worker accepts from the wire (the pair's, not only its own)
         self.host = host
         self._server = None
         self.port = None

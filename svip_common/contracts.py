@@ -18,6 +18,9 @@ import torch
 from svip_common.errors import InvalidRequest
 
 POLICY_NAMES = ("svip", "constant", "heuristic", "confidence", "none")
+INT32_MAX = 2**31 - 1  # integer fields travel as int32
+DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deployment may change it)
+GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the warped q turns NaN
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
 ORACLE = "oracle"  # benchmark-only ceiling: needs the target's own greedy continuation
 
@@ -33,13 +36,13 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_BELOW
 
     def validate(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequest(f"temperature must be a number >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise InvalidRequest(f"top_k must be >= 0 (0 disables it), got {self.top_k}")
+        if not 0 <= self.top_k <= INT32_MAX:
+            raise InvalidRequest(f"top_k must be in [0, 2^31) (0 disables it), got {self.top_k}")
         if not (0.0 < self.top_p <= 1.0):
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.seed < 2**63):
@@ -58,7 +61,8 @@ class PolicyConfig:
     confidence: float = 0.4  # confidence: stop when q(drafted token) < confidence
     oracle_tokens: tuple[int, ...] = ()  # oracle: prompt + the target's greedy continuation
 
-    def validate(self) -> None:
+    def validate(self, cap: int = DRAFT_LENGTH_CAP) -> None:
+        """cap: the longest block this deployment drafts; draft_length and max_draft_length beyond it are refused."""
         if self.name == ORACLE and not self.oracle_tokens:
             raise InvalidRequest("the oracle policy needs the target's greedy continuation")
         if self.name not in POLICY_NAMES and self.name != ORACLE:
@@ -72,12 +76,22 @@ class PolicyConfig:
             raise InvalidRequest(f"threshold must be a number >= 0 or 'auto', got {self.threshold}")
         if not math.isfinite(self.entropy_scale) or self.entropy_scale <= 0:
             raise InvalidRequest(f"entropy_scale must be > 0, got {self.entropy_scale}")
-        if self.draft_length < 1:
-            raise InvalidRequest(f"draft length must be >= 1, got {self.draft_length}")
-        if self.max_draft_length < 1:
-            raise InvalidRequest(f"max draft length must be >= 1, got {self.max_draft_length}")
+        if not 1 <= self.draft_length <= cap:
+            raise InvalidRequest(f"draft length must be in [1, {cap}], got {self.draft_length}")
+        if not 1 <= self.max_draft_length <= cap:
+            raise InvalidRequest(f"max draft length must be in [1, {cap}], got {self.max_draft_length}")
         if not (0.0 <= self.confidence <= 1.0):
             raise InvalidRequest(f"confidence must be in [0, 1], got {self.confidence}")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may ask of a deployment: ids its models all embed, their shortest
+    context, and the cap on any block."""
+
+    tokens: int  # valid ids are [0, tokens): the tokenizer's and every model's embedding
+    positions: int | None  # context length (None: the configs state none)
+    max_draft_length: int = DRAFT_LENGTH_CAP
 
 
 @dataclass(frozen=True)
@@ -89,12 +103,12 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, besides the model's EOS
     ignore_eos: bool = False  # generate to max_new_tokens through the model's EOS (benchmarks)
 
-    def checked_for(self, has_draft: bool, vocab_size: int, max_positions: int | None) -> GenerationRequest:
-        """This request validated against a model, with policy 'none' when no draft is loaded."""
+    def checked_for(self, has_draft: bool, limits: Limits) -> GenerationRequest:
+        """This request validated against a deployment, with policy 'none' when no draft is loaded."""
         request = self
         if not has_draft and self.policy.name != "none":
             request = dataclasses.replace(self, policy=dataclasses.replace(self.policy, name="none"))
-        request.validate(vocab_size, max_positions)
+        request.validate(limits)
         return request
 
     def stop_ids(self, eos_token_ids: tuple[int, ...]) -> frozenset[int]:
@@ -102,26 +116,37 @@ class GenerationRequest:
         eos = () if self.ignore_eos else eos_token_ids
         return frozenset(eos) | frozenset(self.stop_token_ids)
 
-    def validate(self, vocab_size: int, max_positions: int | None) -> None:
-        if not self.prompt_ids:
-            raise InvalidRequest("prompt is empty")
-        bad = [t for t in self.prompt_ids if not (0 <= t < vocab_size)]
-        if bad:
-            raise InvalidRequest(
-                f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})"
-            )
-        if self.max_new_tokens < 1:
-            raise InvalidRequest(f"max_new_tokens must be >= 1, got {self.max_new_tokens}")
-        total = len(self.prompt_ids) + self.max_new_tokens
-        if max_positions is not None and total > max_positions:
-            raise InvalidRequest(
-                f"prompt ({len(self.prompt_ids)} tokens) + max_new_tokens ({self.max_new_tokens})"
-                f" exceeds the model's context of {max_positions} tokens"
-            )
+    def validate(self, limits: Limits) -> None:
+        check_prompt_ids(self.prompt_ids, limits.tokens)
+        check_length(len(self.prompt_ids), self.max_new_tokens, limits.positions)
         self.sampling.validate()
-        self.policy.validate()
+        self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
+
+
+def check_token_ids(ids, limit: int, what: str = "token id") -> None:
+    """Every id in [0, limit): an InvalidRequest that names the first one outside, never an index error."""
+    bad = next((t for t in ids if not 0 <= t < limit), None)
+    if bad is not None:
+        raise InvalidRequest(f"{what} {bad} is outside the vocabulary [0, {limit})")
+
+
+def check_prompt_ids(ids, limit: int) -> None:
+    if not ids:
+        raise InvalidRequest("prompt is empty")
+    check_token_ids(ids, limit, "prompt token id")
+
+
+def check_length(prompt_tokens: int, max_new_tokens: int, positions: int | None) -> None:
+    """max_new_tokens in [1, 2^31) and the prompt plus it within the context."""
+    if not 1 <= max_new_tokens <= INT32_MAX:
+        raise InvalidRequest(f"max_new_tokens must be in [1, 2^31), got {max_new_tokens}")
+    if positions is not None and prompt_tokens + max_new_tokens > positions:
+        raise InvalidRequest(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens})"
+            f" exceeds the model's context of {positions} tokens"
+        )
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from svip_common.contracts import Limits, check_length, check_prompt_ids, check_token_ids
 from svip_common.errors import InvalidRequest, SvipError
 from svip_proto import svip_pb2 as pb
 
@@ -37,89 +38,97 @@ async def start_server(register: Callable[[grpc.aio.Server], None], service_name
     return server, port
 
 
+class Refused(InvalidRequest):
+    """A message refused without touching any session: a duplicate start, or a session id that
+    belongs to another stream (or to none)."""
+
+
 class SessionStream:
     """One bidirectional stream carrying many sessions. Requests are handled in order on one
     compute thread (the model is one device), so the event loop stays free to read the stream;
-    a bad request ends its own session with an error event, never the stream."""
+    a bad request ends its own session with an error event, never the stream. A session belongs
+    to the stream that started it; events wait in a bounded queue, so a peer that stops reading
+    stalls its own stream (gRPC flow control) rather than growing the worker's memory."""
 
-    def __init__(self, handle, close_session, error_event, pool: concurrent.futures.Executor):
-        self._handle = handle  # request -> iterator of events, advanced on the compute thread
-        self._close_session = close_session  # session_id -> None
-        self._error_event = error_event  # (session_id, grpc.StatusCode, message) -> event
+    def __init__(self, service: SessionService, pool: concurrent.futures.Executor):
+        self._service = service
         self._pool = pool
-        self._sessions: set[str] = set()
 
     async def run(self, requests: AsyncIterator) -> AsyncIterator:
-        loop = asyncio.get_running_loop()
-        out: asyncio.Queue = asyncio.Queue()
+        out: asyncio.Queue = asyncio.Queue(maxsize=MAX_QUEUED_EVENTS)
 
         async def consume():
             try:
                 async for request in requests:
-                    session_id = _session_id(request)
-                    self._sessions.add(session_id)
-                    try:
-                        # each event goes out as soon as it is made (a block is verified while
-                        # the next one is drafted)
-                        events = self._handle(request)
-                        while (event := await loop.run_in_executor(self._pool, next, events, None)) is not None:
-                            out.put_nowait(event)
-                    except SvipError as exc:
-                        out.put_nowait(self._error_event(session_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-                        await loop.run_in_executor(self._pool, self._close_session, session_id)
-                    except Exception as exc:  # a worker bug: report it on the session, keep serving
-                        log.exception("request failed")
-                        out.put_nowait(self._error_event(session_id, grpc.StatusCode.INTERNAL, f"{type(exc).__name__}: {exc}"))
-                        await loop.run_in_executor(self._pool, self._close_session, session_id)
-            finally:
-                out.put_nowait(None)
+                    await self._answer(request, out)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                log.exception("the request stream broke")
+            await out.put(_END)
 
         task = asyncio.create_task(consume())
         try:
-            while (event := await out.get()) is not None:
+            while (event := await out.get()) is not _END:
                 yield event
         finally:
             task.cancel()
-            for session_id in self._sessions:  # the coordinator went away: free every cache
-                await loop.run_in_executor(self._pool, self._close_session, session_id)
+            # the peer went away: free every cache its sessions hold
+            await asyncio.get_running_loop().run_in_executor(self._pool, self._service.close_owned, self)
+
+    async def _answer(self, request, out: asyncio.Queue) -> None:
+        """Every event one request makes, queued as it is made (a block is verified while the
+        next one is drafted); errors become the session's error event."""
+        loop, service = asyncio.get_running_loop(), self._service
+        session_id = ""
+        try:
+            session_id = _session_id(request)
+            events = service.handle(request, self)
+            while (event := await loop.run_in_executor(self._pool, next, events, None)) is not None:
+                await out.put(event)
+        except Refused as exc:  # nothing of any session is touched
+            await out.put(service.error_event(session_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+        except SvipError as exc:
+            await out.put(service.error_event(session_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            await loop.run_in_executor(self._pool, service.close_session, session_id, self)
+        except Exception:  # a worker bug: report it on the session, keep serving
+            log.exception("request failed")
+            await out.put(service.error_event(session_id, grpc.StatusCode.INTERNAL, "internal worker error (see the worker's log)"))
+            await loop.run_in_executor(self._pool, service.close_session, session_id, self)
+
+
+_END = object()
+MAX_QUEUED_EVENTS = 256  # per stream; a full queue stops reading the peer's requests
 
 
 def _session_id(request) -> str:
     kind = request.WhichOneof("kind")
+    if kind is None:
+        raise Refused("empty message: set one of its fields")
     inner = getattr(request, kind)
     if kind == "verify":
         return inner.block.session_id
     return inner.session_id
 
 
-def check_token_ids(ids, vocab: int, what: str = "token id") -> None:
-    """A message's token ids against the model's width: the worker's InvalidRequest, never an index error."""
-    bad = [t for t in ids if not 0 <= t < vocab]
-    if bad:
-        raise InvalidRequest(f"{what} {bad[0]} is outside the vocabulary [0, {vocab})")
-
-
-def check_prompt(ids, vocab: int) -> None:
-    if not ids:
-        raise InvalidRequest("prompt is empty")
-    check_token_ids(ids, vocab, "prompt token id")
-
-
 class SessionService:
-    """What both worker services share: the session table, one compute thread, the session
-    stream, Stats and cancellation. Subclasses implement ``_handle`` (request -> events) and
-    ``_error_event``; their sessions expose ``cached_tokens``."""
+    """What both worker services share: the session table (each session owned by the stream
+    that started it), one compute thread, the session stream, Stats and cancellation.
+    Subclasses implement ``handle`` (request, owner -> events, on the compute thread) and ``error_event``; their
+    sessions expose ``cached_tokens``."""
 
     role = ""
 
-    def __init__(self):
+    def __init__(self, limits: Limits):
+        self.limits = limits
         self.sessions: dict = {}
+        self._owners: dict[str, object] = {}
         self.tokens_processed = 0
         self._lock = threading.Lock()
         self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.role)
 
     async def Session(self, request_iterator, context):
-        stream = SessionStream(self._handle, self._close, self._error_event, self._pool)
+        stream = SessionStream(self, self._pool)
         async for event in stream.run(request_iterator):
             yield event
 
@@ -131,24 +140,37 @@ class SessionService:
                 tokens_processed=self.tokens_processed,
             )
 
-    def _new_session(self, session_id: str, session) -> None:
+    def _check_start(self, msg: pb.StartSession) -> None:
+        """A StartSession within this worker's limits: ids, context, block cap."""
+        check_prompt_ids(msg.prompt_ids, self.limits.tokens)
+        check_length(len(msg.prompt_ids), msg.max_new_tokens, self.limits.positions)
+        check_token_ids(msg.stop_token_ids, self.limits.tokens, "stop token id")
+
+    def _new_session(self, session_id: str, session, owner) -> None:
         with self._lock:
             if session_id in self.sessions:
-                raise InvalidRequest(f"session {session_id!r} already exists")
+                raise Refused(f"session {session_id!r} already exists")
             self.sessions[session_id] = session
+            self._owners[session_id] = owner
 
-    def _session(self, session_id: str):
-        session = self.sessions.get(session_id)
-        if session is None:
-            raise InvalidRequest(f"no session {session_id!r}")
-        return session
-
-    def _close(self, session_id: str) -> None:
+    def _session(self, session_id: str, owner):
         with self._lock:
-            self.sessions.pop(session_id, None)
+            if self._owners.get(session_id) is not owner:
+                raise Refused(f"no session {session_id!r} on this stream")
+            return self.sessions[session_id]
 
-    def _handle(self, request):
+    def close_session(self, session_id: str, owner) -> None:
+        with self._lock:
+            if self._owners.get(session_id) is owner:
+                del self.sessions[session_id], self._owners[session_id]
+
+    def close_owned(self, owner) -> None:
+        with self._lock:
+            for session_id in [sid for sid, o in self._owners.items() if o is owner]:
+                del self.sessions[session_id], self._owners[session_id]
+
+    def handle(self, request, owner):
         raise NotImplementedError
 
-    def _error_event(self, session_id: str, code: grpc.StatusCode, message: str):
+    def error_event(self, session_id: str, code: grpc.StatusCode, message: str):
         raise NotImplementedError

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from svip_common.contracts import DRAFT_LENGTH_CAP, Limits
 from svip_common.errors import ModelLoadError
 
 DTYPES = {
@@ -27,6 +28,7 @@ class LoadedModel:
     vocab_size: int  # width of the logits
     max_positions: int | None  # context length, when the config states one
     eos_token_ids: tuple[int, ...]
+    token_limit: int = 0  # ids below it are real tokens the model embeds (padding columns excluded)
 
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: bool = False) -> LoadedModel:
@@ -46,13 +48,16 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: b
     except (RuntimeError, AssertionError) as exc:
         raise ModelLoadError(f"cannot place model {path!r} on device {device!r}: {exc}") from None
     config = model.config.get_text_config(decoder=True)
+    width = model.get_output_embeddings().weight.shape[0]
+    rows = model.get_input_embeddings().weight.shape[0]
     return LoadedModel(
         path=path,
         model=model,
         tokenizer=tokenizer,
-        vocab_size=model.get_output_embeddings().weight.shape[0],
+        vocab_size=width,
         max_positions=getattr(config, "max_position_embeddings", None),
         eos_token_ids=_eos_ids(model, tokenizer),
+        token_limit=min(len(tokenizer), width, rows),
     )
 
 
@@ -65,6 +70,17 @@ class ModelInfo:
     vocab_size: int
     max_positions: int | None
     eos_token_ids: tuple[int, ...]
+    token_limit: int = 0  # ids below it are real tokens the model embeds (padding columns excluded)
+
+
+def pair_limits(target: LoadedModel | ModelInfo, draft: LoadedModel | ModelInfo | None = None,
+                max_draft_length: int = DRAFT_LENGTH_CAP) -> Limits:
+    """What a request may ask of this target and draft together: ids below the smaller of their
+    embeddings and the tokenizer (a Qwen2.5 7B target embeds 128 padding ids its 0.5B draft
+    lacks), and the shorter of their contexts."""
+    models = [m for m in (target, draft) if m is not None]
+    contexts = [m.max_positions for m in models if m.max_positions is not None]
+    return Limits(min(m.token_limit for m in models), min(contexts) if contexts else None, max_draft_length)
 
 
 def load_model_info(path: str) -> ModelInfo:
@@ -83,7 +99,8 @@ def load_model_info(path: str) -> ModelInfo:
     if eos is None:
         eos = tokenizer.eos_token_id
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
-    return ModelInfo(path, tokenizer, config.vocab_size, getattr(config, "max_position_embeddings", None), eos_ids)
+    return ModelInfo(path, tokenizer, config.vocab_size, getattr(config, "max_position_embeddings", None), eos_ids,
+                     token_limit=min(len(tokenizer), config.vocab_size))
 
 
 def _first_line(exc: Exception) -> str:

@@ -28,6 +28,15 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def mask_padding(logits: torch.Tensor, limit: int) -> torch.Tensor:
+    """logits [n, width] with every column at or past ``limit`` set to -inf, in place: ids that
+    no tokenizer entry or no model of the pair has (a checkpoint's padding columns) are never
+    chosen, greedy or sampled."""
+    if logits.shape[-1] > limit:
+        logits[..., limit:] = float("-inf")
+    return logits
+
+
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [n, vocab]

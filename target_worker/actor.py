@@ -12,7 +12,7 @@ class TargetActor(ModelActor):
     service_name = "svip.v1.TargetWorker"
 
     def make_service(self):
-        return TargetService(Verifier(self.model))
+        return TargetService(Verifier(self.model, self.limits.tokens), self.limits)
 
     def register(self, server, service) -> None:
         pb_grpc.add_TargetWorkerServicer_to_server(service, server)

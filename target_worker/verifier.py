@@ -16,15 +16,16 @@ from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
 from svip_common.kv_cache import KVCache
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
-from svip_common.sampling import sample_index, warp_probs
+from svip_common.sampling import mask_padding, sample_index, warp_probs
 from target_worker.rejection import accept_greedy, accept_sampled, recover
 
 
 class Verifier:
     """The target model, shared by the sessions it opens."""
 
-    def __init__(self, target: LoadedModel):
+    def __init__(self, target: LoadedModel, token_limit: int | None = None):
         self.target = target
+        self.token_limit = target.token_limit if token_limit is None else token_limit  # ids it may emit
 
     def open(self, sampling: SamplingParams) -> TargetSession:
         return TargetSession(self, sampling)
@@ -34,6 +35,7 @@ class TargetSession:
     def __init__(self, verifier: Verifier, sampling: SamplingParams):
         self.sampling = sampling
         self._cache = KVCache(verifier.target.model)
+        self._limit = verifier.token_limit
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
         self._pending_at = -1
         self.forwards = 0
@@ -90,6 +92,7 @@ class TargetSession:
             logits = torch.cat([self._pending, tail])
         else:
             logits = self._cache.forward([*committed[kept:], *drafted], logits_to_keep=len(drafted) + 1)
+        logits = mask_padding(logits, self._limit)
         if not (reuse and not drafted):
             self.forwards += 1
         self.forward_s += time.perf_counter() - start

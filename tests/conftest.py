@@ -47,6 +47,32 @@ def model_dirs(tmp_path_factory) -> ModelDirs:
     )
 
 
+@dataclasses.dataclass
+class WidePair:
+    """A target and a draft whose embeddings are wider than their shared tokenizer, by different
+    amounts (as Qwen2.5 7B: 152064 rows and 0.5B: 151936, for 151665 tokens)."""
+
+    target: str
+    draft: str
+    tokens: int  # len(tokenizer): the ids every model embeds
+    draft_width: int
+    target_width: int
+
+
+@pytest.fixture(scope="session")
+def wide_pair(tmp_path_factory) -> WidePair:
+    root: Path = tmp_path_factory.mktemp("wide")
+    tok = build_tokenizer()
+    n = len(tok)
+    target = build_model(tok, seed=1, hidden=64, layers=2, width=n + 64)
+    draft = perturbed_copy(target, noise=0.15, seed=3)
+    draft_small = build_model(tok, seed=5, hidden=64, layers=2, width=n + 8)
+    with torch.no_grad():  # the close draft's weights, cut to its narrower embedding
+        state = {k: (v[: n + 8] if v.shape[0] == n + 64 else v) for k, v in draft.state_dict().items()}
+        draft_small.load_state_dict(state)
+    return WidePair(save_model(root / "target", tok, target), save_model(root / "draft", tok, draft_small), n, n + 8, n + 64)
+
+
 @pytest.fixture(scope="session")
 def models(model_dirs):
     return {name: load_model(path) for name, path in dataclasses.asdict(model_dirs).items()}

@@ -43,10 +43,13 @@ def build_model(
     logit_scale: float = 1.0,
     max_positions: int = 512,
     dtype: torch.dtype = torch.float32,
+    width: int | None = None,
 ) -> LlamaForCausalLM:
-    """A random Llama. logit_scale > 1 sharpens its next-token distributions (low entropy)."""
+    """A random Llama. logit_scale > 1 sharpens its next-token distributions (low entropy).
+    width > len(tokenizer): embeddings and logits with padding rows past the tokenizer (as Qwen2.5
+    checkpoints have), whose logits are made huge, so a model that did not mask them would pick them."""
     config = LlamaConfig(
-        vocab_size=len(tokenizer),
+        vocab_size=width or len(tokenizer),
         hidden_size=hidden,
         intermediate_size=hidden * 2,
         num_hidden_layers=layers,
@@ -63,6 +66,7 @@ def build_model(
     model = LlamaForCausalLM(config)
     with torch.no_grad():
         model.lm_head.weight.mul_(logit_scale)
+        model.lm_head.weight[len(tokenizer):].mul_(100.0)  # padding rows, if any
     return model.to(dtype).eval()
 
 

@@ -30,7 +30,7 @@ def run(engine, prompts, args, header: dict) -> int:
     init_local_ray()
     pair = WorkerPair(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device)
     loop = asyncio.new_event_loop()
-    remote = {m: DistributedEngine(pair.target_info, pair.target_address, pair.draft_address, m) for m in ("sync", "async")}
+    remote = {m: DistributedEngine(pair.target_info, pair.limits, pair.target_address, pair.draft_address, m) for m in ("sync", "async")}
     for e in remote.values():
         loop.run_until_complete(e.connect())
     try:

@@ -96,7 +96,7 @@ class SVIPServer:
         )
         self.info = self.pair.target_info
         self.target_path, self.draft_path = target, draft
-        self.engine = DistributedEngine(self.info, self.pair.target_address, self.pair.draft_address, settings.pipeline)
+        self.engine = DistributedEngine(self.info, self.pair.limits, self.pair.target_address, self.pair.draft_address, settings.pipeline)
         self._connected = False
         self._connect_lock = asyncio.Lock()
         self.metrics = ServeMetrics(settings.served_name)

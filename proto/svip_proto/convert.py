@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from svip_common.contracts import NO_TOKEN, Block, PolicyConfig, SamplingParams, Verdict
+from svip_common.contracts import DRAFT_LENGTH_CAP, NO_TOKEN, Block, PolicyConfig, SamplingParams, Verdict
 from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 
@@ -67,12 +67,12 @@ def policy_to_proto(p: PolicyConfig) -> pb.PolicyConfig:
     )
 
 
-def policy_from_proto(msg: pb.PolicyConfig) -> PolicyConfig:
+def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> PolicyConfig:
     policy = PolicyConfig(
         name=msg.name, threshold=msg.threshold, entropy_scale=msg.entropy_scale, draft_length=msg.draft_length,
         max_draft_length=msg.max_draft_length, confidence=msg.confidence,
     )
-    policy.validate()
+    policy.validate(cap)
     return policy
 
 

@@ -54,7 +54,7 @@ def pair(model_dirs):
 def engines(pair, loop):
     out = {}
     for mode in ("sync", "async"):
-        engine = DistributedEngine(pair.target_info, pair.target_address, pair.draft_address, mode)
+        engine = DistributedEngine(pair.target_info, pair.limits, pair.target_address, pair.draft_address, mode)
         loop.run_until_complete(engine.connect())
         out[mode] = engine
     yield out
@@ -207,7 +207,7 @@ def test_bad_request_is_invalid_argument_and_the_stream_goes_on(pair, loop):
             first = await call.read()
             requests.put_nowait(pb.TargetRequest(start=pb.StartSession(session_id="s", prompt_ids=[1, 99999])))
             second = await call.read()
-            start = pb.StartSession(session_id="ok", prompt_ids=[1, 2], sampling=pb.SamplingParams(top_p=1.0))
+            start = pb.StartSession(session_id="ok", prompt_ids=[1, 2], max_new_tokens=5, sampling=pb.SamplingParams(top_p=1.0))
             requests.put_nowait(pb.TargetRequest(start=start))
             requests.put_nowait(pb.TargetRequest(verify=pb.VerifyBlock(block=pb.Block(session_id="ok", base=2))))
             third = await call.read()
@@ -237,7 +237,7 @@ def test_listeners_are_loopback_only(pair):
 def test_killed_worker_is_a_clear_error(model_dirs, loop, pair):
     """Last in this module: a second pair whose draft is killed mid-session."""
     doomed = WorkerPair(model_dirs.target, model_dirs.close_draft)
-    engine = DistributedEngine(doomed.target_info, doomed.target_address, doomed.draft_address, "async")
+    engine = DistributedEngine(doomed.target_info, doomed.limits, doomed.target_address, doomed.draft_address, "async")
     loop.run_until_complete(engine.connect())
 
     async def kill_midway():

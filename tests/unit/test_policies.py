@@ -124,7 +124,9 @@ def test_none_policy_never_drafts():
     [
         (PolicyConfig(name="bogus"), "unknown policy 'bogus'"),
         (PolicyConfig(threshold=-0.1), "threshold must be"),
-        (PolicyConfig(draft_length=0), "draft length must be >= 1"),
+        (PolicyConfig(draft_length=0), r"draft length must be in \[1, 64\], got 0"),
+        (PolicyConfig(draft_length=65), r"draft length must be in \[1, 64\], got 65"),
+        (PolicyConfig(max_draft_length=2**31), r"max draft length must be in \[1, 64\]"),
         (PolicyConfig(max_draft_length=0), "max draft length"),
         (PolicyConfig(confidence=1.5), "confidence must be"),
     ],
