@@ -12,7 +12,7 @@ import json
 import secrets
 import sys
 
-from svip_common.contracts import POLICY_NAMES, GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.randomness import sample_seed
 
@@ -89,9 +89,15 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--max-waiting", type=int, default=32, help="requests waiting per pipeline before 429 (32)")
     srv.add_argument("--policy", default="svip", help=f"default length policy: {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
+    srv.add_argument("--draft-length-cap", type=int, default=DRAFT_LENGTH_CAP,
+                     help=f"the longest block a request may ask for ({DRAFT_LENGTH_CAP})")
+    srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (4 MiB)")
+    srv.add_argument("--api-key", action="append", default=[], metavar="KEY",
+                     help="require 'Authorization: Bearer KEY' on /v1 (repeat for several keys; $SVIP_API_KEY: comma-separated)")
 
 
 def _serve(args: argparse.Namespace) -> int:
+    from svip_serve.auth import digest, keys_from_env
     from svip_serve.local import serve_forever
     from svip_serve.settings import ServeSettings
 
@@ -102,7 +108,9 @@ def _serve(args: argparse.Namespace) -> int:
         "target": args.target, "draft": args.draft, "model_name": args.model_name, "dtype": args.dtype,
         "device": args.device, "target_gpus": args.target_gpus, "pipeline": args.pipeline,
         "num_replicas": args.replicas, "max_in_flight": args.max_in_flight, "max_waiting": args.max_waiting,
-        "policy": args.policy, "threshold": args.threshold,
+        "policy": args.policy, "threshold": args.threshold, "draft_length_cap": args.draft_length_cap,
+        "max_request_bytes": args.max_request_bytes,
+        "api_key_sha256": tuple(sorted({digest(k) for k in args.api_key + keys_from_env()})),
     })
     return serve_forever(settings, args.host, args.port, args.metrics_port)
 

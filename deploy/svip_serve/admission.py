@@ -43,7 +43,11 @@ class Slot:
         self._state = "waiting"
 
     async def __aenter__(self) -> Slot:
-        await self._adm._slots.acquire()  # cancelled while waiting: no slot taken, release() frees the place
+        try:
+            await self._adm._slots.acquire()
+        except BaseException:  # cancelled while waiting (the client left): give the place back
+            self.release()
+            raise
         self._state = "running"
         self._adm.waiting -= 1
         self._adm.running += 1

@@ -66,7 +66,8 @@ def stop() -> None:
 
 def serve_forever(settings: ServeSettings, host: str, port: int, metrics_port: int) -> int:
     url = start(settings, host, port, metrics_port)
-    print(f"svip: serving {settings.served_name!r} at {url}, Prometheus metrics at "
+    keys = f"{len(settings.api_key_sha256)} API key(s) required" if settings.api_key_sha256 else "no API key required"
+    print(f"svip: serving {settings.served_name!r} at {url} ({keys}), Prometheus metrics at "
           f"http://127.0.0.1:{metrics_port}/metrics (Ctrl-C stops)", file=sys.stderr, flush=True)
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())

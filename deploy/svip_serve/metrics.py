@@ -6,11 +6,12 @@ beside them."""
 
 from __future__ import annotations
 
-from svip_common.contracts import GenerationStats
+from svip_common.contracts import DRAFT_LENGTH_CAP, GenerationStats
 
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
 LENGTH_BUCKETS = [1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 20, 24, 32, 40]
 ENTROPY_BUCKETS = [0.1, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+MAX_POSITION_LABELS = DRAFT_LENGTH_CAP  # positions past the default block cap are not labelled
 BYTES_BUCKETS = [64, 128, 256, 512, 1024, 4096, 16384, 65536, 262144, 1048576]
 
 
@@ -63,7 +64,7 @@ class ServeMetrics:
         self._inc(self.accepted, stats.accepted_tokens)
         per_pos: dict[int, int] = {}
         for accepted in stats.accepted_lengths:
-            for pos in range(accepted):
+            for pos in range(min(accepted, MAX_POSITION_LABELS)):  # a bounded label set
                 per_pos[pos] = per_pos.get(pos, 0) + 1
         for pos, count in per_pos.items():
             self.accepted_per_pos.inc(count, {**t, "position": str(pos)})

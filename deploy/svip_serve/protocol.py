@@ -4,13 +4,14 @@ completion, chat and streaming-chunk bodies. Nothing here touches models or Ray.
 
 from __future__ import annotations
 
+import json
 import math
 import secrets
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from svip_common.contracts import POLICY_NAMES, PolicyConfig, SamplingParams
+from svip_common.contracts import INT32_MAX, POLICY_NAMES, PolicyConfig, SamplingParams
 
 MAX_STOP_STRINGS = 16
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
@@ -48,18 +49,61 @@ class ApiRequest:
     ignore_eos: bool = False
 
 
+# --- the body ------------------------------------------------------------------------------------
+
+def parse_json(raw: bytes):
+    """The request body as JSON, or a 400 that says what is wrong with it: not JSON, nested too
+    deeply, a number too long to read, a string that is not Unicode (a lone surrogate)."""
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise bad(f"the request body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise bad("the request body is nested too deeply") from None
+    except ValueError:  # Python reads at most 4300 digits of an integer
+        raise bad("a number in the request body is too long to read") from None
+    if (where := _lone_surrogate(body)) is not None:
+        param = None if where.startswith(("a key", "the request")) else where.split("[")[0].split(".")[0]
+        raise bad(f"{where} is not valid Unicode (a lone surrogate)", param)
+    return body
+
+
+def _lone_surrogate(value, where: str = "") -> str | None:
+    """Where the first string with an unpaired surrogate is (JSON admits \\ud800), or None."""
+    stack = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return path or "the request body"
+        elif isinstance(item, dict):
+            stack += [(k, path or "a key") for k in item] + [(v, f"{path}.{k}" if path else str(k)) for k, v in item.items()]
+        elif isinstance(item, list):
+            stack += [(v, f"{path}[{i}]") for i, v in enumerate(item)]
+    return None
+
+
 # --- field readers: each names the field and the type it wanted ---------------------------------
 
 def _number(body: dict, name: str, default: float) -> float:
     value = body.get(name)
     if value is None:
         return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
         raise bad(f"'{name}' must be a number, got {_shown(value)}", name)
-    return float(value)
+    try:
+        value = float(value)
+    except OverflowError:  # an integer beyond any float
+        value = math.inf
+    if not math.isfinite(value):
+        raise bad(f"'{name}' must be a finite number", name)
+    return value
 
 
-def _integer(body: dict, name: str, default: int | None) -> int | None:
+def _integer(body: dict, name: str, default: int | None, lo: int = -INT32_MAX - 1, hi: int = INT32_MAX) -> int | None:
+    """An integer in [lo, hi] (int32 unless told otherwise: integer fields travel as int32)."""
     value = body.get(name)
     if value is None:
         return default
@@ -67,7 +111,19 @@ def _integer(body: dict, name: str, default: int | None) -> int | None:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise bad(f"'{name}' must be an integer, got {_shown(value)}", name)
+    if not lo <= value <= hi:
+        raise bad(f"'{name}' must be in [{_power(lo)}, {_power(hi + 1)}), got {_shown_int(value)}", name)
     return value
+
+
+def _power(n: int) -> str:
+    """2^31 for 2147483648: bounds as people write them."""
+    sign, m = ("-", -n) if n < 0 else ("", n)
+    return f"{sign}2^{m.bit_length() - 1}" if m > 1024 and m & (m - 1) == 0 else str(n)
+
+
+def _shown_int(value: int) -> str:
+    return str(value) if abs(value) < 10**30 else f"an integer of {len(str(abs(value)))} digits"
 
 
 def _boolean(body: dict, name: str, default: bool) -> bool:
@@ -101,26 +157,20 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     if best_of != 1:
         raise bad(f"'best_of' must be 1, got {best_of}", "best_of")
     _refuse_unsupported(body)
-    max_tokens = _integer(body, "max_completion_tokens", None) if kind == "chat" else None
-    max_tokens = _integer(body, "max_tokens", max_tokens)
+    max_tokens = _integer(body, "max_completion_tokens", None, lo=1) if kind == "chat" else None
+    max_tokens = _integer(body, "max_tokens", max_tokens, lo=1)
     if kind == "completion" and max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
-    if max_tokens is not None and max_tokens < 1:
-        raise bad(f"'max_tokens' must be >= 1, got {max_tokens}", "max_tokens")
     temperature = _number(body, "temperature", 1.0)
     if temperature < 0:
         raise bad(f"'temperature' must be >= 0 (0 is greedy), got {temperature:g}", "temperature")
     top_p = _number(body, "top_p", 1.0)
     if not 0 < top_p <= 1:
         raise bad(f"'top_p' must be in (0, 1], got {top_p:g}", "top_p")
-    top_k = _integer(body, "top_k", 0)
-    if top_k < 0:
-        raise bad(f"'top_k' must be >= 0 (0 disables it), got {top_k}", "top_k")
-    seed = _integer(body, "seed", None)
+    top_k = _integer(body, "top_k", 0, lo=0)  # 0 disables it
+    seed = _integer(body, "seed", None, lo=0, hi=2**63 - 1)
     if seed is None:
         seed = secrets.randbelow(2**31)
-    elif not 0 <= seed < 2**63:
-        raise bad(f"'seed' must be in [0, 2^63), got {seed}", "seed")
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad(f"'stream_options' must be an object, got {_shown(stream_options)}", "stream_options")
@@ -176,8 +226,8 @@ def _policy(body: dict, defaults: PolicyConfig) -> PolicyConfig:
         name=name,
         threshold=threshold,
         entropy_scale=_number(body, "entropy_scale", defaults.entropy_scale),
-        draft_length=_integer(body, "draft_length", defaults.draft_length),
-        max_draft_length=_integer(body, "max_draft_length", defaults.max_draft_length),
+        draft_length=_integer(body, "draft_length", defaults.draft_length, lo=1),
+        max_draft_length=_integer(body, "max_draft_length", defaults.max_draft_length, lo=1),
         confidence=_number(body, "confidence", defaults.confidence),
     )
     return policy

@@ -4,8 +4,11 @@ loopback). Requests become GenerationRequests, tokens stream back as server-sent
 
 
 import asyncio
+import concurrent.futures
 import json
+import logging
 import time
+import uuid
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -13,18 +16,20 @@ from ray import serve
 from starlette.exceptions import HTTPException
 
 from coordinator.client import WorkerUnavailable
-from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest, SvipError
 from svip_serve import prompting
 from svip_serve.admission import Admission, Slot
+from svip_serve.auth import ApiKeys
 from svip_serve.generation import Generation
 from svip_serve.protocol import (
-    ApiError, ApiRequest, bad, chunk_body, new_id, parse_chat, parse_completion, response_body, usage,
+    ApiError, ApiRequest, bad, chunk_body, new_id, parse_chat, parse_completion, parse_json, response_body, usage,
     usage_chunk,
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
 
 api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible")
+log = logging.getLogger("svip_serve")
 
 
 @api.exception_handler(ApiError)
@@ -39,24 +44,51 @@ async def _on_http_error(request: Request, exc: HTTPException) -> JSONResponse:
     return JSONResponse(error.body(), status_code=exc.status_code)
 
 
-async def _json_body(request: Request):
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise bad(f"the request body is not valid JSON: {exc}") from None
+@api.exception_handler(Exception)
+async def _on_unexpected(request: Request, exc: Exception) -> JSONResponse:
+    """A bug answers 500 with a request id; the detail goes to the server's log, never the client."""
+    return JSONResponse(_internal_error(exc, f"{request.method} {request.url.path}").body(), status_code=500)
+
+
+def _internal_error(exc: BaseException, where: str) -> ApiError:
+    request_id = uuid.uuid4().hex
+    log.error("request %s (%s) failed", request_id, where, exc_info=exc)
+    return ApiError(500, f"internal server error (request id {request_id}; the detail is in the server's log)",
+                    type_="server_error", code="internal_error")
+
+
+async def _json_body(request: Request, limit: int):
+    """The body, read up to ``limit`` bytes (413 past it), parsed (400 when it is not JSON)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise _too_large(limit)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise _too_large(limit)
+        chunks.append(chunk)
+    return parse_json(b"".join(chunks))
+
+
+def _too_large(limit: int) -> ApiError:
+    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large")
 
 
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
-def _api_error(exc: SvipError) -> ApiError:
+def _api_error(exc: BaseException, where: str) -> ApiError:
+    if isinstance(exc, ApiError):
+        return exc
     if isinstance(exc, InvalidRequest):
         return bad(str(exc))
     if isinstance(exc, WorkerUnavailable):
-        return ApiError(503, f"the model workers are unavailable: {exc}", type_="server_error", code="worker_unavailable")
-    return ApiError(500, f"generation failed: {exc}", type_="server_error")
+        log.warning("%s: %s", where, exc)
+        return ApiError(503, "the model workers are unavailable; retry shortly", type_="server_error",
+                        code="worker_unavailable", headers={"Retry-After": "5"})
+    return _internal_error(exc, where)
 
 
 class _SlotStreamingResponse(StreamingResponse):
@@ -92,8 +124,11 @@ class SVIPServer:
             target, draft, dtype=settings.dtype, device=settings.device,
             target_gpus=settings.target_gpus if gpus else 0, draft_gpus=settings.draft_gpus if gpus else 0,
             placement=get_current_placement_group(), bundles=(TARGET_BUNDLE, DRAFT_BUNDLE),
-            worker_cpus=settings.worker_cpus,
+            worker_cpus=settings.worker_cpus, max_draft_length=settings.draft_length_cap,
         )
+        self.api_keys = ApiKeys(settings.api_key_sha256)
+        # tokenizing a long prompt takes a while: never on the event loop that streams every session
+        self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.info = self.pair.target_info
         self.target_path, self.draft_path = target, draft
         self.engine = DistributedEngine(self.info, self.pair.limits, self.pair.target_address, self.pair.draft_address, settings.pipeline)
@@ -102,7 +137,7 @@ class SVIPServer:
         self.metrics = ServeMetrics(settings.served_name)
         self.admission = Admission(settings.max_in_flight, settings.max_waiting, self.metrics.set_load)
         self.created = int(time.time())
-        self.policy_defaults = PolicyConfig(name=settings.policy, threshold=settings.threshold)
+        self.policy_defaults = settings.policy_defaults()
 
     async def _engine(self):
         if not self._connected:
@@ -137,41 +172,45 @@ class SVIPServer:
                              "running": self.admission.running, "waiting": self.admission.waiting})
 
     @api.get("/v1/models")
-    async def models(self) -> JSONResponse:
+    async def models(self, request: Request) -> JSONResponse:
+        self.api_keys.check(request.headers.get("authorization"))
         card = {"id": self.settings.served_name, "object": "model", "created": self.created, "owned_by": "svip",
-                "root": self.target_path, "draft": self.draft_path, "max_model_len": self.info.max_positions}
+                "speculative": self.draft_path is not None, "max_model_len": self.engine.limits.positions}
         return JSONResponse({"object": "list", "data": [card]})
 
     @api.get("/v1/svip/workers")
-    async def workers(self) -> JSONResponse:
+    async def workers(self, request: Request) -> JSONResponse:
         """This replica's workers: open sessions and cached tokens (0 and 0 when idle)."""
+        self.api_keys.check(request.headers.get("authorization"))
         stats = await (await self._engine()).worker_stats()
         return JSONResponse({role: {"open_sessions": s.open_sessions, "cached_tokens": s.cached_tokens,
                                     "tokens_processed": s.tokens_processed} for role, s in stats.items()})
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
-        arrived = time.monotonic()
-        return await self._serve(parse_completion(await _json_body(request), self.policy_defaults), arrived)
+        return await self._serve(request, parse_completion)
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        arrived = time.monotonic()
-        return await self._serve(parse_chat(await _json_body(request), self.policy_defaults), arrived)
+        return await self._serve(request, parse_chat)
 
     # --- one request ----------------------------------------------------------------------------
 
-    async def _serve(self, req: ApiRequest, arrived: float):
+    async def _serve(self, http: Request, parse):
+        arrived = time.monotonic()
+        self.api_keys.check(http.headers.get("authorization"))
         try:
+            req = parse(await _json_body(http, self.settings.max_request_bytes), self.policy_defaults)
             self._check_model(req.model)
-            request = self._generation_request(req)
+            loop = asyncio.get_running_loop()
+            request = await loop.run_in_executor(self._tokenizer_pool, self._generation_request, req)
         except ApiError as exc:
             self.metrics.record_rejected("invalid")
             raise exc
         try:
             engine = await self._engine()
         except SvipError as exc:
-            raise _api_error(exc) from None
+            raise _api_error(exc, "connect") from None
         try:
             slot = self.admission.reserve()
         except ApiError:
@@ -184,8 +223,8 @@ class SVIPServer:
         try:
             async with slot:
                 text = await generation.run()
-        except SvipError as exc:
-            raise _api_error(exc) from None
+        except (SvipError, ApiError) as exc:
+            raise _api_error(exc, rid) from None
         self._record(generation, arrived)
         return JSONResponse(response_body(req.kind, rid, self.settings.served_name, text, generation.finish_reason,
                                           self._usage(generation), generation.stats()))
@@ -204,8 +243,10 @@ class SVIPServer:
                 if req.include_usage:
                     yield _sse(usage_chunk(req.kind, rid, model, created, self._usage(generation), generation.stats()))
                 self._record(generation, arrived)
-        except SvipError as exc:  # after the text already sent: an error event, then the end
-            yield _sse(_api_error(exc).body())
+        except asyncio.CancelledError:  # the client went away: nobody to tell
+            raise
+        except Exception as exc:  # after the text already sent: an error event, then the end
+            yield _sse(_api_error(exc, rid).body())
         yield "data: [DONE]\n\n"
 
     def _check_model(self, model: str | None) -> None:
@@ -216,7 +257,7 @@ class SVIPServer:
     def _generation_request(self, req: ApiRequest) -> GenerationRequest:
         try:
             prompt_ids = prompting.prompt_ids(self.info.tokenizer, req, self.settings.served_name)
-            ctx = self.info.max_positions
+            ctx = self.engine.limits.positions  # the shorter context of the pair
             if ctx is not None and len(prompt_ids) >= ctx:
                 raise bad(f"the prompt is {len(prompt_ids)} tokens; the model's context is {ctx} tokens", "prompt")
             max_tokens = req.max_tokens if req.max_tokens is not None else (ctx - len(prompt_ids) if ctx else 256)

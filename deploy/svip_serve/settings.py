@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from svip_common.contracts import POLICY_NAMES, PolicyConfig
+from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
 
 EMBEDDED_MODEL_NAME = "svip-pair"
@@ -32,6 +32,9 @@ class ServeSettings:
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
     policy: str = "svip"  # request default; a request's `policy` overrides it
     threshold: float = 0.3
+    draft_length_cap: int = DRAFT_LENGTH_CAP  # cap on a request's draft_length / max_draft_length (and any block)
+    max_request_bytes: int = 4 * 1024 * 1024  # a larger body is refused with 413 before it is parsed
+    api_key_sha256: tuple[str, ...] = ()  # SHA-256 (hex) of the API keys; $SVIP_API_KEY adds more; none: open
 
     @classmethod
     def from_args(cls, args: dict | None) -> ServeSettings:
@@ -40,6 +43,8 @@ class ServeSettings:
         unknown = sorted(set(args) - known)
         if unknown:
             raise InvalidRequest(f"unknown app argument(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
+        if isinstance(args.get("api_key_sha256"), list):  # YAML and JSON give lists
+            args["api_key_sha256"] = tuple(args["api_key_sha256"])
         settings = cls(**args)
         settings.validate()
         return settings
@@ -53,7 +58,7 @@ class ServeSettings:
             raise InvalidRequest("a target needs a draft: a model directory or hub id, or 'none' for the target alone")
         if self.pipeline not in ("sync", "async"):
             raise InvalidRequest(f"pipeline must be 'sync' or 'async', got {self.pipeline!r}")
-        for name in ("target_gpus", "draft_gpus", "num_replicas", "max_in_flight"):
+        for name in ("target_gpus", "draft_gpus", "num_replicas", "max_in_flight", "draft_length_cap", "max_request_bytes"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("max_waiting", "max_queued_requests"):
@@ -63,7 +68,17 @@ class ServeSettings:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if self.policy not in POLICY_NAMES:
             raise InvalidRequest(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
-        PolicyConfig(name=self.policy, threshold=self.threshold).validate()
+        self.policy_defaults().validate(self.draft_length_cap)
+        bad_hash = next((h for h in self.api_key_sha256 if not _is_sha256_hex(h)), None)
+        if bad_hash is not None or not isinstance(self.api_key_sha256, tuple):
+            raise InvalidRequest("api_key_sha256 must be a list of SHA-256 digests (64 hex digits), not the keys")
+
+    def policy_defaults(self) -> PolicyConfig:
+        """What a request that names no policy knobs gets; within the cap."""
+        base = PolicyConfig()
+        return PolicyConfig(name=self.policy, threshold=self.threshold,
+                            draft_length=min(base.draft_length, self.draft_length_cap),
+                            max_draft_length=min(base.max_draft_length, self.draft_length_cap))
 
     def model_paths(self) -> tuple[str, str | None]:
         """(target, draft or None) as directories or hub ids."""
@@ -91,3 +106,7 @@ class ServeSettings:
         bundles = [{"CPU": REPLICA_CPUS}, target]
         return bundles + [draft] if self.draft != "none" else bundles
 
+
+
+def _is_sha256_hex(value) -> bool:
+    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)

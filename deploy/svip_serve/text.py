@@ -8,24 +8,46 @@ REPLACEMENT = "\ufffd"  # what a tokenizer decodes half a UTF-8 character to
 
 
 class IncrementalDetokenizer:
-    """Decodes a growing id list a window at a time (prefix / read offsets), so each step costs
-    O(window), not O(sequence)."""
+    """Decodes a growing id list a bounded window at a time (prefix / read offsets, as vLLM), so
+    each token costs O(window), not O(sequence): special tokens (skipped in the text) never
+    enter the window, ids that add no text join the window's context without growing it past
+    CONTEXT_TOKENS, and at most MAX_PENDING_TOKENS ids wait to complete a character."""
+
+    CONTEXT_TOKENS = 16
+    MAX_PENDING_TOKENS = 8  # a UTF-8 character is at most 4 bytes: longer is not a character
 
     def __init__(self, tokenizer):
         self.tokenizer = tokenizer
-        self.ids: list[int] = []
+        self._special = frozenset(tokenizer.all_special_ids)
+        self.ids: list[int] = []  # the window's ids (special ids left out)
         self._prefix = 0  # start of the window decoded for context
         self._read = 0  # ids before this have been turned into text
 
     def push(self, token_id: int) -> str:
         """The text that token adds; '' while it ends in an incomplete character."""
+        if token_id in self._special:
+            return ""
         self.ids.append(token_id)
         before = self._decode(self.ids[self._prefix : self._read])
         now = self._decode(self.ids[self._prefix :])
-        if len(now) <= len(before) or now.endswith(REPLACEMENT):
+        pending = len(self.ids) - self._read
+        if now.endswith(REPLACEMENT) and pending < self.MAX_PENDING_TOKENS:
+            return ""
+        if len(now) <= len(before):  # no text: the id stays as context
+            self._read = len(self.ids)
+            self._prefix = max(self._prefix, self._read - self.CONTEXT_TOKENS)
+            self._trim()
             return ""
         self._prefix, self._read = self._read, len(self.ids)
+        self._trim()
         return now[len(before) :]
+
+    def _trim(self) -> None:
+        """Forget ids before the window."""
+        if self._prefix > self.CONTEXT_TOKENS:
+            del self.ids[: self._prefix]
+            self._read -= self._prefix
+            self._prefix = 0
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,7 @@ from transformers import AutoTokenizer
 
 from svip_assets import default_pair
 from tests.loopback import assert_loopback_listeners
+from tests.serving import svip_serve
 
 MODEL = "svip-pair"
 MAX_NEW = 40
@@ -35,39 +35,10 @@ PROMPTS = [
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A function that adds two numbers."}]
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def server():
-    port, metrics_port = free_port(), free_port()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--port", str(port), "--metrics-port", str(metrics_port),
-         "--max-in-flight", "16", "--max-waiting", "8"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, proc.stdout.read()
-        try:
-            if httpx.get(f"{base}/health", timeout=2).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    else:
-        proc.kill()
-        pytest.fail("svip serve did not become healthy in 180 s")
-    yield {"base": base, "metrics": f"http://127.0.0.1:{metrics_port}/metrics", "proc": proc}
-    proc.send_signal(signal.SIGTERM)
-    try:
-        proc.wait(timeout=60)
-    except subprocess.TimeoutExpired:
-        proc.kill()
+    with svip_serve("--max-in-flight", "16", "--max-waiting", "8") as srv:
+        yield srv
 
 
 @pytest.fixture(scope="module")
@@ -191,7 +162,7 @@ def test_seeded_sampling_is_reproducible(client):
 
 BAD = [
     ("completions", {"model": MODEL, "max_tokens": 5}, 400, "'prompt' is required"),
-    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be >= 1"),
+    ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be in [1, 2^31)"),
     ("completions", {"model": MODEL, "prompt": "x", "temperature": -1}, 400, "'temperature'"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "'top_p'"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "'top_p'"),
@@ -204,7 +175,7 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "stream": "true"}, 400, "'stream'"),
     ("completions", {"model": MODEL, "prompt": [5, 99999]}, 400, "outside the vocabulary"),
     ("completions", {"model": MODEL, "prompt": "x", "policy": "svip", "threshold": "auto"}, 400, "auto"),
-    ("completions", {"model": MODEL, "prompt": "x", "draft_length": 0}, 400, "draft length"),
+    ("completions", {"model": MODEL, "prompt": "x", "draft_length": 0}, 400, "'draft_length' must be in [1, 2^31)"),
     ("chat/completions", {"model": MODEL}, 400, "'messages' is required"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, "'messages' must be"),
     ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "'n'"),

@@ -1,0 +1,191 @@
+"""Hostile and broken input at the pure layers: request bodies that used to give 500s, caps on the
+knobs a request sets, temperatures too small to divide by, padding columns, an admission place
+lost to a cancelled waiter, detokenization that must stay linear, API keys."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from svip_common.contracts import DRAFT_LENGTH_CAP, GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
+from svip_common.sampling import mask_padding, warp_probs
+from svip_serve.admission import Admission
+from svip_serve.auth import ApiKeys, digest
+from svip_serve.protocol import ApiError, parse_json
+from svip_serve.settings import ServeSettings
+from svip_serve.text import IncrementalDetokenizer
+
+
+@pytest.mark.parametrize("raw, words", [
+    (b"[" * 100_000 + b"]" * 100_000, "nested too deeply"),
+    (b'{"max_tokens": ' + b"9" * 5000 + b"}", "number in the request body is too long"),
+    (b'{"prompt": "a\\ud800b"}', "prompt is not valid Unicode"),
+    (b'{"messages": [{"role": "user", "content": "\\udfff"}]}', "messages[0].content is not valid Unicode"),
+    (b'{"stop": ["ok", "\\ud83d"]}', "stop[1] is not valid Unicode"),
+    (b'{"\\ud800": 1}', "a key is not valid Unicode"),
+    (b"\xff\xfe", "not valid JSON"),
+])
+def test_bodies_that_gave_500s_are_400s(raw, words):
+    with pytest.raises(ApiError) as err:
+        parse_json(raw)
+    assert err.value.status == 400 and words in err.value.message
+
+
+def test_a_paired_surrogate_is_fine():
+    assert parse_json(b'{"prompt": "\\ud83d\\udc0d"}') == {"prompt": "\U0001f40d"}
+
+
+def test_request_caps_and_int32_ranges():
+    limits = Limits(tokens=100, positions=None)
+    ok = GenerationRequest((1, 2), 5)
+    ok.validate(limits)
+    with pytest.raises(InvalidRequest, match=r"max_new_tokens must be in \[1, 2\^31\)"):
+        GenerationRequest((1, 2), 2**31).validate(limits)
+    with pytest.raises(InvalidRequest, match=r"top_k must be in \[0, 2\^31\)"):
+        GenerationRequest((1, 2), 5, SamplingParams(1.0, top_k=2**31)).validate(limits)
+    with pytest.raises(InvalidRequest, match=rf"max draft length must be in \[1, {DRAFT_LENGTH_CAP}\]"):
+        GenerationRequest((1, 2), 5, policy=PolicyConfig(max_draft_length=10**6)).validate(limits)
+    small = Limits(tokens=100, positions=None, max_draft_length=8)
+    with pytest.raises(InvalidRequest, match=r"draft length must be in \[1, 8\], got 9"):
+        GenerationRequest((1, 2), 5, policy=PolicyConfig(name="constant", draft_length=9, max_draft_length=8)).validate(small)
+    with pytest.raises(InvalidRequest, match="prompt token id 100 is outside the vocabulary"):
+        GenerationRequest((1, 100), 5).validate(limits)
+
+
+def test_a_deployment_cap_below_the_defaults_lowers_the_defaults():
+    settings = ServeSettings.from_args({"draft_length_cap": 4})
+    defaults = settings.policy_defaults()
+    assert defaults.max_draft_length == 4 and defaults.draft_length == 4
+    defaults.validate(4)
+    with pytest.raises(InvalidRequest, match="draft_length_cap"):
+        ServeSettings.from_args({"draft_length_cap": 0})
+    with pytest.raises(InvalidRequest, match="SHA-256 digests"):
+        ServeSettings.from_args({"api_key_sha256": ["my-secret-key"]})
+
+
+@pytest.mark.parametrize("temperature", [1e-39, 1e-30, 9e-6])
+def test_temperatures_below_1e_5_are_greedy(temperature):
+    params = SamplingParams(temperature=temperature)
+    params.validate()
+    assert params.greedy
+    logits = torch.tensor([[1.0, 3.0, 2.0]])
+    probs = warp_probs(logits, params)
+    assert torch.isfinite(probs).all() and int(probs.argmax()) == 1
+    assert not SamplingParams(temperature=1e-5).greedy
+
+
+def test_padding_columns_are_never_chosen():
+    logits = torch.tensor([[0.0, 1.0, 50.0, 60.0]])  # columns 2 and 3: a checkpoint's padding
+    masked = mask_padding(logits.clone(), limit=2)
+    assert int(masked.argmax()) == 1
+    probs = warp_probs(masked, SamplingParams(temperature=1.0))
+    assert probs[0, 2:].sum() == 0 and torch.isclose(probs[0, :2].sum(), torch.tensor(1.0))
+    unchanged = torch.tensor([[0.0, 1.0]])
+    assert torch.equal(mask_padding(unchanged.clone(), limit=5), unchanged)
+
+
+def test_a_waiter_cancelled_before_its_slot_gives_its_place_back():
+    """A non-streaming request cancelled while it waits for admission (its client left) used to
+    keep its place for ever: after max_waiting such cancels every request got 429."""
+    async def scenario():
+        adm = Admission(max_in_flight=1, max_waiting=2)
+        holder = adm.reserve()
+        await holder.__aenter__()
+        for _ in range(10):  # far more than max_waiting
+            slot = adm.reserve()
+            waiter = asyncio.ensure_future(slot.__aenter__())
+            await asyncio.sleep(0)
+            waiter.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await waiter
+            assert (adm.running, adm.waiting) == (1, 0)
+        holder.release()
+        again = adm.reserve()
+        async with again:
+            assert (adm.running, adm.waiting) == (1, 0)
+        assert (adm.running, adm.waiting) == (0, 0)
+
+    asyncio.run(scenario())
+
+
+class CountingTokenizer:
+    """A tokenizer that counts how many ids it was asked to decode (the detokenizer's work)."""
+
+    def __init__(self, tokenizer):
+        self.inner, self.decoded = tokenizer, 0
+        self.all_special_ids = tokenizer.all_special_ids
+
+    def decode(self, ids, **kwargs):
+        self.decoded += len(ids)
+        return self.inner.decode(ids, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+
+    from svip_assets import default_pair
+
+    return AutoTokenizer.from_pretrained(default_pair()[0])
+
+
+def _work(tokenizer, ids) -> tuple[int, str]:
+    counting = CountingTokenizer(tokenizer)
+    detok = IncrementalDetokenizer(counting)
+    text = "".join(detok.push(t) for t in ids)
+    return counting.decoded, text
+
+
+def test_detokenization_stays_linear_when_tokens_decode_to_nothing(tokenizer):
+    """2,000 EOS tokens (ignore_eos) used to cost O(n^2): each decode covered every id since the
+    last visible character."""
+    eos = tokenizer.eos_token_id
+    small, _ = _work(tokenizer, [eos] * 500)
+    large, text = _work(tokenizer, [eos] * 2000)
+    assert text == ""
+    assert large <= 5 * small + 100  # linear: 4x the ids, ~4x the work (quadratic: 16x)
+
+
+def test_detokenization_stays_linear_on_bytes_that_never_form_a_character(tokenizer):
+    vocab = tokenizer.get_vocab()
+    lone = [vocab[_byte_level(b)] for b in (0x86, 0x87)]  # UTF-8 continuation bytes, never a character
+    assert tokenizer.decode(lone) == "\ufffd\ufffd"
+    small, _ = _work(tokenizer, lone * 250)
+    large, text = _work(tokenizer, lone * 1000)
+    assert large <= 5 * small + 100
+    assert text.count("\ufffd") > 0  # released as replacement characters, not held for ever
+
+
+def _byte_level(byte: int) -> str:
+    """The character GPT-2's byte-level alphabet uses for a byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    if byte in printable:
+        return chr(byte)
+    return chr(256 + [b for b in range(256) if b not in printable].index(byte))
+
+
+def test_detokenization_with_special_tokens_inside_text_equals_full_decode(tokenizer):
+    ids = tokenizer("def f(x):\n    return x  # naïve 🐍")["input_ids"]
+    eos = tokenizer.eos_token_id
+    mixed = [t for i in ids for t in ((i, eos) if i % 3 == 0 else (i,))]
+    _, text = _work(tokenizer, mixed)
+    assert text == tokenizer.decode(mixed, skip_special_tokens=True)
+
+
+def test_api_keys():
+    keys = ApiKeys((digest("k1"),), environ={"SVIP_API_KEY": "k2, k3"})
+    assert keys.required
+    for header in ("Bearer k1", "bearer k2", "Bearer  k3 "):
+        keys.check(header)
+    for header, words in ((None, "no API key given"), ("k1", "no API key given"), ("Bearer", "no API key given"),
+                          ("Bearer k4", "incorrect API key"), ("Basic k1", "no API key given")):
+        with pytest.raises(ApiError) as err:
+            keys.check(header)
+        assert err.value.status == 401 and words in err.value.message
+        assert err.value.body()["error"]["code"] == "invalid_api_key" and err.value.headers["WWW-Authenticate"] == "Bearer"
+    open_api = ApiKeys((), environ={})
+    assert not open_api.required
+    open_api.check(None)
