@@ -9,6 +9,7 @@ import os
 from svip_common.errors import SvipError
 from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info, pair_limits
+from svip_common.tls import TlsFiles
 
 DRAFT_RESOURCE, TARGET_RESOURCE = "svip_draft", "svip_target"
 START_TIMEOUT_S = 120.0
@@ -52,7 +53,8 @@ def keep_serve_grpc_on_loopback() -> None:
 
 def actor_options(role: str, gpus: float, placement=None, bundle: int | None = None, cpus: float = 1) -> dict:
     """Ray options for a worker actor: its GPUs, or a CPU core and its role resource; inside a
-    placement group (a Serve replica's), its own bundle of that group instead of role resources."""
+    placement group (a Serve replica's, or the pair's own), its own bundle of that group instead
+    of role resources."""
     if placement is not None:
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -63,14 +65,28 @@ def actor_options(role: str, gpus: float, placement=None, bundle: int | None = N
     return {"num_cpus": 1, "resources": {DRAFT_RESOURCE if role == "draft" else TARGET_RESOURCE: 1}}
 
 
+PLACEMENTS = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}  # draft and target on one node, or on two
+
+
+def pair_placement_group(strategy: str, target_gpus: float, draft_gpus: float, cpus: float = 1):
+    """A placement group of two bundles, the target's and the draft's, on one node or two."""
+    from ray.util.placement_group import placement_group
+
+    bundles = [{"CPU": cpus, **({"GPU": g} if g else {})} for g in (target_gpus, draft_gpus)]
+    return placement_group(bundles, strategy=PLACEMENTS[strategy])
+
+
 class WorkerPair:
-    """A target actor and (optionally) a draft actor, started and serving gRPC. placement: a
-    placement group whose bundles[0] / bundles[1] hold the target / the draft (a Serve replica's)."""
+    """A target actor and (optionally) a draft actor, started and serving gRPC; the target worker
+    hosts the sessions and dials the draft itself. placement: a placement group whose
+    bundles[0] / bundles[1] hold the target / the draft (a Serve replica's); or layout "pack" /
+    "spread" for a group of the pair's own. On a Ray bound to loopback the workers listen on
+    127.0.0.1, on a cluster on their node's address; tls: mutual TLS between them."""
 
     def __init__(self, target_path: str, draft_path: str | None, dtype: str = "float32", device: str = "cpu",
                  target_gpus: float = 0, draft_gpus: float = 0, placement=None,
                  bundles: tuple[int, int] = (0, 0), worker_cpus: float = 1,
-                 max_draft_length: int = DRAFT_LENGTH_CAP):
+                 max_draft_length: int = DRAFT_LENGTH_CAP, layout: str | None = None, tls: TlsFiles | None = None):
         import ray
 
         from draft_worker.actor import DraftActor
@@ -82,18 +98,28 @@ class WorkerPair:
             draft_info = load_model_info(draft_path)
             check_same_vocabulary(self.target_info, draft_info)
         self.limits = pair_limits(self.target_info, draft_info, max_draft_length)
+        self.tls = tls
+        self.target = self.draft = self._own_placement = None
+        if layout is not None and placement is None:
+            placement = self._own_placement = pair_placement_group(layout, target_gpus, draft_gpus, worker_cpus)
+            bundles = (0, 1)
+            if not placement.wait(START_TIMEOUT_S):
+                self.shutdown()
+                raise SvipError(f"no room to place the pair ({layout}): Ray has no {'two nodes' if layout == 'spread' else 'node'} "
+                                f"with a free {'GPU' if target_gpus else 'CPU'} for each worker")
+        host = "127.0.0.1" if ray.util.get_node_ip_address() == "127.0.0.1" else None  # None: the node's address
+        common = dict(dtype=dtype, device=device, host=host, tls=tls)
         self.target = ray.remote(TargetActor).options(
             **actor_options("target", target_gpus, placement, bundles[0], worker_cpus)).remote(
-            target_path, self.limits, dtype=dtype, device=device)
-        self.draft = None
+            target_path, self.limits, **common)
         self.target_address = self.draft_address = None
         if draft_path is not None:
             self.draft = ray.remote(DraftActor).options(
                 **actor_options("draft", draft_gpus, placement, bundles[1], worker_cpus)).remote(
-                draft_path, self.limits, target_vocab_size=self.target_info.vocab_size, dtype=dtype, device=device)
-        try:
-            self.target_address = ray.get(self.target.start.remote(), timeout=START_TIMEOUT_S)
+                draft_path, self.limits, target_vocab_size=self.target_info.vocab_size, **common)
+        try:  # both load their models meanwhile; the draft serves first, then the target dials it
             self.draft_address = ray.get(self.draft.start.remote(), timeout=START_TIMEOUT_S) if self.draft is not None else None
+            self.target_address = ray.get(self.target.start.remote(draft_address=self.draft_address), timeout=START_TIMEOUT_S)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
             raise SvipError(
@@ -119,3 +145,8 @@ class WorkerPair:
                 except Exception:  # already dead: nothing to stop
                     pass
                 ray.kill(actor, no_restart=True)
+        if self._own_placement is not None:
+            from ray.util.placement_group import remove_placement_group
+
+            remove_placement_group(self._own_placement)
+            self._own_placement = None

@@ -1,30 +1,37 @@
-"""One session of the distributed pipeline, as the coordinator sees it.
+"""One session of the distributed pipeline, hosted beside the verifier.
 
-    draft  ──block(epoch, base)──►  coordinator  ──verify(block, appended)──►  target
-    draft  ◄──feedback(verdict)──   coordinator  ◄────────verdict──────────    target
+The target worker's process runs this logic on its compute thread (coordinator/host.py), so a
+round crosses one hop each way: the draft worker's block arrives and is verified at once, and the
+feedback goes straight back; the caller receives the settled tokens as a side stream.
 
-In async mode the draft writes block k+1 while the target verifies block k. On a full
-acceptance the held block k+1 is sent on (its first token is checked against the target's stored
-row for that position); on a rejection the epoch advances, the draft rolls back and every block
-of the old epoch is discarded by its tag, never verified. Sync mode is the same exchange with no
-block drafted ahead. Settled tokens stream to the caller as they settle; the caller's callback
-may end the session (a stop string), which cancels it on both workers like any other finish.
+    draft ──block(epoch, base)──►  session + verifier  ──settled tokens──►  caller
+    draft ◄────────feedback──────  session + verifier
+
+Async mode: while a block is verified the draft writes its follow-up (the next block, should this
+one be accepted whole) and prepared continuations (the next block after a likely rejection, for
+each of the draft's likely corrections there); they wait here. On a full acceptance the follow-up
+is verified next with no round trip, its first token checked against the target's stored row for
+that place; on a rejection whose correction a prepared continuation assumed, that one is verified
+next, also with no round trip. Otherwise the epoch advances, every block of the old epoch is
+discarded by its tag, never verified, and the draft rolls back. Sync mode drafts nothing ahead.
+Each round is verify (one target forward) then decide, two steps of the compute thread, so blocks
+that arrive during the forward are seen before the decision.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable
+from typing import Protocol
 
 import grpc
 
-from coordinator.client import BROKEN, WorkerConnection, WorkerUnavailable
 from coordinator.engine import clip_settled
-from svip_common.contracts import NO_TOKEN, GenerationRequest, GenerationResult, GenerationStats
+from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, GenerationStats, Limits, Verdict, check_token_ids
 from svip_common.errors import InvalidRequest, SvipError
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
+from target_worker.verifier import TargetSession
 
 PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}
 
@@ -33,148 +40,235 @@ class WorkerError(SvipError):
     """A worker failed while serving the session."""
 
 
+class DraftLink(Protocol):
+    def send(self, session_id: str, request: pb.DraftRequest) -> None:
+        """Queue a request for the draft worker (from the compute thread; never blocks)."""
+
+
 class SessionPipeline:
-    def __init__(
-        self,
-        session_id: str,
-        request: GenerationRequest,
-        stop_ids: frozenset[int],
-        target: WorkerConnection,
-        draft: WorkerConnection | None,
-        pipeline: str,
-        on_tokens: Callable[[list[int]], bool | None] | None = None,
-    ):
-        self.sid, self.request, self.stop_ids = session_id, request, stop_ids
+    def __init__(self, session_id: str, request: GenerationRequest, stop_ids: frozenset[int], limits: Limits,
+                 target: TargetSession, draft: DraftLink | None, pipeline: str,
+                 emit: Callable[[pb.GenerateEvent], None], schedule: Callable[..., None]):
+        """emit: sends an event to the caller; schedule(fn, *args): runs fn later on the compute thread."""
+        self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
         self.target, self.draft, self.pipeline = target, draft, pipeline
-        self.on_tokens = on_tokens
+        self.emit, self.schedule = emit, schedule
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
-        self.target_known = len(self.committed)  # committed tokens the target has been sent
         self.epoch = 0
-        self.in_verification: pb.Block | None = None
-        self.held: pb.Block | None = None  # pre-drafted, waiting for the verdict before it
+        self.verifying: pb.Block | None = None  # verified, its decision not yet taken
+        self.held: tuple[pb.Block, float] | None = None  # the follow-up of the block being verified, received at
+        self.prepared: dict[tuple[int, int, int], tuple[pb.Block, float]] = {}  # (base, accepted, token) -> block
         self.finish_reason: str | None = None
         self.stats = GenerationStats()
         self.intervals: list[tuple[str, float, float]] = []
+        self.wire_bytes = 0
+        self._last_decision = self.started = time.time()
+        self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
+        self._draft_open = draft is not None
+        self._correction_due = False  # a sampled rejection's correction is drawn by the draft
 
-    async def run(self) -> GenerationResult:
-        queue: asyncio.Queue = asyncio.Queue()
-        conns = [c for c in (self.target, self.draft) if c is not None]
-        for conn in conns:
-            conn.register(self.sid, queue)
-        self.started = time.time()
-        try:
-            self._start()
-            while self.finish_reason is None:
-                role, event = await queue.get()
-                self._dispatch(role, event)
-        finally:
-            for conn in conns:
-                if not conn.broken:
-                    conn.send(self.sid, _cancel(conn.role, self.sid))
-            self._finish_stats(conns)
-            for conn in conns:
-                conn.unregister(self.sid)
-        return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, self.stats)
+    @property
+    def cached_tokens(self) -> int:
+        return self.target.cached_tokens
 
-    def _start(self) -> None:
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    # --- lifecycle ----------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self.draft is None:
+            self._verify(self._empty_block(), time.time())
+            return
         r = self.request
         start = pb.StartSession(
             session_id=self.sid, prompt_ids=r.prompt_ids, sampling=convert.sampling_to_proto(r.sampling),
-            stop_token_ids=sorted(self.stop_ids), max_new_tokens=r.max_new_tokens, pipeline=PIPELINES[self.pipeline],
+            policy=convert.policy_to_proto(r.policy), stop_token_ids=sorted(self.stop_ids),
+            max_new_tokens=r.max_new_tokens, pipeline=PIPELINES[self.pipeline],
         )
-        self.target.send(self.sid, pb.TargetRequest(start=start))
-        if self.draft is None:
-            self._verify(self._empty_block())
-            return
-        start.policy.CopyFrom(convert.policy_to_proto(r.policy))
-        self.draft.send(self.sid, pb.DraftRequest(start=start))
+        self._to_draft(pb.DraftRequest(start=start))
 
-    def _dispatch(self, role: str, event) -> None:
-        if event is BROKEN:
-            conn = self.target if role == "target" else self.draft
-            raise WorkerUnavailable(conn.broken or f"{role} worker went away")
+    def cancel(self) -> None:
+        """The caller ended the session (it went away, or a stop string): report, and free both sides."""
+        if not self.done:
+            self._finish("cancelled")
+
+    def close(self) -> None:
+        """The session is dropped (finished, cancelled, or its caller's stream is gone)."""
+        if self._draft_open:
+            self._draft_open = False
+            self._to_draft(pb.DraftRequest(cancel=pb.Cancel(session_id=self.sid)))
+
+    # --- from the draft worker ---------------------------------------------------------------------
+
+    def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
+        self.wire_bytes += size
         kind = event.WhichOneof("kind")
         if kind == "error":
             err = event.error
             cls = InvalidRequest if err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] else WorkerError
-            raise cls(f"{role} worker: {err.message}")
-        if kind == "block":
-            self._on_block(event.block)
-        elif kind == "verdict":
-            self._on_verdict(event.verdict)
+            raise cls(f"draft worker: {err.message}")
+        if kind == "block" and not self.done:
+            self._on_block(event.block, received_at)
 
-    def _on_block(self, block: pb.Block) -> None:
+    def _on_block(self, block: pb.Block, received_at: float) -> None:
         self.intervals.append(("draft", block.started_at, block.finished_at))
+        self._note_feedback_answered(block)
         if block.epoch != self.epoch:
             self.stats.discarded_tokens += len(block.tokens)  # drafted on a rolled-back base
             return
-        if block.resolved_token != NO_TOKEN:
-            self._commit([block.resolved_token])
-            if self.finish_reason is not None:
+        if block.HasField("prepared_for"):
+            p = block.prepared_for
+            undecided = self.verifying.base if self.verifying is not None else len(self.committed)
+            if p.base >= undecided:  # its parent's verdict is still to come
+                self.prepared[(p.base, p.accepted, p.token)] = (block, received_at)
+                self.stats.prepared_sent += 1
+            else:  # its parent's verdict is already out: the draft sends it again if it applies
+                self.stats.discarded_tokens += len(block.tokens)
+            return
+        if block.reused:
+            self.stats.prepared_used_late += 1
+        if block.HasField("resolved_token"):
+            self._commit([self._checked_correction(block.resolved_token)])
+            if self.done:
                 return
-        if self.in_verification is None:
-            self._verify(block)
+        if self.verifying is None:
+            self._verify(block, received_at)
         else:
-            self.held = block  # drafted ahead; sent on if the block before it is fully accepted
+            self.held = (block, received_at)  # drafted ahead; verified next if the block before it is accepted whole
 
-    def _on_verdict(self, msg: pb.Verdict) -> None:
-        self.intervals.append(("target", msg.started_at, msg.finished_at))
-        # the coordinator only relays p_row (draft side draws the correction): never decoded here
-        block, self.in_verification = self.in_verification, None
-        k, accepted = len(block.tokens), msg.accepted
-        self._record_round(block, accepted)
-        settled = list(block.tokens[:accepted])
-        deferred = False
+    # --- a round: verify, then decide ---------------------------------------------------------------
+
+    def _verify(self, block: pb.Block, received_at: float) -> None:
+        checked = self._checked(block)
+        started = time.time()
+        verdict = self.target.verify(self.committed, checked)
+        ended = time.time()
+        self.intervals.append(("target", started, ended))
+        self.verifying = block
+        self.schedule(self._decide, block, verdict, received_at, started, ended)
+
+    def _decide(self, block: pb.Block, verdict: Verdict, received_at: float, started: float, ended: float) -> None:
+        if self.done:
+            return
+        self.verifying = None
+        k, accepted = len(block.tokens), verdict.accepted
+        ready, deferred = None, False
         if accepted < k:
             self.epoch += 1
-            if self.held is not None:
-                self.stats.discarded_tokens += len(self.held.tokens)
-                self.held = None
-            token = msg.token
+            self._drop_held()
+            if verdict.token != NO_TOKEN:
+                ready = self.prepared.pop((block.base, accepted, verdict.token), None)
+            token = verdict.token
         elif block.followup:
-            deferred, token = True, NO_TOKEN  # the held block's first token settles the next place
+            deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
         else:
-            token = msg.token
-        if token != NO_TOKEN:
-            settled.append(token)
+            token = verdict.token
+        self._drop_prepared(None if accepted < k else block.base)  # a rejection voids every one
+        self._record_round(block, accepted, received_at, started, ended, prepared=block.HasField("prepared_for"))
+        settled = list(block.tokens[:accepted]) + ([token] if token != NO_TOKEN else [])
         self._commit(settled)
-        if self.finish_reason is not None:
+        if self.done:
             return
         if self.draft is None:
-            self._verify(self._empty_block())
+            self._verify(self._empty_block(), time.time())
             return
-        feedback = pb.Feedback(session_id=self.sid, epoch=self.epoch, base=block.base, drafted=k,
-                               accepted=accepted, token=token)
-        if msg.HasField("p_row"):
-            feedback.p_row.CopyFrom(msg.p_row)
-        self.draft.send(self.sid, pb.DraftRequest(feedback=feedback))
-        if deferred and self.held is not None:
-            held, self.held = self.held, None
-            self._verify(held)
+        feedback = pb.Feedback(session_id=self.sid, epoch=self.epoch, base=block.base, drafted=k, accepted=accepted,
+                               token=token, prepared_used=ready is not None)
+        if verdict.p_row is not None:
+            feedback.p_row.CopyFrom(convert.tensor_to_proto(verdict.p_row.float()))
+        self._correction_due = token == NO_TOKEN and not deferred  # the draft draws it from p_row
+        self._feedback_sent_at = feedback.sent_at = time.time()
+        self._to_draft(pb.DraftRequest(feedback=feedback))
+        if ready is not None:
+            prepared_block, prepared_received = ready
+            prepared_block.epoch = self.epoch
+            self.stats.prepared_used += 1
+            self._verify(prepared_block, prepared_received)
+        elif deferred and self.held is not None:
+            (held, held_received), self.held = self.held, None
+            self._verify(held, held_received)
 
-    def _verify(self, block: pb.Block) -> None:
+    def _checked(self, block: pb.Block) -> Block:
+        """The wire is not trusted: a block on the committed sequence, ids in range, within the
+        cap and within the session's budget (hence the context)."""
         if block.base != len(self.committed):
             raise WorkerError(f"draft worker sent a block at base {block.base}, committed {len(self.committed)}")
-        append = self.committed[self.target_known :]
-        self.target_known = len(self.committed)
-        self.in_verification = block
-        self.target.send(self.sid, pb.TargetRequest(verify=pb.VerifyBlock(block=block, append=append)))
+        try:
+            check_token_ids(block.tokens, self.limits.tokens, "drafted token id")
+            checked = convert.block_from_proto(block)
+        except InvalidRequest as exc:
+            raise WorkerError(f"draft worker sent a bad block: {exc}") from None
+        if len(checked) > self.limits.max_draft_length:
+            raise WorkerError(f"draft worker sent a block of {len(checked)} tokens; the cap is {self.limits.max_draft_length}")
+        limit = len(self.request.prompt_ids) + self.request.max_new_tokens
+        if checked.base + len(checked) + 1 > limit:
+            raise WorkerError(f"draft worker sent a block of {len(checked)} tokens at base {checked.base}, past the "
+                              f"session's {limit} tokens (prompt + max_new_tokens)")
+        if not self.request.sampling.greedy and len(checked.probs) != len(checked):
+            raise WorkerError("draft worker sent a sampled block without q(d) for every token")
+        return checked
+
+    def _checked_correction(self, token: int) -> int:
+        """A correction the draft drew from the target's p row: only right after a sampled
+        rejection's feedback asked for one, and an id in range (greedy tokens are the target's own)."""
+        if not self._correction_due:
+            raise WorkerError("draft worker sent a correction no feedback asked for")
+        self._correction_due = False
+        try:
+            check_token_ids([token], self.limits.tokens, "correction token id")
+        except InvalidRequest as exc:
+            raise WorkerError(f"draft worker sent a bad block: {exc}") from None
+        return token
+
+    def _drop_held(self) -> None:
+        if self.held is not None:
+            self.stats.discarded_tokens += len(self.held[0].tokens)
+            self.held = None
+
+    def _drop_prepared(self, base: int | None = None) -> None:
+        """Forget the prepared continuations of the block at ``base`` (None: all of them)."""
+        dropped = [key for key in self.prepared if base is None or key[0] == base]
+        for key in dropped:
+            self.stats.discarded_tokens += len(self.prepared.pop(key)[0].tokens)
 
     def _empty_block(self) -> pb.Block:
         return pb.Block(session_id=self.sid, epoch=self.epoch, base=len(self.committed))
 
     def _commit(self, tokens: list[int]) -> None:
         budget = self.request.max_new_tokens - len(self.generated)
-        tokens, self.finish_reason = clip_settled(tokens, budget, self.stop_ids)
+        tokens, reason = clip_settled(tokens, budget, self.stop_ids)
         self.committed += tokens
         self.generated += tokens
-        # the caller may end the output here (an API stop string): finish as a stop
-        if tokens and self.on_tokens is not None and self.on_tokens(tokens) and self.finish_reason is None:
-            self.finish_reason = "stop"
+        if tokens:
+            self.emit(pb.GenerateEvent(settled=pb.Settled(session_id=self.sid, tokens=tokens)))
+        if reason is not None:
+            self._finish(reason)
 
-    def _record_round(self, block: pb.Block, accepted: int) -> None:
-        s = self.stats
+    def _finish(self, reason: str) -> None:
+        self.finish_reason = reason
+        self._drop_held()
+        self._drop_prepared()
+        self.stats.wall_s = time.time() - self.started
+        finished = pb.Finished(session_id=self.sid, finish_reason=reason,
+                               stats=convert.stats_to_proto(self._final_stats()))
+        self.emit(pb.GenerateEvent(finished=finished))
+        self.close()
+
+    def _to_draft(self, request: pb.DraftRequest) -> None:
+        self.wire_bytes += request.ByteSize()
+        self.draft.send(self.sid, request)
+
+    # --- stats --------------------------------------------------------------------------------------
+
+    def _record_round(self, block: pb.Block, accepted: int, received_at: float, started: float, ended: float,
+                      prepared: bool) -> None:
+        s, now, last = self.stats, time.time(), self._last_decision
+        wall = now - last
+        # the part of this block's drafting that the target waited for
+        critical_draft = min(block.draft_s, max(0.0, block.finished_at - max(block.started_at, last))) if block.tokens else 0.0
         s.rounds += 1
         s.target_forwards += 1
         s.draft_tokens += len(block.tokens)
@@ -183,22 +277,38 @@ class SessionPipeline:
         s.accepted_lengths.append(accepted)
         if block.tokens and block.HasField("entropies"):
             s.stop_entropies.append(float(convert.tensor_from_proto(block.entropies)[-1]))
+        s.round_s.append(wall)
+        s.draft_forward_s.append(critical_draft)
+        s.target_forward_s.append(ended - started)
+        s.block_transit_s.append(max(0.0, received_at - block.finished_at) if block.finished_at else 0.0)
+        s.target_queue_s.append(max(0.0, started - max(received_at, last)))
+        s.feedback_transit_s.append(0.0)  # filled in when the draft answers this round's feedback
+        s.draft_queue_s.append(0.0)
+        s.overhead_s.append(max(0.0, wall - (ended - started) - critical_draft))
+        s.prepared_rounds.append(prepared)
+        self._last_decision = now
 
-    def _finish_stats(self, conns: list[WorkerConnection]) -> None:
+    def _note_feedback_answered(self, block: pb.Block) -> None:
+        """A block drafted in answer to the latest feedback: that round's return trip."""
+        if block.trigger_at and self._feedback_sent_at and self.stats.rounds:
+            self.stats.feedback_transit_s[-1] = max(0.0, block.trigger_at - self._feedback_sent_at)
+            self.stats.draft_queue_s[-1] = max(0.0, block.started_at - block.trigger_at)
+            self._feedback_sent_at = 0.0
+
+    def _final_stats(self) -> GenerationStats:
         s = self.stats
-        end = time.time()
-        s.wall_s = end - self.started
-        s.draft_forwards = s.draft_tokens + s.discarded_tokens
         draft = [(a, b) for w, a, b in self.intervals if w == "draft"]
         target = [(a, b) for w, a, b in self.intervals if w == "target"]
+        s.draft_forwards = s.draft_tokens + s.discarded_tokens
         s.draft_busy_s = sum(b - a for a, b in draft)
         s.target_busy_s = sum(b - a for a, b in target)
         s.both_busy_s = _overlap(draft, target)
         s.draft_wait_s = max(0.0, s.wall_s - s.draft_busy_s) if self.draft is not None else 0.0
         s.target_wait_s = max(0.0, s.wall_s - s.target_busy_s)
-        s.wire_bytes = sum(c.bytes_sent[self.sid] + c.bytes_received[self.sid] for c in conns)
+        s.wire_bytes = self.wire_bytes
         s.wire_bytes_per_round = s.wire_bytes / s.rounds if s.rounds else 0.0
         s.timeline = [(w, a - self.started, b - self.started) for w, a, b in sorted(self.intervals, key=lambda x: x[1])]
+        return s
 
 
 def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
@@ -213,8 +323,3 @@ def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> fl
         else:
             j += 1
     return total
-
-
-def _cancel(role: str, session_id: str):
-    cancel = pb.Cancel(session_id=session_id)
-    return pb.TargetRequest(cancel=cancel) if role == "target" else pb.DraftRequest(cancel=cancel)

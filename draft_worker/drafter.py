@@ -56,32 +56,19 @@ class DraftSession:
     def cached_tokens(self) -> int:
         return len(self._cache)
 
-    @torch.inference_mode()
     def propose(self, committed: Sequence[int], budget: int) -> Block:
         """Draft at most ``budget`` tokens after ``committed``."""
-        base = len(committed)
-        limit = min(self.policy.max_length(), budget)
-        block = Block(base=base, tokens=[], probs=[], entropies=[])
-        if limit <= 0:
-            return block
-        kept = self._cache.rollback_to_prefix_of(committed, limit=base - 1)
-        pending = list(committed[kept:])
-        q_rows = []
-        while True:
-            q = warp_probs(self._forward(pending), self.sampling)[0]  # [vocab]
-            token = self._choose(q, base + len(block))
-            h = float(entropy(q))
-            step = StepState(len(block) + 1, base + len(block), token, float(q[token]), h)
-            block.tokens.append(token)
-            block.probs.append(step.prob)
-            block.entropies.append(h)
-            q_rows.append(q)
-            if step.index >= limit or token in self.stop_token_ids or self.policy.should_stop(step):
-                break
-            pending = [token]
-        if not self.sampling.greedy:
-            block.q_rows = torch.stack(q_rows)  # [k, vocab]
-        return block
+        draft = self.begin(committed, budget)
+        while not draft.done:
+            draft.step()
+        return draft.block
+
+    def begin(self, committed: Sequence[int], budget: int, alternatives: bool = False) -> BlockDraft:
+        """A block to draft after ``committed``, a forward at a time (``BlockDraft.step``); the
+        cache rolls back to what ``committed`` still shares. One at a time per session: beginning
+        another abandons this one. alternatives: keep each token's runners-up (to prepare
+        continuations for rejections)."""
+        return BlockDraft(self, committed, budget, alternatives)
 
     def feedback(self, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
@@ -106,6 +93,54 @@ class DraftSession:
         self.forward_s += time.perf_counter() - start
         self.forwards += 1
         return logits
+
+
+ALTERNATIVES = 3  # per drafted token, the next most likely tokens are kept (what a rejection may settle)
+
+
+class BlockDraft:
+    """One block being drafted, one forward per ``step``, until the policy, the cap, a stop token
+    or the budget ends it. Keeps, per drafted token, the draft's next most likely tokens and
+    their probabilities: where a rejection would most likely land, and what it would settle."""
+
+    def __init__(self, session: DraftSession, committed: Sequence[int], budget: int, alternatives: bool = False):
+        self._session = session
+        self._keep_alternatives = alternatives
+        base = len(committed)
+        self.block = Block(base=base, tokens=[], probs=[], entropies=[])
+        self.alternatives: list[list[tuple[int, float]]] = []  # per token: [(id, q(id))], most likely first
+        self.compute_s = 0.0
+        self._limit = min(session.policy.max_length(), budget)
+        self._q_rows: list[torch.Tensor] = []
+        self.done = self._limit <= 0
+        if not self.done:
+            kept = session._cache.rollback_to_prefix_of(committed, limit=base - 1)
+            self._pending = list(committed[kept:])
+
+    @torch.inference_mode()
+    def step(self) -> bool:
+        """Draft one token; returns ``done``."""
+        s, block = self._session, self.block
+        started = time.perf_counter()
+        q = warp_probs(s._forward(self._pending), s.sampling)[0]  # [vocab]
+        token = s._choose(q, block.base + len(block))
+        h = float(entropy(q))
+        step = StepState(len(block) + 1, block.base + len(block), token, float(q[token]), h)
+        block.tokens.append(token)
+        block.probs.append(step.prob)
+        block.entropies.append(h)
+        if self._keep_alternatives:
+            top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[0]))
+            ranked = zip(top.indices.tolist(), top.values.tolist())
+            self.alternatives.append([(i, p) for i, p in ranked if i != token and p > 0][:ALTERNATIVES])
+        if not s.sampling.greedy:
+            self._q_rows.append(q)
+        self.done = step.index >= self._limit or token in s.stop_token_ids or s.policy.should_stop(step)
+        if self.done and self._q_rows:
+            block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
+        self._pending = [token]
+        self.compute_s += time.perf_counter() - started
+        return self.done
 
 
 class NullDraftSession:

@@ -1,29 +1,63 @@
-"""The draft side of one distributed session: what to draft next, given the coordinator's
-feedback. Pure protocol logic over a DraftSession; the gRPC service (service.py) wraps it.
+"""The draft side of one distributed session: what to draft next, given the target's feedback.
+Pure protocol logic over a DraftSession; the gRPC service (service.py) runs it on the draft
+worker's compute thread.
 
-In async mode the draft stays one block ahead: after sending block k it writes block k+1 on the
-assumption that k is fully accepted (and says so with ``followup``). A rejection rolls the cache
-back to the settled prefix, adopts the coordinator's new epoch and drafts from the correction.
+Sync mode drafts a block, sends it and waits for its feedback. Async mode keeps working while the
+block is verified, on the continuations its verdict most likely calls for, most likely first and
+one forward at a time (a feedback that arrives preempts the work):
+
+- the follow-up: the next block, on the assumption that the whole block is accepted. It is sent at
+  once (the block says ``followup``), so on a full acceptance the target starts it with no round
+  trip, its first token checked against the target's own row for that place;
+- prepared continuations: where a rejection is likely (the draft's own uncertainty: SVIP ends a
+  block where its entropy is high), the block that would follow each of the draft's next most
+  likely tokens there, the places and tokens ranked by the chance the draft gives them (its q
+  of the tokens before, times its q of the alternative). The places span the block being
+  verified and its follow-up, whose first token the target judges against a row it already
+  holds. Greedy: sent at once, tagged with the rejection they assume; the target verifies one
+  with no round trip when its correction is that token. Sampled (the correction is drawn here,
+  from the target's p row): kept, and sent as soon as the drawn correction matches. Either way
+  every token is still verified by the target.
 """
 
 from __future__ import annotations
 
+import math
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from draft_worker.drafter import DraftSession
+from draft_worker.drafter import BlockDraft, DraftSession
 from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
+
+MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
 
 
 @dataclass
 class Outgoing:
     block: Block
-    followup: bool
-    resolved_token: int = NO_TOKEN
+    followup: bool = False  # the next block on top of this one will come (async)
+    resolved_token: int = NO_TOKEN  # a sampled correction drawn here, for position block.base - 1
+    prepared_for: tuple[int, int, int] | None = None  # (parent base, accepted, correction)
+    reused: bool = False  # a prepared continuation sent again as the next block
     started_at: float = 0.0
     finished_at: float = 0.0
+    draft_s: float = 0.0  # compute time
+    trigger_at: float = 0.0  # when the feedback this block answers was received
+    alternatives: list = field(default_factory=list, repr=False)  # per token: the draft's runners-up (id, q)
+
+
+@dataclass
+class Job:
+    """A speculative block in the making: the follow-up, or a prepared continuation."""
+
+    draft: BlockDraft
+    prepared_for: tuple[int, int, int] | None
+    started_at: float
+
+    @property
+    def followup(self) -> bool:
+        return self.prepared_for is None
 
 
 @dataclass
@@ -32,25 +66,36 @@ class PipelinedDraft:
     prompt: list[int]
     max_new_tokens: int
     stop_token_ids: frozenset[int]
-    pipelined: bool  # async: stay one block ahead
-    known: list[int] = field(default_factory=list)  # committed, as settled by the coordinator
+    pipelined: bool  # async: work ahead while a block is verified
+    prepare: int = 2  # prepared continuations per block at most (async); 0: follow-ups only
+    send_prepared: bool = True  # greedy: send them ahead; sampled: keep them here
+    known: list[int] = field(default_factory=list)  # committed, as the target's feedback settled it
     epoch: int = 0
-    outstanding: list[Outgoing] = field(default_factory=list)  # sent, not yet answered (<= 2)
-
-    @property
-    def cached_tokens(self) -> int:
-        return self.session.cached_tokens
+    outstanding: list[Outgoing] = field(default_factory=list)  # main-line blocks sent, unanswered (<= 2)
+    agenda: list[tuple[float, tuple[int, int, int] | None]] = field(default_factory=list)  # (score, prepared_for)
+    job: Job | None = None
+    prepared: dict[tuple[int, int, int], Outgoing] = field(default_factory=dict)  # (base, accepted, token) -> finished
 
     def __post_init__(self):
         self.known = list(self.prompt)
         self.limit = len(self.prompt) + self.max_new_tokens
 
-    def start(self) -> Iterator[Outgoing]:
-        return self._draft_ahead()
+    @property
+    def cached_tokens(self) -> int:
+        return self.session.cached_tokens
 
-    def on_feedback(self, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row) -> Iterator[Outgoing]:
-        """Apply the verdict on the oldest outstanding block (checked at once), then draft what
-        comes next, block by block as the returned iterator is advanced."""
+    def close(self) -> None:
+        self.job, self.agenda, self.prepared = None, [], {}
+
+    # --- the critical path: a start, a feedback ---------------------------------------------------
+
+    def start(self, now: float) -> list[Outgoing]:
+        return self._next_block(NO_TOKEN, now)
+
+    def on_feedback(self, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
+                    prepared_used: bool, received_at: float) -> list[Outgoing]:
+        """Apply the verdict on the oldest outstanding block (checked at once); returns the blocks
+        to send now."""
         if not self.outstanding or self.outstanding[0].block.base != base or len(self.outstanding[0].block) != drafted:
             raise InvalidRequest(f"feedback for a block at base {base} of {drafted} tokens that this session did not send")
         if accepted > drafted:
@@ -58,11 +103,17 @@ class PipelinedDraft:
         answered = self.outstanding.pop(0)
         block = answered.block
         self.session.feedback(drafted, accepted)
-        if accepted == drafted and token == NO_TOKEN:
+        if accepted == drafted and token == NO_TOKEN:  # the follow-up resolves what comes next
             if not answered.followup:
                 raise InvalidRequest("deferred feedback for a block that has no follow-up")
-            self.known += block.tokens  # the follow-up block, already sent, resolves what comes next
-            return self._draft_ahead()
+            self.known += block.tokens
+            self.prepared = {key: item for key, item in self.prepared.items() if key[0] != base}
+            if self.job is not None and not self.job.followup and self.job.prepared_for[0] == base:
+                self.job = None
+            sent = [] if self.outstanding else [self._finish_followup(received_at)]
+            self._plan()
+            return sent
+        prepared, self.prepared, self.agenda = self.prepared, {}, []
         resolved = NO_TOKEN
         if token == NO_TOKEN:
             if p_row is None or block.q_rows is None:
@@ -71,40 +122,131 @@ class PipelinedDraft:
         self.known = self.known[:base] + block.tokens[:accepted] + [token]
         self.epoch = epoch
         self.outstanding.clear()
-        return self._draft_ahead(resolved)
+        self.job = None
+        ready = prepared.get((base, accepted, token)) if accepted < drafted else None
+        if prepared_used:
+            if ready is None or ready.prepared_for is None or ready.reused:
+                raise InvalidRequest("feedback uses a prepared continuation this session did not send")
+            ready.block.epoch = epoch
+            self.outstanding.append(ready)
+            self._plan()
+            return []
+        if ready is not None:  # prepared here, not used there (late, or sampled): send it now
+            ready.block.epoch, ready.prepared_for, ready.reused = epoch, None, True
+            ready.resolved_token, ready.trigger_at = resolved, received_at
+            self.outstanding.append(ready)
+            self._plan()
+            return [ready]
+        return self._next_block(resolved, received_at)
 
-    def _draft_ahead(self, resolved_token: int = NO_TOKEN) -> Iterator[Outgoing]:
-        """Draft the next block after everything known or outstanding, and in async mode the one
-        after it too, while at most one block is unanswered before it."""
-        while len(self.outstanding) < (2 if self.pipelined else 1):
-            if self.outstanding and not self.outstanding[-1].followup:
-                break
+    def _next_block(self, resolved: int, trigger_at: float) -> list[Outgoing]:
+        """Draft the next main-line block after what is known, now."""
+        budget = self.limit - len(self.known) - 1  # the verdict's own token fills the last place
+        ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids
+        started = time.time()
+        if budget >= 1 and not ended:
+            draft = self.session.begin(self.known, budget, alternatives=self.pipelined)
+            while not draft.done:
+                draft.step()
+            if draft.block.tokens:
+                item = self._outgoing(draft, started, None, trigger_at)
+                item.resolved_token = resolved
+                self.outstanding.append(item)
+                self._plan()
+                return [item]
+        if resolved == NO_TOKEN and self._finished():
+            return []
+        # nothing to draft (budget, or the correction ends the output): an empty block lets the
+        # target settle the next position, or at least carries the correction
+        now = time.time()
+        empty = Block(base=len(self.known), tokens=[], probs=[], entropies=[], epoch=self.epoch)
+        item = Outgoing(empty, resolved_token=resolved, started_at=now, finished_at=now, trigger_at=trigger_at)
+        self.outstanding.append(item)
+        return [item]
+
+    def _finish_followup(self, trigger_at: float) -> Outgoing:
+        """The follow-up the target now waits for: finish it (or draft it) on the critical path."""
+        if self.job is None:
+            self._begin(None)
+        job, self.job = self.job, None
+        while not job.draft.done:
+            job.draft.step()
+        item = self._outgoing(job.draft, job.started_at, None, trigger_at)
+        self.outstanding.append(item)
+        return item
+
+    # --- between messages: one forward of speculation ---------------------------------------------
+
+    def work(self) -> list[Outgoing] | None:
+        """One forward of the most likely continuation not yet drafted; returns what became ready
+        to send ([] when nothing did), or None when there is nothing left to do."""
+        if self.job is None:
+            if not self.agenda:
+                return None
+            _, prepared_for = self.agenda.pop(0)
+            self._begin(prepared_for)
+        job = self.job
+        if not job.draft.done:
+            job.draft.step()
+        if not job.draft.done:
+            return []
+        self.job = None
+        if not job.draft.block.tokens:
+            return []
+        item = self._outgoing(job.draft, job.started_at, job.prepared_for, 0.0)
+        if job.followup:
+            self.outstanding.append(item)
+            self._plan()  # its first places may be rejected too: prepare for them as well
+            return [item]
+        self.prepared[job.prepared_for] = item
+        return [item] if self.send_prepared else []
+
+    def _plan(self) -> None:
+        """What to prepare while the outstanding blocks are verified, most likely first: the
+        follow-up, then continuations after a rejection at each place of each outstanding block
+        (the block being verified, then its follow-up), scored by the draft's own chance of that
+        outcome, at most ``prepare`` per block and none already made."""
+        self.agenda = []
+        if not self.pipelined or not self.outstanding:
+            return
+        reach = 1.0  # the draft's chance that every token before this place is accepted
+        for position, item in enumerate(self.outstanding):
+            block, candidates = item.block, []
+            for j, options in enumerate(item.alternatives):
+                for token, q in options:
+                    key = (block.base, j, token)
+                    fits = self.limit - (block.base + j + 1) - 1 >= 1
+                    if reach * q >= MIN_PREPARE_SCORE and token not in self.stop_token_ids and fits and key not in self.prepared:
+                        candidates.append((reach * q, key))
+                reach *= block.probs[j]
+            candidates.sort(key=lambda c: -c[0])
+            self.agenda += candidates[: self.prepare]
+            if position == len(self.outstanding) - 1 and item.followup and len(self.outstanding) < 2:
+                self.agenda.append((reach, None))  # the follow-up: everything outstanding accepted
+        if self.job is not None:
+            self.agenda = [a for a in self.agenda if a[1] != self.job.prepared_for]
+        self.agenda.sort(key=lambda c: -c[0])
+
+    def _begin(self, prepared_for: tuple[int, int, int] | None) -> None:
+        if prepared_for is None:  # the follow-up: after every outstanding block
             seq = self.known + [t for o in self.outstanding for t in o.block.tokens]
-            budget = self.limit - len(seq) - 1  # the verdict's own token fills the last place
-            if budget < 1 or (seq and seq[-1] in self.stop_token_ids and len(seq) > len(self.prompt)):
-                break
-            started = time.time()
-            block = self.session.propose(seq, budget)
-            if not block.tokens:
-                break
-            block.epoch = self.epoch
-            followup = (
-                self.pipelined
-                and block.tokens[-1] not in self.stop_token_ids
-                and self.limit - (block.base + len(block)) - 1 >= 1
-            )
-            item = Outgoing(block, followup, resolved_token, started, time.time())
-            resolved_token = NO_TOKEN
-            self.outstanding.append(item)
-            yield item
-        if not self.outstanding and (resolved_token != NO_TOKEN or not self._finished()):
-            # nothing to draft (budget, or the correction ends the output): an empty block lets
-            # the target settle the next position, or at least carries the correction
-            now = time.time()
-            empty = Block(base=len(self.known), tokens=[], probs=[], entropies=[], epoch=self.epoch)
-            item = Outgoing(empty, False, resolved_token, now, now)
-            self.outstanding.append(item)
-            yield item
+        else:
+            base, j, token = prepared_for  # outstanding blocks follow one another from the known tokens
+            sent = [t for o in self.outstanding for t in o.block.tokens]
+            seq = self.known + sent[: base - len(self.known) + j] + [token]
+        draft = self.session.begin(seq, self.limit - len(seq) - 1, alternatives=True)
+        self.job = Job(draft, prepared_for, time.time())
+
+    def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> Outgoing:
+        block = draft.block
+        block.epoch = self.epoch
+        followup = (
+            self.pipelined
+            and block.tokens[-1] not in self.stop_token_ids
+            and self.limit - (block.base + len(block)) - 1 >= 1
+        )
+        return Outgoing(block, followup, prepared_for=prepared_for, started_at=started, finished_at=time.time(),
+                        draft_s=draft.compute_s, trigger_at=trigger_at, alternatives=draft.alternatives)
 
     def _finished(self) -> bool:
         ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids

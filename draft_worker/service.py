@@ -1,8 +1,8 @@
-"""The draft worker's gRPC service: sessions multiplexed on one stream per coordinator."""
+"""The draft worker's gRPC service: sessions multiplexed on one stream from each target worker,
+handled on one compute thread; between messages, that thread prepares what each async session's
+next verdict most likely calls for (draft_worker/pipelined.py), one forward at a time."""
 
 from __future__ import annotations
-
-from collections.abc import Iterator
 
 import grpc
 
@@ -10,7 +10,7 @@ from draft_worker.drafter import Drafter
 from draft_worker.pipelined import Outgoing, PipelinedDraft
 from svip_common.contracts import NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest
-from svip_common.grpc_server import SessionService
+from svip_common.grpc_server import SessionService, SessionStream
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -19,50 +19,71 @@ from svip_proto import svip_pb2_grpc as pb_grpc
 class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     role = "draft"
 
-    def __init__(self, drafter: Drafter, limits):
+    def __init__(self, drafter: Drafter, limits, prepare: int = 2):
         super().__init__(limits)
         self.drafter = drafter
+        self.prepare = prepare  # prepared continuations per block (async sessions)
+        self._turn = 0  # round-robin over sessions with speculative work
 
-    # --- on the compute thread -------------------------------------------------------------
-    def handle(self, request: pb.DraftRequest, owner) -> Iterator[pb.DraftEvent]:
+    async def Session(self, request_iterator, context):
+        async for event in self._serve_stream(request_iterator):
+            yield event
+
+    # --- on the compute thread -------------------------------------------------------------------
+    def handle(self, request: pb.DraftRequest, stream: SessionStream, received_at: float) -> None:
         kind = request.WhichOneof("kind")
         if kind == "start":
             msg = request.start
-            self._check_start(msg)
+            self.check_start(msg)
             sampling = convert.sampling_from_proto(msg.sampling)
             policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length)
             stop = frozenset(msg.stop_token_ids)
             session = PipelinedDraft(
                 session=self.drafter.open(sampling, policy, tuple(stop)),
                 prompt=list(msg.prompt_ids), max_new_tokens=msg.max_new_tokens, stop_token_ids=stop,
-                pipelined=msg.pipeline == pb.PIPELINE_ASYNC,
+                pipelined=msg.pipeline == pb.PIPELINE_ASYNC, prepare=self.prepare, send_prepared=sampling.greedy,
             )
-            self._new_session(msg.session_id, session, owner)
-            yield from self._events(msg.session_id, session, session.start())
-            return
-        if kind == "feedback":
+            self.new_session(msg.session_id, session, stream)
+            self._send(msg.session_id, session, session.start(received_at))
+        elif kind == "feedback":
             msg = request.feedback
-            session = self._session(msg.session_id, owner)
+            session = self.session(msg.session_id, stream)
             if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
                 check_token_ids([msg.token], self.limits.tokens, "feedback token id")
             p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
             if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
                 raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
-            sent = session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row)
-            yield from self._events(msg.session_id, session, sent)
-            return
-        # cancel
-        self._session(request.cancel.session_id, owner)
-        self.close_session(request.cancel.session_id, owner)
-        yield pb.DraftEvent(closed=pb.Closed(session_id=request.cancel.session_id))
+            sent = session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
+                                       msg.prepared_used, received_at)
+            self._send(msg.session_id, session, sent)
+        else:  # cancel
+            self.session(request.cancel.session_id, stream)
+            self.close_session(request.cancel.session_id, stream)
+            stream.emit(pb.DraftEvent(closed=pb.Closed(session_id=request.cancel.session_id)))
 
-    def _events(self, session_id: str, session: PipelinedDraft, sent: Iterator[Outgoing]) -> Iterator[pb.DraftEvent]:
-        greedy = session.session.sampling.greedy
-        for item in sent:
+    def idle(self) -> bool:
+        """One forward of speculation for the next session (round-robin) that has some."""
+        sessions = list(self.sessions.items())
+        for i in range(len(sessions)):
+            session_id, session = sessions[(self._turn + i) % len(sessions)]
+            ready = session.work()
+            if ready is not None:
+                self._turn = (self._turn + i + 1) % len(sessions)
+                self._send(session_id, session, ready)
+                return True
+        return False
+
+    def _send(self, session_id: str, session: PipelinedDraft, items: list[Outgoing]) -> None:
+        greedy, stream = session.session.sampling.greedy, self.owner(session_id)
+        for item in items:
             self.tokens_processed += len(item.block)
-            block = convert.block_to_proto(session_id, item.block, greedy, item.resolved_token)
-            block.followup, block.started_at, block.finished_at = item.followup, item.started_at, item.finished_at
-            yield pb.DraftEvent(block=block)
+            msg = convert.block_to_proto(session_id, item.block, greedy, item.resolved_token)
+            msg.followup, msg.reused = item.followup, item.reused
+            msg.started_at, msg.finished_at, msg.draft_s, msg.trigger_at = item.started_at, item.finished_at, item.draft_s, item.trigger_at
+            if item.prepared_for is not None:
+                base, accepted, token = item.prepared_for
+                msg.prepared_for.CopyFrom(pb.PreparedFor(base=base, accepted=accepted, token=token))
+            stream.emit(pb.DraftEvent(block=msg))
 
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.DraftEvent:
         return pb.DraftEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))

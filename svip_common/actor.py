@@ -1,6 +1,9 @@
 """The lifecycle both worker actors share: load a model, serve it over gRPC, report health,
 shut down. Each worker package subclasses it with the service it hosts (draft_worker/actor.py,
-target_worker/actor.py); Ray places the actor (its GPU, or a CPU core and a role resource)."""
+target_worker/actor.py); Ray places the actor (its GPU, or a CPU core and a role resource).
+
+A worker listens on one address, never the wildcard: 127.0.0.1 in the local mode, its node's
+own address in a cluster (``host=None``), with mutual TLS there when a TLS directory is given."""
 
 from __future__ import annotations
 
@@ -9,13 +12,14 @@ import torch
 from svip_common.contracts import Limits
 from svip_common.grpc_server import start_server
 from svip_common.models import LoadedModel, load_model
+from svip_common.tls import TlsFiles
 
 
 class ModelActor:
     service_name = ""
 
     def __init__(self, model_path: str, limits: Limits, dtype: str = "float32", device: str = "cpu",
-                 threads: int = 1, host: str = "127.0.0.1"):
+                 threads: int = 1, host: str | None = "127.0.0.1", tls: TlsFiles | None = None):
         torch.set_num_threads(threads)
         if device == "auto":
             device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -23,22 +27,32 @@ class ModelActor:
         spread = device.startswith("cuda") and torch.cuda.device_count() > 1
         self.model: LoadedModel = load_model(model_path, dtype, device, spread=spread)
         self.limits = limits  # what this worker accepts from the wire (the pair's, not only its own)
-        self.host = host
+        self.host, self.tls = host, tls
+        self.service = None
         self._server = None
         self.port = None
 
-    def make_service(self):
+    def make_service(self, **kwargs):
         raise NotImplementedError
 
     def register(self, server, service) -> None:
         raise NotImplementedError
 
-    async def start(self) -> str:
+    async def start(self, **kwargs) -> str:
         """Start the gRPC server; returns its address host:port."""
         if self._server is None:
-            service = self.make_service()
-            self._server, self.port = await start_server(lambda s: self.register(s, service), self.service_name, self.host)
+            if self.host is None:
+                import ray
+
+                self.host = ray.util.get_node_ip_address()
+            self.service = self.make_service(**kwargs)
+            await self.on_start(self.service)
+            self._server, self.port = await start_server(lambda s: self.register(s, self.service), self.service_name,
+                                                         self.host, self.tls)
         return f"{self.host}:{self.port}"
+
+    async def on_start(self, service) -> None:
+        """Before the server opens (the target connects to its draft here)."""
 
     async def health(self) -> bool:
         return self._server is not None
@@ -47,3 +61,4 @@ class ModelActor:
         if self._server is not None:
             await self._server.stop(grace=1.0)
             self._server = None
+            await self.service.close()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import statistics
 from dataclasses import dataclass, field
 
 import torch
@@ -192,6 +193,10 @@ class Verdict:
     p_row: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
 
+ROUND_PARTS = ("draft_forward_s", "target_forward_s", "block_transit_s", "target_queue_s", "feedback_transit_s",
+               "draft_queue_s", "overhead_s")  # the per-round breakdown (distributed mode)
+
+
 @dataclass
 class GenerationStats:
     rounds: int = 0
@@ -203,17 +208,26 @@ class GenerationStats:
     target_forwards: int = 0
     draft_forwards: int = 0
     wall_s: float = 0.0
-    round_s: list[float] = field(default_factory=list)
-    draft_forward_s: list[float] = field(default_factory=list)  # per round
+    round_s: list[float] = field(default_factory=list)  # per round: since the previous verdict
+    draft_forward_s: list[float] = field(default_factory=list)  # per round: the draft's compute on the critical path
     target_forward_s: list[float] = field(default_factory=list)  # per round
-    # distributed mode only
-    discarded_tokens: int = 0  # pre-drafted tokens dropped by rollbacks (stale blocks)
+    # distributed mode only; per round (a round's transit and queueing on the wire and threads):
+    block_transit_s: list[float] = field(default_factory=list)  # draft done -> block at the target (serialize, wire, parse)
+    target_queue_s: list[float] = field(default_factory=list)  # block at the target -> verification starts
+    feedback_transit_s: list[float] = field(default_factory=list)  # feedback sent -> at the draft
+    draft_queue_s: list[float] = field(default_factory=list)  # feedback at the draft -> drafting starts
+    overhead_s: list[float] = field(default_factory=list)  # round_s minus the forwards on its critical path
+    prepared_rounds: list[bool] = field(default_factory=list)  # the block was a prepared continuation
+    discarded_tokens: int = 0  # pre-drafted tokens never verified (stale, or prepared and not used)
+    prepared_sent: int = 0  # prepared continuations that reached the target in time
+    prepared_used: int = 0  # of them, verified with no round trip
+    prepared_used_late: int = 0  # prepared continuations the draft sent again as the next block
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0
     both_busy_s: float = 0.0  # overlap: draft and target computing at once
     draft_wait_s: float = 0.0  # bubbles: wall time the draft was idle
     target_wait_s: float = 0.0
-    wire_bytes: int = 0  # this session's messages, both workers, both directions
+    wire_bytes: int = 0  # this session's messages between the workers, both directions
     wire_bytes_per_round: float = 0.0
     timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (worker, start, end), s from start
 
@@ -225,14 +239,19 @@ class GenerationStats:
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.accepted_tokens / self.rounds if self.rounds else 0.0
 
+    def breakdown(self) -> dict[str, float]:
+        """Median per round of each part of a round, in seconds (the parts measured)."""
+        return {key: statistics.median(getattr(self, key)) for key in ("round_s", *ROUND_PARTS) if getattr(self, key)}
+
     def to_dict(self) -> dict:
         out = dataclasses.asdict(self)
-        for key in ("round_s", "draft_forward_s", "target_forward_s", "stop_entropies"):
+        for key in ("round_s", "stop_entropies", *ROUND_PARTS):
             out[key] = [round(x, 6) for x in out[key]]
         out["timeline"] = [(w, round(a, 6), round(b, 6)) for w, a, b in self.timeline]
         out["wall_s"] = round(self.wall_s, 6)
         out["acceptance_rate"] = round(self.acceptance_rate, 6)
         out["mean_acceptance_length"] = round(self.mean_acceptance_length, 6)
+        out["breakdown"] = {k: round(v, 6) for k, v in self.breakdown().items()}
         return out
 
 

@@ -12,3 +12,7 @@ class InvalidRequest(SvipError, ValueError):
 
 class ModelLoadError(SvipError):
     """A model or tokenizer that cannot be loaded, or a draft that does not fit the target."""
+
+
+class WorkerUnavailable(SvipError):
+    """A worker is down or unreachable."""

@@ -4,17 +4,19 @@ message size limits, the standard health service) and the session-multiplexing s
 from __future__ import annotations
 
 import asyncio
-import concurrent.futures
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from svip_common.compute_loop import ComputeLoop, Outlet
 from svip_common.contracts import Limits, check_length, check_prompt_ids, check_token_ids
-from svip_common.errors import InvalidRequest, SvipError
+from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
+from svip_common.tls import TlsFiles
 from svip_proto import svip_pb2 as pb
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a full-vocabulary float32 row is ~600 KB at 152k tokens
@@ -25,13 +27,18 @@ GRPC_OPTIONS = [
 log = logging.getLogger(__name__)
 
 
-async def start_server(register: Callable[[grpc.aio.Server], None], service_name: str, host: str = "127.0.0.1") -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server on host:<free port> with the health service; returns (server, port)."""
+async def start_server(register: Callable[[grpc.aio.Server], None], service_name: str, host: str = "127.0.0.1",
+                       tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server on host:<free port> (never the wildcard address) with the health
+    service, mutual TLS when tls is given; returns (server, port)."""
+    if host in ("", "0.0.0.0", "::", "[::]"):
+        raise ValueError("a worker listens on one address: its node's, or 127.0.0.1")
     server = grpc.aio.server(options=GRPC_OPTIONS)
     register(server)
     health = HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health, server)
-    port = server.add_insecure_port(f"{host}:0")
+    address = f"{host}:0"
+    port = server.add_secure_port(address, tls.server_credentials()) if tls else server.add_insecure_port(address)
     await server.start()
     await health.set(service_name, health_pb2.HealthCheckResponse.SERVING)
     await health.set("", health_pb2.HealthCheckResponse.SERVING)
@@ -43,134 +50,179 @@ class Refused(InvalidRequest):
     belongs to another stream (or to none)."""
 
 
-class SessionStream:
-    """One bidirectional stream carrying many sessions. Requests are handled in order on one
-    compute thread (the model is one device), so the event loop stays free to read the stream;
-    a bad request ends its own session with an error event, never the stream. A session belongs
-    to the stream that started it; events wait in a bounded queue, so a peer that stops reading
-    stalls its own stream (gRPC flow control) rather than growing the worker's memory."""
+MAX_QUEUED_EVENTS = 256  # per stream; past it, the stream's requests are not read
+_END = object()
 
-    def __init__(self, service: SessionService, pool: concurrent.futures.Executor):
+
+class SessionStream:
+    """One bidirectional stream carrying many sessions. Its requests are read on the event loop
+    and handled on the service's compute thread in arrival order; the events made for its
+    sessions go out in order through its outlet. A session belongs to the stream that started
+    it. While MAX_QUEUED_EVENTS events wait to be sent, the stream's requests are not read, so a
+    peer that stops reading stalls its own stream (gRPC flow control), not the worker's memory."""
+
+    def __init__(self, service: SessionService):
         self._service = service
-        self._pool = pool
+        self.outlet = Outlet(asyncio.get_running_loop())
+        self._room = asyncio.Event()
+        self._unanswered = 0  # requests read, not yet handled by the compute thread
+
+    def emit(self, event) -> None:
+        """From the compute thread: send an event on this stream."""
+        self.outlet.send(event)
 
     async def run(self, requests: AsyncIterator) -> AsyncIterator:
-        out: asyncio.Queue = asyncio.Queue(maxsize=MAX_QUEUED_EVENTS)
-
-        async def consume():
-            try:
-                async for request in requests:
-                    await self._answer(request, out)
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                log.exception("the request stream broke")
-            await out.put(_END)
-
-        task = asyncio.create_task(consume())
+        compute = self._service.compute
+        reader = asyncio.create_task(self._read(requests))
+        out = self.outlet.queue
         try:
             while (event := await out.get()) is not _END:
+                self._check_room()
                 yield event
         finally:
-            task.cancel()
-            # the peer went away: free every cache its sessions hold
-            await asyncio.get_running_loop().run_in_executor(self._pool, self._service.close_owned, self)
+            reader.cancel()
+            self.outlet.close()
+            compute.post(self._service.close_owned, self)  # the peer went away: free its caches
 
-    async def _answer(self, request, out: asyncio.Queue) -> None:
-        """Every event one request makes, queued as it is made (a block is verified while the
-        next one is drafted); errors become the session's error event."""
-        loop, service = asyncio.get_running_loop(), self._service
-        session_id = ""
+    def _handle(self, request, received: float) -> None:
+        """On the compute thread: one request, then its place in the backlog is freed."""
         try:
-            session_id = _session_id(request)
-            events = service.handle(request, self)
-            while (event := await loop.run_in_executor(self._pool, next, events, None)) is not None:
-                await out.put(event)
-        except Refused as exc:  # nothing of any session is touched
-            await out.put(service.error_event(session_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-        except SvipError as exc:
-            await out.put(service.error_event(session_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
-            await loop.run_in_executor(self._pool, service.close_session, session_id, self)
-        except Exception:  # a worker bug: report it on the session, keep serving
-            log.exception("request failed")
-            await out.put(service.error_event(session_id, grpc.StatusCode.INTERNAL, "internal worker error (see the worker's log)"))
-            await loop.run_in_executor(self._pool, service.close_session, session_id, self)
+            self._service.receive(self, request, received)
+        finally:
+            self.outlet.loop.call_soon_threadsafe(self._answered)
+
+    def _answered(self) -> None:
+        self._unanswered -= 1
+        self._check_room()
+
+    def _check_room(self) -> None:
+        if self._unanswered + self.outlet.queue.qsize() < MAX_QUEUED_EVENTS // 2:
+            self._room.set()
+
+    async def _read(self, requests: AsyncIterator) -> None:
+        compute = self._service.compute
+        try:
+            async for request in requests:
+                received = time.time()
+                while self._unanswered + self.outlet.queue.qsize() >= MAX_QUEUED_EVENTS:
+                    self._room.clear()
+                    await self._room.wait()
+                self._unanswered += 1
+                compute.post(self._handle, request, received)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the request stream broke")
+        compute.post(self.emit, _END)  # after every event of the requests read
 
 
-_END = object()
-MAX_QUEUED_EVENTS = 256  # per stream; a full queue stops reading the peer's requests
+def status_of(exc: SvipError) -> grpc.StatusCode:
+    """The gRPC status a worker reports an error with (and the caller maps back)."""
+    if isinstance(exc, InvalidRequest):
+        return grpc.StatusCode.INVALID_ARGUMENT
+    if isinstance(exc, WorkerUnavailable):
+        return grpc.StatusCode.UNAVAILABLE
+    return grpc.StatusCode.INTERNAL
 
 
-def _session_id(request) -> str:
+def session_id_of(request) -> str:
     kind = request.WhichOneof("kind")
     if kind is None:
         raise Refused("empty message: set one of its fields")
-    inner = getattr(request, kind)
-    if kind == "verify":
-        return inner.block.session_id
-    return inner.session_id
+    return getattr(request, kind).session_id
 
 
 class SessionService:
-    """What both worker services share: the session table (each session owned by the stream
-    that started it), one compute thread, the session stream, Stats and cancellation.
-    Subclasses implement ``handle`` (request, owner -> events, on the compute thread) and ``error_event``; their
-    sessions expose ``cached_tokens``."""
+    """What the worker services share: the session table (each session owned by the stream that
+    started it), the compute thread that owns it, the session streams, Stats and cancellation.
+    Subclasses implement ``handle(request, stream, received_at)`` (on the compute thread; events
+    go out with ``stream.emit``), ``error_event`` and, for work between messages, ``idle``;
+    their sessions expose ``cached_tokens`` and ``close()``."""
 
     role = ""
 
     def __init__(self, limits: Limits):
         self.limits = limits
         self.sessions: dict = {}
-        self._owners: dict[str, object] = {}
+        self._owners: dict[str, SessionStream] = {}
         self.tokens_processed = 0
-        self._lock = threading.Lock()
-        self._pool = concurrent.futures.ThreadPoolExecutor(max_workers=1, thread_name_prefix=self.role)
+        self._lock = threading.Lock()  # Stats reads the table from the event loop
+        self.compute = ComputeLoop(f"{self.role}-compute", idle=self.idle)
 
-    async def Session(self, request_iterator, context):
-        stream = SessionStream(self, self._pool)
+    async def close(self) -> None:
+        """Stop the compute thread (the actor is shutting down)."""
+        await asyncio.get_running_loop().run_in_executor(None, self.compute.stop)
+
+    async def _serve_stream(self, request_iterator):
+        stream = SessionStream(self)
         async for event in stream.run(request_iterator):
             yield event
 
     async def Stats(self, request, context):
         with self._lock:
-            return pb.WorkerStats(
-                open_sessions=len(self.sessions),
-                cached_tokens=sum(s.cached_tokens for s in self.sessions.values()),
-                tokens_processed=self.tokens_processed,
-            )
+            sessions = list(self.sessions.values())
+        return pb.WorkerStats(open_sessions=len(sessions), cached_tokens=sum(s.cached_tokens for s in sessions),
+                              tokens_processed=self.processed_tokens())
 
-    def _check_start(self, msg: pb.StartSession) -> None:
+    def processed_tokens(self) -> int:
+        """Draft: tokens drafted and sent; target: drafted tokens verified."""
+        return self.tokens_processed
+
+    # --- on the compute thread -----------------------------------------------------------------
+    def receive(self, stream: SessionStream, request, received_at: float) -> None:
+        """One request of a stream: handled, or answered with an error event for its session."""
+        session_id = ""
+        try:
+            session_id = session_id_of(request)
+            self.handle(request, stream, received_at)
+        except Refused as exc:  # nothing of any session is touched
+            stream.emit(self.error_event(session_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+        except SvipError as exc:
+            stream.emit(self.error_event(session_id, status_of(exc), str(exc)))
+            self.close_session(session_id, stream)
+        except Exception:  # a worker bug: report it on the session, keep serving
+            log.exception("request failed")
+            stream.emit(self.error_event(session_id, grpc.StatusCode.INTERNAL, "internal worker error (see the worker's log)"))
+            self.close_session(session_id, stream)
+
+    def check_start(self, msg: pb.StartSession) -> None:
         """A StartSession within this worker's limits: ids, context, block cap."""
         check_prompt_ids(msg.prompt_ids, self.limits.tokens)
         check_length(len(msg.prompt_ids), msg.max_new_tokens, self.limits.positions)
         check_token_ids(msg.stop_token_ids, self.limits.tokens, "stop token id")
 
-    def _new_session(self, session_id: str, session, owner) -> None:
+    def new_session(self, session_id: str, session, owner: SessionStream) -> None:
+        if session_id in self.sessions:
+            raise Refused(f"session {session_id!r} already exists")
         with self._lock:
-            if session_id in self.sessions:
-                raise Refused(f"session {session_id!r} already exists")
             self.sessions[session_id] = session
             self._owners[session_id] = owner
 
-    def _session(self, session_id: str, owner):
-        with self._lock:
-            if self._owners.get(session_id) is not owner:
-                raise Refused(f"no session {session_id!r} on this stream")
-            return self.sessions[session_id]
+    def session(self, session_id: str, owner: SessionStream):
+        if self._owners.get(session_id) is not owner:
+            raise Refused(f"no session {session_id!r} on this stream")
+        return self.sessions[session_id]
 
-    def close_session(self, session_id: str, owner) -> None:
-        with self._lock:
-            if self._owners.get(session_id) is owner:
-                del self.sessions[session_id], self._owners[session_id]
+    def owner(self, session_id: str) -> SessionStream:
+        return self._owners[session_id]
 
-    def close_owned(self, owner) -> None:
-        with self._lock:
-            for session_id in [sid for sid, o in self._owners.items() if o is owner]:
-                del self.sessions[session_id], self._owners[session_id]
+    def close_session(self, session_id: str, owner: SessionStream) -> None:
+        if self._owners.get(session_id) is owner:
+            with self._lock:
+                session = self.sessions.pop(session_id)
+                del self._owners[session_id]
+            session.close()
 
-    def handle(self, request, owner):
+    def close_owned(self, owner: SessionStream) -> None:
+        for session_id in [sid for sid, o in self._owners.items() if o is owner]:
+            self.close_session(session_id, owner)
+
+    def handle(self, request, stream: SessionStream, received_at: float) -> None:
         raise NotImplementedError
 
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str):
         raise NotImplementedError
+
+    def idle(self) -> bool:
+        """One unit of work between messages (speculation); False when there is none."""
+        return False

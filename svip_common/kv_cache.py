@@ -41,6 +41,10 @@ class KVCache:
         self._tokens.extend(token_ids)
         return out.logits[0, -logits_to_keep:]  # [logits_to_keep, vocab]
 
+    def tokens_equal(self, sequence: Sequence[int]) -> bool:
+        """The cache holds exactly ``sequence``."""
+        return len(self._tokens) == len(sequence) and self._tokens == list(sequence)
+
     def rollback(self, length: int) -> None:
         """Drop every cached token past the first ``length``."""
         drop = len(self._tokens) - length

@@ -26,6 +26,7 @@ class Verifier:
     def __init__(self, target: LoadedModel, token_limit: int | None = None):
         self.target = target
         self.token_limit = target.token_limit if token_limit is None else token_limit  # ids it may emit
+        self.tokens_verified = 0  # drafted tokens, every session
 
     def open(self, sampling: SamplingParams) -> TargetSession:
         return TargetSession(self, sampling)
@@ -35,6 +36,7 @@ class TargetSession:
     def __init__(self, verifier: Verifier, sampling: SamplingParams):
         self.sampling = sampling
         self._cache = KVCache(verifier.target.model)
+        self._verifier = verifier
         self._limit = verifier.token_limit
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
         self._pending_at = -1
@@ -51,6 +53,11 @@ class TargetSession:
         sampling), a rejection returns ``token = -1`` and ``p_row``, and the draft side draws the
         correction from norm(max(0, p_row - q))."""
         base, k = len(committed), len(block)
+        self._verifier.tokens_verified += k
+        if k and self._holds(committed):
+            early = self._first_token_rejected(base, block)
+            if early is not None:
+                return early
         logits = self._score(committed, block.tokens)  # [k + 1, vocab]
         if self.sampling.greedy:
             target_tokens = torch.argmax(logits, dim=-1).tolist()  # [k + 1]
@@ -72,6 +79,28 @@ class TargetSession:
         else:
             token = recover(p[accepted], block.q_rows[accepted], u)
         return Verdict(base=base, accepted=accepted, token=token, epoch=block.epoch)
+
+    def _holds(self, committed: Sequence[int]) -> bool:
+        """The cache holds exactly ``committed`` and the row for the next place is stored (the
+        block continues a fully accepted one)."""
+        return self._pending is not None and self._pending_at == len(committed) == len(self._cache) and \
+            self._cache.tokens_equal(committed)
+
+    def _first_token_rejected(self, base: int, block: Block) -> Verdict | None:
+        """The first token judged against the stored row before any forward, by the same rule
+        and the same keyed coin as in the full pass: a rejection is the verdict at once, with no
+        forward for the tokens after it (they would all be discarded)."""
+        d0 = block.tokens[0]
+        if self.sampling.greedy:
+            target = int(torch.argmax(self._pending[0]))
+            return None if target == d0 else Verdict(base=base, accepted=0, token=target, epoch=block.epoch)
+        p0 = warp_probs(self._pending, self.sampling)[0]  # [vocab]
+        if accept_sampled([float(p0[d0])], block.probs[:1], [uniform(self.sampling.seed, base, Purpose.ACCEPT)]):
+            return None
+        if block.q_rows is None:
+            return Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p0)
+        token = recover(p0, block.q_rows[0], uniform(self.sampling.seed, base, Purpose.RESOLVE))
+        return Verdict(base=base, accepted=0, token=token, epoch=block.epoch)
 
     def _score(self, committed: Sequence[int], drafted: list[int]) -> torch.Tensor:
         """Target logits for positions len(committed) .. len(committed) + len(drafted).

@@ -15,7 +15,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from coordinator.client import WorkerUnavailable
+from svip_common.errors import WorkerUnavailable
 from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest, SvipError
 from svip_serve import prompting

@@ -9,7 +9,7 @@ import sys
 
 import torch
 
-from svip_common.contracts import DRAFT_LENGTH_CAP, NO_TOKEN, Block, PolicyConfig, SamplingParams, Verdict
+from svip_common.contracts import DRAFT_LENGTH_CAP, NO_TOKEN, Block, GenerationStats, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 
@@ -77,8 +77,9 @@ def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> Poli
 
 
 def block_to_proto(session_id: str, block: Block, greedy: bool, resolved_token: int = NO_TOKEN) -> pb.Block:
-    msg = pb.Block(session_id=session_id, epoch=block.epoch, base=block.base, tokens=block.tokens,
-                   resolved_token=resolved_token)
+    msg = pb.Block(session_id=session_id, epoch=block.epoch, base=block.base, tokens=block.tokens)
+    if resolved_token != NO_TOKEN:
+        msg.resolved_token = resolved_token
     msg.entropies.CopyFrom(tensor_to_proto(torch.tensor(block.entropies, dtype=torch.float32)))
     if not greedy:  # greedy verification needs no probabilities at all
         msg.q_probs.CopyFrom(tensor_to_proto(torch.tensor(block.probs, dtype=torch.float32)))
@@ -94,14 +95,39 @@ def block_from_proto(msg: pb.Block) -> Block:
     return Block(base=msg.base, tokens=list(msg.tokens), probs=probs, entropies=entropies, epoch=msg.epoch)
 
 
-def verdict_to_proto(session_id: str, verdict: Verdict) -> pb.Verdict:
-    msg = pb.Verdict(session_id=session_id, epoch=verdict.epoch, base=verdict.base,
-                     accepted=verdict.accepted, token=verdict.token)
-    if verdict.p_row is not None:
-        msg.p_row.CopyFrom(tensor_to_proto(verdict.p_row.float()))
-    return msg
+def stats_to_proto(s: GenerationStats) -> pb.SessionStats:
+    rounds = [
+        pb.Round(drafted=d, accepted=a, wall_s=w, draft_s=ds, target_s=ts, block_transit_s=bt, target_queue_s=tq,
+                 feedback_transit_s=ft, draft_queue_s=dq, overhead_s=o, prepared=p)
+        for d, a, w, ds, ts, bt, tq, ft, dq, o, p in zip(
+            s.draft_lengths, s.accepted_lengths, s.round_s, s.draft_forward_s, s.target_forward_s, s.block_transit_s,
+            s.target_queue_s, s.feedback_transit_s, s.draft_queue_s, s.overhead_s, s.prepared_rounds)
+    ]
+    return pb.SessionStats(
+        rounds=rounds, stop_entropies=s.stop_entropies, discarded_tokens=s.discarded_tokens,
+        prepared_sent=s.prepared_sent, prepared_used=s.prepared_used, prepared_used_late=s.prepared_used_late,
+        wall_s=s.wall_s, wire_bytes=s.wire_bytes, target_forwards=s.target_forwards, draft_forwards=s.draft_forwards,
+        draft_busy_s=s.draft_busy_s, target_busy_s=s.target_busy_s, both_busy_s=s.both_busy_s,
+        draft_wait_s=s.draft_wait_s, target_wait_s=s.target_wait_s,
+        timeline=[pb.Span(worker=w, start=a, end=b) for w, a, b in s.timeline],
+    )
 
 
-def verdict_from_proto(msg: pb.Verdict) -> Verdict:
-    p_row = tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
-    return Verdict(base=msg.base, accepted=msg.accepted, token=msg.token, epoch=msg.epoch, p_row=p_row)
+def stats_from_proto(msg: pb.SessionStats) -> GenerationStats:
+    r = list(msg.rounds)
+    s = GenerationStats(
+        rounds=len(r), draft_tokens=sum(x.drafted for x in r), accepted_tokens=sum(x.accepted for x in r),
+        draft_lengths=[x.drafted for x in r], accepted_lengths=[x.accepted for x in r],
+        stop_entropies=list(msg.stop_entropies), target_forwards=msg.target_forwards, draft_forwards=msg.draft_forwards,
+        wall_s=msg.wall_s, round_s=[x.wall_s for x in r], draft_forward_s=[x.draft_s for x in r],
+        target_forward_s=[x.target_s for x in r], block_transit_s=[x.block_transit_s for x in r],
+        target_queue_s=[x.target_queue_s for x in r], feedback_transit_s=[x.feedback_transit_s for x in r],
+        draft_queue_s=[x.draft_queue_s for x in r], overhead_s=[x.overhead_s for x in r],
+        prepared_rounds=[x.prepared for x in r], discarded_tokens=msg.discarded_tokens,
+        prepared_sent=msg.prepared_sent, prepared_used=msg.prepared_used, prepared_used_late=msg.prepared_used_late,
+        draft_busy_s=msg.draft_busy_s, target_busy_s=msg.target_busy_s, both_busy_s=msg.both_busy_s,
+        draft_wait_s=msg.draft_wait_s, target_wait_s=msg.target_wait_s, wire_bytes=msg.wire_bytes,
+        timeline=[(x.worker, x.start, x.end) for x in msg.timeline],
+    )
+    s.wire_bytes_per_round = s.wire_bytes / s.rounds if s.rounds else 0.0
+    return s

@@ -72,8 +72,18 @@ class StartSession(_message.Message):
     pipeline: Pipeline
     def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ...) -> None: ...
 
+class PreparedFor(_message.Message):
+    __slots__ = ("base", "accepted", "token")
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    base: int
+    accepted: int
+    token: int
+    def __init__(self, base: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
+
 class Block(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "started_at", "finished_at")
+    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "prepared_for", "started_at", "finished_at", "draft_s", "trigger_at", "reused")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -82,8 +92,12 @@ class Block(_message.Message):
     ENTROPIES_FIELD_NUMBER: _ClassVar[int]
     RESOLVED_TOKEN_FIELD_NUMBER: _ClassVar[int]
     FOLLOWUP_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FOR_FIELD_NUMBER: _ClassVar[int]
     STARTED_AT_FIELD_NUMBER: _ClassVar[int]
     FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    TRIGGER_AT_FIELD_NUMBER: _ClassVar[int]
+    REUSED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -92,40 +106,16 @@ class Block(_message.Message):
     entropies: Tensor
     resolved_token: int
     followup: bool
+    prepared_for: PreparedFor
     started_at: float
     finished_at: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
-
-class VerifyBlock(_message.Message):
-    __slots__ = ("block", "append")
-    BLOCK_FIELD_NUMBER: _ClassVar[int]
-    APPEND_FIELD_NUMBER: _ClassVar[int]
-    block: Block
-    append: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., append: _Optional[_Iterable[int]] = ...) -> None: ...
-
-class Verdict(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "accepted", "token", "p_row", "started_at", "finished_at")
-    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
-    EPOCH_FIELD_NUMBER: _ClassVar[int]
-    BASE_FIELD_NUMBER: _ClassVar[int]
-    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
-    TOKEN_FIELD_NUMBER: _ClassVar[int]
-    P_ROW_FIELD_NUMBER: _ClassVar[int]
-    STARTED_AT_FIELD_NUMBER: _ClassVar[int]
-    FINISHED_AT_FIELD_NUMBER: _ClassVar[int]
-    session_id: str
-    epoch: int
-    base: int
-    accepted: int
-    token: int
-    p_row: Tensor
-    started_at: float
-    finished_at: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ...) -> None: ...
+    draft_s: float
+    trigger_at: float
+    reused: bool
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -133,6 +123,8 @@ class Feedback(_message.Message):
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     TOKEN_FIELD_NUMBER: _ClassVar[int]
     P_ROW_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_USED_FIELD_NUMBER: _ClassVar[int]
+    SENT_AT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -140,7 +132,9 @@ class Feedback(_message.Message):
     accepted: int
     token: int
     p_row: Tensor
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+    prepared_used: bool
+    sent_at: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("session_id",)
@@ -184,25 +178,113 @@ class DraftEvent(_message.Message):
     error: Error
     def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
-class TargetRequest(_message.Message):
-    __slots__ = ("start", "verify", "cancel")
+class GenerateRequest(_message.Message):
+    __slots__ = ("start", "cancel")
     START_FIELD_NUMBER: _ClassVar[int]
-    VERIFY_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     start: StartSession
-    verify: VerifyBlock
     cancel: Cancel
-    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., verify: _Optional[_Union[VerifyBlock, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
-class TargetEvent(_message.Message):
-    __slots__ = ("verdict", "closed", "error")
-    VERDICT_FIELD_NUMBER: _ClassVar[int]
-    CLOSED_FIELD_NUMBER: _ClassVar[int]
+class Settled(_message.Message):
+    __slots__ = ("session_id", "tokens")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Round(_message.Message):
+    __slots__ = ("drafted", "accepted", "wall_s", "draft_s", "target_s", "block_transit_s", "target_queue_s", "feedback_transit_s", "draft_queue_s", "overhead_s", "prepared")
+    DRAFTED_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTED_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_S_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_TRANSIT_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    FEEDBACK_TRANSIT_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
+    OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    drafted: int
+    accepted: int
+    wall_s: float
+    draft_s: float
+    target_s: float
+    block_transit_s: float
+    target_queue_s: float
+    feedback_transit_s: float
+    draft_queue_s: float
+    overhead_s: float
+    prepared: bool
+    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., wall_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., target_s: _Optional[float] = ..., block_transit_s: _Optional[float] = ..., target_queue_s: _Optional[float] = ..., feedback_transit_s: _Optional[float] = ..., draft_queue_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., prepared: _Optional[bool] = ...) -> None: ...
+
+class Span(_message.Message):
+    __slots__ = ("worker", "start", "end")
+    WORKER_FIELD_NUMBER: _ClassVar[int]
+    START_FIELD_NUMBER: _ClassVar[int]
+    END_FIELD_NUMBER: _ClassVar[int]
+    worker: str
+    start: float
+    end: float
+    def __init__(self, worker: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
+
+class SessionStats(_message.Message):
+    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s")
+    ROUNDS_FIELD_NUMBER: _ClassVar[int]
+    STOP_ENTROPIES_FIELD_NUMBER: _ClassVar[int]
+    DISCARDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_SENT_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_USED_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_USED_LATE_FIELD_NUMBER: _ClassVar[int]
+    WALL_S_FIELD_NUMBER: _ClassVar[int]
+    WIRE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TIMELINE_FIELD_NUMBER: _ClassVar[int]
+    TARGET_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    BOTH_BUSY_S_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    TARGET_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    rounds: _containers.RepeatedCompositeFieldContainer[Round]
+    stop_entropies: _containers.RepeatedScalarFieldContainer[float]
+    discarded_tokens: int
+    prepared_sent: int
+    prepared_used: int
+    prepared_used_late: int
+    wall_s: float
+    wire_bytes: int
+    timeline: _containers.RepeatedCompositeFieldContainer[Span]
+    target_forwards: int
+    draft_forwards: int
+    draft_busy_s: float
+    target_busy_s: float
+    both_busy_s: float
+    draft_wait_s: float
+    target_wait_s: float
+    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ...) -> None: ...
+
+class Finished(_message.Message):
+    __slots__ = ("session_id", "finish_reason", "stats")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
+    STATS_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    finish_reason: str
+    stats: SessionStats
+    def __init__(self, session_id: _Optional[str] = ..., finish_reason: _Optional[str] = ..., stats: _Optional[_Union[SessionStats, _Mapping]] = ...) -> None: ...
+
+class GenerateEvent(_message.Message):
+    __slots__ = ("settled", "finished", "error")
+    SETTLED_FIELD_NUMBER: _ClassVar[int]
+    FINISHED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
-    verdict: Verdict
-    closed: Closed
+    settled: Settled
+    finished: Finished
     error: Error
-    def __init__(self, verdict: _Optional[_Union[Verdict, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    def __init__(self, settled: _Optional[_Union[Settled, _Mapping]] = ..., finished: _Optional[_Union[Finished, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()

@@ -141,7 +141,8 @@ class DraftWorker:
 
 
 class TargetWorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """The target worker hosts the sessions: the caller starts one and reads its settled tokens.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -149,10 +150,10 @@ class TargetWorkerStub:
         Args:
             channel: A grpc.Channel.
         """
-        self.Session = channel.stream_stream(
-                '/svip.v1.TargetWorker/Session',
-                request_serializer=svip__proto_dot_svip__pb2.TargetRequest.SerializeToString,
-                response_deserializer=svip__proto_dot_svip__pb2.TargetEvent.FromString,
+        self.Generate = channel.stream_stream(
+                '/svip.v1.TargetWorker/Generate',
+                request_serializer=svip__proto_dot_svip__pb2.GenerateRequest.SerializeToString,
+                response_deserializer=svip__proto_dot_svip__pb2.GenerateEvent.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/svip.v1.TargetWorker/Stats',
@@ -162,9 +163,10 @@ class TargetWorkerStub:
 
 
 class TargetWorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """The target worker hosts the sessions: the caller starts one and reads its settled tokens.
+    """
 
-    def Session(self, request_iterator, context):
+    def Generate(self, request_iterator, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -179,10 +181,10 @@ class TargetWorkerServicer:
 
 def add_TargetWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
-            'Session': grpc.stream_stream_rpc_method_handler(
-                    servicer.Session,
-                    request_deserializer=svip__proto_dot_svip__pb2.TargetRequest.FromString,
-                    response_serializer=svip__proto_dot_svip__pb2.TargetEvent.SerializeToString,
+            'Generate': grpc.stream_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=svip__proto_dot_svip__pb2.GenerateRequest.FromString,
+                    response_serializer=svip__proto_dot_svip__pb2.GenerateEvent.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -198,10 +200,11 @@ def add_TargetWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class TargetWorker:
-    """Missing associated documentation comment in .proto file."""
+    """The target worker hosts the sessions: the caller starts one and reads its settled tokens.
+    """
 
     @staticmethod
-    def Session(request_iterator,
+    def Generate(request_iterator,
             target,
             options=(),
             channel_credentials=None,
@@ -214,9 +217,9 @@ class TargetWorker:
         return grpc.experimental.stream_stream(
             request_iterator,
             target,
-            '/svip.v1.TargetWorker/Session',
-            svip__proto_dot_svip__pb2.TargetRequest.SerializeToString,
-            svip__proto_dot_svip__pb2.TargetEvent.FromString,
+            '/svip.v1.TargetWorker/Generate',
+            svip__proto_dot_svip__pb2.GenerateRequest.SerializeToString,
+            svip__proto_dot_svip__pb2.GenerateEvent.FromString,
             options,
             channel_credentials,
             insecure,

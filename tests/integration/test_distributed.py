@@ -11,7 +11,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.client import WorkerUnavailable
+from svip_common.errors import WorkerUnavailable
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
@@ -202,23 +202,25 @@ def test_bad_request_is_invalid_argument_and_the_stream_goes_on(pair, loop):
                 while (r := await requests.get()) is not None:
                     yield r
 
-            call = stub.Session(gen())
-            requests.put_nowait(pb.TargetRequest(verify=pb.VerifyBlock(block=pb.Block(session_id="ghost", base=3))))
+            call = stub.Generate(gen())
+            requests.put_nowait(pb.GenerateRequest(cancel=pb.Cancel(session_id="ghost")))
             first = await call.read()
-            requests.put_nowait(pb.TargetRequest(start=pb.StartSession(session_id="s", prompt_ids=[1, 99999])))
+            requests.put_nowait(pb.GenerateRequest(start=pb.StartSession(session_id="s", prompt_ids=[1, 99999], max_new_tokens=5)))
             second = await call.read()
-            start = pb.StartSession(session_id="ok", prompt_ids=[1, 2], max_new_tokens=5, sampling=pb.SamplingParams(top_p=1.0))
-            requests.put_nowait(pb.TargetRequest(start=start))
-            requests.put_nowait(pb.TargetRequest(verify=pb.VerifyBlock(block=pb.Block(session_id="ok", base=2))))
-            third = await call.read()
+            start = pb.StartSession(session_id="ok", prompt_ids=[1, 2], max_new_tokens=5, sampling=pb.SamplingParams(top_p=1.0),
+                                    policy=pb.PolicyConfig(name="none"))
+            requests.put_nowait(pb.GenerateRequest(start=start))
+            rest = []
+            while not rest or rest[-1].WhichOneof("kind") != "finished":
+                rest.append(await call.read())
             requests.put_nowait(None)
-            return health, first, second, third
+            return health, first, second, rest
 
-    health, first, second, third = loop.run_until_complete(exchange())
+    health, first, second, rest = loop.run_until_complete(exchange())
     assert health.status == health_pb2.HealthCheckResponse.SERVING
     assert first.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] and "no session 'ghost'" in first.error.message
     assert "outside the vocabulary" in second.error.message
-    assert third.WhichOneof("kind") == "verdict" and third.verdict.base == 2
+    assert sum(len(e.settled.tokens) for e in rest[:-1]) == 5 and rest[-1].finished.finish_reason in ("length", "stop")
 
 
 def test_distributed_rejects_bad_requests_with_named_errors(engines, loop):

@@ -1,8 +1,9 @@
-"""The workers do not trust the wire: real gRPC on loopback against the draft and target services
-(hosted here, without Ray). A session belongs to the stream that opened it, a duplicate start
-leaves the original alone, an empty message is INVALID_ARGUMENT, blocks past the context or the
-session's budget or the cap are refused, ids past the draft's embedding never reach it, and a
-stream's sessions are freed when it goes away."""
+"""The workers do not trust the wire: real gRPC on loopback against the draft worker's service and
+the target worker's session host (hosted here, without Ray; the host dials a scripted draft). A
+session belongs to the stream that opened it, a duplicate start leaves the original alone, an
+empty message is INVALID_ARGUMENT, blocks past the context or the session's budget or the cap
+are refused, ids past the draft's embedding never reach it, and a stream's sessions are freed
+when it goes away."""
 
 from __future__ import annotations
 
@@ -17,7 +18,6 @@ from svip_common.contracts import Limits
 from svip_common.grpc_server import MAX_QUEUED_EVENTS, SessionService, start_server
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
-from target_worker.service import TargetService
 from target_worker.verifier import Verifier
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -36,18 +36,42 @@ def limits(models):
     return Limits(tokens=models["target"].token_limit, positions=64, max_draft_length=8)
 
 
+class FakeDraft(pb_grpc.DraftWorkerServicer):
+    """A draft worker of the real interface that sends what a test scripts: nothing (a session that
+    stays open), or crafted blocks a real draft never would."""
+
+    def __init__(self):
+        self.script: dict[str, list[pb.Block]] = {}
+
+    async def Session(self, request_iterator, context):
+        async for request in request_iterator:
+            if request.WhichOneof("kind") == "start":
+                for block in self.script.get(request.start.session_id, []):
+                    yield pb.DraftEvent(block=block)
+
+
 @pytest.fixture(scope="module")
 def services(models, limits, loop):
-    target = TargetService(Verifier(models["target"], limits.tokens), limits)
+    from coordinator.host import SessionHost
+
     draft = DraftService(Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens), limits)
+    fake = FakeDraft()
     servers = []
-    for service, add in ((target, pb_grpc.add_TargetWorkerServicer_to_server), (draft, pb_grpc.add_DraftWorkerServicer_to_server)):
-        server, port = loop.run_until_complete(start_server(lambda s, svc=service, a=add: a(svc, s), "svip.v1.Test"))
+
+    def serve(servicer, add):
+        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
         servers.append(server)
-        service.address = f"127.0.0.1:{port}"
-    yield {"target": target, "draft": draft}
+        return f"127.0.0.1:{port}"
+
+    draft.address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
+    fake_address = serve(fake, pb_grpc.add_DraftWorkerServicer_to_server)
+    target = SessionHost(Verifier(models["target"], limits.tokens), limits, fake_address)
+    loop.run_until_complete(target.start())
+    target.address = serve(target, pb_grpc.add_TargetWorkerServicer_to_server)
+    yield {"target": target, "draft": draft, "fake": fake}
     for server in servers:
         loop.run_until_complete(server.stop(None))
+    loop.run_until_complete(target.close())
 
 
 class Stream:
@@ -55,9 +79,11 @@ class Stream:
 
     def __init__(self, address: str, role: str):
         self.channel = grpc.aio.insecure_channel(address)
-        stub = pb_grpc.TargetWorkerStub(self.channel) if role == "target" else pb_grpc.DraftWorkerStub(self.channel)
+        if role == "target":
+            self.call = pb_grpc.TargetWorkerStub(self.channel).Generate(self._gen())
+        else:
+            self.call = pb_grpc.DraftWorkerStub(self.channel).Session(self._gen())
         self.requests: asyncio.Queue = asyncio.Queue()
-        self.call = stub.Session(self._gen())
 
     async def _gen(self):
         while (r := await self.requests.get()) is not None:
@@ -75,17 +101,17 @@ class Stream:
         await self.channel.close()
 
 
-def start(session_id: str, prompt=(5, 6, 7), max_new_tokens: int = 20, **policy) -> pb.StartSession:
+def start(session_id: str, prompt=(5, 6, 7), max_new_tokens: int = 20, policy: str = "constant",
+          max_draft_length: int = 8) -> pb.StartSession:
     msg = pb.StartSession(session_id=session_id, prompt_ids=list(prompt), max_new_tokens=max_new_tokens,
                           sampling=pb.SamplingParams(top_p=1.0), pipeline=pb.PIPELINE_SYNC)
-    msg.policy.CopyFrom(pb.PolicyConfig(name="constant", threshold=0.3, entropy_scale=0.15, draft_length=3,
-                                        max_draft_length=policy.get("max_draft_length", 8), confidence=0.4))
+    msg.policy.CopyFrom(pb.PolicyConfig(name=policy, threshold=0.3, entropy_scale=0.15, draft_length=3,
+                                        max_draft_length=max_draft_length, confidence=0.4))
     return msg
 
 
-def verify(session_id: str, base: int, tokens=(), append=()) -> pb.TargetRequest:
-    return pb.TargetRequest(verify=pb.VerifyBlock(block=pb.Block(session_id=session_id, base=base, tokens=list(tokens)),
-                                                  append=list(append)))
+def request(role: str, **kind):
+    return pb.GenerateRequest(**kind) if role == "target" else pb.DraftRequest(**kind)
 
 
 async def wait_for(predicate, timeout: float = 5.0) -> None:
@@ -96,73 +122,77 @@ async def wait_for(predicate, timeout: float = 5.0) -> None:
 
 
 def test_a_session_belongs_to_the_stream_that_opened_it(services, loop):
-    target = services["target"]
+    target = services["target"]  # its draft is scripted to say nothing: the session stays open
 
     async def scenario():
         owner, intruder = Stream(target.address, "target"), Stream(target.address, "target")
-        owner.send(pb.TargetRequest(start=start("mine")))
+        owner.send(request("target", start=start("mine")))
         await wait_for(lambda: "mine" in target.sessions)
-        intruder.send(verify("mine", 3))
-        stolen = await intruder.read()
-        intruder.send(pb.TargetRequest(cancel=pb.Cancel(session_id="mine")))
+        intruder.send(request("target", cancel=pb.Cancel(session_id="mine")))
         cancelled = await intruder.read()
-        intruder.send(pb.TargetRequest(start=start("mine")))  # a duplicate start, from elsewhere
+        intruder.send(request("target", start=start("mine")))  # a duplicate start, from elsewhere
         duplicate = await intruder.read()
-        owner.send(pb.TargetRequest(start=start("mine")))  # and from the owner itself
+        owner.send(request("target", start=start("mine")))  # and from the owner itself
         own_duplicate = await owner.read()
-        owner.send(verify("mine", 3))  # the original session is intact
-        verdict = await owner.read()
+        assert "mine" in target.sessions  # the original session is intact
+        owner.send(request("target", cancel=pb.Cancel(session_id="mine")))
+        finished = await owner.read()
         await intruder.close()
         await owner.close()
-        return stolen, cancelled, duplicate, own_duplicate, verdict
+        return cancelled, duplicate, own_duplicate, finished
 
-    stolen, cancelled, duplicate, own_duplicate, verdict = loop.run_until_complete(scenario())
-    for event, words in ((stolen, "no session 'mine' on this stream"), (cancelled, "no session 'mine' on this stream"),
-                         (duplicate, "already exists"), (own_duplicate, "already exists")):
+    cancelled, duplicate, own_duplicate, finished = loop.run_until_complete(scenario())
+    for event, words in ((cancelled, "no session 'mine' on this stream"), (duplicate, "already exists"),
+                         (own_duplicate, "already exists")):
         assert event.error.code == INVALID and words in event.error.message
-    assert verdict.WhichOneof("kind") == "verdict" and verdict.verdict.base == 3
+    assert finished.finished.finish_reason == "cancelled"
 
 
 def test_an_empty_message_is_invalid_argument_and_the_stream_goes_on(services, loop):
     async def scenario():
+        out = []
         for role in ("target", "draft"):
             stream = Stream(services[role].address, role)
-            stream.send(pb.TargetRequest() if role == "target" else pb.DraftRequest())
+            stream.send(request(role))
             empty = await stream.read()
-            request = pb.TargetRequest(start=start("after-empty")) if role == "target" else pb.DraftRequest(start=start("after-empty"))
-            stream.send(request)
-            if role == "target":
-                stream.send(verify("after-empty", 3))
+            stream.send(request(role, start=start("after-empty", policy="none" if role == "target" else "constant")))
             answer = await stream.read()
             await stream.close()
-            yield role, empty, answer
+            out.append((role, empty, answer))
+        return out
 
-    async def collect():
-        return [x async for x in scenario()]
-
-    for role, empty, answer in loop.run_until_complete(collect()):
+    for role, empty, answer in loop.run_until_complete(scenario()):
         assert empty.error.code == INVALID and "empty message" in empty.error.message, role
-        assert answer.WhichOneof("kind") in ("verdict", "block"), (role, answer)
+        assert answer.WhichOneof("kind") in ("settled", "block"), (role, answer)
 
 
-@pytest.mark.parametrize("request_, words", [
-    (verify("budget", 3, tokens=[1] * 5), "reaches past the session's 8 tokens"),
-    (verify("budget", 3, tokens=[1] * 9), "exceeds the cap of 8"),
-    (verify("budget", 3, tokens=[1] * 500), "exceeds the cap of 8"),
-    (verify("budget", 4, append=[10**6]), "outside the vocabulary"),
-    (verify("budget", 3, tokens=[-1]), "outside the vocabulary"),
+def block(session_id: str, base: int, tokens) -> pb.Block:
+    return pb.Block(session_id=session_id, base=base, tokens=list(tokens))
+
+
+@pytest.mark.parametrize("crafted, words", [
+    (block("bad-0", 3, [1] * 5), "past the session's 8 tokens"),
+    (block("bad-1", 3, [1] * 9), "the cap is 8"),
+    (block("bad-2", 3, [1] * 500), "the cap is 8"),
+    (block("bad-3", 3, [10**6]), "drafted token id 1000000 is outside the vocabulary"),
+    (block("bad-4", 3, [-1]), "drafted token id -1 is outside the vocabulary"),
+    (block("bad-5", 7, [1]), "a block at base 7, committed 3"),
 ])
-def test_the_target_refuses_blocks_past_its_limits(services, loop, request_, words):
+def test_the_target_refuses_draft_blocks_past_its_limits(services, loop, crafted, words):
+    """A draft worker that misbehaves (or a peer posing as one) cannot make the target verify
+    past the context, the budget or the cap, nor feed it ids outside the vocabulary."""
+    services["fake"].script[crafted.session_id] = [crafted]
+
     async def scenario():
         stream = Stream(services["target"].address, "target")
-        stream.send(pb.TargetRequest(start=start("budget", max_new_tokens=5)))
-        stream.send(request_)
+        stream.send(request("target", start=start(crafted.session_id, max_new_tokens=5)))
         event = await stream.read()
         await stream.close()
         return event
 
     event = loop.run_until_complete(scenario())
-    assert event.error.code == INVALID and words in event.error.message
+    assert event.error.code == grpc.StatusCode.INTERNAL.value[0] and words in event.error.message, event
+    assert crafted.session_id not in services["target"].sessions
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
@@ -175,9 +205,7 @@ def test_the_target_refuses_blocks_past_its_limits(services, loop, request_, wor
 def test_starts_past_the_limits_are_refused(services, loop, role, msg, words):
     async def scenario():
         stream = Stream(services[role].address, role)
-        stream.send(pb.TargetRequest(start=msg) if role == "target" else pb.DraftRequest(start=msg))
-        if role == "target":  # a target start answers nothing until a block comes
-            stream.send(verify(msg.session_id, len(msg.prompt_ids)))
+        stream.send(request(role, start=msg))
         event = await stream.read()
         await stream.close()
         return event
@@ -189,7 +217,7 @@ def test_starts_past_the_limits_are_refused(services, loop, role, msg, words):
 def test_the_draft_refuses_a_cap_past_the_deployments(services, loop):
     async def scenario():
         stream = Stream(services["draft"].address, "draft")
-        stream.send(pb.DraftRequest(start=start("long", max_draft_length=500)))
+        stream.send(request("draft", start=start("long", max_draft_length=500)))
         event = await stream.read()
         await stream.close()
         return event
@@ -218,11 +246,12 @@ def test_a_stream_that_goes_away_frees_its_sessions(services, loop):
         streams = [Stream(services[role].address, role) for role in ("target", "draft") for _ in range(3)]
         for i, stream in enumerate(streams):
             msg = start(f"gone-{i}")
-            stream.send(pb.TargetRequest(start=msg) if i < 3 else pb.DraftRequest(start=msg))
-        await wait_for(lambda: sum(s.startswith("gone-") for svc in services.values() for s in svc.sessions) == 6)
+            stream.send(request("target" if i < 3 else "draft", start=msg))
+        workers = (services["target"], services["draft"])
+        await wait_for(lambda: sum(s.startswith("gone-") for svc in workers for s in svc.sessions) == 6)
         for stream in streams:
             await stream.close()
-        await wait_for(lambda: not any(s.startswith("gone-") for svc in services.values() for s in svc.sessions))
+        await wait_for(lambda: not any(s.startswith("gone-") for svc in workers for s in svc.sessions))
 
     loop.run_until_complete(scenario())
 
@@ -236,10 +265,14 @@ class Chatty(SessionService):
         super().__init__(Limits(tokens=10, positions=None))
         self.made = 0
 
-    def handle(self, request, owner):
+    async def Session(self, request_iterator, context):
+        async for event in self._serve_stream(request_iterator):
+            yield event
+
+    def handle(self, request, stream, received_at):
         for _ in range(10):
             self.made += 1
-            yield request
+            stream.emit(request)
 
     def error_event(self, session_id, code, message):
         return pb.DraftEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
@@ -262,4 +295,4 @@ def test_a_peer_that_stops_reading_stops_the_worker_producing(loop):
         return made
 
     made = loop.run_until_complete(scenario())
-    assert made <= MAX_QUEUED_EVENTS + 20  # of the 10,000 the requests ask for
+    assert made <= 10 * MAX_QUEUED_EVENTS  # of the 10,000 the requests ask for (10 events a request)

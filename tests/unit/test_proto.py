@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from svip_common.contracts import Block, PolicyConfig, SamplingParams, Verdict
+from svip_common.contracts import Block, GenerationStats, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -62,15 +62,28 @@ def test_params_round_trip_and_validate():
         convert.policy_from_proto(pb.PolicyConfig(name="bogus", max_draft_length=4, draft_length=1))
 
 
-def test_block_and_verdict_round_trip():
+def test_block_round_trip():
     block = Block(base=17, tokens=[5, 6, 7], probs=[0.5, 0.25, 0.125], entropies=[0.1, 0.2, 0.3], epoch=2)
-    back = convert.block_from_proto(convert.block_to_proto("s1", block, greedy=False))
+    msg = convert.block_to_proto("s1", block, greedy=False)
+    back = convert.block_from_proto(msg)
     assert (back.base, back.tokens, back.probs, back.epoch) == (17, [5, 6, 7], [0.5, 0.25, 0.125], 2)
     assert back.entropies == pytest.approx([0.1, 0.2, 0.3])
-    p_row = torch.softmax(torch.randn(50), -1)
-    verdict = Verdict(base=17, accepted=1, token=-1, epoch=2, p_row=p_row)
-    v = convert.verdict_from_proto(convert.verdict_to_proto("s1", verdict))
-    assert v == verdict and torch.equal(v.p_row, p_row)
+    assert not msg.HasField("resolved_token")  # absent, not 0: token 0 is a real token
+    assert convert.block_to_proto("s1", block, greedy=True, resolved_token=0).resolved_token == 0
+
+
+def test_session_stats_round_trip():
+    stats = GenerationStats(
+        rounds=2, draft_tokens=5, accepted_tokens=3, draft_lengths=[2, 3], accepted_lengths=[2, 1], stop_entropies=[0.5, 1.5],
+        target_forwards=2, draft_forwards=7, wall_s=0.5, round_s=[0.2, 0.3], draft_forward_s=[0.01, 0.02],
+        target_forward_s=[0.03, 0.04], block_transit_s=[1e-4, 2e-4], target_queue_s=[3e-5, 4e-5],
+        feedback_transit_s=[1e-4, 0.0], draft_queue_s=[5e-5, 0.0], overhead_s=[1e-3, 2e-3], prepared_rounds=[False, True],
+        discarded_tokens=2, prepared_sent=3, prepared_used=1, prepared_used_late=1, draft_busy_s=0.1, target_busy_s=0.2,
+        both_busy_s=0.05, draft_wait_s=0.4, target_wait_s=0.3, wire_bytes=900, wire_bytes_per_round=450.0,
+        timeline=[("draft", 0.0, 0.01), ("target", 0.01, 0.04)],
+    )
+    back = convert.stats_from_proto(convert.stats_to_proto(stats))
+    assert back == stats
 
 
 def test_greedy_block_is_token_ids_and_a_small_header():

@@ -1,0 +1,131 @@
+"""The coordinator's sessions, hosted in the target worker's process beside the verifier.
+
+The caller (the CLI, a Serve replica) opens one Generate stream to the target worker and starts
+sessions on it; each session's logic (coordinator/pipeline.py) runs on the target's compute
+thread and talks to the draft worker over one stream (``DraftLink``), so a round is one hop each
+way: block in, verify, feedback out. Settled tokens stream back to the caller as they settle.
+Why here and not beside the draft: the target holds the verdict, and the verdict decides both
+what the caller is told and what the draft does next; beside the verifier the decision leaves the
+process once, to each.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from coordinator.client import DraftLink
+from coordinator.pipeline import PIPELINES, SessionPipeline
+from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
+from svip_common.grpc_server import SessionService, SessionStream, session_id_of, status_of
+from svip_common.tls import TlsFiles
+from svip_proto import convert
+from svip_proto import svip_pb2 as pb
+from svip_proto import svip_pb2_grpc as pb_grpc
+from target_worker.verifier import Verifier
+
+log = logging.getLogger(__name__)
+_PIPELINE_NAMES = {v: k for k, v in PIPELINES.items()}
+
+
+class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
+    role = "target"
+
+    def __init__(self, verifier: Verifier, limits, draft_address: str | None = None, tls: TlsFiles | None = None):
+        super().__init__(limits)
+        self.verifier = verifier
+        self.draft: DraftLink | None = None
+        if draft_address is not None:
+            self.draft = DraftLink(draft_address, self._draft_event, self._draft_broken, tls)
+
+    async def start(self) -> None:
+        if self.draft is not None:
+            await self.draft.open()
+
+    async def close(self) -> None:
+        if self.draft is not None:
+            await self.draft.close()
+        await super().close()
+
+    def processed_tokens(self) -> int:
+        return self.verifier.tokens_verified
+
+    async def Generate(self, request_iterator, context):
+        async for event in self._serve_stream(request_iterator):
+            yield event
+
+    # --- the event loop hands draft events to the compute thread -----------------------------------
+
+    def _draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
+        self.compute.post(self.on_draft_event, event, received_at, size)
+
+    def _draft_broken(self, reason: str) -> None:
+        self.compute.post(self.on_draft_broken, reason)
+
+    # --- on the compute thread ----------------------------------------------------------------------
+
+    def handle(self, request: pb.GenerateRequest, stream: SessionStream, received_at: float) -> None:
+        kind = request.WhichOneof("kind")
+        if kind == "start":
+            msg = request.start
+            self.check_start(msg)
+            sampling = convert.sampling_from_proto(msg.sampling)
+            speculate = msg.policy.name not in ("", "none") and self.draft is not None
+            policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length) if speculate else PolicyConfig(name="none")
+            if self.draft is not None and self.draft.broken and speculate:
+                raise WorkerUnavailable(self.draft.broken)
+            request_ = GenerationRequest(tuple(msg.prompt_ids), msg.max_new_tokens, sampling, policy)
+            pipeline = _PIPELINE_NAMES.get(msg.pipeline, "async")
+            session = SessionPipeline(msg.session_id, request_, frozenset(msg.stop_token_ids), self.limits,
+                                      self.verifier.open(sampling), self.draft if speculate else None, pipeline,
+                                      emit=stream.emit, schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args))
+            self.new_session(msg.session_id, session, stream)
+            self._step(msg.session_id, session.start)
+        else:  # cancel
+            self.session(request.cancel.session_id, stream).cancel()
+            self._reap(request.cancel.session_id)
+
+    def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
+        try:
+            session_id = session_id_of(event)
+        except InvalidRequest:
+            return
+        session = self.sessions.get(session_id)
+        if session is not None:  # else a late event of an ended session
+            self._step(session_id, session.on_draft_event, event, received_at, size)
+
+    def on_draft_broken(self, reason: str) -> None:
+        for session_id, session in list(self.sessions.items()):
+            if session.draft is not None:
+                self._fail(session_id, grpc.StatusCode.UNAVAILABLE, reason)
+
+    def _step(self, session_id: str, fn, *args) -> None:
+        """Run one step of a session; an error ends it with an error event to its caller."""
+        if session_id not in self.sessions:
+            return
+        try:
+            fn(*args)
+        except SvipError as exc:
+            self._fail(session_id, status_of(exc), str(exc))
+            return
+        except Exception:
+            log.exception("session %s failed", session_id)
+            self._fail(session_id, grpc.StatusCode.INTERNAL, "internal worker error (see the target worker's log)")
+            return
+        self._reap(session_id)
+
+    def _reap(self, session_id: str) -> None:
+        session = self.sessions.get(session_id)
+        if session is not None and session.done:
+            self.close_session(session_id, self.owner(session_id))
+
+    def _fail(self, session_id: str, code: grpc.StatusCode, message: str) -> None:
+        stream = self.owner(session_id)
+        stream.emit(self.error_event(session_id, code, message))
+        self.close_session(session_id, stream)
+
+    def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.GenerateEvent:
+        return pb.GenerateEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))

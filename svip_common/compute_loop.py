@@ -1,0 +1,78 @@
+"""The compute thread a worker's state lives on.
+
+A worker splits its work between two threads: the asyncio event loop does I/O only (gRPC reads
+and writes), and one compute thread owns every session and the model. Messages cross once each
+way: the loop posts what it read (``post``), the thread handles it in arrival order and hands
+what it wants sent back to the loop (``Outlet.send``). Between messages the thread runs idle
+work in small units (a draft forward at a time), so a message that arrives never waits for more
+than one unit.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+from collections.abc import Callable
+
+log = logging.getLogger(__name__)
+_STOP = object()
+
+
+class ComputeLoop:
+    def __init__(self, name: str, idle: Callable[[], bool] | None = None):
+        """idle(): called while no item waits; does one unit of work and returns True, or False
+        when there is nothing to do (the thread then sleeps until something is posted)."""
+        self._idle = idle
+        self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def post(self, fn: Callable[..., object], *args) -> None:
+        """From any thread: call fn(*args) on the compute thread, after what was posted before."""
+        self._inbox.put((fn, args))
+
+    def stop(self) -> None:
+        self._inbox.put(_STOP)
+        self._thread.join(timeout=10)
+
+    def on_thread(self) -> bool:
+        return threading.current_thread() is self._thread
+
+    def _run(self) -> None:
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                if self._idle is not None and self._guard(self._idle):
+                    continue
+                item = self._inbox.get()
+            if item is _STOP:
+                return
+            self._guard(item[0], *item[1])
+
+    @staticmethod
+    def _guard(fn, *args):
+        try:
+            return fn(*args)
+        except Exception:  # handlers report their own errors; this keeps the thread alive
+            log.exception("compute loop: unhandled error")
+            return False
+
+
+class Outlet:
+    """What the compute thread sends through the event loop: ``send(item)`` is thread-safe and
+    puts ``item`` on an asyncio queue that the loop drains (a gRPC stream's writer)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop = loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        self.closed = False
+
+    def send(self, item) -> None:
+        if not self.closed:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+    def close(self) -> None:
+        self.closed = True
