@@ -67,6 +67,7 @@ class SessionPipeline:
         self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
         self._draft_open = draft is not None
         self._correction_due = False  # a sampled rejection's correction is drawn by the draft
+        self._feedback_chain: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
 
     @property
     def cached_tokens(self) -> int:
@@ -80,7 +81,7 @@ class SessionPipeline:
 
     def start(self) -> None:
         if self.draft is None:
-            self._verify(self._empty_block(), time.time())
+            self._verify(self._empty_block(), time.time(), "none")
             return
         r = self.request
         start = pb.StartSession(
@@ -131,26 +132,40 @@ class SessionPipeline:
         if block.reused:
             self.stats.prepared_used_late += 1
         if block.HasField("resolved_token"):
-            self._commit([self._checked_correction(block.resolved_token)])
+            budget = self.request.max_new_tokens - len(self.generated)
+            self._commit(*clip_settled([self._checked_correction(block.resolved_token)], budget, self.stop_ids))
             if self.done:
                 return
         if self.verifying is None:
-            self._verify(block, received_at)
+            self._verify(block, received_at, "drafted" if self.stats.rounds else "first")
         else:
             self.held = (block, received_at)  # drafted ahead; verified next if the block before it is accepted whole
 
     # --- a round: verify, then decide ---------------------------------------------------------------
 
-    def _verify(self, block: pb.Block, received_at: float) -> None:
+    def _verify(self, block: pb.Block, received_at: float, source: str) -> None:
+        """source: how the block came to be verified (stats): see GenerationStats.round_sources.
+        A follow-up whose first token the target's stored row already rejects is decided at once,
+        no forward, and its feedback joins the one before it; otherwise the feedback goes out
+        before the forward."""
         checked = self._checked(block)
+        self.verifying = block
+        early = self.target.judge_first(self.committed, checked)
+        if early is not None:
+            now = time.time()
+            self._decide(block, early, (received_at, now, now, source))
+            return
+        self._flush_feedback()
         started = time.time()
         verdict = self.target.verify(self.committed, checked)
         ended = time.time()
         self.intervals.append(("target", started, ended))
-        self.verifying = block
-        self.schedule(self._decide, block, verdict, received_at, started, ended)
+        self.schedule(self._decide, block, verdict, (received_at, started, ended, source))
 
-    def _decide(self, block: pb.Block, verdict: Verdict, received_at: float, started: float, ended: float) -> None:
+    def _decide(self, block: pb.Block, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
+        """The verdict's consequences, the critical ones first: the feedback to the draft, then
+        the next block if it is already here; the caller's tokens and the stats after."""
+        decided = time.time()
         if self.done:
             return
         self.verifying = None
@@ -167,29 +182,44 @@ class SessionPipeline:
         else:
             token = verdict.token
         self._drop_prepared(None if accepted < k else block.base)  # a rejection voids every one
-        self._record_round(block, accepted, received_at, started, ended, prepared=block.HasField("prepared_for"))
         settled = list(block.tokens[:accepted]) + ([token] if token != NO_TOKEN else [])
-        self._commit(settled)
-        if self.done:
-            return
-        if self.draft is None:
-            self._verify(self._empty_block(), time.time())
-            return
-        feedback = pb.Feedback(session_id=self.sid, epoch=self.epoch, base=block.base, drafted=k, accepted=accepted,
-                               token=token, prepared_used=ready is not None)
+        settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
+        if reason is None and self.draft is not None:
+            self._send_feedback(block, verdict, token, ready is not None, deferred)
+        self._record_round(block, accepted, timing, decided)
+        self._commit(settled, reason)
+        if not self.done:
+            if self.draft is None:
+                self._verify(self._empty_block(), time.time(), "none")
+            elif ready is not None:
+                prepared_block, prepared_received = ready
+                prepared_block.epoch = self.epoch
+                self.stats.prepared_used += 1
+                self._verify(prepared_block, prepared_received, "prepared")
+            elif deferred and self.held is not None:
+                (held, held_received), self.held = self.held, None
+                self._verify(held, held_received, "followup")
+        self._flush_feedback()
+
+    def _send_feedback(self, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool, deferred: bool) -> None:
+        """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback)."""
+        feedback = pb.Feedback(session_id=self.sid, epoch=self.epoch, base=block.base, drafted=len(block.tokens),
+                               accepted=verdict.accepted, token=token, prepared_used=prepared_used)
         if verdict.p_row is not None:
             feedback.p_row.CopyFrom(convert.tensor_to_proto(verdict.p_row.float()))
         self._correction_due = token == NO_TOKEN and not deferred  # the draft draws it from p_row
-        self._feedback_sent_at = feedback.sent_at = time.time()
-        self._to_draft(pb.DraftRequest(feedback=feedback))
-        if ready is not None:
-            prepared_block, prepared_received = ready
-            prepared_block.epoch = self.epoch
-            self.stats.prepared_used += 1
-            self._verify(prepared_block, prepared_received)
-        elif deferred and self.held is not None:
-            (held, held_received), self.held = self.held, None
-            self._verify(held, held_received)
+        self._feedback_chain.append(feedback)
+
+    def _flush_feedback(self) -> None:
+        """Send the queued feedback, several verdicts as one message (each the next one's ``then``)."""
+        if not self._feedback_chain or self.done:
+            self._feedback_chain.clear()
+            return
+        chain, self._feedback_chain = self._feedback_chain, []
+        for earlier, later in zip(reversed(chain[:-1]), reversed(chain[1:])):
+            earlier.then.CopyFrom(later)
+        self._feedback_sent_at = chain[0].sent_at = time.time()
+        self._to_draft(pb.DraftRequest(feedback=chain[0]))
 
     def _checked(self, block: pb.Block) -> Block:
         """The wire is not trusted: a block on the committed sequence, ids in range, within the
@@ -237,9 +267,8 @@ class SessionPipeline:
     def _empty_block(self) -> pb.Block:
         return pb.Block(session_id=self.sid, epoch=self.epoch, base=len(self.committed))
 
-    def _commit(self, tokens: list[int]) -> None:
-        budget = self.request.max_new_tokens - len(self.generated)
-        tokens, reason = clip_settled(tokens, budget, self.stop_ids)
+    def _commit(self, tokens: list[int], reason: str | None = None) -> None:
+        """Settle tokens already clipped (reason: the finish they reach, if any)."""
         self.committed += tokens
         self.generated += tokens
         if tokens:
@@ -263,9 +292,8 @@ class SessionPipeline:
 
     # --- stats --------------------------------------------------------------------------------------
 
-    def _record_round(self, block: pb.Block, accepted: int, received_at: float, started: float, ended: float,
-                      prepared: bool) -> None:
-        s, now, last = self.stats, time.time(), self._last_decision
+    def _record_round(self, block: pb.Block, accepted: int, timing: tuple[float, float, float, str], now: float) -> None:
+        (received_at, started, ended, source), s, last = timing, self.stats, self._last_decision
         wall = now - last
         # the part of this block's drafting that the target waited for
         critical_draft = min(block.draft_s, max(0.0, block.finished_at - max(block.started_at, last))) if block.tokens else 0.0
@@ -276,7 +304,7 @@ class SessionPipeline:
         s.draft_lengths.append(len(block.tokens))
         s.accepted_lengths.append(accepted)
         if block.tokens and block.HasField("entropies"):
-            s.stop_entropies.append(float(convert.tensor_from_proto(block.entropies)[-1]))
+            s.stop_entropies.append(convert.floats_from_proto(block.entropies)[-1])
         s.round_s.append(wall)
         s.draft_forward_s.append(critical_draft)
         s.target_forward_s.append(ended - started)
@@ -285,7 +313,7 @@ class SessionPipeline:
         s.feedback_transit_s.append(0.0)  # filled in when the draft answers this round's feedback
         s.draft_queue_s.append(0.0)
         s.overhead_s.append(max(0.0, wall - (ended - started) - critical_draft))
-        s.prepared_rounds.append(prepared)
+        s.round_sources.append(source)
         self._last_decision = now
 
     def _note_feedback_answered(self, block: pb.Block) -> None:

@@ -31,6 +31,7 @@ from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 
 MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
+EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
 
 
 @dataclass
@@ -79,6 +80,13 @@ class PipelinedDraft:
     def __post_init__(self):
         self.known = list(self.prompt)
         self.limit = len(self.prompt) + self.max_new_tokens
+        # When is the verdict on the oldest outstanding block due? Its verification starts when it
+        # reaches the target or when the verdict before it was given, whichever is later; the wait
+        # from there is learnt. Speculation that would still run when the verdict is due is not
+        # started: a feedback that needs a new block then finds the draft free.
+        self._verifying_since = 0.0
+        self._verdict_wait: float | None = None
+        self._forward_s: float | None = None
 
     @property
     def cached_tokens(self) -> int:
@@ -103,6 +111,7 @@ class PipelinedDraft:
         answered = self.outstanding.pop(0)
         block = answered.block
         self.session.feedback(drafted, accepted)
+        self._learn_wait(answered, received_at)
         if accepted == drafted and token == NO_TOKEN:  # the follow-up resolves what comes next
             if not answered.followup:
                 raise InvalidRequest("deferred feedback for a block that has no follow-up")
@@ -179,15 +188,17 @@ class PipelinedDraft:
 
     def work(self) -> list[Outgoing] | None:
         """One forward of the most likely continuation not yet drafted; returns what became ready
-        to send ([] when nothing did), or None when there is nothing left to do."""
+        to send ([] when nothing did), or None when there is nothing left to do now."""
+        if self.job is None and not self.agenda or not self._time_for_a_forward():
+            return None
         if self.job is None:
-            if not self.agenda:
-                return None
             _, prepared_for = self.agenda.pop(0)
             self._begin(prepared_for)
         job = self.job
         if not job.draft.done:
+            started = time.perf_counter()
             job.draft.step()
+            self._learn_forward(time.perf_counter() - started)
         if not job.draft.done:
             return []
         self.job = None
@@ -200,6 +211,21 @@ class PipelinedDraft:
             return [item]
         self.prepared[job.prepared_for] = item
         return [item] if self.send_prepared else []
+
+    def _time_for_a_forward(self) -> bool:
+        if self._verdict_wait is None or self._forward_s is None or not self.outstanding:
+            return True
+        due = max(self._verifying_since, self.outstanding[0].finished_at) + self._verdict_wait
+        return time.time() + self._forward_s < due
+
+    def _learn_wait(self, answered: Outgoing, received_at: float) -> None:
+        since = max(self._verifying_since, answered.finished_at)
+        wait = received_at - since
+        self._verdict_wait = wait if self._verdict_wait is None else (1 - EMA) * self._verdict_wait + EMA * wait
+        self._verifying_since = received_at
+
+    def _learn_forward(self, seconds: float) -> None:
+        self._forward_s = seconds if self._forward_s is None else (1 - EMA) * self._forward_s + EMA * seconds
 
     def _plan(self) -> None:
         """What to prepare while the outstanding blocks are verified, most likely first: the

@@ -48,18 +48,22 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         elif kind == "feedback":
             msg = request.feedback
             session = self.session(msg.session_id, stream)
-            if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
-                check_token_ids([msg.token], self.limits.tokens, "feedback token id")
-            p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
-            if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
-                raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
-            sent = session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
-                                       msg.prepared_used, received_at)
-            self._send(msg.session_id, session, sent)
+            while msg is not None:  # a chain: the verdicts on consecutive blocks, in order
+                self._send(msg.session_id, session, self._apply(session, msg, received_at))
+                msg = msg.then if msg.HasField("then") else None
         else:  # cancel
             self.session(request.cancel.session_id, stream)
             self.close_session(request.cancel.session_id, stream)
             stream.emit(pb.DraftEvent(closed=pb.Closed(session_id=request.cancel.session_id)))
+
+    def _apply(self, session: PipelinedDraft, msg: pb.Feedback, received_at: float) -> list[Outgoing]:
+        if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
+            check_token_ids([msg.token], self.limits.tokens, "feedback token id")
+        p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
+        if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
+            raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
+        return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
+                                   msg.prepared_used, received_at)
 
     def idle(self) -> bool:
         """One forward of speculation for the next session (round-robin) that has some."""

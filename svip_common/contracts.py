@@ -217,7 +217,8 @@ class GenerationStats:
     feedback_transit_s: list[float] = field(default_factory=list)  # feedback sent -> at the draft
     draft_queue_s: list[float] = field(default_factory=list)  # feedback at the draft -> drafting starts
     overhead_s: list[float] = field(default_factory=list)  # round_s minus the forwards on its critical path
-    prepared_rounds: list[bool] = field(default_factory=list)  # the block was a prepared continuation
+    round_sources: list[str] = field(default_factory=list)  # "first", "followup" / "prepared" (ready at the
+    # verdict before it: no round trip), "drafted" (after that verdict's feedback), "none" (target alone)
     discarded_tokens: int = 0  # pre-drafted tokens never verified (stale, or prepared and not used)
     prepared_sent: int = 0  # prepared continuations that reached the target in time
     prepared_used: int = 0  # of them, verified with no round trip

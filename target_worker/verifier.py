@@ -53,11 +53,10 @@ class TargetSession:
         sampling), a rejection returns ``token = -1`` and ``p_row``, and the draft side draws the
         correction from norm(max(0, p_row - q))."""
         base, k = len(committed), len(block)
+        early = self.judge_first(committed, block)
+        if early is not None:
+            return early
         self._verifier.tokens_verified += k
-        if k and self._holds(committed):
-            early = self._first_token_rejected(base, block)
-            if early is not None:
-                return early
         logits = self._score(committed, block.tokens)  # [k + 1, vocab]
         if self.sampling.greedy:
             target_tokens = torch.argmax(logits, dim=-1).tolist()  # [k + 1]
@@ -86,17 +85,25 @@ class TargetSession:
         return self._pending is not None and self._pending_at == len(committed) == len(self._cache) and \
             self._cache.tokens_equal(committed)
 
-    def _first_token_rejected(self, base: int, block: Block) -> Verdict | None:
-        """The first token judged against the stored row before any forward, by the same rule
-        and the same keyed coin as in the full pass: a rejection is the verdict at once, with no
-        forward for the tokens after it (they would all be discarded)."""
-        d0 = block.tokens[0]
+    @torch.inference_mode()
+    def judge_first(self, committed: Sequence[int], block: Block) -> Verdict | None:
+        """A block that continues a fully accepted one: its first token judged against the row
+        already stored for that place, before any forward, by the same rule and the same keyed
+        coin as the full pass. A rejection is the verdict at once (no forward for the tokens
+        after it, which would all be discarded); None: verify() runs the forward."""
+        if not block.tokens or not self._holds(committed):
+            return None
+        base, d0 = len(committed), block.tokens[0]
         if self.sampling.greedy:
             target = int(torch.argmax(self._pending[0]))
-            return None if target == d0 else Verdict(base=base, accepted=0, token=target, epoch=block.epoch)
+            if target == d0:
+                return None
+            self._verifier.tokens_verified += len(block)
+            return Verdict(base=base, accepted=0, token=target, epoch=block.epoch)
         p0 = warp_probs(self._pending, self.sampling)[0]  # [vocab]
         if accept_sampled([float(p0[d0])], block.probs[:1], [uniform(self.sampling.seed, base, Purpose.ACCEPT)]):
             return None
+        self._verifier.tokens_verified += len(block)
         if block.q_rows is None:
             return Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p0)
         token = recover(p0, block.q_rows[0], uniform(self.sampling.seed, base, Purpose.RESOLVE))

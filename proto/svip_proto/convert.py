@@ -6,6 +6,7 @@ Tensors travel as raw little-endian bytes + dtype + shape, never as repeated flo
 from __future__ import annotations
 
 import sys
+from array import array
 
 import torch
 
@@ -48,6 +49,20 @@ def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
     return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
 
 
+def floats_to_proto(values) -> pb.Tensor:
+    """A short list of floats as a float32 [n] tensor message, without a torch round trip."""
+    return pb.Tensor(data=array("f", values).tobytes(), dtype="float32", shape=[len(values)])
+
+
+def floats_from_proto(msg: pb.Tensor) -> list[float]:
+    """A float32 [n] tensor message as a list of floats (a bad one is an InvalidRequest)."""
+    if msg.dtype != "float32" or len(msg.shape) != 1 or len(msg.data) != 4 * msg.shape[0]:
+        return tensor_from_proto(msg).reshape(-1).tolist()  # names what is wrong, or converts
+    values = array("f")
+    values.frombytes(msg.data)
+    return values.tolist()
+
+
 def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
 
@@ -80,15 +95,15 @@ def block_to_proto(session_id: str, block: Block, greedy: bool, resolved_token: 
     msg = pb.Block(session_id=session_id, epoch=block.epoch, base=block.base, tokens=block.tokens)
     if resolved_token != NO_TOKEN:
         msg.resolved_token = resolved_token
-    msg.entropies.CopyFrom(tensor_to_proto(torch.tensor(block.entropies, dtype=torch.float32)))
+    msg.entropies.CopyFrom(floats_to_proto(block.entropies))
     if not greedy:  # greedy verification needs no probabilities at all
-        msg.q_probs.CopyFrom(tensor_to_proto(torch.tensor(block.probs, dtype=torch.float32)))
+        msg.q_probs.CopyFrom(floats_to_proto(block.probs))
     return msg
 
 
 def block_from_proto(msg: pb.Block) -> Block:
-    entropies = tensor_from_proto(msg.entropies).tolist() if msg.HasField("entropies") else []
-    probs = tensor_from_proto(msg.q_probs).tolist() if msg.HasField("q_probs") else []
+    entropies = floats_from_proto(msg.entropies) if msg.HasField("entropies") else []
+    probs = floats_from_proto(msg.q_probs) if msg.HasField("q_probs") else []
     k = len(msg.tokens)
     if len(entropies) not in (0, k) or len(probs) not in (0, k):
         raise InvalidRequest(f"block of {k} tokens carries {len(probs)} probabilities and {len(entropies)} entropies")
@@ -98,10 +113,10 @@ def block_from_proto(msg: pb.Block) -> Block:
 def stats_to_proto(s: GenerationStats) -> pb.SessionStats:
     rounds = [
         pb.Round(drafted=d, accepted=a, wall_s=w, draft_s=ds, target_s=ts, block_transit_s=bt, target_queue_s=tq,
-                 feedback_transit_s=ft, draft_queue_s=dq, overhead_s=o, prepared=p)
+                 feedback_transit_s=ft, draft_queue_s=dq, overhead_s=o, source=p)
         for d, a, w, ds, ts, bt, tq, ft, dq, o, p in zip(
             s.draft_lengths, s.accepted_lengths, s.round_s, s.draft_forward_s, s.target_forward_s, s.block_transit_s,
-            s.target_queue_s, s.feedback_transit_s, s.draft_queue_s, s.overhead_s, s.prepared_rounds)
+            s.target_queue_s, s.feedback_transit_s, s.draft_queue_s, s.overhead_s, s.round_sources)
     ]
     return pb.SessionStats(
         rounds=rounds, stop_entropies=s.stop_entropies, discarded_tokens=s.discarded_tokens,
@@ -123,7 +138,7 @@ def stats_from_proto(msg: pb.SessionStats) -> GenerationStats:
         target_forward_s=[x.target_s for x in r], block_transit_s=[x.block_transit_s for x in r],
         target_queue_s=[x.target_queue_s for x in r], feedback_transit_s=[x.feedback_transit_s for x in r],
         draft_queue_s=[x.draft_queue_s for x in r], overhead_s=[x.overhead_s for x in r],
-        prepared_rounds=[x.prepared for x in r], discarded_tokens=msg.discarded_tokens,
+        round_sources=[x.source for x in r], discarded_tokens=msg.discarded_tokens,
         prepared_sent=msg.prepared_sent, prepared_used=msg.prepared_used, prepared_used_late=msg.prepared_used_late,
         draft_busy_s=msg.draft_busy_s, target_busy_s=msg.target_busy_s, both_busy_s=msg.both_busy_s,
         draft_wait_s=msg.draft_wait_s, target_wait_s=msg.target_wait_s, wire_bytes=msg.wire_bytes,

@@ -115,7 +115,7 @@ class Block(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -125,6 +125,7 @@ class Feedback(_message.Message):
     P_ROW_FIELD_NUMBER: _ClassVar[int]
     PREPARED_USED_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
+    THEN_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -134,7 +135,8 @@ class Feedback(_message.Message):
     p_row: Tensor
     prepared_used: bool
     sent_at: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ...) -> None: ...
+    then: Feedback
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("session_id",)
@@ -195,7 +197,7 @@ class Settled(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Round(_message.Message):
-    __slots__ = ("drafted", "accepted", "wall_s", "draft_s", "target_s", "block_transit_s", "target_queue_s", "feedback_transit_s", "draft_queue_s", "overhead_s", "prepared")
+    __slots__ = ("drafted", "accepted", "wall_s", "draft_s", "target_s", "block_transit_s", "target_queue_s", "feedback_transit_s", "draft_queue_s", "overhead_s", "source")
     DRAFTED_FIELD_NUMBER: _ClassVar[int]
     ACCEPTED_FIELD_NUMBER: _ClassVar[int]
     WALL_S_FIELD_NUMBER: _ClassVar[int]
@@ -206,7 +208,7 @@ class Round(_message.Message):
     FEEDBACK_TRANSIT_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_QUEUE_S_FIELD_NUMBER: _ClassVar[int]
     OVERHEAD_S_FIELD_NUMBER: _ClassVar[int]
-    PREPARED_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_FIELD_NUMBER: _ClassVar[int]
     drafted: int
     accepted: int
     wall_s: float
@@ -217,8 +219,8 @@ class Round(_message.Message):
     feedback_transit_s: float
     draft_queue_s: float
     overhead_s: float
-    prepared: bool
-    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., wall_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., target_s: _Optional[float] = ..., block_transit_s: _Optional[float] = ..., target_queue_s: _Optional[float] = ..., feedback_transit_s: _Optional[float] = ..., draft_queue_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., prepared: _Optional[bool] = ...) -> None: ...
+    source: str
+    def __init__(self, drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., wall_s: _Optional[float] = ..., draft_s: _Optional[float] = ..., target_s: _Optional[float] = ..., block_transit_s: _Optional[float] = ..., target_queue_s: _Optional[float] = ..., feedback_transit_s: _Optional[float] = ..., draft_queue_s: _Optional[float] = ..., overhead_s: _Optional[float] = ..., source: _Optional[str] = ...) -> None: ...
 
 class Span(_message.Message):
     __slots__ = ("worker", "start", "end")

@@ -77,7 +77,7 @@ def test_session_stats_round_trip():
         rounds=2, draft_tokens=5, accepted_tokens=3, draft_lengths=[2, 3], accepted_lengths=[2, 1], stop_entropies=[0.5, 1.5],
         target_forwards=2, draft_forwards=7, wall_s=0.5, round_s=[0.2, 0.3], draft_forward_s=[0.01, 0.02],
         target_forward_s=[0.03, 0.04], block_transit_s=[1e-4, 2e-4], target_queue_s=[3e-5, 4e-5],
-        feedback_transit_s=[1e-4, 0.0], draft_queue_s=[5e-5, 0.0], overhead_s=[1e-3, 2e-3], prepared_rounds=[False, True],
+        feedback_transit_s=[1e-4, 0.0], draft_queue_s=[5e-5, 0.0], overhead_s=[1e-3, 2e-3], round_sources=["first", "prepared"],
         discarded_tokens=2, prepared_sent=3, prepared_used=1, prepared_used_late=1, draft_busy_s=0.1, target_busy_s=0.2,
         both_busy_s=0.05, draft_wait_s=0.4, target_wait_s=0.3, wire_bytes=900, wire_bytes_per_round=450.0,
         timeline=[("draft", 0.0, 0.01), ("target", 0.01, 0.04)],
