@@ -69,10 +69,19 @@ PLACEMENTS = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}  # draft and tar
 
 
 def pair_placement_group(strategy: str, target_gpus: float, draft_gpus: float, cpus: float = 1):
-    """A placement group of two bundles, the target's and the draft's, on one node or two."""
+    """A placement group of two bundles, the target's and the draft's, on one node or two. Where
+    the cluster's nodes offer the role resources, each bundle asks for its role's (the nodes an
+    operator marked for targets and for drafts)."""
+    import ray
     from ray.util.placement_group import placement_group
 
-    bundles = [{"CPU": cpus, **({"GPU": g} if g else {})} for g in (target_gpus, draft_gpus)]
+    offered = ray.cluster_resources()
+    bundles = []
+    for gpus, role in ((target_gpus, TARGET_RESOURCE), (draft_gpus, DRAFT_RESOURCE)):
+        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+        if offered.get(TARGET_RESOURCE) and offered.get(DRAFT_RESOURCE):
+            bundle[role] = 1
+        bundles.append(bundle)
     return placement_group(bundles, strategy=PLACEMENTS[strategy])
 
 

@@ -95,6 +95,16 @@ class DistributedEngine:
         start.policy.CopyFrom(convert.policy_to_proto(policy))
         return start
 
+    async def unavailable(self) -> str | None:
+        """Why this engine cannot serve now (a worker or the link between them is down), or None."""
+        if self.target_conn.broken:
+            return self.target_conn.broken
+        try:
+            stats = await self.target_conn.stats()
+        except grpc.aio.AioRpcError as exc:
+            return f"target worker at {self.target_conn.address} does not answer ({exc.code().name})"
+        return stats.unavailable or None
+
     async def worker_stats(self) -> dict:
         out = {"target": await self.target_conn.stats()}
         if self.draft_address is not None:

@@ -53,6 +53,9 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def processed_tokens(self) -> int:
         return self.verifier.tokens_verified
 
+    def unavailable(self) -> str | None:
+        return self.draft.broken if self.draft is not None else None
+
     async def Generate(self, request_iterator, context):
         async for event in self._serve_stream(request_iterator):
             yield event

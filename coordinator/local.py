@@ -1,5 +1,7 @@
-"""The local distributed mode: Ray on this machine (loopback only), the two worker actors, and a
-coordinator event loop, behind the same synchronous generate() as the in-process engine."""
+"""The distributed mode behind the same synchronous generate() as the in-process engine: Ray on
+this machine (loopback only) or an existing cluster (ray_address), the two worker actors (packed
+on one node or spread over two; mutual TLS between them when given), and the caller's event
+loop."""
 
 from __future__ import annotations
 
@@ -8,19 +10,26 @@ import asyncio
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from svip_common.contracts import GenerationRequest, GenerationResult
+from svip_common.tls import TlsFiles
 
 
 class LocalDistributed:
     def __init__(self, target_path: str, draft_path: str | None, pipeline: str = "async",
-                 dtype: str = "float32", device: str = "cpu", target_gpus: int = 1):
-        init_local_ray()
+                 dtype: str = "float32", device: str = "cpu", target_gpus: int = 1, ray_address: str | None = None,
+                 placement: str | None = None, tls: TlsFiles | None = None):
+        if ray_address is None:
+            init_local_ray()
+        else:
+            import ray
+
+            ray.init(address=ray_address, log_to_driver=False)
         gpus = device.startswith("cuda")
         self.pair = WorkerPair(target_path, draft_path, dtype=dtype, device=device,
-                               target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0)
+                               target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=placement, tls=tls)
         self.target = self.pair.target_info
         self.draft_path = draft_path
         self.loop = asyncio.new_event_loop()
-        self.engine = DistributedEngine(self.target, self.pair.limits, self.pair.target_address, self.pair.draft_address, pipeline)
+        self.engine = DistributedEngine.for_pair(self.pair, pipeline)
         self.loop.run_until_complete(self.engine.connect())
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:

@@ -162,7 +162,11 @@ class SessionService:
         with self._lock:
             sessions = list(self.sessions.values())
         return pb.WorkerStats(open_sessions=len(sessions), cached_tokens=sum(s.cached_tokens for s in sessions),
-                              tokens_processed=self.processed_tokens())
+                              tokens_processed=self.processed_tokens(), unavailable=self.unavailable() or "")
+
+    def unavailable(self) -> str | None:
+        """Why this worker cannot serve sessions now, or None."""
+        return None
 
     def processed_tokens(self) -> int:
         """Draft: tokens drafted and sent; target: drafted tokens verified."""

@@ -25,7 +25,7 @@ def svip_serve(*args: str, env: dict | None = None, startup_s: float = 180):
     """Yields {"base", "metrics", "proc"} once the server is healthy."""
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "coordinator.cli", "serve", "--port", str(port), "--metrics-port", str(metrics_port), *args],
+        [sys.executable, "-m", "svip_cli", "serve", "--port", str(port), "--metrics-port", str(metrics_port), *args],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
     )
     base = f"http://127.0.0.1:{port}"

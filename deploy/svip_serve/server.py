@@ -114,6 +114,7 @@ class SVIPServer:
 
         from coordinator.cluster import WorkerPair, keep_serve_grpc_on_loopback
         from coordinator.distributed import DistributedEngine
+        from svip_common.tls import TlsFiles
         from svip_serve.metrics import ServeMetrics
 
         keep_serve_grpc_on_loopback()
@@ -125,13 +126,14 @@ class SVIPServer:
             target_gpus=settings.target_gpus if gpus else 0, draft_gpus=settings.draft_gpus if gpus else 0,
             placement=get_current_placement_group(), bundles=(TARGET_BUNDLE, DRAFT_BUNDLE),
             worker_cpus=settings.worker_cpus, max_draft_length=settings.draft_length_cap,
+            tls=TlsFiles.from_dir(settings.grpc_tls_dir) if settings.grpc_tls_dir else None,
         )
         self.api_keys = ApiKeys(settings.api_key_sha256)
         # tokenizing a long prompt takes a while: never on the event loop that streams every session
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.info = self.pair.target_info
         self.target_path, self.draft_path = target, draft
-        self.engine = DistributedEngine(self.info, self.pair.limits, self.pair.target_address, self.pair.draft_address, settings.pipeline)
+        self.engine = DistributedEngine.for_pair(self.pair, settings.pipeline)
         self._connected = False
         self._connect_lock = asyncio.Lock()
         self.metrics = ServeMetrics(settings.served_name)
@@ -147,15 +149,11 @@ class SVIPServer:
                     self._connected = True
         return self.engine
 
-    def _broken(self) -> str | None:
-        conns = (self.engine.target_conn, self.engine.draft_conn)
-        return next((c.broken for c in conns if c is not None and c.broken), None)
-
     async def check_health(self) -> None:
         """Serve's replica health check: a lost worker fails it, and Serve replaces the replica
         (its worker actors go with it)."""
-        await self._engine()
-        if (why := self._broken()) is not None:
+        engine = await self._engine()
+        if (why := await engine.unavailable()) is not None:
             raise RuntimeError(why)
 
     # --- endpoints ------------------------------------------------------------------------------
@@ -166,7 +164,7 @@ class SVIPServer:
             await self._engine()
         except SvipError as exc:
             return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
-        if (why := self._broken()) is not None:
+        if (why := await self.engine.unavailable()) is not None:
             return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.settings.served_name,
                              "running": self.admission.running, "waiting": self.admission.waiting})

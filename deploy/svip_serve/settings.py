@@ -35,6 +35,7 @@ class ServeSettings:
     draft_length_cap: int = DRAFT_LENGTH_CAP  # cap on a request's draft_length / max_draft_length (and any block)
     max_request_bytes: int = 4 * 1024 * 1024  # a larger body is refused with 413 before it is parsed
     api_key_sha256: tuple[str, ...] = ()  # SHA-256 (hex) of the API keys; $SVIP_API_KEY adds more; none: open
+    grpc_tls_dir: str | None = None  # mutual TLS between a pipeline's workers: ca.crt, tls.crt, tls.key (every node)
 
     @classmethod
     def from_args(cls, args: dict | None) -> ServeSettings:

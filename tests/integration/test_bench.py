@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import json
 
-from coordinator.bench.methods import Run
-from coordinator.bench.report import summarize
-from coordinator.cli import main
+from svip_bench.methods import Run
+from svip_bench.report import summarize
+from svip_cli.main import main
 
 
 def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
@@ -72,19 +72,34 @@ def test_summary_arithmetic():
 
 def test_pipeline_bench(tmp_path, model_dirs, capsys):
     """`--mode pipeline`: in-process, distributed sync and async agree token for token (the bench
-    fails otherwise) and the throughput table, concurrency figure and timeline are written."""
+    fails otherwise); the throughput table, the per-round breakdown, async's block sources and
+    bound, the concurrency figure and the timeline are written; where namespaces can be made,
+    the two-node run too."""
+    from svip_bench.two_nodes import unavailable
+
     out = tmp_path / "pipe"
+    two_nodes = unavailable() is None
     code = main([
         "bench", "--mode", "pipeline", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
         "--categories", "code", "--prompts-per-category", "2", "--repeats", "1", "--max-new-tokens", "12",
-        "--out", str(out),
+        "--out", str(out), *(["--latencies", "0"] if two_nodes else []),
     ])
     assert code == 0, capsys.readouterr().err[-2000:]
     doc = json.loads((out / "pipeline.json").read_text())
     assert doc["exactness_violations"] == []
     assert set(doc["tokens_per_s"]) == {"inprocess", "sync", "async"}
+    for mode in ("sync", "async"):
+        parts = doc["breakdown"][mode]
+        assert parts["round_s"]["median_ms"] > 0 and "overhead_s" in parts and "block_transit_s" in parts
+    assert "first" in doc["sources"] and {"sent", "used", "used_late"} <= set(doc["sources"]["prepared"])
+    assert doc["async_bound"]["speedup_over_sync"] >= 1.0
     assert doc["concurrency"]["8"] > 0 and doc["timeline"]
     assert (out / "timeline.png").stat().st_size > 1000
+    md = (out / "pipeline.md").read_text()
+    assert "Per round, median (mean) in ms" in md and "| overhead |" in md
+    if two_nodes:
+        (row,) = doc["two_nodes"]
+        assert row["latency_ms"] == 0 and row["link"] == "direct" and row["violations"] == []
 
 
 def test_serve_bench(tmp_path, model_dirs, capsys):

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-from coordinator.cli import main
+from svip_cli.main import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -175,7 +175,7 @@ def test_console_script_non_utf8_argv_and_no_traceback(model_dirs):
     """Through the real process boundary: bytes that are not UTF-8 on the command line."""
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "generate", b"caf\xe9", *pair_args(model_dirs)],
+        [sys.executable, "-m", "svip_cli", "generate", b"caf\xe9", *pair_args(model_dirs)],
         capture_output=True, env=env, cwd=REPO, timeout=120,
     )
     assert proc.returncode == 2
@@ -189,7 +189,7 @@ def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     args = ["generate", "--prompt-ids", "5,6,7,8", *pair_args(model_dirs), "--max-new-tokens", "16", "--json"]
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", *args, "--mode", "distributed", "--pipeline", "async"],
+        [sys.executable, "-m", "svip_cli", *args, "--mode", "distributed", "--pipeline", "async"],
         capture_output=True, env=env, cwd=REPO, timeout=300, text=True,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]

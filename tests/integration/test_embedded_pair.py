@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 
-from coordinator.cli import main
+from svip_cli.main import main
 from svip_assets import PAIR_DIR, default_pair
 from svip_common.models import check_same_vocabulary, load_model
 

@@ -60,7 +60,7 @@ def reference(tokenizer, tmp_path_factory):
     lines = [json.dumps({"prompt": p}) for p in PROMPTS] + [json.dumps({"prompt_ids": chat_ids})]
     batch.write_text("\n".join(lines) + "\n")
     out = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "generate", "--input", str(batch), "--max-new-tokens", str(MAX_NEW),
+        [sys.executable, "-m", "svip_cli", "generate", "--input", str(batch), "--max-new-tokens", str(MAX_NEW),
          "--temperature", "0", "--json"], capture_output=True, text=True, check=True,
     ).stdout
     records = [json.loads(line) for line in out.splitlines()]
@@ -145,7 +145,7 @@ def test_sampling_equals_the_distributed_engine_with_the_same_seed(client):
     """The API passes every sampling parameter to the same distributed pipeline whose output
     distribution tests/integration/test_distributed.py checks: same seed, same tokens."""
     cli = subprocess.run(
-        [sys.executable, "-m", "coordinator.cli", "generate", PROMPTS[0], "--mode", "distributed", "--pipeline", "async",
+        [sys.executable, "-m", "svip_cli", "generate", PROMPTS[0], "--mode", "distributed", "--pipeline", "async",
          "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50", "--seed", "1234", "--max-new-tokens", str(MAX_NEW),
          "--json"], capture_output=True, text=True, check=True,
     )

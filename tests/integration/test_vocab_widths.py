@@ -10,7 +10,7 @@ import asyncio
 import pytest
 import torch
 
-from coordinator.cli import main
+from svip_cli.main import main
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine

@@ -8,7 +8,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from coordinator.bench.methods import Method, Run
+from svip_bench.methods import Method, Run
 
 ALL = "all"
 COST_RATIOS = (0.02, 0.05, 0.1, 0.2)

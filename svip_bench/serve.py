@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from coordinator.bench.runner import Progress, encode_prompts
+from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import GenerationRequest, PolicyConfig
 
 LEVELS = (1, 4, 16)

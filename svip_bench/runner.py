@@ -9,8 +9,8 @@ import sys
 
 import torch
 
-from coordinator.bench.datasets import Prompt
-from coordinator.bench.methods import ForwardCounter, Method, Run, run_engine, run_hf
+from svip_bench.datasets import Prompt
+from svip_bench.methods import ForwardCounter, Method, Run, run_engine, run_hf
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig
 

@@ -7,10 +7,10 @@ import shlex
 import sys
 from pathlib import Path
 
-from coordinator.bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
-from coordinator.bench.methods import build_methods
-from coordinator.bench.report import aggregate, write_all
-from coordinator.bench.runner import Progress, machine_description, run_all
+from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
+from svip_bench.methods import build_methods
+from svip_bench.report import aggregate, write_all
+from svip_bench.runner import Progress, machine_description, run_all
 from svip_common.errors import InvalidRequest
 
 QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
@@ -35,6 +35,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--no-hf", action="store_true", help="skip Hugging Face's assisted generation")
     bench.add_argument("--quick", action="store_true", help="2 prompts per category, 1 repeat, 64 tokens, k in 2,4,6")
     bench.add_argument("--threads", type=int, default=1, help="torch threads (1: one core, as on a GPU each model owns one device)")
+    bench.add_argument("--latencies", metavar="MS,MS", help="pipeline: also run sync vs async across two nodes (network "
+                       "namespaces, root) at these round-trip latencies on the link, e.g. 0,1,5")
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
 
 
@@ -67,11 +69,11 @@ def run(args: argparse.Namespace, load_engine) -> int:
         "prompts": len(prompts), "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
     }
     if args.mode == "pipeline":
-        from coordinator.bench import pipeline
+        from svip_bench import pipeline
 
         return pipeline.run(engine, prompts, args, header)
     if args.mode == "serve":
-        from coordinator.bench import serve
+        from svip_bench import serve
 
         return serve.run(engine, prompts, args, header)
     calibration = engine.calibration()

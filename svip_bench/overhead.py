@@ -1,6 +1,6 @@
 """Engine overhead per round: round time minus model forward time, as a share of a target forward.
 
-    python -m coordinator.bench_overhead --target DIR --draft DIR [--policy svip] [--repeats 5]
+    python -m svip_bench.overhead --target DIR --draft DIR [--policy svip] [--repeats 5]
 
 Prints its command, the machine and, per policy, medians over all rounds of all repeats.
 """
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> int:
     target, draft = load_model(args.target), load_model(args.draft)
     engine = SpeculativeEngine(target, draft)
     ids = tuple(target.tokenizer(PROMPT)["input_ids"])
-    print("command: python -m coordinator.bench_overhead " + " ".join(argv if argv is not None else sys.argv[1:]))
+    print("command: python -m svip_bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"machine: {machine()}")
     print(f"target: {args.target} ({sum(p.numel() for p in target.model.parameters()) / 1e6:.2f}M params)")
     print(f"draft:  {args.draft} ({sum(p.numel() for p in draft.model.parameters()) / 1e6:.2f}M params)")

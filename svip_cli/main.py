@@ -50,6 +50,11 @@ def build_parser() -> argparse.ArgumentParser:
     models.add_argument("--pipeline", choices=["sync", "async"], help="distributed: async (default) overlaps drafting with verification")
     models.add_argument("--target-gpus", type=int, default=1,
                         help="distributed with --device cuda: GPUs the target spans (1); the draft takes one")
+    models.add_argument("--ray-address", help="distributed: an existing Ray cluster (default: Ray on this machine, loopback only)")
+    models.add_argument("--placement", choices=["pack", "spread"],
+                        help="distributed: the draft and the target on one node (pack) or on two (spread)")
+    models.add_argument("--grpc-tls-dir", metavar="DIR",
+                        help="distributed: mutual TLS between the workers (DIR holds ca.crt, tls.crt, tls.key)")
     pol = gen.add_argument_group("length policy")
     pol.add_argument("--policy", default="svip", help=f"one of {', '.join(POLICY_NAMES)} (default svip)")
     pol.add_argument("--threshold", type=_threshold, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3), or 'auto' (learnt for the pair)")
@@ -66,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--n", type=int, default=1, help="independent samples of one prompt")
     gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
     _add_serve_parser(sub)
-    from coordinator.bench.command import add_arguments
+    from svip_bench.command import add_arguments
 
     add_arguments(sub.add_parser("bench", help="benchmark length policies against each other and Hugging Face"))
     return parser
@@ -92,6 +97,7 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--draft-length-cap", type=int, default=DRAFT_LENGTH_CAP,
                      help=f"the longest block a request may ask for ({DRAFT_LENGTH_CAP})")
     srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (4 MiB)")
+    srv.add_argument("--grpc-tls-dir", metavar="DIR", help="mutual TLS between each pipeline's workers (ca.crt, tls.crt, tls.key)")
     srv.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on /v1 (repeat for several keys; $SVIP_API_KEY: comma-separated)")
 
@@ -109,7 +115,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device, "target_gpus": args.target_gpus, "pipeline": args.pipeline,
         "num_replicas": args.replicas, "max_in_flight": args.max_in_flight, "max_waiting": args.max_waiting,
         "policy": args.policy, "threshold": args.threshold, "draft_length_cap": args.draft_length_cap,
-        "max_request_bytes": args.max_request_bytes,
+        "max_request_bytes": args.max_request_bytes, "grpc_tls_dir": args.grpc_tls_dir,
         "api_key_sha256": tuple(sorted({digest(k) for k in args.api_key + keys_from_env()})),
     })
     return serve_forever(settings, args.host, args.port, args.metrics_port)
@@ -121,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "serve":
             return _serve(args)
         if args.command == "bench":
-            from coordinator.bench.command import run
+            from svip_bench.command import run
 
             return run(args, _load_engine)
         return _generate(args)
@@ -138,8 +144,9 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     prompts = _prompt_sources(args)
     base_request = _request_template(args)
-    if args.mode == "inprocess" and args.pipeline is not None:
-        raise InvalidRequest("--pipeline applies to --mode distributed")
+    for flag in ("pipeline", "ray_address", "placement", "grpc_tls_dir"):
+        if args.mode == "inprocess" and getattr(args, flag) is not None:
+            raise InvalidRequest(f"--{flag.replace('_', '-')} applies to --mode distributed")
     engine = _load_engine(args)
     try:
         _generate_all(args, engine, prompts, base_request)
@@ -227,9 +234,13 @@ def _load_engine(args: argparse.Namespace):
     if getattr(args, "mode", "inprocess") == "distributed":
         from coordinator.local import LocalDistributed
 
+        from svip_common.tls import TlsFiles
+
         if args.target_gpus < 1:
             raise InvalidRequest(f"--target-gpus must be >= 1, got {args.target_gpus}")
-        return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device, args.target_gpus)
+        tls = TlsFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
+        return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device,
+                                args.target_gpus, args.ray_address, args.placement, tls)
     target = load_model(target_path, args.dtype, args.device)
     draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
     return SpeculativeEngine(target, draft)

@@ -1,0 +1,264 @@
+"""`svip bench --mode pipeline`: in-process vs distributed sync vs distributed async on the same
+prompts, interleaved; each mode's round broken down (draft and target forwards on the critical
+path, block and feedback transit, queueing, overhead), where async's blocks came from (ready at
+the verdict or drafted after it) and the bound async could reach (sync's rounds with the draft
+and the round trip hidden after every full acceptance); 1 vs 8 concurrent sessions; one async
+request's timeline; and, with --latencies, sync vs async across two nodes with that round-trip
+latency on the link between them (svip_bench/two_nodes.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from coordinator.cluster import WorkerPair, init_local_ray
+from coordinator.distributed import DistributedEngine
+from svip_bench.runner import Progress, encode_prompts
+from svip_common.contracts import ROUND_PARTS, GenerationRequest, GenerationStats, PolicyConfig
+
+MODES = ("inprocess", "sync", "async")
+
+
+def run(engine, prompts, args, header: dict) -> int:
+    """engine: the in-process engine (its calibration gives the shared SVIP threshold)."""
+    import ray
+
+    policy = PolicyConfig(name="svip", threshold=engine.calibration().threshold)
+    encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
+    requests = [GenerationRequest(ids, args.max_new_tokens, policy=policy, ignore_eos=True) for ids in encoded]
+    init_local_ray()
+    pair = WorkerPair(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device)
+    loop = asyncio.new_event_loop()
+    remote = {m: DistributedEngine.for_pair(pair, m) for m in ("sync", "async")}
+    for e in remote.values():
+        loop.run_until_complete(e.connect())
+    try:
+        for r in requests[:2]:  # warm-up
+            for e in remote.values():
+                loop.run_until_complete(e.generate(r))
+        tps, stats, violations = _modes(engine, remote, loop, requests, args.repeats)
+        concurrency = _concurrency(remote["async"], loop, requests)
+        timeline = loop.run_until_complete(remote["async"].generate(requests[0])).stats
+    finally:
+        for e in remote.values():
+            loop.run_until_complete(e.close())
+        loop.close()
+        pair.shutdown()
+        ray.shutdown()
+    doc = {"header": {**header, "policy": f"svip, threshold {policy.threshold} (auto)"}, "tokens_per_s": tps,
+           "breakdown": {m: breakdown(s) for m, s in stats.items()}, "sources": sources(stats["async"]),
+           "async_bound": async_bound(stats["sync"], tps["sync"]["median"]),
+           "concurrency": concurrency, "exactness_violations": violations,
+           "timeline": timeline.timeline, "timeline_stats": {k: getattr(timeline, k) for k in (
+               "wall_s", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s",
+               "discarded_tokens", "wire_bytes_per_round", "rounds", "prepared_sent", "prepared_used")}}
+    latencies = [float(x) for x in args.latencies.split(",")] if getattr(args, "latencies", None) else []
+    if latencies:
+        doc["two_nodes"] = two_nodes(engine, requests, latencies, args.repeats)
+        violations += [v for row in doc["two_nodes"] for v in row["violations"]]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "pipeline.json").write_text(json.dumps(doc, indent=1))
+    md = _markdown(doc)
+    (out / "pipeline.md").write_text(md)
+    _plot_timeline(out / "timeline.png", timeline.timeline)
+    print(md)
+    if violations:
+        print(f"EXACTNESS VIOLATIONS: {violations[:10]}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _modes(engine, remote, loop, requests, repeats):
+    per_mode = {m: [] for m in MODES}
+    stats: dict[str, list[GenerationStats]] = {m: [] for m in ("sync", "async")}
+    violations = []
+    rng = random.Random(0)
+    progress = Progress(len(requests) * repeats * len(MODES))
+    for rep in range(repeats):
+        tokens, wall = dict.fromkeys(MODES, 0), dict.fromkeys(MODES, 0.0)
+        for request in requests:
+            outputs = {}
+            for mode in rng.sample(MODES, len(MODES)):
+                if mode == "inprocess":
+                    result = engine.generate(request)
+                else:
+                    result = loop.run_until_complete(remote[mode].generate(request))
+                    stats[mode].append(result.stats)
+                tokens[mode] += len(result.token_ids)
+                wall[mode] += result.stats.wall_s
+                outputs[mode] = result.token_ids
+                progress.update(1)
+            if not outputs["inprocess"] == outputs["sync"] == outputs["async"]:
+                violations.append(f"repeat {rep}, prompt {request.prompt_ids[:8]}")
+        for m in MODES:
+            per_mode[m].append(tokens[m] / wall[m])
+    return _ratios(per_mode, "inprocess"), stats, violations
+
+
+def _ratios(per_mode: dict[str, list[float]], base: str) -> dict:
+    """Median tokens/s per mode and the median of the per-repeat ratios to `base` and to sync."""
+    return {m: {"median": statistics.median(v), "min": min(v), "max": max(v),
+                "ratio_to_base": statistics.median([a / b for a, b in zip(v, per_mode[base])]),
+                "ratio_to_sync": statistics.median([a / b for a, b in zip(v, per_mode["sync"])])}
+            for m, v in per_mode.items()}
+
+
+def breakdown(stats: list[GenerationStats]) -> dict:
+    """Per round, median and mean of each part, in ms, over every round of every request."""
+    out = {}
+    for key in ("round_s", *ROUND_PARTS):
+        values = [x for s in stats for x in getattr(s, key)]
+        out[key] = {"median_ms": 1e3 * statistics.median(values), "mean_ms": 1e3 * statistics.mean(values)}
+    return out
+
+
+def sources(stats: list[GenerationStats]) -> dict:
+    """Async rounds by where their block came from: count, mean wall and overhead (ms)."""
+    rows = collections.defaultdict(list)
+    for s in stats:
+        for i, source in enumerate(s.round_sources):
+            rows[source].append((s.round_s[i], s.overhead_s[i], s.target_forward_s[i]))
+    total = sum(len(v) for v in rows.values())
+    out = {k: {"rounds": len(v), "share": len(v) / total, "wall_ms": 1e3 * statistics.mean(r[0] for r in v),
+               "overhead_ms": 1e3 * statistics.mean(r[1] for r in v), "target_ms": 1e3 * statistics.mean(r[2] for r in v)}
+           for k, v in sorted(rows.items())}
+    out["prepared"] = {**out.get("prepared", {}), "sent": sum(s.prepared_sent for s in stats),
+                       "used": sum(s.prepared_used for s in stats), "used_late": sum(s.prepared_used_late for s in stats)}
+    return out
+
+
+def async_bound(sync: list[GenerationStats], sync_tps: float) -> dict:
+    """What async could reach with sync's own measured rounds: after every fully accepted round
+    the next block's drafting and the round trip are hidden (the follow-up is already at the
+    target); after a rejection they are not."""
+    wall = hidden = 0.0
+    for s in sync:
+        full = [a == d and d > 0 for a, d in zip(s.accepted_lengths, s.draft_lengths)]
+        for i in range(s.rounds):
+            wall += s.round_s[i]
+            if i and full[i - 1]:
+                hidden += s.draft_forward_s[i] + s.overhead_s[i]
+    speedup = wall / (wall - hidden) if wall > hidden else float("inf")
+    return {"speedup_over_sync": speedup, "tokens_per_s": sync_tps * speedup}
+
+
+def _concurrency(engine: DistributedEngine, loop, requests, levels=(1, 8)) -> dict:
+    out = {}
+    for n in levels:
+        batch = [requests[i % len(requests)] for i in range(max(n, len(requests)))]
+
+        async def go():
+            sem = asyncio.Semaphore(n)
+
+            async def one(r):
+                async with sem:
+                    return await engine.generate(r)
+
+            start = time.perf_counter()
+            results = await asyncio.gather(*(one(r) for r in batch))
+            return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+
+        out[str(n)] = loop.run_until_complete(go())
+    out["ratio"] = out[str(levels[-1])] / out[str(levels[0])]
+    return out
+
+
+def two_nodes(engine, requests: list[GenerationRequest], latencies: list[float], repeats: int) -> list[dict]:
+    """Sync vs async with the draft and the target on two nodes (network namespaces), for each
+    round-trip latency on the link between them; outputs checked against the in-process engine."""
+    from svip_bench.two_nodes import TwoNodes, unavailable
+
+    if (why := unavailable()) is not None:
+        print(f"bench: two-node runs skipped: {why}", file=sys.stderr)
+        return []
+    expected = [engine.generate(r).token_ids for r in requests]
+    spec = {"target": engine.target.path, "draft": engine.draft_path, "layout": "spread", "modes": ["sync", "async"],
+            "repeats": repeats, "warmup": 1,
+            "requests": [{"prompt_ids": list(r.prompt_ids), "max_new_tokens": r.max_new_tokens, "ignore_eos": True,
+                          "policy": {"name": "svip", "threshold": r.policy.threshold}} for r in requests]}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "spec.json").write_text(json.dumps(spec))
+        for latency in latencies:
+            with TwoNodes(delay_ms=latency) as nodes:
+                done = nodes.run([sys.executable, "-m", "svip_bench.cluster_run", str(Path(tmp) / "spec.json")], timeout=3600)
+            line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
+            if line is None:
+                raise RuntimeError(f"two-node run at {latency} ms failed: {done.stderr[-2000:]}")
+            result = json.loads(line[len("RESULT "):])
+            per_mode = {}
+            for mode in ("sync", "async"):
+                per_repeat = [result["stats"][mode][i:i + len(requests)] for i in range(0, len(result["stats"][mode]), len(requests))]
+                per_mode[mode] = [sum(len(o) for o in result["outputs"][mode][i:i + len(requests)]) / sum(s["wall_s"] for s in chunk)
+                                  for i, chunk in zip(range(0, len(result["outputs"][mode]), len(requests)), per_repeat)]
+            violations = [f"{latency} ms {mode}" for mode in ("sync", "async")
+                          if result["outputs"][mode] != expected * repeats]
+            rows.append({"latency_ms": latency, "link": nodes.how, **_ratios(per_mode, "sync"), "violations": violations})
+    return rows
+
+
+def _markdown(doc: dict) -> str:
+    h = doc["header"]
+    lines = [f"Command: `{h['command']}`", f"Machine: {h['machine']}",
+             f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
+             f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}", "",
+             "| mode | tokens/s (min–max) | vs in-process | vs distributed sync |", "|---|---|---|---|"]
+    for mode, v in doc["tokens_per_s"].items():
+        lines.append(f"| {mode} | {v['median']:.1f} ({v['min']:.1f}–{v['max']:.1f}) | {v['ratio_to_base']:.2f}x | {v['ratio_to_sync']:.2f}x |")
+    b = doc["async_bound"]
+    lines += ["", f"Async bound from sync's own rounds (drafting and the round trip hidden after each full acceptance): "
+              f"{b['tokens_per_s']:.1f} tokens/s, {b['speedup_over_sync']:.2f}x sync; async reached "
+              f"{doc['tokens_per_s']['async']['median'] / b['tokens_per_s']:.0%} of it.", "",
+              "Per round, median (mean) in ms:", "",
+              "| part | " + " | ".join(doc["breakdown"]) + " |", "|---|" + "---|" * len(doc["breakdown"])]
+    for part in ("round_s", *ROUND_PARTS):
+        cells = [f"{v[part]['median_ms']:.3f} ({v[part]['mean_ms']:.3f})" for v in doc["breakdown"].values()]
+        lines.append(f"| {part.removesuffix('_s').replace('_', ' ')} | " + " | ".join(cells) + " |")
+    src = doc["sources"]
+    prepared = src.pop("prepared")
+    lines += ["", "Async rounds by where the block came from (ready at the verdict: no round trip):", "",
+              "| source | rounds | share | wall ms | target ms | overhead ms |", "|---|---|---|---|---|---|"]
+    for name, v in src.items():
+        lines.append(f"| {name} | {v['rounds']} | {v['share']:.0%} | {v['wall_ms']:.2f} | {v['target_ms']:.2f} | {v['overhead_ms']:.2f} |")
+    src["prepared"] = prepared
+    lines += ["", f"Prepared continuations: {prepared['sent']} reached the target in time, {prepared['used']} verified "
+              f"with no round trip, {prepared['used_late']} sent again by the draft after the verdict."]
+    c = doc["concurrency"]
+    lines += ["", f"Async, aggregate tokens/s: 1 session {c['1']:.1f}, 8 concurrent sessions {c['8']:.1f} ({c['ratio']:.2f}x)."]
+    t = doc["timeline_stats"]
+    lines += ["", f"One async request: wall {t['wall_s']:.3f} s, draft busy {t['draft_busy_s']:.3f} s, target busy "
+              f"{t['target_busy_s']:.3f} s, both busy {t['both_busy_s']:.3f} s, draft idle {t['draft_wait_s']:.3f} s, "
+              f"target idle {t['target_wait_s']:.3f} s, {t['discarded_tokens']} pre-drafted tokens discarded, "
+              f"{t['wire_bytes_per_round']:.0f} wire bytes per round."]
+    if doc.get("two_nodes"):
+        lines += ["", "Two nodes (network namespaces), round-trip latency on the link:", "",
+                  "| latency | link | sync tokens/s | async tokens/s | async vs sync |", "|---|---|---|---|---|"]
+        for row in doc["two_nodes"]:
+            lines.append(f"| {row['latency_ms']:g} ms | {row['link']} | {row['sync']['median']:.1f} | "
+                         f"{row['async']['median']:.1f} | {row['async']['ratio_to_sync']:.2f}x |")
+    return "\n".join(lines) + "\n"
+
+
+def _plot_timeline(path: Path, timeline) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 2.6))
+    for row, worker, color in ((1, "draft", "tab:blue"), (0, "target", "tab:orange")):
+        spans = [(a, b - a) for w, a, b in timeline if w == worker]
+        ax.broken_barh(spans, (row - 0.35, 0.7), color=color)
+    ax.set_yticks([0, 1], ["target", "draft"])
+    ax.set_xlabel("seconds since the request started (white: idle, a bubble)")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,1 @@
+"""`svip`: the command line, an application over every package (it imports them; none imports it)."""

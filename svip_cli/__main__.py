@@ -1,0 +1,5 @@
+import sys
+
+from svip_cli.main import main
+
+sys.exit(main())

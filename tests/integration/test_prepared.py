@@ -1,0 +1,214 @@
+"""Prepared continuations: drafted while a block is verified, for a rejection the draft thinks
+likely, and verified only when the target's correction is the token they assumed.
+
+Target side: the session host dials a scripted draft that sends a block the target rejects at
+its first token, plus prepared continuations for that rejection, one for the target's correction
+and one for another token; only the first is verified, with no round trip. Draft side: a real
+draft session prepares continuations between messages; a feedback that names one it sent uses
+it, one it kept (sampled, or late) is sent again, and any other correction is drafted afresh."""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+import pytest
+import torch
+
+from coordinator.host import SessionHost
+from draft_worker.drafter import Drafter
+from draft_worker.pipelined import PipelinedDraft
+from svip_common.contracts import NO_TOKEN, Limits, PolicyConfig, SamplingParams
+from svip_common.grpc_server import start_server
+from svip_proto import svip_pb2 as pb
+from svip_proto import svip_pb2_grpc as pb_grpc
+from target_worker.verifier import Verifier
+
+PROMPT = (5, 6, 7)
+
+
+class ScriptedDraft(pb_grpc.DraftWorkerServicer):
+    """A draft worker of the real interface: on a start it sends the scripted blocks; on a
+    feedback that needs a new block it sends an empty one (the target settles the next place)."""
+
+    def __init__(self):
+        self.script: dict[str, list[pb.Block]] = {}
+        self.feedback: dict[str, list[pb.Feedback]] = {}
+
+    async def Session(self, request_iterator, context):
+        async for request in request_iterator:
+            kind = request.WhichOneof("kind")
+            if kind == "start":
+                for block in self.script[request.start.session_id]:
+                    yield pb.DraftEvent(block=block)
+            elif kind == "feedback":
+                fb = request.feedback
+                while True:
+                    self.feedback.setdefault(fb.session_id, []).append(fb)
+                    if not fb.HasField("then"):
+                        break
+                    fb = fb.then
+                if not fb.prepared_used and fb.token != NO_TOKEN:
+                    yield pb.DraftEvent(block=pb.Block(session_id=fb.session_id, epoch=fb.epoch,
+                                                       base=fb.base + fb.accepted + 1))
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def host(models, loop):
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    draft = ScriptedDraft()
+    server, port = loop.run_until_complete(start_server(lambda s: pb_grpc.add_DraftWorkerServicer_to_server(draft, s), "d"))
+    target = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}")
+    loop.run_until_complete(target.start())
+    yield target, draft
+    loop.run_until_complete(target.close())
+    loop.run_until_complete(server.stop(None))
+
+
+def greedy_next(model, ids) -> int:
+    with torch.inference_mode():
+        return int(model(torch.tensor([list(ids)])).logits[0, -1].argmax())
+
+
+def run_session(target: SessionHost, session_id: str, max_new: int, loop) -> tuple[list[int], pb.Finished]:
+    """Start a greedy session on the host in-process (its Generate stream) and collect it."""
+    async def go():
+        requests: asyncio.Queue = asyncio.Queue()
+
+        async def gen():
+            while (r := await requests.get()) is not None:
+                yield r
+
+        start = pb.StartSession(session_id=session_id, prompt_ids=list(PROMPT), max_new_tokens=max_new,
+                                sampling=pb.SamplingParams(top_p=1.0), pipeline=pb.PIPELINE_ASYNC,
+                                policy=pb.PolicyConfig(name="constant", draft_length=1, max_draft_length=8,
+                                                       entropy_scale=0.15, threshold=0.3, confidence=0.4))
+        requests.put_nowait(pb.GenerateRequest(start=start))
+        tokens, events = [], target.Generate(gen(), None)
+        async for event in events:
+            kind = event.WhichOneof("kind")
+            assert kind != "error", event.error.message
+            if kind == "settled":
+                tokens += event.settled.tokens
+            elif kind == "finished":
+                requests.put_nowait(None)
+                await events.aclose()
+                return tokens, event.finished
+
+    return loop.run_until_complete(asyncio.wait_for(go(), 30))
+
+
+@pytest.mark.parametrize("offered", ["match", "other", "both"])
+def test_a_prepared_continuation_is_verified_only_when_the_correction_matches(host, models, loop, offered):
+    target, draft = host
+    model = models["target"].model
+    x = greedy_next(model, PROMPT)  # the target's correction at the first place
+    wrong = (x + 1) % 300  # a drafted token the target rejects there
+    y = (x + 2) % 300  # another correction a prepared continuation may assume
+    c_x = greedy_next(model, (*PROMPT, x))  # what follows x: the prepared block's token, accepted
+    session_id = f"prep-{offered}"
+    prepared = {"match": [(x, c_x)], "other": [(y, c_x)], "both": [(y, c_x), (x, c_x)]}[offered]
+    # the prepared blocks are sent first, so they are at the target before the verdict (a real
+    # draft sends them while the block is verified; one that arrives late is discarded there)
+    blocks = [pb.Block(session_id=session_id, base=len(PROMPT) + 1, tokens=[follow],
+                       prepared_for=pb.PreparedFor(base=len(PROMPT), accepted=0, token=token))
+              for token, follow in prepared]
+    draft.script[session_id] = blocks + [pb.Block(session_id=session_id, base=len(PROMPT), tokens=[wrong])]
+    before = target.verifier.tokens_verified
+    tokens, finished = run_session(target, session_id, max_new=4, loop=loop)
+    reference = list(PROMPT)
+    for _ in range(4):
+        reference.append(greedy_next(model, reference))
+    assert tokens == reference[len(PROMPT):]  # exact, whatever was prepared
+    first = draft.feedback[session_id][0]
+    assert (first.accepted, first.token) == (0, x)
+    rounds = finished.stats.rounds
+    used = offered != "other"
+    assert first.prepared_used == used
+    assert [r.source for r in rounds][:2] == ["first", "prepared" if used else "drafted"]
+    assert finished.stats.prepared_used == int(used)
+    # tokens verified: the rejected block, then the prepared one if it was used, then empty blocks;
+    # a prepared block for another correction is never verified
+    assert target.verifier.tokens_verified - before == 1 + int(used)
+    assert finished.stats.discarded_tokens == len(prepared) - int(used)
+
+
+def test_a_stale_or_parentless_prepared_block_is_never_verified(host, models, loop):
+    """Prepared for a block whose verdict is already out: discarded, counted, never verified."""
+    target, draft = host
+    model = models["target"].model
+    x = greedy_next(model, PROMPT)
+    session_id = "prep-late"
+    draft.script[session_id] = [
+        pb.Block(session_id=session_id, base=len(PROMPT), tokens=[(x + 1) % 300]),
+        pb.Block(session_id=session_id, base=len(PROMPT) - 2, tokens=[x],  # its parent is long decided
+                 prepared_for=pb.PreparedFor(base=len(PROMPT) - 3, accepted=0, token=x)),
+    ]
+    before = target.verifier.tokens_verified
+    tokens, finished = run_session(target, session_id, max_new=3, loop=loop)
+    assert target.verifier.tokens_verified - before == 1
+    assert finished.stats.prepared_used == 0 and finished.stats.discarded_tokens == 1
+
+
+@pytest.fixture()
+def draft_session(models):
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size)
+    policy = PolicyConfig(name="svip", threshold=0.6)
+    session = drafter.open(SamplingParams(), policy, ())
+    return PipelinedDraft(session=session, prompt=list(PROMPT), max_new_tokens=40, stop_token_ids=frozenset(),
+                          pipelined=True, prepare=2, send_prepared=True)
+
+
+def _prepare_everything(draft: PipelinedDraft) -> list:
+    sent = []
+    while (ready := draft.work()) is not None:
+        sent += ready
+    return sent
+
+
+def test_the_draft_prepares_continuations_for_its_likely_corrections(draft_session):
+    first = draft_session.start(0.0)[0]
+    sent = _prepare_everything(draft_session)
+    followups = [o for o in sent if o.prepared_for is None]
+    prepared = [o for o in sent if o.prepared_for is not None]
+    assert len(followups) == 1 and followups[0].block.base == first.block.base + len(first.block)
+    assert prepared and all(o.block.base == o.prepared_for[0] + o.prepared_for[1] + 1 for o in prepared)
+    for o in prepared:  # each assumes a token the draft ranked below its own choice at that place
+        base, j, token = o.prepared_for
+        parent = first if base == first.block.base else followups[0]
+        assert token != parent.block.tokens[j] and token in [t for t, _ in parent.alternatives[j]]
+
+
+def test_feedback_naming_a_prepared_continuation_uses_it_and_any_other_correction_is_drafted(draft_session, models):
+    first = draft_session.start(0.0)[0]
+    prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
+    base, j, token = prepared[0].prepared_for
+    assert base == first.block.base
+    # the target used it: nothing new to send, the prepared block is now the one under verification
+    assert draft_session.on_feedback(1, base, len(first.block), j, token, None, True, 0.0) == []
+    assert draft_session.outstanding[0] is prepared[0] and prepared[0].block.epoch == 1
+
+
+def test_a_prepared_continuation_the_target_did_not_use_is_sent_again(draft_session):
+    first = draft_session.start(0.0)[0]
+    prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
+    base, j, token = prepared[0].prepared_for
+    (again,) = draft_session.on_feedback(1, base, len(first.block), j, token, None, False, 0.0)
+    assert again is prepared[0] and again.reused and again.prepared_for is None and again.block.epoch == 1
+
+
+def test_a_correction_nothing_was_prepared_for_is_drafted_from(draft_session):
+    first = draft_session.start(0.0)[0]
+    prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
+    assumed = {(b, j, t) for b, j, t in (o.prepared_for for o in prepared)}
+    token = next(t for t in range(300) if (first.block.base, 0, t) not in assumed and t != first.block.tokens[0])
+    (fresh,) = draft_session.on_feedback(1, first.block.base, len(first.block), 0, token, None, False, 0.0)
+    assert fresh not in prepared and not fresh.reused and fresh.block.base == first.block.base + 1
+    assert draft_session.known[-1] == token
