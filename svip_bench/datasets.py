@@ -11,7 +11,7 @@ from pathlib import Path
 
 from svip_common.errors import InvalidRequest
 
-PROJECT_ROOT = Path(__file__).resolve().parents[2]
+PROJECT_ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_SPECBENCH = PROJECT_ROOT.parent / "shared" / "specbench" / "spec-bench.jsonl"
 SPECBENCH_CATEGORIES = ("mt-bench", "translation", "summarization", "qa", "math_reasoning", "rag")
 CODE = "code"

@@ -54,6 +54,7 @@ def run(engine, prompts, args, header: dict) -> int:
         ray.shutdown()
     doc = {"header": {**header, "policy": f"svip, threshold {policy.threshold} (auto)"}, "tokens_per_s": tps,
            "breakdown": {m: breakdown(s) for m, s in stats.items()}, "sources": sources(stats["async"]),
+           "prepared_continuations": prepared_continuations(stats["async"]),
            "async_bound": async_bound(stats["sync"], tps["sync"]["median"]),
            "concurrency": concurrency, "exactness_violations": violations,
            "timeline": timeline.timeline, "timeline_stats": {k: getattr(timeline, k) for k in (
@@ -130,9 +131,12 @@ def sources(stats: list[GenerationStats]) -> dict:
     out = {k: {"rounds": len(v), "share": len(v) / total, "wall_ms": 1e3 * statistics.mean(r[0] for r in v),
                "overhead_ms": 1e3 * statistics.mean(r[1] for r in v), "target_ms": 1e3 * statistics.mean(r[2] for r in v)}
            for k, v in sorted(rows.items())}
-    out["prepared"] = {**out.get("prepared", {}), "sent": sum(s.prepared_sent for s in stats),
-                       "used": sum(s.prepared_used for s in stats), "used_late": sum(s.prepared_used_late for s in stats)}
     return out
+
+
+def prepared_continuations(stats: list[GenerationStats]) -> dict:
+    return {"sent": sum(s.prepared_sent for s in stats), "used": sum(s.prepared_used for s in stats),
+            "used_late": sum(s.prepared_used_late for s in stats)}
 
 
 def async_bound(sync: list[GenerationStats], sync_tps: float) -> dict:
@@ -222,13 +226,11 @@ def _markdown(doc: dict) -> str:
     for part in ("round_s", *ROUND_PARTS):
         cells = [f"{v[part]['median_ms']:.3f} ({v[part]['mean_ms']:.3f})" for v in doc["breakdown"].values()]
         lines.append(f"| {part.removesuffix('_s').replace('_', ' ')} | " + " | ".join(cells) + " |")
-    src = doc["sources"]
-    prepared = src.pop("prepared")
-    lines += ["", "Async rounds by where the block came from (ready at the verdict: no round trip):", "",
+    lines += ["", "Async rounds by where the block came from (followup, prepared: ready at the verdict, no round trip):", "",
               "| source | rounds | share | wall ms | target ms | overhead ms |", "|---|---|---|---|---|---|"]
-    for name, v in src.items():
+    for name, v in doc["sources"].items():
         lines.append(f"| {name} | {v['rounds']} | {v['share']:.0%} | {v['wall_ms']:.2f} | {v['target_ms']:.2f} | {v['overhead_ms']:.2f} |")
-    src["prepared"] = prepared
+    prepared = doc["prepared_continuations"]
     lines += ["", f"Prepared continuations: {prepared['sent']} reached the target in time, {prepared['used']} verified "
               f"with no round trip, {prepared['used_late']} sent again by the draft after the verdict."]
     c = doc["concurrency"]

@@ -91,7 +91,7 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
     for mode in ("sync", "async"):
         parts = doc["breakdown"][mode]
         assert parts["round_s"]["median_ms"] > 0 and "overhead_s" in parts and "block_transit_s" in parts
-    assert "first" in doc["sources"] and {"sent", "used", "used_late"} <= set(doc["sources"]["prepared"])
+    assert "first" in doc["sources"] and set(doc["prepared_continuations"]) == {"sent", "used", "used_late"}
     assert doc["async_bound"]["speedup_over_sync"] >= 1.0
     assert doc["concurrency"]["8"] > 0 and doc["timeline"]
     assert (out / "timeline.png").stat().st_size > 1000
@@ -117,3 +117,13 @@ def test_serve_bench(tmp_path, model_dirs, capsys):
     assert {(r["concurrency"], r["policy"]) for r in doc["results"]} == {(n, p) for n in (1, 4, 16) for p in ("svip", "none")}
     assert all(r["tokens_per_s"] > 0 and 0 < r["ttft_p50"] <= r["ttft_p95"] for r in doc["results"])
     assert (out / "serve.png").stat().st_size > 1000 and "| 16 | svip |" in (out / "serve.md").read_text()
+
+
+def test_spec_bench_is_found_beside_the_checkout_by_default():
+    """../shared/specbench/spec-bench.jsonl relative to the project root, wherever svip_bench sits."""
+    from pathlib import Path
+
+    from svip_bench.datasets import DEFAULT_SPECBENCH
+
+    repo = Path(__file__).resolve().parents[2]
+    assert DEFAULT_SPECBENCH == repo.parent / "shared" / "specbench" / "spec-bench.jsonl"
