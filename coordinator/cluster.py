@@ -12,7 +12,8 @@ from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info
 from svip_common.tls import TlsFiles
 
 DRAFT_RESOURCE, TARGET_RESOURCE = "svip_draft", "svip_target"
-START_TIMEOUT_S = 120.0
+PLACEMENT_TIMEOUT_S = 120.0  # Ray finds each worker a GPU (or a CPU core and its role resource)
+START_TIMEOUT_S = 600.0  # then the worker loads its weights (a first download from the hub counts)
 
 
 def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
@@ -95,7 +96,8 @@ class WorkerPair:
     def __init__(self, target_path: str, draft_path: str | None, dtype: str = "float32", device: str = "cpu",
                  target_gpus: float = 0, draft_gpus: float = 0, placement=None,
                  bundles: tuple[int, int] = (0, 0), worker_cpus: float = 1,
-                 max_draft_length: int = DRAFT_LENGTH_CAP, layout: str | None = None, tls: TlsFiles | None = None):
+                 max_draft_length: int = DRAFT_LENGTH_CAP, layout: str | None = None, tls: TlsFiles | None = None,
+                 start_timeout_s: float = START_TIMEOUT_S, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
         import ray
 
         from draft_worker.actor import DraftActor
@@ -112,7 +114,7 @@ class WorkerPair:
         if layout is not None and placement is None:
             placement = self._own_placement = pair_placement_group(layout, target_gpus, draft_gpus, worker_cpus)
             bundles = (0, 1)
-            if not placement.wait(START_TIMEOUT_S):
+            if not placement.wait(placement_timeout_s):
                 self.shutdown()
                 raise SvipError(f"no room to place the pair ({layout}): Ray has no {'two nodes' if layout == 'spread' else 'node'} "
                                 f"with a free {'GPU' if target_gpus else 'CPU'} for each worker")
@@ -126,14 +128,28 @@ class WorkerPair:
             self.draft = ray.remote(DraftActor).options(
                 **actor_options("draft", draft_gpus, placement, bundles[1], worker_cpus)).remote(
                 draft_path, self.limits, target_vocab_size=self.target_info.vocab_size, **common)
-        try:  # both load their models meanwhile; the draft serves first, then the target dials it
-            self.draft_address = ray.get(self.draft.start.remote(), timeout=START_TIMEOUT_S) if self.draft is not None else None
-            self.target_address = ray.get(self.target.start.remote(draft_address=self.draft_address), timeout=START_TIMEOUT_S)
+        actors = [a for a in (self.target, self.draft) if a is not None]
+        try:
+            ray.get([a.placed.remote() for a in actors], timeout=placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
             raise SvipError(
-                f"the workers were not placed within {START_TIMEOUT_S:.0f} s: Ray has no free "
+                f"the workers were not placed within {placement_timeout_s:.0f} s: Ray has no free "
                 f"GPU / '{DRAFT_RESOURCE}' / '{TARGET_RESOURCE}' slot for them"
+            ) from None
+        except ray.exceptions.RayActorError as exc:
+            self.shutdown()
+            raise SvipError(f"a worker failed to start: {exc}") from None
+        try:  # both load their weights at once; the draft serves first, then the target dials it
+            ray.get([a.load.remote() for a in actors], timeout=start_timeout_s)
+            self.draft_address = ray.get(self.draft.start.remote(), timeout=placement_timeout_s) if self.draft is not None else None
+            self.target_address = ray.get(self.target.start.remote(draft_address=self.draft_address), timeout=placement_timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            self.shutdown()
+            raise SvipError(
+                f"the workers were placed but did not load their weights within {start_timeout_s:.0f} s "
+                f"(a first download from the hub counts): raise the start timeout (worker_start_timeout_s, "
+                f"the chart's serve.workerStartTimeoutS) or mount a weights cache"
             ) from None
         except ray.exceptions.RayActorError as exc:
             self.shutdown()

@@ -20,6 +20,3 @@ class DraftActor(ModelActor):
 
     def register(self, server, service) -> None:
         pb_grpc.add_DraftWorkerServicer_to_server(service, server)
-
-    def vocabulary(self) -> dict:
-        return self.model.tokenizer.get_vocab()

@@ -25,20 +25,32 @@ class ModelActor:
 
     def __init__(self, model_path: str, limits: Limits, dtype: str = "float32", device: str = "cpu",
                  threads: int = 1, host: str | None = "127.0.0.1", tls: TlsFiles | None = None):
+        """Cheap: the actor answers as soon as Ray has placed it; load() brings the weights."""
         torch.set_num_threads(threads)
         # the event loop thread waits for the GIL while the compute thread runs Python between
         # torch ops; hand it over every 0.5 ms instead of every 5 ms, so I/O is not held back
         sys.setswitchinterval(SWITCH_INTERVAL_S)
-        if device == "auto":
-            device = "cuda" if torch.cuda.is_available() else "cpu"
-        # Ray makes only this actor's GPUs visible: more than one means the model spans them
-        spread = device.startswith("cuda") and torch.cuda.device_count() > 1
-        self.model: LoadedModel = load_model(model_path, dtype, device, spread=spread)
+        self._load_args = (model_path, dtype, device)
+        self.model: LoadedModel | None = None
         self.limits = limits  # what this worker accepts from the wire (the pair's, not only its own)
         self.host, self.tls = host, tls
         self.service = None
         self._server = None
         self.port = None
+
+    def placed(self) -> bool:
+        """Answers once Ray has placed the actor (its GPU or CPU reserved, its process up)."""
+        return True
+
+    def load(self) -> None:
+        """Load the weights (from the hub's cache, or downloading them first)."""
+        if self.model is None:
+            model_path, dtype, device = self._load_args
+            if device == "auto":
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            # Ray makes only this actor's GPUs visible: more than one means the model spans them
+            spread = device.startswith("cuda") and torch.cuda.device_count() > 1
+            self.model = load_model(model_path, dtype, device, spread=spread)
 
     def make_service(self, **kwargs):
         raise NotImplementedError
@@ -49,6 +61,7 @@ class ModelActor:
     async def start(self, **kwargs) -> str:
         """Start the gRPC server; returns its address host:port."""
         if self._server is None:
+            self.load()
             if self.host is None:
                 import ray
 

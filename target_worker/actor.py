@@ -21,6 +21,3 @@ class TargetActor(ModelActor):
 
     def register(self, server, service) -> None:
         pb_grpc.add_TargetWorkerServicer_to_server(service, server)
-
-    def vocabulary(self) -> dict:
-        return self.model.tokenizer.get_vocab()

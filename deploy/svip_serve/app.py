@@ -17,8 +17,11 @@ ROUTE_HEADROOM = 8  # /health and /v1/models calls Serve may route past a full r
 
 def build_app(args: dict | None = None) -> Application:
     settings = ServeSettings.from_args(args)
+    # Serve adds and removes pipelines with load when autoscaling is asked for; Ray's autoscaler
+    # then follows with GPU workers (the chart enables it)
+    scale = {"autoscaling_config": settings.autoscaling} if settings.autoscaling else {"num_replicas": settings.num_replicas}
     return SVIPServer.options(
-        num_replicas=settings.num_replicas,
+        **scale,
         ray_actor_options={"num_cpus": REPLICA_CPUS},
         placement_group_bundles=settings.bundles(),
         placement_group_strategy="STRICT_PACK",

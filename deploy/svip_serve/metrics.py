@@ -55,6 +55,8 @@ class ServeMetrics:
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first settled token.", LATENCY_BUCKETS)
         self.running = m.Gauge("svip_num_requests_running", "Sessions generating on this replica.", tag_keys=tags)
         self.waiting = m.Gauge("svip_num_requests_waiting", "Requests waiting for a session slot.", tag_keys=tags)
+        self.cached_tokens = m.Gauge("svip_worker_cached_tokens", "Tokens in a worker's KV caches.", tag_keys=tags + ("role",))
+        self.open_sessions = m.Gauge("svip_worker_open_sessions", "Sessions open on a worker.", tag_keys=tags + ("role",))
 
     def record_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int,
                           finish_reason: str, latency_s: float, ttft_s: float | None) -> None:
@@ -85,6 +87,12 @@ class ServeMetrics:
         self.latency.observe(latency_s, t)
         if ttft_s is not None:
             self.ttft.observe(ttft_s, t)
+
+    def set_workers(self, stats: dict) -> None:
+        """stats: role -> WorkerStats (the engine's worker_stats())."""
+        for role, s in stats.items():
+            self.cached_tokens.set(s.cached_tokens, {**self.tags, "role": role})
+            self.open_sessions.set(s.open_sessions, {**self.tags, "role": role})
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.inc(1, {**self.tags, "reason": reason})

@@ -127,6 +127,7 @@ class SVIPServer:
             placement=get_current_placement_group(), bundles=(TARGET_BUNDLE, DRAFT_BUNDLE),
             worker_cpus=settings.worker_cpus, max_draft_length=settings.draft_length_cap,
             tls=TlsFiles.from_dir(settings.grpc_tls_dir) if settings.grpc_tls_dir else None,
+            start_timeout_s=settings.worker_start_timeout_s,
         )
         self.api_keys = ApiKeys(settings.api_key_sha256)
         # tokenizing a long prompt takes a while: never on the event loop that streams every session
@@ -155,6 +156,7 @@ class SVIPServer:
         engine = await self._engine()
         if (why := await engine.unavailable()) is not None:
             raise RuntimeError(why)
+        self.metrics.set_workers(await engine.worker_stats())  # the KV-cache gauges, every health period
 
     # --- endpoints ------------------------------------------------------------------------------
 

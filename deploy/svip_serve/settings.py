@@ -36,6 +36,8 @@ class ServeSettings:
     max_request_bytes: int = 4 * 1024 * 1024  # a larger body is refused with 413 before it is parsed
     api_key_sha256: tuple[str, ...] = ()  # SHA-256 (hex) of the API keys; $SVIP_API_KEY adds more; none: open
     grpc_tls_dir: str | None = None  # mutual TLS between a pipeline's workers: ca.crt, tls.crt, tls.key (every node)
+    worker_start_timeout_s: float = 600.0  # a pipeline's workers: placed, then the weights loaded (a first download counts)
+    autoscaling: dict | None = None  # {min_replicas, max_replicas, target_ongoing_requests}: Serve scales the pipelines
 
     @classmethod
     def from_args(cls, args: dict | None) -> ServeSettings:
@@ -67,6 +69,10 @@ class ServeSettings:
                 raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         if self.worker_cpus <= 0:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
+        if not isinstance(self.worker_start_timeout_s, (int, float)) or self.worker_start_timeout_s <= 0:
+            raise InvalidRequest(f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s!r}")
+        if self.autoscaling is not None:
+            _check_autoscaling(self.autoscaling)
         if self.policy not in POLICY_NAMES:
             raise InvalidRequest(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         self.policy_defaults().validate(self.draft_length_cap)
@@ -111,3 +117,16 @@ class ServeSettings:
 
 def _is_sha256_hex(value) -> bool:
     return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+
+
+AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests")
+
+
+def _check_autoscaling(config) -> None:
+    if not isinstance(config, dict) or set(config) != set(AUTOSCALING_KEYS):
+        raise InvalidRequest(f"autoscaling must be an object with exactly {', '.join(AUTOSCALING_KEYS)}, got {config!r}")
+    low, high, target = (config[k] for k in AUTOSCALING_KEYS)
+    if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)) or not 1 <= low <= high:
+        raise InvalidRequest(f"autoscaling: need 1 <= min_replicas <= max_replicas (integers), got {low!r}, {high!r}")
+    if not isinstance(target, (int, float)) or isinstance(target, bool) or target <= 0:
+        raise InvalidRequest(f"autoscaling.target_ongoing_requests must be > 0, got {target!r}")

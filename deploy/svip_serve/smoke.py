@@ -1,5 +1,7 @@
 """A smoke check of a running server, with the standard library only: `helm test` runs it in the
-cluster (SVIP_URL, SVIP_MODEL). /health, /v1/models lists the model, a one-token completion."""
+cluster (SVIP_URL, SVIP_MODEL, and SVIP_API_KEY when the API needs a key). /health, /v1/models
+lists the model, a one-token completion. deploy/helm/svip/files/smoke.py is a copy of this file
+(the chart's test pod runs it from a small Python image); a test keeps the two identical."""
 
 from __future__ import annotations
 
@@ -15,7 +17,11 @@ TIMEOUT_S = 60.0
 
 def _call(url: str, body: dict | None = None) -> dict:
     data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    headers = {"Content-Type": "application/json"}
+    key = os.environ.get("SVIP_API_KEY", "").split(",")[0].strip()
+    if key:
+        headers["Authorization"] = f"Bearer {key}"
+    request = urllib.request.Request(url, data=data, headers=headers)
     with urllib.request.urlopen(request, timeout=TIMEOUT_S) as response:
         return json.loads(response.read())
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import helm_python as helm
@@ -30,6 +31,25 @@ VARIANTS = {
     "example": yaml.safe_load(EXAMPLE.read_text()),
     "ingress-tls-token": {"ingress": {"enabled": True, "className": "nginx", "tls": [{"secretName": "t", "hosts": ["a.b"]}]},
                           "hfToken": {"secretName": "hf-token"}, "imagePullSecrets": [{"name": "regcred"}]},
+    "every-option": {
+        "apiKey": {"secretName": "svip-keys", "secretKey": "keys"},
+        "serve": {"workerStartTimeoutS": 1800, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetOngoingRequests": 4}},
+        "workers": {"minReplicas": 1, "maxReplicas": 2, "shmSize": "16Gi"},
+        "modelCache": {"enabled": True, "size": "200Gi", "storageClassName": "fast-rwx"},
+        "upgradeStrategy": {"type": "NewCluster"},
+        "head": {"faultTolerance": {"enabled": True, "redisAddress": "redis.redis:6379", "redisPasswordSecret": {"name": "redis", "key": "password"}}},
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100},
+        "containerSecurityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False},
+        "env": [{"name": "RAY_LOG_LEVEL", "value": "info"}], "envFrom": [{"secretRef": {"name": "extra-env"}}],
+        "extraVolumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
+        "extraVolumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
+        "podAnnotations": {"example.com/team": "llm"}, "runtimeClassName": "nvidia", "priorityClassName": "serving",
+        "networkPolicy": {"apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "operatorNamespace": "ray-system", "monitoringNamespace": "monitoring"},
+        "podDisruptionBudget": {"enabled": True, "minAvailable": 0},
+        "metrics": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}, "serviceMonitor": {"enabled": True}},
+        "grafana": {"dashboard": {"enabled": True}},
+        "tests": {"image": "registry.example.com/python:3.12-slim"},
+    },
     "target-alone-autoscaling": {"model": {"draft": "none"}, "workers": {"minReplicas": 1, "maxReplicas": 3, "gpusPerWorker": 1},
                                  "serve": {"replicas": 3}, "networkPolicy": {"enabled": False},
                                  "podDisruptionBudget": {"enabled": False}, "service": {"type": "LoadBalancer"}},
@@ -64,7 +84,7 @@ def rayservice_schema() -> dict:
     return json.loads(found.read_text())
 
 
-@pytest.mark.parametrize("values", [None, VARIANTS["example"]], ids=["defaults", "example"])
+@pytest.mark.parametrize("values", [None, VARIANTS["example"], VARIANTS["every-option"]], ids=["defaults", "example", "every-option"])
 def test_lint_is_clean(values):
     report = helm.lint(CHART, values, strict=True)
     assert not report["errors"], report
@@ -77,9 +97,45 @@ def test_rendered_objects_validate(name, rayservice_schema):
     services = by_kind(docs, "RayService")
     assert len(services) == 1
     jsonschema.validate(services[0], rayservice_schema)
+    assert_keys_in_schema(services[0], rayservice_schema)
     for doc in docs:
-        if doc["kind"] != "RayService":
+        if doc["kind"] in ("PodMonitor", "ServiceMonitor"):  # the Prometheus Operator's CRDs
+            assert_monitor_shape(doc)
+        elif doc["kind"] != "RayService":
             kubernetes_validate.validate(doc, KUBE_VERSION, strict=True)
+
+
+def assert_keys_in_schema(doc, schema: dict, path: str = "") -> None:
+    """Every key of doc is a property the schema names, all the way down. KubeRay's CRD sets no
+    additionalProperties: false, so a typo (enableInTreeAutoscalling) validates and is ignored;
+    this check catches it. Maps the schema leaves open are not looked into."""
+    if isinstance(doc, dict):
+        props = schema.get("properties")
+        if props is None:
+            return
+        for key, value in doc.items():
+            assert key in props, f"{path}.{key} is not a field of the CRD (a typo?)"
+            assert_keys_in_schema(value, props[key], f"{path}.{key}")
+    elif isinstance(doc, list) and "items" in schema:
+        for i, item in enumerate(doc):
+            assert_keys_in_schema(item, schema["items"], f"{path}[{i}]")
+
+
+def assert_monitor_shape(doc: dict) -> None:
+    """The Prometheus Operator's monitors, by the fields this chart sets (their CRDs are not here)."""
+    assert doc["apiVersion"] == "monitoring.coreos.com/v1"
+    spec = doc["spec"]
+    endpoints = spec["podMetricsEndpoints"] if doc["kind"] == "PodMonitor" else spec["endpoints"]
+    assert spec["selector"]["matchLabels"] and endpoints and all(e["port"] == "metrics" for e in endpoints)
+
+
+def test_the_structural_check_catches_a_typo(rayservice_schema):
+    service = by_kind(render(), "RayService")[0]
+    cluster = service["spec"]["rayClusterConfig"]
+    cluster["enableInTreeAutoscalling"] = cluster.pop("enableInTreeAutoscaling")
+    jsonschema.validate(service, rayservice_schema)  # the CRD's own schema lets it through
+    with pytest.raises(AssertionError, match="enableInTreeAutoscalling is not a field"):
+        assert_keys_in_schema(service, rayservice_schema)
 
 
 @pytest.mark.parametrize("name", VARIANTS)
@@ -128,28 +184,122 @@ def test_hf_token_comes_from_the_secret_reference():
     assert "env" not in by_kind(render(), "RayService")[0]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
 
 
-def test_network_policy_keeps_ray_and_worker_ports_inside_the_release():
-    policy = by_kind(render(), "NetworkPolicy")[0]["spec"]
+def policy_rules(values=None) -> dict:
+    """The NetworkPolicy's ingress rules by the ports they open ("ray": every port, own pods)."""
+    policy = by_kind(render(values), "NetworkPolicy")[0]["spec"]
     assert policy["policyTypes"] == ["Ingress"]
-    own, cluster = policy["ingress"]
-    assert "ports" not in own and own["from"] == [{"podSelector": {"matchLabels": policy["podSelector"]["matchLabels"]}}]
-    assert cluster["from"] == [{"namespaceSelector": {}}]  # in-cluster only: no ipBlock, no world
-    assert sorted(p["port"] for p in cluster["ports"]) == [8000, 8080, 8265, 52365]
+    rules = {}
+    for rule in policy["ingress"]:
+        key = "ray" if "ports" not in rule else tuple(sorted(p["port"] for p in rule["ports"]))
+        rules[key] = rule["from"]
+    rules["own"] = [{"podSelector": {"matchLabels": policy["podSelector"]["matchLabels"]}}]
+    return rules
 
 
-def test_pdb_covers_the_gpu_workers():
-    pdb = by_kind(render(), "PodDisruptionBudget")[0]["spec"]
-    assert pdb["maxUnavailable"] == 1 and pdb["selector"]["matchLabels"]["app.kubernetes.io/component"] == "ray-worker"
-    worker_labels = by_kind(render(), "RayService")[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"]
-    assert pdb["selector"]["matchLabels"].items() <= worker_labels.items()
+def test_network_policy_keeps_ray_and_worker_ports_inside_the_release():
+    rules = policy_rules()
+    assert rules["ray"] == rules["own"]
+    assert rules[(8000,)] == [{"namespaceSelector": {}}]  # ClusterIP: pods of the cluster, no ipBlock
+    assert rules[(8265, 52365)] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}}}]
+    assert rules[(8080,)] == [{"namespaceSelector": {}}]
 
 
-def test_helm_test_hook_runs_the_smoke_check():
-    (pod,) = [d for d in by_kind(render(), "Pod") if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+@pytest.mark.parametrize("service_type", ["LoadBalancer", "NodePort"])
+def test_network_policy_admits_external_traffic_for_an_external_service(service_type):
+    """LoadBalancer and NodePort traffic reaches the pods from node addresses, not from pods: a
+    pods-only rule drops it. The API's port gets an ipBlock; Ray's and the dashboard's do not."""
+    rules = policy_rules({"service": {"type": service_type}})
+    assert {"ipBlock": {"cidr": "0.0.0.0/0"}} in rules[(8000,)]
+    assert all("ipBlock" not in peer for key, peers in rules.items() if key != (8000,) for peer in peers)
+
+
+def test_network_policy_api_sources_and_operator_namespace_are_settings():
+    peers = [{"ipBlock": {"cidr": "10.0.0.0/8"}}, {"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
+    rules = policy_rules({"networkPolicy": {"apiFrom": peers, "operatorNamespace": "ray-system",
+                                            "monitoringNamespace": "monitoring"}, "service": {"type": "LoadBalancer"}})
+    assert rules[(8000,)] == peers
+    assert rules[(8265, 52365)][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ray-system"}
+    assert rules[(8080,)][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
+
+
+def test_no_pdb_by_default_and_an_integer_min_available_when_asked():
+    """RayCluster, the worker pods' owner, has no scale subresource: a maxUnavailable budget
+    reports 0 disruptions allowed and every drain hangs. Opt-in, integer minAvailable only."""
+    assert not by_kind(render(), "PodDisruptionBudget")
+    values = {"podDisruptionBudget": {"enabled": True, "minAvailable": 1}, "workers": {"replicas": 2, "minReplicas": 2, "maxReplicas": 2}}
+    (pdb,) = by_kind(render(values), "PodDisruptionBudget")
+    spec = pdb["spec"]
+    assert spec == {"minAvailable": 1, "selector": spec["selector"]} and isinstance(spec["minAvailable"], int)
+    assert spec["selector"]["matchLabels"]["app.kubernetes.io/component"] == "ray-worker"
+    worker_labels = by_kind(render(values), "RayService")[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"]
+    assert spec["selector"]["matchLabels"].items() <= worker_labels.items()
+    with pytest.raises(helm.HelmError, match="would block every node drain"):
+        render({"podDisruptionBudget": {"enabled": True, "minAvailable": 1}})  # one worker: no drain could proceed
+    with pytest.raises(helm.HelmError, match="minAvailable"):
+        render({"podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}})
+
+
+def pod_templates(service: dict) -> list[dict]:
+    cluster = service["spec"]["rayClusterConfig"]
+    return [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
+
+
+def test_a_chart_release_changes_nothing_in_the_pod_templates():
+    """KubeRay rebuilds the whole GPU cluster when the pod templates change: version labels there
+    would make every chart bump an upgrade that needs twice the GPUs."""
+    service = by_kind(render(), "RayService")[0]
+    for template in pod_templates(service):
+        labels = template["metadata"]["labels"]
+        assert not {"app.kubernetes.io/version", "helm.sh/chart"} & set(labels), labels
+        assert "version" not in json.dumps(template["metadata"])
+    assert "helm.sh/chart" in service["metadata"]["labels"]  # the RayService itself keeps them
+
+
+def test_upgrade_strategy_never_doubles_the_gpus_by_default():
+    spec = by_kind(render(), "RayService")[0]["spec"]
+    assert spec["upgradeStrategy"] == {"type": "None"}
+    assert by_kind(render({"upgradeStrategy": {"type": "NewCluster"}}), "RayService")[0]["spec"]["upgradeStrategy"]["type"] == "NewCluster"
+    options = {"gatewayClassName": "istio", "stepSizePercent": 25, "intervalSeconds": 60}
+    incremental = by_kind(render({"upgradeStrategy": {"type": "NewClusterWithIncrementalUpgrade", "clusterUpgradeOptions": options}}),
+                          "RayService")[0]["spec"]["upgradeStrategy"]
+    assert incremental["clusterUpgradeOptions"] == options
+    with pytest.raises(helm.HelmError, match="needs clusterUpgradeOptions"):
+        render({"upgradeStrategy": {"type": "NewClusterWithIncrementalUpgrade"}})
+
+
+def test_workers_declare_the_serve_port_kuberay_probes():
+    """KubeRay's worker readiness probe looks for a container port named serve."""
+    service = by_kind(render({"service": {"port": 9000}}), "RayService")[0]
+    for template in pod_templates(service):
+        ports = {p["name"]: p["containerPort"] for p in template["spec"]["containers"][0]["ports"]}
+        assert ports["serve"] == 9000
+
+
+def test_shm_is_left_to_kuberay_unless_set():
+    worker = pod_templates(by_kind(render(), "RayService")[0])[1]["spec"]
+    assert "volumes" not in worker and "volumeMounts" not in worker["containers"][0]
+    worker = pod_templates(by_kind(render({"workers": {"shmSize": "16Gi"}}), "RayService")[0])[1]["spec"]
+    assert worker["volumes"] == [{"name": "shm", "emptyDir": {"medium": "Memory", "sizeLimit": "16Gi"}}]
+    assert {"name": "shm", "mountPath": "/dev/shm"} in worker["containers"][0]["volumeMounts"]
+
+
+def test_helm_test_pod_is_small_and_pulls_with_the_release_secrets():
+    docs = render({"imagePullSecrets": [{"name": "regcred"}], "apiKey": {"secretName": "svip-keys"}})
+    (pod,) = [d for d in by_kind(docs, "Pod") if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
+    (script,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["annotations"].get("helm.sh/hook") == "test"]
     container = pod["spec"]["containers"][0]
-    assert container["command"] == ["python", "-m", "svip_serve.smoke"]
-    env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["SVIP_URL"] == "http://svip-serve:8000" and env["SVIP_MODEL"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert container["image"] == "python:3.12-slim" and "cuda" not in container["image"]
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert container["command"] == ["python", "/smoke/smoke.py"]
+    env = {e["name"]: e for e in container["env"]}
+    assert env["SVIP_URL"]["value"] == "http://svip-serve:8000" and env["SVIP_MODEL"]["value"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert env["SVIP_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "svip-keys"
+    assert script["data"]["smoke.py"].strip() == (REPO / "deploy" / "svip_serve" / "smoke.py").read_text().strip()
+
+
+def test_the_charts_smoke_script_is_the_packages():
+    """files/smoke.py (what the test pod runs) is a copy of svip_serve/smoke.py (what CI runs)."""
+    assert (CHART / "files" / "smoke.py").read_bytes() == (REPO / "deploy" / "svip_serve" / "smoke.py").read_bytes()
 
 
 @pytest.mark.parametrize("values, words", [
@@ -173,6 +323,88 @@ def test_values_schema_refuses_bad_values(values, words):
 def test_values_no_cluster_could_run_fail_with_the_reason(values, words):
     with pytest.raises(helm.HelmError, match=words):
         render(values)
+
+
+def test_operator_settings_reach_every_ray_pod():
+    service = by_kind(render(VARIANTS["every-option"]), "RayService")[0]
+    for template in pod_templates(service):
+        spec, container = template["spec"], template["spec"]["containers"][0]
+        env = {e["name"]: e for e in container["env"]}
+        assert env["SVIP_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "svip-keys", "key": "keys"}
+        assert env["HF_HOME"]["value"] == "/home/ray/.cache/huggingface" and env["RAY_LOG_LEVEL"]["value"] == "info"
+        assert container["envFrom"] == [{"secretRef": {"name": "extra-env"}}]
+        mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
+        assert mounts["model-cache"] == "/home/ray/.cache/huggingface" and mounts["models"] == "/models"
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "svip-model-cache"
+        assert spec["runtimeClassName"] == "nvidia" and spec["priorityClassName"] == "serving"
+        assert spec["securityContext"]["runAsNonRoot"] is True
+        assert template["metadata"]["annotations"]["example.com/team"] == "llm"
+    (claim,) = by_kind(render(VARIANTS["every-option"]), "PersistentVolumeClaim")
+    assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
+    existing = render({"modelCache": {"enabled": True, "existingClaim": "weights"}})
+    assert not by_kind(existing, "PersistentVolumeClaim")
+    worker = pod_templates(by_kind(existing, "RayService")[0])[1]["spec"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "weights"}} in worker["volumes"]
+
+
+def test_pods_run_as_non_root_by_default():
+    for template in pod_templates(by_kind(render(), "RayService")[0]):
+        assert template["spec"]["securityContext"]["runAsNonRoot"] is True
+        assert template["spec"]["containers"][0]["securityContext"]["allowPrivilegeEscalation"] is False
+
+
+def test_cold_start_timeout_and_autoscaling_reach_the_app():
+    service = by_kind(render(VARIANTS["every-option"]), "RayService")[0]
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["worker_start_timeout_s"] == 1800
+    assert args["autoscaling"] == {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4}
+    assert service["spec"]["rayClusterConfig"]["enableInTreeAutoscaling"] is True
+    settings = ServeSettings.from_args(args)
+    assert settings.autoscaling == {"min_replicas": 1, "max_replicas": 2, "target_ongoing_requests": 4}
+    with pytest.raises(helm.HelmError, match="need more GPU workers"):
+        render({"serve": {"autoscaling": {"enabled": True, "maxReplicas": 3}}})
+
+
+def test_head_fault_tolerance_uses_an_external_redis(rayservice_schema):
+    spec = by_kind(render(VARIANTS["every-option"]), "RayService")[0]["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    assert spec["redisAddress"] == "redis.redis:6379"
+    assert spec["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "password"}
+    with pytest.raises(helm.HelmError, match="redisAddress"):
+        render({"head": {"faultTolerance": {"enabled": True}}})
+
+
+def test_monitoring_objects_and_the_dashboard():
+    docs = render(VARIANTS["every-option"])
+    (pod_monitor,) = by_kind(docs, "PodMonitor")
+    assert pod_monitor["metadata"]["labels"]["release"] == "prom"
+    (service_monitor,) = by_kind(docs, "ServiceMonitor")
+    (metrics_service,) = [d for d in by_kind(docs, "Service") if d["metadata"]["name"] == "svip-metrics"]
+    assert service_monitor["spec"]["selector"]["matchLabels"].items() <= metrics_service["metadata"]["labels"].items()
+    (dashboard,) = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"] == "svip-dashboard"]
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    board = json.loads(dashboard["data"]["svip.json"])
+    titles = " ".join(p["title"] for p in board["panels"]).lower()
+    for words in ("tokens", "acceptance rate", "acceptance length", "draft length", "first token", "kv cache", "429"):
+        assert words in titles, words
+    exported = (REPO / "deploy" / "svip_serve" / "metrics.py").read_text()
+    names = {name for panel in board["panels"] for target in panel["targets"]
+             for name in re.findall(r"ray_svip_(\w+?)(?:_total|_bucket)?\{", target["expr"])}
+    assert len(names) >= 8
+    for name in names:  # every series a panel reads is one the app exports
+        assert any(f'{form}"{prefix}{name}"' in exported for form in ("counter(", "histogram(", "Gauge(")
+                   for prefix in ("", "svip_")), name
+
+
+def test_dockerfile_installs_dependencies_before_the_source_and_runs_as_ray():
+    text = (REPO / "deploy" / "Dockerfile").read_text()
+    lines = [line for line in text.splitlines() if line and not line.startswith("#")]
+    deps = next(i for i, line in enumerate(lines) if "pip install" in line and "--no-deps" not in line)
+    first_source = next(i for i, line in enumerate(lines) if line.startswith("COPY") and "svip_common" in line)
+    assert deps < first_source  # a code change does not reinstall torch
+    assert any(line.startswith("USER ray") for line in lines)
+    assert "[test]" not in text and "pytest" not in text
 
 
 def test_the_crd_schema_check_can_fail(rayservice_schema):

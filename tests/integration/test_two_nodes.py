@@ -128,3 +128,20 @@ def test_two_nodes_with_latency_on_the_link(model_dirs, tls_dir, tmp_path, refer
         assert ours and all(addr.rsplit(":", 1)[0] == nodes.ip[side] for addr in ours), (side, listeners[side])
     assert during - before == set(), "the two-node cluster listened on this machine's own network"
     assert nodes.how in ("netem", "relay")
+
+
+def test_a_slow_start_says_whether_placing_or_loading_was_slow(model_dirs):
+    """A cold start that outruns its timeout names the phase: no room to place the workers, or
+    weights that took too long to load (a first download counts)."""
+    import ray
+
+    from svip_common.errors import SvipError
+
+    init_local_ray()
+    try:
+        with pytest.raises(SvipError, match="placed but did not load their weights within 0 s"):
+            WorkerPair(model_dirs.target, model_dirs.close_draft, start_timeout_s=0.001)
+        with pytest.raises(SvipError, match=r"no room to place the pair \(spread\)"):
+            WorkerPair(model_dirs.target, model_dirs.close_draft, layout="spread", placement_timeout_s=2)
+    finally:
+        ray.shutdown()

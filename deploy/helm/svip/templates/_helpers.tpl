@@ -8,14 +8,16 @@
 {{- end -}}
 {{- end -}}
 
+{{/* The labels of the chart's own objects; versions change with every chart release. */}}
 {{- define "svip.labels" -}}
-app.kubernetes.io/name: {{ .Chart.Name }}
-app.kubernetes.io/instance: {{ .Release.Name }}
+{{ include "svip.selector" . }}
 app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
 app.kubernetes.io/managed-by: {{ .Release.Service }}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- end -}}
 
+{{/* The labels of the Ray pod templates: no versions, so a chart release that changes nothing
+     in the pods does not make KubeRay roll out a new cluster. */}}
 {{- define "svip.selector" -}}
 app.kubernetes.io/name: {{ .Chart.Name }}
 app.kubernetes.io/instance: {{ .Release.Name }}
@@ -33,6 +35,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.model.name | default .Values.model.target }}
 {{- end -}}
 
+{{- define "svip.modelCacheClaim" -}}
+{{ .Values.modelCache.existingClaim | default (printf "%s-model-cache" (include "svip.fullname" .)) }}
+{{- end -}}
+
 {{/* The Serve config (serveConfigV2): the app of deploy/serve-config.yaml, placed on GPUs. */}}
 {{- define "svip.serveConfig" -}}
 {{- $v := .Values -}}
@@ -45,6 +51,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "target_gpus" (int $v.model.targetGpus)
   "draft_gpus" (int $v.model.draftGpus)
   "worker_cpus" $v.serve.workerCpus
+  "worker_start_timeout_s" $v.serve.workerStartTimeoutS
   "pipeline" $v.decoding.pipeline
   "num_replicas" (int $v.serve.replicas)
   "max_in_flight" (int $v.serve.maxInFlight)
@@ -53,26 +60,102 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
 -}}
+{{- if $v.serve.autoscaling.enabled -}}
+{{- $_ := set $args "autoscaling" (dict "min_replicas" (int $v.serve.autoscaling.minReplicas) "max_replicas" (int $v.serve.autoscaling.maxReplicas) "target_ongoing_requests" $v.serve.autoscaling.targetOngoingRequests) -}}
+{{- end -}}
 {{- $app := dict "name" "svip" "route_prefix" "/" "import_path" "svip_serve.app:build_app" "args" $args -}}
 {{- $config := dict "proxy_location" "EveryNode" "http_options" (dict "host" "0.0.0.0" "port" (int $v.service.port)) "applications" (list $app) -}}
 {{- toYaml $config -}}
 {{- end -}}
 
-{{/* Environment of every Ray container: the hub token, when a Secret is named. */}}
+{{/* Environment of every Ray container: the hub token and API keys from Secrets, the weights
+     cache, and the operator's own variables. */}}
 {{- define "svip.env" -}}
-{{- if .Values.hfToken.secretName -}}
+{{- if .Values.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ .Values.hfToken.secretName }}
       key: {{ .Values.hfToken.secretKey }}
 {{- end }}
+{{- if .Values.apiKey.secretName }}
+- name: SVIP_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.apiKey.secretName }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- if .Values.modelCache.enabled }}
+- name: HF_HOME
+  value: {{ .Values.modelCache.mountPath | quote }}
+{{- end }}
+{{- with .Values.env }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Container settings every Ray container shares. */}}
+{{- define "svip.container" -}}
+image: {{ include "svip.image" . }}
+imagePullPolicy: {{ .Values.image.pullPolicy }}
+{{- with include "svip.env" . | trim }}
+env:
+  {{- . | nindent 2 }}
+{{- end }}
+{{- with .Values.envFrom }}
+envFrom:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.containerSecurityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{- define "svip.volumeMounts" -}}
+{{- if .Values.modelCache.enabled }}
+- {name: model-cache, mountPath: {{ .Values.modelCache.mountPath | quote }}}
+{{- end }}
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "svip.volumes" -}}
+{{- if .Values.modelCache.enabled }}
+- name: model-cache
+  persistentVolumeClaim: {claimName: {{ include "svip.modelCacheClaim" . }}}
+{{- end }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/* Pod settings every Ray pod shares. */}}
+{{- define "svip.podSpec" -}}
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.securityContext }}
+securityContext:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .Values.runtimeClassName }}
+runtimeClassName: {{ . }}
+{{- end }}
+{{- with .Values.priorityClassName }}
+priorityClassName: {{ . }}
+{{- end }}
 {{- end -}}
 
 {{- define "svip.podAnnotations" -}}
-{{- if .Values.metrics.scrapeAnnotations -}}
+{{- if .Values.metrics.scrapeAnnotations }}
 prometheus.io/scrape: "true"
 prometheus.io/port: {{ .Values.metrics.port | quote }}
+{{- end }}
+{{- with .Values.podAnnotations }}
+{{ toYaml . }}
 {{- end }}
 {{- end -}}
 
@@ -82,11 +165,24 @@ prometheus.io/port: {{ .Values.metrics.port | quote }}
 {{- if lt (int .Values.workers.gpusPerWorker) (int $perPipeline) -}}
 {{- fail (printf "workers.gpusPerWorker (%d) cannot hold one pipeline: model.targetGpus + model.draftGpus = %d GPUs, packed on one node" (int .Values.workers.gpusPerWorker) (int $perPipeline)) -}}
 {{- end -}}
+{{- $pipelines := ternary (int .Values.serve.autoscaling.maxReplicas) (int .Values.serve.replicas) .Values.serve.autoscaling.enabled -}}
 {{- $capacity := mul (int .Values.workers.maxReplicas) (div (int .Values.workers.gpusPerWorker) (int $perPipeline)) -}}
-{{- if gt (int .Values.serve.replicas) (int $capacity) -}}
-{{- fail (printf "serve.replicas (%d) pipelines need more GPU workers: at most %d workers x %d pipelines each fit" (int .Values.serve.replicas) (int .Values.workers.maxReplicas) (div (int .Values.workers.gpusPerWorker) (int $perPipeline))) -}}
+{{- if gt (int $pipelines) (int $capacity) -}}
+{{- fail (printf "%d pipelines (serve.replicas, or serve.autoscaling.maxReplicas) need more GPU workers: at most %d workers x %d pipelines each fit" (int $pipelines) (int .Values.workers.maxReplicas) (div (int .Values.workers.gpusPerWorker) (int $perPipeline))) -}}
 {{- end -}}
 {{- if gt (int .Values.workers.minReplicas) (int .Values.workers.maxReplicas) -}}
 {{- fail "workers.minReplicas must be <= workers.maxReplicas" -}}
+{{- end -}}
+{{- if and .Values.serve.autoscaling.enabled (gt (int .Values.serve.autoscaling.minReplicas) (int .Values.serve.autoscaling.maxReplicas)) -}}
+{{- fail "serve.autoscaling.minReplicas must be <= serve.autoscaling.maxReplicas" -}}
+{{- end -}}
+{{- if and .Values.podDisruptionBudget.enabled (ge (int .Values.podDisruptionBudget.minAvailable) (int .Values.workers.minReplicas)) -}}
+{{- fail (printf "podDisruptionBudget.minAvailable (%d) >= workers.minReplicas (%d) would block every node drain: lower it, or leave the budget off" (int .Values.podDisruptionBudget.minAvailable) (int .Values.workers.minReplicas)) -}}
+{{- end -}}
+{{- if and .Values.head.faultTolerance.enabled (not .Values.head.faultTolerance.redisAddress) -}}
+{{- fail "head.faultTolerance.enabled needs head.faultTolerance.redisAddress (an external Redis)" -}}
+{{- end -}}
+{{- if and (eq .Values.upgradeStrategy.type "NewClusterWithIncrementalUpgrade") (not .Values.upgradeStrategy.clusterUpgradeOptions.gatewayClassName) -}}
+{{- fail "upgradeStrategy NewClusterWithIncrementalUpgrade needs clusterUpgradeOptions (gatewayClassName, stepSizePercent, intervalSeconds)" -}}
 {{- end -}}
 {{- end -}}
