@@ -1,62 +1,269 @@
-"""The cache adapter: the only module that touches transformers' cache API.
+"""The cache adapter: the only module that touches transformers' cache and attention API.
 
-transformers 5.24 renamed the forward argument ``past_key_values=`` to ``cache=`` and made
-``DynamicCache.crop`` take a negative count of tokens to drop; a release that moves it again
-changes this file alone (tests/unit/test_kv_cache.py pins the behaviour).
+A ``KVPool`` holds one model's keys and values for many sequences in fixed-size pages (vLLM's
+paged KV cache): one tensor per key and value, [layers, slots, kv_heads, head_dim], a slot being
+a page's place for one token. A ``PagedSequence`` is one session's place in it: a page table and
+the tokens whose keys and values the pages hold. Rolling back after a rejection truncates the
+sequence and frees its whole pages past the new end; closing it frees everything.
 
-A ``KVCache`` remembers which tokens its keys and values belong to, so rolling back is one call:
-``rollback_to_prefix_of(sequence)`` keeps the longest cached prefix that ``sequence`` shares.
+``KVPool.forward`` runs one forward over a ragged batch: every sequence's new tokens flattened
+into one row [1, total] with their own positions (vLLM's way: no padding to the longest), the new
+keys and values written to each sequence's pages, and each sequence's queries attending to its own
+pages only, causally. transformers reaches the pool through two hooks: a cache object whose
+``update`` writes the new keys and values (the forward's ``cache=`` argument, so named since 5.24),
+and an attention function registered under ``ATTENTION`` that the model's config names for the
+duration of the forward. Why not transformers' own ``PagedAttentionCache``: it is built for its
+generate loop (its scheduler's request states, read / write indices it computes), and a rejection
+needs a sequence truncated mid-page and continued, which it does not offer.
+
+A release of transformers that moves this API changes this file alone
+(tests/unit/test_kv_cache.py pins the behaviour against the model's own forward).
 """
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache, PreTrainedModel
+from torch.nn.functional import scaled_dot_product_attention
+from transformers import AttentionInterface, PreTrainedModel
+
+from svip_common.errors import ModelLoadError, SvipError
+
+PAGE_SIZE = 16  # tokens per page
+DEFAULT_KV_TOKENS = 32768  # a pool's size in tokens when none is given
+ATTENTION = "svip_ragged"
+
+
+class PoolFull(SvipError):
+    """The pool has too few free pages for what was asked."""
+
+
+class KVPool:
+    def __init__(self, model: PreTrainedModel, tokens: int, page_size: int = PAGE_SIZE):
+        config = model.config.get_text_config(decoder=True)
+        if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
+            raise ModelLoadError(f"{config.model_type}: sliding-window attention is not supported by the paged KV pool")
+        self.model, self.page_size = model, page_size
+        self.layers = config.num_hidden_layers
+        kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+        self.pages = max(1, -(-tokens // page_size))
+        shape = (self.layers, self.pages * page_size, kv_heads, head_dim)
+        self.keys = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self.values = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        self._free = list(range(self.pages - 1, -1, -1))  # a stack: pages freed last are reused first
+
+    @property
+    def tokens(self) -> int:
+        """Capacity in tokens."""
+        return self.pages * self.page_size
+
+    @property
+    def free_pages(self) -> int:
+        return len(self._free)
+
+    @property
+    def used_pages(self) -> int:
+        return self.pages - len(self._free)
+
+    @property
+    def nbytes(self) -> int:
+        return self.keys.nbytes + self.values.nbytes
+
+    def pages_for(self, tokens: int) -> int:
+        return -(-tokens // self.page_size)
+
+    def sequence(self) -> PagedSequence:
+        return PagedSequence(self)
+
+    def _take(self, n: int) -> list[int]:
+        if n > len(self._free):
+            raise PoolFull(f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {n} more are needed")
+        taken = self._free[-n:] if n else []
+        del self._free[len(self._free) - n :]
+        return taken
+
+    def _give(self, pages: list[int]) -> None:
+        self._free.extend(reversed(pages))
+
+    @torch.inference_mode()
+    def forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]]) -> list[torch.Tensor]:
+        """One forward over a ragged batch. steps: (sequence, new token ids, k): each sequence's
+        new tokens go after the ones it holds; returns, per step, the logits of its last k new
+        tokens, [k, vocab] (k = 0: a prefill chunk, no logits). Raises PoolFull (nothing
+        changed) when the pages do not fit."""
+        need = sum(max(0, s.pages_needed(len(ids))) for s, ids, _ in steps)
+        if need > len(self._free):
+            raise PoolFull(f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {need} are needed")
+        items, ids, positions, keep = [], [], [], []
+        for seq, new, k in steps:
+            if not new or not 0 <= k <= len(new):
+                raise ValueError(f"a step needs new tokens and 0 <= k <= their count, got {len(new)} and {k}")
+            seq._grow(len(new))
+            start = len(seq)
+            items.append(_Item(len(ids), len(new), seq._slots_upto(start + len(new))))
+            keep += range(len(ids) + len(new) - k, len(ids) + len(new))
+            ids += new
+            positions += range(start, start + len(new))
+        device = self.model.device
+        write = torch.cat([it.slots[-it.length :] for it in items])  # each new token's slot
+        meta = _Ragged(self, items, write)
+        with _ragged_attention(self.model):
+            out = self.model(
+                input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
+                cache=_PoolWriter(meta), use_cache=True, logits_to_keep=torch.tensor(keep, device=device), svip_ragged=meta,
+            )
+        for seq, new, _ in steps:
+            seq.tokens.extend(new)
+        logits, rows = out.logits[0], []  # [sum of k, vocab]
+        for _, _, k in steps:
+            rows.append(logits[:k])
+            logits = logits[k:]
+        return rows
+
+
+class PagedSequence:
+    """One sequence's pages in a pool and the tokens they hold. Rolling back is one call:
+    ``rollback_to_prefix_of(sequence)`` keeps the longest prefix it shares with ``sequence``."""
+
+    def __init__(self, pool: KVPool):
+        self.pool = pool
+        self.pages: list[int] = []
+        self.tokens: list[int] = []
+        self._slots: torch.Tensor | None = None  # every page's slots, in order (rebuilt on change)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def forward(self, token_ids: Sequence[int], logits_to_keep: int = 1) -> torch.Tensor:
+        """The new tokens after the ones held; the last logits_to_keep rows of logits [k, vocab]."""
+        return self.pool.forward([(self, list(token_ids), logits_to_keep)])[0]
+
+    def pages_needed(self, new_tokens: int) -> int:
+        return self.pool.pages_for(len(self.tokens) + new_tokens) - len(self.pages)
+
+    def rollback(self, length: int) -> None:
+        """Forget every token past the first ``length``; whole pages past it go back to the pool."""
+        if length >= len(self.tokens):
+            return
+        del self.tokens[length:]
+        keep = self.pool.pages_for(length)
+        if keep < len(self.pages):
+            self.pool._give(self.pages[keep:])
+            del self.pages[keep:]
+            self._slots = None
+
+    def rollback_to_prefix_of(self, sequence: Sequence[int], limit: int | None = None) -> int:
+        """Keep the longest held prefix shared with ``sequence`` (at most ``limit`` tokens);
+        returns the number of tokens kept."""
+        keep = min(len(self.tokens), len(sequence) if limit is None else limit)
+        if self.tokens[:keep] != list(sequence[:keep]):
+            keep = next(i for i, (a, b) in enumerate(zip(self.tokens, sequence)) if a != b)
+        self.rollback(keep)
+        return keep
+
+    def tokens_equal(self, sequence: Sequence[int]) -> bool:
+        return len(self.tokens) == len(sequence) and self.tokens == list(sequence)
+
+    def close(self) -> None:
+        """Give every page back."""
+        self.pool._give(self.pages)
+        self.pages, self.tokens, self._slots = [], [], None
+
+    def _grow(self, new_tokens: int) -> None:
+        need = self.pages_needed(new_tokens)
+        if need > 0:
+            self.pages += self.pool._take(need)
+            self._slots = None
+
+    def _slots_upto(self, length: int) -> torch.Tensor:
+        if self._slots is None:
+            pages = torch.tensor(self.pages, dtype=torch.long, device=self.pool.keys.device)
+            offsets = torch.arange(self.pool.page_size, device=pages.device)
+            self._slots = (pages[:, None] * self.pool.page_size + offsets).reshape(-1)
+        return self._slots[:length]
+
+
+@dataclass
+class _Item:
+    start: int  # where its new tokens begin in the flattened row
+    length: int  # how many new tokens
+    slots: torch.Tensor  # slots of every token it will hold after this forward, in order
+
+
+@dataclass
+class _Ragged:
+    pool: KVPool
+    items: list[_Item]
+    write: torch.Tensor  # [total new tokens] the slot each new token's keys and values go to
+
+
+class _PoolWriter:
+    """The forward's cache: writes each layer's new keys and values into the pool."""
+
+    def __init__(self, meta: _Ragged):
+        self.meta = meta
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs=None, **_):
+        pool, write = self.meta.pool, self.meta.write
+        pool.keys[layer_idx, write] = key_states[0].transpose(0, 1)  # [total, kv_heads, head_dim]
+        pool.values[layer_idx, write] = value_states[0].transpose(0, 1)
+        return key_states, value_states
+
+
+def _ragged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query [1, heads, total, head_dim]: each sequence's queries attend to its own keys and
+    values in the pool (those before, and its new ones causally); returns [1, total, heads, head_dim]."""
+    meta: _Ragged = kwargs["svip_ragged"]
+    keys, values = meta.pool.keys[module.layer_idx], meta.pool.values[module.layer_idx]
+    outs = []
+    for item in meta.items:
+        q = query[:, :, item.start : item.start + item.length]  # [1, heads, n, d]
+        k = keys[item.slots].permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
+        v = values[item.slots].permute(1, 0, 2).unsqueeze(0)
+        n, total = item.length, item.slots.shape[0]
+        mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+        outs.append(scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True))
+    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+
+AttentionInterface.register(ATTENTION, _ragged_attention_forward)
+
+
+@contextlib.contextmanager
+def _ragged_attention(model: PreTrainedModel):
+    """The model's attention is the pool's for one forward (its own otherwise: the same model
+    object also serves Hugging Face's generate)."""
+    config = model.config
+    before = config._attn_implementation
+    config._attn_implementation = ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 class KVCache:
-    def __init__(self, model: PreTrainedModel):
-        self._model = model
-        self._cache = DynamicCache(config=model.config)
-        self._tokens: list[int] = []
+    """One sequence in a pool of its own, sized on demand: for one-off passes (calibration)."""
+
+    def __init__(self, model: PreTrainedModel, tokens: int = 4096):
+        self.sequence = KVPool(model, tokens).sequence()
 
     def __len__(self) -> int:
-        return len(self._tokens)
+        return len(self.sequence)
 
     @property
     def tokens(self) -> list[int]:
-        """The tokens whose keys and values are cached (a copy)."""
-        return list(self._tokens)
+        return list(self.sequence.tokens)
 
     def forward(self, token_ids: Sequence[int], logits_to_keep: int = 1) -> torch.Tensor:
-        """Run the model on token_ids after the cached ones; returns the last logits_to_keep rows
-        of logits, [logits_to_keep, vocab]."""
-        device = self._model.device
-        input_ids = torch.tensor([list(token_ids)], dtype=torch.long, device=device)  # [1, n]
-        out = self._model(
-            input_ids=input_ids, cache=self._cache, use_cache=True, logits_to_keep=logits_to_keep
-        )
-        self._tokens.extend(token_ids)
-        return out.logits[0, -logits_to_keep:]  # [logits_to_keep, vocab]
-
-    def tokens_equal(self, sequence: Sequence[int]) -> bool:
-        """The cache holds exactly ``sequence``."""
-        return len(self._tokens) == len(sequence) and self._tokens == list(sequence)
+        return self.sequence.forward(token_ids, logits_to_keep)
 
     def rollback(self, length: int) -> None:
-        """Drop every cached token past the first ``length``."""
-        drop = len(self._tokens) - length
-        if drop > 0:
-            self._cache.crop(-drop)
-            del self._tokens[length:]
+        self.sequence.rollback(length)
 
     def rollback_to_prefix_of(self, sequence: Sequence[int], limit: int | None = None) -> int:
-        """Keep the longest cached prefix shared with ``sequence`` (at most ``limit`` tokens);
-        returns the number of tokens kept."""
-        keep = min(len(self._tokens), len(sequence) if limit is None else limit)
-        if self._tokens[:keep] != list(sequence[:keep]):
-            keep = next(i for i, (a, b) in enumerate(zip(self._tokens, sequence)) if a != b)
-        self.rollback(keep)
-        return keep
+        return self.sequence.rollback_to_prefix_of(sequence, limit)

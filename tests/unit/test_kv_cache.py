@@ -60,3 +60,66 @@ def test_rollback_past_the_end_is_a_no_op(model):
     cache.forward(TOKENS[:3], logits_to_keep=1)
     cache.rollback(10)
     assert len(cache) == 3
+
+
+# --- the paged pool: ragged batches, pages, exactness against the model's own forward ----------
+
+from svip_common.kv_cache import KVPool, PoolFull  # noqa: E402
+
+
+@torch.inference_mode()
+def test_a_ragged_batch_equals_each_sequence_alone(model):
+    """Three sequences of different lengths, extended by different numbers of tokens in one
+    forward, give the logits each gets from a full forward of its own tokens."""
+    pool = KVPool(model, tokens=512, page_size=4)
+    seqs = [pool.sequence() for _ in range(3)]
+    prompts = [TOKENS, TOKENS[:3], [9, 10, 11, 12, 13]]
+    first = pool.forward([(s, p, 1) for s, p in zip(seqs, prompts)])
+    for p, row in zip(prompts, first):
+        assert torch.allclose(row, _full_logits(model, p)[-1:], atol=1e-4)
+    extra = [[1, 2, 3], [4], [5, 6]]
+    second = pool.forward([(s, e, len(e)) for s, e in zip(seqs, extra)])
+    for p, e, rows in zip(prompts, extra, second):
+        full = _full_logits(model, p + e)
+        assert rows.shape == (len(e), full.shape[-1])
+        assert torch.allclose(rows, full[-len(e):], atol=1e-4)
+        assert torch.equal(rows.argmax(-1), full[-len(e):].argmax(-1))
+
+
+@torch.inference_mode()
+def test_pages_are_taken_as_needed_and_given_back(model):
+    pool = KVPool(model, tokens=64, page_size=4)  # 16 pages
+    a, b = pool.sequence(), pool.sequence()
+    a.forward(TOKENS, 1)  # 8 tokens: 2 pages
+    b.forward(TOKENS[:5], 1)  # 5 tokens: 2 pages
+    assert pool.used_pages == 4 and not set(a.pages) & set(b.pages)  # no page shared by two live sequences
+    a.rollback(5)  # 5 tokens still need 2 pages
+    assert pool.used_pages == 4
+    a.rollback(4)
+    assert pool.used_pages == 3 and len(a.pages) == 1
+    out = a.forward([77, 78], 2)  # continues exactly after a mid-page rollback
+    assert torch.allclose(out, _full_logits(model, TOKENS[:4] + [77, 78])[-2:], atol=1e-4)
+    a.close()
+    b.close()
+    assert pool.used_pages == 0 and pool.free_pages == 16
+
+
+@torch.inference_mode()
+def test_a_full_pool_refuses_and_changes_nothing(model):
+    pool = KVPool(model, tokens=16, page_size=4)  # 4 pages
+    a, b = pool.sequence(), pool.sequence()
+    a.forward(TOKENS, 1)
+    with pytest.raises(PoolFull, match="free pages"):
+        pool.forward([(b, TOKENS, 1), (a, [1, 2, 3, 4, 5], 1)])
+    assert len(b) == 0 and len(a) == len(TOKENS) and pool.used_pages == 2
+    assert pool.nbytes == 2 * pool.keys.nbytes and pool.tokens == 16
+
+
+@torch.inference_mode()
+def test_the_models_own_attention_is_back_after_a_pooled_forward(model):
+    pool = KVPool(model, tokens=64)
+    before = model.config._attn_implementation
+    pool.sequence().forward(TOKENS, 1)
+    assert model.config._attn_implementation == before
+    generated = model.generate(torch.tensor([TOKENS]), max_new_tokens=3, do_sample=False, eos_token_id=None)
+    assert generated.shape == (1, len(TOKENS) + 3)
