@@ -21,6 +21,8 @@ from svip_common.contracts import (
     GenerationStats,
     Verdict,
 )
+from svip_common.errors import InvalidRequest
+from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
 from target_worker.verifier import Verifier
 
@@ -30,13 +32,19 @@ OnRound = Callable[[Block, Verdict, list[int]], None]
 
 
 class SpeculativeEngine:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
+                 max_batched_tokens: int | None = None):
+        """kv_cache_tokens: each model's KV pool, in tokens (every session in flight shares it);
+        max_batched_tokens: generate_many's cap on the tokens of one forward."""
+        self.max_batched_tokens = max_batched_tokens
         if draft is not None:
             check_same_vocabulary(target, draft)
+        if kv_cache_tokens < 1:
+            raise InvalidRequest(f"the KV cache must hold at least one token, got {kv_cache_tokens}")
         self.target = target
-        self.limits = pair_limits(target, draft)
-        self.verifier = Verifier(target, self.limits.tokens)
-        self.drafter = Drafter(draft, target.vocab_size, self.limits.tokens) if draft is not None else None
+        self.verifier = Verifier(target, pair_limits(target, draft).tokens, kv_cache_tokens)
+        self.limits = pair_limits(target, draft, kv_tokens=self.verifier.pool.tokens)
+        self.drafter = Drafter(draft, target.vocab_size, self.limits.tokens, kv_cache_tokens) if draft is not None else None
         self._calibration: Calibration | None = None
 
     @property
@@ -59,43 +67,95 @@ class SpeculativeEngine:
             request = dataclasses.replace(request, policy=dataclasses.replace(policy, threshold=threshold))
         return request
 
+    def open(self, request: GenerationRequest) -> EngineSession:
+        """A request's session on both models (resolved and validated first)."""
+        return EngineSession(self, self.resolve(request))
+
+    def generate_many(self, requests: list[GenerationRequest], batch_size: int) -> list[GenerationResult]:
+        """Up to batch_size requests in flight at once through the batched steps (coordinator/batch.py)."""
+        from coordinator.batch import BatchEngine
+
+        return BatchEngine(self, batch_size, self.max_batched_tokens).generate_all(requests)
+
     def generate(self, request: GenerationRequest, on_round: OnRound | None = None) -> GenerationResult:
-        request = self.resolve(request)
-        stop_ids = request.stop_ids(self.target.eos_token_ids)
-        target = self.verifier.open(request.sampling)
-        if self.drafter is None or request.policy.name == "none":
-            draft = NullDraftSession()
+        session = self.open(request)
+        try:
+            while not session.done:
+                round_start = time.perf_counter()
+                draft_s, target_s = session.draft.forward_s, session.target.forward_s
+                block = session.propose()
+                verdict = session.target.verify(session.committed, block)
+                settled = session.settle(block, verdict)
+                session.time_round(time.perf_counter() - round_start, session.draft.forward_s - draft_s,
+                                   session.target.forward_s - target_s)
+                if on_round is not None:
+                    on_round(block, verdict, settled)
+            return session.result()
+        finally:
+            session.close()
+
+
+class EngineSession:
+    """One request in the in-process engine: its sessions on the draft and the target, what is
+    committed, its stats. A round is propose (draft a block), verify (the target, alone or in a
+    batch), settle (feedback to the policy, commit, finish)."""
+
+    def __init__(self, engine: SpeculativeEngine, request: GenerationRequest):
+        self.request = request
+        self.stop_ids = request.stop_ids(engine.target.eos_token_ids)
+        self.target = engine.verifier.open(request.sampling)
+        if engine.drafter is None or request.policy.name == "none":
+            self.draft = NullDraftSession()
         else:
-            draft = self.drafter.open(request.sampling, request.policy, tuple(stop_ids))
-        stats = GenerationStats()
-        committed, generated = list(request.prompt_ids), []
-        start = time.perf_counter()
-        finish_reason = None
-        while finish_reason is None:
-            round_start = time.perf_counter()
-            draft_s, target_s = draft.forward_s, target.forward_s
-            budget = request.max_new_tokens - len(generated)
-            block = draft.propose(committed, budget=budget - 1)
-            verdict = target.verify(committed, block)
-            draft.feedback(len(block), verdict.accepted)
-            settled = [*block.tokens[: verdict.accepted], verdict.token]
-            settled, finish_reason = clip_settled(settled, budget, stop_ids)
-            committed += settled
-            generated += settled
-            _record_round(stats, block, verdict.accepted)
-            stats.round_s.append(time.perf_counter() - round_start)
-            stats.draft_forward_s.append(draft.forward_s - draft_s)
-            stats.target_forward_s.append(target.forward_s - target_s)
-            if on_round is not None:
-                on_round(block, verdict, settled)
-        stats.wall_s = time.perf_counter() - start
-        stats.draft_forwards, stats.target_forwards = draft.forwards, target.forwards
-        return GenerationResult(
-            prompt_ids=list(request.prompt_ids),
-            token_ids=generated,
-            finish_reason=finish_reason,
-            stats=stats,
-        )
+            self.draft = engine.drafter.open(request.sampling, request.policy, tuple(self.stop_ids))
+        self.committed = list(request.prompt_ids)
+        self.generated: list[int] = []
+        self.finish_reason: str | None = None
+        self.stats = GenerationStats()
+        self.started = time.perf_counter()
+
+    @property
+    def done(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def budget(self) -> int:
+        return self.request.max_new_tokens - len(self.generated)
+
+    def propose(self) -> Block:
+        """Draft this round's block (a forward at a time, alone)."""
+        return self.draft.propose(self.committed, budget=self.budget - 1)
+
+    def begin(self):
+        """This round's block to draft in lockstep with other sessions (None: no draft)."""
+        if isinstance(self.draft, NullDraftSession):
+            return None
+        return self.draft.begin(self.committed, self.budget - 1)
+
+    def settle(self, block: Block, verdict: Verdict) -> list[int]:
+        self.draft.feedback(len(block), verdict.accepted)
+        settled = [*block.tokens[: verdict.accepted], verdict.token]
+        settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
+        self.committed += settled
+        self.generated += settled
+        _record_round(self.stats, block, verdict.accepted)
+        return settled
+
+    def time_round(self, round_s: float, draft_s: float, target_s: float) -> None:
+        self.stats.round_s.append(round_s)
+        self.stats.draft_forward_s.append(draft_s)
+        self.stats.target_forward_s.append(target_s)
+
+    def result(self) -> GenerationResult:
+        stats = self.stats
+        stats.wall_s = time.perf_counter() - self.started
+        stats.draft_forwards, stats.target_forwards = self.draft.forwards, self.target.forwards
+        return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats)
+
+    def close(self) -> None:
+        """Both sessions' pages go back to their pools."""
+        self.target.close()
+        self.draft.close()
 
 
 def clip_settled(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:

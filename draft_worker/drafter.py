@@ -1,8 +1,10 @@
 """The drafter: hosts the draft model and proposes one variable-length block per round.
 
-A ``DraftSession`` owns one request's draft KV cache and length policy. ``propose`` first rolls
-the cache back to what is still valid for the committed sequence (the rollback after a
-rejection), then drafts until the policy, the hard cap, EOS or the token budget stops it.
+A ``DraftSession`` holds one request's place in the drafter's paged KV pool and its length policy.
+A block is drafted a forward at a time (``BlockDraft``): it first rolls the sequence back to what
+is still valid for the committed sequence (the rollback after a rejection), then drafts until the
+policy, the hard cap, EOS or the token budget stops it. ``Drafter.step`` advances many blocks of
+many sessions by one token each in one forward; each block still stops at its own place.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import torch
 
 from draft_worker.policies import LengthPolicy, make_policy
 from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
-from svip_common.kv_cache import KVCache
+from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.sampling import entropy, mask_padding, sample_index, warp_probs
@@ -22,12 +24,26 @@ from target_worker.rejection import recover
 
 
 class Drafter:
-    """The draft model, shared by the sessions it opens."""
+    """The draft model and its KV pool, shared by the sessions it opens."""
 
-    def __init__(self, draft: LoadedModel, target_vocab_size: int, token_limit: int | None = None):
+    def __init__(self, draft: LoadedModel, target_vocab_size: int, token_limit: int | None = None,
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS):
         self.draft = draft
         self.width = target_vocab_size  # q is laid over the target's vocabulary
         self.token_limit = min(draft.token_limit, target_vocab_size) if token_limit is None else token_limit
+        self.pool = KVPool(draft.model, kv_cache_tokens)
+
+    @torch.inference_mode()
+    def step(self, drafts: Sequence[BlockDraft]) -> None:
+        """One draft forward that advances every unfinished block by one token."""
+        live = [d for d in drafts if not d.done]
+        if not live:
+            return
+        started = time.perf_counter()
+        rows = self.pool.forward([(d._session._seq, d._pending, 1) for d in live])
+        elapsed = time.perf_counter() - started
+        for draft, logits in zip(live, rows):
+            draft._absorb(logits, elapsed)
 
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
@@ -46,15 +62,20 @@ class DraftSession:
         self.sampling = sampling
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
+        self._drafter = drafter
         self._width = drafter.width
         self._limit = drafter.token_limit
-        self._cache = KVCache(drafter.draft.model)
+        self._seq = drafter.pool.sequence()
         self.forwards = 0
         self.forward_s = 0.0
 
     @property
     def cached_tokens(self) -> int:
-        return len(self._cache)
+        return len(self._seq)
+
+    def close(self) -> None:
+        """Give the session's pages back to the pool."""
+        self._seq.close()
 
     def propose(self, committed: Sequence[int], budget: int) -> Block:
         """Draft at most ``budget`` tokens after ``committed``."""
@@ -86,13 +107,9 @@ class DraftSession:
             return int(torch.argmax(q))
         return sample_index(q, uniform(self.sampling.seed, position, Purpose.DRAFT))
 
-    def _forward(self, token_ids: list[int]) -> torch.Tensor:
-        start = time.perf_counter()
-        logits = self._cache.forward(token_ids, logits_to_keep=1)  # [1, draft_vocab]
-        logits = mask_padding(_to_width(logits, self._width), self._limit)
-        self.forward_s += time.perf_counter() - start
-        self.forwards += 1
-        return logits
+    def _q(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's distribution [vocab] over the target's vocabulary from its logits [1, draft_vocab]."""
+        return warp_probs(mask_padding(_to_width(logits, self._width), self._limit), self.sampling)[0]
 
 
 ALTERNATIVES = 3  # per drafted token, the next most likely tokens are kept (what a rejection may settle)
@@ -114,15 +131,22 @@ class BlockDraft:
         self._q_rows: list[torch.Tensor] = []
         self.done = self._limit <= 0
         if not self.done:
-            kept = session._cache.rollback_to_prefix_of(committed, limit=base - 1)
+            kept = session._seq.rollback_to_prefix_of(committed, limit=base - 1)
             self._pending = list(committed[kept:])
 
-    @torch.inference_mode()
     def step(self) -> bool:
-        """Draft one token; returns ``done``."""
+        """Draft one token (a forward of its own); returns ``done``."""
+        self._session._drafter.step([self])
+        return self.done
+
+    @torch.inference_mode()
+    def _absorb(self, logits: torch.Tensor, forward_s: float) -> None:
+        """The token this block's last forward chose, and whether the block ends there."""
         s, block = self._session, self.block
         started = time.perf_counter()
-        q = warp_probs(s._forward(self._pending), s.sampling)[0]  # [vocab]
+        s.forwards += 1
+        s.forward_s += forward_s
+        q = s._q(logits)  # [vocab]
         token = s._choose(q, block.base + len(block))
         h = float(entropy(q))
         step = StepState(len(block) + 1, block.base + len(block), token, float(q[token]), h)
@@ -139,8 +163,7 @@ class BlockDraft:
         if self.done and self._q_rows:
             block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
         self._pending = [token]
-        self.compute_s += time.perf_counter() - started
-        return self.done
+        self.compute_s += forward_s + time.perf_counter() - started
 
 
 class NullDraftSession:
@@ -153,6 +176,9 @@ class NullDraftSession:
 
     def propose(self, committed: Sequence[int], budget: int) -> Block:
         return Block(base=len(committed), tokens=[], probs=[], entropies=[])
+
+    def close(self) -> None:
+        pass
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass

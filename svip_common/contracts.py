@@ -93,6 +93,7 @@ class Limits:
     tokens: int  # valid ids are [0, tokens): the tokenizer's and every model's embedding
     positions: int | None  # context length (None: the configs state none)
     max_draft_length: int = DRAFT_LENGTH_CAP
+    kv_tokens: int | None = None  # the KV pool: no session may need more (None: not known here)
 
 
 @dataclass(frozen=True)
@@ -119,7 +120,7 @@ class GenerationRequest:
 
     def validate(self, limits: Limits) -> None:
         check_prompt_ids(self.prompt_ids, limits.tokens)
-        check_length(len(self.prompt_ids), self.max_new_tokens, limits.positions)
+        check_length(len(self.prompt_ids), self.max_new_tokens, limits.positions, limits.kv_tokens)
         self.sampling.validate()
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
@@ -139,14 +140,19 @@ def check_prompt_ids(ids, limit: int) -> None:
     check_token_ids(ids, limit, "prompt token id")
 
 
-def check_length(prompt_tokens: int, max_new_tokens: int, positions: int | None) -> None:
-    """max_new_tokens in [1, 2^31) and the prompt plus it within the context."""
+def check_length(prompt_tokens: int, max_new_tokens: int, positions: int | None, kv_tokens: int | None = None) -> None:
+    """max_new_tokens in [1, 2^31) and the prompt plus it within the context and the KV pool."""
     if not 1 <= max_new_tokens <= INT32_MAX:
         raise InvalidRequest(f"max_new_tokens must be in [1, 2^31), got {max_new_tokens}")
     if positions is not None and prompt_tokens + max_new_tokens > positions:
         raise InvalidRequest(
             f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens})"
             f" exceeds the model's context of {positions} tokens"
+        )
+    if kv_tokens is not None and prompt_tokens + max_new_tokens > kv_tokens:
+        raise InvalidRequest(
+            f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) does not fit the KV cache of "
+            f"{kv_tokens} tokens"
         )
 
 

@@ -74,13 +74,13 @@ class ModelInfo:
 
 
 def pair_limits(target: LoadedModel | ModelInfo, draft: LoadedModel | ModelInfo | None = None,
-                max_draft_length: int = DRAFT_LENGTH_CAP) -> Limits:
+                max_draft_length: int = DRAFT_LENGTH_CAP, kv_tokens: int | None = None) -> Limits:
     """What a request may ask of this target and draft together: ids below the smaller of their
     embeddings and the tokenizer (a Qwen2.5 7B target embeds 128 padding ids its 0.5B draft
     lacks), and the shorter of their contexts."""
     models = [m for m in (target, draft) if m is not None]
     contexts = [m.max_positions for m in models if m.max_positions is not None]
-    return Limits(min(m.token_limit for m in models), min(contexts) if contexts else None, max_draft_length)
+    return Limits(min(m.token_limit for m in models), min(contexts) if contexts else None, max_draft_length, kv_tokens)
 
 
 def load_model_info(path: str) -> ModelInfo:

@@ -1,19 +1,23 @@
-"""The verifier: hosts the target model and answers each block with a verdict in one forward.
+"""The verifier: hosts the target model and answers blocks with verdicts, every block that is
+ready in one forward.
 
-A ``TargetSession`` owns one request's target KV cache. ``verify`` rolls the cache back to what
-the committed sequence still shares, runs the uncached committed tokens plus the block through
-the target in one pass, and settles the next positions with the rejection rule.
+A ``TargetSession`` holds one request's place in the verifier's paged KV pool. Verifying rolls
+its sequence back to what the committed sequence still shares, runs the uncached committed tokens
+plus the block through the target, and settles the next positions with the rejection rule.
+``Verifier.verify_batch`` does that for many sessions in one forward over a ragged batch, each
+session with its own prefix and its own block length.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
-from svip_common.kv_cache import KVCache
+from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool, PagedSequence
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.sampling import mask_padding, sample_index, warp_probs
@@ -21,22 +25,70 @@ from target_worker.rejection import accept_greedy, accept_sampled, recover
 
 
 class Verifier:
-    """The target model, shared by the sessions it opens."""
+    """The target model and its KV pool, shared by the sessions it opens."""
 
-    def __init__(self, target: LoadedModel, token_limit: int | None = None):
+    def __init__(self, target: LoadedModel, token_limit: int | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS):
         self.target = target
         self.token_limit = target.token_limit if token_limit is None else token_limit  # ids it may emit
+        self.pool = KVPool(target.model, kv_cache_tokens)
         self.tokens_verified = 0  # drafted tokens, every session
+        self.last_step_tokens = 0  # tokens in the last batched forward
 
     def open(self, sampling: SamplingParams) -> TargetSession:
         return TargetSession(self, sampling)
+
+    @torch.inference_mode()
+    def verify_batch(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
+                     budget: int | None = None) -> list[Verdict | None]:
+        """Every job's verdict, from one target forward for all the blocks that need one (a
+        follow-up whose first token the stored row rejects needs none). budget: at most this many
+        tokens in the forward (the step's max_batched_tokens): a job whose uncached prompt does
+        not fit is prefilled by a chunk and answers None (verify it again in a later step), so a
+        long prompt never stalls the others; the first job always advances."""
+        verdicts: list[Verdict | None] = [session.judge_first(committed, block) for session, committed, block in jobs]
+        room = budget if budget is not None else float("inf")
+        plans, steps, owners = {}, [], []  # owners[j]: the job step j settles (None: a prefill chunk)
+        for i, (session, committed, block) in enumerate(jobs):
+            if verdicts[i] is not None:
+                continue
+            plan = session._plan(committed, block)
+            tokens = len(plan.step[1]) if plan.step is not None else 0
+            if tokens > room and steps:
+                prefill = tokens - len(block.tokens) - 1  # uncached committed tokens, but the last one
+                chunk = min(int(room), prefill)
+                if chunk > 0:
+                    seq, new, _ = plan.step
+                    steps.append((seq, new[:chunk], 0))
+                    owners.append(None)
+                    room -= chunk
+                continue
+            plans[i] = plan
+            if plan.step is not None:
+                steps.append(plan.step)
+                owners.append(i)
+                room -= tokens
+        self.last_step_tokens = sum(len(new) for _, new, _ in steps)
+        started = time.perf_counter()
+        rows = self.pool.forward(steps) if steps else []
+        elapsed = time.perf_counter() - started
+        settled = dict(zip(owners, rows))
+        for i, plan in plans.items():  # a plan with no step: the stored row settles it
+            session, committed, block = jobs[i]
+            verdicts[i] = session._settle(committed, block, plan, settled.get(i), elapsed)
+        return verdicts
+
+
+@dataclass
+class _Plan:
+    step: tuple[PagedSequence, list[int], int] | None  # the forward this block needs (None: the stored row is all)
+    reuse: bool  # the first row is the stored one
 
 
 class TargetSession:
     def __init__(self, verifier: Verifier, sampling: SamplingParams):
         self.sampling = sampling
-        self._cache = KVCache(verifier.target.model)
         self._verifier = verifier
+        self._seq = verifier.pool.sequence()
         self._limit = verifier.token_limit
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
         self._pending_at = -1
@@ -45,19 +97,80 @@ class TargetSession:
 
     @property
     def cached_tokens(self) -> int:
-        return len(self._cache)
+        return len(self._seq)
 
-    @torch.inference_mode()
+    def close(self) -> None:
+        """Give the session's pages back to the pool."""
+        self._seq.close()
+        self._pending, self._pending_at = None, -1
+
     def verify(self, committed: Sequence[int], block: Block) -> Verdict:
         """Settle the block. When the block's q rows live on the draft side (distributed
         sampling), a rejection returns ``token = -1`` and ``p_row``, and the draft side draws the
         correction from norm(max(0, p_row - q))."""
-        base, k = len(committed), len(block)
-        early = self.judge_first(committed, block)
-        if early is not None:
-            return early
-        self._verifier.tokens_verified += k
-        logits = self._score(committed, block.tokens)  # [k + 1, vocab]
+        return self._verifier.verify_batch([(self, committed, block)])[0]
+
+    @torch.inference_mode()
+    def judge_first(self, committed: Sequence[int], block: Block) -> Verdict | None:
+        """A block that continues a fully accepted one: its first token judged against the row
+        already stored for that place, before any forward, by the same rule and the same keyed
+        coin as the full pass. A rejection is the verdict at once (no forward for the tokens
+        after it, which would all be discarded); None: the block needs its forward."""
+        if not block.tokens or not self._holds(committed):
+            return None
+        base, d0 = len(committed), block.tokens[0]
+        if self.sampling.greedy:
+            target = int(torch.argmax(self._pending[0]))
+            if target == d0:
+                return None
+            self._verifier.tokens_verified += len(block)
+            return Verdict(base=base, accepted=0, token=target, epoch=block.epoch)
+        p0 = warp_probs(self._pending, self.sampling)[0]  # [vocab]
+        if accept_sampled([float(p0[d0])], block.probs[:1], [uniform(self.sampling.seed, base, Purpose.ACCEPT)]):
+            return None
+        self._verifier.tokens_verified += len(block)
+        if block.q_rows is None:
+            return Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p0)
+        token = recover(p0, block.q_rows[0], uniform(self.sampling.seed, base, Purpose.RESOLVE))
+        return Verdict(base=base, accepted=0, token=token, epoch=block.epoch)
+
+    def _holds(self, committed: Sequence[int]) -> bool:
+        """The pool holds exactly ``committed`` and the row for the next place is stored (the
+        block continues a fully accepted one)."""
+        return self._pending is not None and self._pending_at == len(committed) == len(self._seq) and \
+            self._seq.tokens_equal(committed)
+
+    def _plan(self, committed: Sequence[int], block: Block) -> _Plan:
+        """Target logits are needed for positions len(committed) .. len(committed) + len(block):
+        roll back to what the pool still shares, and reuse the stored row for the first of them
+        when the pool holds exactly ``committed``."""
+        base, drafted = len(committed), block.tokens
+        kept = self._seq.rollback_to_prefix_of(committed)
+        reuse = kept == base and self._pending_at == base and self._pending is not None
+        if not reuse and kept == base:
+            self._seq.rollback(base - 1)
+            kept = base - 1
+        if reuse and not drafted:
+            return _Plan(None, True)
+        if reuse:
+            return _Plan((self._seq, list(drafted), len(drafted)), True)
+        return _Plan((self._seq, [*committed[kept:], *drafted], len(drafted) + 1), False)
+
+    def _settle(self, committed: Sequence[int], block: Block, plan: _Plan, rows: torch.Tensor | None,
+                elapsed: float) -> Verdict:
+        if plan.step is None:
+            logits = self._pending
+        else:
+            rows = mask_padding(rows, self._limit)
+            logits = torch.cat([self._pending, rows]) if plan.reuse else rows  # [k + 1, vocab]
+            self.forwards += 1
+            self.forward_s += elapsed
+        self._pending, self._pending_at = logits[-1:], len(self._seq)
+        self._verifier.tokens_verified += len(block)
+        return self._judge(len(committed), block, logits)
+
+    def _judge(self, base: int, block: Block, logits: torch.Tensor) -> Verdict:
+        k = len(block)
         if self.sampling.greedy:
             target_tokens = torch.argmax(logits, dim=-1).tolist()  # [k + 1]
             accepted = accept_greedy(target_tokens, block.tokens)
@@ -78,59 +191,3 @@ class TargetSession:
         else:
             token = recover(p[accepted], block.q_rows[accepted], u)
         return Verdict(base=base, accepted=accepted, token=token, epoch=block.epoch)
-
-    def _holds(self, committed: Sequence[int]) -> bool:
-        """The cache holds exactly ``committed`` and the row for the next place is stored (the
-        block continues a fully accepted one)."""
-        return self._pending is not None and self._pending_at == len(committed) == len(self._cache) and \
-            self._cache.tokens_equal(committed)
-
-    @torch.inference_mode()
-    def judge_first(self, committed: Sequence[int], block: Block) -> Verdict | None:
-        """A block that continues a fully accepted one: its first token judged against the row
-        already stored for that place, before any forward, by the same rule and the same keyed
-        coin as the full pass. A rejection is the verdict at once (no forward for the tokens
-        after it, which would all be discarded); None: verify() runs the forward."""
-        if not block.tokens or not self._holds(committed):
-            return None
-        base, d0 = len(committed), block.tokens[0]
-        if self.sampling.greedy:
-            target = int(torch.argmax(self._pending[0]))
-            if target == d0:
-                return None
-            self._verifier.tokens_verified += len(block)
-            return Verdict(base=base, accepted=0, token=target, epoch=block.epoch)
-        p0 = warp_probs(self._pending, self.sampling)[0]  # [vocab]
-        if accept_sampled([float(p0[d0])], block.probs[:1], [uniform(self.sampling.seed, base, Purpose.ACCEPT)]):
-            return None
-        self._verifier.tokens_verified += len(block)
-        if block.q_rows is None:
-            return Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p0)
-        token = recover(p0, block.q_rows[0], uniform(self.sampling.seed, base, Purpose.RESOLVE))
-        return Verdict(base=base, accepted=0, token=token, epoch=block.epoch)
-
-    def _score(self, committed: Sequence[int], drafted: list[int]) -> torch.Tensor:
-        """Target logits for positions len(committed) .. len(committed) + len(drafted).
-
-        The row for the first of them is reused from the previous forward when the cache holds
-        exactly ``committed`` (a pre-drafted block continuing a fully accepted one)."""
-        base = len(committed)
-        kept = self._cache.rollback_to_prefix_of(committed)
-        reuse = kept == base and self._pending_at == base and self._pending is not None
-        if not reuse and kept == base:
-            self._cache.rollback(base - 1)
-            kept = base - 1
-        start = time.perf_counter()
-        if reuse and not drafted:
-            logits = self._pending
-        elif reuse:
-            tail = self._cache.forward(drafted, logits_to_keep=len(drafted))  # [k, vocab]
-            logits = torch.cat([self._pending, tail])
-        else:
-            logits = self._cache.forward([*committed[kept:], *drafted], logits_to_keep=len(drafted) + 1)
-        logits = mask_padding(logits, self._limit)
-        if not (reuse and not drafted):
-            self.forwards += 1
-        self.forward_s += time.perf_counter() - start
-        self._pending, self._pending_at = logits[-1:], len(self._cache)
-        return logits
