@@ -8,6 +8,7 @@ import os
 
 from svip_common.errors import SvipError
 from svip_common.contracts import DRAFT_LENGTH_CAP
+from svip_common.kv_cache import DEFAULT_KV_TOKENS, PAGE_SIZE
 from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info, pair_limits
 from svip_common.tls import TlsFiles
 
@@ -97,7 +98,8 @@ class WorkerPair:
                  target_gpus: float = 0, draft_gpus: float = 0, placement=None,
                  bundles: tuple[int, int] = (0, 0), worker_cpus: float = 1,
                  max_draft_length: int = DRAFT_LENGTH_CAP, layout: str | None = None, tls: TlsFiles | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S, placement_timeout_s: float = PLACEMENT_TIMEOUT_S):
+                 start_timeout_s: float = START_TIMEOUT_S, placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None):
         import ray
 
         from draft_worker.actor import DraftActor
@@ -108,7 +110,9 @@ class WorkerPair:
         if draft_path is not None:
             draft_info = load_model_info(draft_path)
             check_same_vocabulary(self.target_info, draft_info)
-        self.limits = pair_limits(self.target_info, draft_info, max_draft_length)
+        # a pool holds whole pages: its capacity, rounded up to them
+        kv_tokens = -(-kv_cache_tokens // PAGE_SIZE) * PAGE_SIZE
+        self.limits = pair_limits(self.target_info, draft_info, max_draft_length, kv_tokens)
         self.tls = tls
         self.target = self.draft = self._own_placement = None
         if layout is not None and placement is None:
@@ -119,10 +123,11 @@ class WorkerPair:
                 raise SvipError(f"no room to place the pair ({layout}): Ray has no {'two nodes' if layout == 'spread' else 'node'} "
                                 f"with a free {'GPU' if target_gpus else 'CPU'} for each worker")
         host = "127.0.0.1" if ray.util.get_node_ip_address() == "127.0.0.1" else None  # None: the node's address
-        common = dict(dtype=dtype, device=device, host=host, tls=tls)
+        common = dict(dtype=dtype, device=device, host=host, tls=tls, kv_cache_tokens=kv_cache_tokens)
+        self.kv_cache_tokens = kv_cache_tokens
         self.target = ray.remote(TargetActor).options(
             **actor_options("target", target_gpus, placement, bundles[0], worker_cpus)).remote(
-            target_path, self.limits, **common)
+            target_path, self.limits, max_batched_tokens=max_batched_tokens, **common)
         self.target_address = self.draft_address = None
         if draft_path is not None:
             self.draft = ray.remote(DraftActor).options(

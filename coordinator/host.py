@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import grpc
 
@@ -21,6 +22,7 @@ from coordinator.pipeline import PIPELINES, SessionPipeline
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
 from svip_common.grpc_server import SessionService, SessionStream, session_id_of, status_of
+from svip_common.step_metrics import StepMetrics
 from svip_common.tls import TlsFiles
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -34,9 +36,15 @@ _PIPELINE_NAMES = {v: k for k, v in PIPELINES.items()}
 class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     role = "target"
 
-    def __init__(self, verifier: Verifier, limits, draft_address: str | None = None, tls: TlsFiles | None = None):
+    def __init__(self, verifier: Verifier, limits, draft_address: str | None = None, tls: TlsFiles | None = None,
+                 max_batched_tokens: int | None = None):
+        """max_batched_tokens: at most this many tokens in one target forward (a long prompt is
+        prefilled in chunks under it); None: no limit."""
         super().__init__(limits)
         self.verifier = verifier
+        self.max_batched_tokens = max_batched_tokens
+        self.step_metrics = StepMetrics("target")
+        self._ready: list[tuple[str, SessionPipeline, pb.Block, object, tuple[float, str]]] = []  # blocks to verify
         self.draft: DraftLink | None = None
         if draft_address is not None:
             self.draft = DraftLink(draft_address, self._draft_event, self._draft_broken, tls)
@@ -52,6 +60,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
 
     def processed_tokens(self) -> int:
         return self.verifier.tokens_verified
+
+    @property
+    def pool(self):
+        return self.verifier.pool
 
     def unavailable(self) -> str | None:
         return self.draft.broken if self.draft is not None else None
@@ -84,7 +96,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             pipeline = _PIPELINE_NAMES.get(msg.pipeline, "async")
             session = SessionPipeline(msg.session_id, request_, frozenset(msg.stop_token_ids), self.limits,
                                       self.verifier.open(sampling), self.draft if speculate else None, pipeline,
-                                      emit=stream.emit, schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args))
+                                      emit=stream.emit, schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args),
+                                      enqueue=lambda session, block, checked, info: self._ready.append((msg.session_id, session, block, checked, info)))
             self.new_session(msg.session_id, session, stream)
             self._step(msg.session_id, session.start)
         else:  # cancel
@@ -99,6 +112,30 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         session = self.sessions.get(session_id)
         if session is not None:  # else a late event of an ended session
             self._step(session_id, session.on_draft_event, event, received_at, size)
+
+    def idle(self) -> bool:
+        """One batched step: a single target forward verifies every block that is ready, each
+        session's prefix and block length its own (a ragged batch); its verdicts are decided
+        after whatever arrived meanwhile is taken in."""
+        ready = [job for job in self._ready if self.sessions.get(job[0]) is job[1] and not job[1].done]
+        if not ready:
+            self._ready.clear()
+            return False
+        jobs = [(session.target, session.committed, checked) for _, session, _, checked, _ in ready]
+        started = time.time()
+        try:
+            verdicts = self.verifier.verify_batch(jobs, self.max_batched_tokens)
+        except Exception as exc:  # the batch failed: every session in it ends with the error
+            verdicts = [exc] * len(ready)
+        ended = time.time()
+        self._ready = [job for job, verdict in zip(ready, verdicts) if verdict is None]  # prefilled a chunk
+        self.step_metrics.record(len(ready), self.verifier.last_step_tokens, self.verifier.pool)
+        for (session_id, session, block, _, (received_at, source)), verdict in zip(ready, verdicts):
+            if isinstance(verdict, Exception):
+                self._step(session_id, _raise, verdict)
+            elif verdict is not None:
+                self._step(session_id, session.verified, block, verdict, received_at, source, started, ended)
+        return True
 
     def on_draft_broken(self, reason: str) -> None:
         for session_id, session in list(self.sessions.items()):
@@ -132,3 +169,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
 
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.GenerateEvent:
         return pb.GenerateEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
+
+
+def _raise(exc: Exception) -> None:
+    raise exc

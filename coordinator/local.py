@@ -10,13 +10,15 @@ import asyncio
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from svip_common.contracts import GenerationRequest, GenerationResult
+from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.tls import TlsFiles
 
 
 class LocalDistributed:
     def __init__(self, target_path: str, draft_path: str | None, pipeline: str = "async",
                  dtype: str = "float32", device: str = "cpu", target_gpus: int = 1, ray_address: str | None = None,
-                 placement: str | None = None, tls: TlsFiles | None = None):
+                 placement: str | None = None, tls: TlsFiles | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
+                 max_batched_tokens: int | None = None):
         if ray_address is None:
             init_local_ray()
         else:
@@ -25,7 +27,8 @@ class LocalDistributed:
             ray.init(address=ray_address, log_to_driver=False)
         gpus = device.startswith("cuda")
         self.pair = WorkerPair(target_path, draft_path, dtype=dtype, device=device,
-                               target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=placement, tls=tls)
+                               target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=placement, tls=tls,
+                               kv_cache_tokens=kv_cache_tokens, max_batched_tokens=max_batched_tokens)
         self.target = self.pair.target_info
         self.draft_path = draft_path
         self.loop = asyncio.new_event_loop()
@@ -37,6 +40,19 @@ class LocalDistributed:
 
     def generate(self, request: GenerationRequest) -> GenerationResult:
         return self.loop.run_until_complete(self.engine.generate(request))
+
+    def generate_many(self, requests: list[GenerationRequest], batch_size: int) -> list[GenerationResult]:
+        """Up to batch_size sessions in flight at once (the workers batch their forwards)."""
+        async def run_all():
+            slots = asyncio.Semaphore(batch_size)
+
+            async def one(request):
+                async with slots:
+                    return await self.engine.generate(request)
+
+            return await asyncio.gather(*(one(r) for r in requests))
+
+        return self.loop.run_until_complete(run_all())
 
     def close(self) -> None:
         import ray

@@ -48,11 +48,14 @@ class DraftLink(Protocol):
 class SessionPipeline:
     def __init__(self, session_id: str, request: GenerationRequest, stop_ids: frozenset[int], limits: Limits,
                  target: TargetSession, draft: DraftLink | None, pipeline: str,
-                 emit: Callable[[pb.GenerateEvent], None], schedule: Callable[..., None]):
-        """emit: sends an event to the caller; schedule(fn, *args): runs fn later on the compute thread."""
+                 emit: Callable[[pb.GenerateEvent], None], schedule: Callable[..., None],
+                 enqueue: Callable[..., None]):
+        """emit: sends an event to the caller; schedule(fn, *args): runs fn later on the compute
+        thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
+        batched step to verify the block, which answers with verified()."""
         self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
         self.target, self.draft, self.pipeline = target, draft, pipeline
-        self.emit, self.schedule = emit, schedule
+        self.emit, self.schedule, self.enqueue = emit, schedule, enqueue
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.epoch = 0
@@ -97,7 +100,9 @@ class SessionPipeline:
             self._finish("cancelled")
 
     def close(self) -> None:
-        """The session is dropped (finished, cancelled, or its caller's stream is gone)."""
+        """The session is dropped (finished, cancelled, or its caller's stream is gone): its
+        pages go back to the pool and the draft's session is cancelled."""
+        self.target.close()
         if self._draft_open:
             self._draft_open = False
             self._to_draft(pb.DraftRequest(cancel=pb.Cancel(session_id=self.sid)))
@@ -156,9 +161,12 @@ class SessionPipeline:
             self._decide(block, early, (received_at, now, now, source))
             return
         self._flush_feedback()
-        started = time.time()
-        verdict = self.target.verify(self.committed, checked)
-        ended = time.time()
+        self.enqueue(self, block, checked, (received_at, source))
+
+    def verified(self, block: pb.Block, verdict: Verdict, received_at: float, source: str, started: float,
+                 ended: float) -> None:
+        """The verdict from the host's batched step (one target forward for every session ready);
+        decided after what arrived meanwhile (prepared blocks, follow-ups) is taken in."""
         self.intervals.append(("target", started, ended))
         self.schedule(self._decide, block, verdict, (received_at, started, ended, source))
 

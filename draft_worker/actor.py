@@ -16,7 +16,7 @@ class DraftActor(ModelActor):
         self.target_vocab_size = target_vocab_size
 
     def make_service(self):
-        return DraftService(Drafter(self.model, self.target_vocab_size, self.limits.tokens), self.limits)
+        return DraftService(Drafter(self.model, self.target_vocab_size, self.limits.tokens, self.kv_cache_tokens), self.limits)
 
     def register(self, server, service) -> None:
         pb_grpc.add_DraftWorkerServicer_to_server(service, server)

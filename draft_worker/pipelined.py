@@ -50,11 +50,13 @@ class Outgoing:
 
 @dataclass
 class Job:
-    """A speculative block in the making: the follow-up, or a prepared continuation."""
+    """A block in the making: the next main-line block, the follow-up, or a prepared continuation."""
 
     draft: BlockDraft
     prepared_for: tuple[int, int, int] | None
     started_at: float
+    trigger_at: float = 0.0  # the feedback it answers arrived then (critical jobs)
+    resolved_token: int = NO_TOKEN  # the sampled correction it carries (critical jobs)
 
     @property
     def followup(self) -> bool:
@@ -74,7 +76,8 @@ class PipelinedDraft:
     epoch: int = 0
     outstanding: list[Outgoing] = field(default_factory=list)  # main-line blocks sent, unanswered (<= 2)
     agenda: list[tuple[float, tuple[int, int, int] | None]] = field(default_factory=list)  # (score, prepared_for)
-    job: Job | None = None
+    job: Job | None = None  # the speculative block in the making
+    critical: Job | None = None  # the main-line block the target waits for, drafted before any speculation
     prepared: dict[tuple[int, int, int], Outgoing] = field(default_factory=dict)  # (base, accepted, token) -> finished
 
     def __post_init__(self):
@@ -93,17 +96,20 @@ class PipelinedDraft:
         return self.session.cached_tokens
 
     def close(self) -> None:
-        self.job, self.agenda, self.prepared = None, [], {}
+        """The session ends: its pages go back to the draft's pool."""
+        self.job, self.critical, self.agenda, self.prepared = None, None, [], {}
+        self.session.close()
 
-    # --- the critical path: a start, a feedback ---------------------------------------------------
+    # --- messages: a start, a feedback -------------------------------------------------------------
+    # Each returns the blocks ready to send at once; a block that must be drafted first becomes
+    # the critical job, advanced by the worker's batched steps before any speculation.
 
     def start(self, now: float) -> list[Outgoing]:
         return self._next_block(NO_TOKEN, now)
 
     def on_feedback(self, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
                     prepared_used: bool, received_at: float) -> list[Outgoing]:
-        """Apply the verdict on the oldest outstanding block (checked at once); returns the blocks
-        to send now."""
+        """Apply the verdict on the oldest outstanding block (checked at once)."""
         if not self.outstanding or self.outstanding[0].block.base != base or len(self.outstanding[0].block) != drafted:
             raise InvalidRequest(f"feedback for a block at base {base} of {drafted} tokens that this session did not send")
         if accepted > drafted:
@@ -119,9 +125,13 @@ class PipelinedDraft:
             self.prepared = {key: item for key, item in self.prepared.items() if key[0] != base}
             if self.job is not None and not self.job.followup and self.job.prepared_for[0] == base:
                 self.job = None
-            sent = [] if self.outstanding else [self._finish_followup(received_at)]
+            if not self.outstanding:  # the target now waits for the follow-up: it is critical
+                if self.job is None:
+                    self._begin(None)
+                self.critical, self.job = self.job, None
+                self.critical.trigger_at = received_at
             self._plan()
-            return sent
+            return []
         prepared, self.prepared, self.agenda = self.prepared, {}, []
         resolved = NO_TOKEN
         if token == NO_TOKEN:
@@ -131,7 +141,7 @@ class PipelinedDraft:
         self.known = self.known[:base] + block.tokens[:accepted] + [token]
         self.epoch = epoch
         self.outstanding.clear()
-        self.job = None
+        self.job = self.critical = None
         ready = prepared.get((base, accepted, token)) if accepted < drafted else None
         if prepared_used:
             if ready is None or ready.prepared_for is None or ready.reused:
@@ -149,57 +159,55 @@ class PipelinedDraft:
         return self._next_block(resolved, received_at)
 
     def _next_block(self, resolved: int, trigger_at: float) -> list[Outgoing]:
-        """Draft the next main-line block after what is known, now."""
+        """The next main-line block after what is known: the critical job, or an empty block
+        when there is nothing to draft (the budget is spent, or the correction ends the output;
+        it lets the target settle the next position, or at least carries the correction)."""
         budget = self.limit - len(self.known) - 1  # the verdict's own token fills the last place
         ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids
-        started = time.time()
         if budget >= 1 and not ended:
-            draft = self.session.begin(self.known, budget, alternatives=self.pipelined)
-            while not draft.done:
-                draft.step()
-            if draft.block.tokens:
-                item = self._outgoing(draft, started, None, trigger_at)
-                item.resolved_token = resolved
-                self.outstanding.append(item)
-                self._plan()
-                return [item]
+            self.critical = Job(self.session.begin(self.known, budget, alternatives=self.pipelined), None, time.time(),
+                                trigger_at, resolved)
+            return []
         if resolved == NO_TOKEN and self._finished():
             return []
-        # nothing to draft (budget, or the correction ends the output): an empty block lets the
-        # target settle the next position, or at least carries the correction
         now = time.time()
         empty = Block(base=len(self.known), tokens=[], probs=[], entropies=[], epoch=self.epoch)
         item = Outgoing(empty, resolved_token=resolved, started_at=now, finished_at=now, trigger_at=trigger_at)
         self.outstanding.append(item)
         return [item]
 
-    def _finish_followup(self, trigger_at: float) -> Outgoing:
-        """The follow-up the target now waits for: finish it (or draft it) on the critical path."""
-        if self.job is None:
-            self._begin(None)
-        job, self.job = self.job, None
-        while not job.draft.done:
-            job.draft.step()
-        item = self._outgoing(job.draft, job.started_at, None, trigger_at)
-        self.outstanding.append(item)
-        return item
+    # --- the worker's batched steps: one forward for every session's next token ---------------------
 
-    # --- between messages: one forward of speculation ---------------------------------------------
-
-    def work(self) -> list[Outgoing] | None:
-        """One forward of the most likely continuation not yet drafted; returns what became ready
-        to send ([] when nothing did), or None when there is nothing left to do now."""
-        if self.job is None and not self.agenda or not self._time_for_a_forward():
-            return None
+    def next_draft(self) -> BlockDraft | None:
+        """The block this session advances in the next batched step: its critical job, else
+        the most likely continuation not yet drafted (if it would finish before the verdict is
+        due); None: nothing to do now."""
+        if self.critical is not None:
+            return self.critical.draft
         if self.job is None:
+            if not self.agenda or not self._time_for_a_forward():
+                return None
             _, prepared_for = self.agenda.pop(0)
             self._begin(prepared_for)
+        elif not self._time_for_a_forward():
+            return None
+        return self.job.draft
+
+    def after_step(self, forward_s: float) -> list[Outgoing]:
+        """What the step finished: blocks to send now."""
+        self._learn_forward(forward_s)
+        if self.critical is not None:
+            job = self.critical
+            if not job.draft.done:
+                return []
+            self.critical = None
+            item = self._outgoing(job.draft, job.started_at, None, job.trigger_at)
+            item.resolved_token = job.resolved_token
+            self.outstanding.append(item)
+            self._plan()
+            return [item]
         job = self.job
-        if not job.draft.done:
-            started = time.perf_counter()
-            job.draft.step()
-            self._learn_forward(time.perf_counter() - started)
-        if not job.draft.done:
+        if job is None or not job.draft.done:
             return []
         self.job = None
         if not job.draft.block.tokens:
@@ -211,6 +219,15 @@ class PipelinedDraft:
             return [item]
         self.prepared[job.prepared_for] = item
         return [item] if self.send_prepared else []
+
+    def work(self) -> list[Outgoing] | None:
+        """One forward of this session alone (next_draft, then after_step); None: nothing to do."""
+        draft = self.next_draft()
+        if draft is None:
+            return None
+        started = time.perf_counter()
+        draft.step()
+        return self.after_step(time.perf_counter() - started)
 
     def _time_for_a_forward(self) -> bool:
         if self._verdict_wait is None or self._forward_s is None or not self.outstanding:

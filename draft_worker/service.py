@@ -1,8 +1,11 @@
 """The draft worker's gRPC service: sessions multiplexed on one stream from each target worker,
-handled on one compute thread; between messages, that thread prepares what each async session's
-next verdict most likely calls for (draft_worker/pipelined.py), one forward at a time."""
+handled on one compute thread. Between messages that thread runs batched steps: one draft forward
+advances every session with a block to draft by one token, the blocks the target waits for first
+and, in async sessions, what the next verdict most likely calls for (draft_worker/pipelined.py)."""
 
 from __future__ import annotations
+
+import time
 
 import grpc
 
@@ -11,6 +14,7 @@ from draft_worker.pipelined import Outgoing, PipelinedDraft
 from svip_common.contracts import NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest
 from svip_common.grpc_server import SessionService, SessionStream
+from svip_common.step_metrics import StepMetrics
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -23,7 +27,11 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         super().__init__(limits)
         self.drafter = drafter
         self.prepare = prepare  # prepared continuations per block (async sessions)
-        self._turn = 0  # round-robin over sessions with speculative work
+        self.step_metrics = StepMetrics("draft")
+
+    @property
+    def pool(self):
+        return self.drafter.pool
 
     async def Session(self, request_iterator, context):
         async for event in self._serve_stream(request_iterator):
@@ -66,16 +74,21 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                                    msg.prepared_used, received_at)
 
     def idle(self) -> bool:
-        """One forward of speculation for the next session (round-robin) that has some."""
-        sessions = list(self.sessions.items())
-        for i in range(len(sessions)):
-            session_id, session = sessions[(self._turn + i) % len(sessions)]
-            ready = session.work()
-            if ready is not None:
-                self._turn = (self._turn + i + 1) % len(sessions)
-                self._send(session_id, session, ready)
-                return True
-        return False
+        """One batched step: a single draft forward advances every session that has a block to
+        draft by one token, critical blocks and speculation alike; each block stops at its own
+        place (its policy, the cap, a stop token, the budget)."""
+        batch = [(sid, session, draft) for sid, session in self.sessions.items()
+                 if (draft := session.next_draft()) is not None]
+        if not batch:
+            return False
+        tokens = sum(len(draft._pending) for _, _, draft in batch)
+        started = time.perf_counter()
+        self.drafter.step([draft for _, _, draft in batch])
+        elapsed = time.perf_counter() - started
+        for session_id, session, _ in batch:
+            self._send(session_id, session, session.after_step(elapsed))
+        self.step_metrics.record(len(batch), tokens, self.drafter.pool)
+        return True
 
     def _send(self, session_id: str, session: PipelinedDraft, items: list[Outgoing]) -> None:
         greedy, stream = session.session.sampling.greedy, self.owner(session_id)

@@ -12,6 +12,7 @@ import sys
 import torch
 
 from svip_common.contracts import Limits
+from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.grpc_server import start_server
 from svip_common.models import LoadedModel, load_model
 from svip_common.tls import TlsFiles
@@ -24,8 +25,11 @@ class ModelActor:
     service_name = ""
 
     def __init__(self, model_path: str, limits: Limits, dtype: str = "float32", device: str = "cpu",
-                 threads: int = 1, host: str | None = "127.0.0.1", tls: TlsFiles | None = None):
-        """Cheap: the actor answers as soon as Ray has placed it; load() brings the weights."""
+                 threads: int = 1, host: str | None = "127.0.0.1", tls: TlsFiles | None = None,
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS):
+        """Cheap: the actor answers as soon as Ray has placed it; load() brings the weights.
+        kv_cache_tokens: the worker's KV pool, in tokens, shared by its sessions."""
+        self.kv_cache_tokens = kv_cache_tokens
         torch.set_num_threads(threads)
         # the event loop thread waits for the GIL while the compute thread runs Python between
         # torch ops; hand it over every 0.5 ms instead of every 5 ms, so I/O is not held back

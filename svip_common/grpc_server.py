@@ -161,8 +161,10 @@ class SessionService:
     async def Stats(self, request, context):
         with self._lock:
             sessions = list(self.sessions.values())
+        pool = self.pool
         return pb.WorkerStats(open_sessions=len(sessions), cached_tokens=sum(s.cached_tokens for s in sessions),
-                              tokens_processed=self.processed_tokens(), unavailable=self.unavailable() or "")
+                              tokens_processed=self.processed_tokens(), unavailable=self.unavailable() or "",
+                              kv_pages_used=pool.used_pages, kv_pages_total=pool.pages, kv_page_tokens=pool.page_size)
 
     def unavailable(self) -> str | None:
         """Why this worker cannot serve sessions now, or None."""
@@ -171,6 +173,11 @@ class SessionService:
     def processed_tokens(self) -> int:
         """Draft: tokens drafted and sent; target: drafted tokens verified."""
         return self.tokens_processed
+
+    @property
+    def pool(self):
+        """The worker's KV pool."""
+        raise NotImplementedError
 
     # --- on the compute thread -----------------------------------------------------------------
     def receive(self, stream: SessionStream, request, received_at: float) -> None:
@@ -192,7 +199,7 @@ class SessionService:
     def check_start(self, msg: pb.StartSession) -> None:
         """A StartSession within this worker's limits: ids, context, block cap."""
         check_prompt_ids(msg.prompt_ids, self.limits.tokens)
-        check_length(len(msg.prompt_ids), msg.max_new_tokens, self.limits.positions)
+        check_length(len(msg.prompt_ids), msg.max_new_tokens, self.limits.positions, self.limits.kv_tokens)
         check_token_ids(msg.stop_token_ids, self.limits.tokens, "stop token id")
 
     def new_session(self, session_id: str, session, owner: SessionStream) -> None:

@@ -13,8 +13,13 @@ from target_worker.verifier import Verifier
 class TargetActor(ModelActor):
     service_name = "svip.v1.TargetWorker"
 
+    def __init__(self, model_path: str, limits, max_batched_tokens: int | None = None, **kwargs):
+        super().__init__(model_path, limits, **kwargs)
+        self.max_batched_tokens = max_batched_tokens
+
     def make_service(self, draft_address: str | None = None):
-        return SessionHost(Verifier(self.model, self.limits.tokens), self.limits, draft_address, self.tls)
+        verifier = Verifier(self.model, self.limits.tokens, self.kv_cache_tokens)
+        return SessionHost(verifier, self.limits, draft_address, self.tls, self.max_batched_tokens)
 
     async def on_start(self, service: SessionHost) -> None:
         await service.start()

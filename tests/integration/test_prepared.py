@@ -173,8 +173,16 @@ def _prepare_everything(draft: PipelinedDraft) -> list:
     return sent
 
 
+def _first_block(draft: PipelinedDraft):
+    """Start the session and draft its first block (the critical job) a forward at a time."""
+    sent = draft.start(0.0)
+    while not sent:
+        sent = draft.work()
+    return sent[0]
+
+
 def test_the_draft_prepares_continuations_for_its_likely_corrections(draft_session):
-    first = draft_session.start(0.0)[0]
+    first = _first_block(draft_session)
     sent = _prepare_everything(draft_session)
     followups = [o for o in sent if o.prepared_for is None]
     prepared = [o for o in sent if o.prepared_for is not None]
@@ -187,7 +195,7 @@ def test_the_draft_prepares_continuations_for_its_likely_corrections(draft_sessi
 
 
 def test_feedback_naming_a_prepared_continuation_uses_it_and_any_other_correction_is_drafted(draft_session, models):
-    first = draft_session.start(0.0)[0]
+    first = _first_block(draft_session)
     prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
     base, j, token = prepared[0].prepared_for
     assert base == first.block.base
@@ -197,7 +205,7 @@ def test_feedback_naming_a_prepared_continuation_uses_it_and_any_other_correctio
 
 
 def test_a_prepared_continuation_the_target_did_not_use_is_sent_again(draft_session):
-    first = draft_session.start(0.0)[0]
+    first = _first_block(draft_session)
     prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
     base, j, token = prepared[0].prepared_for
     (again,) = draft_session.on_feedback(1, base, len(first.block), j, token, None, False, 0.0)
@@ -205,10 +213,11 @@ def test_a_prepared_continuation_the_target_did_not_use_is_sent_again(draft_sess
 
 
 def test_a_correction_nothing_was_prepared_for_is_drafted_from(draft_session):
-    first = draft_session.start(0.0)[0]
+    first = _first_block(draft_session)
     prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
     assumed = {(b, j, t) for b, j, t in (o.prepared_for for o in prepared)}
     token = next(t for t in range(300) if (first.block.base, 0, t) not in assumed and t != first.block.tokens[0])
-    (fresh,) = draft_session.on_feedback(1, first.block.base, len(first.block), 0, token, None, False, 0.0)
+    assert draft_session.on_feedback(1, first.block.base, len(first.block), 0, token, None, False, 0.0) == []
+    (fresh,) = draft_session.work()  # the critical job: drafted from the correction
     assert fresh not in prepared and not fresh.reused and fresh.block.base == first.block.base + 1
     assert draft_session.known[-1] == token
