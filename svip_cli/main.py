@@ -14,6 +14,7 @@ import sys
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest, SvipError
+from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.randomness import sample_seed
 
 
@@ -70,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--seed", type=int, help="random seed (default: drawn and reported)")
     smp.add_argument("--n", type=int, default=1, help="independent samples of one prompt")
     gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
+    run = gen.add_argument_group("batching")
+    run.add_argument("--batch-size", type=int, default=1,
+                     help="requests in flight at once (--input, --n): one forward serves them all; outputs in input order")
+    run.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_TOKENS,
+                     help=f"in-process: each model's KV pool, in tokens ({DEFAULT_KV_TOKENS})")
+    run.add_argument("--max-batched-tokens", type=int,
+                     help="in-process: at most this many tokens in one forward; a long prompt is prefilled in chunks")
     _add_serve_parser(sub)
     from svip_bench.command import add_arguments
 
@@ -92,6 +100,10 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--replicas", type=int, default=1, help="pipelines (draft + target pairs) to run (1)")
     srv.add_argument("--max-in-flight", type=int, default=16, help="sessions generating at once per pipeline (16)")
     srv.add_argument("--max-waiting", type=int, default=32, help="requests waiting per pipeline before 429 (32)")
+    srv.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_TOKENS,
+                     help=f"each worker's KV pool in tokens ({DEFAULT_KV_TOKENS}); admission counts prompt + max_tokens against it")
+    srv.add_argument("--max-batched-tokens", type=int, default=512,
+                     help="at most this many tokens in one target forward; longer prompts are prefilled in chunks (512)")
     srv.add_argument("--policy", default="svip", help=f"default length policy: {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     srv.add_argument("--draft-length-cap", type=int, default=DRAFT_LENGTH_CAP,
@@ -116,6 +128,7 @@ def _serve(args: argparse.Namespace) -> int:
         "num_replicas": args.replicas, "max_in_flight": args.max_in_flight, "max_waiting": args.max_waiting,
         "policy": args.policy, "threshold": args.threshold, "draft_length_cap": args.draft_length_cap,
         "max_request_bytes": args.max_request_bytes, "grpc_tls_dir": args.grpc_tls_dir,
+        "kv_cache_tokens": args.kv_cache_tokens, "max_batched_tokens": args.max_batched_tokens,
         "api_key_sha256": tuple(sorted({digest(k) for k in args.api_key + keys_from_env()})),
     })
     return serve_forever(settings, args.host, args.port, args.metrics_port)
@@ -196,6 +209,10 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
     """Everything but the prompt, validated before any model is loaded."""
     if args.n < 1:
         raise InvalidRequest(f"--n must be >= 1, got {args.n}")
+    for flag in ("batch_size", "kv_cache_tokens", "max_batched_tokens"):
+        value = getattr(args, flag)
+        if value is not None and value < 1:
+            raise InvalidRequest(f"--{flag.replace('_', '-')} must be >= 1, got {value}")
     seed = args.seed if args.seed is not None else secrets.randbelow(2**31)
     request = GenerationRequest(
         prompt_ids=(0,),
@@ -240,10 +257,12 @@ def _load_engine(args: argparse.Namespace):
             raise InvalidRequest(f"--target-gpus must be >= 1, got {args.target_gpus}")
         tls = TlsFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
         return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device,
-                                args.target_gpus, args.ray_address, args.placement, tls)
+                                args.target_gpus, args.ray_address, args.placement, tls, args.kv_cache_tokens,
+                                args.max_batched_tokens)
     target = load_model(target_path, args.dtype, args.device)
     draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
-    return SpeculativeEngine(target, draft)
+    return SpeculativeEngine(target, draft, getattr(args, "kv_cache_tokens", DEFAULT_KV_TOKENS),
+                             getattr(args, "max_batched_tokens", None))
 
 
 def _result_json(args, engine, request, result, text: str) -> dict:

@@ -1,9 +1,13 @@
-"""Backpressure on one replica: at most max_in_flight sessions generate at once, at most
-max_waiting requests wait for a slot; a request past both is refused at once with a 429."""
+"""Backpressure on one replica, by sessions and by KV tokens: a request generates once a session
+slot is free (at most max_in_flight) and its prompt plus max_tokens fit the KV room left in the
+pipeline's pools; until then it waits in line (first come, first served), and a request past
+max_waiting is refused at once with a 429. A request larger than the whole pool never gets here
+(the engine refuses it with a 400 naming the KV cache)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections import deque
 
 from svip_serve.protocol import ApiError
 
@@ -11,14 +15,17 @@ RETRY_AFTER_S = 1
 
 
 class Admission:
-    def __init__(self, max_in_flight: int, max_waiting: int, on_change=lambda running, waiting: None):
+    def __init__(self, max_in_flight: int, max_waiting: int, kv_tokens: int | None = None,
+                 on_change=lambda running, waiting: None):
         self.max_in_flight, self.max_waiting = max_in_flight, max_waiting
+        self.kv_tokens = kv_tokens  # None: not counted
+        self.kv_used = 0
         self.running = self.waiting = 0
-        self._slots = asyncio.Semaphore(max_in_flight)
+        self._line: deque[Slot] = deque()
         self._on_change = on_change
 
-    def reserve(self) -> Slot:
-        """A place in line, or ApiError 429 when the replica is full."""
+    def reserve(self, kv_tokens: int = 0) -> Slot:
+        """A place in line for a request that will hold kv_tokens, or ApiError 429 when full."""
         if self.running + self.waiting >= self.max_in_flight + self.max_waiting:
             raise ApiError(
                 429,
@@ -28,42 +35,63 @@ class Admission:
             )
         self.waiting += 1
         self._changed()
-        return Slot(self)
+        return Slot(self, kv_tokens)
+
+    def _fits(self, slot: Slot) -> bool:
+        room = self.kv_tokens is None or self.kv_used + slot.kv_tokens <= self.kv_tokens
+        return self.running < self.max_in_flight and room
+
+    def _dispatch(self) -> None:
+        """Admit from the head of the line while the head fits."""
+        while self._line and self._fits(self._line[0]):
+            slot = self._line.popleft()
+            self.waiting -= 1
+            self.running += 1
+            self.kv_used += slot.kv_tokens
+            slot._state = "running"
+            if not slot._admitted.done():
+                slot._admitted.set_result(None)
+        self._changed()
 
     def _changed(self) -> None:
         self._on_change(self.running, self.waiting)
 
 
 class Slot:
-    """`async with slot:` waits for a session slot and holds it; release() is idempotent, so a
-    slot given up before it was entered (client gone) frees its place in line too."""
+    """`async with slot:` waits for a session slot and KV room and holds them; release() is
+    idempotent, so a slot given up before it was entered (client gone) frees its place too."""
 
-    def __init__(self, admission: Admission):
+    def __init__(self, admission: Admission, kv_tokens: int):
         self._adm = admission
+        self.kv_tokens = kv_tokens
         self._state = "waiting"
+        self._admitted: asyncio.Future | None = None
 
     async def __aenter__(self) -> Slot:
+        adm = self._adm
+        self._admitted = asyncio.get_running_loop().create_future()
+        adm._line.append(self)
+        adm._dispatch()
         try:
-            await self._adm._slots.acquire()
+            await self._admitted
         except BaseException:  # cancelled while waiting (the client left): give the place back
             self.release()
             raise
-        self._state = "running"
-        self._adm.waiting -= 1
-        self._adm.running += 1
-        self._adm._changed()
         return self
 
     async def __aexit__(self, *exc) -> None:
         self.release()
 
     def release(self) -> None:
+        adm = self._adm
         if self._state == "waiting":
-            self._adm.waiting -= 1
+            if self in adm._line:
+                adm._line.remove(self)
+            adm.waiting -= 1
         elif self._state == "running":
-            self._adm.running -= 1
-            self._adm._slots.release()
+            adm.running -= 1
+            adm.kv_used -= self.kv_tokens
         else:
             return
         self._state = "released"
-        self._adm._changed()
+        adm._dispatch()

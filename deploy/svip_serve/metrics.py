@@ -54,9 +54,11 @@ class ServeMetrics:
                                  LATENCY_BUCKETS)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first settled token.", LATENCY_BUCKETS)
         self.running = m.Gauge("svip_num_requests_running", "Sessions generating on this replica.", tag_keys=tags)
-        self.waiting = m.Gauge("svip_num_requests_waiting", "Requests waiting for a session slot.", tag_keys=tags)
+        self.waiting = m.Gauge("svip_num_requests_waiting", "Requests waiting for a session slot or KV room.", tag_keys=tags)
         self.cached_tokens = m.Gauge("svip_worker_cached_tokens", "Tokens in a worker's KV caches.", tag_keys=tags + ("role",))
         self.open_sessions = m.Gauge("svip_worker_open_sessions", "Sessions open on a worker.", tag_keys=tags + ("role",))
+        self.kv_usage = m.Gauge("svip_kv_cache_usage_perc", "Share of a worker's KV pool pages in use (vLLM's cache usage).",
+                                tag_keys=tags + ("role",))
 
     def record_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int,
                           finish_reason: str, latency_s: float, ttft_s: float | None) -> None:
@@ -93,6 +95,8 @@ class ServeMetrics:
         for role, s in stats.items():
             self.cached_tokens.set(s.cached_tokens, {**self.tags, "role": role})
             self.open_sessions.set(s.open_sessions, {**self.tags, "role": role})
+            if s.kv_pages_total:
+                self.kv_usage.set(s.kv_pages_used / s.kv_pages_total, {**self.tags, "role": role})
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.inc(1, {**self.tags, "reason": reason})

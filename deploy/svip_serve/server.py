@@ -127,7 +127,8 @@ class SVIPServer:
             placement=get_current_placement_group(), bundles=(TARGET_BUNDLE, DRAFT_BUNDLE),
             worker_cpus=settings.worker_cpus, max_draft_length=settings.draft_length_cap,
             tls=TlsFiles.from_dir(settings.grpc_tls_dir) if settings.grpc_tls_dir else None,
-            start_timeout_s=settings.worker_start_timeout_s,
+            start_timeout_s=settings.worker_start_timeout_s, kv_cache_tokens=settings.kv_cache_tokens,
+            max_batched_tokens=settings.max_batched_tokens,
         )
         self.api_keys = ApiKeys(settings.api_key_sha256)
         # tokenizing a long prompt takes a while: never on the event loop that streams every session
@@ -138,7 +139,8 @@ class SVIPServer:
         self._connected = False
         self._connect_lock = asyncio.Lock()
         self.metrics = ServeMetrics(settings.served_name)
-        self.admission = Admission(settings.max_in_flight, settings.max_waiting, self.metrics.set_load)
+        self.admission = Admission(settings.max_in_flight, settings.max_waiting, self.pair.limits.kv_tokens,
+                                   self.metrics.set_load)
         self.created = int(time.time())
         self.policy_defaults = settings.policy_defaults()
 
@@ -212,7 +214,7 @@ class SVIPServer:
         except SvipError as exc:
             raise _api_error(exc, "connect") from None
         try:
-            slot = self.admission.reserve()
+            slot = self.admission.reserve(len(request.prompt_ids) + request.max_new_tokens)
         except ApiError:
             self.metrics.record_rejected("busy")
             raise

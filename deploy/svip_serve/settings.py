@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
+from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.errors import InvalidRequest
 
 EMBEDDED_MODEL_NAME = "svip-pair"
@@ -27,7 +28,9 @@ class ServeSettings:
     worker_cpus: float = 1.0  # logical CPUs each worker reserves
     pipeline: str = "async"
     num_replicas: int = 1  # one pipeline (draft + target) per replica
-    max_in_flight: int = 16  # sessions generating at once on a replica's pipeline
+    max_in_flight: int = 16  # sessions generating at once on a replica's pipeline (each worker batches their forwards)
+    kv_cache_tokens: int = DEFAULT_KV_TOKENS  # each worker's KV pool; admission counts prompt + max_tokens against it
+    max_batched_tokens: int = 512  # at most this many tokens in one target forward; longer prompts prefill in chunks
     max_waiting: int = 32  # requests a replica holds for a free slot; past it: 429
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
     policy: str = "svip"  # request default; a request's `policy` overrides it
@@ -61,7 +64,8 @@ class ServeSettings:
             raise InvalidRequest("a target needs a draft: a model directory or hub id, or 'none' for the target alone")
         if self.pipeline not in ("sync", "async"):
             raise InvalidRequest(f"pipeline must be 'sync' or 'async', got {self.pipeline!r}")
-        for name in ("target_gpus", "draft_gpus", "num_replicas", "max_in_flight", "draft_length_cap", "max_request_bytes"):
+        for name in ("target_gpus", "draft_gpus", "num_replicas", "max_in_flight", "draft_length_cap", "max_request_bytes",
+                     "kv_cache_tokens", "max_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("max_waiting", "max_queued_requests"):

@@ -189,3 +189,25 @@ def test_api_keys():
     open_api = ApiKeys((), environ={})
     assert not open_api.required
     open_api.check(None)
+
+
+def test_admission_counts_kv_tokens_first_come_first_served():
+    """Two requests that each need most of the KV room run one after the other; a small one
+    behind them waits its turn (no overtaking); places and room come back on release."""
+    async def scenario():
+        adm = Admission(max_in_flight=8, max_waiting=8, kv_tokens=1000)
+        big1, big2, small = adm.reserve(700), adm.reserve(600), adm.reserve(100)
+        await big1.__aenter__()
+        assert (adm.running, adm.waiting, adm.kv_used) == (1, 2, 700)
+        second, third = asyncio.ensure_future(big2.__aenter__()), asyncio.ensure_future(small.__aenter__())
+        await asyncio.sleep(0)
+        assert not second.done() and not third.done()  # 600 does not fit; 100 would, but waits its turn
+        big1.release()
+        await second
+        await third
+        assert (adm.running, adm.waiting, adm.kv_used) == (2, 0, 700)
+        big2.release()
+        small.release()
+        assert (adm.running, adm.waiting, adm.kv_used) == (0, 0, 0)
+
+    asyncio.run(scenario())
