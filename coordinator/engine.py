@@ -24,6 +24,7 @@ from svip_common.contracts import (
 from svip_common.errors import InvalidRequest
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
+from svip_common.step_cost import UNLIMITED, SessionGate, check_load_aware, load_aware_for
 from target_worker.verifier import Verifier
 
 # Called after each round with the block, its verdict and the tokens it settled (streaming,
@@ -33,10 +34,14 @@ OnRound = Callable[[Block, Verdict, list[int]], None]
 
 class SpeculativeEngine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
-                 max_batched_tokens: int | None = None):
+                 max_batched_tokens: int | None = None, load_aware: str = "off"):
         """kv_cache_tokens: each model's KV pool, in tokens (every session in flight shares it);
-        max_batched_tokens: generate_many's cap on the tokens of one forward."""
+        max_batched_tokens: generate_many's cap on the tokens of one forward; load_aware: whose
+        blocks hold no more tokens than pay at the target's measured load, "off" / "greedy" /
+        "all" (svip_common/step_cost.py); off, each length policy runs exactly as configured (the
+        reference the paper's benchmark measures)."""
         self.max_batched_tokens = max_batched_tokens
+        self.load_aware = check_load_aware(load_aware)
         if draft is not None:
             check_same_vocabulary(target, draft)
         if kv_cache_tokens < 1:
@@ -113,6 +118,10 @@ class EngineSession:
         self.finish_reason: str | None = None
         self.stats = GenerationStats()
         self.started = time.perf_counter()
+        self._engine = engine
+        drafts = not isinstance(self.draft, NullDraftSession)
+        self.gate = SessionGate() if drafts and load_aware_for(engine.load_aware, request.sampling.greedy) else None
+        self._draft_mark = 0.0
 
     @property
     def done(self) -> bool:
@@ -124,16 +133,27 @@ class EngineSession:
 
     def propose(self) -> Block:
         """Draft this round's block (a forward at a time, alone)."""
-        return self.draft.propose(self.committed, budget=self.budget - 1)
+        return self.draft.propose(self.committed, budget=self.draft_budget())
 
     def begin(self):
         """This round's block to draft in lockstep with other sessions (None: no draft)."""
         if isinstance(self.draft, NullDraftSession):
             return None
-        return self.draft.begin(self.committed, self.budget - 1)
+        return self.draft.begin(self.committed, self.draft_budget())
+
+    def draft_budget(self) -> int:
+        """The most tokens this round's block may hold: the verdict's own token fills the last
+        place, and at load no more than pay (0: this round runs as the target alone)."""
+        cap = UNLIMITED
+        if self.gate is not None:
+            cap = self.gate.cap(self._engine.verifier.load())
+        self._draft_mark = self.draft.forward_s
+        return min(self.budget - 1, cap)
 
     def settle(self, block: Block, verdict: Verdict) -> list[int]:
         self.draft.feedback(len(block), verdict.accepted)
+        if self.gate is not None:  # what this block's drafting took: the session's share of the forwards
+            self.gate.record(len(block), verdict.accepted, self.draft.forward_s - self._draft_mark)
         settled = [*block.tokens[: verdict.accepted], verdict.token]
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled
@@ -150,6 +170,7 @@ class EngineSession:
         stats = self.stats
         stats.wall_s = time.perf_counter() - self.started
         stats.draft_forwards, stats.target_forwards = self.draft.forwards, self.target.forwards
+        stats.pauses = self.gate.pauses if self.gate is not None else 0
         return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats)
 
     def close(self) -> None:

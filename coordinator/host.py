@@ -22,6 +22,7 @@ from coordinator.pipeline import PIPELINES, SessionPipeline
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
 from svip_common.grpc_server import SessionService, SessionStream, session_id_of, status_of
+from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
 from svip_common.step_metrics import StepMetrics
 from svip_common.tls import TlsFiles
 from svip_proto import convert
@@ -37,12 +38,15 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     role = "target"
 
     def __init__(self, verifier: Verifier, limits, draft_address: str | None = None, tls: TlsFiles | None = None,
-                 max_batched_tokens: int | None = None):
+                 max_batched_tokens: int | None = None, load_aware: str = "greedy"):
         """max_batched_tokens: at most this many tokens in one target forward (a long prompt is
-        prefilled in chunks under it); None: no limit."""
+        prefilled in chunks under it); None: no limit. load_aware: whose blocks hold no more tokens
+        than pay at the load measured here (none when verification is compute-bound): "off",
+        "greedy" (greedy sessions) or "all" (svip_common/step_cost.py)."""
         super().__init__(limits)
         self.verifier = verifier
         self.max_batched_tokens = max_batched_tokens
+        self.load_aware = check_load_aware(load_aware)
         self.step_metrics = StepMetrics("target")
         self._ready: list[tuple[str, SessionPipeline, pb.Block, object, tuple[float, str]]] = []  # blocks to verify
         self.draft: DraftLink | None = None
@@ -97,12 +101,18 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             session = SessionPipeline(msg.session_id, request_, frozenset(msg.stop_token_ids), self.limits,
                                       self.verifier.open(sampling), self.draft if speculate else None, pipeline,
                                       emit=stream.emit, schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args),
-                                      enqueue=lambda session, block, checked, info: self._ready.append((msg.session_id, session, block, checked, info)))
+                                      enqueue=lambda session, block, checked, info: self._ready.append((msg.session_id, session, block, checked, info)),
+                                      load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None)
             self.new_session(msg.session_id, session, stream)
             self._step(msg.session_id, session.start)
         else:  # cancel
             self.session(request.cancel.session_id, stream).cancel()
             self._reap(request.cancel.session_id)
+
+    def load_cap(self, gate: SessionGate) -> int:
+        """The most tokens a session's next block should hold at the load measured here (its
+        drafting cost per token comes with its blocks: their share of the draft's forwards)."""
+        return gate.cap(self.verifier.load())
 
     def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
         try:

@@ -18,7 +18,7 @@ class LocalDistributed:
     def __init__(self, target_path: str, draft_path: str | None, pipeline: str = "async",
                  dtype: str = "float32", device: str = "cpu", target_gpus: int = 1, ray_address: str | None = None,
                  placement: str | None = None, tls: TlsFiles | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
-                 max_batched_tokens: int | None = None):
+                 max_batched_tokens: int | None = None, load_aware: str = "greedy"):
         if ray_address is None:
             init_local_ray()
         else:
@@ -28,7 +28,8 @@ class LocalDistributed:
         gpus = device.startswith("cuda")
         self.pair = WorkerPair(target_path, draft_path, dtype=dtype, device=device,
                                target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=placement, tls=tls,
-                               kv_cache_tokens=kv_cache_tokens, max_batched_tokens=max_batched_tokens)
+                               kv_cache_tokens=kv_cache_tokens, max_batched_tokens=max_batched_tokens,
+                               load_aware=load_aware)
         self.target = self.pair.target_info
         self.draft_path = draft_path
         self.loop = asyncio.new_event_loop()

@@ -16,6 +16,11 @@ next, also with no round trip. Otherwise the epoch advances, every block of the 
 discarded by its tag, never verified, and the draft rolls back. Sync mode drafts nothing ahead.
 Each round is verify (one target forward) then decide, two steps of the compute thread, so blocks
 that arrive during the forward are seen before the decision.
+
+Load-aware speculation (svip_common/step_cost.py): each feedback caps the draft's next blocks at
+what pays at the target's measured load. When that is nothing, the session pauses: the feedback
+says so, the target settles the next tokens alone (one token per batched step, as without a
+draft), and when drafting pays again one Resume gives the draft those tokens and its next cap.
 """
 
 from __future__ import annotations
@@ -29,11 +34,13 @@ import grpc
 from coordinator.engine import clip_settled
 from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, GenerationStats, Limits, Verdict, check_token_ids
 from svip_common.errors import InvalidRequest, SvipError
+from svip_common.step_cost import SessionGate
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from target_worker.verifier import TargetSession
 
 PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}
+LoadCap = Callable[[SessionGate], int]  # the most tokens the session's next block should hold at the load now
 
 
 class WorkerError(SvipError):
@@ -49,10 +56,11 @@ class SessionPipeline:
     def __init__(self, session_id: str, request: GenerationRequest, stop_ids: frozenset[int], limits: Limits,
                  target: TargetSession, draft: DraftLink | None, pipeline: str,
                  emit: Callable[[pb.GenerateEvent], None], schedule: Callable[..., None],
-                 enqueue: Callable[..., None]):
+                 enqueue: Callable[..., None], load_cap: LoadCap | None = None):
         """emit: sends an event to the caller; schedule(fn, *args): runs fn later on the compute
         thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
-        batched step to verify the block, which answers with verified()."""
+        batched step to verify the block, which answers with verified(); load_cap: load-aware
+        speculation (None: the policy drafts as configured at any load)."""
         self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
         self.target, self.draft, self.pipeline = target, draft, pipeline
         self.emit, self.schedule, self.enqueue = emit, schedule, enqueue
@@ -71,6 +79,10 @@ class SessionPipeline:
         self._draft_open = draft is not None
         self._correction_due = False  # a sampled rejection's correction is drawn by the draft
         self._feedback_chain: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
+        self._load_cap, self.gate = load_cap, SessionGate()
+        self.paused = False  # load-aware: the draft waits for a Resume; the target settles tokens alone
+        self._paused_tokens: list[int] = []  # settled since the pause (the Resume carries them)
+        self._paused_base = 0
 
     @property
     def cached_tokens(self) -> int:
@@ -92,7 +104,13 @@ class SessionPipeline:
             policy=convert.policy_to_proto(r.policy), stop_token_ids=sorted(self.stop_ids),
             max_new_tokens=r.max_new_tokens, pipeline=PIPELINES[self.pipeline],
         )
+        cap = self._cap()
+        if cap is not None:
+            start.load_cap = cap
         self._to_draft(pb.DraftRequest(start=start))
+        if cap == 0:
+            self._pause()
+            self._verify(self._empty_block(), time.time(), "paused")
 
     def cancel(self) -> None:
         """The caller ended the session (it went away, or a stop string): report, and free both sides."""
@@ -125,6 +143,8 @@ class SessionPipeline:
         if block.epoch != self.epoch:
             self.stats.discarded_tokens += len(block.tokens)  # drafted on a rolled-back base
             return
+        if self.paused:
+            raise WorkerError("draft worker sent a block while the session is paused")
         if block.HasField("prepared_for"):
             p = block.prepared_for
             undecided = self.verifying.base if self.verifying is not None else len(self.committed)
@@ -178,6 +198,9 @@ class SessionPipeline:
             return
         self.verifying = None
         k, accepted = len(block.tokens), verdict.accepted
+        if k:
+            self.gate.record(k, accepted, block.draft_s)
+        cap = self._cap()
         ready, deferred = None, False
         if accepted < k:
             self.epoch += 1
@@ -189,15 +212,33 @@ class SessionPipeline:
             deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
         else:
             token = verdict.token
-        self._drop_prepared(None if accepted < k else block.base)  # a rejection voids every one
+        was_paused = self.paused
+        # drafting no longer pays: pause at a verdict whose token is settled here (not a sampled
+        # correction the draft draws, not a prepared block about to be verified)
+        pause = cap == 0 and not was_paused and verdict.token != NO_TOKEN and ready is None
+        if pause and accepted == k:  # the follow-up drafted on this block is voided
+            self.epoch += 1
+            self._drop_held()
+            deferred, token = False, verdict.token
+        self._drop_prepared(None if accepted < k or pause else block.base)  # a rejection voids every one
         settled = list(block.tokens[:accepted]) + ([token] if token != NO_TOKEN else [])
         settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
-        if reason is None and self.draft is not None:
-            self._send_feedback(block, verdict, token, ready is not None, deferred)
+        if reason is None and self.draft is not None and not was_paused:
+            # a cap of 0 that cannot pause yet: the draft still writes the next block, of one token
+            self._send_feedback(block, verdict, token, ready is not None, deferred,
+                                cap if pause or cap is None else max(cap, 1))
         self._record_round(block, accepted, timing, decided)
         self._commit(settled, reason)
+        if pause:
+            self._pause()
         if not self.done:
-            if self.draft is None:
+            if was_paused:
+                self._paused_tokens += settled
+            if self.paused and was_paused and cap > 0:
+                self._resume(cap)  # the draft's block comes next
+            elif self.paused:
+                self._verify(self._empty_block(), time.time(), "paused")
+            elif self.draft is None:
                 self._verify(self._empty_block(), time.time(), "none")
             elif ready is not None:
                 prepared_block, prepared_received = ready
@@ -209,10 +250,33 @@ class SessionPipeline:
                 self._verify(held, held_received, "followup")
         self._flush_feedback()
 
-    def _send_feedback(self, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool, deferred: bool) -> None:
+    def _cap(self) -> int | None:
+        """Load-aware speculation: the most tokens the next block should hold (None: no cap)."""
+        if self._load_cap is None or self.draft is None:
+            return None
+        return self._load_cap(self.gate)
+
+    def _pause(self) -> None:
+        """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
+        self.paused, self._paused_tokens, self._paused_base = True, [], len(self.committed)
+        self.stats.pauses += 1
+
+    def _resume(self, cap: int) -> None:
+        """Drafting pays again: the draft gets the tokens settled since the pause and its cap."""
+        self.paused = False
+        resume = pb.Resume(session_id=self.sid, epoch=self.epoch, base=self._paused_base, tokens=self._paused_tokens,
+                           load_cap=cap)
+        self._paused_tokens = []
+        self._feedback_sent_at = time.time()
+        self._to_draft(pb.DraftRequest(resume=resume))
+
+    def _send_feedback(self, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool, deferred: bool,
+                       cap: int | None) -> None:
         """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback)."""
         feedback = pb.Feedback(session_id=self.sid, epoch=self.epoch, base=block.base, drafted=len(block.tokens),
                                accepted=verdict.accepted, token=token, prepared_used=prepared_used)
+        if cap is not None:
+            feedback.load_cap = cap
         if verdict.p_row is not None:
             feedback.p_row.CopyFrom(convert.tensor_to_proto(verdict.p_row.float()))
         self._correction_due = token == NO_TOKEN and not deferred  # the draft draws it from p_row

@@ -42,8 +42,9 @@ class Drafter:
         started = time.perf_counter()
         rows = self.pool.forward([(d._session._seq, d._pending, 1) for d in live])
         elapsed = time.perf_counter() - started
+        share = elapsed / len(live)  # each block's part of the forward
         for draft, logits in zip(live, rows):
-            draft._absorb(logits, elapsed)
+            draft._absorb(logits, share)
 
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
@@ -140,7 +141,7 @@ class BlockDraft:
         return self.done
 
     @torch.inference_mode()
-    def _absorb(self, logits: torch.Tensor, forward_s: float) -> None:
+    def _absorb(self, logits: torch.Tensor, forward_s: float) -> None:  # forward_s: this block's share of the forward
         """The token this block's last forward chose, and whether the block ends there."""
         s, block = self._session, self.block
         started = time.perf_counter()

@@ -18,6 +18,10 @@ one forward at a time (a feedback that arrives preempts the work):
   with no round trip when its correction is that token. Sampled (the correction is drawn here,
   from the target's p row): kept, and sent as soon as the drawn correction matches. Either way
   every token is still verified by the target.
+
+Load-aware speculation: the target's feedback caps the next blocks (``load_cap``); a cap of 0
+pauses the session, which drafts nothing until a Resume brings the tokens the target settled
+alone meanwhile.
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from dataclasses import dataclass, field
 from draft_worker.drafter import BlockDraft, DraftSession
 from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
+from svip_common.step_cost import UNLIMITED
 
 MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
 EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
@@ -79,6 +84,8 @@ class PipelinedDraft:
     job: Job | None = None  # the speculative block in the making
     critical: Job | None = None  # the main-line block the target waits for, drafted before any speculation
     prepared: dict[tuple[int, int, int], Outgoing] = field(default_factory=dict)  # (base, accepted, token) -> finished
+    load_cap: int = UNLIMITED  # the most tokens a block may hold at the target's load (its latest word)
+    paused: bool = False  # load_cap 0: nothing is drafted until a Resume
 
     def __post_init__(self):
         self.known = list(self.prompt)
@@ -104,12 +111,34 @@ class PipelinedDraft:
     # Each returns the blocks ready to send at once; a block that must be drafted first becomes
     # the critical job, advanced by the worker's batched steps before any speculation.
 
-    def start(self, now: float) -> list[Outgoing]:
+    def start(self, now: float, load_cap: int | None = None) -> list[Outgoing]:
+        if load_cap is not None:
+            self.load_cap = load_cap
+        if self.load_cap == 0:
+            self.paused = True
+            return []
         return self._next_block(NO_TOKEN, now)
 
+    def on_resume(self, epoch: int, base: int, tokens: list[int], load_cap: int, received_at: float) -> list[Outgoing]:
+        """Drafting pays again: take the tokens the target settled alone since the pause, then
+        draft the next block (checked at once)."""
+        if not self.paused:
+            raise InvalidRequest("resume for a session that is not paused")
+        if base != len(self.known):
+            raise InvalidRequest(f"resume at base {base}; this session knows {len(self.known)} tokens")
+        if base + len(tokens) > self.limit:
+            raise InvalidRequest(f"resume past the session's {self.limit} tokens (prompt + max_new_tokens)")
+        if load_cap < 1:
+            raise InvalidRequest("resume with load_cap 0")
+        self.known += tokens
+        self.epoch, self.load_cap, self.paused = epoch, load_cap, False
+        return self._next_block(NO_TOKEN, received_at)
+
     def on_feedback(self, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
-                    prepared_used: bool, received_at: float) -> list[Outgoing]:
+                    prepared_used: bool, received_at: float, load_cap: int | None = None) -> list[Outgoing]:
         """Apply the verdict on the oldest outstanding block (checked at once)."""
+        if load_cap is not None:
+            self.load_cap = load_cap
         if not self.outstanding or self.outstanding[0].block.base != base or len(self.outstanding[0].block) != drafted:
             raise InvalidRequest(f"feedback for a block at base {base} of {drafted} tokens that this session did not send")
         if accepted > drafted:
@@ -118,6 +147,8 @@ class PipelinedDraft:
         block = answered.block
         self.session.feedback(drafted, accepted)
         self._learn_wait(answered, received_at)
+        if self.load_cap == 0 and (token == NO_TOKEN or prepared_used):
+            raise InvalidRequest("a pause (load_cap 0) must settle its token at the target")
         if accepted == drafted and token == NO_TOKEN:  # the follow-up resolves what comes next
             if not answered.followup:
                 raise InvalidRequest("deferred feedback for a block that has no follow-up")
@@ -142,6 +173,9 @@ class PipelinedDraft:
         self.epoch = epoch
         self.outstanding.clear()
         self.job = self.critical = None
+        if self.load_cap == 0:  # paused: the target goes on alone until a Resume
+            self.paused = True
+            return []
         ready = prepared.get((base, accepted, token)) if accepted < drafted else None
         if prepared_used:
             if ready is None or ready.prepared_for is None or ready.reused:
@@ -162,7 +196,7 @@ class PipelinedDraft:
         """The next main-line block after what is known: the critical job, or an empty block
         when there is nothing to draft (the budget is spent, or the correction ends the output;
         it lets the target settle the next position, or at least carries the correction)."""
-        budget = self.limit - len(self.known) - 1  # the verdict's own token fills the last place
+        budget = min(self.limit - len(self.known) - 1, self.load_cap)  # the verdict's own token fills the last place
         ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids
         if budget >= 1 and not ended:
             self.critical = Job(self.session.begin(self.known, budget, alternatives=self.pipelined), None, time.time(),
@@ -184,6 +218,8 @@ class PipelinedDraft:
         due); None: nothing to do now."""
         if self.critical is not None:
             return self.critical.draft
+        if self.paused:
+            return None
         if self.job is None:
             if not self.agenda or not self._time_for_a_forward():
                 return None
@@ -277,7 +313,7 @@ class PipelinedDraft:
             base, j, token = prepared_for  # outstanding blocks follow one another from the known tokens
             sent = [t for o in self.outstanding for t in o.block.tokens]
             seq = self.known + sent[: base - len(self.known) + j] + [token]
-        draft = self.session.begin(seq, self.limit - len(seq) - 1, alternatives=True)
+        draft = self.session.begin(seq, min(self.limit - len(seq) - 1, self.load_cap), alternatives=True)
         self.job = Job(draft, prepared_for, time.time())
 
     def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> Outgoing:
@@ -285,6 +321,7 @@ class PipelinedDraft:
         block.epoch = self.epoch
         followup = (
             self.pipelined
+            and bool(block.tokens)
             and block.tokens[-1] not in self.stop_token_ids
             and self.limit - (block.base + len(block)) - 1 >= 1
         )

@@ -52,13 +52,20 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                 pipelined=msg.pipeline == pb.PIPELINE_ASYNC, prepare=self.prepare, send_prepared=sampling.greedy,
             )
             self.new_session(msg.session_id, session, stream)
-            self._send(msg.session_id, session, session.start(received_at))
+            cap = msg.load_cap if msg.HasField("load_cap") else None
+            self._send(msg.session_id, session, session.start(received_at, cap))
         elif kind == "feedback":
             msg = request.feedback
             session = self.session(msg.session_id, stream)
             while msg is not None:  # a chain: the verdicts on consecutive blocks, in order
                 self._send(msg.session_id, session, self._apply(session, msg, received_at))
                 msg = msg.then if msg.HasField("then") else None
+        elif kind == "resume":
+            msg = request.resume
+            session = self.session(msg.session_id, stream)
+            check_token_ids(msg.tokens, self.limits.tokens, "resumed token id")
+            self._send(msg.session_id, session, session.on_resume(msg.epoch, msg.base, list(msg.tokens), msg.load_cap,
+                                                                  received_at))
         else:  # cancel
             self.session(request.cancel.session_id, stream)
             self.close_session(request.cancel.session_id, stream)
@@ -71,7 +78,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
             raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
         return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
-                                   msg.prepared_used, received_at)
+                                   msg.prepared_used, received_at, msg.load_cap if msg.HasField("load_cap") else None)
 
     def idle(self) -> bool:
         """One batched step: a single draft forward advances every session that has a block to

@@ -224,11 +224,13 @@ class GenerationStats:
     draft_queue_s: list[float] = field(default_factory=list)  # feedback at the draft -> drafting starts
     overhead_s: list[float] = field(default_factory=list)  # round_s minus the forwards on its critical path
     round_sources: list[str] = field(default_factory=list)  # "first", "followup" / "prepared" (ready at the
-    # verdict before it: no round trip), "drafted" (after that verdict's feedback), "none" (target alone)
+    # verdict before it: no round trip), "drafted" (after that verdict's feedback), "none" (target alone),
+    # "paused" (load-aware: the target alone while drafting does not pay)
     discarded_tokens: int = 0  # pre-drafted tokens never verified (stale, or prepared and not used)
     prepared_sent: int = 0  # prepared continuations that reached the target in time
     prepared_used: int = 0  # of them, verified with no round trip
     prepared_used_late: int = 0  # prepared continuations the draft sent again as the next block
+    pauses: int = 0  # load-aware: times drafting paused because it no longer paid at the target's load
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0
     both_busy_s: float = 0.0  # overlap: draft and target computing at once

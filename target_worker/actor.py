@@ -13,13 +13,14 @@ from target_worker.verifier import Verifier
 class TargetActor(ModelActor):
     service_name = "svip.v1.TargetWorker"
 
-    def __init__(self, model_path: str, limits, max_batched_tokens: int | None = None, **kwargs):
+    def __init__(self, model_path: str, limits, max_batched_tokens: int | None = None, load_aware: str = "greedy",
+                 **kwargs):
         super().__init__(model_path, limits, **kwargs)
-        self.max_batched_tokens = max_batched_tokens
+        self.max_batched_tokens, self.load_aware = max_batched_tokens, load_aware
 
     def make_service(self, draft_address: str | None = None):
         verifier = Verifier(self.model, self.limits.tokens, self.kv_cache_tokens)
-        return SessionHost(verifier, self.limits, draft_address, self.tls, self.max_batched_tokens)
+        return SessionHost(verifier, self.limits, draft_address, self.tls, self.max_batched_tokens, self.load_aware)
 
     async def on_start(self, service: SessionHost) -> None:
         await service.start()

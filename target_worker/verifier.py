@@ -21,6 +21,7 @@ from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool, PagedSequence
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.sampling import mask_padding, sample_index, warp_probs
+from svip_common.step_cost import StepCost, TargetLoad, target_load
 from target_worker.rejection import accept_greedy, accept_sampled, recover
 
 
@@ -33,9 +34,15 @@ class Verifier:
         self.pool = KVPool(target.model, kv_cache_tokens)
         self.tokens_verified = 0  # drafted tokens, every session
         self.last_step_tokens = 0  # tokens in the last batched forward
+        self.cost = StepCost()  # a forward's time by its tokens (load-aware speculation)
+        self.sessions_per_step = 0.0  # recent sessions per verification step (weighted mean)
 
     def open(self, sampling: SamplingParams) -> TargetSession:
         return TargetSession(self, sampling)
+
+    def load(self) -> TargetLoad | None:
+        """The target's current load, as load-aware speculation sees it (None: nothing measured yet)."""
+        return target_load(self.cost, self.sessions_per_step)
 
     @torch.inference_mode()
     def verify_batch(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
@@ -71,6 +78,9 @@ class Verifier:
         started = time.perf_counter()
         rows = self.pool.forward(steps) if steps else []
         elapsed = time.perf_counter() - started
+        if steps:
+            self.cost.observe(self.last_step_tokens, elapsed)
+            self.sessions_per_step = len(jobs) if not self.sessions_per_step else 0.9 * self.sessions_per_step + 0.1 * len(jobs)
         settled = dict(zip(owners, rows))
         for i, plan in plans.items():  # a plan with no step: the stored row settles it
             session, committed, block = jobs[i]

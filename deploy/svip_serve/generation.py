@@ -92,6 +92,7 @@ class Generation:
             "draft_lengths": s.draft_lengths,
             "accepted_lengths": s.accepted_lengths,
             "discarded_tokens": s.discarded_tokens,
+            "pauses": s.pauses,
             "both_busy_s": round(s.both_busy_s, 6),
             "wire_bytes": s.wire_bytes,
             "wall_s": round(s.wall_s, 6),

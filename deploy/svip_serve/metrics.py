@@ -37,6 +37,7 @@ class ServeMetrics:
         self.emitted = counter("spec_decode_num_emitted_tokens", "Tokens emitted (accepted, corrections, bonuses).")
         # SVIP's own
         self.discarded = counter("spec_decode_num_discarded_tokens", "Pre-drafted tokens dropped by rollbacks.")
+        self.pauses = counter("spec_decode_num_pauses", "Times a session stopped drafting: it did not pay at the target's load.")
         self.both_busy = counter("spec_decode_overlap_seconds", "Time draft and target computed at once.")
         self.draft_wait = counter("spec_decode_draft_wait_seconds", "Time the draft worker idled (bubbles).")
         self.target_wait = counter("spec_decode_target_wait_seconds", "Time the target worker idled (bubbles).")
@@ -74,6 +75,7 @@ class ServeMetrics:
             self.accepted_per_pos.inc(count, {**t, "position": str(pos)})
         self._inc(self.emitted, completion_tokens)
         self._inc(self.discarded, stats.discarded_tokens)
+        self._inc(self.pauses, stats.pauses)
         self._inc(self.both_busy, stats.both_busy_s)
         self._inc(self.draft_wait, stats.draft_wait_s)
         self._inc(self.target_wait, stats.target_wait_s)

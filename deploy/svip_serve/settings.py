@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_common.step_cost import LOAD_AWARE_MODES
 from svip_common.errors import InvalidRequest
 
 EMBEDDED_MODEL_NAME = "svip-pair"
@@ -31,6 +32,7 @@ class ServeSettings:
     max_in_flight: int = 16  # sessions generating at once on a replica's pipeline (each worker batches their forwards)
     kv_cache_tokens: int = DEFAULT_KV_TOKENS  # each worker's KV pool; admission counts prompt + max_tokens against it
     max_batched_tokens: int = 512  # at most this many tokens in one target forward; longer prompts prefill in chunks
+    load_aware: str = "greedy"  # whose blocks follow the target's load: off, greedy, all (svip_common/step_cost.py)
     max_waiting: int = 32  # requests a replica holds for a free slot; past it: 429
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
     policy: str = "svip"  # request default; a request's `policy` overrides it
@@ -71,6 +73,8 @@ class ServeSettings:
         for name in ("max_waiting", "max_queued_requests"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
+        if self.load_aware not in LOAD_AWARE_MODES:
+            raise InvalidRequest(f"load_aware must be one of {', '.join(LOAD_AWARE_MODES)}, got {self.load_aware!r}")
         if self.worker_cpus <= 0:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if not isinstance(self.worker_start_timeout_s, (int, float)) or self.worker_start_timeout_s <= 0:

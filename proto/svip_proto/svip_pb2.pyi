@@ -55,7 +55,7 @@ class PolicyConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., threshold: _Optional[float] = ..., entropy_scale: _Optional[float] = ..., draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., confidence: _Optional[float] = ...) -> None: ...
 
 class StartSession(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,7 @@ class StartSession(_message.Message):
     STOP_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
+    LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -70,7 +71,8 @@ class StartSession(_message.Message):
     stop_token_ids: _containers.RepeatedScalarFieldContainer[int]
     max_new_tokens: int
     pipeline: Pipeline
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ...) -> None: ...
+    load_cap: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ...) -> None: ...
 
 class PreparedFor(_message.Message):
     __slots__ = ("base", "accepted", "token")
@@ -115,7 +117,7 @@ class Block(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +128,7 @@ class Feedback(_message.Message):
     PREPARED_USED_FIELD_NUMBER: _ClassVar[int]
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     THEN_FIELD_NUMBER: _ClassVar[int]
+    LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -136,7 +139,22 @@ class Feedback(_message.Message):
     prepared_used: bool
     sent_at: float
     then: Feedback
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ...) -> None: ...
+    load_cap: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ...) -> None: ...
+
+class Resume(_message.Message):
+    __slots__ = ("session_id", "epoch", "base", "tokens", "load_cap")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
+    BASE_FIELD_NUMBER: _ClassVar[int]
+    TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    epoch: int
+    base: int
+    tokens: _containers.RepeatedScalarFieldContainer[int]
+    load_cap: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., load_cap: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("session_id",)
@@ -161,14 +179,16 @@ class Error(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("start", "feedback", "cancel")
+    __slots__ = ("start", "feedback", "cancel", "resume")
     START_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
+    RESUME_FIELD_NUMBER: _ClassVar[int]
     start: StartSession
     feedback: Feedback
     cancel: Cancel
-    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
+    resume: Resume
+    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
 
 class DraftEvent(_message.Message):
     __slots__ = ("block", "closed", "error")
@@ -233,7 +253,7 @@ class Span(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s")
+    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s", "pauses")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     STOP_ENTROPIES_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -250,6 +270,7 @@ class SessionStats(_message.Message):
     BOTH_BUSY_S_FIELD_NUMBER: _ClassVar[int]
     DRAFT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     TARGET_WAIT_S_FIELD_NUMBER: _ClassVar[int]
+    PAUSES_FIELD_NUMBER: _ClassVar[int]
     rounds: _containers.RepeatedCompositeFieldContainer[Round]
     stop_entropies: _containers.RepeatedScalarFieldContainer[float]
     discarded_tokens: int
@@ -266,7 +287,8 @@ class SessionStats(_message.Message):
     both_busy_s: float
     draft_wait_s: float
     target_wait_s: float
-    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ...) -> None: ...
+    pauses: int
+    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., pauses: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("session_id", "finish_reason", "stats")

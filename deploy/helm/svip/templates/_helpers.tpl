@@ -57,6 +57,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "max_in_flight" (int $v.serve.maxInFlight)
   "max_waiting" (int $v.serve.maxWaiting)
   "max_queued_requests" (int $v.serve.maxQueuedRequests)
+  "kv_cache_tokens" (int $v.serve.kvCacheTokens)
+  "max_batched_tokens" (int $v.serve.maxBatchedTokens)
+  "load_aware" $v.decoding.loadAware
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
 -}}

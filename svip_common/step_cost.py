@@ -1,0 +1,196 @@
+"""Load-aware speculation: what one more drafted token costs at the current load, and how many a
+session may draft before they cost more than they bring.
+
+A drafted token that the target accepts saves a whole target step for its session; one it rejects
+was drafted and verified for nothing. With the target alone, a step of B sessions takes
+t(B) = a + b·B seconds and makes B tokens: ``plain_rate`` = B / t(B) tokens per second. A drafted
+token costs b in the verification forward plus the session's share of a draft forward (d), so
+τ = plain_rate · (b + d) is what it costs in tokens the target alone would have made meanwhile.
+
+- A policy's blocks pay, as they are, when the session's acceptance rate (accepted / drafted)
+  is at least τ: then they are left alone (SVIP decides where they end).
+- Otherwise they are cut: the j-th token is accepted with probability α^j (α: the per-token
+  acceptance rate, each token accepted only if all before it were) and pays while α^j ≥ τ, so a
+  block holds at most ⌊ln τ / ln α⌋ tokens; 0 pauses drafting (the target alone).
+
+On an idle GPU b is near zero and τ is the draft/target cost ratio, which any useful draft beats;
+when verification turns compute-bound at a large batch, b·plain_rate approaches 1 and blocks
+shrink to nothing: the sessions run as the target alone would. The costs are measured, not
+configured: the target fits its forwards' time as a + b·tokens online, each session measures
+what its drafting took per token.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from svip_common.errors import InvalidRequest
+
+UNLIMITED = 1 << 30
+MIN_OBSERVATIONS = 4  # steps seen before the fit is trusted (until then: no cap)
+# Which requests' blocks follow the load. greedy: greedy ones only (their output is the target's,
+# whatever the blocks); a sampled request keeps its policy's lengths, so its seed reproduces it.
+# all: sampled ones too (the distribution is still exactly the target's, but a seed then fixes the
+# draws, not where blocks end: the same seed may give another sample). off: none.
+LOAD_AWARE_MODES = ("off", "greedy", "all")
+RESUME_CAP = 2  # a paused session drafts again once this many tokens would pay (hysteresis)
+
+
+def check_load_aware(mode: str) -> str:
+    if mode not in LOAD_AWARE_MODES:
+        raise InvalidRequest(f"load-aware mode must be one of {', '.join(LOAD_AWARE_MODES)}, got {mode!r}")
+    return mode
+
+
+def load_aware_for(mode: str, greedy: bool) -> bool:
+    """Whether a request (greedy or sampled) drafts no more than pays at the load, under ``mode``."""
+    return mode == "all" or (mode == "greedy" and greedy)
+
+
+class StepCost:
+    """A forward's time as fixed + per_item · items (items: tokens in a verification forward,
+    sessions in a draft forward), an exponentially weighted least-squares fit over recent steps."""
+
+    def __init__(self, decay: float = 0.98):
+        self.decay = decay
+        self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._slope = 0.0  # the last well-determined slope (until items vary, assume it is free)
+        self.items = 0.0  # recent items per step (weighted mean)
+        self.steps = 0
+
+    def observe(self, items: int, seconds: float) -> None:
+        d = self.decay
+        self.steps += 1
+        self._n = d * self._n + 1.0
+        self._sx = d * self._sx + items
+        self._sy = d * self._sy + seconds
+        self._sxx = d * self._sxx + items * items
+        self._sxy = d * self._sxy + items * seconds
+        self.items = self._sx / self._n
+        mean_x, mean_y = self._sx / self._n, self._sy / self._n
+        spread = self._sxx / self._n - mean_x * mean_x
+        if spread >= 0.25:  # items varied enough to tell the slope from noise
+            self._slope = max((self._sxy / self._n - mean_x * mean_y) / spread, 0.0)
+
+    @property
+    def observed(self) -> bool:
+        return self.steps >= MIN_OBSERVATIONS
+
+    @property
+    def per_item(self) -> float:
+        return self._slope
+
+    @property
+    def fixed(self) -> float:
+        if not self._n:
+            return 0.0
+        return max(self._sy / self._n - self._slope * self._sx / self._n, 0.0)
+
+    def time(self, items: float) -> float:
+        return self.fixed + self.per_item * items
+
+
+@dataclass(frozen=True)
+class TargetLoad:
+    """What the draft side needs to know about the target's load (sent with each verdict when the
+    draft is on another worker)."""
+
+    plain_rate: float  # tokens/s the target alone would make at its current batch
+    verify_token_s: float  # seconds one more verified token adds to a target step
+
+
+def target_load(verify: StepCost, sessions_per_step: float) -> TargetLoad | None:
+    """The target's load from its verification cost fit and its recent sessions per step."""
+    if not verify.observed:
+        return None
+    batch = max(sessions_per_step, 1.0)
+    step = verify.time(batch)  # a plain step: one token per session
+    return TargetLoad(batch / step if step > 0 else 0.0, verify.per_item)
+
+
+def token_cost(load: TargetLoad, draft_token_s: float) -> float:
+    """τ: what one drafted token costs, in tokens the target alone makes in that time."""
+    return load.plain_rate * (load.verify_token_s + draft_token_s)
+
+
+def speculation_cap(load: TargetLoad | None, draft_token_s: float, acceptance: float,
+                    block_rate: float | None = None) -> int:
+    """The most tokens worth drafting in a block: no cap while the blocks pay as they are
+    (block_rate >= τ), else ⌊ln τ / ln α⌋ (α = acceptance, per token)."""
+    if load is None:
+        return UNLIMITED
+    tau = token_cost(load, draft_token_s)
+    if tau <= 0.0 or (block_rate is not None and block_rate >= tau):
+        return UNLIMITED
+    if tau >= 1.0 or acceptance <= 0.0:
+        return 0
+    if acceptance >= 1.0:
+        return UNLIMITED
+    return int(math.log(tau) / math.log(acceptance))
+
+
+class AcceptanceRate:
+    """A session's recent acceptance, exponentially weighted from a prior of 4 in 5: ``value``,
+    per token (accepted drafted tokens over accepted plus rejections: a block ends in at most
+    one), and ``block_rate``, accepted over drafted (vLLM's acceptance rate)."""
+
+    PRIOR = (4.0, 1.0, 5.0)  # accepted, rejections, drafted
+
+    def __init__(self, decay: float = 0.9):
+        self.decay = decay
+        self._accepted, self._rejected, self._drafted = self.PRIOR
+
+    def update(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        d = self.decay
+        self._accepted = d * self._accepted + accepted
+        self._rejected = d * self._rejected + (1.0 if accepted < drafted else 0.0)
+        self._drafted = d * self._drafted + drafted
+
+    def relax(self, weight: float = 0.005) -> None:
+        """A round without a verdict to learn from (drafting paused): drift back toward the prior,
+        so a session paused for poor acceptance tries again now and then."""
+        prior = self.PRIOR
+        self._accepted += weight * (prior[0] - self._accepted)
+        self._rejected += weight * (prior[1] - self._rejected)
+        self._drafted += weight * (prior[2] - self._drafted)
+
+    @property
+    def value(self) -> float:
+        return self._accepted / (self._accepted + self._rejected)
+
+    @property
+    def block_rate(self) -> float:
+        return self._accepted / self._drafted
+
+
+class SessionGate:
+    """One session's side of load-aware speculation: its acceptance, and what its drafting costs
+    per token (its share of the draft forwards, measured where the draft runs and reported with
+    each block). ``cap(load)``: its next block's longest worthwhile length; 0 pauses drafting,
+    which resumes once at least RESUME_CAP tokens pay."""
+
+    def __init__(self):
+        self.acceptance = AcceptanceRate()
+        self.draft_token_s = 0.0
+        self.paused = False
+        self.pauses = 0
+
+    def record(self, drafted: int, accepted: int, draft_s: float | None = None) -> None:
+        self.acceptance.update(drafted, accepted)
+        if draft_s is not None and drafted:
+            per_token = draft_s / drafted
+            self.draft_token_s = per_token if not self.draft_token_s else 0.8 * self.draft_token_s + 0.2 * per_token
+
+    def cap(self, load: TargetLoad | None) -> int:
+        if self.paused:
+            self.acceptance.relax()
+        cap = speculation_cap(load, self.draft_token_s, self.acceptance.value, self.acceptance.block_rate)
+        if self.paused and cap < RESUME_CAP:
+            return 0
+        if cap == 0 and not self.paused:
+            self.pauses += 1
+        self.paused = cap == 0
+        return cap

@@ -1,0 +1,225 @@
+"""Load-aware speculation keeps the output exact: whatever the cap a session's load calls for,
+block after block (capped, paused, resumed), greedy output equals the target alone, in one
+process and across the real workers (the target host pauses the draft, settles tokens alone, and
+resumes it with them), sync and async.
+
+The load is scripted here (the cost model's own numbers are tested in tests/unit/test_step_cost.py):
+a schedule of caps per round, drawn from a seeded generator, with runs of 0 (pause) and of 1
+(still paused: the gate resumes at 2) between ordinary caps."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+
+import pytest
+
+from coordinator.distributed import DistributedEngine
+from coordinator.engine import SpeculativeEngine
+from coordinator.host import SessionHost
+from draft_worker.drafter import Drafter
+from draft_worker.pipelined import PipelinedDraft
+from draft_worker.service import DraftService
+from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
+from svip_common.grpc_server import start_server
+from svip_common.models import load_model_info
+from svip_common.step_cost import TargetLoad
+from svip_proto import svip_pb2_grpc as pb_grpc
+from target_worker.verifier import Verifier
+
+HEAVY = TargetLoad(plain_rate=1000.0, verify_token_s=0.01)  # τ = 10: no token pays
+LIGHT = TargetLoad(plain_rate=100.0, verify_token_s=0.0001)  # τ = 0.01: the policy decides
+POLICIES = [PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="constant", draft_length=4)]
+
+
+def schedule(seed: int):
+    """Caps, round after round: runs of pauses between runs of ordinary caps."""
+    rng = random.Random(seed)
+    while True:
+        for _ in range(rng.randint(1, 4)):
+            yield rng.choice([0, 0, 1])
+        for _ in range(rng.randint(1, 4)):
+            yield rng.choice([2, 3, 8, 1 << 30])
+
+
+def requests(prompt_ids, n: int = 6) -> list[GenerationRequest]:
+    prompts = list(prompt_ids.values())
+    return [GenerationRequest(prompts[i % len(prompts)] + (i,), 24 + 5 * i, policy=POLICIES[i % 2], ignore_eos=True)
+            for i in range(n)]
+
+
+def target_alone(models, reqs) -> list[list[int]]:
+    engine = SpeculativeEngine(models["target"], None)
+    return [engine.generate(r).token_ids for r in reqs]
+
+
+def test_in_process_output_is_exact_through_pauses_and_caps(models, prompt_ids):
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="all")
+    loads = iter(HEAVY if i % 5 in (1, 2) else LIGHT for i in range(10**6))
+    engine.verifier.load = lambda: next(loads)
+    reqs = requests(prompt_ids)
+    alone = target_alone(models, reqs)
+    results = engine.generate_many(reqs, batch_size=4)
+    assert [r.token_ids for r in results] == alone
+    assert sum(r.stats.pauses for r in results) > 0
+    assert sum(r.stats.draft_tokens for r in results) > 0  # and drafting resumed
+    assert [engine.generate(r).token_ids for r in reqs[:2]] == alone[:2]  # one at a time too
+
+
+def test_a_heavily_loaded_batch_runs_as_the_target_alone(models, prompt_ids):
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="all")
+    engine.verifier.load = lambda: HEAVY
+    reqs = requests(prompt_ids, 4)
+    results = engine.generate_many(reqs, batch_size=4)
+    assert [r.token_ids for r in results] == target_alone(models, reqs)
+    assert all(r.stats.draft_tokens == 0 for r in results)
+
+
+def assert_all_freed(host, draft, loop, timeout: float = 10.0) -> None:
+    """Both workers end with no session and every page free (the draft's cancel leaves after the
+    caller's finish, through the event loop the host's link runs on)."""
+    deadline = time.monotonic() + timeout
+    while (draft.sessions or draft.pool.used_pages) and time.monotonic() < deadline:
+        loop.run_until_complete(asyncio.sleep(0.02))
+    assert not host.sessions and not draft.sessions
+    assert host.pool.used_pages == 0 and draft.pool.used_pages == 0
+
+
+def test_greedy_mode_leaves_sampled_requests_as_their_policy_drafts_them(models, prompt_ids):
+    """The default mode: a greedy request pauses under heavy load, a sampled one keeps drafting,
+    so its seed reproduces its output whatever the load."""
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="greedy")
+    greedy, sampled = requests(prompt_ids, 2)
+    sampled = GenerationRequest(sampled.prompt_ids, sampled.max_new_tokens, SamplingParams(temperature=0.8, seed=11),
+                                sampled.policy, ignore_eos=True)
+    light = engine.generate(sampled).token_ids
+    engine.verifier.load = lambda: HEAVY
+    g, s = engine.generate_many([greedy, sampled], 2)
+    assert g.stats.draft_tokens == 0 and g.token_ids == target_alone(models, [greedy])[0]
+    assert s.stats.draft_tokens > 0 and s.stats.pauses == 0 and s.token_ids == light
+
+
+@pytest.fixture(scope="module")
+def loop():
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def workers(models, model_dirs, loop):
+    """A real draft service and a real session host, each serving gRPC on loopback; the host's
+    cap per round comes from the scripted schedule of the session's own seed."""
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    draft = DraftService(Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens), limits)
+    servers = []
+
+    def serve(servicer, add):
+        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
+    host = SessionHost(Verifier(models["target"], limits.tokens), limits, draft_address, load_aware="all")
+    loop.run_until_complete(host.start())
+    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
+    yield host, draft, limits, target_address, draft_address
+    for server in servers:
+        loop.run_until_complete(server.stop(None))
+    loop.run_until_complete(host.close())
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models, model_dirs, prompt_ids, loop, pipeline):
+    host, draft, limits, target_address, draft_address = workers
+    caps = {}
+
+    def scripted(gate):
+        return next(caps.setdefault(id(gate), schedule(len(caps))))
+
+    host.load_cap = scripted
+    reqs = requests(prompt_ids)
+    engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, pipeline)
+
+    async def run_all():
+        await engine.connect()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in reqs))
+        finally:
+            await engine.close()
+
+    results = loop.run_until_complete(run_all())
+    assert [r.token_ids for r in results] == target_alone(models, reqs)
+    stats = [r.stats for r in results]
+    assert sum(s.pauses for s in stats) > 0 and sum(s.round_sources.count("paused") for s in stats) > 0
+    assert sum(s.draft_tokens for s in stats) > 0
+    assert all(len(s.round_sources) == s.rounds for s in stats)
+    assert_all_freed(host, draft, loop)
+
+
+def test_a_session_that_starts_paused_runs_as_the_target_alone(workers, models, model_dirs, prompt_ids, loop):
+    host, draft, limits, target_address, draft_address = workers
+    host.load_cap = lambda gate: 0
+    reqs = requests(prompt_ids, 2)
+    engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, "async")
+
+    async def run_all():
+        await engine.connect()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in reqs))
+        finally:
+            await engine.close()
+
+    results = loop.run_until_complete(run_all())
+    assert [r.token_ids for r in results] == target_alone(models, reqs)
+    assert all(r.stats.draft_tokens == 0 and set(r.stats.round_sources) == {"paused"} for r in results)
+
+
+def _paused_draft(models) -> PipelinedDraft:
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size)
+    session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=3), ())
+    draft = PipelinedDraft(session, [5, 6, 7], 20, frozenset(), pipelined=False)
+    assert draft.start(0.0, load_cap=0) == [] and draft.paused and draft.next_draft() is None
+    return draft
+
+
+def test_the_draft_checks_a_resume(models):
+    draft = _paused_draft(models)
+    with pytest.raises(InvalidRequest, match="resume at base 4"):
+        draft.on_resume(1, 4, [9], 3, 0.0)
+    with pytest.raises(InvalidRequest, match="past the session's 23 tokens"):
+        draft.on_resume(1, 3, [9] * 21, 3, 0.0)
+    with pytest.raises(InvalidRequest, match="load_cap 0"):
+        draft.on_resume(1, 3, [9], 0, 0.0)
+    draft.on_resume(1, 3, [9, 10], 2, 0.0)
+    assert draft.known == [5, 6, 7, 9, 10] and not draft.paused
+    while draft.critical is not None:
+        draft.work()
+    assert len(draft.outstanding[0].block) == 2  # the resumed cap
+    with pytest.raises(InvalidRequest, match="not paused"):
+        draft.on_resume(2, 5, [], 2, 0.0)
+
+
+def test_sampled_sessions_pause_and_resume_without_a_protocol_error(workers, model_dirs, prompt_ids, loop):
+    """Sampled: a rejection's correction may be drawn at the draft (its q stays there), so a pause
+    waits for a verdict whose token the target settles; the session completes either way."""
+    host, draft, limits, target_address, draft_address = workers
+    caps = {}
+    host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(100 + len(caps))))
+    reqs = [GenerationRequest(r.prompt_ids, r.max_new_tokens, SamplingParams(temperature=0.9, seed=3 + i), r.policy,
+                              ignore_eos=True) for i, r in enumerate(requests(prompt_ids))]
+    engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, "async")
+
+    async def run_all():
+        await engine.connect()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in reqs))
+        finally:
+            await engine.close()
+
+    results = loop.run_until_complete(run_all())
+    assert [len(r.token_ids) for r in results] == [r.max_new_tokens for r in reqs]
+    assert sum(r.stats.pauses for r in results) > 0 and sum(r.stats.draft_tokens for r in results) > 0
+    assert_all_freed(host, draft, loop)

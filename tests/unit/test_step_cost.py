@@ -1,0 +1,137 @@
+"""Load-aware speculation: the online cost fit and the cap it gives."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from svip_common.step_cost import (
+    UNLIMITED,
+    AcceptanceRate,
+    StepCost,
+    TargetLoad,
+    speculation_cap,
+    target_load,
+)
+
+
+def test_the_fit_recovers_fixed_and_per_item_cost_through_noise():
+    rng = random.Random(0)
+    cost = StepCost()
+    for _ in range(400):
+        items = rng.randint(1, 64)
+        cost.observe(items, 0.010 + 0.0005 * items + rng.gauss(0, 0.0005))
+    assert cost.fixed == pytest.approx(0.010, rel=0.1)
+    assert cost.per_item == pytest.approx(0.0005, rel=0.1)
+
+
+def test_until_items_vary_a_step_is_all_fixed_cost():
+    cost = StepCost()
+    for _ in range(20):
+        cost.observe(5, 0.01)
+    assert cost.per_item == 0.0 and cost.fixed == pytest.approx(0.01)
+
+
+def test_the_slope_is_kept_while_items_stop_varying():
+    cost = StepCost(decay=0.9)
+    for items in [1, 40] * 20:
+        cost.observe(items, 0.01 + 0.001 * items)
+    slope = cost.per_item
+    for _ in range(200):  # every session at cap 0: steps all the same size
+        cost.observe(16, 0.01 + 0.001 * 16)
+    assert cost.per_item == pytest.approx(slope) and slope == pytest.approx(0.001, rel=0.01)
+
+
+def test_an_idle_gpu_like_target_leaves_the_cap_to_the_policy():
+    """Verification free (b = 0), a drafted token at 1/20 of a target step: τ = 0.05."""
+    verify = StepCost()
+    for _ in range(10):
+        verify.observe(5, 0.020)
+    load = target_load(verify, 1)
+    assert load.plain_rate == pytest.approx(50.0)
+    assert speculation_cap(load, 0.001, 0.8) == 13  # ln 0.05 / ln 0.8
+    assert speculation_cap(load, 0.001, 0.8, block_rate=0.6) == UNLIMITED  # the blocks pay as they are
+
+
+def test_blocks_that_do_not_pay_as_they_are_are_cut_where_tokens_stop_paying():
+    load = TargetLoad(plain_rate=100.0, verify_token_s=0.001)  # τ = 0.1 + 100 · d
+    assert speculation_cap(load, 0.004, 0.8, block_rate=0.55) == UNLIMITED  # τ = 0.5 ≤ 0.55
+    assert speculation_cap(load, 0.004, 0.8, block_rate=0.45) == 3  # ⌊ln 0.5 / ln 0.8⌋
+    assert speculation_cap(load, 0.004, 0.4, block_rate=0.3) == 0  # not even the first token
+
+
+def test_the_fit_is_not_trusted_before_a_few_steps():
+    verify = StepCost()
+    for _ in range(3):
+        assert target_load(verify, 1) is None
+        verify.observe(5, 0.02)
+    verify.observe(5, 0.02)
+    assert target_load(verify, 1) is not None
+
+
+def test_a_compute_bound_target_stops_speculation():
+    """At 64 sessions a step costs mostly per token: one more verified token costs nearly what
+    the target alone makes in that time."""
+    load = TargetLoad(plain_rate=64 / (0.005 + 64 * 0.002), verify_token_s=0.002)
+    assert speculation_cap(load, 0.0001, 0.9) == 0
+
+
+def test_the_cap_shrinks_as_the_batch_grows():
+    verify = StepCost()
+    for items in range(1, 200):
+        verify.observe(items, 0.008 + 0.0002 * items)
+    caps = [speculation_cap(target_load(verify, b), 0.0005, 0.85) for b in (1, 4, 16, 64, 256)]
+    assert caps == sorted(caps, reverse=True) and caps[0] > 2 and caps[-1] == 0
+
+
+def test_no_measurement_means_no_cap():
+    assert speculation_cap(None, 0.0, 0.5) == UNLIMITED
+    assert target_load(StepCost(), 4) is None
+
+
+def test_acceptance_rate_follows_the_verdicts():
+    rate = AcceptanceRate()
+    assert rate.value == pytest.approx(0.8)
+    for _ in range(30):
+        rate.update(4, 1)
+    assert rate.value < 0.6
+    for _ in range(60):
+        rate.update(4, 4)
+    assert rate.value > 0.95
+    before = rate.value
+    rate.update(0, 0)  # no block, no evidence
+    assert rate.value == before
+
+
+def test_a_paused_gate_resumes_only_when_two_tokens_pay():
+    """Hysteresis: a session at the edge does not flip between drafting and not every round."""
+    from svip_common.step_cost import RESUME_CAP, SessionGate
+
+    gate = SessionGate()
+    for _ in range(10):
+        gate.record(4, 2)  # half the tokens accepted: α = 2/3, block rate 1/2
+    heavy = TargetLoad(plain_rate=100.0, verify_token_s=0.02)  # τ = 2: nothing pays
+    edge = TargetLoad(plain_rate=100.0, verify_token_s=0.006)  # τ = 0.6: one token pays at α ≈ 0.67
+    light = TargetLoad(plain_rate=100.0, verify_token_s=0.001)
+    assert gate.cap(light) >= RESUME_CAP and not gate.paused
+    assert gate.cap(heavy) == 0 and gate.paused and gate.pauses == 1
+    assert speculation_cap(edge, 0.0, gate.acceptance.value, gate.acceptance.block_rate) == 1
+    assert gate.cap(edge) == 0 and gate.paused  # 1 < RESUME_CAP: still paused
+    assert gate.cap(light) >= RESUME_CAP and not gate.paused
+    assert gate.cap(edge) == 1 and gate.pauses == 1  # drafting: 1 is worth it
+
+
+def test_a_session_paused_for_poor_acceptance_tries_again_later():
+    from svip_common.step_cost import SessionGate
+
+    gate = SessionGate()
+    load = TargetLoad(plain_rate=100.0, verify_token_s=0.002)  # τ = 0.2
+    for _ in range(20):
+        gate.record(4, 0)  # the draft is wrong every time here
+    assert gate.cap(load) == 0 and gate.paused
+    rounds = 0
+    while gate.cap(load) == 0:
+        rounds += 1
+        assert rounds < 500
+    assert rounds > 20 and not gate.paused  # not at once: only after a while without drafting
