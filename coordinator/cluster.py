@@ -8,7 +8,7 @@ import os
 
 from svip_common.errors import SvipError
 from svip_common.contracts import DRAFT_LENGTH_CAP
-from svip_common.kv_cache import DEFAULT_KV_TOKENS, PAGE_SIZE
+from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
 from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info, pair_limits
 from svip_common.tls import TlsFiles
 
@@ -99,7 +99,8 @@ class WorkerPair:
                  bundles: tuple[int, int] = (0, 0), worker_cpus: float = 1,
                  max_draft_length: int = DRAFT_LENGTH_CAP, layout: str | None = None, tls: TlsFiles | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
-                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None):
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None,
+                 load_aware: str = "greedy"):
         import ray
 
         from draft_worker.actor import DraftActor
@@ -111,7 +112,7 @@ class WorkerPair:
             draft_info = load_model_info(draft_path)
             check_same_vocabulary(self.target_info, draft_info)
         # a pool holds whole pages: its capacity, rounded up to them
-        kv_tokens = -(-kv_cache_tokens // PAGE_SIZE) * PAGE_SIZE
+        kv_tokens = whole_pages(kv_cache_tokens)
         self.limits = pair_limits(self.target_info, draft_info, max_draft_length, kv_tokens)
         self.tls = tls
         self.target = self.draft = self._own_placement = None
@@ -127,7 +128,7 @@ class WorkerPair:
         self.kv_cache_tokens = kv_cache_tokens
         self.target = ray.remote(TargetActor).options(
             **actor_options("target", target_gpus, placement, bundles[0], worker_cpus)).remote(
-            target_path, self.limits, max_batched_tokens=max_batched_tokens, **common)
+            target_path, self.limits, max_batched_tokens=max_batched_tokens, load_aware=load_aware, **common)
         self.target_address = self.draft_address = None
         if draft_path is not None:
             self.draft = ray.remote(DraftActor).options(

@@ -15,6 +15,7 @@ import sys
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_common.step_cost import LOAD_AWARE_MODES
 from svip_common.randomness import sample_seed
 
 
@@ -75,9 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--batch-size", type=int, default=1,
                      help="requests in flight at once (--input, --n): one forward serves them all; outputs in input order")
     run.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_TOKENS,
-                     help=f"in-process: each model's KV pool, in tokens ({DEFAULT_KV_TOKENS})")
+                     help=f"each model's KV pool, in tokens ({DEFAULT_KV_TOKENS}); a request larger than it is refused")
     run.add_argument("--max-batched-tokens", type=int,
-                     help="in-process: at most this many tokens in one forward; a long prompt is prefilled in chunks")
+                     help="at most this many tokens in one target forward; a long prompt is prefilled in chunks")
+    run.add_argument("--load-aware", choices=LOAD_AWARE_MODES, default="greedy",
+                     help="whose blocks hold no more tokens than pay at the target's measured load (none when "
+                          "verification is compute-bound): greedy requests (default; a seed still reproduces a "
+                          "sampled output), all (sampled too), or off (each policy as configured)")
     _add_serve_parser(sub)
     from svip_bench.command import add_arguments
 
@@ -104,6 +109,8 @@ def _add_serve_parser(sub) -> None:
                      help=f"each worker's KV pool in tokens ({DEFAULT_KV_TOKENS}); admission counts prompt + max_tokens against it")
     srv.add_argument("--max-batched-tokens", type=int, default=512,
                      help="at most this many tokens in one target forward; longer prompts are prefilled in chunks (512)")
+    srv.add_argument("--load-aware", choices=LOAD_AWARE_MODES, default="greedy",
+                     help="whose blocks hold no more tokens than pay at the target's load: greedy (default), all, off")
     srv.add_argument("--policy", default="svip", help=f"default length policy: {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     srv.add_argument("--draft-length-cap", type=int, default=DRAFT_LENGTH_CAP,
@@ -129,6 +136,7 @@ def _serve(args: argparse.Namespace) -> int:
         "policy": args.policy, "threshold": args.threshold, "draft_length_cap": args.draft_length_cap,
         "max_request_bytes": args.max_request_bytes, "grpc_tls_dir": args.grpc_tls_dir,
         "kv_cache_tokens": args.kv_cache_tokens, "max_batched_tokens": args.max_batched_tokens,
+        "load_aware": args.load_aware,
         "api_key_sha256": tuple(sorted({digest(k) for k in args.api_key + keys_from_env()})),
     })
     return serve_forever(settings, args.host, args.port, args.metrics_port)
@@ -170,21 +178,32 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _generate_all(args, engine, prompts, base_request) -> None:
+    """Every prompt's --n outputs, in input order: one at a time, or --batch-size at once (one
+    forward serves them all; each output is written when all are done)."""
     from coordinator.prompts import encode
 
-    out = sys.stdout
+    requests = []
     for prompt in prompts:
         ids = encode(engine.target.tokenizer, prompt)
         for i in range(args.n):
             sampling = dataclasses.replace(base_request.sampling, seed=sample_seed(base_request.sampling.seed, i))
-            request = dataclasses.replace(base_request, prompt_ids=ids, sampling=sampling)
-            result = engine.generate(request)
-            text = engine.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-            if args.json:
-                out.write(json.dumps(_result_json(args, engine, request, result, text)) + "\n")
-            else:
-                out.write(text + "\n")
-            out.flush()
+            requests.append(dataclasses.replace(base_request, prompt_ids=ids, sampling=sampling))
+    if args.batch_size > 1:
+        results = engine.generate_many(requests, args.batch_size)
+        for request, result in zip(requests, results):
+            _write_result(args, engine, request, result)
+        return
+    for request in requests:
+        _write_result(args, engine, request, engine.generate(request))
+
+
+def _write_result(args, engine, request, result) -> None:
+    text = engine.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    if args.json:
+        sys.stdout.write(json.dumps(_result_json(args, engine, request, result, text)) + "\n")
+    else:
+        sys.stdout.write(text + "\n")
+    sys.stdout.flush()
 
 
 def _prompt_sources(args: argparse.Namespace) -> list[str | list[int]]:
@@ -258,11 +277,11 @@ def _load_engine(args: argparse.Namespace):
         tls = TlsFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
         return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device,
                                 args.target_gpus, args.ray_address, args.placement, tls, args.kv_cache_tokens,
-                                args.max_batched_tokens)
+                                args.max_batched_tokens, getattr(args, "load_aware", "off"))
     target = load_model(target_path, args.dtype, args.device)
     draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
     return SpeculativeEngine(target, draft, getattr(args, "kv_cache_tokens", DEFAULT_KV_TOKENS),
-                             getattr(args, "max_batched_tokens", None))
+                             getattr(args, "max_batched_tokens", None), getattr(args, "load_aware", "off"))
 
 
 def _result_json(args, engine, request, result, text: str) -> dict:

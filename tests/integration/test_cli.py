@@ -74,6 +74,20 @@ def test_batch_input_keeps_order(capsys, model_dirs, tmp_path):
     assert json.loads(single[1])["token_ids"] == records[1]["token_ids"]
 
 
+@pytest.mark.parametrize("load_aware", ["greedy", "off"])
+def test_batch_size_runs_the_file_at_once_with_the_same_outputs_in_order(capsys, model_dirs, tmp_path, load_aware):
+    batch = tmp_path / "batch.jsonl"
+    batch.write_text("".join(f'{{"prompt_ids": [5, 6, {7 + i}]}}\n' for i in range(6)) + '{"prompt": "def"}\n')
+    args = ["generate", "--input", str(batch), *pair_args(model_dirs), "--max-new-tokens", "12", "--json",
+            "--load-aware", load_aware]
+    code, one, err = run_cli(capsys, *args, "--batch-size", "1")
+    assert code == 0, err
+    code, many, err = run_cli(capsys, *args, "--batch-size", "4", "--kv-cache-tokens", "256", "--max-batched-tokens", "64")
+    assert code == 0, err
+    ids = lambda out: [(r["prompt_token_ids"], r["token_ids"]) for r in map(json.loads, out.splitlines())]  # noqa: E731
+    assert ids(many) == ids(one) and len(ids(one)) == 7
+
+
 def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
     args = ["generate", "def", *pair_args(model_dirs), "--max-new-tokens", "16", "--temperature", "1", "--json"]
     code, out, _ = run_cli(capsys, *args, "--n", "3", "--seed", "10")
@@ -103,6 +117,9 @@ def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
         (["x", "--draft-length", "0"], "draft length must be in [1, 64], got 0"),
         (["x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
         (["x", "--n", "0"], "--n must be >= 1"),
+        (["x", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["x", "--kv-cache-tokens", "16", "--max-new-tokens", "40"], "does not fit the KV cache of 16 tokens"),
+        (["x", "--load-aware", "sometimes"], "invalid choice: 'sometimes'"),
         (["x", "--mode", "distributed", "--target-gpus", "0"], "--target-gpus must be >= 1"),
         (["x", "--max-new-tokens", "600"], "exceeds the model's context of 512 tokens"),
         (["x", "--prompt-ids", "1"], "give exactly one prompt source"),
