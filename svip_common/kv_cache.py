@@ -34,6 +34,11 @@ from svip_common.errors import ModelLoadError, SvipError
 
 PAGE_SIZE = 16  # tokens per page
 DEFAULT_KV_TOKENS = 32768  # a pool's size in tokens when none is given
+
+
+def whole_pages(tokens: int, page_size: int = PAGE_SIZE) -> int:
+    """The room ``tokens`` take in a pool, in tokens: a sequence holds whole pages."""
+    return -(-tokens // page_size) * page_size
 ATTENTION = "svip_ragged"
 
 
@@ -51,9 +56,12 @@ class KVPool:
         kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.pages = max(1, -(-tokens // page_size))
-        shape = (self.layers, self.pages * page_size, kv_heads, head_dim)
-        self.keys = torch.zeros(shape, dtype=model.dtype, device=model.device)
-        self.values = torch.zeros(shape, dtype=model.dtype, device=model.device)
+        shape = (self.pages * page_size, kv_heads, head_dim)
+        # per layer, on that layer's device (a model spread over GPUs keeps each layer's cache beside it)
+        devices = _layer_devices(model, self.layers)
+        self.keys = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
+        self.values = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
+        self.device = devices[0]  # where page tables live
         self._free = list(range(self.pages - 1, -1, -1))  # a stack: pages freed last are reused first
 
     @property
@@ -71,7 +79,7 @@ class KVPool:
 
     @property
     def nbytes(self) -> int:
-        return self.keys.nbytes + self.values.nbytes
+        return sum(k.nbytes + v.nbytes for k, v in zip(self.keys, self.values))
 
     def pages_for(self, tokens: int) -> int:
         return -(-tokens // self.page_size)
@@ -181,7 +189,7 @@ class PagedSequence:
 
     def _slots_upto(self, length: int) -> torch.Tensor:
         if self._slots is None:
-            pages = torch.tensor(self.pages, dtype=torch.long, device=self.pool.keys.device)
+            pages = torch.tensor(self.pages, dtype=torch.long, device=self.pool.device)
             offsets = torch.arange(self.pool.page_size, device=pages.device)
             self._slots = (pages[:, None] * self.pool.page_size + offsets).reshape(-1)
         return self._slots[:length]
@@ -209,8 +217,10 @@ class _PoolWriter:
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs=None, **_):
         pool, write = self.meta.pool, self.meta.write
-        pool.keys[layer_idx, write] = key_states[0].transpose(0, 1)  # [total, kv_heads, head_dim]
-        pool.values[layer_idx, write] = value_states[0].transpose(0, 1)
+        keys, values = pool.keys[layer_idx], pool.values[layer_idx]
+        write = write.to(keys.device)  # a no-op unless the model spans devices
+        keys[write] = key_states[0].transpose(0, 1)  # [total, kv_heads, head_dim]
+        values[write] = value_states[0].transpose(0, 1)
         return key_states, value_states
 
 
@@ -222,8 +232,9 @@ def _ragged_attention_forward(module, query, key, value, attention_mask, scaling
     outs = []
     for item in meta.items:
         q = query[:, :, item.start : item.start + item.length]  # [1, heads, n, d]
-        k = keys[item.slots].permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
-        v = values[item.slots].permute(1, 0, 2).unsqueeze(0)
+        slots = item.slots.to(keys.device)  # a no-op unless the model spans devices
+        k = keys[slots].permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
+        v = values[slots].permute(1, 0, 2).unsqueeze(0)
         n, total = item.length, item.slots.shape[0]
         mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
         outs.append(scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True))
@@ -231,6 +242,16 @@ def _ragged_attention_forward(module, query, key, value, attention_mask, scaling
 
 
 AttentionInterface.register(ATTENTION, _ragged_attention_forward)
+
+
+def _layer_devices(model: PreTrainedModel, layers: int) -> list[torch.device]:
+    """Each decoder layer's device: the model's own unless it was spread (``device_map``)."""
+    if not getattr(model, "hf_device_map", None):
+        return [model.device] * layers
+    try:
+        return [next(layer.parameters()).device for layer in model.get_decoder().layers][:layers]
+    except (AttributeError, StopIteration):
+        return [model.device] * layers
 
 
 @contextlib.contextmanager

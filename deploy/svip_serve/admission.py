@@ -1,7 +1,7 @@
 """Backpressure on one replica, by sessions and by KV tokens: a request generates once a session
 slot is free (at most max_in_flight) and its prompt plus max_tokens fit the KV room left in the
-pipeline's pools; until then it waits in line (first come, first served), and a request past
-max_waiting is refused at once with a 429. A request larger than the whole pool never gets here
+pipeline's pools; until then it waits in line (first come, first served), and a request that
+would wait when max_waiting already do is refused at once with a 429. A request larger than the whole pool never gets here
 (the engine refuses it with a 400 naming the KV cache)."""
 
 from __future__ import annotations
@@ -25,32 +25,41 @@ class Admission:
         self._on_change = on_change
 
     def reserve(self, kv_tokens: int = 0) -> Slot:
-        """A place in line for a request that will hold kv_tokens, or ApiError 429 when full."""
-        if self.running + self.waiting >= self.max_in_flight + self.max_waiting:
+        """A place for a request that will hold kv_tokens: running at once when a slot and the
+        room are free and nobody is in line, else in line; ApiError 429 when the line is full."""
+        slot = Slot(self, kv_tokens)
+        if not self._line and self._fits(kv_tokens):
+            self._start(slot)
+        elif self.waiting >= self.max_waiting:
+            kv = f", KV tokens {self.kv_used} of {self.kv_tokens} held" if self.kv_tokens is not None else ""
             raise ApiError(
                 429,
                 f"server busy: {self.running} requests generating and {self.waiting} waiting on this replica "
-                f"(limits {self.max_in_flight} and {self.max_waiting}); retry later",
+                f"(limits {self.max_in_flight} and {self.max_waiting}{kv}); retry later",
                 type_="rate_limit_error", code="server_busy", headers={"Retry-After": str(RETRY_AFTER_S)},
             )
-        self.waiting += 1
+        else:
+            self.waiting += 1
+            self._line.append(slot)
         self._changed()
-        return Slot(self, kv_tokens)
+        return slot
 
-    def _fits(self, slot: Slot) -> bool:
-        room = self.kv_tokens is None or self.kv_used + slot.kv_tokens <= self.kv_tokens
+    def _fits(self, kv_tokens: int) -> bool:
+        room = self.kv_tokens is None or self.kv_used + kv_tokens <= self.kv_tokens
         return self.running < self.max_in_flight and room
+
+    def _start(self, slot: Slot) -> None:
+        self.running += 1
+        self.kv_used += slot.kv_tokens
+        slot._state = "running"
+        if not slot._admitted.done():
+            slot._admitted.set_result(None)
 
     def _dispatch(self) -> None:
         """Admit from the head of the line while the head fits."""
-        while self._line and self._fits(self._line[0]):
-            slot = self._line.popleft()
+        while self._line and self._fits(self._line[0].kv_tokens):
             self.waiting -= 1
-            self.running += 1
-            self.kv_used += slot.kv_tokens
-            slot._state = "running"
-            if not slot._admitted.done():
-                slot._admitted.set_result(None)
+            self._start(self._line.popleft())
         self._changed()
 
     def _changed(self) -> None:
@@ -58,20 +67,17 @@ class Admission:
 
 
 class Slot:
-    """`async with slot:` waits for a session slot and KV room and holds them; release() is
-    idempotent, so a slot given up before it was entered (client gone) frees its place too."""
+    """`async with slot:` waits until the request runs (a session slot and its KV room) and holds
+    them; release() is idempotent, so a slot given up before it was entered (client gone) frees
+    its place too."""
 
     def __init__(self, admission: Admission, kv_tokens: int):
         self._adm = admission
         self.kv_tokens = kv_tokens
         self._state = "waiting"
-        self._admitted: asyncio.Future | None = None
+        self._admitted: asyncio.Future = asyncio.get_running_loop().create_future()
 
     async def __aenter__(self) -> Slot:
-        adm = self._adm
-        self._admitted = asyncio.get_running_loop().create_future()
-        adm._line.append(self)
-        adm._dispatch()
         try:
             await self._admitted
         except BaseException:  # cancelled while waiting (the client left): give the place back

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from svip_common.errors import WorkerUnavailable
 from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest, SvipError
+from svip_common.kv_cache import whole_pages
 from svip_serve import prompting
 from svip_serve.admission import Admission, Slot
 from svip_serve.auth import ApiKeys
@@ -128,7 +129,7 @@ class SVIPServer:
             worker_cpus=settings.worker_cpus, max_draft_length=settings.draft_length_cap,
             tls=TlsFiles.from_dir(settings.grpc_tls_dir) if settings.grpc_tls_dir else None,
             start_timeout_s=settings.worker_start_timeout_s, kv_cache_tokens=settings.kv_cache_tokens,
-            max_batched_tokens=settings.max_batched_tokens,
+            max_batched_tokens=settings.max_batched_tokens, load_aware=settings.load_aware,
         )
         self.api_keys = ApiKeys(settings.api_key_sha256)
         # tokenizing a long prompt takes a while: never on the event loop that streams every session
@@ -182,11 +183,13 @@ class SVIPServer:
 
     @api.get("/v1/svip/workers")
     async def workers(self, request: Request) -> JSONResponse:
-        """This replica's workers: open sessions and cached tokens (0 and 0 when idle)."""
+        """This replica's workers: open sessions, cached tokens and KV pages (none used when idle)."""
         self.api_keys.check(request.headers.get("authorization"))
         stats = await (await self._engine()).worker_stats()
         return JSONResponse({role: {"open_sessions": s.open_sessions, "cached_tokens": s.cached_tokens,
-                                    "tokens_processed": s.tokens_processed} for role, s in stats.items()})
+                                    "tokens_processed": s.tokens_processed, "kv_pages_used": s.kv_pages_used,
+                                    "kv_pages_total": s.kv_pages_total, "kv_page_tokens": s.kv_page_tokens}
+                             for role, s in stats.items()})
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -214,7 +217,7 @@ class SVIPServer:
         except SvipError as exc:
             raise _api_error(exc, "connect") from None
         try:
-            slot = self.admission.reserve(len(request.prompt_ids) + request.max_new_tokens)
+            slot = self.admission.reserve(whole_pages(len(request.prompt_ids) + request.max_new_tokens))
         except ApiError:
             self.metrics.record_rejected("busy")
             raise

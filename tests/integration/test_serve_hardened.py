@@ -161,8 +161,9 @@ def test_tokenizing_a_long_prompt_does_not_block_the_event_loop(server):
 def test_non_streaming_waiters_cancelled_by_their_clients_give_their_places_back(server, client, expected):
     """One slot, two waiting places: a stream holds the slot, then more clients than there are
     places each wait and leave. Before the fix each left a place taken: 429 for ever."""
-    long_body = {"model": "wide", "prompt": PROMPT, "max_tokens": 400, "temperature": 0, "ignore_eos": True,
-                 "stream": True}
+    # sampled: drafted as its policy says at any load (several seconds on this pair), so it holds the slot
+    long_body = {"model": "wide", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 3,
+                 "ignore_eos": True, "stream": True}
     with httpx.stream("POST", server["base"] + "/v1/completions", json=long_body, headers=server["auth"], timeout=120) as held:
         lines = held.iter_lines()
         next(lines)

@@ -112,7 +112,7 @@ def test_a_full_pool_refuses_and_changes_nothing(model):
     with pytest.raises(PoolFull, match="free pages"):
         pool.forward([(b, TOKENS, 1), (a, [1, 2, 3, 4, 5], 1)])
     assert len(b) == 0 and len(a) == len(TOKENS) and pool.used_pages == 2
-    assert pool.nbytes == 2 * pool.keys.nbytes and pool.tokens == 16
+    assert pool.nbytes == 2 * sum(k.nbytes for k in pool.keys) and pool.tokens == 16
 
 
 @torch.inference_mode()
@@ -123,3 +123,48 @@ def test_the_models_own_attention_is_back_after_a_pooled_forward(model):
     assert model.config._attn_implementation == before
     generated = model.generate(torch.tensor([TOKENS]), max_new_tokens=3, do_sample=False, eos_token_id=None)
     assert generated.shape == (1, len(TOKENS) + 3)
+
+
+@torch.inference_mode()
+def test_no_page_is_ever_held_by_two_live_sequences(model):
+    """Random ragged forwards, rollbacks and closes over a small pool: after every step the live
+    sequences' pages are disjoint, and used + free pages are the whole pool."""
+    import random
+
+    rng = random.Random(0)
+    pool = KVPool(model, tokens=96, page_size=4)  # 24 pages
+    live = [pool.sequence() for _ in range(4)]
+    for _ in range(150):
+        op = rng.random()
+        seq = rng.choice(live)
+        if op < 0.55:
+            steps = [(s, [rng.randrange(1, 200) for _ in range(rng.randint(1, 6))], 1) for s in rng.sample(live, 2)]
+            try:
+                pool.forward(steps)
+            except PoolFull:
+                pass
+        elif op < 0.85:
+            seq.rollback(rng.randint(0, len(seq)))
+        else:
+            seq.close()
+            live[live.index(seq)] = pool.sequence()
+        held = [p for s in live for p in s.pages]
+        assert len(held) == len(set(held)), "a page is held by two live sequences"
+        assert pool.used_pages == len(held) and pool.used_pages + pool.free_pages == 24
+    for s in live:
+        s.close()
+    assert pool.used_pages == 0
+
+
+def test_the_pools_memory_is_what_the_setting_says(model):
+    """--kv-cache-tokens N: keys and values for N tokens (whole pages) in every layer, allocated
+    once; nothing grows with the sessions."""
+    config = model.config
+    kv_heads = config.num_key_value_heads or config.num_attention_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    pool = KVPool(model, tokens=1000, page_size=16)  # 63 pages: 1008 tokens
+    per_token = 2 * config.num_hidden_layers * kv_heads * head_dim * model.dtype.itemsize
+    assert pool.tokens == 1008 and pool.nbytes == 1008 * per_token
+    seqs = [pool.sequence() for _ in range(3)]
+    pool.forward([(s, TOKENS, 1) for s in seqs])
+    assert pool.nbytes == 1008 * per_token
