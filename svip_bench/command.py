@@ -20,7 +20,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--mode", choices=["policies", "pipeline", "serve"], default="policies",
                        help="policies: length policies and Hugging Face side by side (default); "
                        "pipeline: in-process vs distributed sync vs async, concurrency, timeline; "
-                       "serve: the Serve app over HTTP at 1/4/16 streaming clients, svip vs target alone")
+                       "serve: the Serve app over HTTP at 1/4/16/32 streaming clients, svip vs target alone, and the in-process batched engine at batch 1 vs 16")
     bench.add_argument("--target", help="target model (default: the embedded pair)")
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
     bench.add_argument("--dtype", default="float32")

@@ -2,7 +2,9 @@
 machine (`svip serve`'s start()); streaming clients send the same prompts over HTTP at rising
 concurrency with SVIP and with the target alone (policy none, same pipeline), interleaved and
 shuffled per repeat. Reports aggregate tokens/s, time to first token and request latency, and
-checks that every output equals the in-process engine's greedy output."""
+checks that every output equals the in-process engine's greedy output. Then the in-process batched
+engine (`svip generate --batch-size`): the same prompts, BATCH requests at a time against one at
+a time, svip and the target alone, interleaved."""
 
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ from pathlib import Path
 from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import GenerationRequest, PolicyConfig
 
-LEVELS = (1, 4, 16)
+LEVELS = (1, 4, 16, 32)
 POLICIES = ("svip", "none")
+BATCH = 16  # in-process: requests in flight at once, against 1
 
 
 def run(engine, prompts, args, header: dict) -> int:
@@ -47,8 +50,10 @@ def run(engine, prompts, args, header: dict) -> int:
     finally:
         client.close()
         local.stop()
+    batched, batch_violations = _inprocess_batches(engine, encoded, reference, args, threshold)
+    violations += batch_violations
     doc = {"header": {**header, "threshold": threshold, "levels": LEVELS}, "inprocess_tokens_per_s": inprocess,
-           "results": results, "exactness_violations": violations}
+           "results": results, "inprocess_batches": batched, "exactness_violations": violations}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(doc, indent=1))
@@ -68,6 +73,40 @@ def _inprocess_tps(engine, encoded, max_new: int, threshold: float) -> float:
         r = engine.generate(GenerationRequest(ids, max_new, ignore_eos=True, policy=PolicyConfig(threshold=threshold)))
         tokens, wall = tokens + len(r.token_ids), wall + r.stats.wall_s
     return tokens / wall
+
+
+def _inprocess_batches(engine, encoded, reference, args, threshold: float):
+    """Aggregate tokens/s of BATCH requests (the prompts, repeated) through the batched engine
+    (load-aware, as `svip generate` runs it) at batch size 1 and BATCH, svip and none, interleaved."""
+    from coordinator.engine import SpeculativeEngine
+
+    batched = SpeculativeEngine(engine.target, engine.drafter.draft, load_aware="greedy")
+    picks = [i % len(encoded) for i in range(BATCH)]
+    runs = {(b, p): [] for b in (1, BATCH) for p in POLICIES}
+    violations, rng = [], random.Random(1)
+    for rep in range(args.repeats):
+        for key in rng.sample(list(runs), len(runs)):
+            size, policy = key
+            requests = [GenerationRequest(encoded[i], args.max_new_tokens, ignore_eos=True,
+                                          policy=PolicyConfig(name=policy, threshold=threshold)) for i in picks]
+            start = time.perf_counter()
+            results = batched.generate_many(requests, size)
+            wall = time.perf_counter() - start
+            violations += [f"in-process batch {size}, {policy}, prompt {i}" for i, r in zip(picks, results)
+                           if r.token_ids != reference[i]]
+            runs[key].append({"tps": sum(len(r.token_ids) for r in results) / wall,
+                              "pauses": sum(r.stats.pauses for r in results),
+                              "draft_tokens": sum(r.stats.draft_tokens for r in results)})
+    rows = []
+    for (size, policy), reps in runs.items():
+        tps = [r["tps"] for r in reps]
+        rows.append({"batch_size": size, "policy": policy, "tokens_per_s": statistics.median(tps),
+                     "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
+                     "over_batch_1": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(1, policy)])]),
+                     "svip_over_none": statistics.median([a["tps"] / b["tps"] for a, b in zip(runs[(size, "svip")], runs[(size, "none")])]),
+                     "pauses": statistics.median(r["pauses"] for r in reps),
+                     "draft_tokens": statistics.median(r["draft_tokens"] for r in reps)})
+    return rows, violations
 
 
 def _stream(client, base: str, ids, max_tokens: int, policy: str, threshold: float) -> dict:
@@ -141,6 +180,17 @@ def _markdown(doc: dict) -> str:
         lines.append(f"| {r['concurrency']} | {r['policy']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–"
                      f"{r['tokens_per_s_max']:.1f}) | {r['svip_over_none']:.2f}x | {1000 * r['ttft_p50']:.0f} ms | "
                      f"{1000 * r['ttft_p95']:.0f} ms | {r['latency_p50']:.2f} s |")
+    by = {(r["concurrency"], r["policy"]): r for r in doc["results"]}
+    lines.append(f"\n{LEVELS[-2]} clients over 1 client, aggregate tokens/s: svip "
+                 f"{by[(LEVELS[-2], 'svip')]['tokens_per_s'] / by[(1, 'svip')]['tokens_per_s']:.2f}x, none "
+                 f"{by[(LEVELS[-2], 'none')]['tokens_per_s'] / by[(1, 'none')]['tokens_per_s']:.2f}x.")
+    lines += ["", f"In-process batched engine (load-aware), {BATCH} requests:", "",
+              "| batch size | policy | tokens/s (min–max) | over batch 1 | svip / none | drafted tokens | pauses |",
+              "|---|---|---|---|---|---|---|"]
+    for r in doc["inprocess_batches"]:
+        lines.append(f"| {r['batch_size']} | {r['policy']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–"
+                     f"{r['tokens_per_s_max']:.1f}) | {r['over_batch_1']:.2f}x | {r['svip_over_none']:.2f}x | "
+                     f"{r['draft_tokens']:.0f} | {r['pauses']:.0f} |")
     lines.append(f"\nExactness: {len(doc['exactness_violations'])} outputs differed from the in-process greedy output.")
     return "\n".join(lines) + "\n"
 

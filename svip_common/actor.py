@@ -46,6 +46,14 @@ class ModelActor:
         """Answers once Ray has placed the actor (its GPU or CPU reserved, its process up)."""
         return True
 
+    def placement(self) -> dict:
+        """Where this worker runs: its node, the GPUs Ray gave it, the devices its weights are on."""
+        import ray
+
+        devices = sorted({str(p.device) for p in self.model.model.parameters()}) if self.model is not None else []
+        return {"node": ray.util.get_node_ip_address(), "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+                "devices": devices}
+
     def load(self) -> None:
         """Load the weights (from the hub's cache, or downloading them first)."""
         if self.model is None:

@@ -33,13 +33,13 @@ class LoadedModel:
 
 def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: bool = False) -> LoadedModel:
     """Load model and tokenizer from a local directory (or a hub id where a hub is reachable).
-    spread: place the layers across every visible GPU (a target too large for one)."""
+    spread: place the layers evenly across every visible GPU (a target too large for one)."""
     _check_local_path(path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        placement = {"device_map": "auto"} if spread else {}
+        placement = {"device_map": "balanced"} if spread else {}
         model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path!r}: {_first_line(exc)}") from None

@@ -103,8 +103,9 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
 
 
 def test_serve_bench(tmp_path, model_dirs, capsys):
-    """`--mode serve`: the Serve app over HTTP at 1/4/16 clients, svip and the target alone,
-    every streamed output equal to the in-process greedy output (the bench fails otherwise)."""
+    """`--mode serve`: the Serve app over HTTP at 1/4/16/32 clients, svip and the target alone,
+    and the in-process batched engine at batch 1 and 16; every output equal to the in-process
+    greedy output (the bench fails otherwise)."""
     out = tmp_path / "serve"
     code = main([
         "bench", "--mode", "serve", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
@@ -114,9 +115,11 @@ def test_serve_bench(tmp_path, model_dirs, capsys):
     assert code == 0, capsys.readouterr().err[-2000:]
     doc = json.loads((out / "serve.json").read_text())
     assert doc["exactness_violations"] == []
-    assert {(r["concurrency"], r["policy"]) for r in doc["results"]} == {(n, p) for n in (1, 4, 16) for p in ("svip", "none")}
+    assert {(r["concurrency"], r["policy"]) for r in doc["results"]} == {(n, p) for n in (1, 4, 16, 32) for p in ("svip", "none")}
+    assert {(r["batch_size"], r["policy"]) for r in doc["inprocess_batches"]} == {(b, p) for b in (1, 16) for p in ("svip", "none")}
+    assert all(r["tokens_per_s"] > 0 for r in doc["inprocess_batches"])
     assert all(r["tokens_per_s"] > 0 and 0 < r["ttft_p50"] <= r["ttft_p95"] for r in doc["results"])
-    assert (out / "serve.png").stat().st_size > 1000 and "| 16 | svip |" in (out / "serve.md").read_text()
+    assert (out / "serve.png").stat().st_size > 1000 and "| 32 | svip |" in (out / "serve.md").read_text()
 
 
 def test_spec_bench_is_found_beside_the_checkout_by_default():
@@ -127,3 +130,20 @@ def test_spec_bench_is_found_beside_the_checkout_by_default():
 
     repo = Path(__file__).resolve().parents[2]
     assert DEFAULT_SPECBENCH == repo.parent / "shared" / "specbench" / "spec-bench.jsonl"
+
+
+def test_the_gpu_throughput_script_runs_where_there_is_no_gpu(tmp_path):
+    """deploy/gpu-check.sh's throughput run, with tiny shapes on the CPU: the script itself works
+    (on a GPU machine it builds the Qwen2.5-7B / 0.5B shapes in bf16); without CUDA, asking for
+    it is a clear error."""
+    from svip_bench import gpu_throughput
+
+    out = tmp_path / "gpu"
+    assert gpu_throughput.main(["--device", "cpu", "--target-shape", "tiny", "--draft-shape", "tiny", "--repeats", "1",
+                                "--prompt", "16", "--new-tokens", "8", "--out", str(out)]) == 0
+    doc = json.loads((out / "gpu_throughput.json").read_text())
+    assert {(r["batch"], r["tokens_per_seq"]) for r in doc["target_step"]} >= {(1, 1), (64, 9)}
+    assert {(r["batch"], r["policy"]) for r in doc["engine"]} == {(b, p) for b in (1, 16) for p in ("none", "svip")}
+    assert all(r["tokens_per_s"] > 0 for r in doc["engine"])
+    if not __import__("torch").cuda.is_available():
+        assert gpu_throughput.main(["--out", str(out)]) == 2

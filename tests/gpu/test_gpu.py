@@ -1,0 +1,93 @@
+"""On a CUDA machine (deploy/gpu-check.sh runs these with `pytest -m gpu`): the batched path on
+the GPU, bf16, each worker on a GPU of its own through Ray's num_gpus, and a target spread over
+two GPUs (its KV pool's layers where the model's layers are). Skipped where CUDA is absent, as
+in CI; a test that needs more GPUs than the machine has says how many."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from coordinator.batch import BatchEngine
+from coordinator.engine import SpeculativeEngine
+from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.models import load_model
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (deploy/gpu-check.sh)")]
+
+POLICIES = [PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="constant", draft_length=4),
+            PolicyConfig(name="none")]
+
+
+def needs_gpus(n: int) -> None:
+    if torch.cuda.device_count() < n:
+        pytest.skip(f"needs {n} GPUs, this machine has {torch.cuda.device_count()}")
+
+
+def requests_for(prompt_ids, n: int = 9) -> list[GenerationRequest]:
+    prompts = list(prompt_ids.values())
+    return [GenerationRequest(prompts[i % len(prompts)] + (i,), 12 + 5 * (i % 4), policy=POLICIES[i % len(POLICIES)],
+                              ignore_eos=True) for i in range(n)]
+
+
+def target_alone(target, requests) -> list[list[int]]:
+    engine = SpeculativeEngine(target, None)
+    return [engine.generate(r).token_ids for r in requests]
+
+
+def test_the_batched_path_on_cuda_equals_one_at_a_time_and_the_target_alone(model_dirs, prompt_ids):
+    target, draft = load_model(model_dirs.target, "float32", "cuda"), load_model(model_dirs.close_draft, "float32", "cuda")
+    assert target.model.device.type == "cuda"
+    engine = SpeculativeEngine(target, draft, load_aware="greedy")
+    requests = requests_for(prompt_ids)
+    alone = target_alone(target, requests)
+    assert [engine.generate(r).token_ids for r in requests] == alone
+    batch = BatchEngine(engine, 5)
+    assert [r.token_ids for r in batch.generate_all(requests)] == alone
+    assert engine.verifier.pool.keys[0].device.type == "cuda" and engine.verifier.pool.used_pages == 0
+
+
+def test_bf16_on_cuda_svip_equals_the_target_alone():
+    """The embedded pair in bf16 (a trained pair: its greedy choices are far from ties)."""
+    from svip_assets import default_pair
+
+    target_path, draft_path = default_pair()
+    target, draft = load_model(target_path, "bfloat16", "cuda"), load_model(draft_path, "bfloat16", "cuda")
+    assert target.model.dtype == torch.bfloat16
+    ids = tuple(target.tokenizer("def fibonacci(n):")["input_ids"])
+    engine = SpeculativeEngine(target, draft)
+    alone = engine.generate(GenerationRequest(ids, 48, policy=PolicyConfig(name="none"))).token_ids
+    assert engine.generate(GenerationRequest(ids, 48, policy=PolicyConfig(threshold=0.4))).token_ids == alone
+    batched = engine.generate_many([GenerationRequest(ids, 48, policy=PolicyConfig(threshold=0.4))] * 4, 4)
+    assert all(r.token_ids == alone for r in batched)
+
+
+def test_each_worker_takes_a_gpu_of_its_own(model_dirs, prompt_ids):
+    """num_gpus placement: Ray gives the target and the draft one GPU each, never the same."""
+    needs_gpus(2)
+    import ray
+
+    from coordinator.local import LocalDistributed
+
+    with LocalDistributed(model_dirs.target, model_dirs.close_draft, "async", device="cuda") as pair:
+        target, draft = ray.get([pair.pair.target.placement.remote(), pair.pair.draft.placement.remote()])
+        assert len(target["gpu_ids"]) == 1 and len(draft["gpu_ids"]) == 1
+        assert target["gpu_ids"] != draft["gpu_ids"]
+        assert target["devices"] == ["cuda:0"] and draft["devices"] == ["cuda:0"]  # each sees only its own
+        requests = requests_for(prompt_ids, 4)
+        results = pair.generate_many(requests, 4)
+    assert [r.token_ids for r in results] == target_alone(load_model(model_dirs.target), requests)
+
+
+def test_a_target_spread_over_two_gpus_is_exact(model_dirs, prompt_ids):
+    """A target too large for one GPU: its layers over two, the KV pool's layers beside them."""
+    needs_gpus(2)
+    target = load_model(model_dirs.target, "float32", "cuda", spread=True)
+    draft = load_model(model_dirs.close_draft, "float32", "cuda")
+    engine = SpeculativeEngine(target, draft)
+    pool_devices = {str(k.device) for k in engine.verifier.pool.keys}
+    if len(pool_devices) < 2:
+        pytest.skip("device_map='auto' kept this small target on one GPU")
+    requests = requests_for(prompt_ids)
+    assert [r.token_ids for r in engine.generate_many(requests, 5)] == target_alone(load_model(model_dirs.target), requests)
