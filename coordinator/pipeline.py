@@ -139,7 +139,7 @@ class SessionPipeline:
 
     def _on_block(self, block: pb.Block, received_at: float) -> None:
         self.intervals.append(("draft", block.started_at, block.finished_at))
-        self._note_feedback_answered(block)
+        self._note_feedback_answered(block, received_at)
         if block.epoch != self.epoch:
             self.stats.discarded_tokens += len(block.tokens)  # drafted on a rolled-back base
             return
@@ -240,13 +240,15 @@ class SessionPipeline:
                 self._verify(self._empty_block(), time.time(), "paused")
             elif self.draft is None:
                 self._verify(self._empty_block(), time.time(), "none")
-            elif ready is not None:
+            elif ready is not None:  # no round trip this time
                 prepared_block, prepared_received = ready
                 prepared_block.epoch = self.epoch
                 self.stats.prepared_used += 1
+                self.gate.record_round_trip(0.0)
                 self._verify(prepared_block, prepared_received, "prepared")
             elif deferred and self.held is not None:
                 (held, held_received), self.held = self.held, None
+                self.gate.record_round_trip(0.0)
                 self._verify(held, held_received, "followup")
         self._flush_feedback()
 
@@ -388,11 +390,14 @@ class SessionPipeline:
         s.round_sources.append(source)
         self._last_decision = now
 
-    def _note_feedback_answered(self, block: pb.Block) -> None:
-        """A block drafted in answer to the latest feedback: that round's return trip."""
-        if block.trigger_at and self._feedback_sent_at and self.stats.rounds:
-            self.stats.feedback_transit_s[-1] = max(0.0, block.trigger_at - self._feedback_sent_at)
-            self.stats.draft_queue_s[-1] = max(0.0, block.started_at - block.trigger_at)
+    def _note_feedback_answered(self, block: pb.Block, received_at: float) -> None:
+        """A block drafted in answer to the latest feedback: that round's return trip (for the
+        stats, and what load-aware speculation charges a drafting round beyond its forwards)."""
+        if block.trigger_at and self._feedback_sent_at:
+            self.gate.record_round_trip(max(0.0, received_at - self._feedback_sent_at - block.draft_s))
+            if self.stats.rounds:
+                self.stats.feedback_transit_s[-1] = max(0.0, block.trigger_at - self._feedback_sent_at)
+                self.stats.draft_queue_s[-1] = max(0.0, block.started_at - block.trigger_at)
             self._feedback_sent_at = 0.0
 
     def _final_stats(self) -> GenerationStats:

@@ -12,6 +12,11 @@ token costs b in the verification forward plus the session's share of a draft fo
 - Otherwise they are cut: the j-th token is accepted with probability α^j (α: the per-token
   acceptance rate, each token accepted only if all before it were) and pays while α^j ≥ τ, so a
   block holds at most ⌊ln τ / ln α⌋ tokens; 0 pauses drafting (the target alone).
+- Across workers a drafting round also pays a round trip the target alone never does (the block
+  out, the feedback back): o seconds, measured per session, during which the target serves the
+  other sessions, so it costs R = o / t(B) target steps' worth of tokens for the one session
+  (a whole step's worth at B = 1, little in a full batch). The blocks must bring R more than they
+  cost: accepted per block ≥ τ·drafted + R, and a cut block pauses when Σ α^j − cap·τ < R.
 
 On an idle GPU b is near zero and τ is the draft/target cost ratio, which any useful draft beats;
 when verification turns compute-bound at a large batch, b·plain_rate approaches 1 and blocks
@@ -25,6 +30,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.errors import InvalidRequest
 
 UNLIMITED = 1 << 30
@@ -98,6 +104,12 @@ class TargetLoad:
 
     plain_rate: float  # tokens/s the target alone would make at its current batch
     verify_token_s: float  # seconds one more verified token adds to a target step
+    batch: float = 1.0  # sessions per step
+
+    def round_tokens(self, round_overhead_s: float) -> float:
+        """R: a drafting round's extra round trip, in tokens the target alone makes meanwhile
+        for this session (the target serves the others during it)."""
+        return round_overhead_s * self.plain_rate / max(self.batch, 1.0)
 
 
 def target_load(verify: StepCost, sessions_per_step: float) -> TargetLoad | None:
@@ -106,7 +118,7 @@ def target_load(verify: StepCost, sessions_per_step: float) -> TargetLoad | None
         return None
     batch = max(sessions_per_step, 1.0)
     step = verify.time(batch)  # a plain step: one token per session
-    return TargetLoad(batch / step if step > 0 else 0.0, verify.per_item)
+    return TargetLoad(batch / step if step > 0 else 0.0, verify.per_item, batch)
 
 
 def token_cost(load: TargetLoad, draft_token_s: float) -> float:
@@ -115,19 +127,28 @@ def token_cost(load: TargetLoad, draft_token_s: float) -> float:
 
 
 def speculation_cap(load: TargetLoad | None, draft_token_s: float, acceptance: float,
-                    block_rate: float | None = None) -> int:
+                    block_rate: float | None = None, round_s: float = 0.0, drafted: float = 1.0) -> int:
     """The most tokens worth drafting in a block: no cap while the blocks pay as they are
-    (block_rate >= τ), else ⌊ln τ / ln α⌋ (α = acceptance, per token)."""
+    (accepted per block ≥ τ·drafted + R, with block_rate = accepted / drafted and ``drafted``
+    tokens a block), else ⌊ln τ / ln α⌋ (α = acceptance, per token), and 0 when even that block
+    does not bring R more than it costs (R: the round trip, ``round_s`` seconds)."""
     if load is None:
         return UNLIMITED
     tau = token_cost(load, draft_token_s)
-    if tau <= 0.0 or (block_rate is not None and block_rate >= tau):
+    extra = load.round_tokens(round_s)
+    if tau <= 0.0 and extra <= 0.0:
+        return UNLIMITED
+    if block_rate is not None and block_rate * drafted >= tau * drafted + extra:
         return UNLIMITED
     if tau >= 1.0 or acceptance <= 0.0:
         return 0
-    if acceptance >= 1.0:
-        return UNLIMITED
-    return int(math.log(tau) / math.log(acceptance))
+    cap = UNLIMITED if acceptance >= 1.0 or tau <= 0.0 else int(math.log(tau) / math.log(acceptance))
+    if extra > 0.0:
+        cap = min(cap, DRAFT_LENGTH_CAP)
+        gain = sum(acceptance ** j for j in range(1, cap + 1)) - cap * tau
+        if gain < extra:
+            return 0
+    return cap
 
 
 class AcceptanceRate:
@@ -140,6 +161,7 @@ class AcceptanceRate:
     def __init__(self, decay: float = 0.9):
         self.decay = decay
         self._accepted, self._rejected, self._drafted = self.PRIOR
+        self._blocks = 1.0  # the prior's one block of 5
 
     def update(self, drafted: int, accepted: int) -> None:
         if drafted == 0:
@@ -148,6 +170,7 @@ class AcceptanceRate:
         self._accepted = d * self._accepted + accepted
         self._rejected = d * self._rejected + (1.0 if accepted < drafted else 0.0)
         self._drafted = d * self._drafted + drafted
+        self._blocks = d * self._blocks + 1.0
 
     def relax(self, weight: float = 0.005) -> None:
         """A round without a verdict to learn from (drafting paused): drift back toward the prior,
@@ -165,6 +188,10 @@ class AcceptanceRate:
     def block_rate(self) -> float:
         return self._accepted / self._drafted
 
+    @property
+    def drafted_per_block(self) -> float:
+        return self._drafted / self._blocks
+
 
 class SessionGate:
     """One session's side of load-aware speculation: its acceptance, and what its drafting costs
@@ -175,6 +202,7 @@ class SessionGate:
     def __init__(self):
         self.acceptance = AcceptanceRate()
         self.draft_token_s = 0.0
+        self.round_s = 0.0  # a drafting round's extra round trip (across workers; 0 in one process)
         self.paused = False
         self.pauses = 0
 
@@ -184,10 +212,15 @@ class SessionGate:
             per_token = draft_s / drafted
             self.draft_token_s = per_token if not self.draft_token_s else 0.8 * self.draft_token_s + 0.2 * per_token
 
+    def record_round_trip(self, seconds: float) -> None:
+        """What a drafting round spent beyond its forwards (wire, hand-offs), across workers."""
+        self.round_s = seconds if not self.round_s else 0.8 * self.round_s + 0.2 * seconds
+
     def cap(self, load: TargetLoad | None) -> int:
         if self.paused:
             self.acceptance.relax()
-        cap = speculation_cap(load, self.draft_token_s, self.acceptance.value, self.acceptance.block_rate)
+        a = self.acceptance
+        cap = speculation_cap(load, self.draft_token_s, a.value, a.block_rate, self.round_s, a.drafted_per_block)
         if self.paused and cap < RESUME_CAP:
             return 0
         if cap == 0 and not self.paused:

@@ -8,6 +8,7 @@ import os
 # Ray must bind to loopback only (DESIGN.md, Placement); set before ray is first imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+import asyncio
 import dataclasses
 from pathlib import Path
 
@@ -32,6 +33,14 @@ class ModelDirs:
     random_draft: str  # unrelated random weights: almost nothing is accepted
     close_draft: str  # the target's weights plus noise: partial acceptance, real rejections
     peaky: str  # low-entropy model: drafts of itself run up to the cap
+
+
+@pytest.fixture(scope="module")
+def loop():
+    """An event loop per test module, for tests that drive gRPC servers and clients by hand."""
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
 
 
 @pytest.fixture(scope="session")

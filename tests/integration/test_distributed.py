@@ -33,18 +33,13 @@ MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def pair(model_dirs):
     import ray
 
     init_local_ray(pairs=2)  # the second pair is for the worker-kill test
-    pair = WorkerPair(model_dirs.target, model_dirs.close_draft)
+    # these tests check the pipeline's drafting mechanics, so every block is drafted as the
+    # policy says; load-aware caps and pauses are tested in test_load_aware.py
+    pair = WorkerPair(model_dirs.target, model_dirs.close_draft, load_aware="off")
     yield pair
     pair.shutdown()
     ray.shutdown()

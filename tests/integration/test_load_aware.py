@@ -102,13 +102,6 @@ def test_greedy_mode_leaves_sampled_requests_as_their_policy_drafts_them(models,
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def workers(models, model_dirs, loop):
     """A real draft service and a real session host, each serving gRPC on loopback; the host's
     cap per round comes from the scripted schedule of the session's own seed."""
@@ -131,16 +124,9 @@ def workers(models, model_dirs, loop):
     loop.run_until_complete(host.close())
 
 
-@pytest.mark.parametrize("pipeline", ["sync", "async"])
-def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models, model_dirs, prompt_ids, loop, pipeline):
-    host, draft, limits, target_address, draft_address = workers
-    caps = {}
-
-    def scripted(gate):
-        return next(caps.setdefault(id(gate), schedule(len(caps))))
-
-    host.load_cap = scripted
-    reqs = requests(prompt_ids)
+def run_distributed(workers, model_dirs, loop, reqs, pipeline: str):
+    """The requests at once through the caller's end (coordinator/distributed.py) to the host."""
+    _, _, limits, target_address, draft_address = workers
     engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, pipeline)
 
     async def run_all():
@@ -150,7 +136,20 @@ def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models,
         finally:
             await engine.close()
 
-    results = loop.run_until_complete(run_all())
+    return loop.run_until_complete(run_all())
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models, model_dirs, prompt_ids, loop, pipeline):
+    host, draft = workers[:2]
+    caps = {}
+
+    def scripted(gate):
+        return next(caps.setdefault(id(gate), schedule(len(caps))))
+
+    host.load_cap = scripted
+    reqs = requests(prompt_ids)
+    results = run_distributed(workers, model_dirs, loop, reqs, pipeline)
     assert [r.token_ids for r in results] == target_alone(models, reqs)
     stats = [r.stats for r in results]
     assert sum(s.pauses for s in stats) > 0 and sum(s.round_sources.count("paused") for s in stats) > 0
@@ -160,19 +159,10 @@ def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models,
 
 
 def test_a_session_that_starts_paused_runs_as_the_target_alone(workers, models, model_dirs, prompt_ids, loop):
-    host, draft, limits, target_address, draft_address = workers
+    host, draft = workers[:2]
     host.load_cap = lambda gate: 0
     reqs = requests(prompt_ids, 2)
-    engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, "async")
-
-    async def run_all():
-        await engine.connect()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in reqs))
-        finally:
-            await engine.close()
-
-    results = loop.run_until_complete(run_all())
+    results = run_distributed(workers, model_dirs, loop, reqs, "async")
     assert [r.token_ids for r in results] == target_alone(models, reqs)
     assert all(r.stats.draft_tokens == 0 and set(r.stats.round_sources) == {"paused"} for r in results)
 
@@ -205,21 +195,12 @@ def test_the_draft_checks_a_resume(models):
 def test_sampled_sessions_pause_and_resume_without_a_protocol_error(workers, model_dirs, prompt_ids, loop):
     """Sampled: a rejection's correction may be drawn at the draft (its q stays there), so a pause
     waits for a verdict whose token the target settles; the session completes either way."""
-    host, draft, limits, target_address, draft_address = workers
+    host, draft = workers[:2]
     caps = {}
     host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(100 + len(caps))))
     reqs = [GenerationRequest(r.prompt_ids, r.max_new_tokens, SamplingParams(temperature=0.9, seed=3 + i), r.policy,
                               ignore_eos=True) for i, r in enumerate(requests(prompt_ids))]
-    engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, "async")
-
-    async def run_all():
-        await engine.connect()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in reqs))
-        finally:
-            await engine.close()
-
-    results = loop.run_until_complete(run_all())
+    results = run_distributed(workers, model_dirs, loop, reqs, "async")
     assert [len(r.token_ids) for r in results] == [r.max_new_tokens for r in reqs]
     assert sum(r.stats.pauses for r in results) > 0 and sum(r.stats.draft_tokens for r in results) > 0
     assert_all_freed(host, draft, loop)

@@ -54,18 +54,12 @@ class ScriptedDraft(pb_grpc.DraftWorkerServicer):
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def host(models, loop):
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     draft = ScriptedDraft()
     server, port = loop.run_until_complete(start_server(lambda s: pb_grpc.add_DraftWorkerServicer_to_server(draft, s), "d"))
-    target = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}")
+    # the scripted blocks must reach the verifier as sent: no load-aware pause (test_load_aware.py)
+    target = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}", load_aware="off")
     loop.run_until_complete(target.start())
     yield target, draft
     loop.run_until_complete(target.close())

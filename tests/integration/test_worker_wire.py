@@ -24,13 +24,6 @@ INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
 
 @pytest.fixture(scope="module")
-def loop():
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
-@pytest.fixture(scope="module")
 def limits(models):
     # the tiny target has 512 positions; this deployment serves 64, and blocks of at most 8
     return Limits(tokens=models["target"].token_limit, positions=64, max_draft_length=8)
@@ -65,7 +58,8 @@ def services(models, limits, loop):
 
     draft.address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
     fake_address = serve(fake, pb_grpc.add_DraftWorkerServicer_to_server)
-    target = SessionHost(Verifier(models["target"], limits.tokens), limits, fake_address)
+    # crafted blocks must meet the checks they target, not a load-aware pause (test_load_aware.py)
+    target = SessionHost(Verifier(models["target"], limits.tokens), limits, fake_address, load_aware="off")
     loop.run_until_complete(target.start())
     target.address = serve(target, pb_grpc.add_TargetWorkerServicer_to_server)
     yield {"target": target, "draft": draft, "fake": fake}

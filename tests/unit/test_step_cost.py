@@ -135,3 +135,18 @@ def test_a_session_paused_for_poor_acceptance_tries_again_later():
         rounds += 1
         assert rounds < 500
     assert rounds > 20 and not gate.paused  # not at once: only after a while without drafting
+
+
+def test_a_round_trip_counts_for_one_session_and_fades_in_a_full_batch():
+    """Across workers a drafting round also waits a round trip: at one session the target idles
+    through it, in a batch of 16 it serves the others meanwhile."""
+    alone = TargetLoad(plain_rate=200.0, verify_token_s=0.0002, batch=1.0)  # a 5 ms step
+    full = TargetLoad(plain_rate=1600.0, verify_token_s=0.0001, batch=16.0)  # a 10 ms step
+    assert alone.round_tokens(0.002) == pytest.approx(0.4) and full.round_tokens(0.002) == pytest.approx(0.2)
+    # blocks of 2 tokens, half of them accepted, τ = 0.24: they pay in one process (1.0 ≥ 0.48) ...
+    assert speculation_cap(alone, 0.001, 0.6, block_rate=0.5, round_s=0.0, drafted=2.0) == UNLIMITED
+    # ... not with a 4 ms round trip at one session (1.0 < 0.48 + 0.8), nor cut to ⌊ln τ / ln α⌋
+    # = 2 tokens (0.6 + 0.36 - 0.48 < 0.8): the session pauses
+    assert speculation_cap(alone, 0.001, 0.6, block_rate=0.5, round_s=0.004, drafted=2.0) == 0
+    # in a full batch the same round trip costs 0.4 of a token: they pay again (1.0 ≥ 0.48 + 0.4)
+    assert speculation_cap(full, 0.00005, 0.6, block_rate=0.5, round_s=0.004, drafted=2.0) == UNLIMITED
