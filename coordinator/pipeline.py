@@ -82,7 +82,6 @@ class SessionPipeline:
         self._load_cap, self.gate = load_cap, SessionGate()
         self.paused = False  # load-aware: the draft waits for a Resume; the target settles tokens alone
         self._paused_tokens: list[int] = []  # settled since the pause (the Resume carries them)
-        self._paused_base = 0
 
     @property
     def cached_tokens(self) -> int:
@@ -234,7 +233,7 @@ class SessionPipeline:
         if not self.done:
             if was_paused:
                 self._paused_tokens += settled
-            if self.paused and was_paused and cap > 0:
+            if was_paused and cap > 0:
                 self._resume(cap)  # the draft's block comes next
             elif self.paused:
                 self._verify(self._empty_block(), time.time(), "paused")
@@ -260,14 +259,14 @@ class SessionPipeline:
 
     def _pause(self) -> None:
         """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
-        self.paused, self._paused_tokens, self._paused_base = True, [], len(self.committed)
+        self.paused, self._paused_tokens = True, []
         self.stats.pauses += 1
 
     def _resume(self, cap: int) -> None:
         """Drafting pays again: the draft gets the tokens settled since the pause and its cap."""
         self.paused = False
-        resume = pb.Resume(session_id=self.sid, epoch=self.epoch, base=self._paused_base, tokens=self._paused_tokens,
-                           load_cap=cap)
+        base = len(self.committed) - len(self._paused_tokens)  # where the draft's tokens end
+        resume = pb.Resume(session_id=self.sid, epoch=self.epoch, base=base, tokens=self._paused_tokens, load_cap=cap)
         self._paused_tokens = []
         self._feedback_sent_at = time.time()
         self._to_draft(pb.DraftRequest(resume=resume))

@@ -30,11 +30,10 @@ SHAPES = {
 
 
 def build(shape: str, device: str, dtype: torch.dtype = torch.bfloat16):
-    from transformers import AutoModelForCausalLM, Qwen2Config
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
 
     from svip_assets import default_pair
     from svip_common.models import LoadedModel
-    from transformers import AutoTokenizer
 
     config = Qwen2Config(max_position_embeddings=32768, use_sliding_window=False, **SHAPES[shape])
     torch.manual_seed(0)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
-from svip_common.step_cost import LOAD_AWARE_MODES
+from svip_common.step_cost import check_load_aware
 from svip_common.errors import InvalidRequest
 
 EMBEDDED_MODEL_NAME = "svip-pair"
@@ -73,8 +73,7 @@ class ServeSettings:
         for name in ("max_waiting", "max_queued_requests"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
-        if self.load_aware not in LOAD_AWARE_MODES:
-            raise InvalidRequest(f"load_aware must be one of {', '.join(LOAD_AWARE_MODES)}, got {self.load_aware!r}")
+        check_load_aware(self.load_aware)
         if self.worker_cpus <= 0:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if not isinstance(self.worker_start_timeout_s, (int, float)) or self.worker_start_timeout_s <= 0:

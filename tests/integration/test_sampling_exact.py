@@ -93,3 +93,29 @@ def test_sampling_without_draft_is_the_target_alone(models, prompt_ids):
     request = GenerationRequest(prompt_ids["short"], 20, sampling=sampling)
     a, b = alone.generate(request), alone.generate(request)
     assert a.token_ids == b.token_ids and a.stats.rounds == 20
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_target_through_load_aware_pauses(models, prompt_ids):
+    """Mode "all", through the batched engine, with a load that flips between heavy and light
+    every other step: blocks capped, sessions paused (the target draws alone) and resumed within
+    the first tokens. The marginals are still the target's."""
+    from tests.integration.test_load_aware import HEAVY, LIGHT
+
+    sampling = CONFIGS["t1"]
+    prompt = prompt_ids["medium"]
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="all")
+    calls = iter(range(10**9))
+    engine.verifier.load = lambda: HEAVY if next(calls) % 4 < 2 else LIGHT
+    policy = PolicyConfig(name="constant", draft_length=3)
+    requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
+                for seed in range(SAMPLES)]
+    results = engine.generate_many(requests, 50)
+    assert sum(r.stats.pauses for r in results) > SAMPLES // 10  # pauses really happened
+    assert sum(r.stats.draft_tokens for r in results) > SAMPLES // 2  # and drafting too
+    firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
+    p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, p1) > ALPHA
+    assert chi_square_pvalue(seconds, p2) > ALPHA
+    q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
