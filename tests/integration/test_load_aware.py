@@ -21,7 +21,7 @@ from coordinator.host import SessionHost
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
 from draft_worker.service import DraftService
-from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.contracts import NO_TOKEN, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.grpc_server import start_server
 from svip_common.models import load_model_info
@@ -204,3 +204,38 @@ def test_sampled_sessions_pause_and_resume_without_a_protocol_error(workers, mod
     assert [len(r.token_ids) for r in results] == [r.max_new_tokens for r in reqs]
     assert sum(r.stats.pauses for r in results) > 0 and sum(r.stats.draft_tokens for r in results) > 0
     assert_all_freed(host, draft, loop)
+
+
+def test_the_draft_refuses_a_pause_that_leaves_the_token_to_it(models):
+    """A pause (load_cap 0) must come with the token the target settled: never a deferred verdict
+    or a sampled correction the draft would draw, never a prepared block to verify next."""
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size)
+    session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=3), ())
+    draft = PipelinedDraft(session, [5, 6, 7], 20, frozenset(), pipelined=False)
+    draft.start(0.0)
+    while draft.critical is not None:
+        draft.work()
+    sent = draft.outstanding[0].block
+    with pytest.raises(InvalidRequest, match="must settle its token at the target"):
+        draft.on_feedback(0, sent.base, len(sent), 0, NO_TOKEN, None, False, 0.0, load_cap=0)
+
+
+def test_the_target_refuses_a_block_while_the_session_is_paused(models):
+    """A session that starts paused verifies alone; a draft block of its epoch is a worker error."""
+    from coordinator.pipeline import SessionPipeline, WorkerError
+    from svip_proto import svip_pb2 as pb
+
+    sent, enqueued = [], []
+    link = type("Link", (), {"send": lambda self, sid, request: sent.append(request)})()
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    request = GenerationRequest((5, 6, 7), 8, policy=PolicyConfig(name="constant", draft_length=3))
+    verifier = Verifier(models["target"], limits.tokens)
+    session = SessionPipeline("s", request, frozenset(), limits, verifier.open(request.sampling), link, "async",
+                              emit=lambda event: None, schedule=lambda fn, *args: fn(*args),
+                              enqueue=lambda *job: enqueued.append(job), load_cap=lambda gate: 0)
+    session.start()
+    assert session.paused and sent[0].start.load_cap == 0 and enqueued  # the target goes on alone
+    block = pb.DraftEvent(block=pb.Block(session_id="s", epoch=session.epoch, base=3, tokens=[9]))
+    with pytest.raises(WorkerError, match="while the session is paused"):
+        session.on_draft_event(block, 0.0, 0)
+    session.close()
