@@ -1,20 +1,29 @@
 """The caller's end of the distributed pipeline: many concurrent sessions on one gRPC stream to
 the target worker, which hosts each session beside its verifier (coordinator/host.py) and streams
 back the settled tokens. The caller never sits on a round's path; it validates the request,
-starts the session, and hands each settled piece to its callback as it arrives."""
+starts the session, and hands each settled piece to its callback as it arrives.
+
+The caller holds every token settled so far, so a session outlives its target worker: when the
+stream breaks, one recovery (shared by every session on it) gets the replaced worker's address
+(``recover``: Ray restarts the actor, coordinator/cluster.py), and each session starts again there
+on its prompt plus what had settled, with what is left of its budget. Nothing is sent twice and
+nothing is lost; since every draw is keyed by position, a seeded sampled session goes on as an
+undisturbed one would. When recovery is impossible the session ends with WorkerUnavailable."""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+import logging
+import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import grpc
 
 from coordinator.client import BROKEN, WorkerConnection, draft_stats
 from coordinator.pipeline import PIPELINES, WorkerError
-from svip_common.contracts import AUTO, GenerationRequest, GenerationResult, Limits, PolicyConfig
+from svip_common.contracts import AUTO, GenerationRequest, GenerationResult, GenerationStats, Limits, PolicyConfig
 from svip_common.errors import InvalidRequest, WorkerUnavailable
 from svip_common.models import ModelInfo
 from svip_common.tls import TlsFiles
@@ -23,22 +32,48 @@ from svip_proto import svip_pb2 as pb
 
 # on_tokens(tokens) is called with each settled piece; returning True ends the output there (a stop string)
 OnTokens = Callable[[list[int]], bool | None]
+Recover = Callable[[], Awaitable[str]]  # the target worker's address once it serves again (WorkerUnavailable: never)
+log = logging.getLogger(__name__)
+DRAFT_STATS_WAIT_S = 5.0  # how long Stats waits for a replaced draft's address
+NO_PROGRESS_S = 300.0  # a session that hears nothing for this long ends with WorkerUnavailable (never a hang)
+
+
+class _StreamLost(Exception):
+    """The stream to the target worker broke under a session (the worker died, or hangs)."""
+
+
+@dataclasses.dataclass
+class Recoveries:
+    """What target recoveries cost this engine's sessions (metrics read it)."""
+
+    restarts: int = 0  # target workers replaced
+    sessions: int = 0  # sessions started again on a replaced worker
+    reprefilled_tokens: int = 0
+    failed: int = 0  # recoveries that could not get a worker
 
 
 class DistributedEngine:
     def __init__(self, target: ModelInfo, limits: Limits, target_address: str, draft_address: str | None,
-                 pipeline: str = "async", tls: TlsFiles | None = None):
+                 pipeline: str = "async", tls: TlsFiles | None = None, recover: Recover | None = None,
+                 draft_address_now: Callable[..., Awaitable[str]] | None = None):
         """draft_address: where the target worker's draft is (None: the target alone); the caller
-        only reads its Stats."""
+        only reads its Stats. recover: how to get a replaced target worker (None: a lost target
+        ends its sessions with WorkerUnavailable); draft_address_now: the draft's address now
+        (it changes when the draft is replaced; asked when the one known does not answer)."""
         if pipeline not in PIPELINES:
             raise InvalidRequest(f"unknown pipeline {pipeline!r}; choose sync or async")
         self.target, self.limits, self.pipeline = target, limits, pipeline
         self.draft_address, self._tls = draft_address, tls
         self.target_conn = WorkerConnection(target_address, tls)
+        self._recover, self._draft_address_now = recover, draft_address_now
+        self._recovering: asyncio.Lock | None = None
+        self.recoveries = Recoveries()
+        self.no_progress_s = NO_PROGRESS_S
 
     @classmethod
     def for_pair(cls, pair, pipeline: str = "async") -> DistributedEngine:
-        return cls(pair.target_info, pair.limits, pair.target_address, pair.draft_address, pipeline, pair.tls)
+        return cls(pair.target_info, pair.limits, pair.target_address, pair.draft_address, pipeline, pair.tls,
+                   recover=pair.recover_target, draft_address_now=pair.draft_serving_address)
 
     async def connect(self) -> None:
         await self.target_conn.open()
@@ -51,23 +86,59 @@ class DistributedEngine:
 
     async def generate(self, request: GenerationRequest, on_tokens: OnTokens | None = None) -> GenerationResult:
         request = self.resolve(request)
+        out = _Output(on_tokens)
+        stop_ids = request.stop_ids(self.target.eos_token_ids)
+        restarts, reprefilled, recover_s = 0, 0, 0.0
+        while True:
+            if out.generated and (out.generated[-1] in stop_ids or len(out.generated) >= request.max_new_tokens):
+                finished = None  # the last piece settled the end; its Finished was lost with the worker
+                break
+            part = dataclasses.replace(request, prompt_ids=tuple(request.prompt_ids) + tuple(out.generated),
+                                       max_new_tokens=request.max_new_tokens - len(out.generated))
+            conn = self.target_conn
+            try:
+                finished = await self._session(conn, part, out)
+                break
+            except _StreamLost:
+                if out.stopped:
+                    finished = None
+                    break
+                lost_at = time.monotonic()
+                await self._recover_from(conn)
+                restarts += 1
+                reprefilled += len(request.prompt_ids) + len(out.generated)  # what the next session prefills
+                recover_s += time.monotonic() - lost_at
+        reason = "stop" if out.stopped else finished.finish_reason if finished is not None else (
+            "stop" if out.generated[-1] in stop_ids else "length")
+        stats = convert.stats_from_proto(finished.stats) if finished is not None else GenerationStats()
+        if restarts:
+            stats.target_restarts, stats.reprefilled_tokens, stats.recover_s = restarts, reprefilled, recover_s
+            self.recoveries.sessions += restarts
+            self.recoveries.reprefilled_tokens += reprefilled
+        return GenerationResult(list(request.prompt_ids), out.generated, reason, stats)
+
+    async def _session(self, conn: WorkerConnection, request: GenerationRequest, out: _Output) -> pb.Finished:
+        """One session on one target worker, to its Finished (or _StreamLost)."""
         session_id = uuid.uuid4().hex
         queue: asyncio.Queue = asyncio.Queue()
-        conn = self.target_conn
         conn.register(session_id, queue)
-        generated: list[int] = []
-        stopped, finished = False, None
+        finished = None
         try:
-            conn.send(pb.GenerateRequest(start=self._start(session_id, request)))
+            try:
+                conn.send(pb.GenerateRequest(start=self._start(session_id, request)))
+            except WorkerUnavailable:
+                raise _StreamLost() from None
             while finished is None:
-                event = await queue.get()
+                try:
+                    event = await asyncio.wait_for(queue.get(), self.no_progress_s)
+                except asyncio.TimeoutError:
+                    raise WorkerUnavailable(f"the target worker at {conn.address} sent nothing for this session in "
+                                            f"{self.no_progress_s:.0f} s") from None
                 if event is BROKEN:
-                    raise WorkerUnavailable(conn.broken or "target worker went away")
+                    raise _StreamLost()
                 kind = event.WhichOneof("kind")
-                if kind == "settled" and not stopped:
-                    generated += event.settled.tokens
-                    if on_tokens is not None and on_tokens(list(event.settled.tokens)):
-                        stopped = True  # the rest would be cut anyway: end the session
+                if kind == "settled" and not out.stopped:
+                    if out.take(list(event.settled.tokens)):  # the rest would be cut anyway: end the session
                         conn.send(pb.GenerateRequest(cancel=pb.Cancel(session_id=session_id)))
                 elif kind == "finished":
                     finished = event.finished
@@ -80,8 +151,30 @@ class DistributedEngine:
                 except WorkerUnavailable:
                     pass
             conn.unregister(session_id)
-        reason = "stop" if stopped else finished.finish_reason
-        return GenerationResult(list(request.prompt_ids), generated, reason, convert.stats_from_proto(finished.stats))
+        return finished
+
+    async def _recover_from(self, lost: WorkerConnection) -> None:
+        """Replace a broken target connection, once for every session that saw it break."""
+        if self._recovering is None:
+            self._recovering = asyncio.Lock()
+        async with self._recovering:
+            if self.target_conn is not lost:
+                if self.target_conn.broken is None:
+                    return  # another session already recovered
+                lost = self.target_conn
+            if self._recover is None:
+                raise WorkerUnavailable(lost.broken or "target worker went away")
+            log.warning("target worker lost (%s); recovering", lost.broken)
+            try:
+                address = await self._recover()
+                conn = WorkerConnection(address, self._tls)
+                await conn.open()
+            except WorkerUnavailable:
+                self.recoveries.failed += 1
+                raise
+            self.target_conn = conn
+            self.recoveries.restarts += 1
+            await lost.close()
 
     def _start(self, session_id: str, request: GenerationRequest) -> pb.StartSession:
         start = pb.StartSession(
@@ -96,9 +189,13 @@ class DistributedEngine:
         return start
 
     async def unavailable(self) -> str | None:
-        """Why this engine cannot serve now (a worker or the link between them is down), or None."""
+        """Why this engine cannot serve now, or None. A broken target connection is recovered here
+        first (so a health check finds a replaced target serving, even with no request in flight)."""
         if self.target_conn.broken:
-            return self.target_conn.broken
+            try:
+                await self._recover_from(self.target_conn)
+            except WorkerUnavailable as exc:
+                return str(exc)
         try:
             stats = await self.target_conn.stats()
         except grpc.aio.AioRpcError as exc:
@@ -106,13 +203,38 @@ class DistributedEngine:
         return stats.unavailable or None
 
     async def worker_stats(self) -> dict:
+        """role -> WorkerStats; the draft's is left out while it is down (the target serves alone)."""
         out = {"target": await self.target_conn.stats()}
         if self.draft_address is not None:
-            out["draft"] = await draft_stats(self.draft_address, self._tls)
+            try:
+                out["draft"] = await draft_stats(self.draft_address, self._tls)
+            except (WorkerUnavailable, grpc.aio.AioRpcError):
+                if self._draft_address_now is not None:
+                    try:  # replaced: it serves on a new port
+                        self.draft_address = await self._draft_address_now(DRAFT_STATS_WAIT_S)
+                        out["draft"] = await draft_stats(self.draft_address, self._tls)
+                    except (WorkerUnavailable, grpc.aio.AioRpcError):
+                        pass
         return out
 
     async def close(self) -> None:
         await self.target_conn.close()
+
+
+class _Output:
+    """What a request has settled so far, across the sessions it took, and its stop-string cut."""
+
+    def __init__(self, on_tokens: OnTokens | None):
+        self.on_tokens = on_tokens
+        self.generated: list[int] = []
+        self.stopped = False
+
+    def take(self, tokens: list[int]) -> bool:
+        """Settled tokens; True once the caller's callback ended the output (a stop string)."""
+        self.generated += tokens
+        if self.on_tokens is not None and self.on_tokens(tokens):
+            self.stopped = True
+        return self.stopped
 
 
 def _error(err: pb.Error) -> Exception:

@@ -17,10 +17,10 @@ import time
 
 import grpc
 
-from coordinator.client import DraftLink
+from coordinator.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S, DraftPort
 from coordinator.pipeline import PIPELINES, SessionPipeline
 from svip_common.contracts import GenerationRequest, PolicyConfig
-from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
+from svip_common.errors import InvalidRequest, SvipError, exit_on_device_failure
 from svip_common.grpc_server import SessionService, SessionStream, session_id_of, status_of
 from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
 from svip_common.step_metrics import StepMetrics
@@ -32,32 +32,45 @@ from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
 _PIPELINE_NAMES = {v: k for k, v in PIPELINES.items()}
+CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
+DEFAULT_HOLD_S = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
 
 
 class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     role = "target"
 
     def __init__(self, verifier: Verifier, limits, draft_address: str | None = None, tls: TlsFiles | None = None,
-                 max_batched_tokens: int | None = None, load_aware: str = "greedy"):
+                 max_batched_tokens: int | None = None, load_aware: str = "greedy", draft_actor=None,
+                 draft_stall_s: float = DEFAULT_STALL_S, sampled_hold_s: float = DEFAULT_HOLD_S,
+                 draft_recover_s: float = DEFAULT_RECOVER_S):
         """max_batched_tokens: at most this many tokens in one target forward (a long prompt is
         prefilled in chunks under it); None: no limit. load_aware: whose blocks hold no more tokens
         than pay at the load measured here (none when verification is compute-bound): "off",
-        "greedy" (greedy sessions) or "all" (svip_common/step_cost.py)."""
+        "greedy" (greedy sessions) or "all" (svip_common/step_cost.py). draft_actor: the draft
+        worker's Ray actor, asked for a replacement when the draft is lost (coordinator/draft_port.py);
+        draft_stall_s: the least a session waits on its draft before it goes on without it;
+        sampled_hold_s: how long a sampled session waits for a lost draft to come back."""
         super().__init__(limits)
         self.verifier = verifier
         self.max_batched_tokens = max_batched_tokens
         self.load_aware = check_load_aware(load_aware)
+        self.sampled_hold_s = sampled_hold_s
         self.step_metrics = StepMetrics("target")
         self._ready: list[tuple[str, SessionPipeline, pb.Block, object, tuple[float, str]]] = []  # blocks to verify
-        self.draft: DraftLink | None = None
-        if draft_address is not None:
-            self.draft = DraftLink(draft_address, self._draft_event, self._draft_broken, tls)
+        self.draft: DraftPort | None = None
+        if draft_address is not None or draft_actor is not None:
+            self.draft = DraftPort(draft_address, draft_actor, self._draft_event, self._draft_lost, self._draft_back,
+                                   tls, draft_stall_s, draft_recover_s)
+        self._checker: asyncio.Task | None = None
 
     async def start(self) -> None:
         if self.draft is not None:
             await self.draft.open()
+            self._checker = asyncio.get_running_loop().create_task(self._check_periodically())
 
     async def close(self) -> None:
+        if self._checker is not None:
+            self._checker.cancel()
         if self.draft is not None:
             await self.draft.close()
         await super().close()
@@ -70,7 +83,12 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         return self.verifier.pool
 
     def unavailable(self) -> str | None:
-        return self.draft.broken if self.draft is not None else None
+        return None  # without its draft the target serves alone (coordinator/draft_port.py)
+
+    def draft_state(self) -> tuple[int, str]:
+        if self.draft is None:
+            return 0, ""
+        return self.draft.replacements, "" if self.draft.available else (self.draft.lost or "connecting")
 
     async def Generate(self, request_iterator, context):
         async for event in self._serve_stream(request_iterator):
@@ -81,8 +99,16 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def _draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
         self.compute.post(self.on_draft_event, event, received_at, size)
 
-    def _draft_broken(self, reason: str) -> None:
-        self.compute.post(self.on_draft_broken, reason)
+    def _draft_lost(self, reason: str) -> None:
+        self.compute.post(self._each_session, lambda s: s.detach(self.sampled_hold_s, cancel=False))
+
+    def _draft_back(self) -> None:
+        self.compute.post(self._each_session, lambda s: s.attach())
+
+    async def _check_periodically(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_EVERY_S)
+            self.compute.post(self.check_sessions)
 
     # --- on the compute thread ----------------------------------------------------------------------
 
@@ -94,8 +120,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             sampling = convert.sampling_from_proto(msg.sampling)
             speculate = msg.policy.name not in ("", "none") and self.draft is not None
             policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length) if speculate else PolicyConfig(name="none")
-            if self.draft is not None and self.draft.broken and speculate:
-                raise WorkerUnavailable(self.draft.broken)
             request_ = GenerationRequest(tuple(msg.prompt_ids), msg.max_new_tokens, sampling, policy)
             pipeline = _PIPELINE_NAMES.get(msg.pipeline, "async")
             session = SessionPipeline(msg.session_id, request_, frozenset(msg.stop_token_ids), self.limits,
@@ -104,7 +128,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                                       enqueue=lambda session, block, checked, info: self._ready.append((msg.session_id, session, block, checked, info)),
                                       load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None)
             self.new_session(msg.session_id, session, stream)
-            self._step(msg.session_id, session.start)
+            self._step(msg.session_id, session.start, self.sampled_hold_s)
         else:  # cancel
             self.session(request.cancel.session_id, stream).cancel()
             self._reap(request.cancel.session_id)
@@ -136,6 +160,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         try:
             verdicts = self.verifier.verify_batch(jobs, self.max_batched_tokens)
         except Exception as exc:  # the batch failed: every session in it ends with the error
+            exit_on_device_failure(exc)
             verdicts = [exc] * len(ready)
         ended = time.time()
         self._ready = [job for job, verdict in zip(ready, verdicts) if verdict is None]  # prefilled a chunk
@@ -147,10 +172,20 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 self._step(session_id, session.verified, block, verdict, received_at, source, started, ended)
         return True
 
-    def on_draft_broken(self, reason: str) -> None:
+    def check_sessions(self) -> None:
+        """A session that waited on its draft past the stall deadline goes on without it; a
+        sampled one that held for a lost draft long enough, too."""
+        now, deadline = time.time(), self.draft.stall_deadline()
         for session_id, session in list(self.sessions.items()):
-            if session.draft is not None:
-                self._fail(session_id, grpc.StatusCode.UNAVAILABLE, reason)
+            if session.stalled(now, deadline):
+                log.warning("session %s: no draft block for %.1f s; going on without the draft", session_id, deadline)
+                self._step(session_id, session.detach, self.sampled_hold_s, True)
+            else:
+                self._step(session_id, session.hold_expired, now)
+
+    def _each_session(self, fn) -> None:
+        for session_id, session in list(self.sessions.items()):
+            self._step(session_id, fn, session)
 
     def _step(self, session_id: str, fn, *args) -> None:
         """Run one step of a session; an error ends it with an error event to its caller."""

@@ -21,6 +21,16 @@ Load-aware speculation (svip_common/step_cost.py): each feedback caps the draft'
 what pays at the target's measured load. When that is nothing, the session pauses: the feedback
 says so, the target settles the next tokens alone (one token per batched step, as without a
 draft), and when drafting pays again one Resume gives the draft those tokens and its next cap.
+
+Recovery (DESIGN.md, Placement): a draft worker that is lost, or that leaves the session waiting
+past its stall deadline, no longer ends it. The session *detaches*: the epoch advances (whatever
+the old draft sent or sends is stale), the verdict in flight is kept if greedy and voided if
+sampled (a rejection's correction needs the draft's q row; voiding regardless of the outcome
+keeps the distribution exact), and the target settles the next tokens alone. A sampled session
+first holds for a replacement (until its hold deadline), so a seeded request still reproduces:
+its next block is the one an undisturbed draft would have drafted, since every draw is keyed by
+position. When a draft is back the session *re-attaches*: a StartSession of its committed tokens
+at the current epoch, and drafting goes on from there.
 """
 
 from __future__ import annotations
@@ -50,6 +60,13 @@ class WorkerError(SvipError):
 class DraftLink(Protocol):
     def send(self, session_id: str, request: pb.DraftRequest) -> None:
         """Queue a request for the draft worker (from the compute thread; never blocks)."""
+
+    @property
+    def available(self) -> bool:
+        """A draft worker is connected (sessions detach while it is not)."""
+
+    def answered(self, seconds: float) -> None:
+        """A draft answer took this long (feedback out to block in): what stall deadlines follow."""
 
 
 class SessionPipeline:
@@ -82,6 +99,10 @@ class SessionPipeline:
         self._load_cap, self.gate = load_cap, SessionGate()
         self.paused = False  # load-aware: the draft waits for a Resume; the target settles tokens alone
         self._paused_tokens: list[int] = []  # settled since the pause (the Resume carries them)
+        self.detached = False  # recovery: no draft works on the session; the target settles tokens alone
+        self.hold_until: float | None = None  # a detached sampled session waits for a draft until then
+        self._attach_due = False  # a draft is back: re-attach once the verdict in flight is decided
+        self.waiting_since: float | None = None  # since when the session waits on the draft (stall check)
 
     @property
     def cached_tokens(self) -> int:
@@ -93,23 +114,108 @@ class SessionPipeline:
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
-    def start(self) -> None:
+    def start(self, hold_s: float = 0.0) -> None:
+        """hold_s: how long a sampled session waits for a draft that is not there now."""
         if self.draft is None:
             self._verify(self._empty_block(), time.time(), "none")
-            return
+        elif not self.draft.available:
+            self._draft_open = False
+            self.detach(hold_s, cancel=False)
+        else:
+            self._start_draft()
+
+    def _start_draft(self) -> None:
+        """The draft's session, on the committed tokens (the prompt, or more on a re-attach), at
+        the current epoch, with what is left of the budget."""
         r = self.request
         start = pb.StartSession(
-            session_id=self.sid, prompt_ids=r.prompt_ids, sampling=convert.sampling_to_proto(r.sampling),
+            session_id=self.sid, prompt_ids=self.committed, sampling=convert.sampling_to_proto(r.sampling),
             policy=convert.policy_to_proto(r.policy), stop_token_ids=sorted(self.stop_ids),
-            max_new_tokens=r.max_new_tokens, pipeline=PIPELINES[self.pipeline],
+            max_new_tokens=r.max_new_tokens - len(self.generated), pipeline=PIPELINES[self.pipeline], epoch=self.epoch,
         )
         cap = self._cap()
         if cap is not None:
             start.load_cap = cap
+        self._draft_open = True
         self._to_draft(pb.DraftRequest(start=start))
         if cap == 0:
             self._pause()
             self._verify(self._empty_block(), time.time(), "paused")
+        else:
+            self.waiting_since = time.time()
+
+    # --- recovery: a draft lost or stalled, a draft back ---------------------------------------------
+
+    def detach(self, hold_s: float, cancel: bool) -> None:
+        """Go on without the draft from the committed tokens. cancel: the draft worker is still
+        connected (a stall): its session there is cancelled, and its answer (Closed) says it is
+        back. hold_s: how long a sampled session waits for it before the target goes on alone."""
+        if self.done or self.draft is None or self.detached:
+            return
+        self.detached, self.waiting_since = True, None
+        self.stats.detached += 1
+        self.epoch += 1  # what the old draft sent or sends is stale
+        self._drop_held()
+        self._drop_prepared()
+        self._feedback_chain.clear()
+        self._correction_due = False
+        self.paused, self._paused_tokens = False, []
+        self.hold_until = None if self.request.sampling.greedy else time.time() + hold_s
+        if self._draft_open:
+            self._draft_open = False
+            if cancel:
+                self._to_draft(pb.DraftRequest(cancel=pb.Cancel(session_id=self.sid)))
+        if self.verifying is None:
+            self._go_alone()
+
+    def attach(self) -> None:
+        """A draft is back: it takes the session up from the committed tokens."""
+        if self.done or not self.detached:
+            return
+        if self.verifying is not None:
+            self._attach_due = True  # after the verdict in flight
+            return
+        self.detached = self._attach_due = False
+        self.hold_until = None
+        self.stats.reattached += 1
+        self._start_draft()
+
+    def hold_expired(self, now: float) -> None:
+        """A sampled session waited for a draft long enough: the target goes on alone."""
+        if self.detached and self.hold_until is not None and now >= self.hold_until:
+            self.hold_until = None
+            if self.verifying is None:
+                self._go_alone()
+
+    def stalled(self, now: float, deadline_s: float) -> bool:
+        """The session has waited on the draft longer than deadline_s."""
+        return (not self.done and self.waiting_since is not None and not self.detached and not self.paused
+                and self.verifying is None and now - self.waiting_since > deadline_s)
+
+    def _go_alone(self) -> None:
+        if self.hold_until is None:
+            self._verify(self._empty_block(), time.time(), "detached")
+
+    def _decide_detached(self, block: pb.Block, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
+        """A verdict while no draft works on the session: the target's own token, or a verdict on
+        a block drafted before the draft was lost (greedy: kept; sampled: voided, see above)."""
+        decided = time.time()
+        self.verifying = None
+        stale = block.epoch != self.epoch
+        if stale and not self.request.sampling.greedy:
+            self.stats.discarded_tokens += len(block.tokens)
+            settled = []
+        else:
+            settled = list(block.tokens[:verdict.accepted]) + ([verdict.token] if verdict.token != NO_TOKEN else [])
+            self._record_round(block, verdict.accepted, timing, decided)
+        settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
+        self._commit(settled, reason)
+        if self.done:
+            return
+        if self._attach_due:
+            self.attach()
+        else:
+            self._go_alone()
 
     def cancel(self) -> None:
         """The caller ended the session (it went away, or a stop string): report, and free both sides."""
@@ -129,6 +235,10 @@ class SessionPipeline:
     def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
         self.wire_bytes += size
         kind = event.WhichOneof("kind")
+        if self.detached:  # stale: the old draft session's; a Closed says a stalled draft is back
+            if kind == "closed" and self.draft.available:
+                self.attach()
+            return
         if kind == "error":
             err = event.error
             cls = InvalidRequest if err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] else WorkerError
@@ -173,7 +283,7 @@ class SessionPipeline:
         no forward, and its feedback joins the one before it; otherwise the feedback goes out
         before the forward."""
         checked = self._checked(block)
-        self.verifying = block
+        self.verifying, self.waiting_since = block, None
         early = self.target.judge_first(self.committed, checked)
         if early is not None:
             now = time.time()
@@ -192,9 +302,12 @@ class SessionPipeline:
     def _decide(self, block: pb.Block, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
         """The verdict's consequences, the critical ones first: the feedback to the draft, then
         the next block if it is already here; the caller's tokens and the stats after."""
-        decided = time.time()
         if self.done:
             return
+        if self.detached:
+            self._decide_detached(block, verdict, timing)
+            return
+        decided = time.time()
         self.verifying = None
         k, accepted = len(block.tokens), verdict.accepted
         if k:
@@ -250,6 +363,8 @@ class SessionPipeline:
                 self.gate.record_round_trip(0.0)
                 self._verify(held, held_received, "followup")
         self._flush_feedback()
+        waiting = not self.done and self.verifying is None and not self.paused and self.draft is not None
+        self.waiting_since = decided if waiting else None
 
     def _cap(self) -> int | None:
         """Load-aware speculation: the most tokens the next block should hold (None: no cap)."""
@@ -394,6 +509,7 @@ class SessionPipeline:
         stats, and what load-aware speculation charges a drafting round beyond its forwards)."""
         if block.trigger_at and self._feedback_sent_at:
             self.gate.record_round_trip(max(0.0, received_at - self._feedback_sent_at - block.draft_s))
+            self.draft.answered(received_at - self._feedback_sent_at)
             if self.stats.rounds:
                 self.stats.feedback_transit_s[-1] = max(0.0, block.trigger_at - self._feedback_sent_at)
                 self.stats.draft_queue_s[-1] = max(0.0, block.started_at - block.trigger_at)

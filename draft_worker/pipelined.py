@@ -26,7 +26,6 @@ alone meanwhile.
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 

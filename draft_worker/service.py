@@ -12,7 +12,7 @@ import grpc
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import Outgoing, PipelinedDraft
 from svip_common.contracts import NO_TOKEN, check_token_ids
-from svip_common.errors import InvalidRequest
+from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.grpc_server import SessionService, SessionStream
 from svip_common.step_metrics import StepMetrics
 from svip_proto import convert
@@ -50,6 +50,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                 session=self.drafter.open(sampling, policy, tuple(stop)),
                 prompt=list(msg.prompt_ids), max_new_tokens=msg.max_new_tokens, stop_token_ids=stop,
                 pipelined=msg.pipeline == pb.PIPELINE_ASYNC, prepare=self.prepare, send_prepared=sampling.greedy,
+                epoch=msg.epoch,
             )
             self.new_session(msg.session_id, session, stream)
             cap = msg.load_cap if msg.HasField("load_cap") else None
@@ -90,7 +91,11 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             return False
         tokens = sum(len(draft._pending) for _, _, draft in batch)
         started = time.perf_counter()
-        self.drafter.step([draft for _, _, draft in batch])
+        try:
+            self.drafter.step([draft for _, _, draft in batch])
+        except Exception as exc:
+            exit_on_device_failure(exc)
+            raise
         elapsed = time.perf_counter() - started
         for session_id, session, _ in batch:
             self._send(session_id, session, session.after_step(elapsed))

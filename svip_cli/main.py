@@ -116,6 +116,12 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--draft-length-cap", type=int, default=DRAFT_LENGTH_CAP,
                      help=f"the longest block a request may ask for ({DRAFT_LENGTH_CAP})")
     srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (4 MiB)")
+    srv.add_argument("--worker-restarts", type=int, default=5,
+                     help="times Ray restarts a worker that dies; the sessions in flight go on (5)")
+    srv.add_argument("--draft-stall-s", type=float, default=3.0,
+                     help="the least a session waits on its draft before it goes on without it (3)")
+    srv.add_argument("--sampled-hold-s", type=float, default=30.0,
+                     help="how long a sampled session waits for a lost draft, so that its seed reproduces (30)")
     srv.add_argument("--grpc-tls-dir", metavar="DIR", help="mutual TLS between each pipeline's workers (ca.crt, tls.crt, tls.key)")
     srv.add_argument("--api-key", action="append", default=[], metavar="KEY",
                      help="require 'Authorization: Bearer KEY' on /v1 (repeat for several keys; $SVIP_API_KEY: comma-separated)")
@@ -136,7 +142,8 @@ def _serve(args: argparse.Namespace) -> int:
         "policy": args.policy, "threshold": args.threshold, "draft_length_cap": args.draft_length_cap,
         "max_request_bytes": args.max_request_bytes, "grpc_tls_dir": args.grpc_tls_dir,
         "kv_cache_tokens": args.kv_cache_tokens, "max_batched_tokens": args.max_batched_tokens,
-        "load_aware": args.load_aware,
+        "load_aware": args.load_aware, "worker_restarts": args.worker_restarts,
+        "draft_stall_s": args.draft_stall_s, "sampled_hold_s": args.sampled_hold_s,
         "api_key_sha256": tuple(sorted({digest(k) for k in args.api_key + keys_from_env()})),
     })
     return serve_forever(settings, args.host, args.port, args.metrics_port)

@@ -78,11 +78,32 @@ class ModelActor:
                 import ray
 
                 self.host = ray.util.get_node_ip_address()
-            self.service = self.make_service(**kwargs)
-            await self.on_start(self.service)
+            service = self.make_service(**kwargs)
+            try:
+                await self.on_start(service)
+            except BaseException:
+                await service.close()  # its compute thread too; a later start begins afresh
+                raise
+            self.service = service
             self._server, self.port = await start_server(lambda s: self.register(s, self.service), self.service_name,
                                                          self.host, self.tls)
         return f"{self.host}:{self.port}"
+
+    async def serve(self, **kwargs) -> str:
+        """Load and serve if not yet (a restarted actor comes back bare); returns the address.
+        What a coordinator asks after a worker's loss: Ray holds the call until the restart."""
+        if not hasattr(self, "_serve_lock"):
+            import asyncio
+
+            self._serve_lock = asyncio.Lock()
+        async with self._serve_lock:
+            return await self.start(**kwargs)
+
+    def pid(self) -> int:
+        """The worker's process (what an operator, or a fault drill, signals)."""
+        import os
+
+        return os.getpid()
 
     async def on_start(self, service) -> None:
         """Before the server opens (the target connects to its draft here)."""

@@ -231,6 +231,12 @@ class GenerationStats:
     prepared_used: int = 0  # of them, verified with no round trip
     prepared_used_late: int = 0  # prepared continuations the draft sent again as the next block
     pauses: int = 0  # load-aware: times drafting paused because it no longer paid at the target's load
+    # recovery (distributed): the session outlived a worker (coordinator/pipeline.py, coordinator/distributed.py)
+    detached: int = 0  # times it went on without its draft (the draft lost, or stalled past its deadline)
+    reattached: int = 0  # times a draft took it up again from its committed tokens
+    target_restarts: int = 0  # times it was started again on a replaced target worker
+    reprefilled_tokens: int = 0  # tokens prefilled again there (prompt + what had settled)
+    recover_s: float = 0.0  # time from a target worker's loss to the session going on
     draft_busy_s: float = 0.0
     target_busy_s: float = 0.0
     both_busy_s: float = 0.0  # overlap: draft and target computing at once

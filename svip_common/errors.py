@@ -16,3 +16,19 @@ class ModelLoadError(SvipError):
 
 class WorkerUnavailable(SvipError):
     """A worker is down or unreachable."""
+
+
+_DEVICE_FAILURES = ("CUDA error", "AcceleratorError", "device-side assert", "CUBLAS_STATUS", "cuDNN error")
+
+
+def exit_on_device_failure(exc: BaseException) -> None:
+    """A CUDA error is sticky (a device-side assert fails every later kernel of the process): the
+    worker exits at once, so Ray restarts it on a fresh context and its sessions recover
+    (coordinator/draft_port.py, coordinator/distributed.py). Any other error is left to the caller."""
+    text = f"{type(exc).__name__}: {exc}"
+    if any(mark in text for mark in _DEVICE_FAILURES):
+        import logging
+        import os
+
+        logging.getLogger(__name__).critical("device failure, exiting so the worker is replaced: %s", text)
+        os._exit(70)

@@ -23,6 +23,14 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a full-vocabulary float32 row is ~600 KB
 GRPC_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # keepalive: a peer that stops answering (a hung process, a dead node) breaks the stream within
+    # ~15 s, so its sessions recover instead of waiting forever; servers accept pings this often
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.min_ping_interval_without_data_ms", 5_000),
 ]
 log = logging.getLogger(__name__)
 
@@ -162,13 +170,19 @@ class SessionService:
         with self._lock:
             sessions = list(self.sessions.values())
         pool = self.pool
+        replacements, lost = self.draft_state()
         return pb.WorkerStats(open_sessions=len(sessions), cached_tokens=sum(s.cached_tokens for s in sessions),
                               tokens_processed=self.processed_tokens(), unavailable=self.unavailable() or "",
-                              kv_pages_used=pool.used_pages, kv_pages_total=pool.pages, kv_page_tokens=pool.page_size)
+                              kv_pages_used=pool.used_pages, kv_pages_total=pool.pages, kv_page_tokens=pool.page_size,
+                              draft_replacements=replacements, draft_lost=lost)
 
     def unavailable(self) -> str | None:
         """Why this worker cannot serve sessions now, or None."""
         return None
+
+    def draft_state(self) -> tuple[int, str]:
+        """Target: (draft workers replaced so far, why none is connected now or "")."""
+        return 0, ""
 
     def processed_tokens(self) -> int:
         """Draft: tokens drafted and sent; target: drafted tokens verified."""

@@ -14,13 +14,18 @@ class TargetActor(ModelActor):
     service_name = "svip.v1.TargetWorker"
 
     def __init__(self, model_path: str, limits, max_batched_tokens: int | None = None, load_aware: str = "greedy",
-                 **kwargs):
+                 recovery: dict | None = None, **kwargs):
+        """recovery: SessionHost's draft_stall_s / sampled_hold_s / draft_recover_s."""
         super().__init__(model_path, limits, **kwargs)
         self.max_batched_tokens, self.load_aware = max_batched_tokens, load_aware
+        self.recovery = recovery or {}
 
-    def make_service(self, draft_address: str | None = None):
+    def make_service(self, draft_address: str | None = None, draft=None):
+        """draft_address: the draft worker's; draft: its Ray actor (asked for the address, and
+        for a replacement's after a loss)."""
         verifier = Verifier(self.model, self.limits.tokens, self.kv_cache_tokens)
-        return SessionHost(verifier, self.limits, draft_address, self.tls, self.max_batched_tokens, self.load_aware)
+        return SessionHost(verifier, self.limits, draft_address, self.tls, self.max_batched_tokens, self.load_aware,
+                           draft_actor=draft, **self.recovery)
 
     async def on_start(self, service: SessionHost) -> None:
         await service.start()

@@ -36,7 +36,12 @@ class Generation:
         try:
             while (text := await self._next_text()) is not _END:
                 yield text
-            self.result = task.result()
+            try:
+                self.result = task.result()
+            except Exception:  # text held back as a possible stop-string prefix goes out before the error
+                if tail := self.text.finish():
+                    yield tail
+                raise
             tail = self.text.finish()
             if tail:
                 yield tail
@@ -93,6 +98,9 @@ class Generation:
             "accepted_lengths": s.accepted_lengths,
             "discarded_tokens": s.discarded_tokens,
             "pauses": s.pauses,
+            "detached": s.detached,
+            "reattached": s.reattached,
+            "target_restarts": s.target_restarts,
             "both_busy_s": round(s.both_busy_s, 6),
             "wire_bytes": s.wire_bytes,
             "wall_s": round(s.wall_s, 6),

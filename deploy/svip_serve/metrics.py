@@ -46,6 +46,13 @@ class ServeMetrics:
                                       ENTROPY_BUCKETS)
         self.wire_bytes = histogram("spec_decode_wire_bytes_per_round", "gRPC bytes per round, both workers.",
                                     BYTES_BUCKETS)
+        # recovery: sessions that outlived a worker (coordinator/draft_port.py, coordinator/distributed.py)
+        self.detached = counter("sessions_detached", "Times a session went on without its draft (lost or stalled).")
+        self.reattached = counter("sessions_reattached", "Times a draft took a session up again.")
+        self.worker_restarts = counter("worker_restarts", "Workers replaced under running sessions.", ("role",))
+        self.reprefilled = counter("reprefilled_tokens", "Tokens prefilled again on a replaced target worker.")
+        self.recover_time = histogram("time_to_recover_seconds", "A session's wait from its target worker's loss "
+                                      "to going on on the replaced one.", LATENCY_BUCKETS)
         # requests
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens returned to clients.")
@@ -58,6 +65,7 @@ class ServeMetrics:
         self.waiting = m.Gauge("svip_num_requests_waiting", "Requests waiting for a session slot or KV room.", tag_keys=tags)
         self.cached_tokens = m.Gauge("svip_worker_cached_tokens", "Tokens in a worker's KV caches.", tag_keys=tags + ("role",))
         self.open_sessions = m.Gauge("svip_worker_open_sessions", "Sessions open on a worker.", tag_keys=tags + ("role",))
+        self._restarts_seen: dict[str, int] = {}
         self.kv_usage = m.Gauge("svip_kv_cache_usage_perc", "Share of a worker's KV pool pages in use (vLLM's cache usage).",
                                 tag_keys=tags + ("role",))
 
@@ -76,6 +84,11 @@ class ServeMetrics:
         self._inc(self.emitted, completion_tokens)
         self._inc(self.discarded, stats.discarded_tokens)
         self._inc(self.pauses, stats.pauses)
+        self._inc(self.detached, stats.detached)
+        self._inc(self.reattached, stats.reattached)
+        self._inc(self.reprefilled, stats.reprefilled_tokens)
+        if stats.target_restarts:
+            self.recover_time.observe(stats.recover_s, t)
         self._inc(self.both_busy, stats.both_busy_s)
         self._inc(self.draft_wait, stats.draft_wait_s)
         self._inc(self.target_wait, stats.target_wait_s)
@@ -99,6 +112,14 @@ class ServeMetrics:
             self.open_sessions.set(s.open_sessions, {**self.tags, "role": role})
             if s.kv_pages_total:
                 self.kv_usage.set(s.kv_pages_used / s.kv_pages_total, {**self.tags, "role": role})
+
+    def set_restarts(self, restarts: dict[str, int]) -> None:
+        """restarts: role -> workers replaced so far (counted up to it)."""
+        for role, count in restarts.items():
+            seen = self._restarts_seen.get(role, 0)
+            if count > seen:
+                self.worker_restarts.inc(count - seen, {**self.tags, "role": role})
+                self._restarts_seen[role] = count
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.inc(1, {**self.tags, "reason": reason})

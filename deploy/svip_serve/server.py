@@ -130,6 +130,7 @@ class SVIPServer:
             tls=TlsFiles.from_dir(settings.grpc_tls_dir) if settings.grpc_tls_dir else None,
             start_timeout_s=settings.worker_start_timeout_s, kv_cache_tokens=settings.kv_cache_tokens,
             max_batched_tokens=settings.max_batched_tokens, load_aware=settings.load_aware,
+            max_restarts=settings.worker_restarts, recovery=settings.recovery(),
         )
         self.api_keys = ApiKeys(settings.api_key_sha256)
         # tokenizing a long prompt takes a while: never on the event loop that streams every session
@@ -157,9 +158,11 @@ class SVIPServer:
         """Serve's replica health check: a lost worker fails it, and Serve replaces the replica
         (its worker actors go with it)."""
         engine = await self._engine()
-        if (why := await engine.unavailable()) is not None:
+        if (why := await engine.unavailable()) is not None:  # a lost target is replaced first; this: it could not be
             raise RuntimeError(why)
-        self.metrics.set_workers(await engine.worker_stats())  # the KV-cache gauges, every health period
+        stats = await engine.worker_stats()
+        self.metrics.set_workers(stats)  # the KV-cache gauges, every health period
+        self.metrics.set_restarts({"target": engine.recoveries.restarts, "draft": stats["target"].draft_replacements})
 
     # --- endpoints ------------------------------------------------------------------------------
 
@@ -186,10 +189,14 @@ class SVIPServer:
         """This replica's workers: open sessions, cached tokens and KV pages (none used when idle)."""
         self.api_keys.check(request.headers.get("authorization"))
         stats = await (await self._engine()).worker_stats()
-        return JSONResponse({role: {"open_sessions": s.open_sessions, "cached_tokens": s.cached_tokens,
-                                    "tokens_processed": s.tokens_processed, "kv_pages_used": s.kv_pages_used,
-                                    "kv_pages_total": s.kv_pages_total, "kv_page_tokens": s.kv_page_tokens}
-                             for role, s in stats.items()})
+        out = {role: {"open_sessions": s.open_sessions, "cached_tokens": s.cached_tokens,
+                      "tokens_processed": s.tokens_processed, "kv_pages_used": s.kv_pages_used,
+                      "kv_pages_total": s.kv_pages_total, "kv_page_tokens": s.kv_page_tokens}
+               for role, s in stats.items()}
+        target = stats["target"]
+        out["target"].update(restarts=self.engine.recoveries.restarts, draft_replacements=target.draft_replacements,
+                             draft_lost=target.draft_lost or None)
+        return JSONResponse(out)
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):

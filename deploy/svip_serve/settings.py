@@ -42,6 +42,9 @@ class ServeSettings:
     api_key_sha256: tuple[str, ...] = ()  # SHA-256 (hex) of the API keys; $SVIP_API_KEY adds more; none: open
     grpc_tls_dir: str | None = None  # mutual TLS between a pipeline's workers: ca.crt, tls.crt, tls.key (every node)
     worker_start_timeout_s: float = 600.0  # a pipeline's workers: placed, then the weights loaded (a first download counts)
+    worker_restarts: int = 5  # Ray restarts a worker that dies this many times; sessions in flight go on (issue 11)
+    draft_stall_s: float = 3.0  # the least a session waits on its draft before it goes on without it
+    sampled_hold_s: float = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
     autoscaling: dict | None = None  # {min_replicas, max_replicas, target_ongoing_requests}: Serve scales the pipelines
 
     @classmethod
@@ -70,14 +73,18 @@ class ServeSettings:
                      "kv_cache_tokens", "max_batched_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_waiting", "max_queued_requests"):
+        for name in ("max_waiting", "max_queued_requests", "worker_restarts"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         check_load_aware(self.load_aware)
         if self.worker_cpus <= 0:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
-        if not isinstance(self.worker_start_timeout_s, (int, float)) or self.worker_start_timeout_s <= 0:
-            raise InvalidRequest(f"worker_start_timeout_s must be > 0, got {self.worker_start_timeout_s!r}")
+        for name in ("worker_start_timeout_s", "draft_stall_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not 0 < value < 1e6:
+                raise InvalidRequest(f"{name} must be a number of seconds > 0, got {value!r}")
+        if not isinstance(self.sampled_hold_s, (int, float)) or not 0 <= self.sampled_hold_s < 1e6:
+            raise InvalidRequest(f"sampled_hold_s must be a number of seconds >= 0, got {self.sampled_hold_s!r}")
         if self.autoscaling is not None:
             _check_autoscaling(self.autoscaling)
         if self.policy not in POLICY_NAMES:
@@ -86,6 +93,10 @@ class ServeSettings:
         bad_hash = next((h for h in self.api_key_sha256 if not _is_sha256_hex(h)), None)
         if bad_hash is not None or not isinstance(self.api_key_sha256, tuple):
             raise InvalidRequest("api_key_sha256 must be a list of SHA-256 digests (64 hex digits), not the keys")
+
+    def recovery(self) -> dict:
+        """The target host's recovery settings (coordinator/host.py)."""
+        return {"draft_stall_s": float(self.draft_stall_s), "sampled_hold_s": float(self.sampled_hold_s)}
 
     def policy_defaults(self) -> PolicyConfig:
         """What a request that names no policy knobs gets; within the cap."""

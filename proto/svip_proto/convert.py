@@ -121,7 +121,7 @@ def stats_to_proto(s: GenerationStats) -> pb.SessionStats:
     return pb.SessionStats(
         rounds=rounds, stop_entropies=s.stop_entropies, discarded_tokens=s.discarded_tokens,
         prepared_sent=s.prepared_sent, prepared_used=s.prepared_used, prepared_used_late=s.prepared_used_late,
-        pauses=s.pauses,
+        pauses=s.pauses, detached=s.detached, reattached=s.reattached,
         wall_s=s.wall_s, wire_bytes=s.wire_bytes, target_forwards=s.target_forwards, draft_forwards=s.draft_forwards,
         draft_busy_s=s.draft_busy_s, target_busy_s=s.target_busy_s, both_busy_s=s.both_busy_s,
         draft_wait_s=s.draft_wait_s, target_wait_s=s.target_wait_s,
@@ -141,7 +141,7 @@ def stats_from_proto(msg: pb.SessionStats) -> GenerationStats:
         draft_queue_s=[x.draft_queue_s for x in r], overhead_s=[x.overhead_s for x in r],
         round_sources=[x.source for x in r], discarded_tokens=msg.discarded_tokens,
         prepared_sent=msg.prepared_sent, prepared_used=msg.prepared_used, prepared_used_late=msg.prepared_used_late,
-        pauses=msg.pauses,
+        pauses=msg.pauses, detached=msg.detached, reattached=msg.reattached,
         draft_busy_s=msg.draft_busy_s, target_busy_s=msg.target_busy_s, both_busy_s=msg.both_busy_s,
         draft_wait_s=msg.draft_wait_s, target_wait_s=msg.target_wait_s, wire_bytes=msg.wire_bytes,
         timeline=[(x.worker, x.start, x.end) for x in msg.timeline],

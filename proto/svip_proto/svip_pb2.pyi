@@ -55,7 +55,7 @@ class PolicyConfig(_message.Message):
     def __init__(self, name: _Optional[str] = ..., threshold: _Optional[float] = ..., entropy_scale: _Optional[float] = ..., draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., confidence: _Optional[float] = ...) -> None: ...
 
 class StartSession(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,7 @@ class StartSession(_message.Message):
     MAX_NEW_TOKENS_FIELD_NUMBER: _ClassVar[int]
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
+    EPOCH_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -72,7 +73,8 @@ class StartSession(_message.Message):
     max_new_tokens: int
     pipeline: Pipeline
     load_cap: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ...) -> None: ...
+    epoch: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
 
 class PreparedFor(_message.Message):
     __slots__ = ("base", "accepted", "token")
@@ -253,7 +255,7 @@ class Span(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s", "pauses")
+    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s", "pauses", "detached", "reattached")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     STOP_ENTROPIES_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -271,6 +273,8 @@ class SessionStats(_message.Message):
     DRAFT_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     TARGET_WAIT_S_FIELD_NUMBER: _ClassVar[int]
     PAUSES_FIELD_NUMBER: _ClassVar[int]
+    DETACHED_FIELD_NUMBER: _ClassVar[int]
+    REATTACHED_FIELD_NUMBER: _ClassVar[int]
     rounds: _containers.RepeatedCompositeFieldContainer[Round]
     stop_entropies: _containers.RepeatedScalarFieldContainer[float]
     discarded_tokens: int
@@ -288,7 +292,9 @@ class SessionStats(_message.Message):
     draft_wait_s: float
     target_wait_s: float
     pauses: int
-    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., pauses: _Optional[int] = ...) -> None: ...
+    detached: int
+    reattached: int
+    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., pauses: _Optional[int] = ..., detached: _Optional[int] = ..., reattached: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("session_id", "finish_reason", "stats")
@@ -315,7 +321,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens")
+    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost")
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -323,6 +329,8 @@ class WorkerStats(_message.Message):
     KV_PAGES_USED_FIELD_NUMBER: _ClassVar[int]
     KV_PAGES_TOTAL_FIELD_NUMBER: _ClassVar[int]
     KV_PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_REPLACEMENTS_FIELD_NUMBER: _ClassVar[int]
+    DRAFT_LOST_FIELD_NUMBER: _ClassVar[int]
     open_sessions: int
     cached_tokens: int
     tokens_processed: int
@@ -330,4 +338,6 @@ class WorkerStats(_message.Message):
     kv_pages_used: int
     kv_pages_total: int
     kv_page_tokens: int
-    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ...) -> None: ...
+    draft_replacements: int
+    draft_lost: str
+    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ...) -> None: ...

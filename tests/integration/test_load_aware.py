@@ -226,7 +226,8 @@ def test_the_target_refuses_a_block_while_the_session_is_paused(models):
     from svip_proto import svip_pb2 as pb
 
     sent, enqueued = [], []
-    link = type("Link", (), {"send": lambda self, sid, request: sent.append(request)})()
+    link = type("Link", (), {"send": lambda self, sid, request: sent.append(request), "available": True,
+                             "answered": lambda self, seconds: None})()
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     request = GenerationRequest((5, 6, 7), 8, policy=PolicyConfig(name="constant", draft_length=3))
     verifier = Verifier(models["target"], limits.tokens)

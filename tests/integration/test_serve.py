@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -307,47 +306,3 @@ def test_the_helm_test_smoke_check_passes_against_the_server(server):
     env["SVIP_MODEL"] = "missing"
     out = subprocess.run([sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 1 and "not 'missing'" in out.stdout
-
-
-def descendants(pid: int) -> dict[int, str]:
-    """Every process below pid, with its command line."""
-    rows = [line.split(None, 2) for line in subprocess.run(["ps", "-eo", "pid=,ppid=,args="], capture_output=True,
-                                                            text=True, check=True).stdout.splitlines()]
-    children: dict[int, list] = {}
-    for row in rows:
-        if len(row) == 3:
-            children.setdefault(int(row[1]), []).append((int(row[0]), row[2]))
-    out, todo = {}, [pid]
-    while todo:
-        for child, args in children.get(todo.pop(), []):
-            out[child] = args
-            todo.append(child)
-    return out
-
-
-def test_a_killed_worker_ends_the_stream_with_an_error_and_serve_replaces_the_replica(server, reference):
-    """Last in the module: it kills the draft worker of the server's only pipeline."""
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1900, "temperature": 0, "stream": True,
-            "ignore_eos": True}
-    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        before = [next(lines) for _ in range(6)]
-        (draft_pid,) = [pid for pid, args in descendants(server["proc"].pid).items() if args.startswith("ray::DraftActor")]
-        os.kill(draft_pid, signal.SIGKILL)
-        rest = [line for line in lines if line]
-    events = [json.loads(line[6:]) for line in before + rest if line.startswith("data: {")]
-    assert any(e.get("choices") and e["choices"][0]["text"] for e in events)  # the text sent before stays sent
-    assert events[-1]["error"]["code"] == "worker_unavailable" and rest[-1] == "data: [DONE]"
-    # the replica fails Serve's health check and is replaced, with new workers: exact again
-    ok, codes, deadline = None, [], time.monotonic() + 120
-    while ok is None and time.monotonic() < deadline:
-        r = httpx.post(server["base"] + "/v1/completions", timeout=60,
-                       json={"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0})
-        codes.append(r.status_code)
-        if r.status_code == 200:
-            ok = r.json()
-        else:
-            assert r.status_code == 503 and r.json()["error"]["code"] == "worker_unavailable", r.text
-            time.sleep(1)
-    assert ok is not None, codes
-    assert ok["choices"][0]["text"] == reference["prompts"][0]["text"]

@@ -52,6 +52,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "draft_gpus" (int $v.model.draftGpus)
   "worker_cpus" $v.serve.workerCpus
   "worker_start_timeout_s" $v.serve.workerStartTimeoutS
+  "worker_restarts" (int $v.serve.workerRestarts)
+  "draft_stall_s" $v.serve.draftStallS
+  "sampled_hold_s" $v.serve.sampledHoldS
   "pipeline" $v.decoding.pipeline
   "num_replicas" (int $v.serve.replicas)
   "max_in_flight" (int $v.serve.maxInFlight)

@@ -1,0 +1,154 @@
+"""A session outlives its workers (issue 11), on real Ray actors, real gRPC and real signals:
+a draft worker SIGKILLed mid-stream (the sessions go on without it, then re-attach to the one Ray
+restarts), a draft worker SIGSTOPped (the sessions go on past their stall deadline, long before
+the pause ends), a target worker SIGKILLed mid-stream (the caller starts each session again on the
+restarted target, on its prompt plus what had settled). Every output equals an undisturbed run,
+token for token, with no error; a seeded sampled session too. A worker killed for good: the draft
+leaves the target alone (still exact), the target ends the session with WorkerUnavailable."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import pytest
+
+from coordinator.cluster import WorkerPair, init_local_ray
+from coordinator.distributed import DistributedEngine
+from coordinator.engine import SpeculativeEngine
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import WorkerUnavailable
+
+SVIP = PolicyConfig(name="svip", threshold=0.6)
+CONSTANT = PolicyConfig(name="constant", draft_length=4)
+NEW = 280  # long enough that a fault lands mid-stream (the long prompt is 204 tokens of 512)
+STALL_S = 1.0
+PAUSE_S = 20.0
+
+
+@pytest.fixture(scope="module")
+def pair(model_dirs):
+    import ray
+
+    init_local_ray(pairs=2)
+    pair = WorkerPair(model_dirs.target, model_dirs.close_draft, load_aware="off",
+                      recovery={"draft_stall_s": STALL_S, "sampled_hold_s": 60.0})
+    yield pair
+    pair.shutdown()
+    ray.shutdown()
+
+
+@pytest.fixture(scope="module")
+def engine(pair, loop):
+    engine = DistributedEngine.for_pair(pair, "async")
+    loop.run_until_complete(engine.connect())
+    yield engine
+    loop.run_until_complete(engine.close())
+
+
+@pytest.fixture(scope="module")
+def requests(prompt_ids):
+    prompts = list(prompt_ids.values())
+    return [GenerationRequest(prompts[i % len(prompts)], NEW - 10 * i, policy=SVIP if i % 2 else CONSTANT, ignore_eos=True)
+            for i in range(6)]
+
+
+@pytest.fixture(scope="module")
+def expected(models, requests):
+    alone = SpeculativeEngine(models["target"], None)
+    return [alone.generate(r).token_ids for r in requests]
+
+
+def run_through(loop, engine, requests, fault, after_tokens: int = 60):
+    """Run the requests at once; fault() when they have settled after_tokens in all."""
+
+    async def go():
+        settled, progressed = [0], asyncio.Event()
+
+        def on_tokens(tokens):
+            settled[0] += len(tokens)
+            if settled[0] >= after_tokens:
+                progressed.set()
+
+        tasks = [asyncio.create_task(engine.generate(r, on_tokens)) for r in requests]
+        await asyncio.wait_for(progressed.wait(), 120)
+        assert not all(t.done() for t in tasks), "the sessions ended before the fault"
+        fault()
+        return await asyncio.wait_for(asyncio.gather(*tasks), 300)
+
+    return loop.run_until_complete(go())
+
+
+def test_a_draft_killed_mid_stream_leaves_every_session_exact(loop, engine, pair, requests, expected):
+    draft_pid = pair.pids()["draft"]
+    results = run_through(loop, engine, requests, lambda: os.kill(draft_pid, signal.SIGKILL))
+    assert [r.token_ids for r in results] == expected
+    assert sum(r.stats.detached for r in results) >= 1
+    loop.run_until_complete(pair.draft_serving_address())  # Ray restarts it
+    assert pair.pids()["draft"] != draft_pid
+    # the replaced draft drafts again: a new session speculates
+    again = loop.run_until_complete(engine.generate(requests[1]))
+    assert again.token_ids == expected[1] and again.stats.draft_tokens > 0 and again.stats.detached == 0
+
+
+def test_a_stopped_draft_is_left_behind_well_before_it_resumes(loop, engine, pair, requests, expected):
+    draft_pid = pair.pids()["draft"]
+    started = time.monotonic()
+
+    def stop_draft():
+        os.kill(draft_pid, signal.SIGSTOP)
+        loop.call_later(PAUSE_S, os.kill, draft_pid, signal.SIGCONT)
+
+    try:
+        results = run_through(loop, engine, requests, stop_draft)
+        took = time.monotonic() - started
+    finally:
+        os.kill(draft_pid, signal.SIGCONT)
+    assert [r.token_ids for r in results] == expected
+    assert took < PAUSE_S / 2, took
+    assert sum(r.stats.detached for r in results) >= 1
+    time.sleep(1.0)  # the draft answers the cancels: sessions started now speculate again
+    again = loop.run_until_complete(engine.generate(requests[0]))
+    assert again.token_ids == expected[0] and again.stats.draft_tokens > 0
+
+
+def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(loop, engine, pair, requests, expected):
+    target_pid = pair.pids()["target"]
+    results = run_through(loop, engine, requests, lambda: os.kill(target_pid, signal.SIGKILL))
+    assert [r.token_ids for r in results] == expected
+    assert all(r.finish_reason == "length" for r in results)
+    restarted = [r for r in results if r.stats.target_restarts]
+    assert restarted and all(r.stats.reprefilled_tokens > 0 for r in restarted)
+    loop.run_until_complete(pair.recover_target())
+    assert pair.pids()["target"] != target_pid
+    assert engine.recoveries.restarts >= 1
+
+
+def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids):
+    request = GenerationRequest(prompt_ids["medium"], NEW, sampling=SamplingParams(temperature=0.9, seed=77),
+                                policy=SVIP, ignore_eos=True)
+    undisturbed = loop.run_until_complete(engine.generate(request))
+    assert undisturbed.stats.draft_tokens > 0 and undisturbed.stats.detached == 0
+    draft_pid = pair.pids()["draft"]
+    (disturbed,) = run_through(loop, engine, [request], lambda: os.kill(draft_pid, signal.SIGKILL), after_tokens=40)
+    assert disturbed.stats.detached >= 1 and disturbed.stats.reattached >= 1
+    assert disturbed.token_ids == undisturbed.token_ids
+
+
+def test_a_worker_killed_for_good(model_dirs, loop, prompt_ids):
+    """Restarts spent: without its draft the session finishes exact on the target alone; without
+    its target it ends with WorkerUnavailable, never a hang."""
+    doomed = WorkerPair(model_dirs.target, model_dirs.close_draft, max_restarts=0, load_aware="off")
+    engine = DistributedEngine.for_pair(doomed, "async")
+    loop.run_until_complete(engine.connect())
+    request = GenerationRequest(prompt_ids["long"], 300, policy=CONSTANT, ignore_eos=True)
+    try:
+        (result,) = run_through(loop, engine, [request], lambda: doomed.kill("draft"))
+        assert result.stats.detached == 1 and result.stats.reattached == 0
+        with pytest.raises(WorkerUnavailable, match="gone for good|did not come back"):
+            run_through(loop, engine, [request], lambda: doomed.kill("target"))
+    finally:
+        loop.run_until_complete(engine.close())
+        doomed.shutdown()
