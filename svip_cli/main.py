@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import secrets
 import sys
 
@@ -175,16 +176,27 @@ def _generate(args: argparse.Namespace) -> int:
     for flag in ("pipeline", "ray_address", "placement", "grpc_tls_dir"):
         if args.mode == "inprocess" and getattr(args, flag) is not None:
             raise InvalidRequest(f"--{flag.replace('_', '-')} applies to --mode distributed")
+    out = _results_stream() if args.mode == "distributed" else sys.stdout
     engine = _load_engine(args)
     try:
-        _generate_all(args, engine, prompts, base_request)
+        _generate_all(args, engine, prompts, base_request, out)
     finally:
         if args.mode == "distributed":
             engine.close()
     return 0
 
 
-def _generate_all(args, engine, prompts, base_request) -> None:
+def _results_stream():
+    """Standard output for the results alone: Ray prints its own notices (a worker that died and
+    was restarted, say) on the process's stdout, which would break --json's JSON Lines. They go
+    to stderr; the results keep the original stdout."""
+    sys.stdout.flush()
+    results = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)
+    return results
+
+
+def _generate_all(args, engine, prompts, base_request, out) -> None:
     """Every prompt's --n outputs, in input order: one at a time, or --batch-size at once (one
     forward serves them all; each output is written when all are done)."""
     from coordinator.prompts import encode
@@ -198,19 +210,19 @@ def _generate_all(args, engine, prompts, base_request) -> None:
     if args.batch_size > 1:
         results = engine.generate_many(requests, args.batch_size)
         for request, result in zip(requests, results):
-            _write_result(args, engine, request, result)
+            _write_result(args, engine, request, result, out)
         return
     for request in requests:
-        _write_result(args, engine, request, engine.generate(request))
+        _write_result(args, engine, request, engine.generate(request), out)
 
 
-def _write_result(args, engine, request, result) -> None:
+def _write_result(args, engine, request, result, out) -> None:
     text = engine.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
-        sys.stdout.write(json.dumps(_result_json(args, engine, request, result, text)) + "\n")
+        out.write(json.dumps(_result_json(args, engine, request, result, text)) + "\n")
     else:
-        sys.stdout.write(text + "\n")
-    sys.stdout.flush()
+        out.write(text + "\n")
+    out.flush()
 
 
 def _prompt_sources(args: argparse.Namespace) -> list[str | list[int]]:

@@ -58,6 +58,7 @@ class Refused(InvalidRequest):
     belongs to another stream (or to none)."""
 
 
+COMPUTE_PROBE_S = 10.0  # Stats: a compute thread silent this long is stuck (a hung kernel, a deadlock)
 MAX_QUEUED_EVENTS = 256  # per stream; past it, the stream's requests are not read
 _END = object()
 
@@ -156,6 +157,7 @@ class SessionService:
         self.tokens_processed = 0
         self._lock = threading.Lock()  # Stats reads the table from the event loop
         self.compute = ComputeLoop(f"{self.role}-compute", idle=self.idle)
+        self.compute_probe_s = COMPUTE_PROBE_S
 
     async def close(self) -> None:
         """Stop the compute thread (the actor is shutting down)."""
@@ -167,14 +169,30 @@ class SessionService:
             yield event
 
     async def Stats(self, request, context):
+        """The worker's load and health; a compute thread that does not answer within
+        compute_probe_s makes it unavailable (what a health check reads: the worker is replaced)."""
         with self._lock:
             sessions = list(self.sessions.values())
         pool = self.pool
         replacements, lost = self.draft_state()
+        unavailable = self.unavailable() or ""
+        if not unavailable and not await self._compute_answers(self.compute_probe_s):
+            unavailable = f"the {self.role} worker's compute thread has not answered in {self.compute_probe_s:.0f} s"
         return pb.WorkerStats(open_sessions=len(sessions), cached_tokens=sum(s.cached_tokens for s in sessions),
-                              tokens_processed=self.processed_tokens(), unavailable=self.unavailable() or "",
+                              tokens_processed=self.processed_tokens(), unavailable=unavailable,
                               kv_pages_used=pool.used_pages, kv_pages_total=pool.pages, kv_page_tokens=pool.page_size,
                               draft_replacements=replacements, draft_lost=lost)
+
+    async def _compute_answers(self, timeout_s: float) -> bool:
+        """Whether the compute thread runs a no-op within timeout_s (after what is queued)."""
+        loop = asyncio.get_running_loop()
+        answered = loop.create_future()
+        self.compute.post(loop.call_soon_threadsafe, lambda: answered.done() or answered.set_result(True))
+        try:
+            await asyncio.wait_for(answered, timeout_s)
+        except asyncio.TimeoutError:
+            return False
+        return True
 
     def unavailable(self) -> str | None:
         """Why this worker cannot serve sessions now, or None."""

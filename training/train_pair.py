@@ -146,6 +146,20 @@ def train(model, data, steps: int, batch: int, seq_len: int, lr: float, seed: in
     return {"steps": steps, "tokens_seen": steps * batch * seq_len, "train_s": round(time.time() - start, 1)}
 
 
+def run_log(path: Path):
+    """A log function that prints each line with its time and appends it to path."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    logfile = open(path, "a")
+
+    def log(msg: str) -> None:
+        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
+        print(line, flush=True)
+        logfile.write(line + "\n")
+        logfile.flush()
+
+    return log
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="build/pair")
@@ -161,15 +175,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    logfile = open(out / "train.log", "a")
-
-    def log(msg: str) -> None:
-        line = f"[{time.strftime('%H:%M:%S')}] {msg}"
-        print(line, flush=True)
-        logfile.write(line + "\n")
-        logfile.flush()
-
+    log = run_log(out / "train.log")
     corpus = load_corpus()
     tok_dir = out / "tokenizer"
     if tok_dir.exists():

@@ -137,7 +137,7 @@ def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loo
     assert disturbed.token_ids == undisturbed.token_ids
 
 
-def test_a_worker_killed_for_good(model_dirs, loop, prompt_ids):
+def test_a_worker_killed_for_good(model_dirs, models, loop, prompt_ids):
     """Restarts spent: without its draft the session finishes exact on the target alone; without
     its target it ends with WorkerUnavailable, never a hang."""
     doomed = WorkerPair(model_dirs.target, model_dirs.close_draft, max_restarts=0, load_aware="off")
@@ -147,8 +147,44 @@ def test_a_worker_killed_for_good(model_dirs, loop, prompt_ids):
     try:
         (result,) = run_through(loop, engine, [request], lambda: doomed.kill("draft"))
         assert result.stats.detached == 1 and result.stats.reattached == 0
+        assert result.token_ids == SpeculativeEngine(models["target"], None).generate(request).token_ids
         with pytest.raises(WorkerUnavailable, match="gone for good|did not come back"):
             run_through(loop, engine, [request], lambda: doomed.kill("target"))
     finally:
         loop.run_until_complete(engine.close())
         doomed.shutdown()
+
+
+def test_a_stuck_compute_thread_makes_the_worker_unavailable(models, loop):
+    """Stats probes the compute thread: one that does not answer in time is reported (and a
+    health check then replaces the worker); once it answers again, so does Stats."""
+    from draft_worker.drafter import Drafter
+    from draft_worker.service import DraftService
+    from svip_common.contracts import Limits
+
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+
+    async def probe():
+        service = DraftService(Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens), limits)
+        service.compute_probe_s = 0.5
+        try:
+            assert (await service.Stats(None, None)).unavailable == ""
+            service.compute.post(time.sleep, 2.0)  # stuck
+            stuck = (await service.Stats(None, None)).unavailable
+            await asyncio.sleep(2.0)
+            return stuck, (await service.Stats(None, None)).unavailable
+        finally:
+            await service.close()
+
+    stuck, after = loop.run_until_complete(probe())
+    assert "compute thread has not answered" in stuck and after == ""
+
+
+@pytest.mark.parametrize("error, code", [("CUDA error: device-side assert triggered", 70), ("shapes do not match", 0)])
+def test_a_device_failure_makes_the_worker_exit_so_it_is_replaced(error, code):
+    import subprocess
+    import sys
+
+    script = ("from svip_common.errors import exit_on_device_failure\n"
+              f"exit_on_device_failure(RuntimeError({error!r}))\n")
+    assert subprocess.run([sys.executable, "-c", script], capture_output=True).returncode == code

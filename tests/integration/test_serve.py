@@ -19,18 +19,12 @@ import pytest
 from transformers import AutoTokenizer
 
 from svip_assets import default_pair
+from svip_bench.fault_drill import PROMPTS
 from tests.loopback import assert_loopback_listeners
 from tests.serving import svip_serve
 
 MODEL = "svip-pair"
 MAX_NEW = 40
-PROMPTS = [
-    "def fibonacci(n):", "import os\n\ndef walk(path):", "class Stack:\n    def __init__(self):",
-    "def parse_args(argv):", "# Sort a list of numbers\ndef sort(xs):", "def read_lines(path):",
-    "class Point:", "def gcd(a, b):", "import json\n\ndef load(path):", "def is_prime(n):",
-    "def flatten(items):", "class Node:\n    def __init__(self, value):", "def merge(a, b):",
-    "def count_words(text):", "def main():\n    parser =", "def reverse(s):",
-]
 CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A function that adds two numbers."}]
 
 
