@@ -64,19 +64,18 @@ def compiles(source: str) -> bool:
     return len(source.strip().splitlines()) > 1  # a body, not the signature alone
 
 
-def constant_cost(trajs, k: int, cost: CostModel) -> float:
-    """Modelled target forwards per emitted token of constant length k (SVIP that never stops early)."""
-    totals = [replay_svip(t, float("inf"), 0.15, k, cost) for t in trajs]
+def svip_cost(trajs, threshold: float, cap: int, cost: CostModel) -> float:
+    """Modelled target forwards per emitted token of SVIP (threshold inf: constant length cap)."""
+    totals = [replay_svip(t, threshold, 0.15, cap, cost) for t in trajs]
     return sum(c for c, _ in totals) / sum(e for _, e in totals)
 
 
 def threshold_rows(trajs, cost: CostModel) -> tuple[float, float, int, float, float]:
     """(best threshold, its cost per token, best constant k, its cost per token, SVIP at 0.3's)."""
     best, table = choose_threshold(trajs, 0.15, CAP, cost)
-    constants = {k: constant_cost(trajs, k, cost) for k in range(1, 9)}
+    constants = {k: svip_cost(trajs, float("inf"), k, cost) for k in range(1, 9)}
     k = min(constants, key=constants.get)
-    default = sum(c for c, _ in (z := [replay_svip(t, 0.3, 0.15, CAP, cost) for t in trajs])) / sum(e for _, e in z)
-    return best, table[best], k, constants[k], default
+    return best, table[best], k, constants[k], svip_cost(trajs, 0.3, CAP, cost)
 
 
 def validation_prompts(split_file: Path, count: int, lines: int = 8) -> list[str]:

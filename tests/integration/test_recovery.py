@@ -137,6 +137,16 @@ def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loo
     assert disturbed.token_ids == undisturbed.token_ids
 
 
+def test_a_seeded_sampled_session_through_a_target_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids):
+    request = GenerationRequest(prompt_ids["short"], NEW, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=5),
+                                policy=SVIP, ignore_eos=True)
+    undisturbed = loop.run_until_complete(engine.generate(request))
+    target_pid = pair.pids()["target"]
+    (disturbed,) = run_through(loop, engine, [request], lambda: os.kill(target_pid, signal.SIGKILL), after_tokens=40)
+    assert disturbed.stats.target_restarts == 1
+    assert disturbed.token_ids == undisturbed.token_ids
+
+
 def test_a_worker_killed_for_good(model_dirs, models, loop, prompt_ids):
     """Restarts spent: without its draft the session finishes exact on the target alone; without
     its target it ends with WorkerUnavailable, never a hang."""
