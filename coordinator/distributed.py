@@ -44,12 +44,9 @@ class _StreamLost(Exception):
 
 @dataclasses.dataclass
 class Recoveries:
-    """What target recoveries cost this engine's sessions (metrics read it)."""
+    """Target recoveries of this engine (metrics read it; per-session costs are in the stats)."""
 
     restarts: int = 0  # target workers replaced
-    sessions: int = 0  # sessions started again on a replaced worker
-    reprefilled_tokens: int = 0
-    failed: int = 0  # recoveries that could not get a worker
 
 
 class DistributedEngine:
@@ -113,8 +110,6 @@ class DistributedEngine:
         stats = convert.stats_from_proto(finished.stats) if finished is not None else GenerationStats()
         if restarts:
             stats.target_restarts, stats.reprefilled_tokens, stats.recover_s = restarts, reprefilled, recover_s
-            self.recoveries.sessions += restarts
-            self.recoveries.reprefilled_tokens += reprefilled
         return GenerationResult(list(request.prompt_ids), out.generated, reason, stats)
 
     async def _session(self, conn: WorkerConnection, request: GenerationRequest, out: _Output) -> pb.Finished:
@@ -165,13 +160,8 @@ class DistributedEngine:
             if self._recover is None:
                 raise WorkerUnavailable(lost.broken or "target worker went away")
             log.warning("target worker lost (%s); recovering", lost.broken)
-            try:
-                address = await self._recover()
-                conn = WorkerConnection(address, self._tls)
-                await conn.open()
-            except WorkerUnavailable:
-                self.recoveries.failed += 1
-                raise
+            conn = WorkerConnection(await self._recover(), self._tls)
+            await conn.open()
             self.target_conn = conn
             self.recoveries.restarts += 1
             await lost.close()

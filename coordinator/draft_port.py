@@ -72,9 +72,8 @@ class DraftPort:
     # --- from the compute thread ------------------------------------------------------------------
 
     def send(self, session_id: str, request: pb.DraftRequest) -> None:
-        link = self.link
-        if link is not None and link.broken is None and self.lost is None:
-            link.send(session_id, request)
+        if self.available:  # else the sessions are detached: nothing to send
+            self.link.send(session_id, request)
 
     @property
     def available(self) -> bool:

@@ -82,9 +82,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def pool(self):
         return self.verifier.pool
 
-    def unavailable(self) -> str | None:
-        return None  # without its draft the target serves alone (coordinator/draft_port.py)
-
     def draft_state(self) -> tuple[int, str]:
         if self.draft is None:
             return 0, ""
@@ -100,7 +97,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.compute.post(self.on_draft_event, event, received_at, size)
 
     def _draft_lost(self, reason: str) -> None:
-        self.compute.post(self._each_session, lambda s: s.detach(self.sampled_hold_s, cancel=False))
+        self.compute.post(self._each_session, lambda s: s.detach(cancel=False))
 
     def _draft_back(self) -> None:
         self.compute.post(self._each_session, lambda s: s.attach())
@@ -126,9 +123,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                                       self.verifier.open(sampling), self.draft if speculate else None, pipeline,
                                       emit=stream.emit, schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args),
                                       enqueue=lambda session, block, checked, info: self._ready.append((msg.session_id, session, block, checked, info)),
-                                      load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None)
+                                      load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None,
+                                      hold_s=self.sampled_hold_s)
             self.new_session(msg.session_id, session, stream)
-            self._step(msg.session_id, session.start, self.sampled_hold_s)
+            self._step(msg.session_id, session.start)
         else:  # cancel
             self.session(request.cancel.session_id, stream).cancel()
             self._reap(request.cancel.session_id)
@@ -179,7 +177,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         for session_id, session in list(self.sessions.items()):
             if session.stalled(now, deadline):
                 log.warning("session %s: no draft block for %.1f s; going on without the draft", session_id, deadline)
-                self._step(session_id, session.detach, self.sampled_hold_s, True)
+                self._step(session_id, session.detach, True)
             else:
                 self._step(session_id, session.hold_expired, now)
 

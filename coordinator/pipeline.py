@@ -73,11 +73,12 @@ class SessionPipeline:
     def __init__(self, session_id: str, request: GenerationRequest, stop_ids: frozenset[int], limits: Limits,
                  target: TargetSession, draft: DraftLink | None, pipeline: str,
                  emit: Callable[[pb.GenerateEvent], None], schedule: Callable[..., None],
-                 enqueue: Callable[..., None], load_cap: LoadCap | None = None):
+                 enqueue: Callable[..., None], load_cap: LoadCap | None = None, hold_s: float = 0.0):
         """emit: sends an event to the caller; schedule(fn, *args): runs fn later on the compute
         thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
         batched step to verify the block, which answers with verified(); load_cap: load-aware
-        speculation (None: the policy drafts as configured at any load)."""
+        speculation (None: the policy drafts as configured at any load); hold_s: how long a sampled
+        session waits for a lost draft before the target goes on alone."""
         self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
         self.target, self.draft, self.pipeline = target, draft, pipeline
         self.emit, self.schedule, self.enqueue = emit, schedule, enqueue
@@ -100,6 +101,7 @@ class SessionPipeline:
         self.paused = False  # load-aware: the draft waits for a Resume; the target settles tokens alone
         self._paused_tokens: list[int] = []  # settled since the pause (the Resume carries them)
         self.detached = False  # recovery: no draft works on the session; the target settles tokens alone
+        self.hold_s = hold_s
         self.hold_until: float | None = None  # a detached sampled session waits for a draft until then
         self._attach_due = False  # a draft is back: re-attach once the verdict in flight is decided
         self.waiting_since: float | None = None  # since when the session waits on the draft (stall check)
@@ -114,13 +116,11 @@ class SessionPipeline:
 
     # --- lifecycle ----------------------------------------------------------------------------------
 
-    def start(self, hold_s: float = 0.0) -> None:
-        """hold_s: how long a sampled session waits for a draft that is not there now."""
+    def start(self) -> None:
         if self.draft is None:
             self._verify(self._empty_block(), time.time(), "none")
         elif not self.draft.available:
-            self._draft_open = False
-            self.detach(hold_s, cancel=False)
+            self.detach(cancel=False)
         else:
             self._start_draft()
 
@@ -146,10 +146,10 @@ class SessionPipeline:
 
     # --- recovery: a draft lost or stalled, a draft back ---------------------------------------------
 
-    def detach(self, hold_s: float, cancel: bool) -> None:
-        """Go on without the draft from the committed tokens. cancel: the draft worker is still
-        connected (a stall): its session there is cancelled, and its answer (Closed) says it is
-        back. hold_s: how long a sampled session waits for it before the target goes on alone."""
+    def detach(self, cancel: bool) -> None:
+        """Go on without the draft from the committed tokens (a sampled session first holds for
+        it, hold_s). cancel: the draft worker is still connected (a stall): its session there is
+        cancelled, and its answer (Closed) says it is back."""
         if self.done or self.draft is None or self.detached:
             return
         self.detached, self.waiting_since = True, None
@@ -160,7 +160,7 @@ class SessionPipeline:
         self._feedback_chain.clear()
         self._correction_due = False
         self.paused, self._paused_tokens = False, []
-        self.hold_until = None if self.request.sampling.greedy else time.time() + hold_s
+        self.hold_until = None if self.request.sampling.greedy else time.time() + self.hold_s
         if self._draft_open:
             self._draft_open = False
             if cancel:

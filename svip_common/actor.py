@@ -7,6 +7,7 @@ own address in a cluster (``host=None``), with mutual TLS there when a TLS direc
 
 from __future__ import annotations
 
+import asyncio
 import sys
 
 import torch
@@ -39,6 +40,7 @@ class ModelActor:
         self.limits = limits  # what this worker accepts from the wire (the pair's, not only its own)
         self.host, self.tls = host, tls
         self.service = None
+        self._serve_lock = asyncio.Lock()  # serve() asked twice at once starts one server
         self._server = None
         self.port = None
 
@@ -92,10 +94,6 @@ class ModelActor:
     async def serve(self, **kwargs) -> str:
         """Load and serve if not yet (a restarted actor comes back bare); returns the address.
         What a coordinator asks after a worker's loss: Ray holds the call until the restart."""
-        if not hasattr(self, "_serve_lock"):
-            import asyncio
-
-            self._serve_lock = asyncio.Lock()
         async with self._serve_lock:
             return await self.start(**kwargs)
 
