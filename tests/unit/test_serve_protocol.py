@@ -131,6 +131,12 @@ def test_admission_refuses_past_in_flight_plus_waiting():
     ({"max_in_flight": 0}, "max_in_flight"),
     ({"policy": "x"}, "policy must be"),
     ({"threshold": -1}, "threshold"),
+    ({"worker_restarts": -1}, "worker_restarts"),
+    ({"worker_restarts": 2.5}, "worker_restarts"),
+    ({"draft_stall_s": 0}, "draft_stall_s"),
+    ({"draft_stall_s": 1e9}, "draft_stall_s"),
+    ({"sampled_hold_s": -1}, "sampled_hold_s"),
+    ({"sampled_hold_s": float("inf")}, "sampled_hold_s"),
 ])
 def test_bad_app_arguments(args, words):
     with pytest.raises(InvalidRequest, match=words):
