@@ -44,21 +44,22 @@ def draft_from_teacher(teacher: LlamaForCausalLM, layers: tuple[int, ...]) -> Ll
 
 
 @torch.no_grad()
-def target_generations(teacher, data: np.ndarray, count: int, prompt_len: int, total_len: int, seed: int) -> np.ndarray:
+def target_generations(teacher, data: np.ndarray, count: int, prompt_len: int, total_len: int, seed: int,
+                       device="cpu", batch: int = 32) -> np.ndarray:
     """The target's own sampled continuations (temperature 1) of random corpus windows: [count, total_len + 1]."""
     rng = np.random.default_rng(seed + 1)
     torch.manual_seed(seed + 1)
     teacher.eval()
     rows = []
-    for start in range(0, count, 32):
-        n = min(32, count - start)
+    for start in range(0, count, batch):
+        n = min(batch, count - start)
         offsets = rng.integers(0, len(data) - prompt_len - 1, size=n)
-        prompts = torch.from_numpy(np.stack([data[o : o + prompt_len] for o in offsets]).astype(np.int64))
+        prompts = torch.from_numpy(np.stack([data[o : o + prompt_len] for o in offsets]).astype(np.int64)).to(device)
         out = teacher.generate(
             prompts, attention_mask=torch.ones_like(prompts), do_sample=True, temperature=1.0, top_k=0, top_p=1.0,
             max_new_tokens=total_len + 1 - prompt_len, min_new_tokens=total_len + 1 - prompt_len,
         )
-        rows.append(out[:, : total_len + 1].numpy())
+        rows.append(out[:, : total_len + 1].cpu().numpy())
     return np.concatenate(rows).astype(np.int64)
 
 

@@ -30,6 +30,9 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 EOS = "<|endoftext|>"
 SIZES = {
     "target": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, intermediate_size=704),
+    # the accelerator-trained target (training/accelerated.py): deeper, same width, so a draft of
+    # its first layer keeps the shipped draft's cost
+    "target-deep": dict(hidden_size=256, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4, intermediate_size=768),
     "draft": dict(hidden_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
 }
 
@@ -115,6 +118,7 @@ def evaluate(model, data: np.ndarray, seq_len: int, max_windows: int = 64) -> fl
     losses = []
     for i in range(n):
         chunk = torch.from_numpy(data[i * seq_len : i * seq_len + seq_len + 1].astype(np.int64))[None]  # [1, L + 1]
+        chunk = chunk.to(model.device)
         logits = model(input_ids=chunk[:, :-1]).logits.float()  # [1, L, vocab]
         losses.append(float(torch.nn.functional.cross_entropy(logits[0], chunk[0, 1:])))
     model.train(was_training)
