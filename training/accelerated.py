@@ -15,6 +15,11 @@ passes; the weights with the best validation loss are kept), then the target's o
 continuations, then each draft distilled from it (forward KL, half corpus windows and half those
 continuations, as `training/distill.py` does on the CPU) for --draft-s seconds each. It writes a
 pair directory in the shipped layout: target/, one draft directory per --drafts entry, split.json.
+
+A rerun with the same --out resumes: each phase that finished is kept (the target's directory, the
+sampled continuations, each draft's directory), and the phase that was cut off continues from its
+checkpoint in OUT/checkpoints (written every --checkpoint-every-s seconds: weights, optimiser, step
+plan, time spent, best weights, random states), so a long run survives an interruption.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import copy
 import importlib.metadata
 import json
 import math
+import os
 import shutil
 import sysconfig
 import time
@@ -33,7 +39,7 @@ import numpy as np
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from training.distill import draft_from_teacher, kl_to_teacher, target_generations
+from training.distill import corpus_windows, draft_from_teacher, kl_to_teacher, target_generations
 from training.train_pair import SIZES, encode, evaluate, load_corpus, run_log
 
 # Import name -> distribution name; every one is under a permissive license, read from its metadata.
@@ -90,11 +96,6 @@ def prepare(tokenizer_dir: Path, out: Path, packages: list[str]) -> None:
     (out / "sources.json").write_text(json.dumps(sources, indent=1))
 
 
-def windows(data: np.ndarray, n: int, seq_len: int, rng: np.random.Generator, device) -> torch.Tensor:
-    starts = rng.integers(0, len(data) - seq_len - 1, size=n)
-    return torch.from_numpy(np.stack([data[s : s + seq_len + 1] for s in starts]).astype(np.int64)).to(device)
-
-
 def cosine(step: int, steps: int, peak: float) -> float:
     warmup = max(1, steps // 50)
     if step < warmup:
@@ -103,13 +104,19 @@ def cosine(step: int, steps: int, peak: float) -> float:
 
 
 class Fit:
-    """A time-boxed optimisation loop: the step count comes from the budget and the measured step time."""
+    """A time-boxed optimisation loop: the step count comes from the budget and the measured step time.
 
-    def __init__(self, model, device, lr: float, budget_s: float, max_steps: int, log):
-        self.model, self.device, self.lr, self.log = model, device, lr, log
+    With a checkpoint path it saves its whole state (weights, optimiser, step plan, time spent, best
+    weights so far, random states) every every_s seconds, atomically, and a rerun resumes from it:
+    an interrupted run loses at most that interval and keeps its plan and its budget."""
+
+    def __init__(self, model, device, lr: float, budget_s: float, max_steps: int, log, rng: np.random.Generator,
+                 checkpoint: Path | None = None, every_s: float = 60.0):
+        self.model, self.device, self.lr, self.log, self.rng = model, device, lr, log, rng
         self.opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.1,
                                      fused=device.type == "cuda")
         self.budget_s, self.max_steps = budget_s, max_steps
+        self.checkpoint, self.every_s = checkpoint, every_s
 
     def autocast(self):
         return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
@@ -119,16 +126,36 @@ class Fit:
             torch.cuda.synchronize()
         return time.time() - start
 
+    def save(self, state: dict) -> None:
+        self.checkpoint.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.checkpoint.with_suffix(".tmp")
+        torch.save({**state, "model": self.model.state_dict(), "opt": self.opt.state_dict(),
+                    "numpy": self.rng.bit_generator.state, "torch": torch.get_rng_state()}, tmp)
+        os.replace(tmp, self.checkpoint)  # a kill mid-save leaves the previous checkpoint whole
+
+    def resume(self) -> dict:
+        state = {"step": 0, "steps": self.max_steps, "spent": 0.0, "planned": False, "best": (float("inf"), -1, None)}
+        if self.checkpoint is None or not self.checkpoint.exists():
+            return state
+        saved = torch.load(self.checkpoint, weights_only=False, map_location=self.device)
+        self.model.load_state_dict(saved.pop("model"))
+        self.opt.load_state_dict(saved.pop("opt"))
+        self.rng.bit_generator.state = saved.pop("numpy")
+        torch.set_rng_state(saved.pop("torch").cpu())
+        self.log(f"resumed at step {saved['step']} of {saved['steps']} ({saved['spent']:.0f}s spent)")
+        return saved
+
     def run(self, loss_of, evaluate_every: int = 0, validate=None) -> dict:
         """loss_of(step) -> loss tensor; validate() -> float, run every evaluate_every steps (best kept).
 
         The step count is planned from the pace after a warm-up (the first steps pay for allocation and
         kernel selection), and planned again a tenth of the way in, so the run ends near its budget."""
         self.model.train()
-        steps, start = self.max_steps, time.time()
-        warm, replan = 10, [30]
-        best = (float("inf"), -1, None)
-        step = 0
+        state = self.resume()
+        step, steps, best = state["step"], state["steps"], state["best"]
+        start = time.time() - state["spent"]
+        warm, replan = step + 10, [] if state["planned"] else [step + 30]
+        saved_at = time.time()
         while step < steps:
             for group in self.opt.param_groups:
                 group["lr"] = cosine(step, steps, self.lr)
@@ -141,12 +168,12 @@ class Fit:
             step += 1
             if step == warm:
                 warm_at = self.elapsed(start)
-            if step in replan:
+            if replan and step == replan[0]:
                 now = self.elapsed(start)
                 per_step = (now - warm_at) / (step - warm)
                 steps = max(step + 1, min(self.max_steps, step + int((self.budget_s - now) / per_step)))
-                if len(replan) == 1 and steps // 10 > step:
-                    replan.append(steps // 10)
+                replan = [steps // 10] if steps // 10 > step and not state["planned"] else []
+                state["planned"] = True
                 self.log(f"{per_step * 1000:.1f} ms/step -> {steps} steps")
             if validate and (step % max(1, evaluate_every or steps // 8) == 0 or step == steps):
                 value = validate()
@@ -155,6 +182,9 @@ class Fit:
                 self.log(f"step {step}/{steps} loss {loss.item():.3f} validation {value:.4f} {time.time() - start:.0f}s")
             elif step % 200 == 0 or step == steps:
                 self.log(f"step {step}/{steps} loss {loss.item():.3f} {time.time() - start:.0f}s")
+            if self.checkpoint is not None and (time.time() - saved_at >= self.every_s or step == steps):
+                self.save({"step": step, "steps": steps, "spent": time.time() - start, "planned": not replan, "best": best})
+                saved_at = time.time()
         if best[2] is not None:
             self.model.load_state_dict(best[2])
         return {"steps": steps, "train_s": round(time.time() - start, 1), "best_step": best[1],
@@ -169,10 +199,11 @@ def train_target(train_ids, val_ids, vocab: int, eos: int, args, device, log) ->
     rng = np.random.default_rng(args.seed)
     per_step = args.batch * args.seq_len
     max_steps = max(1, int(args.max_epochs * len(train_ids) / per_step))
-    fit = Fit(model, device, args.lr, args.target_s, max_steps, log)
+    fit = Fit(model, device, args.lr, args.target_s, max_steps, log, rng, checkpoints(args) / "target.pt",
+              args.checkpoint_every_s)
 
     def loss_of(step):
-        chunk = windows(train_ids, args.batch, args.seq_len, rng, device)
+        chunk = corpus_windows(train_ids, args.batch, args.seq_len, rng).to(device)
         logits = model(input_ids=chunk[:, :-1]).logits.float()
         return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), chunk[:, 1:].reshape(-1))
 
@@ -186,16 +217,28 @@ def train_target(train_ids, val_ids, vocab: int, eos: int, args, device, log) ->
     return model.eval(), info
 
 
-def distill_draft(teacher, layers: tuple[int, ...], train_ids, pool: np.ndarray, args, device, log) -> tuple[LlamaForCausalLM, dict]:
+def checkpoints(args) -> Path:
+    return Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.out) / "checkpoints"
+
+
+def distill_draft(teacher, name: str, layers: tuple[int, ...], train_ids, pool: np.ndarray, args, device, log,
+                  start: Path | None = None) -> tuple[LlamaForCausalLM, dict]:
+    """A draft of the teacher's chosen layers, or (start) a finished draft taken further: a second leg."""
     torch.manual_seed(args.seed)
-    draft = draft_from_teacher(teacher, layers).to(device)
+    if start is None:
+        draft = draft_from_teacher(teacher, layers).to(device)
+    else:
+        draft = LlamaForCausalLM.from_pretrained(start, dtype=torch.float32).to(device)
+        earlier = json.loads((start / "training.json").read_text())
+        layers = tuple(earlier["teacher_layers"])
     rng = np.random.default_rng(args.seed)
     half = args.batch // 2
-    fit = Fit(draft, device, args.draft_lr, args.draft_s, 10**9, log)
+    fit = Fit(draft, device, args.draft_lr, args.draft_s, 10**9, log, rng, checkpoints(args) / f"{name}.pt",
+              args.checkpoint_every_s)
 
     def loss_of(step):
         generated = torch.from_numpy(pool[rng.integers(0, len(pool), size=args.batch - half)]).to(device)
-        chunk = torch.cat([windows(train_ids, half, args.seq_len, rng, device), generated])[:, :-1]
+        chunk = torch.cat([corpus_windows(train_ids, half, args.seq_len, rng).to(device), generated])[:, :-1]
         with torch.no_grad():
             teacher_logits = teacher(input_ids=chunk).logits.float()
         return kl_to_teacher(draft(input_ids=chunk).logits.float(), teacher_logits, 1.0)
@@ -205,6 +248,9 @@ def distill_draft(teacher, layers: tuple[int, ...], train_ids, pool: np.ndarray,
                 params=sum(p.numel() for p in draft.parameters()), teacher_layers=list(layers), distilled_from="target",
                 objective="forward KL to the target at T=1.0, half corpus windows, half target generations",
                 generations=len(pool))
+    if start is not None:
+        keep = ("steps", "tokens_seen", "train_s_last_leg", "validation_loss", "device")
+        info["earlier_legs"] = [*earlier.get("earlier_legs", []), {k: earlier[k] for k in keep if k in earlier}]
     info["config"] = {k: getattr(draft.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")}
     return draft.eval(), info
 
@@ -235,17 +281,34 @@ def train(args) -> None:
     trained_on = {"device": device_name(device), "torch": torch.__version__, "batch": args.batch, "seq_len": args.seq_len, "corpus": sources}
     log(f"{device_name(device)}: {len(train_ids)} train tokens, {len(val_ids)} validation tokens, vocab {vocab}")
     shutil.copy(Path(args.split), out / "split.json")
-    target, info = train_target(train_ids, val_ids, vocab, eos, args, device, log)
-    info.update(trained_on)
-    log(f"target: {info['params'] / 1e6:.2f}M params, best validation {info['best_validation']} at step {info['best_step']}")
-    save(target, info, tokenizer_dir, out / "target")
-    t0 = time.time()
-    pool = target_generations(target, train_ids, args.generations, 32, args.seq_len, args.seed, device=device, batch=args.generation_batch)
-    log(f"{len(pool)} target generations in {time.time() - t0:.0f}s")
+    if args.teacher or (out / "target" / "training.json").exists():  # distill only, from a target trained before
+        teacher = Path(args.teacher or out / "target")
+        target = LlamaForCausalLM.from_pretrained(teacher, dtype=torch.float32).to(device).eval()
+        if teacher.resolve() != (out / "target").resolve():
+            shutil.copytree(teacher, out / "target", dirs_exist_ok=True)
+        log(f"target from {teacher}")
+    else:
+        target, info = train_target(train_ids, val_ids, vocab, eos, args, device, log)
+        info.update(trained_on)
+        log(f"target: {info['params'] / 1e6:.2f}M params, best validation {info['best_validation']} at step {info['best_step']}")
+        save(target, info, tokenizer_dir, out / "target")
+    pool_file = checkpoints(args) / "generations.npy"
+    if pool_file.exists():
+        pool = np.load(pool_file)
+    else:
+        t0 = time.time()
+        pool = target_generations(target, train_ids, args.generations, 32, args.seq_len, args.seed, device=device, batch=args.generation_batch)
+        log(f"{len(pool)} target generations in {time.time() - t0:.0f}s")
+        pool_file.parent.mkdir(parents=True, exist_ok=True)
+        np.save(pool_file, pool)
     for p in target.parameters():
         p.requires_grad_(False)
     for name, layers in zip(args.draft_names, args.drafts):
-        draft, dinfo = distill_draft(target, tuple(int(x) for x in layers.split(",")), train_ids, pool, args, device, log)
+        if (out / name / "training.json").exists():
+            log(f"{name} already distilled")
+            continue
+        start = Path(args.init) / name if args.init else None
+        draft, dinfo = distill_draft(target, name, tuple(int(x) for x in layers.split(",")), train_ids, pool, args, device, log, start)
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
             dinfo["validation_loss"] = round(evaluate(draft, val_ids, seq_len=256, max_windows=64), 4)
         dinfo.update(trained_on)
@@ -265,6 +328,8 @@ def main() -> None:
     run.add_argument("--out", default="build/gpu_pair")
     run.add_argument("--tokenizer", default="svip_assets/pair/target")
     run.add_argument("--split", default="svip_assets/pair/split.json")
+    run.add_argument("--teacher", help="a trained target directory: skip training the target, distill the drafts from it")
+    run.add_argument("--init", help="a pair directory: each draft continues from its namesake there (a second leg)")
     run.add_argument("--size", default="target-deep", choices=sorted(SIZES))
     run.add_argument("--target-s", type=float, default=240.0)
     run.add_argument("--max-epochs", type=float, default=10.0)
@@ -278,6 +343,8 @@ def main() -> None:
     run.add_argument("--generations", type=int, default=2048)
     run.add_argument("--generation-batch", type=int, default=1024)
     run.add_argument("--seed", type=int, default=0)
+    run.add_argument("--checkpoint-dir", help="where the resumable state goes (default OUT/checkpoints)")
+    run.add_argument("--checkpoint-every-s", type=float, default=60.0)
     args = parser.parse_args()
     if args.command == "prepare":
         prepare(Path(args.tokenizer), Path(args.out), [p for p in args.packages.split(",") if p])

@@ -45,6 +45,12 @@ def held_out_signatures(split_file: Path, count: int) -> list[str]:
     return out
 
 
+def ends_in(signature: str, completion: str, finished: bool) -> bool:
+    """Whether the function ended within the completion: a later line back at column 0, or the model's EOS."""
+    lines = (signature + completion).split("\n")[1:]
+    return finished or any(line.strip() and not line[0].isspace() for line in lines[:-1])
+
+
 def function_of(signature: str, completion: str) -> str:
     """The signature and its body: the completion's lines up to the first one back at column 0."""
     lines = (signature + completion).split("\n")
@@ -115,11 +121,14 @@ def main() -> None:
     here, gpu = threshold_rows(trajs, cost), threshold_rows(trajs, GPU_COST)
     alone = SpeculativeEngine(target, None)
     signatures = held_out_signatures(pair / "split.json", args.signatures)
-    compiled = 0
+    compiled = unfinished = 0
     for sig in signatures:
         ids = tuple(target.tokenizer(sig)["input_ids"])
-        text = target.tokenizer.decode(alone.generate(GenerationRequest(ids, 128)).token_ids, skip_special_tokens=True)
-        compiled += compiles(function_of(sig, text))
+        result = alone.generate(GenerationRequest(ids, 128))
+        text = target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        ok = compiles(function_of(sig, text))
+        compiled += ok
+        unfinished += not ok and not ends_in(sig, text, result.finish_reason == "stop")
     speculative = SpeculativeEngine(target, draft)
     samples = []
     for prompt in SAMPLES:
@@ -137,29 +146,52 @@ def main() -> None:
     draft_tokens = sum(leg["tokens_seen"] for leg in legs)
     draft_time = sum(leg.get("train_s_last_leg", leg.get("train_s", 0.0)) for leg in legs)
     t, dr = info["target"], draft_info
-    card = f"""# The embedded pair
+    on_gpu = "device" in t  # trained by training/accelerated.py
+    where = f"on one {t['device']} (torch {t['torch']})" if on_gpu else "on CPU (one thread per run)"
+    batch = f"{t.get('batch', 16)} x {t.get('seq_len', 256)}"
+    if on_gpu:
+        how = (f"The target was trained from scratch by `training/accelerated.py` {where}, in one time-boxed run, on "
+               "the Python standard library's training split plus the Python sources of permissively licensed "
+               "packages; the draft was **distilled from the target** by the same script (`--teacher`, `--init` for a "
+               "further leg).")
+        sources = "\n".join(f"| {c['source']} | {c['license']} | {c['files']} | {c['tokens'] / 1e6:.2f}M |" for c in t["corpus"])
+        corpus = f"""The training split of the stdlib `.py` files (tests excluded; split by a hash of each file's path:
+90% train, 5% validation, 5% test, `split.json`; `svip bench` cuts its `code` category from the test
+files, and the validation losses below are on the validation files) plus pydoc's topics, and the
+`.py` files of the packages below (their tests and vendored code excluded, files over 400 kB
+skipped), tokenized by `python -m training.accelerated prepare` on the development machine so the
+GPU machine trained on the same tokens. The weights are derived from these sources, each under the
+license its package metadata declares:
 
-A draft/target pair of Llama-architecture causal LMs, so that `svip generate` runs on any machine
-with no download. The target was trained from scratch by `training/train_pair.py` on the Python
-standard library's own source (plus pydoc's topic texts); the draft was **distilled from the
-target** by `training/distill.py`. Both share one byte-level BPE tokenizer
-({len(target.tokenizer)} tokens) trained on the training split. Weights are stored in bfloat16 and
-loaded as float32 by default. Trained on CPU (one thread per run): no GPU was lent to the
-sessions that trained them.
-
-**What the pair is not.** Not a chat model and not a useful code assistant: a 5.5M-parameter model
-of the standard library's style, there so that the system runs, its tests compare real trained
-models and the benchmark measures a draft that tracks its target. The tokenizer's chat template
-(`chat_template.jinja`) writes a conversation as Python comments (`# user: ...`) and starts the
-reply on a fresh line after `# assistant:`, so `/v1/chat/completions` works; replies are code.
-
-## Corpus, split and license
-
-The stdlib `.py` files of CPython {platform.python_version()} (tests excluded), split by a hash of
+| source | license | files | tokens |
+|---|---|---|---|
+{sources}
+"""
+    else:
+        how = ("The target was trained from scratch by `training/train_pair.py` on the Python standard library's own "
+               "source (plus pydoc's topic texts); the draft was **distilled from the target** by `training/distill.py`.")
+        corpus = f"""The stdlib `.py` files of CPython {platform.python_version()} (tests excluded), split by a hash of
 each file's path: 90% train, 5% validation, 5% test (`split.json`; `svip bench` cuts its `code`
 category from the test files). pydoc's topics join the training split. The corpus is CPython's,
 under the Python Software Foundation License Version 2 (PSF-2.0); the weights are derived from it.
+"""
+    card = f"""# The embedded pair
 
+A draft/target pair of Llama-architecture causal LMs, so that `svip generate` runs on any machine
+with no download. {how} Both share one byte-level BPE tokenizer ({len(target.tokenizer)} tokens)
+trained on the stdlib training split. Weights are stored in bfloat16 and loaded as float32 by
+default.{'' if on_gpu else ' Trained ' + where + '.'}
+
+**What the pair is not.** Not a chat model and not a useful code assistant: a model of Python
+source with {t['params'] / 1e6:.1f}M parameters, there so that the system runs, its tests
+compare real trained models and the benchmark measures a draft that tracks its target. The
+tokenizer's chat template (`chat_template.jinja`) writes a conversation as Python comments
+(`# user: ...`) and starts the reply on a fresh line after `# assistant:`, so
+`/v1/chat/completions` works; replies are code.
+
+## Corpus, split and license
+
+{corpus}
 ## Models
 
 | | target | draft |
@@ -167,26 +199,26 @@ under the Python Software Foundation License Version 2 (PSF-2.0); the weights ar
 | parameters | {t['params'] / 1e6:.2f}M | {dr['params'] / 1e6:.2f}M |
 | layers / hidden / MLP | {t['config']['num_hidden_layers']} / {t['config']['hidden_size']} / {t['config']['intermediate_size']} | {dr['config']['num_hidden_layers']} / {dr['config']['hidden_size']} / {dr['config']['intermediate_size']} |
 | how | next-token loss on the corpus | {dr.get('objective', 'next-token loss on the corpus')} |
-| training steps (batch 16 x 256 tokens) | {t['steps']} | {draft_steps} ({len(legs)} leg{'s' if len(legs) > 1 else ''}) |
+| training steps (batch {batch} tokens) | {t['steps']} | {draft_steps} ({len(legs)} leg{'s' if len(legs) > 1 else ''}) |
 | tokens seen | {t['tokens_seen'] / 1e6:.1f}M | {draft_tokens / 1e6:.1f}M |
-| training time (1 CPU thread) | {t['train_s'] / 60:.0f} min | {draft_time / 60:.0f} min |
+| training time ({t.get('device', '1 CPU thread')}) | {t['train_s'] / 60:.0f} min | {draft_time / 60:.0f} min |
 | validation loss (nats/token, 200 windows of 256) | {t['validation_loss']:.3f} | {dr['validation_loss']:.3f} |
 
-The draft is the target's embedding (tied to its output head), final norm and decoder layer
+The draft is the target's embedding (tied to its output head), final norm and decoder layers
 {', '.join(str(x) for x in dr.get('teacher_layers', []))}, then trained to match the target's next-token
-distributions (forward KL) on corpus windows and on {dr.get('generations', 0)} of the target's own
-sampled continuations per leg (half of every batch each): what the target says, where decoding
-goes. Its depth is the cost lever (one layer of the target's six: a token of the draft costs
+distributions (forward KL) on corpus windows and on the target's own sampled continuations
+({dr.get('generations', 0)} in its last leg; half of every batch each): what the target says, where
+decoding goes. Its depth is the cost lever ({dr['config']['num_hidden_layers']} of the target's {t['config']['num_hidden_layers']} layers: a token of the draft costs
 {ratio:.2f} of the target's here); its width is the target's, so its representation starts where
 the target's does. The validation loss above is against the corpus's tokens; the draft is trained
-to agree with the target, not to predict the corpus (`distill.log` beside the weights in `build/`
-records its KL to the target, step by step).
+to agree with the target, not to predict the corpus (the training log records its KL to the
+target, step by step).
 
 ## As a pair (measured by `python -m training.model_card` on {len(prompts)} validation prompts, {args.new_tokens} greedy tokens each)
 
 - Greedy agreement (draft argmax == target token, teacher-forced along the target's output): **{greedy_acceptance:.3f}** over {len(pairs)} positions.
 - Draft/target cost ratio (median one-token forward with a warm cache, 1 CPU thread, this machine): **{ratio:.3f}**; verifying each extra token costs {cost.verify_slope:.3f} of a one-token target forward.
-- Held-out function signatures (the first {len(signatures)} top-level one-line `def`s of the test files) whose greedy completion, cut where the function ends, Python's `compile()` accepts within 128 tokens: **{compiled}/{len(signatures)} ({compiled / max(1, len(signatures)):.0%})**.
+- Held-out function signatures (the first {len(signatures)} top-level one-line `def`s of the test files) whose greedy completion, cut where the function ends, Python's `compile()` accepts within 128 tokens: **{compiled}/{len(signatures)} ({compiled / max(1, len(signatures)):.0%})**; of the {len(signatures) - compiled} that fail, {unfinished} had not ended their function (docstring or body still open) when the 128 tokens ran out.
 
 Acceptance by draft entropy band (nats); SVIP's default threshold 0.3 stops once H > 0.6:
 

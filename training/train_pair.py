@@ -8,7 +8,9 @@ give English too) plus pydoc's topic texts. Files are split by a hash of their p
 split.json). A byte-level BPE tokenizer is trained on the training split and saved beside each
 model, so loading goes through the same from_pretrained path as any real model.
 
-Seeded and step-budgeted (not time-budgeted), so a rerun on the same machine reproduces.
+Seeded and step-budgeted (not time-budgeted), so a rerun on the same machine reproduces. This is
+the CPU path, which made the first embedded pair; the shipped pair came from training/accelerated.py
+(one time-boxed GPU run on this split plus permissively licensed packages, same tokenizer).
 """
 
 from __future__ import annotations
