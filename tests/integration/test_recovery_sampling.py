@@ -1,0 +1,110 @@
+"""A sampled session that loses its draft while a verdict is in flight, and goes on with the target
+alone once its hold expires, still samples from the target's distribution: the verdict in flight is
+voided whatever it says (a rejection's correction would need the lost draft), then the target draws
+each token itself. Checked like tests/integration/test_sampling_exact.py: the marginals of the first
+two tokens against the target's exact ones by chi-square (alpha 1e-3 each), and, for power, the
+same samples against the draft's must fail. (Voiding the verdict only when it rejects, the bug the
+rule guards against, fails this test at p ~ 1e-65 on the first token.)
+
+Real gRPC on loopback to a real draft service and a real session host (hosted here, without Ray);
+the fault is injected at the one point that matters: each session's draft is lost as its first
+block's verdict comes back from the target's batched step."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+
+from coordinator.distributed import DistributedEngine
+from coordinator.host import SessionHost
+from coordinator.pipeline import SessionPipeline
+from draft_worker.drafter import Drafter
+from draft_worker.service import DraftService
+from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.grpc_server import start_server
+from svip_common.models import load_model_info
+from svip_proto import svip_pb2_grpc as pb_grpc
+from target_worker.verifier import Verifier
+from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
+
+SAMPLES = 2500
+AT_ONCE = 250
+
+
+@pytest.fixture(scope="module")
+def workers(models, loop):
+    """A draft service and a session host. The draft keeps every session it was sent (its link is not
+    really lost here, so nothing frees them): its pool has room for all of them."""
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=100_000)
+    draft = DraftService(drafter, limits)
+    servers = []
+
+    def serve(servicer, add):
+        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
+    host = SessionHost(Verifier(models["target"], limits.tokens), limits, draft_address, load_aware="off")
+    loop.run_until_complete(host.start())
+    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
+    yield host, limits, target_address, draft_address
+    loop.run_until_complete(host.close())  # the host's link goes: the draft frees that stream's sessions
+    deadline = time.monotonic() + 30
+    while (draft.sessions or draft.pool.used_pages) and time.monotonic() < deadline:
+        loop.run_until_complete(asyncio.sleep(0.05))
+    assert not draft.sessions and draft.pool.used_pages == 0
+    for server in servers:
+        loop.run_until_complete(server.stop(None))
+
+
+@pytest.fixture
+def draft_lost_at_first_verdict(monkeypatch):
+    """Each session's draft is lost just as its first verdict arrives (on the host's compute thread,
+    where a lost draft's detach runs too), so that verdict is in flight when the session detaches,
+    and its hold for the draft expires at once: the target goes on alone."""
+    verified = SessionPipeline.verified
+
+    def losing(self, *args):
+        if self.stats.detached == 0 and not self.detached:
+            self.detach(cancel=False)
+            self.hold_expired(float("inf"))
+        verified(self, *args)
+
+    monkeypatch.setattr(SessionPipeline, "verified", losing)
+
+
+@pytest.mark.slow
+def test_a_sampled_session_going_on_alone_after_a_lost_draft_follows_the_target(
+        workers, models, model_dirs, prompt_ids, loop, draft_lost_at_first_verdict):
+    host, limits, target_address, draft_address = workers
+    prompt, sampling = prompt_ids["medium"], SamplingParams(temperature=1.0)
+    policy = PolicyConfig(name="constant", draft_length=3)
+    engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, "async")
+
+    async def run_all():
+        await engine.connect()
+        results = []
+        try:
+            for first in range(0, SAMPLES, AT_ONCE):
+                reqs = [GenerationRequest(prompt, 2, SamplingParams(temperature=1.0, seed=seed), policy, ignore_eos=True)
+                        for seed in range(first, min(SAMPLES, first + AT_ONCE))]
+                results += await asyncio.gather(*(engine.generate(r) for r in reqs))
+        finally:
+            await engine.close()
+        return results
+
+    results = loop.run_until_complete(run_all())
+    assert all(r.stats.detached == 1 and r.stats.reattached == 0 for r in results)
+    assert sum(r.stats.discarded_tokens for r in results) >= SAMPLES  # every first block was voided
+    assert all(r.stats.round_sources == ["detached", "detached"] for r in results)  # the target drew both
+    assert not host.sessions and host.pool.used_pages == 0
+    firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
+    p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, p1) > ALPHA
+    assert chi_square_pvalue(seconds, p2) > ALPHA
+    q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
