@@ -5,6 +5,7 @@ and, in async sessions, what the next verdict most likely calls for (draft_worke
 
 from __future__ import annotations
 
+import logging
 import time
 
 import grpc
@@ -14,10 +15,14 @@ from draft_worker.pipelined import Outgoing, PipelinedDraft
 from svip_common.contracts import NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.grpc_server import SessionService, SessionStream
+from svip_common.kv_cache import PoolFull
 from svip_common.step_metrics import StepMetrics
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+
+
+log = logging.getLogger(__name__)
 
 
 class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
@@ -28,6 +33,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.drafter = drafter
         self.prepare = prepare  # prepared continuations per block (async sessions)
         self.step_metrics = StepMetrics("draft")
+        self.shed = 0  # sessions given up because the KV pool was full
 
     @property
     def pool(self):
@@ -89,18 +95,41 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                  if (draft := session.next_draft()) is not None]
         if not batch:
             return False
-        tokens = sum(len(draft._pending) for _, _, draft in batch)
         started = time.perf_counter()
         try:
-            self.drafter.step([draft for _, _, draft in batch])
+            batch = self._step_within_pool(batch)
         except Exception as exc:
             exit_on_device_failure(exc)
             raise
+        if not batch:
+            return True
+        tokens = sum(len(draft._pending) for _, _, draft in batch)
         elapsed = time.perf_counter() - started
         for session_id, session, _ in batch:
             self._send(session_id, session, session.after_step(elapsed))
         self.step_metrics.record(len(batch), tokens, self.drafter.pool)
         return True
+
+    def _step_within_pool(self, batch: list) -> list:
+        """The draft forward over the batch. When the KV pool cannot hold it (nothing is changed
+        then), the youngest session gives up its draft work until the rest fits: its pages go back
+        and a shed Closed tells its target to go on alone. Older sessions keep their progress."""
+        while batch:
+            try:
+                self.drafter.step([draft for _, _, draft in batch])
+                return batch
+            except PoolFull as exc:
+                youngest = next(reversed(self.sessions))
+                self._shed(youngest, str(exc))
+                batch = [item for item in batch if item[0] != youngest]
+        return batch
+
+    def _shed(self, session_id: str, why: str) -> None:
+        stream = self.owner(session_id)
+        self.close_session(session_id, stream)
+        self.shed += 1
+        log.warning("draft session %s shed (%s); its target goes on alone", session_id, why)
+        stream.emit(pb.DraftEvent(closed=pb.Closed(session_id=session_id, shed=True)))
 
     def _send(self, session_id: str, session: PipelinedDraft, items: list[Outgoing]) -> None:
         greedy, stream = session.session.sampling.greedy, self.owner(session_id)

@@ -165,10 +165,12 @@ class Cancel(_message.Message):
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
 class Closed(_message.Message):
-    __slots__ = ("session_id",)
+    __slots__ = ("session_id", "shed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SHED_FIELD_NUMBER: _ClassVar[int]
     session_id: str
-    def __init__(self, session_id: _Optional[str] = ...) -> None: ...
+    shed: bool
+    def __init__(self, session_id: _Optional[str] = ..., shed: _Optional[bool] = ...) -> None: ...
 
 class Error(_message.Message):
     __slots__ = ("session_id", "code", "message")

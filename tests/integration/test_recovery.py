@@ -81,6 +81,16 @@ def run_through(loop, engine, requests, fault, after_tokens: int = 60):
     return loop.run_until_complete(go())
 
 
+def wait_for_draft_link(loop, engine, timeout: float = 60.0) -> None:
+    """Until the target's link to its (replaced) draft is up again: the replacement serving is not
+    enough, the target dials it on its own schedule, and a session started before that begins
+    detached (exact, but not what the check after a replacement is about)."""
+    deadline = time.monotonic() + timeout
+    while loop.run_until_complete(engine.worker_stats())["target"].draft_lost:
+        assert time.monotonic() < deadline, "the target did not reconnect to the replaced draft"
+        loop.run_until_complete(asyncio.sleep(0.1))
+
+
 def test_a_draft_killed_mid_stream_leaves_every_session_exact(loop, engine, pair, requests, expected):
     draft_pid = pair.pids()["draft"]
     results = run_through(loop, engine, requests, lambda: os.kill(draft_pid, signal.SIGKILL))
@@ -88,6 +98,7 @@ def test_a_draft_killed_mid_stream_leaves_every_session_exact(loop, engine, pair
     assert sum(r.stats.detached for r in results) >= 1
     loop.run_until_complete(pair.draft_serving_address())  # Ray restarts it
     assert pair.pids()["draft"] != draft_pid
+    wait_for_draft_link(loop, engine)
     # the replaced draft drafts again: a new session speculates
     again = loop.run_until_complete(engine.generate(requests[1]))
     assert again.token_ids == expected[1] and again.stats.draft_tokens > 0 and again.stats.detached == 0
@@ -129,6 +140,7 @@ def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(
 def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids):
     request = GenerationRequest(prompt_ids["medium"], NEW, sampling=SamplingParams(temperature=0.9, seed=77),
                                 policy=SVIP, ignore_eos=True)
+    wait_for_draft_link(loop, engine)  # a target restarted by the test before dials its draft anew
     undisturbed = loop.run_until_complete(engine.generate(request))
     assert undisturbed.stats.draft_tokens > 0 and undisturbed.stats.detached == 0
     draft_pid = pair.pids()["draft"]
@@ -140,6 +152,7 @@ def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loo
 def test_a_seeded_sampled_session_through_a_target_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids):
     request = GenerationRequest(prompt_ids["short"], NEW, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=5),
                                 policy=SVIP, ignore_eos=True)
+    wait_for_draft_link(loop, engine)  # a target restarted by the test before dials its draft anew
     undisturbed = loop.run_until_complete(engine.generate(request))
     target_pid = pair.pids()["target"]
     (disturbed,) = run_through(loop, engine, [request], lambda: os.kill(target_pid, signal.SIGKILL), after_tokens=40)

@@ -1,0 +1,80 @@
+"""A draft worker whose KV pool cannot hold all its sessions gives the youngest up (a shed Closed)
+instead of failing its batched step; their targets go on alone, at once, and every output stays
+exact. Real gRPC on loopback to a real draft service (a pool of 128 tokens) and a real session host,
+hosted here without Ray."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from coordinator.distributed import DistributedEngine
+from coordinator.engine import SpeculativeEngine
+from coordinator.host import SessionHost
+from draft_worker.drafter import Drafter
+from draft_worker.service import DraftService
+from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.grpc_server import start_server
+from svip_common.models import load_model_info
+from svip_proto import svip_pb2_grpc as pb_grpc
+from target_worker.verifier import Verifier
+
+DRAFT_POOL_TOKENS = 128
+
+
+@pytest.fixture(scope="module")
+def workers(models, loop):
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=DRAFT_POOL_TOKENS)
+    draft = DraftService(drafter, limits)
+    servers = []
+
+    def serve(servicer, add):
+        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
+    host = SessionHost(Verifier(models["target"], limits.tokens), limits, draft_address, load_aware="off")
+    loop.run_until_complete(host.start())
+    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
+    yield host, draft, limits, target_address, draft_address
+    loop.run_until_complete(host.close())
+    for server in servers:
+        loop.run_until_complete(server.stop(None))
+
+
+def test_a_full_draft_pool_sheds_its_youngest_sessions_and_every_output_stays_exact(
+        workers, models, model_dirs, prompt_ids, loop, caplog):
+    host, draft, limits, target_address, draft_address = workers
+    policies = [PolicyConfig(name="constant", draft_length=4), PolicyConfig(name="svip", threshold=0.6)]
+    prompts = list(prompt_ids.values())
+    greedy = [GenerationRequest(prompts[i % len(prompts)] + (i,), 40, policy=policies[i % 2], ignore_eos=True)
+              for i in range(8)]
+    sampled = GenerationRequest(prompts[1], 40, SamplingParams(temperature=0.9, seed=5), policies[0], ignore_eos=True)
+    engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, "async")
+
+    async def run_all():
+        await engine.connect()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in [*greedy, sampled]))
+        finally:
+            await engine.close()
+
+    with caplog.at_level(logging.WARNING):
+        results = loop.run_until_complete(run_all())
+    alone = SpeculativeEngine(models["target"], None)
+    assert [r.token_ids for r in results[:-1]] == [alone.generate(r).token_ids for r in greedy]
+    assert len(results[-1].token_ids) == 40 and results[-1].finish_reason == "length"
+    assert draft.shed > 0 and sum(r.stats.detached for r in results) >= draft.shed
+    assert sum(r.stats.accepted_tokens for r in results) > 0  # the sessions that fit still speculated
+    assert "shed" in caplog.text and "unhandled" not in caplog.text
+    # a shed session goes on alone at once: no waiting out the stall deadline or a sampled hold
+    assert all(r.stats.reattached == 0 for r in results)
+    deadline = time.monotonic() + 10
+    while (draft.sessions or draft.pool.used_pages) and time.monotonic() < deadline:
+        loop.run_until_complete(asyncio.sleep(0.02))
+    assert not draft.sessions and draft.pool.used_pages == 0 and not host.sessions and host.pool.used_pages == 0
