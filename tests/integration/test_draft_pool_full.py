@@ -13,38 +13,17 @@ import pytest
 
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
-from coordinator.host import SessionHost
-from draft_worker.drafter import Drafter
-from draft_worker.service import DraftService
-from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
-from svip_common.grpc_server import start_server
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.models import load_model_info
-from svip_proto import svip_pb2_grpc as pb_grpc
-from target_worker.verifier import Verifier
+from tests.workers import in_process_workers
 
 DRAFT_POOL_TOKENS = 128
 
 
 @pytest.fixture(scope="module")
 def workers(models, loop):
-    limits = Limits(tokens=models["target"].token_limit, positions=512)
-    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=DRAFT_POOL_TOKENS)
-    draft = DraftService(drafter, limits)
-    servers = []
-
-    def serve(servicer, add):
-        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
-    host = SessionHost(Verifier(models["target"], limits.tokens), limits, draft_address, load_aware="off")
-    loop.run_until_complete(host.start())
-    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
-    yield host, draft, limits, target_address, draft_address
-    loop.run_until_complete(host.close())
-    for server in servers:
-        loop.run_until_complete(server.stop(None))
+    with in_process_workers(loop, models, draft_kv_tokens=DRAFT_POOL_TOKENS, load_aware="off") as w:
+        yield w.host, w.draft, w.limits, w.target_address, w.draft_address
 
 
 def test_a_full_draft_pool_sheds_its_youngest_sessions_and_every_output_stays_exact(

@@ -17,17 +17,14 @@ import pytest
 
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
-from coordinator.host import SessionHost
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
-from draft_worker.service import DraftService
 from svip_common.contracts import NO_TOKEN, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
-from svip_common.grpc_server import start_server
 from svip_common.models import load_model_info
 from svip_common.step_cost import TargetLoad
-from svip_proto import svip_pb2_grpc as pb_grpc
 from target_worker.verifier import Verifier
+from tests.workers import in_process_workers
 
 HEAVY = TargetLoad(plain_rate=1000.0, verify_token_s=0.01)  # τ = 10: no token pays
 LIGHT = TargetLoad(plain_rate=100.0, verify_token_s=0.0001)  # τ = 0.01: the policy decides
@@ -102,26 +99,11 @@ def test_greedy_mode_leaves_sampled_requests_as_their_policy_drafts_them(models,
 
 
 @pytest.fixture(scope="module")
-def workers(models, model_dirs, loop):
-    """A real draft service and a real session host, each serving gRPC on loopback; the host's
-    cap per round comes from the scripted schedule of the session's own seed."""
-    limits = Limits(tokens=models["target"].token_limit, positions=512)
-    draft = DraftService(Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens), limits)
-    servers = []
-
-    def serve(servicer, add):
-        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
-    host = SessionHost(Verifier(models["target"], limits.tokens), limits, draft_address, load_aware="all")
-    loop.run_until_complete(host.start())
-    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
-    yield host, draft, limits, target_address, draft_address
-    for server in servers:
-        loop.run_until_complete(server.stop(None))
-    loop.run_until_complete(host.close())
+def workers(models, loop):
+    """A real draft service and a real session host on loopback; the host's cap per round comes
+    from the scripted schedule of the session's own seed."""
+    with in_process_workers(loop, models, load_aware="all") as w:
+        yield w.host, w.draft, w.limits, w.target_address, w.draft_address
 
 
 def run_distributed(workers, model_dirs, loop, reqs, pipeline: str):

@@ -13,21 +13,15 @@ block's verdict comes back from the target's batched step."""
 from __future__ import annotations
 
 import asyncio
-import time
 
 import pytest
 
 from coordinator.distributed import DistributedEngine
-from coordinator.host import SessionHost
 from coordinator.pipeline import SessionPipeline
-from draft_worker.drafter import Drafter
-from draft_worker.service import DraftService
-from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
-from svip_common.grpc_server import start_server
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.models import load_model_info
-from svip_proto import svip_pb2_grpc as pb_grpc
-from target_worker.verifier import Verifier
-from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
+from tests.integration.test_sampling_exact import assert_first_tokens_follow_the_target
+from tests.workers import in_process_workers
 
 SAMPLES = 2500
 AT_ONCE = 250
@@ -35,30 +29,10 @@ AT_ONCE = 250
 
 @pytest.fixture(scope="module")
 def workers(models, loop):
-    """A draft service and a session host. The draft keeps every session it was sent (its link is not
-    really lost here, so nothing frees them): its pool has room for all of them."""
-    limits = Limits(tokens=models["target"].token_limit, positions=512)
-    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=100_000)
-    draft = DraftService(drafter, limits)
-    servers = []
-
-    def serve(servicer, add):
-        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
-        servers.append(server)
-        return f"127.0.0.1:{port}"
-
-    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
-    host = SessionHost(Verifier(models["target"], limits.tokens), limits, draft_address, load_aware="off")
-    loop.run_until_complete(host.start())
-    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
-    yield host, limits, target_address, draft_address
-    loop.run_until_complete(host.close())  # the host's link goes: the draft frees that stream's sessions
-    deadline = time.monotonic() + 30
-    while (draft.sessions or draft.pool.used_pages) and time.monotonic() < deadline:
-        loop.run_until_complete(asyncio.sleep(0.05))
-    assert not draft.sessions and draft.pool.used_pages == 0
-    for server in servers:
-        loop.run_until_complete(server.stop(None))
+    """The draft keeps every session it was sent (its link is not really lost here, so nothing frees
+    them until the host closes): its pool has room for all of them."""
+    with in_process_workers(loop, models, draft_kv_tokens=100_000, load_aware="off") as w:
+        yield w.host, w.limits, w.target_address, w.draft_address
 
 
 @pytest.fixture
@@ -102,9 +76,4 @@ def test_a_sampled_session_going_on_alone_after_a_lost_draft_follows_the_target(
     assert sum(r.stats.discarded_tokens for r in results) >= SAMPLES  # every first block was voided
     assert all(r.stats.round_sources == ["detached", "detached"] for r in results)  # the target drew both
     assert not host.sessions and host.pool.used_pages == 0
-    firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
-    p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
-    assert chi_square_pvalue(firsts, p1) > ALPHA
-    assert chi_square_pvalue(seconds, p2) > ALPHA
-    q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
-    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
+    assert_first_tokens_follow_the_target(models, prompt, sampling, results)

@@ -36,6 +36,17 @@ def exact_marginals(model, prompt, sampling) -> tuple[torch.Tensor, torch.Tensor
     return p1, p1 @ p2_given
 
 
+def assert_first_tokens_follow_the_target(models, prompt, sampling, results) -> None:
+    """The marginals of the results' first two tokens fit the target's exact ones, and (the test's
+    power) the same samples do not fit the close draft's."""
+    firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
+    p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, p1) > ALPHA
+    assert chi_square_pvalue(seconds, p2) > ALPHA
+    q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
+
+
 def chi_square_pvalue(samples: list[int], probs: torch.Tensor) -> float:
     """Goodness of fit, pooling tokens with expected count < 5 into one bin."""
     n = len(samples)
@@ -113,9 +124,4 @@ def test_sampled_tokens_follow_the_target_through_load_aware_pauses(models, prom
     results = engine.generate_many(requests, 50)
     assert sum(r.stats.pauses for r in results) > SAMPLES // 10  # pauses really happened
     assert sum(r.stats.draft_tokens for r in results) > SAMPLES // 2  # and drafting too
-    firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
-    p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
-    assert chi_square_pvalue(firsts, p1) > ALPHA
-    assert chi_square_pvalue(seconds, p2) > ALPHA
-    q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
-    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
+    assert_first_tokens_follow_the_target(models, prompt, sampling, results)

@@ -1,0 +1,58 @@
+"""A real draft service and a real session host serving gRPC on loopback, hosted in the test's own
+process without Ray: for the tests that drive the caller's end against them, or inject a fault at
+a precise point on the host's compute thread."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import time
+
+from coordinator.host import SessionHost
+from draft_worker.drafter import Drafter
+from draft_worker.service import DraftService
+from svip_common.contracts import Limits
+from svip_common.grpc_server import start_server
+from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_proto import svip_pb2_grpc as pb_grpc
+from target_worker.verifier import Verifier
+
+
+@dataclasses.dataclass
+class InProcessWorkers:
+    host: SessionHost
+    draft: DraftService
+    limits: Limits
+    target_address: str
+    draft_address: str
+
+
+@contextlib.contextmanager
+def in_process_workers(loop, models, draft_kv_tokens: int = DEFAULT_KV_TOKENS, **host_options):
+    """The tiny target behind a session host, the close draft behind a draft service (a KV pool of
+    draft_kv_tokens); host_options go to SessionHost. On exit the host closes first, so its link
+    goes and the draft frees that stream's sessions, then both servers stop."""
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=draft_kv_tokens)
+    draft = DraftService(drafter, limits)
+    servers = []
+
+    def serve(servicer, add) -> str:
+        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
+        servers.append(server)
+        return f"127.0.0.1:{port}"
+
+    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
+    host = SessionHost(Verifier(models["target"], limits.tokens), limits, draft_address, **host_options)
+    loop.run_until_complete(host.start())
+    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
+    try:
+        yield InProcessWorkers(host, draft, limits, target_address, draft_address)
+    finally:
+        loop.run_until_complete(host.close())
+        deadline = time.monotonic() + 30
+        while draft.sessions and time.monotonic() < deadline:
+            loop.run_until_complete(asyncio.sleep(0.05))
+        for server in servers:
+            loop.run_until_complete(server.stop(None))
