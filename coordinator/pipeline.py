@@ -235,16 +235,13 @@ class SessionPipeline:
     def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
         self.wire_bytes += size
         kind = event.WhichOneof("kind")
-        shed = kind == "closed" and event.closed.shed  # the draft gave the session up (its KV pool is full)
-        if self.detached:  # stale: the old draft session's; a Closed says a stalled draft is back
-            if shed:
-                self.hold_expired(float("inf"))  # it will not take this session up again: no hold
-            elif kind == "closed" and self.draft.available:
-                self.attach()
+        if kind == "closed" and event.closed.shed:  # the draft gave the session up (its KV pool is full)
+            self.detach(cancel=False)  # if not detached already
+            self.hold_expired(float("inf"))  # it will not take this session up again: no hold
             return
-        if shed:
-            self.detach(cancel=False)
-            self.hold_expired(float("inf"))
+        if self.detached:  # stale: the old draft session's; a Closed says a stalled draft is back
+            if kind == "closed" and self.draft.available:
+                self.attach()
             return
         if kind == "error":
             err = event.error

@@ -37,10 +37,10 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaForCausalLM, PreTrainedTokenizerFast
 
-from training.distill import corpus_windows, draft_from_teacher, kl_to_teacher, target_generations
-from training.train_pair import SIZES, encode, evaluate, load_corpus, run_log
+from training.distill import corpus_windows, draft_from_teacher, kl_to_teacher, shape_of, target_generations
+from training.train_pair import SIZES, build, encode, evaluate, load_corpus, run_log
 
 # Import name -> distribution name; every one is under a permissive license, read from its metadata.
 PACKAGES = {
@@ -103,6 +103,11 @@ def cosine(step: int, steps: int, peak: float) -> float:
     return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, (step - warmup) / max(1, steps - warmup)))))
 
 
+def bf16_on_cuda(device):
+    """Mixed precision where it pays (CUDA); a no-op on the CPU, where bf16 matmuls are slow."""
+    return torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda")
+
+
 class Fit:
     """A time-boxed optimisation loop: the step count comes from the budget and the measured step time.
 
@@ -119,7 +124,7 @@ class Fit:
         self.checkpoint, self.every_s = checkpoint, every_s
 
     def autocast(self):
-        return torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda")
+        return bf16_on_cuda(self.device)
 
     def elapsed(self, start: float) -> float:
         if self.device.type == "cuda":
@@ -192,10 +197,8 @@ class Fit:
 
 
 def train_target(train_ids, val_ids, vocab: int, eos: int, args, device, log) -> tuple[LlamaForCausalLM, dict]:
-    config = LlamaConfig(vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=True,
-                         eos_token_id=eos, bos_token_id=None, pad_token_id=eos, **SIZES[args.size])
     torch.manual_seed(args.seed)
-    model = LlamaForCausalLM(config).to(device)
+    model = build(args.size, vocab, eos, args.seq_len).to(device)
     rng = np.random.default_rng(args.seed)
     per_step = args.batch * args.seq_len
     max_steps = max(1, int(args.max_epochs * len(train_ids) / per_step))
@@ -251,7 +254,7 @@ def distill_draft(teacher, name: str, layers: tuple[int, ...], train_ids, pool: 
     if start is not None:
         keep = ("steps", "tokens_seen", "train_s_last_leg", "validation_loss", "device")
         info["earlier_legs"] = [*earlier.get("earlier_legs", []), {k: earlier[k] for k in keep if k in earlier}]
-    info["config"] = {k: getattr(draft.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")}
+    info["config"] = shape_of(draft)
     return draft.eval(), info
 
 
@@ -309,7 +312,7 @@ def train(args) -> None:
             continue
         start = Path(args.init) / name if args.init else None
         draft, dinfo = distill_draft(target, name, tuple(int(x) for x in layers.split(",")), train_ids, pool, args, device, log, start)
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with bf16_on_cuda(device):
             dinfo["validation_loss"] = round(evaluate(draft, val_ids, seq_len=256, max_windows=64), 4)
         dinfo.update(trained_on)
         log(f"{name}: {dinfo['params'] / 1e6:.2f}M params, {dinfo['steps']} steps, validation {dinfo['validation_loss']}")

@@ -43,6 +43,12 @@ def draft_from_teacher(teacher: LlamaForCausalLM, layers: tuple[int, ...]) -> Ll
     return draft
 
 
+def shape_of(model: LlamaForCausalLM) -> dict:
+    """The config fields that say a model's size, as training.json records them."""
+    keys = ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")
+    return {k: getattr(model.config, k) for k in keys}
+
+
 @torch.no_grad()
 def target_generations(teacher, data: np.ndarray, count: int, prompt_len: int, total_len: int, seed: int,
                        device="cpu", batch: int = 32) -> np.ndarray:
@@ -169,8 +175,7 @@ def main() -> None:
     params = sum(p.numel() for p in draft.parameters())
     log(f"draft: {params / 1e6:.2f}M params from {args.init or f'teacher layers {layers}'}, {args.steps} steps")
     info = distill(teacher, draft, train_ids, pool, args, out, log)
-    config = {k: getattr(draft.config, k) for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "intermediate_size")}
-    info.update(params=params, validation_loss=round(evaluate(draft, val_ids, args.seq_len), 4), config=config,
+    info.update(params=params, validation_loss=round(evaluate(draft, val_ids, args.seq_len), 4), config=shape_of(draft),
                 distilled_from="target", teacher_layers=list(layers), objective=f"forward KL to the target at T={args.temperature}, half corpus windows, half target generations",
                 generations=len(pool))
     if args.init:  # the legs before this one

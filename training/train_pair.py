@@ -32,8 +32,8 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 EOS = "<|endoftext|>"
 SIZES = {
     "target": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, intermediate_size=704),
-    # the accelerator-trained target (training/accelerated.py): deeper, same width, so a draft of
-    # its first layer keeps the shipped draft's cost
+    # the accelerator-trained target (training/accelerated.py): deeper, same width, so a draft made
+    # of a few of its layers (training/distill.py draft_from_teacher) starts from its representation
     "target-deep": dict(hidden_size=256, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4, intermediate_size=768),
     "draft": dict(hidden_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
 }
