@@ -20,10 +20,11 @@ import grpc
 from coordinator.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S, DraftPort
 from coordinator.pipeline import PIPELINES, SessionPipeline
 from svip_common.contracts import GenerationRequest, PolicyConfig
-from svip_common.errors import InvalidRequest, SvipError, exit_on_device_failure
+from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
 from svip_common.grpc_server import SessionService, SessionStream, session_id_of, status_of
 from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
 from svip_common.step_metrics import StepMetrics
+from svip_common.test_hooks import StepGate
 from svip_common.tls import TlsFiles
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -33,6 +34,7 @@ from target_worker.verifier import Verifier
 log = logging.getLogger(__name__)
 _PIPELINE_NAMES = {v: k for k, v in PIPELINES.items()}
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
+GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
 DEFAULT_HOLD_S = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
 
 
@@ -50,13 +52,19 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         worker's Ray actor, asked for a replacement when the draft is lost (coordinator/draft_port.py);
         draft_stall_s: the least a session waits on its draft before it goes on without it;
         sampled_hold_s: how long a sampled session waits for a lost draft to come back."""
+        # what idle() reads is made before the compute thread starts (in super().__init__)
+        self._gate = StepGate("target")
+        self._ready: list[tuple[str, SessionPipeline, pb.Block, object, tuple[float, str]]] = []  # blocks to verify
+        # KV admission: each open session holds room for its prompt and max_new_tokens, in whole
+        # pages, so a batched step never runs out of pages (which would fail every session in it)
+        self._reserved: dict[str, int] = {}
+        self._reserved_tokens = 0
         super().__init__(limits)
         self.verifier = verifier
         self.max_batched_tokens = max_batched_tokens
         self.load_aware = check_load_aware(load_aware)
         self.sampled_hold_s = sampled_hold_s
         self.step_metrics = StepMetrics("target")
-        self._ready: list[tuple[str, SessionPipeline, pb.Block, object, tuple[float, str]]] = []  # blocks to verify
         self.draft: DraftPort | None = None
         if draft_address is not None or draft_actor is not None:
             self.draft = DraftPort(draft_address, draft_actor, self._draft_event, self._draft_lost, self._draft_back,
@@ -114,6 +122,11 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         if kind == "start":
             msg = request.start
             self.check_start(msg)
+            self.admit(msg.session_id, stream)
+            tokens = self.verifier.pool.pages_for(len(msg.prompt_ids) + msg.max_new_tokens) * self.verifier.pool.page_size
+            if self._reserved_tokens + tokens > self.verifier.pool.pages * self.verifier.pool.page_size:
+                raise Overloaded(f"the target's KV pool has room for {self._kv_room()} more tokens; this session "
+                                 f"needs {tokens} (its prompt and max_new_tokens)")
             sampling = convert.sampling_from_proto(msg.sampling)
             speculate = msg.policy.name not in ("", "none") and self.draft is not None
             policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length) if speculate else PolicyConfig(name="none")
@@ -126,10 +139,20 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                                       load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None,
                                       hold_s=self.sampled_hold_s)
             self.new_session(msg.session_id, session, stream)
+            self._reserved[msg.session_id] = tokens
+            self._reserved_tokens += tokens
             self._step(msg.session_id, session.start)
         else:  # cancel
             self.session(request.cancel.session_id, stream).cancel()
             self._reap(request.cancel.session_id)
+
+    def close_session(self, session_id: str, owner) -> None:
+        super().close_session(session_id, owner)
+        if session_id not in self.sessions:  # closed (and not another stream's session of that id)
+            self._reserved_tokens -= self._reserved.pop(session_id, 0)
+
+    def _kv_room(self) -> int:
+        return self.verifier.pool.pages * self.verifier.pool.page_size - self._reserved_tokens
 
     def load_cap(self, gate: SessionGate) -> int:
         """The most tokens a session's next block should hold at the load measured here (its
@@ -153,6 +176,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         if not ready:
             self._ready.clear()
             return False
+        if not self._gate.open():  # a test holds this worker (svip_common/test_hooks.py): look again soon,
+            self._ready = ready  # answering every message meanwhile
+            time.sleep(GATE_POLL_S)
+            return True
         jobs = [(session.target, session.committed, checked) for _, session, _, checked, _ in ready]
         started = time.time()
         try:

@@ -14,6 +14,7 @@ with fewer tokens.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
@@ -105,23 +106,34 @@ def _descendants(pid: int) -> dict[int, str]:
     return out
 
 
-def inject(fault: str, root_pid: int, stop_s: float) -> threading.Timer | None:
-    """Apply a fault now; a stop is lifted by the returned timer after stop_s."""
+def inject(fault: str, root_pid: int, stop_s: float | None) -> threading.Timer | None:
+    """Apply a fault now; a stop is lifted by the returned timer after stop_s (None: by
+    ``resume(timer)`` once the caller says so)."""
     role = fault.split("-")[0]
     pid = worker_pid(root_pid, role)
     if fault.endswith("kill"):
         os.kill(pid, signal.SIGKILL)
         return None
     os.kill(pid, signal.SIGSTOP)
-    timer = threading.Timer(stop_s, os.kill, (pid, signal.SIGCONT))
+    timer = threading.Timer(stop_s if stop_s is not None else 1e9, os.kill, (pid, signal.SIGCONT))
     timer.start()
     return timer
 
 
+def resume(timer: threading.Timer | None) -> None:
+    """Lift a stop now (the timer's action, run at once) and wait for it."""
+    if timer is not None and timer.is_alive():
+        timer.cancel()
+        timer.function(*timer.args)
+
+
 def run_streams(base: str, prompts: list[str], max_tokens: int, fault: str | None = None, root_pid: int = 0,
-                stop_s: float = 20.0, after_chunks: int = 4) -> dict:
-    """Every prompt as a stream at once; the fault once the streams have after_chunks chunks each
-    on average (under way, far from done)."""
+                stop_s: float | None = 20.0, after_chunks: int = 4, gate=None, gate_steps: int = 3) -> dict:
+    """Every prompt as a stream at once; the fault once the streams are under way, far from done:
+    with ``gate`` (tests/gates.py's TargetGate: the target's steps held by construction), once
+    the target has verified gate_steps batches and holds the next, released after the fault;
+    without, once the streams have after_chunks chunks each on average. stop_s None: a stopped
+    draft resumes only after every stream has ended (so they ended without it)."""
     results: list[Stream | None] = [None] * len(prompts)
     started = time.monotonic()
     timer, fault_at = None, None
@@ -133,17 +145,24 @@ def run_streams(base: str, prompts: list[str], max_tokens: int, fault: str | Non
             if count[0] >= after_chunks * len(prompts):
                 under_way.set()
 
-    with ThreadPoolExecutor(len(prompts)) as pool:
+    held = gate.held(gate_steps) if gate is not None and fault is not None else contextlib.nullcontext()
+    with ThreadPoolExecutor(len(prompts)) as pool, held:
         futures = [pool.submit(stream_completion, base, p, max_tokens, on_chunk) for p in prompts]
         if fault is not None:
-            while not under_way.wait(0.05):
+            ready = gate.holding if gate is not None else under_way.is_set
+            while not ready():
                 if all(f.done() for f in futures):
                     raise RuntimeError("the streams ended before the fault; raise --max-tokens")
+                time.sleep(0.05)
             fault_at = time.monotonic()
             timer = inject(fault, root_pid, stop_s)
+            if gate is not None:
+                gate.release()
         for i, f in enumerate(futures):
             results[i] = f.result()
     wall = time.monotonic() - started
+    if stop_s is None:
+        resume(timer)
     chunks = sorted(t for r in results for t in r.chunks)
     after = [t for t in chunks if fault_at is None or t >= fault_at]
     gap = max((b - a for a, b in zip(after, after[1:])), default=0.0)
@@ -179,7 +198,7 @@ def main() -> int:
     from svip_serve.settings import ServeSettings
 
     settings = ServeSettings(target=args.target, draft=args.draft, model_name="drill", max_in_flight=args.clients,
-                             max_waiting=args.clients)
+                             max_waiting=args.clients, allow_ignore_eos=True)
     command = "python -m svip_bench.fault_drill " + " ".join(sys.argv[1:])
     print(f"command: {command}\nmachine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}", flush=True)
     base = local.start(settings, port=_free_port()).removesuffix("/v1")

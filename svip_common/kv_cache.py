@@ -31,6 +31,7 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface, PreTrainedModel
 
 from svip_common.errors import ModelLoadError, SvipError
+from svip_common.test_hooks import forward_delay
 
 PAGE_SIZE = 16  # tokens per page
 DEFAULT_KV_TOKENS = 32768  # a pool's size in tokens when none is given
@@ -63,6 +64,7 @@ class KVPool:
         self.values = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
         self.device = devices[0]  # where page tables live
         self._free = list(range(self.pages - 1, -1, -1))  # a stack: pages freed last are reused first
+        self.max_forward_tokens = 0  # the most tokens any forward has held (max_batched_tokens bounds it)
 
     @property
     def tokens(self) -> int:
@@ -103,6 +105,7 @@ class KVPool:
         new tokens go after the ones it holds; returns, per step, the logits of its last k new
         tokens, [k, vocab] (k = 0: a prefill chunk, no logits). Raises PoolFull (nothing
         changed) when the pages do not fit."""
+        forward_delay()
         need = sum(max(0, s.pages_needed(len(ids))) for s, ids, _ in steps)
         if need > len(self._free):
             raise PoolFull(f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {need} are needed")
@@ -116,13 +119,14 @@ class KVPool:
             keep += range(len(ids) + len(new) - k, len(ids) + len(new))
             ids += new
             positions += range(start, start + len(new))
+        self.max_forward_tokens = max(self.max_forward_tokens, len(ids))
         device = self.model.device
         write = torch.cat([it.slots[-it.length :] for it in items])  # each new token's slot
         meta = _Ragged(self, items, write)
         with _ragged_attention(self.model):
             out = self.model(
                 input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                cache=_PoolWriter(meta), use_cache=True, logits_to_keep=torch.tensor(keep, device=device), svip_ragged=meta,
+                cache=_PoolWriter(meta), use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device), svip_ragged=meta,
             )
         for seq, new, _ in steps:
             seq.tokens.extend(new)

@@ -8,6 +8,14 @@ import os
 # Ray must bind to loopback only (DESIGN.md, Placement); set before ray is first imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
+import tempfile
+
+from svip_common.test_hooks import GATE_DIR_VAR
+
+# Where tests hold a target worker's steps (svip_common/test_hooks.py). Set before any Ray or
+# `svip serve` starts, so every worker process of the session inherits it.
+os.environ.setdefault(GATE_DIR_VAR, tempfile.mkdtemp(prefix="svip-gates-"))
+
 import asyncio
 import dataclasses
 from pathlib import Path
@@ -16,6 +24,7 @@ import pytest
 import torch
 
 from svip_common.models import load_model
+from tests.gates import TargetGate
 from tests.tiny_models import build_model, build_tokenizer, perturbed_copy, save_model
 
 torch.set_num_threads(1)
@@ -33,6 +42,13 @@ class ModelDirs:
     random_draft: str  # unrelated random weights: almost nothing is accepted
     close_draft: str  # the target's weights plus noise: partial acceptance, real rejections
     peaky: str  # low-entropy model: drafts of itself run up to the cap
+
+
+@pytest.fixture
+def target_gate():
+    gate = TargetGate(os.environ[GATE_DIR_VAR])
+    yield gate
+    gate.release()
 
 
 @pytest.fixture(scope="module")

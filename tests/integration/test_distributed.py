@@ -18,6 +18,7 @@ from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParam
 from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from tests.gates import async_wait_until
 from tests.loopback import assert_loopback_listeners
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
 
@@ -162,22 +163,27 @@ def test_seeded_sampling_reproduces_across_runs(engines, prompt_ids, loop):
     assert first.token_ids == second.token_ids
 
 
-def test_cancelled_session_frees_both_caches(engines, prompt_ids, loop):
+def test_cancelled_session_frees_both_caches(engines, prompt_ids, loop, target_gate):
+    """The target verifies twice (the prompt's prefill and a verdict), then holds: the session is
+    open on both workers and cannot end by itself, whatever the machine's speed, when it is cancelled."""
     engine = engines["async"]
 
     async def start_then_cancel():
-        task = asyncio.create_task(engine.generate(GenerationRequest(prompt_ids["short"], 400, policy=POLICIES["constant"], ignore_eos=True)))
-        await asyncio.sleep(0.3)
-        busy = await engine.worker_stats()
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        for _ in range(100):
-            stats = await engine.worker_stats()
-            if stats["target"].open_sessions == 0 and stats["draft"].open_sessions == 0:
-                return busy, stats
-            await asyncio.sleep(0.05)
-        return busy, stats
+        with target_gate.held(steps=2):
+            task = asyncio.create_task(engine.generate(
+                GenerationRequest(prompt_ids["short"], 400, policy=POLICIES["constant"], ignore_eos=True)))
+            await async_wait_until(lambda: asyncio.sleep(0, target_gate.holding()), what="the target holding")
+            busy = await engine.worker_stats()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+
+            async def freed():
+                stats = await engine.worker_stats()
+                return all(stats[role].open_sessions == 0 for role in ("target", "draft"))
+
+            await async_wait_until(freed, what="both workers closing the session")
+            return busy, await engine.worker_stats()
 
     busy, after = loop.run_until_complete(start_then_cancel())
     assert busy["target"].open_sessions == 1 and busy["target"].cached_tokens > 0

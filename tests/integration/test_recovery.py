@@ -1,16 +1,19 @@
 """A session outlives its workers (issue 11), on real Ray actors, real gRPC and real signals:
 a draft worker SIGKILLed mid-stream (the sessions go on without it, then re-attach to the one Ray
-restarts), a draft worker SIGSTOPped (the sessions go on past their stall deadline, long before
-the pause ends), a target worker SIGKILLed mid-stream (the caller starts each session again on the
+restarts), a draft worker SIGSTOPped (the sessions go on past their stall deadline and end while it is
+still stopped), a target worker SIGKILLed mid-stream (the caller starts each session again on the
 restarted target, on its prompt plus what had settled). Every output equals an undisturbed run,
 token for token, with no error; a seeded sampled session too. A worker killed for good: the draft
-leaves the target alone (still exact), the target ends the session with WorkerUnavailable."""
+leaves the target alone (still exact), the target ends the session with WorkerUnavailable. Every
+fault lands while the target holds its steps (tests/gates.py): the sessions are under way and
+none can end before it, whatever the machine's speed."""
 
 from __future__ import annotations
 
 import asyncio
 import os
 import signal
+import threading
 import time
 
 import pytest
@@ -20,12 +23,12 @@ from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import WorkerUnavailable
+from tests.gates import async_wait_until
 
 SVIP = PolicyConfig(name="svip", threshold=0.6)
 CONSTANT = PolicyConfig(name="constant", draft_length=4)
-NEW = 280  # long enough that a fault lands mid-stream (the long prompt is 204 tokens of 512)
+NEW = 280  # more than 3 steps can settle (the long prompt is 204 tokens of 512)
 STALL_S = 1.0
-PAUSE_S = 20.0
 
 
 @pytest.fixture(scope="module")
@@ -61,27 +64,23 @@ def expected(models, requests):
     return [alone.generate(r).token_ids for r in requests]
 
 
-def run_through(loop, engine, requests, fault, after_tokens: int = 60):
-    """Run the requests at once; fault() when they have settled after_tokens in all."""
+def run_through(loop, engine, requests, fault, gate, steps: int = 3):
+    """Run the requests at once; fault() once the target has verified `steps` batches and holds
+    the next (the gate opens after the fault). A step settles at most a block plus one (41 tokens)
+    per session, so after 3 no session of NEW - 70 or more tokens can have ended, on any machine."""
 
     async def go():
-        settled, progressed = [0], asyncio.Event()
-
-        def on_tokens(tokens):
-            settled[0] += len(tokens)
-            if settled[0] >= after_tokens:
-                progressed.set()
-
-        tasks = [asyncio.create_task(engine.generate(r, on_tokens)) for r in requests]
-        await asyncio.wait_for(progressed.wait(), 120)
-        assert not all(t.done() for t in tasks), "the sessions ended before the fault"
-        fault()
+        with gate.held(steps):
+            tasks = [asyncio.create_task(engine.generate(r)) for r in requests]
+            await async_wait_until(lambda: asyncio.sleep(0, gate.holding()), what="the target holding")
+            assert not any(t.done() for t in tasks), "a session ended before the fault"
+            fault()
         return await asyncio.wait_for(asyncio.gather(*tasks), 300)
 
     return loop.run_until_complete(go())
 
 
-def wait_for_draft_link(loop, engine, timeout: float = 60.0) -> None:
+def wait_for_draft_link(loop, engine, timeout: float = 120.0) -> None:
     """Until the target's link to its (replaced) draft is up again: the replacement serving is not
     enough, the target dials it on its own schedule, and a session started before that begins
     detached (exact, but not what the check after a replacement is about)."""
@@ -91,9 +90,9 @@ def wait_for_draft_link(loop, engine, timeout: float = 60.0) -> None:
         loop.run_until_complete(asyncio.sleep(0.1))
 
 
-def test_a_draft_killed_mid_stream_leaves_every_session_exact(loop, engine, pair, requests, expected):
+def test_a_draft_killed_mid_stream_leaves_every_session_exact(loop, engine, pair, requests, expected, target_gate):
     draft_pid = pair.pids()["draft"]
-    results = run_through(loop, engine, requests, lambda: os.kill(draft_pid, signal.SIGKILL))
+    results = run_through(loop, engine, requests, lambda: os.kill(draft_pid, signal.SIGKILL), target_gate)
     assert [r.token_ids for r in results] == expected
     assert sum(r.stats.detached for r in results) >= 1
     loop.run_until_complete(pair.draft_serving_address())  # Ray restarts it
@@ -104,30 +103,30 @@ def test_a_draft_killed_mid_stream_leaves_every_session_exact(loop, engine, pair
     assert again.token_ids == expected[1] and again.stats.draft_tokens > 0 and again.stats.detached == 0
 
 
-def test_a_stopped_draft_is_left_behind_well_before_it_resumes(loop, engine, pair, requests, expected):
+def test_a_stopped_draft_is_left_behind_and_speculates_again_once_it_resumes(loop, engine, pair, requests, expected,
+                                                                             target_gate):
+    """The draft is stopped mid-stream and resumed only after every session has ended: so they
+    ended without it (detached, exact), on any machine; then it answers again and speculates."""
     draft_pid = pair.pids()["draft"]
-    started = time.monotonic()
-
-    def stop_draft():
-        os.kill(draft_pid, signal.SIGSTOP)
-        loop.call_later(PAUSE_S, os.kill, draft_pid, signal.SIGCONT)
-
     try:
-        results = run_through(loop, engine, requests, stop_draft)
-        took = time.monotonic() - started
+        results = run_through(loop, engine, requests, lambda: os.kill(draft_pid, signal.SIGSTOP), target_gate)
     finally:
         os.kill(draft_pid, signal.SIGCONT)
     assert [r.token_ids for r in results] == expected
-    assert took < PAUSE_S / 2, took
     assert sum(r.stats.detached for r in results) >= 1
-    time.sleep(1.0)  # the draft answers the cancels: sessions started now speculate again
+
+    async def draft_caught_up():  # it answers the cancels it missed, and the target's link is up
+        stats = await engine.worker_stats()
+        return "draft" in stats and stats["draft"].open_sessions == 0 and not stats["target"].draft_lost
+
+    loop.run_until_complete(async_wait_until(draft_caught_up, what="the resumed draft catching up"))
     again = loop.run_until_complete(engine.generate(requests[0]))
     assert again.token_ids == expected[0] and again.stats.draft_tokens > 0
 
 
-def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(loop, engine, pair, requests, expected):
+def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(loop, engine, pair, requests, expected, target_gate):
     target_pid = pair.pids()["target"]
-    results = run_through(loop, engine, requests, lambda: os.kill(target_pid, signal.SIGKILL))
+    results = run_through(loop, engine, requests, lambda: os.kill(target_pid, signal.SIGKILL), target_gate)
     assert [r.token_ids for r in results] == expected
     assert all(r.finish_reason == "length" for r in results)
     restarted = [r for r in results if r.stats.target_restarts]
@@ -137,30 +136,30 @@ def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(
     assert engine.recoveries.restarts >= 1
 
 
-def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids):
+def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids, target_gate):
     request = GenerationRequest(prompt_ids["medium"], NEW, sampling=SamplingParams(temperature=0.9, seed=77),
                                 policy=SVIP, ignore_eos=True)
     wait_for_draft_link(loop, engine)  # a target restarted by the test before dials its draft anew
     undisturbed = loop.run_until_complete(engine.generate(request))
     assert undisturbed.stats.draft_tokens > 0 and undisturbed.stats.detached == 0
     draft_pid = pair.pids()["draft"]
-    (disturbed,) = run_through(loop, engine, [request], lambda: os.kill(draft_pid, signal.SIGKILL), after_tokens=40)
+    (disturbed,) = run_through(loop, engine, [request], lambda: os.kill(draft_pid, signal.SIGKILL), target_gate)
     assert disturbed.stats.detached >= 1 and disturbed.stats.reattached >= 1
     assert disturbed.token_ids == undisturbed.token_ids
 
 
-def test_a_seeded_sampled_session_through_a_target_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids):
+def test_a_seeded_sampled_session_through_a_target_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids, target_gate):
     request = GenerationRequest(prompt_ids["short"], NEW, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=5),
                                 policy=SVIP, ignore_eos=True)
     wait_for_draft_link(loop, engine)  # a target restarted by the test before dials its draft anew
     undisturbed = loop.run_until_complete(engine.generate(request))
     target_pid = pair.pids()["target"]
-    (disturbed,) = run_through(loop, engine, [request], lambda: os.kill(target_pid, signal.SIGKILL), after_tokens=40)
+    (disturbed,) = run_through(loop, engine, [request], lambda: os.kill(target_pid, signal.SIGKILL), target_gate)
     assert disturbed.stats.target_restarts == 1
     assert disturbed.token_ids == undisturbed.token_ids
 
 
-def test_a_worker_killed_for_good(model_dirs, models, loop, prompt_ids):
+def test_a_worker_killed_for_good(model_dirs, models, loop, prompt_ids, target_gate):
     """Restarts spent: without its draft the session finishes exact on the target alone; without
     its target it ends with WorkerUnavailable, never a hang."""
     doomed = WorkerPair(model_dirs.target, model_dirs.close_draft, max_restarts=0, load_aware="off")
@@ -168,11 +167,11 @@ def test_a_worker_killed_for_good(model_dirs, models, loop, prompt_ids):
     loop.run_until_complete(engine.connect())
     request = GenerationRequest(prompt_ids["long"], 300, policy=CONSTANT, ignore_eos=True)
     try:
-        (result,) = run_through(loop, engine, [request], lambda: doomed.kill("draft"))
+        (result,) = run_through(loop, engine, [request], lambda: doomed.kill("draft"), target_gate)
         assert result.stats.detached == 1 and result.stats.reattached == 0
         assert result.token_ids == SpeculativeEngine(models["target"], None).generate(request).token_ids
         with pytest.raises(WorkerUnavailable, match="gone for good|did not come back"):
-            run_through(loop, engine, [request], lambda: doomed.kill("target"))
+            run_through(loop, engine, [request], lambda: doomed.kill("target"), target_gate)
     finally:
         loop.run_until_complete(engine.close())
         doomed.shutdown()
@@ -190,13 +189,15 @@ def test_a_stuck_compute_thread_makes_the_worker_unavailable(models, loop):
     async def probe():
         service = DraftService(Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens), limits)
         service.compute_probe_s = 0.5
+        unstick = threading.Event()
         try:
             assert (await service.Stats(None, None)).unavailable == ""
-            service.compute.post(time.sleep, 2.0)  # stuck
+            service.compute.post(unstick.wait)  # stuck until the test says so
             stuck = (await service.Stats(None, None)).unavailable
-            await asyncio.sleep(2.0)
+            unstick.set()
             return stuck, (await service.Stats(None, None)).unavailable
         finally:
+            unstick.set()
             await service.close()
 
     stuck, after = loop.run_until_complete(probe())

@@ -20,6 +20,7 @@ from transformers import AutoTokenizer
 
 from svip_assets import default_pair
 from svip_bench.fault_drill import PROMPTS
+from tests.gates import wait_until
 from tests.loopback import assert_loopback_listeners
 from tests.serving import svip_serve
 
@@ -30,7 +31,7 @@ CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "co
 
 @pytest.fixture(scope="module")
 def server():
-    with svip_serve("--max-in-flight", "16", "--max-waiting", "8") as srv:
+    with svip_serve("--max-in-flight", "16", "--max-waiting", "8", "--allow-ignore-eos") as srv:
         yield srv
 
 
@@ -236,39 +237,46 @@ def workers(server) -> dict:
     return httpx.get(server["base"] + "/v1/svip/workers", timeout=10).json()
 
 
-def wait_idle(server, timeout: float = 15.0) -> dict:
-    deadline = time.monotonic() + timeout
-    while True:
-        stats = workers(server)
-        idle = all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values())
-        if idle or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.2)
+def idle(stats: dict) -> bool:
+    return all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values())
 
 
-def test_client_disconnect_cancels_the_session_and_frees_both_caches(server):
+def wait_idle(server) -> dict:
+    wait_until(lambda: idle(workers(server)), what="both workers idle")
+    return workers(server)
+
+
+def test_client_disconnect_cancels_the_session_and_frees_both_caches(server, target_gate):
+    """The target verifies twice and holds: the session is open on both workers when its client leaves."""
     body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1900, "temperature": 0, "stream": True,
             "ignore_eos": True}
-    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
-        lines = r.iter_lines()
-        got = [next(lines) for _ in range(6)]
-        assert any(line.startswith("data: {") for line in got)
-        busy = workers(server)
-        assert busy["target"]["open_sessions"] == 1 and busy["draft"]["cached_tokens"] > 0
-    stats = wait_idle(server)
-    assert all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values()), stats
+    with target_gate.held(steps=2):
+        with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
+            assert r.status_code == 200
+            wait_until(target_gate.holding, what="the target holding the session")
+            busy = workers(server)
+            assert busy["target"]["open_sessions"] == 1 and busy["draft"]["cached_tokens"] > 0
+        wait_until(lambda: idle(workers(server)), what="both caches freed")
 
 
-def test_backpressure_refuses_with_429_and_serves_the_rest(server):
+def test_backpressure_refuses_with_429_and_serves_the_rest(server, target_gate):
+    """The target holds while 40 requests arrive: 16 run, 8 wait, 16 are refused at once; then all
+    that were admitted finish, exact."""
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
+    health = lambda: httpx.get(server["base"] + "/health", timeout=30).json()  # noqa: E731
 
     def call(_):
         return httpx.post(server["base"] + "/v1/completions", json=body, timeout=300)
 
     with ThreadPoolExecutor(40) as pool:
-        responses = list(pool.map(call, range(40)))
+        with target_gate.held():
+            futures = [pool.submit(call, i) for i in range(40)]
+            wait_until(lambda: sum(f.done() for f in futures) == 16 and health()["waiting"] == 8,
+                       what="16 refusals and 8 waiting")
+            assert health()["running"] == 16
+        responses = [f.result() for f in futures]
     codes = [r.status_code for r in responses]
-    assert set(codes) <= {200, 429} and codes.count(429) >= 8, codes  # 16 running + 8 waiting per replica
+    assert set(codes) <= {200, 429} and codes.count(429) == 16, codes  # 16 running + 8 waiting per replica
     refused = next(r for r in responses if r.status_code == 429)
     assert "server busy" in refused.json()["error"]["message"] and refused.headers["retry-after"]
     texts = {r.json()["choices"][0]["text"] for r in responses if r.status_code == 200}

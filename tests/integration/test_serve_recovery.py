@@ -1,7 +1,8 @@
 """Streams in flight through a worker's loss, against `svip serve` as an operator runs it (issue 11),
 with real signals on the real worker processes: 16 greedy streams through a draft SIGKILL, a draft
-SIGSTOP of 20 s and a target SIGKILL each complete with exactly the text of an undisturbed run and
-no error event (the stopped case long before the draft resumes). Then the target's restarts are
+SIGSTOP and a target SIGKILL each complete with exactly the text of an undisturbed run and no error
+event (the stopped draft resumes only after they all ended). Each fault lands while the target
+holds its steps (tests/gates.py), so every stream is under way and none can end first. Then the target's restarts are
 spent: the streams end with an error event and [DONE] (never a hang), new requests get 503 with
 Retry-After, and Serve replaces the replica, exact again. The drill is svip_bench/fault_drill.py."""
 
@@ -17,12 +18,11 @@ from tests.serving import svip_serve
 
 CLIENTS = 16
 MAX_TOKENS = 160
-STOP_S = 20.0
 
 
 @pytest.fixture(scope="module")
 def server():
-    with svip_serve("--max-in-flight", str(CLIENTS), "--max-waiting", str(CLIENTS), "--worker-restarts", "1",
+    with svip_serve("--max-in-flight", str(CLIENTS), "--max-waiting", str(CLIENTS), "--worker-restarts", "1", "--allow-ignore-eos",
                     "--draft-stall-s", "1.5") as srv:
         yield srv
 
@@ -35,8 +35,11 @@ def reference(server):
 
 
 @pytest.mark.parametrize("fault", ["draft-kill", "draft-stop", "target-kill"])
-def test_sixteen_streams_are_exact_through_a_fault(server, reference, fault):
-    run = run_streams(server["base"], PROMPTS[:CLIENTS], MAX_TOKENS, fault, server["proc"].pid, STOP_S)
+def test_sixteen_streams_are_exact_through_a_fault(server, reference, fault, target_gate):
+    # the fault lands while the target holds (every stream under way, none can end first); a stopped
+    # draft resumes only after every stream has ended: so they ended without it, on any machine
+    run = run_streams(server["base"], PROMPTS[:CLIENTS], MAX_TOKENS, fault, server["proc"].pid, None,
+                      gate=target_gate)
     try:
         row = summarize(run, reference)
         assert row["errors"] == 0 and row["complete_exact"] == CLIENTS, (row["complete_exact"], row["first_error"])
@@ -44,17 +47,14 @@ def test_sixteen_streams_are_exact_through_a_fault(server, reference, fault):
             assert row["detached"] >= 1, row
         else:
             assert row["target_restarts"] >= 1, row
-        if fault == "draft-stop":
-            done_after = run["wall_s"] - run["fault_at_s"]  # done well before the draft resumes
-            assert done_after < 0.75 * STOP_S, done_after
     finally:
         if run["timer"] is not None:
             run["timer"].join()
 
 
-def test_a_target_gone_for_good_ends_streams_with_an_error_and_serve_replaces_the_replica(server, reference):
+def test_a_target_gone_for_good_ends_streams_with_an_error_and_serve_replaces_the_replica(server, reference, target_gate):
     """Last: its one restart spent above, a second target kill cannot be recovered."""
-    run = run_streams(server["base"], PROMPTS[:4], MAX_TOKENS, "target-kill", server["proc"].pid)
+    run = run_streams(server["base"], PROMPTS[:4], MAX_TOKENS, "target-kill", server["proc"].pid, gate=target_gate)
     for i, r in enumerate(run["results"]):
         assert r.error is not None and r.error["code"] == "worker_unavailable", r.error
         assert r.text and reference[i].startswith(r.text)  # what was sent stays sent, and is exact

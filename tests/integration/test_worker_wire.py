@@ -108,7 +108,8 @@ def request(role: str, **kind):
     return pb.GenerateRequest(**kind) if role == "target" else pb.DraftRequest(**kind)
 
 
-async def wait_for(predicate, timeout: float = 5.0) -> None:
+async def wait_for(predicate, timeout: float = 60.0) -> None:
+    """Until predicate() holds; the timeout only bounds a failure."""
     deadline = asyncio.get_running_loop().time() + timeout
     while not predicate():
         assert asyncio.get_running_loop().time() < deadline
@@ -283,7 +284,10 @@ def test_a_peer_that_stops_reading_stops_the_worker_producing(loop):
 
         events = service.Session(requests(), None)
         await events.__anext__()
-        await asyncio.sleep(0.5)
+        await wait_for(lambda: service.made >= MAX_QUEUED_EVENTS)  # it produced until the queue was full...
+        for _ in range(2000):  # ...then as many loop turns as an unbounded reader needs for all 1,000 requests
+            await asyncio.sleep(0)
+        assert await service._compute_answers(60)  # and everything it read has been handled
         made = service.made
         await events.aclose()
         return made

@@ -1,0 +1,72 @@
+"""Hooks that let a test hold a worker's progress by construction, and slow or speed every model
+forward to prove that no test depends on how fast the machine is. Both are off unless their
+environment variable is set (worker processes inherit it from whoever started Ray), and cost one
+dictionary lookup when off.
+
+- ``SVIP_TEST_GATE_DIR=DIR``: a target worker verifies a batch only while the file ``DIR/target``
+  is absent, or holds a number larger than the batches verified since it appeared ("0": none
+  pass; "1": one more, e.g. a prompt's prefill). The worker stays responsive meanwhile (Stats,
+  cancels, new sessions): a held step is skipped, never slept in. Write the file with
+  ``hold(dir, name, steps)`` (atomic), delete it with ``release(dir, name)``; once the worker has
+  used up the steps and holds one back it creates ``DIR/name.holding``, which ``holding`` reads.
+- ``SVIP_TEST_FORWARD_DELAY_S=S``: every KV-pool forward sleeps S seconds first (a slow machine).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+GATE_DIR_VAR = "SVIP_TEST_GATE_DIR"
+FORWARD_DELAY_VAR = "SVIP_TEST_FORWARD_DELAY_S"
+
+
+class StepGate:
+    """Whether the next step of a worker may run (always, unless a test holds it)."""
+
+    def __init__(self, name: str, environ=os.environ):
+        root = environ.get(GATE_DIR_VAR)
+        self.path = Path(root) / name if root else None
+        self.passed = 0  # steps let through since the gate file appeared
+
+    def open(self) -> bool:
+        if self.path is None:
+            return True
+        try:
+            text = self.path.read_text()
+        except FileNotFoundError:
+            self.passed = 0
+            return True
+        allowed = int(text) if text.strip().isdigit() else 0
+        if self.passed < allowed:
+            self.passed += 1
+            return True
+        self.path.with_suffix(".holding").touch()
+        return False
+
+
+def hold(root: str | Path, name: str, steps: int = 0) -> None:
+    """Close the gate `name` after `steps` more steps (atomically: the worker never reads half a file)."""
+    path = Path(root) / name
+    path.with_suffix(".holding").unlink(missing_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(str(steps))
+    os.replace(tmp, path)
+
+
+def release(root: str | Path, name: str) -> None:
+    (Path(root) / name).unlink(missing_ok=True)
+    (Path(root) / name).with_suffix(".holding").unlink(missing_ok=True)
+
+
+def holding(root: str | Path, name: str) -> bool:
+    """Whether the worker has used up the steps it was allowed and now holds the next one."""
+    return (Path(root) / name).with_suffix(".holding").exists()
+
+
+def forward_delay(environ=os.environ) -> None:
+    """Sleep as long as the test environment asks before a forward (not at all by default)."""
+    delay = environ.get(FORWARD_DELAY_VAR)
+    if delay:
+        time.sleep(float(delay))
