@@ -40,7 +40,8 @@ def run(engine, prompts, args, header: dict) -> int:
     texts = [engine.target.tokenizer.decode(r, skip_special_tokens=True) for r in reference]
     port = _free_port()
     settings = ServeSettings(target=engine.target.path, draft=engine.draft_path, dtype=args.dtype,
-                             model_name="bench", max_in_flight=max(LEVELS), max_waiting=max(LEVELS))
+                             model_name="bench", max_in_flight=max(LEVELS), max_waiting=max(LEVELS),
+                             allow_ignore_eos=True)
     base = local.start(settings, port=port)
     client = httpx.Client(timeout=600)
     try:

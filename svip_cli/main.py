@@ -58,6 +58,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="distributed: the draft and the target on one node (pack) or on two (spread)")
     models.add_argument("--grpc-tls-dir", metavar="DIR",
                         help="distributed: mutual TLS between the workers (DIR holds ca.crt, tls.crt, tls.key)")
+    models.add_argument("--insecure-workers", action="store_true", default=None,
+                        help="distributed: let the workers talk plaintext gRPC on a node address (refused "
+                             "without TLS otherwise; packed pairs use loopback and need neither)")
     pol = gen.add_argument_group("length policy")
     pol.add_argument("--policy", default="svip", help=f"one of {', '.join(POLICY_NAMES)} (default svip)")
     pol.add_argument("--threshold", type=_threshold, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3), or 'auto' (learnt for the pair)")
@@ -98,7 +101,8 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics on 127.0.0.1 (default 8080)")
     srv.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
     srv.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone")
-    srv.add_argument("--model-name", help="the model id clients send (default: the target's path, or svip-pair)")
+    srv.add_argument("--model-name", help="the model id clients send (default: the target directory's name or "
+                                          "hub id, or svip-pair)")
     srv.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, auto")
     srv.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: each worker takes GPUs")
     srv.add_argument("--target-gpus", type=int, default=1, help="cuda: GPUs the target spans (1)")
@@ -125,11 +129,20 @@ def _add_serve_parser(sub) -> None:
                      help="how long a sampled session waits for a lost draft, so that its seed reproduces (30)")
     srv.add_argument("--grpc-tls-dir", metavar="DIR", help="mutual TLS between each pipeline's workers (ca.crt, tls.crt, tls.key)")
     srv.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on /v1 (repeat for several keys; $SVIP_API_KEY: comma-separated)")
+                     help="require 'Authorization: Bearer KEY' on /v1 (repeat for several keys; at least 32 "
+                          "characters; `name:KEY` names one; prefer $SVIP_API_KEY, comma-separated: ps shows flags)")
+    srv.add_argument("--max-wait-s", type=float, default=30.0,
+                     help="a request that waited this long for a place gets 429 (30)")
+    srv.add_argument("--max-requests-per-key", type=int, default=0,
+                     help="requests one API key may have running or waiting per pipeline (0: no limit)")
+    srv.add_argument("--default-max-tokens", type=int, default=2048,
+                     help="a chat request without max_tokens generates at most this many tokens (2048; the context caps it)")
+    srv.add_argument("--allow-ignore-eos", action="store_true",
+                     help="let requests set ignore_eos (generate to max_tokens past the end of the text)")
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from svip_serve.auth import digest, keys_from_env
+    from svip_serve.auth import keys_from_env, named_digest
     from svip_serve.local import serve_forever
     from svip_serve.settings import ServeSettings
 
@@ -145,7 +158,9 @@ def _serve(args: argparse.Namespace) -> int:
         "kv_cache_tokens": args.kv_cache_tokens, "max_batched_tokens": args.max_batched_tokens,
         "load_aware": args.load_aware, "worker_restarts": args.worker_restarts,
         "draft_stall_s": args.draft_stall_s, "sampled_hold_s": args.sampled_hold_s,
-        "api_key_sha256": tuple(sorted({digest(k) for k in args.api_key + keys_from_env()})),
+        "max_wait_s": args.max_wait_s, "max_requests_per_key": args.max_requests_per_key,
+        "default_max_tokens": args.default_max_tokens, "allow_ignore_eos": args.allow_ignore_eos,
+        "api_key_sha256": tuple(sorted({named_digest(k) for k in args.api_key + keys_from_env()})),
     })
     return serve_forever(settings, args.host, args.port, args.metrics_port)
 
@@ -173,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     prompts = _prompt_sources(args)
     base_request = _request_template(args)
-    for flag in ("pipeline", "ray_address", "placement", "grpc_tls_dir"):
+    for flag in ("pipeline", "ray_address", "placement", "grpc_tls_dir", "insecure_workers"):
         if args.mode == "inprocess" and getattr(args, flag) is not None:
             raise InvalidRequest(f"--{flag.replace('_', '-')} applies to --mode distributed")
     out = _results_stream() if args.mode == "distributed" else sys.stdout
@@ -296,7 +311,8 @@ def _load_engine(args: argparse.Namespace):
         tls = TlsFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
         return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device,
                                 args.target_gpus, args.ray_address, args.placement, tls, args.kv_cache_tokens,
-                                args.max_batched_tokens, getattr(args, "load_aware", "off"))
+                                args.max_batched_tokens, getattr(args, "load_aware", "off"),
+                                insecure_workers=bool(getattr(args, "insecure_workers", False)))
     target = load_model(target_path, args.dtype, args.device)
     draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
     return SpeculativeEngine(target, draft, getattr(args, "kv_cache_tokens", DEFAULT_KV_TOKENS),

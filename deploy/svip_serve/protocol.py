@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import secrets
 import time
 import uuid
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field
 from svip_common.contracts import INT32_MAX, POLICY_NAMES, PolicyConfig, SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256  # each stop string: the text matcher holds back at most this many characters
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 
@@ -40,7 +42,7 @@ class ApiRequest:
     model: str | None
     prompt: str | list[int] | None = None  # completions
     messages: list[dict] | None = None  # chat
-    max_tokens: int | None = None  # None: up to the model's context (chat)
+    max_tokens: int | None = None  # None: the deployment's default_max_tokens, within the context (chat)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
     stream: bool = False
@@ -62,27 +64,55 @@ def parse_json(raw: bytes):
         raise bad("the request body is nested too deeply") from None
     except ValueError:  # Python reads at most 4300 digits of an integer
         raise bad("a number in the request body is too long to read") from None
-    if (where := _lone_surrogate(body)) is not None:
+    if _SURROGATE_ESCAPE.search(raw) is not None and (where := _lone_surrogate(body)) is not None:
         param = None if where.startswith(("a key", "the request")) else where.split("[")[0].split(".")[0]
         raise bad(f"{where} is not valid Unicode (a lone surrogate)", param)
     return body
 
 
-def _lone_surrogate(value, where: str = "") -> str | None:
-    """Where the first string with an unpaired surrogate is (JSON admits \\ud800), or None."""
-    stack = [(value, where)]
+# UTF-8 cannot carry a surrogate, so one can only come from a \\uD800-\\uDFFF escape: without one
+# in the raw body, nothing needs walking
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(value) -> str | None:
+    """Where the first string with an unpaired surrogate is (JSON admits \\ud800), or None. The
+    walk builds no paths; the one path reported is found again only when there is one."""
+    stack = [value]
     while stack:
-        item, path = stack.pop()
+        item = stack.pop()
         if isinstance(item, str):
-            try:
-                item.encode("utf-8")
-            except UnicodeEncodeError:
-                return path or "the request body"
+            if not _encodable(item):
+                return _path_to(value, item)
         elif isinstance(item, dict):
-            stack += [(k, path or "a key") for k in item] + [(v, f"{path}.{k}" if path else str(k)) for k, v in item.items()]
+            stack += item.keys()
+            stack += item.values()
         elif isinstance(item, list):
-            stack += [(v, f"{path}[{i}]") for i, v in enumerate(item)]
+            stack += item
     return None
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _path_to(value, target: str, path: str = "") -> str | None:
+    """The path of the string `target` (by identity) inside value, as the error names it."""
+    stack = [(value, path)]
+    while stack:
+        item, where = stack.pop()
+        if item is target:
+            return where or "the request body"
+        if isinstance(item, dict):
+            stack += [(k, where or "a key") for k in item]
+            stack += [(v, f"{where}.{k}" if where else str(k)) for k, v in item.items()]
+        elif isinstance(item, list):
+            stack += [(v, f"{where}[{i}]") for i, v in enumerate(item)]
+    return "the request body"
 
 
 # --- field readers: each names the field and the type it wanted ---------------------------------
@@ -208,6 +238,8 @@ def _stop(value) -> tuple[str, ...]:
         raise bad(f"'stop' must be a string or an array of strings, got {_shown(value)}", "stop")
     if len(stops) > MAX_STOP_STRINGS:
         raise bad(f"'stop' holds at most {MAX_STOP_STRINGS} strings, got {len(stops)}", "stop")
+    if (longest := max((len(s) for s in stops), default=0)) > MAX_STOP_CHARS:
+        raise bad(f"each 'stop' string is at most {MAX_STOP_CHARS} characters, got one of {longest}", "stop")
     return tuple(s for s in stops if s)
 
 

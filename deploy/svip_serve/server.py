@@ -15,9 +15,8 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from ray import serve
 from starlette.exceptions import HTTPException
 
-from svip_common.errors import WorkerUnavailable
 from svip_common.contracts import GenerationRequest
-from svip_common.errors import InvalidRequest, SvipError
+from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
 from svip_common.kv_cache import whole_pages
 from svip_serve import prompting
 from svip_serve.admission import Admission, Slot
@@ -29,8 +28,12 @@ from svip_serve.protocol import (
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
 
-api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible")
+# no /docs, /redoc or /openapi.json: the API faces the network, and its shape is OpenAI's
+api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible",
+              docs_url=None, redoc_url=None, openapi_url=None)
 log = logging.getLogger("svip_serve")
+# a prompt with more characters than this per context position cannot fit: refused before tokenizing
+MAX_CHARS_PER_TOKEN = 16
 
 
 @api.exception_handler(ApiError)
@@ -58,18 +61,28 @@ def _internal_error(exc: BaseException, where: str) -> ApiError:
                     type_="server_error", code="internal_error")
 
 
-async def _json_body(request: Request, limit: int):
-    """The body, read up to ``limit`` bytes (413 past it), parsed (400 when it is not JSON)."""
+async def _json_body(request: Request, limit: int, deadline_s: float, parse_pool) -> object:
+    """The body, read up to ``limit`` bytes (413 past it) within ``deadline_s`` (408 past it: a
+    slow upload holds no place for long), parsed off the event loop (400 when it is not JSON)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise _too_large(limit)
+    try:
+        raw = await asyncio.wait_for(_read_body(request, limit), deadline_s)
+    except asyncio.TimeoutError:
+        raise ApiError(408, f"the request body was not received within {deadline_s:g} s",
+                       code="request_timeout") from None
+    return await asyncio.get_running_loop().run_in_executor(parse_pool, parse_json, raw)
+
+
+async def _read_body(request: Request, limit: int) -> bytes:
     chunks, size = [], 0
     async for chunk in request.stream():
         size += len(chunk)
         if size > limit:
             raise _too_large(limit)
         chunks.append(chunk)
-    return parse_json(b"".join(chunks))
+    return b"".join(chunks)
 
 
 def _too_large(limit: int) -> ApiError:
@@ -85,6 +98,10 @@ def _api_error(exc: BaseException, where: str) -> ApiError:
         return exc
     if isinstance(exc, InvalidRequest):
         return bad(str(exc))
+    if isinstance(exc, Overloaded):  # the workers' own admission (a request that passed the replica's)
+        log.warning("%s: %s", where, exc)
+        return ApiError(429, "server busy: the model workers have no room for this request now; retry later",
+                        type_="rate_limit_error", code="server_busy", headers={"Retry-After": "1"})
     if isinstance(exc, WorkerUnavailable):
         log.warning("%s: %s", where, exc)
         return ApiError(503, "the model workers are unavailable; retry shortly", type_="server_error",
@@ -131,6 +148,7 @@ class SVIPServer:
             start_timeout_s=settings.worker_start_timeout_s, kv_cache_tokens=settings.kv_cache_tokens,
             max_batched_tokens=settings.max_batched_tokens, load_aware=settings.load_aware,
             max_restarts=settings.worker_restarts, recovery=settings.recovery(),
+            packed=True,  # the replica's group is STRICT_PACK: the workers talk over the node's loopback
         )
         self.api_keys = ApiKeys(settings.api_key_sha256)
         # tokenizing a long prompt takes a while: never on the event loop that streams every session
@@ -142,7 +160,8 @@ class SVIPServer:
         self._connect_lock = asyncio.Lock()
         self.metrics = ServeMetrics(settings.served_name)
         self.admission = Admission(settings.max_in_flight, settings.max_waiting, self.pair.limits.kv_tokens,
-                                   self.metrics.set_load)
+                                   self.metrics.set_load, max_wait_s=settings.max_wait_s,
+                                   max_per_key=settings.max_requests_per_key)
         self.created = int(time.time())
         self.policy_defaults = settings.policy_defaults()
 
@@ -168,12 +187,15 @@ class SVIPServer:
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
+        """Open to anyone: the status and the load, never why (that is logged: it names workers)."""
         try:
             await self._engine()
         except SvipError as exc:
-            return JSONResponse({"status": "unavailable", "reason": str(exc)}, status_code=503)
+            log.warning("health: cannot connect to the workers: %s", exc)
+            return JSONResponse({"status": "unavailable"}, status_code=503)
         if (why := await self.engine.unavailable()) is not None:
-            return JSONResponse({"status": "unavailable", "reason": why}, status_code=503)
+            log.warning("health: %s", why)
+            return JSONResponse({"status": "unavailable"}, status_code=503)
         return JSONResponse({"status": "ok", "model": self.settings.served_name,
                              "running": self.admission.running, "waiting": self.admission.waiting})
 
@@ -210,10 +232,13 @@ class SVIPServer:
 
     async def _serve(self, http: Request, parse):
         arrived = time.monotonic()
-        self.api_keys.check(http.headers.get("authorization"))
+        key = self.api_keys.check(http.headers.get("authorization"))
         try:
-            req = parse(await _json_body(http, self.settings.max_request_bytes), self.policy_defaults)
+            body = await _json_body(http, self.settings.max_request_bytes, self.settings.body_read_timeout_s,
+                                    self._tokenizer_pool)
+            req = parse(body, self.policy_defaults)
             self._check_model(req.model)
+            self._check_request(req)
             loop = asyncio.get_running_loop()
             request = await loop.run_in_executor(self._tokenizer_pool, self._generation_request, req)
         except ApiError as exc:
@@ -224,7 +249,8 @@ class SVIPServer:
         except SvipError as exc:
             raise _api_error(exc, "connect") from None
         try:
-            slot = self.admission.reserve(whole_pages(len(request.prompt_ids) + request.max_new_tokens))
+            slot = self.admission.reserve(whole_pages(len(request.prompt_ids) + request.max_new_tokens), key)
+            await slot.admitted()  # a stream too: a 429 after waiting is a status, not an event
         except ApiError:
             self.metrics.record_rejected("busy")
             raise
@@ -241,10 +267,23 @@ class SVIPServer:
         return JSONResponse(response_body(req.kind, rid, self.settings.served_name, text, generation.finish_reason,
                                           self._usage(generation), generation.stats()))
 
+    def _check_request(self, req: ApiRequest) -> None:
+        """What this deployment allows, before any tokenizing: ignore_eos, and text so much longer
+        than the context that it cannot fit (tokenizing it would only hold the tokenizer thread)."""
+        if req.ignore_eos and not self.settings.allow_ignore_eos:
+            raise bad("'ignore_eos' is not allowed on this deployment", "ignore_eos")
+        ctx = self.engine.limits.positions
+        if ctx is None:
+            return
+        chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(m["content"]) for m in req.messages or ())
+        if chars > ctx * MAX_CHARS_PER_TOKEN:
+            raise bad(f"the prompt is {chars} characters, far more than fits the model's context of {ctx} tokens",
+                      "messages" if req.kind == "chat" else "prompt")
+
     async def _stream(self, req: ApiRequest, generation: Generation, rid: str, slot: Slot, arrived: float):
         model, created = self.settings.served_name, int(time.time())
         try:
-            async with slot:
+            async with slot:  # admitted already: this only releases the place at the end
                 if req.kind == "chat":
                     yield _sse(chunk_body(req.kind, rid, model, created, "", first=True))
                 async for delta in generation.deltas():
@@ -272,7 +311,7 @@ class SVIPServer:
             ctx = self.engine.limits.positions  # the shorter context of the pair
             if ctx is not None and len(prompt_ids) >= ctx:
                 raise bad(f"the prompt is {len(prompt_ids)} tokens; the model's context is {ctx} tokens", "prompt")
-            max_tokens = req.max_tokens if req.max_tokens is not None else (ctx - len(prompt_ids) if ctx else 256)
+            max_tokens = req.max_tokens if req.max_tokens is not None else self._default_max_tokens(len(prompt_ids))
             if ctx is not None and len(prompt_ids) + max_tokens > ctx:
                 raise bad(f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                           f"context of {ctx} tokens", "max_tokens")
@@ -280,6 +319,15 @@ class SVIPServer:
             return self.engine.resolve(request)
         except InvalidRequest as exc:
             raise bad(str(exc)) from None
+
+    def _default_max_tokens(self, prompt_tokens: int) -> int:
+        """What a chat without max_tokens may generate: the deployment's default, within the
+        context and the KV pool (so that it is served, never refused for a number it did not send)."""
+        room = [self.settings.default_max_tokens]
+        for limit in (self.engine.limits.positions, self.pair.limits.kv_tokens):
+            if limit is not None:
+                room.append(limit - prompt_tokens)
+        return max(1, min(room))
 
     def _usage(self, generation: Generation) -> dict:
         return usage(len(generation.request.prompt_ids), generation.completion_tokens)

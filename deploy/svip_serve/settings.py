@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.step_cost import check_load_aware
 from svip_common.errors import InvalidRequest
+from svip_serve.auth import split_name
 
 EMBEDDED_MODEL_NAME = "svip-pair"
 REPLICA_CPUS = 0.5  # the replica only relays: asyncio, gRPC and tokenization
@@ -21,7 +23,7 @@ TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2  # bundle 0 holds the replica
 class ServeSettings:
     target: str | None = None  # model directory or hub id; None: the embedded pair
     draft: str | None = None  # None with the embedded target: its draft; "none": the target alone
-    model_name: str | None = None  # the id clients pass as `model` (default: the target's path)
+    model_name: str | None = None  # the id clients pass as `model` (default: the target directory's name, or hub id)
     dtype: str = "float32"
     device: str = "cpu"  # "cpu", or "cuda": the workers take GPUs from the replica's placement group
     target_gpus: int = 1  # cuda: GPUs the target spans (one node)
@@ -34,6 +36,11 @@ class ServeSettings:
     max_batched_tokens: int = 512  # at most this many tokens in one target forward; longer prompts prefill in chunks
     load_aware: str = "greedy"  # whose blocks follow the target's load: off, greedy, all (svip_common/step_cost.py)
     max_waiting: int = 32  # requests a replica holds for a free slot; past it: 429
+    max_wait_s: float = 30.0  # a request that waited this long for a place gets 429
+    max_requests_per_key: int = 0  # requests one API key may have running or waiting on a replica (0: no limit)
+    default_max_tokens: int = 2048  # a chat request without max_tokens generates at most this (and the context)
+    allow_ignore_eos: bool = False  # whether a request may ask to generate past the end of its text
+    body_read_timeout_s: float = 30.0  # a request body not read in full by then: 408
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
     policy: str = "svip"  # request default; a request's `policy` overrides it
     threshold: float = 0.3
@@ -70,16 +77,18 @@ class ServeSettings:
         if self.pipeline not in ("sync", "async"):
             raise InvalidRequest(f"pipeline must be 'sync' or 'async', got {self.pipeline!r}")
         for name in ("target_gpus", "draft_gpus", "num_replicas", "max_in_flight", "draft_length_cap", "max_request_bytes",
-                     "kv_cache_tokens", "max_batched_tokens"):
+                     "kv_cache_tokens", "max_batched_tokens", "default_max_tokens"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_waiting", "max_queued_requests", "worker_restarts"):
+        for name in ("max_waiting", "max_queued_requests", "worker_restarts", "max_requests_per_key"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         check_load_aware(self.load_aware)
         if self.worker_cpus <= 0:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
-        for name in ("worker_start_timeout_s", "draft_stall_s"):
+        if not isinstance(self.allow_ignore_eos, bool):
+            raise InvalidRequest(f"allow_ignore_eos must be true or false, got {self.allow_ignore_eos!r}")
+        for name in ("worker_start_timeout_s", "draft_stall_s", "max_wait_s", "body_read_timeout_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise InvalidRequest(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -90,9 +99,10 @@ class ServeSettings:
         if self.policy not in POLICY_NAMES:
             raise InvalidRequest(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         self.policy_defaults().validate(self.draft_length_cap)
-        bad_hash = next((h for h in self.api_key_sha256 if not _is_sha256_hex(h)), None)
+        bad_hash = next((h for h in self.api_key_sha256 if not _is_key_digest(h)), None)
         if bad_hash is not None or not isinstance(self.api_key_sha256, tuple):
-            raise InvalidRequest("api_key_sha256 must be a list of SHA-256 digests (64 hex digits), not the keys")
+            raise InvalidRequest("api_key_sha256 must be a list of SHA-256 digests (64 hex digits, optionally "
+                                 "`name:` before them), not the keys")
 
     def recovery(self) -> dict:
         """The target host's recovery settings (coordinator/host.py)."""
@@ -116,7 +126,13 @@ class ServeSettings:
 
     @property
     def served_name(self) -> str:
-        return self.model_name or (self.target or EMBEDDED_MODEL_NAME)
+        """The id clients pass as `model`: never a filesystem path (a target directory is known by
+        its last component; a hub id as it is)."""
+        if self.model_name:
+            return self.model_name
+        if self.target is None:
+            return EMBEDDED_MODEL_NAME
+        return Path(self.target).name if Path(self.target).expanduser().exists() else self.target
 
     @property
     def gpus(self) -> bool:
@@ -133,8 +149,12 @@ class ServeSettings:
 
 
 
-def _is_sha256_hex(value) -> bool:
-    return isinstance(value, str) and len(value) == 64 and all(c in "0123456789abcdef" for c in value)
+def _is_key_digest(value) -> bool:
+    """A SHA-256 hex digest, or `name:` and one."""
+    if not isinstance(value, str):
+        return False
+    _, hexdigest = split_name(value)
+    return len(hexdigest) == 64 and all(c in "0123456789abcdef" for c in hexdigest)
 
 
 AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests")

@@ -78,12 +78,19 @@ class StopMatcher:
         return out
 
     def _longest_stop_prefix_suffix(self) -> int:
+        """The longest tail of the pending text that begins a stop string: only the last
+        len(stop) - 1 characters are looked at, and only where that stop string's first
+        character stands, so a token costs O(stop lengths), whatever the stop strings say."""
         best = 0
         for stop in self.stops:
-            for n in range(min(len(stop) - 1, len(self.pending)), best, -1):
-                if self.pending.endswith(stop[:n]):
-                    best = n
+            first, tail = stop[0], min(len(stop) - 1, len(self.pending))
+            start = len(self.pending) - tail
+            i = self.pending.find(first, start)
+            while i >= 0 and len(self.pending) - i > best:
+                if stop.startswith(self.pending[i:]):
+                    best = len(self.pending) - i
                     break
+                i = self.pending.find(first, i + 1)
         return best
 
 

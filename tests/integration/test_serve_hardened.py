@@ -5,9 +5,9 @@ Each hole gets its input, a clear 4xx, and the server still serves exactly after
 
 from __future__ import annotations
 
+import asyncio
 import json
-import time
-from concurrent.futures import ThreadPoolExecutor
+import threading
 
 import httpx
 import openai
@@ -16,9 +16,10 @@ import pytest
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest
 from svip_common.models import load_model
+from tests.gates import async_wait_until, wait_until
 from tests.serving import svip_serve
 
-KEYS = ("key-one", "key-two")
+KEYS = ("alice-0123456789abcdef0123456789abcdef", "bob-0123456789abcdef0123456789abcdef0")  # >= 32 characters
 MAX_NEW = 24
 PROMPT = "def fibonacci(n):"
 BODY_LIMIT = 256 * 1024
@@ -27,8 +28,9 @@ BODY_LIMIT = 256 * 1024
 @pytest.fixture(scope="module")
 def server(wide_pair):
     with svip_serve("--target", wide_pair.target, "--draft", wide_pair.draft, "--model-name", "wide",
-                    "--api-key", KEYS[0], "--api-key", KEYS[1], "--draft-length-cap", "8",
-                    "--max-request-bytes", str(BODY_LIMIT), "--max-in-flight", "1", "--max-waiting", "2") as srv:
+                    "--api-key", f"alice:{KEYS[0]}", "--api-key", KEYS[1], "--draft-length-cap", "8",
+                    "--max-request-bytes", str(BODY_LIMIT), "--max-in-flight", "1", "--max-waiting", "2",
+                    "--max-requests-per-key", "2") as srv:
         srv["auth"] = {"Authorization": f"Bearer {KEYS[1]}"}
         yield srv
 
@@ -141,43 +143,94 @@ def test_a_chunked_body_past_the_limit_is_413(server):
     assert r.status_code == 413
 
 
-def test_tokenizing_a_long_prompt_does_not_block_the_event_loop(server):
-    """A prompt near the body limit takes a while to tokenize; /health answers meanwhile."""
+def test_a_prompt_far_longer_than_the_context_is_refused_before_tokenizing(server, client, expected):
+    """A prompt near the body limit would hold the tokenizer thread for a while: its length in
+    characters alone says it cannot fit the context, so it is refused at once."""
     prompt = "print('hello')  # " * (BODY_LIMIT // 20)
-    with ThreadPoolExecutor(1) as pool:
-        big = pool.submit(post, server, {"model": "wide", "prompt": prompt, "max_tokens": 4})
-        time.sleep(0.05)
-        health = []
-        while not big.done() and len(health) < 50:
-            started = time.monotonic()
-            assert httpx.get(server["base"] + "/health", timeout=30).status_code == 200
-            health.append(time.monotonic() - started)
-        response = big.result()
-    assert response.status_code == 400 and "context" in response.text
-    assert health, "the long prompt was tokenized before /health could be asked"
-    assert min(health) < 0.25, health  # answered while the tokenizer ran
-
-
-def test_non_streaming_waiters_cancelled_by_their_clients_give_their_places_back(server, client, expected):
-    """One slot, two waiting places: a stream holds the slot, then more clients than there are
-    places each wait and leave. Before the fix each left a place taken: 429 for ever."""
-    # sampled: drafted as its policy says at any load (several seconds on this pair), so it holds the slot
-    long_body = {"model": "wide", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 3,
-                 "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", server["base"] + "/v1/completions", json=long_body, headers=server["auth"], timeout=120) as held:
-        lines = held.iter_lines()
-        next(lines)
-        for _ in range(5):
-            with pytest.raises(httpx.ReadTimeout):
-                post(server, {"model": "wide", "prompt": PROMPT, "max_tokens": 4}, timeout=0.5)
-        deadline = time.monotonic() + 15
-        while (health := httpx.get(server["base"] + "/health", timeout=30).json())["waiting"] and time.monotonic() < deadline:
-            time.sleep(0.2)
-        assert health["waiting"] == 0 and health["running"] == 1, health
-    deadline = time.monotonic() + 15
-    while httpx.get(server["base"] + "/health", timeout=30).json()["running"] and time.monotonic() < deadline:
-        time.sleep(0.2)
+    r = post(server, {"model": "wide", "prompt": prompt, "max_tokens": 4})
+    assert r.status_code == 400 and "far more than fits the model's context" in r.text
+    chat = {"model": "wide", "messages": [{"role": "user", "content": prompt}]}
+    r = post(server, chat, endpoint="chat/completions")
+    assert r.status_code == 400 and "far more than fits" in r.text
     assert_exact_again(client, expected)
+
+
+def test_non_streaming_waiters_cancelled_by_their_clients_give_their_places_back(server, client, expected, target_gate):
+    """One slot, two waiting places: a stream holds the slot (the target holds its steps, so it
+    cannot end), then more clients than there are places each wait and leave. Before the fix each
+    left a place taken: 429 for ever."""
+    health = lambda: httpx.get(server["base"] + "/health", timeout=30).json()  # noqa: E731
+    long_body = {"model": "wide", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 3, "stream": True}
+    small = {"model": "wide", "prompt": PROMPT, "max_tokens": 4}
+
+    async def wait_and_leave(async_client, count):
+        tasks = [asyncio.ensure_future(async_client.post(f"{server['base']}/v1/completions", json=small,
+                                                         headers={"Authorization": f"Bearer {KEYS[i % 2]}"}))
+                 for i in range(count)]
+        await async_wait_until(lambda: asyncio.to_thread(lambda: health()["waiting"] == count), what="the waiters in line")
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await async_wait_until(lambda: asyncio.to_thread(lambda: health()["waiting"] == 0), what="their places back")
+
+    async def clients():
+        async with httpx.AsyncClient(timeout=120) as async_client:
+            for _ in range(3):  # six waiters leave, three times the places
+                await wait_and_leave(async_client, 2)
+
+    with target_gate.held():
+        with httpx.stream("POST", server["base"] + "/v1/completions", json=long_body, headers=server["auth"],
+                          timeout=120) as held:
+            assert held.status_code == 200 and health()["running"] == 1
+            asyncio.run(clients())
+            assert health() | {"model": None} == {"status": "ok", "model": None, "running": 1, "waiting": 0}
+    wait_until(lambda: health()["running"] == 0, what="the stream's slot back")
+    assert_exact_again(client, expected)
+
+
+def test_one_key_cannot_take_every_place(server, client, expected, target_gate):
+    """At most two requests per key (--max-requests-per-key 2): bob's third is refused naming his
+    key while alice still gets a place in line; then everyone admitted is served."""
+    health = lambda: httpx.get(server["base"] + "/health", timeout=30).json()  # noqa: E731
+    body = {"model": "wide", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    results = {}
+
+    def call(name, key):
+        results[name] = post(server, body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
+
+    threads = [threading.Thread(target=call, args=("bob-1", KEYS[1])), threading.Thread(target=call, args=("bob-2", KEYS[1]))]
+    with target_gate.held():
+        threads[0].start()
+        wait_until(lambda: health()["running"] == 1, what="bob's first running")
+        threads[1].start()
+        wait_until(lambda: health()["waiting"] == 1, what="bob's second waiting")
+        refused = post(server, body, headers={"Authorization": f"Bearer {KEYS[1]}"})
+        threads.append(threading.Thread(target=call, args=("alice", KEYS[0])))
+        threads[-1].start()
+        wait_until(lambda: health()["waiting"] == 2, what="alice waiting")
+    for t in threads:
+        t.join(120)
+    assert refused.status_code == 429 and "API key 'key-" in refused.json()["error"]["message"], refused.text
+    assert "limit 2" in refused.json()["error"]["message"]
+    assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == expected[: len(r.json()["choices"][0]["text"])]
+               for r in results.values()), {k: r.text[:200] for k, r in results.items()}
+
+
+@pytest.mark.parametrize("patch, words", [
+    ({"stop": ["x" * 100_000]}, "each 'stop' string is at most 256 characters, got one of 100000"),
+    ({"ignore_eos": True}, "'ignore_eos' is not allowed on this deployment"),
+])
+def test_request_content_that_would_buy_server_time_is_400(server, client, expected, patch, words):
+    r = post(server, {"model": "wide", "prompt": PROMPT, "max_tokens": 4, **patch})
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert_exact_again(client, expected)
+
+
+def test_no_api_docs_and_a_health_without_reasons(server):
+    for path in ("/docs", "/redoc", "/openapi.json"):
+        assert httpx.get(server["base"] + path, timeout=30).status_code == 404, path
+    health = httpx.get(server["base"] + "/health", timeout=30).json()
+    assert set(health) == {"status", "model", "running", "waiting"} and health["model"] == "wide"
 
 
 def test_stream_errors_end_with_an_error_event_and_done(server):

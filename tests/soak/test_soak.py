@@ -90,7 +90,7 @@ def settle(base: str, timeout: float = 30.0) -> dict:
 
 
 def test_soak_memory_and_sessions_stay_flat():
-    with svip_serve("--max-in-flight", "8", "--max-waiting", "16") as server:
+    with svip_serve("--max-in-flight", "8", "--max-waiting", "16", "--allow-ignore-eos") as server:
         base = server["base"]
         run_mix(base, 0, WARMUP)
         settle(base)

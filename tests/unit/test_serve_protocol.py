@@ -137,6 +137,14 @@ def test_admission_refuses_past_in_flight_plus_waiting():
     ({"draft_stall_s": 1e9}, "draft_stall_s"),
     ({"sampled_hold_s": -1}, "sampled_hold_s"),
     ({"sampled_hold_s": float("inf")}, "sampled_hold_s"),
+    ({"default_max_tokens": 0}, "default_max_tokens"),
+    ({"default_max_tokens": 2.5}, "default_max_tokens"),
+    ({"max_wait_s": 0}, "max_wait_s"),
+    ({"max_wait_s": float("inf")}, "max_wait_s"),
+    ({"body_read_timeout_s": -1}, "body_read_timeout_s"),
+    ({"max_requests_per_key": -1}, "max_requests_per_key"),
+    ({"allow_ignore_eos": "yes"}, "allow_ignore_eos"),
+    ({"api_key_sha256": ["short-key"]}, "SHA-256 digests"),
 ])
 def test_bad_app_arguments(args, words):
     with pytest.raises(InvalidRequest, match=words):
@@ -150,3 +158,13 @@ def test_placement_bundles():
     assert gpu.bundles()[1:] == [{"CPU": 1.0, "GPU": 2.0}, {"CPU": 1.0, "GPU": 1.0}]
     alone = ServeSettings.from_args({"target": "t", "draft": "none", "device": "cuda"})
     assert len(alone.bundles()) == 2 and alone.served_name == "t"
+
+
+def test_the_served_name_is_never_a_filesystem_path(tmp_path):
+    model = tmp_path / "my-model"
+    model.mkdir()
+    assert ServeSettings.from_args({"target": str(model), "draft": "none"}).served_name == "my-model"
+    assert ServeSettings.from_args({"target": "Qwen/Qwen2.5-7B", "draft": "none"}).served_name == "Qwen/Qwen2.5-7B"
+    assert ServeSettings.from_args({}).served_name == "svip-pair"
+    named = ServeSettings.from_args({"api_key_sha256": ["ops:" + "a" * 64, "b" * 64]})
+    assert named.api_key_sha256 == ("ops:" + "a" * 64, "b" * 64)

@@ -73,3 +73,22 @@ def test_text_stream_without_stop_releases_everything(tokenizer):
     stream = TextStream(tokenizer, ("never there",))
     text = "".join(stream.push([t]) for t in ids) + stream.finish()
     assert text == TEXTS[1] and stream.token_count == len(ids) and not stream.stopped
+
+
+def test_a_long_stop_string_costs_each_token_its_length_not_its_square():
+    """The matcher looks only at the tail a stop string could still complete, from where its first
+    character stands: feeding a 255-character prefix of a 256-character stop holds it back, and
+    the token that breaks it releases everything (review M6: a 100k stop prefix used to cost 0.13 s)."""
+    stop = "a" * 255 + "b"
+    m = StopMatcher((stop,))
+    out = [m.feed("a") for _ in range(255)]
+    assert all(text == "" for text, _ in out) and len(m.pending) == 255
+    assert m.feed("c") == ("a" * 255 + "c", False)
+    assert m.feed("a" * 255 + "b") == ("", True)
+
+
+def test_the_longest_held_tail_is_found_past_a_false_start():
+    m = StopMatcher(("abab", "xyz"))
+    assert m.feed("zzaba") == ("zz", False)  # "aba" could begin "abab"
+    assert m.feed("x") == ("aba", False)  # "x" could begin "xyz"
+    assert m.feed("yz!") == ("", True)
