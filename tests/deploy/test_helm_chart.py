@@ -30,10 +30,14 @@ VARIANTS = {
     "defaults": {},
     "example": yaml.safe_load(EXAMPLE.read_text()),
     "ingress-tls-token": {"ingress": {"enabled": True, "className": "nginx", "tls": [{"secretName": "t", "hosts": ["a.b"]}]},
-                          "hfToken": {"secretName": "hf-token"}, "imagePullSecrets": [{"name": "regcred"}]},
+                          "hfToken": {"secretName": "hf-token"}, "imagePullSecrets": [{"name": "regcred"}],
+                          "apiKey": {"secretName": "svip-keys"}},
     "every-option": {
         "apiKey": {"secretName": "svip-keys", "secretKey": "keys"},
-        "serve": {"workerStartTimeoutS": 1800, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetOngoingRequests": 4}},
+        "serve": {"workerStartTimeoutS": 1800, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetOngoingRequests": 4},
+                  "maxWaitS": 10, "maxRequestsPerKey": 4, "defaultMaxTokens": 1024, "allowIgnoreEos": True},
+        "grpcTls": {"secretName": "svip-grpc-tls"},
+        "rayAuth": {"enabled": True, "secretName": "ray-token"},
         "workers": {"minReplicas": 1, "maxReplicas": 2, "shmSize": "16Gi"},
         "modelCache": {"enabled": True, "size": "200Gi", "storageClassName": "fast-rwx"},
         "upgradeStrategy": {"type": "NewCluster"},
@@ -51,14 +55,25 @@ VARIANTS = {
         "tests": {"image": "registry.example.com/python:3.12-slim"},
     },
     "target-alone-autoscaling": {"model": {"draft": "none"}, "workers": {"minReplicas": 1, "maxReplicas": 3, "gpusPerWorker": 1},
-                                 "serve": {"replicas": 3}, "networkPolicy": {"enabled": False},
+                                 "serve": {"replicas": 3}, "networkPolicy": {"enabled": False}, "rayAuth": {"enabled": False},
                                  "podDisruptionBudget": {"enabled": False}, "service": {"type": "LoadBalancer"}},
 }
 
 
-def render(values: dict | None = None) -> list[dict]:
+# what every install must say (the chart refuses to guess where the KubeRay operator runs)
+REQUIRED = {"networkPolicy": {"operatorNamespace": "kuberay-system"}}
+
+
+def merged(base: dict, values: dict | None) -> dict:
+    out = dict(base)
+    for key, value in (values or {}).items():
+        out[key] = merged(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def render(values: dict | None = None, required: dict = REQUIRED) -> list[dict]:
     with helm.Chart.load(CHART) as chart:
-        manifests = chart.render(values=values, name="svip", namespace="llm", is_install=True)
+        manifests = chart.render(values=merged(required, values), name="svip", namespace="llm", is_install=True)
     docs = []
     for path, text in manifests.items():
         if path.endswith("NOTES.txt"):
@@ -86,7 +101,7 @@ def rayservice_schema() -> dict:
 
 @pytest.mark.parametrize("values", [None, VARIANTS["example"], VARIANTS["every-option"]], ids=["defaults", "example", "every-option"])
 def test_lint_is_clean(values):
-    report = helm.lint(CHART, values, strict=True)
+    report = helm.lint(CHART, merged(REQUIRED, values), strict=True)
     assert not report["errors"], report
     assert all(m["severity"] < 2 for m in report["messages"]), report["messages"]
 
@@ -174,14 +189,53 @@ def test_service_is_cluster_ip_by_default_and_ingress_is_optional():
     assert backend["name"] == serve_service["metadata"]["name"]
 
 
-def test_hf_token_comes_from_the_secret_reference():
+def test_secrets_reach_the_gpu_workers_only():
+    """The head runs Ray's Jobs API and loads no model: neither the hub token nor the API keys."""
     service = by_kind(render(VARIANTS["ingress-tls-token"]), "RayService")[0]
     cluster = service["spec"]["rayClusterConfig"]
-    pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
-    for pod in pods:
-        env = {e["name"]: e for e in pod["spec"]["containers"][0]["env"]}
+    for group in cluster["workerGroupSpecs"]:
+        env = {e["name"]: e for e in group["template"]["spec"]["containers"][0]["env"]}
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
+        assert env["SVIP_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "svip-keys", "key": "key"}
+    assert "env" not in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
     assert "env" not in by_kind(render(), "RayService")[0]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+
+
+def test_an_ingress_without_an_api_key_is_refused_unless_open_on_purpose():
+    with pytest.raises(helm.HelmError, match="would publish an open API"):
+        render({"ingress": {"enabled": True}})
+    assert by_kind(render({"ingress": {"enabled": True}, "apiKey": {"allowOpen": True}}), "Ingress")
+    assert by_kind(render({"ingress": {"enabled": True}, "apiKey": {"secretName": "keys"}}), "Ingress")
+    example = VARIANTS["example"]
+    assert example["ingress"]["enabled"] and example["apiKey"]["secretName"] and example["ingress"]["tls"]
+
+
+def test_ray_token_authentication_is_on_by_default():
+    cluster = by_kind(render(), "RayService")[0]["spec"]["rayClusterConfig"]
+    assert cluster["authOptions"] == {"mode": "token"}
+    named = by_kind(render(VARIANTS["every-option"]), "RayService")[0]["spec"]["rayClusterConfig"]
+    assert named["authOptions"] == {"mode": "token", "secretName": "ray-token"}
+    assert "authOptions" not in by_kind(render({"rayAuth": {"enabled": False}}), "RayService")[0]["spec"]["rayClusterConfig"]
+
+
+def test_worker_grpc_tls_and_serving_limits_reach_the_app():
+    service = by_kind(render(VARIANTS["every-option"]), "RayService")[0]
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["grpc_tls_dir"] == "/etc/svip/grpc-tls"
+    assert (args["max_wait_s"], args["max_requests_per_key"], args["default_max_tokens"], args["allow_ignore_eos"]) == (
+        10, 4, 1024, True)
+    worker = pod_templates(service)[1]["spec"]
+    assert {"name": "grpc-tls", "secret": {"secretName": "svip-grpc-tls", "defaultMode": 0o440}} in worker["volumes"]
+    mounts = {m["name"]: m for m in worker["containers"][0]["volumeMounts"]}
+    assert mounts["grpc-tls"] == {"name": "grpc-tls", "mountPath": "/etc/svip/grpc-tls", "readOnly": True}
+    defaults = yaml.safe_load(by_kind(render(), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert "grpc_tls_dir" not in defaults and defaults["allow_ignore_eos"] is False and defaults["default_max_tokens"] == 2048
+
+
+def test_a_model_path_is_never_the_served_model_id():
+    args = yaml.safe_load(by_kind(render({"model": {"target": "/models/qwen-7b", "draft": "none"}, "workers": {"gpusPerWorker": 1}}),
+                                  "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert args["model_name"] == "qwen-7b"
 
 
 def policy_rules(values=None) -> dict:
@@ -196,12 +250,37 @@ def policy_rules(values=None) -> dict:
     return rules
 
 
+RAY_PODS = {"matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["ray-head", "ray-worker"]}]}
+OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}},
+            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+
+
 def test_network_policy_keeps_ray_and_worker_ports_inside_the_release():
     rules = policy_rules()
-    assert rules["ray"] == rules["own"]
+    own = rules["own"][0]["podSelector"]
+    assert rules["ray"] == [{"podSelector": {**own, **RAY_PODS}}]  # the Ray pods only: not the helm test pod
     assert rules[(8000,)] == [{"namespaceSelector": {}}]  # ClusterIP: pods of the cluster, no ipBlock
-    assert rules[(8265, 52365)] == [{"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "default"}}}]
     assert rules[(8080,)] == [{"namespaceSelector": {}}]
+
+
+def test_only_the_operators_pods_reach_the_dashboard_and_its_agent():
+    """One peer with both selectors: a pod must be in the operator's namespace AND carry its labels
+    (two peers would admit either). No namespace named: the chart refuses to render."""
+    rules = policy_rules()
+    assert rules[(8265, 52365)] == [OPERATOR]
+    peer = rules[(8265, 52365)][0]
+
+    def admitted(namespace: str, labels: dict) -> bool:
+        return (peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": namespace}
+                and all(labels.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items()))
+
+    assert admitted("kuberay-system", {"app.kubernetes.io/name": "kuberay-operator", "pod-template-hash": "x"})
+    assert not admitted("default", {"app.kubernetes.io/name": "kuberay-operator"})  # another namespace
+    assert not admitted("kuberay-system", {"app": "something-else"})  # not the operator
+    with pytest.raises(helm.HelmError, match="networkPolicy.operatorNamespace is required"):
+        render(required={})
+    custom = policy_rules({"networkPolicy": {"operatorPodLabels": {"app.kubernetes.io/name": None, "app": "operator"}}})
+    assert custom[(8265, 52365)][0]["podSelector"] == {"matchLabels": {"app": "operator"}}
 
 
 @pytest.mark.parametrize("service_type", ["LoadBalancer", "NodePort"])
@@ -219,6 +298,7 @@ def test_network_policy_api_sources_and_operator_namespace_are_settings():
                                             "monitoringNamespace": "monitoring"}, "service": {"type": "LoadBalancer"}})
     assert rules[(8000,)] == peers
     assert rules[(8265, 52365)][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ray-system"}
+    assert rules[(8265, 52365)][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
     assert rules[(8080,)][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "monitoring"}
 
 
@@ -330,7 +410,10 @@ def test_operator_settings_reach_every_ray_pod():
     for template in pod_templates(service):
         spec, container = template["spec"], template["spec"]["containers"][0]
         env = {e["name"]: e for e in container["env"]}
-        assert env["SVIP_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "svip-keys", "key": "keys"}
+        worker = template["metadata"]["labels"]["app.kubernetes.io/component"] == "ray-worker"
+        assert ("SVIP_API_KEY" in env) == worker  # the keys: on the GPU workers only
+        if worker:
+            assert env["SVIP_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "svip-keys", "key": "keys"}
         assert env["HF_HOME"]["value"] == "/home/ray/.cache/huggingface" and env["RAY_LOG_LEVEL"]["value"] == "info"
         assert container["envFrom"] == [{"secretRef": {"name": "extra-env"}}]
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}

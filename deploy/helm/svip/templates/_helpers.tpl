@@ -31,8 +31,11 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ include "svip.fullname" . }}-serve
 {{- end -}}
 
+{{/* The id clients pass as `model`: never a filesystem path (a target in the image is known by
+     its last component). */}}
 {{- define "svip.modelName" -}}
-{{ .Values.model.name | default .Values.model.target }}
+{{- $target := .Values.model.target -}}
+{{ .Values.model.name | default (ternary (base $target) $target (hasPrefix "/" $target)) }}
 {{- end -}}
 
 {{- define "svip.modelCacheClaim" -}}
@@ -65,7 +68,14 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "load_aware" $v.decoding.loadAware
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
+  "max_wait_s" $v.serve.maxWaitS
+  "max_requests_per_key" (int $v.serve.maxRequestsPerKey)
+  "default_max_tokens" (int $v.serve.defaultMaxTokens)
+  "allow_ignore_eos" $v.serve.allowIgnoreEos
 -}}
+{{- if $v.grpcTls.secretName -}}
+{{- $_ := set $args "grpc_tls_dir" "/etc/svip/grpc-tls" -}}
+{{- end -}}
 {{- if $v.serve.autoscaling.enabled -}}
 {{- $_ := set $args "autoscaling" (dict "min_replicas" (int $v.serve.autoscaling.minReplicas) "max_replicas" (int $v.serve.autoscaling.maxReplicas) "target_ongoing_requests" $v.serve.autoscaling.targetOngoingRequests) -}}
 {{- end -}}
@@ -74,17 +84,20 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- toYaml $config -}}
 {{- end -}}
 
-{{/* Environment of every Ray container: the hub token and API keys from Secrets, the weights
-     cache, and the operator's own variables. */}}
+{{/* Environment of the Ray containers: the weights cache and the operator's own variables; on
+     the GPU workers only (`secrets`), the hub token and the API keys from their Secrets. Called
+     with (dict "root" . "secrets" bool). */}}
 {{- define "svip.env" -}}
-{{- if .Values.hfToken.secretName }}
+{{- $secrets := .secrets -}}
+{{- with .root -}}
+{{- if and $secrets .Values.hfToken.secretName }}
 - name: HF_TOKEN
   valueFrom:
     secretKeyRef:
       name: {{ .Values.hfToken.secretName }}
       key: {{ .Values.hfToken.secretKey }}
 {{- end }}
-{{- if .Values.apiKey.secretName }}
+{{- if and $secrets .Values.apiKey.secretName }}
 - name: SVIP_API_KEY
   valueFrom:
     secretKeyRef:
@@ -99,12 +112,15 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
+{{- end -}}
 
-{{/* Container settings every Ray container shares. */}}
+{{/* Container settings every Ray container shares; (dict "root" . "secrets" bool) as svip.env. */}}
 {{- define "svip.container" -}}
+{{- $secrets := .secrets -}}
+{{- with .root -}}
 image: {{ include "svip.image" . }}
 imagePullPolicy: {{ .Values.image.pullPolicy }}
-{{- with include "svip.env" . | trim }}
+{{- with include "svip.env" (dict "root" . "secrets" $secrets) | trim }}
 env:
   {{- . | nindent 2 }}
 {{- end }}
@@ -116,6 +132,7 @@ envFrom:
 securityContext:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- end -}}
 {{- end -}}
 
 {{- define "svip.volumeMounts" -}}
@@ -184,6 +201,9 @@ prometheus.io/port: {{ .Values.metrics.port | quote }}
 {{- end -}}
 {{- if and .Values.podDisruptionBudget.enabled (ge (int .Values.podDisruptionBudget.minAvailable) (int .Values.workers.minReplicas)) -}}
 {{- fail (printf "podDisruptionBudget.minAvailable (%d) >= workers.minReplicas (%d) would block every node drain: lower it, or leave the budget off" (int .Values.podDisruptionBudget.minAvailable) (int .Values.workers.minReplicas)) -}}
+{{- end -}}
+{{- if and .Values.ingress.enabled (not .Values.apiKey.secretName) (not .Values.apiKey.allowOpen) -}}
+{{- fail "ingress.enabled without apiKey.secretName would publish an open API: set apiKey.secretName (a Secret of keys), or apiKey.allowOpen: true to publish it open on purpose" -}}
 {{- end -}}
 {{- if and .Values.head.faultTolerance.enabled (not .Values.head.faultTolerance.redisAddress) -}}
 {{- fail "head.faultTolerance.enabled needs head.faultTolerance.redisAddress (an external Redis)" -}}
