@@ -7,7 +7,7 @@ from __future__ import annotations
 import logging
 import os
 
-from svip_common.errors import SvipError, WorkerUnavailable
+from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
 from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
 from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info, pair_limits
@@ -153,10 +153,13 @@ class WorkerPair:
                  max_draft_length: int = DRAFT_LENGTH_CAP, layout: str | None = None, tls: TlsFiles | None = None,
                  start_timeout_s: float = START_TIMEOUT_S, placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None,
-                 load_aware: str = "greedy", max_restarts: int = WORKER_RESTARTS, recovery: dict | None = None):
+                 load_aware: str = "greedy", max_restarts: int = WORKER_RESTARTS, recovery: dict | None = None,
+                 packed: bool = False, insecure_workers: bool = False):
         """max_restarts: how many times Ray restarts each worker that dies (a session outlives it:
         coordinator/draft_port.py, coordinator/distributed.py); recovery: the target host's
-        draft_stall_s / sampled_hold_s / draft_recover_s."""
+        draft_stall_s / sampled_hold_s / draft_recover_s. packed: the placement puts both workers
+        on one node (Serve's STRICT_PACK group; layout "pack" says so itself), so they listen on
+        loopback; insecure_workers: serve plaintext on a node address (refused otherwise)."""
         import ray
 
         from draft_worker.actor import DraftActor
@@ -179,8 +182,14 @@ class WorkerPair:
                 self.shutdown()
                 raise SvipError(f"no room to place the pair ({layout}): Ray has no {'two nodes' if layout == 'spread' else 'node'} "
                                 f"with a free {'GPU' if target_gpus else 'CPU'} for each worker")
-        host = "127.0.0.1" if ray.util.get_node_ip_address() == "127.0.0.1" else None  # None: the node's address
-        common = dict(dtype=dtype, device=device, host=host, tls=tls, kv_cache_tokens=kv_cache_tokens)
+        packed = packed or layout == "pack" or ray.util.get_node_ip_address() == "127.0.0.1"
+        host = "127.0.0.1" if packed else None  # None: the node's address (two nodes)
+        if host is None and tls is None and not insecure_workers:
+            self.shutdown()
+            raise InvalidRequest("the workers would talk gRPC in plaintext between two nodes: give them mutual TLS "
+                                 "(--grpc-tls-dir), or pass --insecure-workers on a network you trust")
+        common = dict(dtype=dtype, device=device, host=host, tls=tls, kv_cache_tokens=kv_cache_tokens,
+                      insecure=insecure_workers)
         self.kv_cache_tokens = kv_cache_tokens
         restarts = {"max_restarts": max_restarts}
         self.target = ray.remote(TargetActor).options(
@@ -191,7 +200,8 @@ class WorkerPair:
         if draft_path is not None:
             self.draft = ray.remote(DraftActor).options(
                 **actor_options("draft", draft_gpus, placement, bundles[1], worker_cpus), **restarts).remote(
-                draft_path, self.limits, target_vocab_size=self.target_info.vocab_size, **common)
+                draft_path, self.limits, target_vocab_size=self.target_info.vocab_size,
+                max_batched_tokens=max_batched_tokens, **common)
         actors = [a for a in (self.target, self.draft) if a is not None]
         try:
             ray.get([a.placed.remote() for a in actors], timeout=placement_timeout_s)

@@ -24,7 +24,7 @@ import grpc
 from coordinator.client import BROKEN, WorkerConnection, draft_stats
 from coordinator.pipeline import PIPELINES, WorkerError
 from svip_common.contracts import AUTO, GenerationRequest, GenerationResult, GenerationStats, Limits, PolicyConfig
-from svip_common.errors import InvalidRequest, WorkerUnavailable
+from svip_common.errors import InvalidRequest, Overloaded, WorkerUnavailable
 from svip_common.models import ModelInfo
 from svip_common.tls import TlsFiles
 from svip_proto import convert
@@ -233,4 +233,6 @@ def _error(err: pb.Error) -> Exception:
         return InvalidRequest(f"target worker: {err.message}")
     if err.code == grpc.StatusCode.UNAVAILABLE.value[0]:
         return WorkerUnavailable(err.message)
+    if err.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0]:
+        return Overloaded(f"target worker: {err.message}")
     return WorkerError(f"target worker: {err.message}")

@@ -49,7 +49,8 @@ class SpeculativeEngine:
         self.target = target
         self.verifier = Verifier(target, pair_limits(target, draft).tokens, kv_cache_tokens)
         self.limits = pair_limits(target, draft, kv_tokens=self.verifier.pool.tokens)
-        self.drafter = Drafter(draft, target.vocab_size, self.limits.tokens, kv_cache_tokens) if draft is not None else None
+        self.drafter = (Drafter(draft, target.vocab_size, self.limits.tokens, kv_cache_tokens, max_batched_tokens)
+                        if draft is not None else None)
         self._calibration: Calibration | None = None
 
     @property

@@ -6,11 +6,12 @@ loop."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from svip_common.contracts import GenerationRequest, GenerationResult
-from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
 from svip_common.tls import TlsFiles
 
 
@@ -18,7 +19,7 @@ class LocalDistributed:
     def __init__(self, target_path: str, draft_path: str | None, pipeline: str = "async",
                  dtype: str = "float32", device: str = "cpu", target_gpus: int = 1, ray_address: str | None = None,
                  placement: str | None = None, tls: TlsFiles | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
-                 max_batched_tokens: int | None = None, load_aware: str = "greedy"):
+                 max_batched_tokens: int | None = None, load_aware: str = "greedy", insecure_workers: bool = False):
         if ray_address is None:
             init_local_ray()
         else:
@@ -29,7 +30,7 @@ class LocalDistributed:
         self.pair = WorkerPair(target_path, draft_path, dtype=dtype, device=device,
                                target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=placement, tls=tls,
                                kv_cache_tokens=kv_cache_tokens, max_batched_tokens=max_batched_tokens,
-                               load_aware=load_aware)
+                               load_aware=load_aware, insecure_workers=insecure_workers)
         self.target = self.pair.target_info
         self.draft_path = draft_path
         self.loop = asyncio.new_event_loop()
@@ -43,17 +44,11 @@ class LocalDistributed:
         return self.loop.run_until_complete(self.engine.generate(request))
 
     def generate_many(self, requests: list[GenerationRequest], batch_size: int) -> list[GenerationResult]:
-        """Up to batch_size sessions in flight at once (the workers batch their forwards)."""
-        async def run_all():
-            slots = asyncio.Semaphore(batch_size)
-
-            async def one(request):
-                async with slots:
-                    return await self.engine.generate(request)
-
-            return await asyncio.gather(*(one(r) for r in requests))
-
-        return self.loop.run_until_complete(run_all())
+        """Up to batch_size sessions in flight at once (the workers batch their forwards), admitted
+        by KV as the in-process batch is (run_admitted)."""
+        requests = [self.engine.resolve(r) for r in requests]  # every bad request named before any runs
+        return self.loop.run_until_complete(
+            run_admitted(requests, batch_size, self.pair.limits.kv_tokens, self.engine.generate))
 
     def close(self) -> None:
         import ray
@@ -68,3 +63,34 @@ class LocalDistributed:
 
     def __exit__(self, *exc):
         self.close()
+
+
+async def run_admitted(requests: list[GenerationRequest], batch_size: int, kv_tokens: int | None,
+                       generate: Callable[[GenerationRequest], Awaitable[GenerationResult]]) -> list[GenerationResult]:
+    """Each request generated once it is first in line, fewer than batch_size run and its prompt
+    plus max tokens fit the KV pool (in whole pages) beside those running: a batch larger than
+    the pool waits for room, never fills it (a full pool would fail every session of a step)."""
+    room = asyncio.Condition()
+    state = {"running": 0, "reserved": 0, "next": 0}
+
+    def admissible(index: int, tokens: int) -> bool:
+        fits = kv_tokens is None or state["reserved"] + tokens <= kv_tokens
+        return state["next"] == index and state["running"] < batch_size and fits
+
+    async def one(index: int, request: GenerationRequest) -> GenerationResult:
+        tokens = whole_pages(len(request.prompt_ids) + request.max_new_tokens)
+        async with room:
+            await room.wait_for(lambda: admissible(index, tokens))
+            state["running"] += 1
+            state["reserved"] += tokens
+            state["next"] += 1
+            room.notify_all()
+        try:
+            return await generate(request)
+        finally:
+            async with room:
+                state["running"] -= 1
+                state["reserved"] -= tokens
+                room.notify_all()
+
+    return await asyncio.gather(*(one(i, r) for i, r in enumerate(requests)))

@@ -27,23 +27,44 @@ class Drafter:
     """The draft model and its KV pool, shared by the sessions it opens."""
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, token_limit: int | None = None,
-                 kv_cache_tokens: int = DEFAULT_KV_TOKENS):
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None):
+        """max_batched_tokens: at most this many tokens in one draft forward (None: no limit): a
+        block whose uncached prefix (a new prompt) does not fit is prefilled a chunk per step."""
         self.draft = draft
+        self.max_batched_tokens = max_batched_tokens
+        self.last_step_tokens = 0  # tokens in the last forward
         self.width = target_vocab_size  # q is laid over the target's vocabulary
         self.token_limit = min(draft.token_limit, target_vocab_size) if token_limit is None else token_limit
         self.pool = KVPool(draft.model, kv_cache_tokens)
 
     @torch.inference_mode()
     def step(self, drafts: Sequence[BlockDraft]) -> None:
-        """One draft forward that advances every unfinished block by one token."""
+        """One draft forward that advances every unfinished block by one token, within
+        max_batched_tokens: a block whose pending tokens (a prompt's prefill) do not fit the room
+        left gets a chunk of them and no token this step (the first always advances)."""
         live = [d for d in drafts if not d.done]
         if not live:
             return
+        room = self.max_batched_tokens if self.max_batched_tokens is not None else float("inf")
+        steps, drafting = [], []
+        for d in live:
+            pending = d._pending
+            if len(pending) > room and len(pending) > 1:
+                chunk = min(int(room), len(pending) - 1) if room >= 1 else 0
+                if chunk > 0:  # the prefix goes in; the rest, with the block's next token, later
+                    steps.append((d._session._seq, pending[:chunk], 0))
+                    d._pending = pending[chunk:]
+                    room -= chunk
+                continue
+            steps.append((d._session._seq, pending, 1))
+            drafting.append(d)
+            room -= len(pending)
+        self.last_step_tokens = sum(len(new) for _, new, _ in steps)
         started = time.perf_counter()
-        rows = self.pool.forward([(d._session._seq, d._pending, 1) for d in live])
+        rows = self.pool.forward(steps)
         elapsed = time.perf_counter() - started
-        share = elapsed / len(live)  # each block's part of the forward
-        for draft, logits in zip(live, rows):
+        share = elapsed / len(steps)  # each block's part of the forward
+        for draft, logits in zip(drafting, [row for row, (_, _, k) in zip(rows, steps) if k]):
             draft._absorb(logits, share)
 
     def open(

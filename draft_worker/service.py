@@ -49,6 +49,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         if kind == "start":
             msg = request.start
             self.check_start(msg)
+            self.admit(msg.session_id, stream)
             sampling = convert.sampling_from_proto(msg.sampling)
             policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length)
             stop = frozenset(msg.stop_token_ids)

@@ -2,8 +2,9 @@
 shut down. Each worker package subclasses it with the service it hosts (draft_worker/actor.py,
 target_worker/actor.py); Ray places the actor (its GPU, or a CPU core and a role resource).
 
-A worker listens on one address, never the wildcard: 127.0.0.1 in the local mode, its node's
-own address in a cluster (``host=None``), with mutual TLS there when a TLS directory is given."""
+A worker listens on one address, never the wildcard: 127.0.0.1 in the local mode and whenever the
+pair is packed on one node, its node's own address when spread (``host=None``), with mutual TLS
+there (plaintext off loopback is refused unless ``insecure``)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import torch
 
 from svip_common.contracts import Limits
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
-from svip_common.grpc_server import start_server
+from svip_common.grpc_server import check_bind, start_server
 from svip_common.models import LoadedModel, load_model
 from svip_common.tls import TlsFiles
 
@@ -27,9 +28,11 @@ class ModelActor:
 
     def __init__(self, model_path: str, limits: Limits, dtype: str = "float32", device: str = "cpu",
                  threads: int = 1, host: str | None = "127.0.0.1", tls: TlsFiles | None = None,
-                 kv_cache_tokens: int = DEFAULT_KV_TOKENS):
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, insecure: bool = False):
         """Cheap: the actor answers as soon as Ray has placed it; load() brings the weights.
-        kv_cache_tokens: the worker's KV pool, in tokens, shared by its sessions."""
+        kv_cache_tokens: the worker's KV pool, in tokens, shared by its sessions; insecure: serve
+        plaintext on a non-loopback address (refused otherwise)."""
+        self.insecure = insecure
         self.kv_cache_tokens = kv_cache_tokens
         torch.set_num_threads(threads)
         # the event loop thread waits for the GIL while the compute thread runs Python between
@@ -80,6 +83,7 @@ class ModelActor:
                 import ray
 
                 self.host = ray.util.get_node_ip_address()
+            check_bind(self.host, self.tls, self.insecure)  # before any compute thread starts
             service = self.make_service(**kwargs)
             try:
                 await self.on_start(service)
@@ -88,7 +92,7 @@ class ModelActor:
                 raise
             self.service = service
             self._server, self.port = await start_server(lambda s: self.register(s, self.service), self.service_name,
-                                                         self.host, self.tls)
+                                                         self.host, self.tls, self.insecure)
         return f"{self.host}:{self.port}"
 
     async def serve(self, **kwargs) -> str:

@@ -18,6 +18,11 @@ class WorkerUnavailable(SvipError):
     """A worker is down or unreachable."""
 
 
+class Overloaded(SvipError):
+    """A worker cannot take this session now (its session caps or KV room): the session alone is
+    refused (gRPC RESOURCE_EXHAUSTED), every other goes on."""
+
+
 _DEVICE_FAILURES = ("CUDA error", "AcceleratorError", "device-side assert", "CUBLAS_STATUS", "cuDNN error")
 
 

@@ -4,6 +4,7 @@ message size limits, the standard health service) and the session-multiplexing s
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import threading
 import time
@@ -15,7 +16,7 @@ from grpc_health.v1._async import HealthServicer
 
 from svip_common.compute_loop import ComputeLoop, Outlet
 from svip_common.contracts import Limits, check_length, check_prompt_ids, check_token_ids
-from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
+from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
 from svip_common.tls import TlsFiles
 from svip_proto import svip_pb2 as pb
 
@@ -35,12 +36,30 @@ GRPC_OPTIONS = [
 log = logging.getLogger(__name__)
 
 
-async def start_server(register: Callable[[grpc.aio.Server], None], service_name: str, host: str = "127.0.0.1",
-                       tls: TlsFiles | None = None) -> tuple[grpc.aio.Server, int]:
-    """Start a grpc.aio server on host:<free port> (never the wildcard address) with the health
-    service, mutual TLS when tls is given; returns (server, port)."""
+def is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
+
+
+def check_bind(host: str, tls: TlsFiles | None, insecure: bool = False) -> None:
+    """A worker listens on one address, never the wildcard, and in plaintext on loopback only
+    (a direct peer on the network would bypass the API's keys and admission) unless told so."""
     if host in ("", "0.0.0.0", "::", "[::]"):
-        raise ValueError("a worker listens on one address: its node's, or 127.0.0.1")
+        raise InvalidRequest("a worker listens on one address: its node's, or 127.0.0.1")
+    if tls is None and not insecure and not is_loopback(host):
+        raise InvalidRequest(f"refusing to serve worker gRPC in plaintext on {host}, a non-loopback address: give "
+                             "the workers mutual TLS (--grpc-tls-dir / grpc_tls_dir), or pass --insecure-workers on "
+                             "a network you trust")
+
+
+async def start_server(register: Callable[[grpc.aio.Server], None], service_name: str, host: str = "127.0.0.1",
+                       tls: TlsFiles | None = None, insecure: bool = False) -> tuple[grpc.aio.Server, int]:
+    """Start a grpc.aio server on host:<free port> (never the wildcard address; plaintext only on
+    loopback unless insecure) with the health service, mutual TLS when tls is given; returns
+    (server, port)."""
+    check_bind(host, tls, insecure)
     server = grpc.aio.server(options=GRPC_OPTIONS)
     register(server)
     health = HealthServicer()
@@ -59,6 +78,8 @@ class Refused(InvalidRequest):
 
 
 COMPUTE_PROBE_S = 10.0  # Stats: a compute thread silent this long is stuck (a hung kernel, a deadlock)
+MAX_SESSIONS_PER_STREAM = 1024  # a peer's stream past it: its new sessions are refused (RESOURCE_EXHAUSTED)
+MAX_SESSIONS_PER_WORKER = 4096  # every stream together
 MAX_QUEUED_EVENTS = 256  # per stream; past it, the stream's requests are not read
 _END = object()
 
@@ -73,6 +94,7 @@ class SessionStream:
     def __init__(self, service: SessionService):
         self._service = service
         self.outlet = Outlet(asyncio.get_running_loop())
+        self.sessions = 0  # open sessions this stream started (the compute thread counts them)
         self._room = asyncio.Event()
         self._unanswered = 0  # requests read, not yet handled by the compute thread
 
@@ -131,6 +153,8 @@ def status_of(exc: SvipError) -> grpc.StatusCode:
         return grpc.StatusCode.INVALID_ARGUMENT
     if isinstance(exc, WorkerUnavailable):
         return grpc.StatusCode.UNAVAILABLE
+    if isinstance(exc, Overloaded):
+        return grpc.StatusCode.RESOURCE_EXHAUSTED
     return grpc.StatusCode.INTERNAL
 
 
@@ -156,8 +180,9 @@ class SessionService:
         self._owners: dict[str, SessionStream] = {}
         self.tokens_processed = 0
         self._lock = threading.Lock()  # Stats reads the table from the event loop
-        self.compute = ComputeLoop(f"{self.role}-compute", idle=self.idle)
         self.compute_probe_s = COMPUTE_PROBE_S
+        self.max_sessions_per_stream, self.max_sessions_per_worker = MAX_SESSIONS_PER_STREAM, MAX_SESSIONS_PER_WORKER
+        self.compute = ComputeLoop(f"{self.role}-compute", idle=self.idle)
 
     async def close(self) -> None:
         """Stop the compute thread (the actor is shutting down)."""
@@ -234,9 +259,20 @@ class SessionService:
         check_length(len(msg.prompt_ids), msg.max_new_tokens, self.limits.positions, self.limits.kv_tokens)
         check_token_ids(msg.stop_token_ids, self.limits.tokens, "stop token id")
 
+    def admit(self, session_id: str, owner: SessionStream) -> None:
+        """Before a session is made: a new id, within the caps per stream and per worker (each
+        session, even a paused one, holds its prompt); Overloaded refuses this session alone."""
+        if session_id in self.sessions:
+            raise Refused(f"session {session_id!r} already exists")
+        if len(self.sessions) >= self.max_sessions_per_worker:
+            raise Overloaded(f"the {self.role} worker holds {len(self.sessions)} sessions, its limit")
+        if owner.sessions >= self.max_sessions_per_stream:
+            raise Overloaded(f"this stream holds {owner.sessions} sessions, the limit per stream")
+
     def new_session(self, session_id: str, session, owner: SessionStream) -> None:
         if session_id in self.sessions:
             raise Refused(f"session {session_id!r} already exists")
+        owner.sessions += 1
         with self._lock:
             self.sessions[session_id] = session
             self._owners[session_id] = owner
@@ -254,6 +290,7 @@ class SessionService:
             with self._lock:
                 session = self.sessions.pop(session_id)
                 del self._owners[session_id]
+            owner.sessions -= 1
             session.close()
 
     def close_owned(self, owner: SessionStream) -> None:

@@ -51,7 +51,8 @@ class Verifier:
         follow-up whose first token the stored row rejects needs none). budget: at most this many
         tokens in the forward (the step's max_batched_tokens): a job whose uncached prompt does
         not fit is prefilled by a chunk and answers None (verify it again in a later step), so a
-        long prompt never stalls the others; the first job always advances."""
+        long prompt never stalls the others and no forward, the first job's included, holds more
+        than the budget (but a lone block that only fits past it); the first job always advances."""
         verdicts: list[Verdict | None] = [session.judge_first(committed, block) for session, committed, block in jobs]
         room = budget if budget is not None else float("inf")
         plans, steps, owners = {}, [], []  # owners[j]: the job step j settles (None: a prefill chunk)
@@ -60,8 +61,8 @@ class Verifier:
                 continue
             plan = session._plan(committed, block)
             tokens = len(plan.step[1]) if plan.step is not None else 0
-            if tokens > room and steps:
-                prefill = tokens - len(block.tokens) - 1  # uncached committed tokens, but the last one
+            prefill = tokens - len(block.tokens) - 1  # uncached committed tokens, but the last one
+            if tokens > room and (prefill > 0 or steps):  # else a lone block a little past the budget runs
                 chunk = min(int(room), prefill)
                 if chunk > 0:
                     seq, new, _ = plan.step

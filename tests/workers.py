@@ -29,12 +29,14 @@ class InProcessWorkers:
 
 
 @contextlib.contextmanager
-def in_process_workers(loop, models, draft_kv_tokens: int = DEFAULT_KV_TOKENS, **host_options):
-    """The tiny target behind a session host, the close draft behind a draft service (a KV pool of
-    draft_kv_tokens); host_options go to SessionHost. On exit the host closes first, so its link
+def in_process_workers(loop, models, draft_kv_tokens: int = DEFAULT_KV_TOKENS, target_kv_tokens: int = DEFAULT_KV_TOKENS,
+                       positions: int = 512, **host_options):
+    """The tiny target behind a session host, the close draft behind a draft service (KV pools of
+    target_kv_tokens and draft_kv_tokens); host_options go to SessionHost. On exit the host closes first, so its link
     goes and the draft frees that stream's sessions, then both servers stop."""
-    limits = Limits(tokens=models["target"].token_limit, positions=512)
-    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=draft_kv_tokens)
+    limits = Limits(tokens=models["target"].token_limit, positions=positions)
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=draft_kv_tokens,
+                      max_batched_tokens=host_options.get("max_batched_tokens"))
     draft = DraftService(drafter, limits)
     servers = []
 
@@ -44,14 +46,14 @@ def in_process_workers(loop, models, draft_kv_tokens: int = DEFAULT_KV_TOKENS, *
         return f"127.0.0.1:{port}"
 
     draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
-    host = SessionHost(Verifier(models["target"], limits.tokens), limits, draft_address, **host_options)
+    host = SessionHost(Verifier(models["target"], limits.tokens, target_kv_tokens), limits, draft_address, **host_options)
     loop.run_until_complete(host.start())
     target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
     try:
         yield InProcessWorkers(host, draft, limits, target_address, draft_address)
     finally:
         loop.run_until_complete(host.close())
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 60  # bounds a failure only
         while draft.sessions and time.monotonic() < deadline:
             loop.run_until_complete(asyncio.sleep(0.05))
         for server in servers:
