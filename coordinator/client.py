@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable
 
@@ -24,6 +25,8 @@ from svip_proto import svip_pb2_grpc as pb_grpc
 
 CONNECT_TIMEOUT_S = 10.0
 BROKEN = object()
+
+log = logging.getLogger(__name__)
 
 
 async def open_channel(role: str, address: str, tls: TlsFiles | None) -> grpc.aio.Channel:
@@ -152,6 +155,9 @@ class DraftLink:
         except asyncio.CancelledError:
             self.broken = "draft link closed"
             raise
+        except Exception as exc:  # noqa: BLE001 - whatever broke the stream, the sessions go on without it
+            log.exception("the draft link broke")
+            reason = f"draft link to {self.address} broke ({type(exc).__name__})"
         self.broken = reason
         self._on_broken(reason)
 

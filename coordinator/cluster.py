@@ -173,7 +173,7 @@ class WorkerPair:
         # a pool holds whole pages: its capacity, rounded up to them
         kv_tokens = whole_pages(kv_cache_tokens)
         self.limits = pair_limits(self.target_info, draft_info, max_draft_length, kv_tokens)
-        self.tls = tls
+        self.tls, self.start_timeout_s = tls, start_timeout_s
         self.target = self.draft = self._own_placement = None
         if layout is not None and placement is None:
             placement = self._own_placement = pair_placement_group(layout, target_gpus, draft_gpus, worker_cpus)
@@ -236,10 +236,12 @@ class WorkerPair:
             return {}
         return {"draft_address": self.draft_address if fresh else None, "draft": self.draft}
 
-    async def recover_target(self, timeout_s: float = RECOVER_TIMEOUT_S) -> str:
+    async def recover_target(self, timeout_s: float | None = None) -> str:
         """The target worker's address once it serves again: Ray restarts a dead one (its serve()
         loads the weights and dials the draft); a hung one is killed first, so that Ray replaces
-        it. WorkerUnavailable when it cannot be had (restarts spent, or not back within timeout_s)."""
+        it. WorkerUnavailable when it cannot be had (restarts spent, or not back within timeout_s:
+        by default as long as a first start may take, loading included)."""
+        timeout_s = timeout_s if timeout_s is not None else max(RECOVER_TIMEOUT_S, self.start_timeout_s)
         self.target_address = await serving_address(self.target, "target", timeout_s, self._target_start(fresh=False),
                                                     kill_when_hung=True)
         return self.target_address

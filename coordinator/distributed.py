@@ -36,6 +36,7 @@ Recover = Callable[[], Awaitable[str]]  # the target worker's address once it se
 log = logging.getLogger(__name__)
 DRAFT_STATS_WAIT_S = 5.0  # how long Stats waits for a replaced draft's address
 NO_PROGRESS_S = 300.0  # a session that hears nothing for this long ends with WorkerUnavailable (never a hang)
+MAX_SESSION_RESTARTS = 2  # a request goes on through this many target restarts; the next loss fails it
 
 
 class _StreamLost(Exception):
@@ -64,6 +65,7 @@ class DistributedEngine:
         self.target_conn = WorkerConnection(target_address, tls)
         self._recover, self._draft_address_now = recover, draft_address_now
         self._recovering: asyncio.Lock | None = None
+        self._recovery_task: asyncio.Task | None = None  # a recovery a health check started
         self.recoveries = Recoveries()
         self.no_progress_s = NO_PROGRESS_S
 
@@ -100,6 +102,9 @@ class DistributedEngine:
                 if out.stopped:
                     finished = None
                     break
+                if restarts >= MAX_SESSION_RESTARTS:  # a request that takes its target down each time ends here
+                    raise WorkerUnavailable(f"the target worker was lost {restarts + 1} times during this request; "
+                                            "giving it up") from None
                 lost_at = time.monotonic()
                 await self._recover_from(conn)
                 restarts += 1
@@ -179,18 +184,27 @@ class DistributedEngine:
         return start
 
     async def unavailable(self) -> str | None:
-        """Why this engine cannot serve now, or None. A broken target connection is recovered here
-        first (so a health check finds a replaced target serving, even with no request in flight)."""
+        """Why this engine cannot serve now, or None. A broken target connection starts its
+        recovery in the background (a health check never runs it inline: a slow replacement must
+        not make the check time out and the replica be killed mid-recovery); while it runs, the
+        engine counts as available (`recovering` says so). A recovery that failed is the answer."""
         if self.target_conn.broken:
-            try:
-                await self._recover_from(self.target_conn)
-            except WorkerUnavailable as exc:
-                return str(exc)
+            task = self._recovery_task
+            if task is None or (task.done() and self.target_conn.broken):
+                if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+                    return str(task.exception())
+                self._recovery_task = asyncio.get_running_loop().create_task(self._recover_from(self.target_conn))
+            return None
         try:
             stats = await self.target_conn.stats()
         except grpc.aio.AioRpcError as exc:
             return f"target worker at {self.target_conn.address} does not answer ({exc.code().name})"
         return stats.unavailable or None
+
+    @property
+    def recovering(self) -> bool:
+        """A target recovery started by a health check is under way."""
+        return self._recovery_task is not None and not self._recovery_task.done()
 
     async def worker_stats(self) -> dict:
         """role -> WorkerStats; the draft's is left out while it is down (the target serves alone)."""
@@ -208,6 +222,8 @@ class DistributedEngine:
         return out
 
     async def close(self) -> None:
+        if self._recovery_task is not None:
+            self._recovery_task.cancel()
         await self.target_conn.close()
 
 

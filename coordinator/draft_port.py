@@ -5,8 +5,10 @@ the stall deadlines follow.
 When the link breaks (the draft's process died) the sessions are told at once (``on_lost``, they
 go on without it) and, where the draft is a Ray actor with restarts left, the port asks it for its
 address again: Ray restarts a dead actor, and its ``serve()`` loads the weights and serves again.
-The new link opens and the sessions are told (``on_back``, they re-attach). A draft that never
-comes back within the recovery deadline leaves the sessions to the target alone, never an error.
+The new link opens and the sessions are told (``on_back``, they re-attach). The port keeps asking,
+backing off, for as long as the draft's actor lives (each ask bounded by the recovery deadline);
+meanwhile the sessions go on with the target alone, never an error. A draft whose process is up
+but whose compute thread is stuck (its Stats probe fails) is killed, so Ray replaces it.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator.client import DraftLink
+from coordinator.client import DraftLink, draft_stats
 from coordinator.cluster import WorkerGone, serving_address
 from svip_common.errors import WorkerUnavailable
 from svip_common.tls import TlsFiles
@@ -26,7 +28,9 @@ log = logging.getLogger(__name__)
 
 STALL_FACTOR = 10.0  # a draft that takes this many times its usual answer time is stalled
 DEFAULT_STALL_S = 3.0  # ...and never less than this (a first block carries the prompt's prefill)
-DEFAULT_RECOVER_S = 120.0  # how long the port keeps asking for a replaced draft
+DEFAULT_RECOVER_S = 120.0  # how long one ask for a replaced draft may take
+RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0  # the pause between asks, doubling up to the most
+PROBE_EVERY_S = 15.0  # how often a connected draft's compute thread is probed
 _EWMA = 0.1
 
 
@@ -44,6 +48,7 @@ class DraftPort:
         self.replacements = 0  # links opened to a replaced draft worker
         self._answer_s: float | None = None
         self._recovery: asyncio.Task | None = None
+        self._watch: asyncio.Task | None = None
 
     async def open(self) -> None:
         """Connect to the draft; one that cannot be reached now (being replaced) is recovered in
@@ -58,14 +63,18 @@ class DraftPort:
                 raise
             self._broken(str(exc))
             return
+        finally:
+            if self.actor is not None and self._watch is None:
+                self._watch = asyncio.get_running_loop().create_task(self.watch())
         self.link = link
 
     def _link(self, address: str) -> DraftLink:
         return DraftLink(address, self._on_event, self._broken, self._tls)
 
     async def close(self) -> None:
-        if self._recovery is not None:
-            self._recovery.cancel()
+        for task in (self._recovery, self._watch):
+            if task is not None:
+                task.cancel()
         if self.link is not None:
             await self.link.close()
 
@@ -96,19 +105,20 @@ class DraftPort:
             self._recovery = asyncio.get_running_loop().create_task(self._recover())
 
     async def _recover(self) -> None:
-        started, deadline = time.monotonic(), time.monotonic() + self.recover_s
+        started, pause = time.monotonic(), RETRY_FIRST_S
         try:
-            while (left := deadline - time.monotonic()) > 0:
+            while True:
                 try:
-                    address = await serving_address(self.actor, "draft", left)
+                    address = await serving_address(self.actor, "draft", self.recover_s, kill_when_hung=True)
                     link = self._link(address)
                     await link.open()
                 except WorkerGone as exc:
-                    log.warning("no replacement draft worker: %s", exc)
+                    log.warning("no replacement draft worker, ever: %s", exc)
                     return
-                except WorkerUnavailable as exc:
-                    log.warning("no replacement draft worker yet: %s", exc)
-                    await asyncio.sleep(0.5)
+                except (WorkerUnavailable, OSError) as exc:
+                    log.warning("no replacement draft worker yet (next try in %.1f s): %s", pause, exc)
+                    await asyncio.sleep(pause)
+                    pause = min(2 * pause, RETRY_MAX_S)
                     continue
                 old, self.link, self.address = self.link, link, address
                 self.lost, self.replacements = None, self.replacements + 1
@@ -119,3 +129,26 @@ class DraftPort:
                 return
         finally:
             self._recovery = None
+
+    async def watch(self) -> None:
+        """Probe the connected draft's compute thread now and then: a stuck one (its process
+        answers, its model never does) is killed for Ray to replace, and the sessions go on alone."""
+        while True:
+            await asyncio.sleep(PROBE_EVERY_S)
+            if self.actor is None or not self.available:
+                continue
+            try:
+                stats = await draft_stats(self.address, self._tls)
+            except Exception:  # noqa: BLE001 - a broken link reports itself; the probe only looks for a hang
+                continue
+            if stats.unavailable:
+                self.kill_hung(stats.unavailable)
+
+    def kill_hung(self, reason: str) -> None:
+        import ray
+
+        log.warning("draft worker hung (%s): killing it so that Ray replaces it", reason)
+        ray.kill(self.actor, no_restart=False)
+        if self.link is not None:
+            self.link.broken = self.link.broken or reason
+        self._broken(f"the draft worker hung: {reason}")

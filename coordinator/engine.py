@@ -148,13 +148,13 @@ class EngineSession:
         cap = UNLIMITED
         if self.gate is not None:
             cap = self.gate.cap(self._engine.verifier.load())
-        self._draft_mark = self.draft.forward_s
+        self._draft_mark = self.draft.forward_s - self.draft.prefill_s
         return min(self.budget - 1, cap)
 
     def settle(self, block: Block, verdict: Verdict) -> list[int]:
         self.draft.feedback(len(block), verdict.accepted)
-        if self.gate is not None:  # what this block's drafting took: the session's share of the forwards
-            self.gate.record(len(block), verdict.accepted, self.draft.forward_s - self._draft_mark)
+        if self.gate is not None:  # what this block's drafting took: the session's share of the forwards, no prefill
+            self.gate.record(len(block), verdict.accepted, self.draft.forward_s - self.draft.prefill_s - self._draft_mark)
         settled = [*block.tokens[: verdict.accepted], verdict.token]
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled

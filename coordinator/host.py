@@ -207,6 +207,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 self._step(session_id, session.detach, True)
             else:
                 self._step(session_id, session.hold_expired, now)
+                self._step(session_id, session.retry_attach, now)
 
     def _each_session(self, fn) -> None:
         for session_id, session in list(self.sessions.items()):

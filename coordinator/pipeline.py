@@ -35,6 +35,8 @@ at the current epoch, and drafting goes on from there.
 
 from __future__ import annotations
 
+import logging
+import math
 import time
 from collections.abc import Callable
 from typing import Protocol
@@ -50,6 +52,12 @@ from svip_proto import svip_pb2 as pb
 from target_worker.verifier import TargetSession
 
 PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}
+REATTACH_BACKOFF_S = 1.0  # a session's first re-attach after a stall waits this long; each next one twice as long
+REATTACH_BACKOFF_MAX_S = 30.0
+MAX_STALLS = 4  # a draft that stalled this often under one session is not asked to take it up again
+PREPARED_REACH_BLOCKS = 3  # a prepared block continues one of the outstanding blocks (at most two), so starts within these
+MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares two per block)
+log = logging.getLogger(__name__)
 LoadCap = Callable[[SessionGate], int]  # the most tokens the session's next block should hold at the load now
 
 
@@ -105,6 +113,10 @@ class SessionPipeline:
         self.hold_until: float | None = None  # a detached sampled session waits for a draft until then
         self._attach_due = False  # a draft is back: re-attach once the verdict in flight is decided
         self.waiting_since: float | None = None  # since when the session waits on the draft (stall check)
+        self.stalls = 0  # times the draft stalled under this session: each re-attach waits longer
+        self.attach_not_before = 0.0  # a re-attach after a stall waits until then (backoff)
+        self._attach_wanted = False  # a draft is back, the backoff not over yet
+        self.draft_given_up = False  # the draft failed this session (an error): the target goes on alone
 
     @property
     def cached_tokens(self) -> int:
@@ -152,6 +164,9 @@ class SessionPipeline:
         cancelled, and its answer (Closed) says it is back."""
         if self.done or self.draft is None or self.detached:
             return
+        if cancel:  # a stall: an overloaded draft is not handed this session's re-prefill at once again
+            self.stalls += 1
+            self.attach_not_before = time.time() + min(REATTACH_BACKOFF_S * 2 ** (self.stalls - 1), REATTACH_BACKOFF_MAX_S)
         self.detached, self.waiting_since = True, None
         self.stats.detached += 1
         self.epoch += 1  # what the old draft sent or sends is stale
@@ -168,10 +183,16 @@ class SessionPipeline:
         if self.verifying is None:
             self._go_alone()
 
-    def attach(self) -> None:
-        """A draft is back: it takes the session up from the committed tokens."""
-        if self.done or not self.detached:
+    def attach(self, now: float | None = None) -> None:
+        """A draft is back: it takes the session up from the committed tokens (not before the
+        backoff after a stall ends; never after the draft failed the session, or stalled under it
+        MAX_STALLS times)."""
+        if self.done or not self.detached or self.draft_given_up or self.stalls >= MAX_STALLS:
             return
+        if (now if now is not None else time.time()) < self.attach_not_before:
+            self._attach_wanted = True  # retry_attach takes it up once the backoff is over
+            return
+        self._attach_wanted = False
         if self.verifying is not None:
             self._attach_due = True  # after the verdict in flight
             return
@@ -179,6 +200,11 @@ class SessionPipeline:
         self.hold_until = None
         self.stats.reattached += 1
         self._start_draft()
+
+    def retry_attach(self, now: float) -> None:
+        """A re-attach that waited for its backoff, now due (the host checks periodically)."""
+        if self._attach_wanted and now >= self.attach_not_before:
+            self.attach(now)
 
     def hold_expired(self, now: float) -> None:
         """A sampled session waited for a draft long enough: the target goes on alone."""
@@ -243,14 +269,28 @@ class SessionPipeline:
             if kind == "closed" and self.draft.available:
                 self.attach()
             return
-        if kind == "error":
-            err = event.error
-            cls = InvalidRequest if err.code == grpc.StatusCode.INVALID_ARGUMENT.value[0] else WorkerError
-            raise cls(f"draft worker: {err.message}")
+        if kind == "error":  # the draft failed this session (a bug, or a limit): never the caller's error
+            log.warning("session %s: the draft worker reported %s (%s); going on without it", self.sid,
+                        grpc.StatusCode.INVALID_ARGUMENT.name if event.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
+                        else event.error.code, event.error.message[:200])
+            self.draft_given_up = True
+            self.detach(cancel=False)
+            self.hold_expired(float("inf"))  # it will not take this session up again: no hold
+            return
         if kind == "block" and not self.done:
-            self._on_block(event.block, received_at)
+            try:
+                self._on_block(event.block, received_at)
+            except WorkerError as exc:  # a bad block is the draft's fault: checked before it changes anything
+                log.warning("session %s: %s; going on without the draft", self.sid, exc)
+                self.draft_given_up = True
+                self.detach(cancel=True)
+                self.hold_expired(float("inf"))
 
     def _on_block(self, block: pb.Block, received_at: float) -> None:
+        for name in ("started_at", "finished_at", "draft_s", "trigger_at"):
+            value = getattr(block, name)
+            if not math.isfinite(value) or value < 0:
+                raise WorkerError(f"draft worker sent a block whose {name} is {value!r}")
         self.intervals.append(("draft", block.started_at, block.finished_at))
         self._note_feedback_answered(block, received_at)
         if block.epoch != self.epoch:
@@ -261,6 +301,10 @@ class SessionPipeline:
         if block.HasField("prepared_for"):
             p = block.prepared_for
             undecided = self.verifying.base if self.verifying is not None else len(self.committed)
+            reach = len(self.committed) + PREPARED_REACH_BLOCKS * (self.limits.max_draft_length + 1)
+            if p.base > reach or len(self.prepared) >= MAX_PREPARED:
+                raise WorkerError(f"draft worker sent a prepared block at base {p.base}, beyond the outstanding "
+                                  f"blocks' reach ({reach}) or past {MAX_PREPARED} kept")
             if p.base >= undecided:  # its parent's verdict is still to come
                 self.prepared[(p.base, p.accepted, p.token)] = (block, received_at)
                 self.stats.prepared_sent += 1

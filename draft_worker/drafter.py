@@ -58,6 +58,7 @@ class Drafter:
                 continue
             steps.append((d._session._seq, pending, 1))
             drafting.append(d)
+            d._prefilling = len(pending) > PREFILL_TOKENS
             room -= len(pending)
         self.last_step_tokens = sum(len(new) for _, new, _ in steps)
         started = time.perf_counter()
@@ -90,6 +91,7 @@ class DraftSession:
         self._seq = drafter.pool.sequence()
         self.forwards = 0
         self.forward_s = 0.0
+        self.prefill_s = 0.0  # of forward_s, the forwards that took in a prefix (a prompt)
 
     @property
     def cached_tokens(self) -> int:
@@ -134,6 +136,7 @@ class DraftSession:
         return warp_probs(mask_padding(_to_width(logits, self._width), self._limit), self.sampling)[0]
 
 
+PREFILL_TOKENS = 8  # a forward taking in more of a block's pending tokens than this is a prefill
 ALTERNATIVES = 3  # per drafted token, the next most likely tokens are kept (what a rejection may settle)
 
 
@@ -149,6 +152,8 @@ class BlockDraft:
         self.block = Block(base=base, tokens=[], probs=[], entropies=[])
         self.alternatives: list[list[tuple[int, float]]] = []  # per token: [(id, q(id))], most likely first
         self.compute_s = 0.0
+        self.prefill_s = 0.0  # of compute_s, the forward that took in a prefix of many tokens
+        self._prefilling = False
         self._limit = min(session.policy.max_length(), budget)
         self._q_rows: list[torch.Tensor] = []
         self.done = self._limit <= 0
@@ -168,6 +173,10 @@ class BlockDraft:
         started = time.perf_counter()
         s.forwards += 1
         s.forward_s += forward_s
+        if self._prefilling:  # a prompt's (or a re-attach's) prefill: not what a drafted token costs
+            self._prefilling = False
+            s.prefill_s += forward_s
+            self.prefill_s += forward_s
         q = s._q(logits)  # [vocab]
         token = s._choose(q, block.base + len(block))
         h = float(entropy(q))
@@ -194,6 +203,7 @@ class NullDraftSession:
     def __init__(self):
         self.forwards = 0
         self.forward_s = 0.0
+        self.prefill_s = 0.0  # of forward_s, the forwards that took in a prefix (a prompt)
         self.cached_tokens = 0
 
     def propose(self, committed: Sequence[int], budget: int) -> Block:

@@ -325,7 +325,7 @@ class PipelinedDraft:
             and self.limit - (block.base + len(block)) - 1 >= 1
         )
         return Outgoing(block, followup, prepared_for=prepared_for, started_at=started, finished_at=time.time(),
-                        draft_s=draft.compute_s, trigger_at=trigger_at, alternatives=draft.alternatives)
+                        draft_s=draft.compute_s - draft.prefill_s, trigger_at=trigger_at, alternatives=draft.alternatives)
 
     def _finished(self) -> bool:
         ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids

@@ -99,9 +99,12 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         started = time.perf_counter()
         try:
             batch = self._step_within_pool(batch)
-        except Exception as exc:
+        except Exception as exc:  # never retried as is: the step's sessions are given up, their targets go on alone
             exit_on_device_failure(exc)
-            raise
+            log.exception("a draft step of %d sessions failed; shedding them", len(batch))
+            for session_id, _, _ in batch:
+                self._shed(session_id, f"the draft step failed: {type(exc).__name__}")
+            return True
         if not batch:
             return True
         tokens = sum(len(draft._pending) for _, _, draft in batch)

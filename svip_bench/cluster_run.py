@@ -27,7 +27,8 @@ def run(spec: dict) -> dict:
 
     ray.init(address="auto", log_to_driver=False)
     tls = TlsFiles.from_dir(spec["tls_dir"]) if spec.get("tls_dir") else None
-    pair = WorkerPair(spec["target"], spec["draft"], layout=spec.get("layout", "spread"), tls=tls)
+    pair = WorkerPair(spec["target"], spec["draft"], layout=spec.get("layout", "spread"), tls=tls,
+                      insecure_workers=bool(spec.get("insecure_workers", False)))
     loop = asyncio.new_event_loop()
     engines = {m: DistributedEngine.for_pair(pair, m) for m in spec["modes"]}
     requests = [GenerationRequest(tuple(r["prompt_ids"]), r["max_new_tokens"], policy=PolicyConfig(**r.get("policy", {})),

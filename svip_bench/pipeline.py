@@ -184,8 +184,10 @@ def two_nodes(engine, requests: list[GenerationRequest], latencies: list[float],
         print(f"bench: two-node runs skipped: {why}", file=sys.stderr)
         return []
     expected = [engine.generate(r).token_ids for r in requests]
+    # plaintext between the two namespaces this bench makes and tears down (the TLS cost is measured
+    # by tests/integration/test_two_nodes.py); a real cluster gets --grpc-tls-dir
     spec = {"target": engine.target.path, "draft": engine.draft_path, "layout": "spread", "modes": ["sync", "async"],
-            "repeats": repeats, "warmup": 1,
+            "repeats": repeats, "warmup": 1, "insecure_workers": True,
             "requests": [{"prompt_ids": list(r.prompt_ids), "max_new_tokens": r.max_new_tokens, "ignore_eos": True,
                           "policy": {"name": "svip", "threshold": r.policy.threshold}} for r in requests]}
     rows = []

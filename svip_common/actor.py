@@ -78,7 +78,8 @@ class ModelActor:
     async def start(self, **kwargs) -> str:
         """Start the gRPC server; returns its address host:port."""
         if self._server is None:
-            self.load()
+            # off the actor's event loop: Ray answers pid() (the hang probe) there while weights load
+            await asyncio.to_thread(self.load)
             if self.host is None:
                 import ray
 

@@ -41,6 +41,8 @@ MIN_OBSERVATIONS = 4  # steps seen before the fit is trusted (until then: no cap
 # draws, not where blocks end: the same seed may give another sample). off: none.
 LOAD_AWARE_MODES = ("off", "greedy", "all")
 RESUME_CAP = 2  # a paused session drafts again once this many tokens would pay (hysteresis)
+PROBE_TOKENS = 3  # a paused session's probe block
+PROBE_FIRST, PROBE_MAX = 4, 32  # paused rounds before the first probe; the interval doubles up to the most
 
 
 def check_load_aware(mode: str) -> str:
@@ -195,9 +197,14 @@ class AcceptanceRate:
 
 class SessionGate:
     """One session's side of load-aware speculation: its acceptance, and what its drafting costs
-    per token (its share of the draft forwards, measured where the draft runs and reported with
-    each block). ``cap(load)``: its next block's longest worthwhile length; 0 pauses drafting,
-    which resumes once at least RESUME_CAP tokens pay."""
+    per token (its share of the draft's decode forwards, measured where the draft runs and reported
+    with each block; a prompt's prefill is not drafting). ``cap(load)``: its next block's longest
+    worthwhile length; 0 pauses drafting, which resumes once at least RESUME_CAP tokens pay.
+
+    A paused session keeps probing: every ``probe_every`` paused rounds (PROBE_FIRST, doubling up
+    to PROBE_MAX) it drafts one block of PROBE_TOKENS, so its acceptance and drafting cost are
+    measured again rather than frozen at the values that paused it. A probe costs at most
+    PROBE_TOKENS drafted tokens per PROBE_FIRST rounds, and less the longer the pause holds."""
 
     def __init__(self):
         self.acceptance = AcceptanceRate()
@@ -205,25 +212,37 @@ class SessionGate:
         self.round_s = 0.0  # a drafting round's extra round trip (across workers; 0 in one process)
         self.paused = False
         self.pauses = 0
+        self.probes = 0
+        self._paused_rounds = 0
+        self._probe_every = PROBE_FIRST
 
     def record(self, drafted: int, accepted: int, draft_s: float | None = None) -> None:
         self.acceptance.update(drafted, accepted)
-        if draft_s is not None and drafted:
+        if draft_s is not None and drafted and math.isfinite(draft_s) and draft_s >= 0:
             per_token = draft_s / drafted
             self.draft_token_s = per_token if not self.draft_token_s else 0.8 * self.draft_token_s + 0.2 * per_token
 
     def record_round_trip(self, seconds: float) -> None:
         """What a drafting round spent beyond its forwards (wire, hand-offs), across workers."""
-        self.round_s = seconds if not self.round_s else 0.8 * self.round_s + 0.2 * seconds
+        if math.isfinite(seconds) and seconds >= 0:
+            self.round_s = seconds if not self.round_s else 0.8 * self.round_s + 0.2 * seconds
 
     def cap(self, load: TargetLoad | None) -> int:
         if self.paused:
             self.acceptance.relax()
         a = self.acceptance
         cap = speculation_cap(load, self.draft_token_s, a.value, a.block_rate, self.round_s, a.drafted_per_block)
-        if self.paused and cap < RESUME_CAP:
+        if self.paused:
+            if cap >= RESUME_CAP:
+                self.paused, self._probe_every = False, PROBE_FIRST
+                return cap
+            self._paused_rounds += 1
+            if self._paused_rounds >= self._probe_every:  # look again: the evidence may be stale
+                self._paused_rounds, self._probe_every = 0, min(2 * self._probe_every, PROBE_MAX)
+                self.probes += 1
+                return PROBE_TOKENS
             return 0
-        if cap == 0 and not self.paused:
+        if cap == 0:
+            self.paused, self._paused_rounds = True, 0
             self.pauses += 1
-        self.paused = cap == 0
         return cap

@@ -65,6 +65,8 @@ class ServeMetrics:
         self.waiting = m.Gauge("svip_num_requests_waiting", "Requests waiting for a session slot or KV room.", tag_keys=tags)
         self.cached_tokens = m.Gauge("svip_worker_cached_tokens", "Tokens in a worker's KV caches.", tag_keys=tags + ("role",))
         self.open_sessions = m.Gauge("svip_worker_open_sessions", "Sessions open on a worker.", tag_keys=tags + ("role",))
+        self.draft_lost = m.Gauge("svip_draft_lost", "1 while the target has no draft worker (sessions go on without "
+                                  "speculation, the draft is being replaced); alert when it stays 1.", tag_keys=tags)
         self._restarts_seen: dict[str, int] = {}
         self.kv_usage = m.Gauge("svip_kv_cache_usage_perc", "Share of a worker's KV pool pages in use (vLLM's cache usage).",
                                 tag_keys=tags + ("role",))
@@ -112,6 +114,9 @@ class ServeMetrics:
             self.open_sessions.set(s.open_sessions, {**self.tags, "role": role})
             if s.kv_pages_total:
                 self.kv_usage.set(s.kv_pages_used / s.kv_pages_total, {**self.tags, "role": role})
+
+    def set_draft_lost(self, lost: bool) -> None:
+        self.draft_lost.set(1.0 if lost else 0.0, self.tags)
 
     def set_restarts(self, restarts: dict[str, int]) -> None:
         """restarts: role -> workers replaced so far (counted up to it)."""

@@ -177,11 +177,14 @@ class SVIPServer:
         """Serve's replica health check: a lost worker fails it, and Serve replaces the replica
         (its worker actors go with it)."""
         engine = await self._engine()
-        if (why := await engine.unavailable()) is not None:  # a lost target is replaced first; this: it could not be
-            raise RuntimeError(why)
+        if (why := await engine.unavailable()) is not None:  # a lost target's replacement runs in the background;
+            raise RuntimeError(why)  # this: it could not be had
+        if engine.recovering:
+            return  # healthy while a replacement target loads (its own deadline ends it either way)
         stats = await engine.worker_stats()
         self.metrics.set_workers(stats)  # the KV-cache gauges, every health period
         self.metrics.set_restarts({"target": engine.recoveries.restarts, "draft": stats["target"].draft_replacements})
+        self.metrics.set_draft_lost(self.draft_path is not None and bool(stats["target"].draft_lost))
 
     # --- endpoints ------------------------------------------------------------------------------
 
@@ -196,7 +199,7 @@ class SVIPServer:
         if (why := await self.engine.unavailable()) is not None:
             log.warning("health: %s", why)
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "ok", "model": self.settings.served_name,
+        return JSONResponse({"status": "recovering" if self.engine.recovering else "ok", "model": self.settings.served_name,
                              "running": self.admission.running, "waiting": self.admission.waiting})
 
     @api.get("/v1/models")

@@ -106,7 +106,8 @@ class ServeSettings:
 
     def recovery(self) -> dict:
         """The target host's recovery settings (coordinator/host.py)."""
-        return {"draft_stall_s": float(self.draft_stall_s), "sampled_hold_s": float(self.sampled_hold_s)}
+        return {"draft_stall_s": float(self.draft_stall_s), "sampled_hold_s": float(self.sampled_hold_s),
+                "draft_recover_s": float(self.worker_start_timeout_s)}  # one ask may take as long as a start
 
     def policy_defaults(self) -> PolicyConfig:
         """What a request that names no policy knobs gets; within the cap."""

@@ -122,19 +122,58 @@ def test_a_paused_gate_resumes_only_when_two_tokens_pay():
     assert gate.cap(edge) == 1 and gate.pauses == 1  # drafting: 1 is worth it
 
 
-def test_a_session_paused_for_poor_acceptance_tries_again_later():
-    from svip_common.step_cost import SessionGate
+def test_a_session_paused_for_poor_acceptance_probes_then_tries_again_later():
+    """A paused session drafts a probe block every 4, 8, 16, 32, 32... paused rounds (the evidence
+    that paused it may be stale); without better evidence it stays paused, and resumes only once
+    its acceptance has drifted back toward the prior."""
+    from svip_common.step_cost import PROBE_TOKENS, SessionGate
 
     gate = SessionGate()
     load = TargetLoad(plain_rate=100.0, verify_token_s=0.002)  # τ = 0.2
     for _ in range(20):
         gate.record(4, 0)  # the draft is wrong every time here
     assert gate.cap(load) == 0 and gate.paused
+    caps = []
+    while not caps or caps[-1] in (0, PROBE_TOKENS) and gate.paused:
+        caps.append(gate.cap(load))
+        assert len(caps) < 500
+    probes = [i + 1 for i, c in enumerate(caps) if c == PROBE_TOKENS and i + 1 < len(caps)]
+    assert probes[:4] == [4, 4 + 8, 4 + 8 + 16, 4 + 8 + 16 + 32] and gate.probes == len(probes)
+    assert len(caps) > 20 and not gate.paused  # not at once: only after a while without drafting
+
+
+def test_a_probe_that_finds_the_draft_good_again_resumes_drafting():
+    """The scripted case behind the probes: acceptance was poor, then the text turned easy. A
+    probe block's verdict is the evidence that resumes the session (relaxing alone would take
+    far longer)."""
+    from svip_common.step_cost import PROBE_TOKENS, RESUME_CAP, SessionGate
+
+    gate = SessionGate()
+    load = TargetLoad(plain_rate=100.0, verify_token_s=0.002)
+    for _ in range(20):
+        gate.record(4, 0)
+    assert gate.cap(load) == 0
     rounds = 0
-    while gate.cap(load) == 0:
+    while (cap := gate.cap(load)) != PROBE_TOKENS:
         rounds += 1
-        assert rounds < 500
-    assert rounds > 20 and not gate.paused  # not at once: only after a while without drafting
+    for _ in range(3):  # the probes are accepted whole now
+        gate.record(PROBE_TOKENS, PROBE_TOKENS)
+        cap = gate.cap(load)
+        if not gate.paused:
+            break
+        while cap == 0:
+            cap = gate.cap(load)
+    assert not gate.paused and cap >= RESUME_CAP and rounds == 3
+
+
+def test_a_non_finite_drafting_time_is_not_learnt():
+    from svip_common.step_cost import SessionGate
+
+    gate = SessionGate()
+    gate.record(4, 4, 0.004)
+    gate.record(4, 4, float("nan"))
+    gate.record_round_trip(float("inf"))
+    assert gate.draft_token_s == 0.001 and gate.round_s == 0.0
 
 
 def test_a_round_trip_counts_for_one_session_and_fades_in_a_full_batch():
