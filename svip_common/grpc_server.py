@@ -78,8 +78,8 @@ class Refused(InvalidRequest):
 
 
 COMPUTE_PROBE_S = 10.0  # Stats: a compute thread silent this long is stuck (a hung kernel, a deadlock)
-MAX_SESSIONS_PER_STREAM = 1024  # a peer's stream past it: its new sessions are refused (RESOURCE_EXHAUSTED)
-MAX_SESSIONS_PER_WORKER = 4096  # every stream together
+MAX_SESSIONS_PER_STREAM = 4096  # a peer's stream past it: its new sessions are refused (RESOURCE_EXHAUSTED)
+MAX_SESSIONS_PER_WORKER = 8192  # every stream together
 MAX_QUEUED_EVENTS = 256  # per stream; past it, the stream's requests are not read
 _END = object()
 

@@ -8,6 +8,7 @@ when it goes away."""
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import grpc
 import pytest
@@ -173,9 +174,10 @@ def block(session_id: str, base: int, tokens) -> pb.Block:
     (block("bad-4", 3, [-1]), "drafted token id -1 is outside the vocabulary"),
     (block("bad-5", 7, [1]), "a block at base 7, committed 3"),
 ])
-def test_the_target_refuses_draft_blocks_past_its_limits(services, loop, crafted, words):
+def test_the_target_refuses_draft_blocks_past_its_limits(services, loop, crafted, words, caplog):
     """A draft worker that misbehaves (or a peer posing as one) cannot make the target verify
-    past the context, the budget or the cap, nor feed it ids outside the vocabulary."""
+    past the context, the budget or the cap, nor feed it ids outside the vocabulary: its block is
+    refused, the draft given up for the session, and the session goes on alone (no caller error)."""
     services["fake"].script[crafted.session_id] = [crafted]
 
     async def scenario():
@@ -185,9 +187,11 @@ def test_the_target_refuses_draft_blocks_past_its_limits(services, loop, crafted
         await stream.close()
         return event
 
-    event = loop.run_until_complete(scenario())
-    assert event.error.code == grpc.StatusCode.INTERNAL.value[0] and words in event.error.message, event
-    assert crafted.session_id not in services["target"].sessions
+    with caplog.at_level(logging.WARNING):
+        event = loop.run_until_complete(scenario())
+    # the draft is given up for the session, which the target finishes alone: never verified past a limit
+    assert event.WhichOneof("kind") == "settled" and len(event.settled.tokens) <= 5, event
+    assert words in caplog.text and "going on without the draft" in caplog.text
 
 
 @pytest.mark.parametrize("role", ["target", "draft"])
