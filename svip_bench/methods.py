@@ -20,6 +20,7 @@ class Method:
     policy: PolicyConfig | None = None  # the project's engine
     hf: dict | None = None  # Hugging Face generate(assistant_model=...) settings
     k: int | None = None
+    load_aware: str = "off"  # the engine's load-aware mode for this method's runs (bench methods: off)
 
 
 @dataclass
@@ -49,6 +50,8 @@ def build_methods(ks: list[int], svip_threshold: float, auto_threshold: float, i
         Method("svip", "svip", PolicyConfig(name="svip", threshold=svip_threshold)),
         Method("svip-auto", "svip-auto", PolicyConfig(name="svip", threshold=auto_threshold)),
         Method("oracle", "oracle", PolicyConfig(name="oracle", oracle_tokens=(0,))),
+        # exactly what `svip generate` does with no flags: its policy and load-aware mode
+        Method("defaults", "defaults", PolicyConfig(), load_aware="greedy"),
     ]
     if include_hf:
         methods += [
@@ -83,7 +86,11 @@ def run_engine(engine: SpeculativeEngine, method: Method, ids: tuple[int, ...], 
         for i, h in enumerate(block.entropies[: verdict.accepted + 1]):
             pairs.append((h, i < verdict.accepted))
 
-    result = engine.generate(GenerationRequest(ids, max_new, policy=policy), on_round=on_round)
+    saved, engine.load_aware = engine.load_aware, method.load_aware
+    try:
+        result = engine.generate(GenerationRequest(ids, max_new, policy=policy), on_round=on_round)
+    finally:
+        engine.load_aware = saved
     s = result.stats
     return dict(
         token_ids=result.token_ids, wall_s=s.wall_s, target_forwards=s.target_forwards,

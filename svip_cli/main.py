@@ -137,6 +137,8 @@ def _add_serve_parser(sub) -> None:
                      help="requests one API key may have running or waiting per pipeline (0: no limit)")
     srv.add_argument("--default-max-tokens", type=int, default=2048,
                      help="a chat request without max_tokens generates at most this many tokens (2048; the context caps it)")
+    srv.add_argument("--health-check-period-s", type=float, default=10.0,
+                     help="Serve checks each pipeline this often; three failures in a row replace it (10)")
     srv.add_argument("--allow-ignore-eos", action="store_true",
                      help="let requests set ignore_eos (generate to max_tokens past the end of the text)")
 
@@ -160,6 +162,7 @@ def _serve(args: argparse.Namespace) -> int:
         "draft_stall_s": args.draft_stall_s, "sampled_hold_s": args.sampled_hold_s,
         "max_wait_s": args.max_wait_s, "max_requests_per_key": args.max_requests_per_key,
         "default_max_tokens": args.default_max_tokens, "allow_ignore_eos": args.allow_ignore_eos,
+        "health_check_period_s": args.health_check_period_s,
         "api_key_sha256": tuple(sorted({named_digest(k) for k in args.api_key + keys_from_env()})),
     })
     return serve_forever(settings, args.host, args.port, args.metrics_port)

@@ -37,7 +37,7 @@ def svip_serve(*args: str, env: dict | None = None, startup_s: float = 180):
                 break
         except httpx.HTTPError:
             pass
-        time.sleep(1)
+        time.sleep(0.2)  # polls a condition: /health answering
     else:
         proc.kill()
         pytest.fail(f"svip serve did not become healthy in {startup_s:.0f} s")

@@ -30,6 +30,6 @@ def build_app(args: dict | None = None) -> Application:
         max_ongoing_requests=settings.max_in_flight + settings.max_waiting + ROUTE_HEADROOM,
         max_queued_requests=settings.max_queued_requests,
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
-        health_check_period_s=10,
+        health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=30,
     ).bind(settings)

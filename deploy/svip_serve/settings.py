@@ -53,6 +53,7 @@ class ServeSettings:
     draft_stall_s: float = 3.0  # the least a session waits on its draft before it goes on without it
     sampled_hold_s: float = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
     autoscaling: dict | None = None  # {min_replicas, max_replicas, target_ongoing_requests}: Serve scales the pipelines
+    health_check_period_s: float = 10.0  # Serve checks each replica this often (three failures in a row replace it)
 
     @classmethod
     def from_args(cls, args: dict | None) -> ServeSettings:
@@ -88,7 +89,8 @@ class ServeSettings:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if not isinstance(self.allow_ignore_eos, bool):
             raise InvalidRequest(f"allow_ignore_eos must be true or false, got {self.allow_ignore_eos!r}")
-        for name in ("worker_start_timeout_s", "draft_stall_s", "max_wait_s", "body_read_timeout_s"):
+        for name in ("worker_start_timeout_s", "draft_stall_s", "max_wait_s", "body_read_timeout_s",
+                     "health_check_period_s"):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise InvalidRequest(f"{name} must be a number of seconds > 0, got {value!r}")

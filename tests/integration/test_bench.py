@@ -31,7 +31,7 @@ def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
     assert set(doc["results"]) == {"qa", "translation", "code", "all"}
     methods = set(doc["results"]["all"])
     assert methods == {"target", "constant-2", "constant-3", "heuristic", "confidence", "svip", "svip-auto",
-                       "oracle", "hf-constant-2", "hf-constant-3", "hf-heuristic"}
+                       "oracle", "defaults", "hf-constant-2", "hf-constant-3", "hf-heuristic"}
     assert doc["best_constant"] in ("constant-2", "constant-3")
     hf = doc["results"]["all"]
     assert hf["hf-constant-2"]["draft_forwards_per_token"] != hf["hf-constant-3"]["draft_forwards_per_token"]

@@ -1,19 +1,22 @@
 """`svip generate --mode distributed --input` outlives its workers (issue 11): while the batch runs,
-the draft worker is SIGKILLed, then the target worker, then the draft is SIGSTOPped for 10 s;
-every output equals the in-process engine's, and the stats say what recovered."""
+the draft worker is SIGKILLed, then the target worker, then the draft is SIGSTOPped until a request
+has finished without it; every output equals the in-process engine's, and the stats say what
+recovered."""
 
 from __future__ import annotations
 
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
 import threading
 
 from svip_bench.fault_drill import PROMPTS, worker_pid
+from tests.gates import wait_until
 
-MAX_NEW = 120
+MAX_NEW = 64
 
 
 def _cli(*args: str) -> list[str]:
@@ -21,30 +24,48 @@ def _cli(*args: str) -> list[str]:
             "--json", *args]
 
 
-def test_a_distributed_batch_is_exact_through_worker_faults(tmp_path):
+def test_a_distributed_batch_is_exact_through_worker_faults(tmp_path, target_gate):
+    """Each fault lands while the target holds its steps (tests/gates.py: a request is in flight
+    and cannot end first, on any machine); the next fault waits for a request to finish after it.
+    The stopped draft resumes only once a request finished without it."""
     batch = tmp_path / "prompts.jsonl"
     batch.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:7]))
     reference = [json.loads(line)["token_ids"] for line in
                  subprocess.run(_cli("--input", str(batch)), capture_output=True, text=True, check=True).stdout.splitlines()]
     proc = subprocess.Popen(_cli("--input", str(batch), "--mode", "distributed"), stdout=subprocess.PIPE,
                             stderr=subprocess.DEVNULL, text=True)
-    records, timers = [], []
+    lines: queue.Queue = queue.Queue()
+    reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)], daemon=True)
+    reader.start()
+    records, stopped = [], None
+
+    def next_record():
+        line = lines.get(timeout=300)
+        assert line is not None, "the batch ended before the faults"
+        records.append(json.loads(line))
+
     try:
-        for line in proc.stdout:  # one line per finished request; the next is in flight
+        for fault in ("draft-kill", "target-kill", "draft-stop"):
+            with target_gate.held(steps=1):  # the prompt's prefill and first verdict
+                wait_until(lambda: target_gate.holding() or proc.poll() is not None, timeout_s=300,
+                           what="a request in flight, held")
+                assert proc.poll() is None, "the batch ended before the faults"
+                pid = worker_pid(proc.pid, fault.split("-")[0])
+                if fault == "draft-stop":
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped = pid
+                else:
+                    os.kill(pid, signal.SIGKILL)
+            next_record()  # a request finished after the fault (the stopped draft is still stopped)
+            if stopped is not None:
+                os.kill(stopped, signal.SIGCONT)
+                stopped = None
+        while (line := lines.get(timeout=300)) is not None:
             records.append(json.loads(line))
-            if len(records) == 1:
-                os.kill(worker_pid(proc.pid, "draft"), signal.SIGKILL)
-            elif len(records) == 3:
-                os.kill(worker_pid(proc.pid, "target"), signal.SIGKILL)
-            elif len(records) == 5:
-                stopped = worker_pid(proc.pid, "draft")
-                os.kill(stopped, signal.SIGSTOP)
-                timers.append(threading.Timer(10.0, os.kill, (stopped, signal.SIGCONT)))
-                timers[-1].start()
         assert proc.wait(timeout=300) == 0
     finally:
-        for timer in timers:
-            timer.join()
+        if stopped is not None:
+            os.kill(stopped, signal.SIGCONT)
         if proc.poll() is None:
             proc.kill()
     assert [r["token_ids"] for r in records] == reference

@@ -23,6 +23,7 @@ MAX_TOKENS = 160
 @pytest.fixture(scope="module")
 def server():
     with svip_serve("--max-in-flight", str(CLIENTS), "--max-waiting", str(CLIENTS), "--worker-restarts", "1", "--allow-ignore-eos",
+                    "--health-check-period-s", "2",
                     "--draft-stall-s", "1.5") as srv:
         yield srv
 
