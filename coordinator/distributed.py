@@ -190,9 +190,9 @@ class DistributedEngine:
         engine counts as available (`recovering` says so). A recovery that failed is the answer."""
         if self.target_conn.broken:
             task = self._recovery_task
-            if task is None or (task.done() and self.target_conn.broken):
-                if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
-                    return str(task.exception())
+            if task is not None and task.done() and not task.cancelled() and task.exception() is not None:
+                return str(task.exception())
+            if task is None or task.done():
                 self._recovery_task = asyncio.get_running_loop().create_task(self._recover_from(self.target_conn))
             return None
         try:

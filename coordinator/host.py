@@ -22,6 +22,7 @@ from coordinator.pipeline import PIPELINES, SessionPipeline
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
 from svip_common.grpc_server import SessionService, SessionStream, session_id_of, status_of
+from svip_common.kv_cache import whole_pages
 from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
 from svip_common.step_metrics import StepMetrics
 from svip_common.test_hooks import StepGate
@@ -57,8 +58,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self._ready: list[tuple[str, SessionPipeline, pb.Block, object, tuple[float, str]]] = []  # blocks to verify
         # KV admission: each open session holds room for its prompt and max_new_tokens, in whole
         # pages, so a batched step never runs out of pages (which would fail every session in it)
-        self._reserved: dict[str, int] = {}
-        self._reserved_tokens = 0
+        self._reserved: dict[str, int] = {}  # session id -> tokens held
         super().__init__(limits)
         self.verifier = verifier
         self.max_batched_tokens = max_batched_tokens
@@ -123,8 +123,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             msg = request.start
             self.check_start(msg)
             self.admit(msg.session_id, stream)
-            tokens = self.verifier.pool.pages_for(len(msg.prompt_ids) + msg.max_new_tokens) * self.verifier.pool.page_size
-            if self._reserved_tokens + tokens > self.verifier.pool.pages * self.verifier.pool.page_size:
+            tokens = whole_pages(len(msg.prompt_ids) + msg.max_new_tokens, self.verifier.pool.page_size)
+            if tokens > self._kv_room():
                 raise Overloaded(f"the target's KV pool has room for {self._kv_room()} more tokens; this session "
                                  f"needs {tokens} (its prompt and max_new_tokens)")
             sampling = convert.sampling_from_proto(msg.sampling)
@@ -140,7 +140,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                                       hold_s=self.sampled_hold_s)
             self.new_session(msg.session_id, session, stream)
             self._reserved[msg.session_id] = tokens
-            self._reserved_tokens += tokens
             self._step(msg.session_id, session.start)
         else:  # cancel
             self.session(request.cancel.session_id, stream).cancel()
@@ -149,10 +148,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def close_session(self, session_id: str, owner) -> None:
         super().close_session(session_id, owner)
         if session_id not in self.sessions:  # closed (and not another stream's session of that id)
-            self._reserved_tokens -= self._reserved.pop(session_id, 0)
+            self._reserved.pop(session_id, None)
 
     def _kv_room(self) -> int:
-        return self.verifier.pool.pages * self.verifier.pool.page_size - self._reserved_tokens
+        return self.verifier.pool.tokens - sum(self._reserved.values())
 
     def load_cap(self, gate: SessionGate) -> int:
         """The most tokens a session's next block should hold at the load measured here (its

@@ -41,8 +41,6 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-import grpc
-
 from coordinator.engine import clip_settled
 from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, GenerationStats, Limits, Verdict, check_token_ids
 from svip_common.errors import InvalidRequest, SvipError
@@ -270,21 +268,22 @@ class SessionPipeline:
                 self.attach()
             return
         if kind == "error":  # the draft failed this session (a bug, or a limit): never the caller's error
-            log.warning("session %s: the draft worker reported %s (%s); going on without it", self.sid,
-                        grpc.StatusCode.INVALID_ARGUMENT.name if event.error.code == grpc.StatusCode.INVALID_ARGUMENT.value[0]
-                        else event.error.code, event.error.message[:200])
-            self.draft_given_up = True
-            self.detach(cancel=False)
-            self.hold_expired(float("inf"))  # it will not take this session up again: no hold
+            self._give_up_draft(f"the draft worker reported code {event.error.code}: {event.error.message[:200]}",
+                                cancel=False)
             return
         if kind == "block" and not self.done:
             try:
                 self._on_block(event.block, received_at)
             except WorkerError as exc:  # a bad block is the draft's fault: checked before it changes anything
-                log.warning("session %s: %s; going on without the draft", self.sid, exc)
-                self.draft_given_up = True
-                self.detach(cancel=True)
-                self.hold_expired(float("inf"))
+                self._give_up_draft(str(exc), cancel=True)
+
+    def _give_up_draft(self, why: str, cancel: bool) -> None:
+        """The draft failed this session: the target goes on alone, at once (no hold: the draft
+        will not take the session up again)."""
+        log.warning("session %s: %s; going on without the draft", self.sid, why)
+        self.draft_given_up = True
+        self.detach(cancel)
+        self.hold_expired(float("inf"))
 
     def _on_block(self, block: pb.Block, received_at: float) -> None:
         for name in ("started_at", "finished_at", "draft_s", "trigger_at"):

@@ -32,7 +32,6 @@ class Drafter:
         block whose uncached prefix (a new prompt) does not fit is prefilled a chunk per step."""
         self.draft = draft
         self.max_batched_tokens = max_batched_tokens
-        self.last_step_tokens = 0  # tokens in the last forward
         self.width = target_vocab_size  # q is laid over the target's vocabulary
         self.token_limit = min(draft.token_limit, target_vocab_size) if token_limit is None else token_limit
         self.pool = KVPool(draft.model, kv_cache_tokens)
@@ -60,7 +59,6 @@ class Drafter:
             drafting.append(d)
             d._prefilling = len(pending) > PREFILL_TOKENS
             room -= len(pending)
-        self.last_step_tokens = sum(len(new) for _, new, _ in steps)
         started = time.perf_counter()
         rows = self.pool.forward(steps)
         elapsed = time.perf_counter() - started
