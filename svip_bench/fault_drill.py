@@ -47,11 +47,12 @@ class Stream:
     done: bool = False
 
 
-def stream_completion(base: str, prompt: str, max_tokens: int, on_chunk=None) -> Stream:
-    """One greedy streaming completion, as a client sees it; on_chunk() after each text chunk."""
+def stream_completion(base: str, prompt: str, max_tokens: int, on_chunk=None, out: Stream | None = None) -> Stream:
+    """One greedy streaming completion, as a client sees it (filled into ``out`` as it arrives);
+    on_chunk() after each text chunk."""
     import httpx
 
-    out = Stream()
+    out = Stream() if out is None else out
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True, "ignore_eos": True}
     try:
         with httpx.stream("POST", base + "/v1/completions", json=body, timeout=600) as r:
@@ -131,13 +132,16 @@ def run_streams(base: str, prompts: list[str], max_tokens: int, fault: str | Non
                 stop_s: float | None = 20.0, after_chunks: int = 4, gate=None, gate_steps: int = 3) -> dict:
     """Every prompt as a stream at once; the fault once the streams are under way, far from done:
     with ``gate`` (tests/gates.py's TargetGate: the target's steps held by construction), once
-    the target has verified gate_steps batches and holds the next, released after the fault;
+    the target has verified gate_steps batches, holds the next and every client has text (one
+    more step granted at a time until each has), released after the fault;
     without, once the streams have after_chunks chunks each on average. stop_s None: a stopped
     draft resumes only after every stream has ended (so they ended without it)."""
     results: list[Stream | None] = [None] * len(prompts)
     started = time.monotonic()
     timer, fault_at = None, None
     count, lock, under_way = [0], threading.Lock(), threading.Event()
+
+    streams = [Stream() for _ in prompts]  # what each client has received so far
 
     def on_chunk():
         with lock:
@@ -147,10 +151,9 @@ def run_streams(base: str, prompts: list[str], max_tokens: int, fault: str | Non
 
     held = gate.held(gate_steps) if gate is not None and fault is not None else contextlib.nullcontext()
     with ThreadPoolExecutor(len(prompts)) as pool, held:
-        futures = [pool.submit(stream_completion, base, p, max_tokens, on_chunk) for p in prompts]
+        futures = [pool.submit(stream_completion, base, p, max_tokens, on_chunk, out) for p, out in zip(prompts, streams)]
         if fault is not None:
-            ready = gate.holding if gate is not None else under_way.is_set
-            while not ready():
+            while not _under_way(gate, under_way, streams):
                 if all(f.done() for f in futures):
                     raise RuntimeError("the streams ended before the fault; raise --max-tokens")
                 time.sleep(0.05)
@@ -170,6 +173,19 @@ def run_streams(base: str, prompts: list[str], max_tokens: int, fault: str | Non
         gap = max(gap, after[0] - fault_at)
     return {"fault": fault, "wall_s": wall, "results": results, "longest_gap_s": gap, "timer": timer,
             "fault_at_s": fault_at - started if fault_at is not None else None}
+
+
+def _under_way(gate, chunks_seen: threading.Event, streams: list[Stream]) -> bool:
+    """Whether the fault may land: without a gate, once the clients have their chunks; with one,
+    once the target holds and every client has text (else one more step, and look again)."""
+    if gate is None:
+        return chunks_seen.is_set()
+    if not gate.holding():
+        return False
+    if all(s.text for s in streams):
+        return True
+    gate.grant(1)
+    return False
 
 
 def summarize(run: dict, reference: list[str]) -> dict:

@@ -4,11 +4,12 @@ environment variable is set (worker processes inherit it from whoever started Ra
 dictionary lookup when off.
 
 - ``SVIP_TEST_GATE_DIR=DIR``: a target worker verifies a batch only while the file ``DIR/target``
-  is absent, or holds a number larger than the batches verified since it appeared ("0": none
-  pass; "1": one more, e.g. a prompt's prefill). The worker stays responsive meanwhile (Stats,
+  is absent, or holds a number larger than the batches verified since it was last written ("0":
+  none pass; "1": one more, e.g. a prompt's prefill; writing it again grants a fresh count). The worker stays responsive meanwhile (Stats,
   cancels, new sessions): a held step is skipped, never slept in. Write the file with
   ``hold(dir, name, steps)`` (atomic), delete it with ``release(dir, name)``; once the worker has
-  used up the steps and holds one back it creates ``DIR/name.holding``, which ``holding`` reads.
+  used up the steps and holds one back it writes the grant it used up to ``DIR/name.holding``,
+  which ``holding`` compares with the current grant.
 - ``SVIP_TEST_FORWARD_DELAY_S=S``: every KV-pool forward sleeps S seconds first (a slow machine).
 """
 
@@ -28,7 +29,9 @@ class StepGate:
     def __init__(self, name: str, environ=os.environ):
         root = environ.get(GATE_DIR_VAR)
         self.path = Path(root) / name if root else None
-        self.passed = 0  # steps let through since the gate file appeared
+        self.passed = 0  # steps let through since the gate file was last written
+        self.grant = ""  # the file's text then: a new text is a new grant
+        self.told = False  # whether .holding says this grant is used up
 
     def open(self) -> bool:
         if self.path is None:
@@ -36,22 +39,28 @@ class StepGate:
         try:
             text = self.path.read_text()
         except FileNotFoundError:
-            self.passed = 0
+            self.passed, self.grant = 0, ""
             return True
-        allowed = int(text) if text.strip().isdigit() else 0
+        if text != self.grant:
+            self.passed, self.grant, self.told = 0, text, False
+        field = text.split()[0] if text.split() else ""
+        allowed = int(field) if field.isdigit() else 0
         if self.passed < allowed:
             self.passed += 1
             return True
-        self.path.with_suffix(".holding").touch()
+        if not self.told:  # holding back, under this grant
+            self.path.with_suffix(".holding").write_text(text)
+            self.told = True
         return False
 
 
 def hold(root: str | Path, name: str, steps: int = 0) -> None:
-    """Close the gate `name` after `steps` more steps (atomically: the worker never reads half a file)."""
+    """Close the gate `name` after `steps` more steps from now (atomically: the worker never reads
+    half a file); each call is a fresh grant, also while the gate is closed."""
     path = Path(root) / name
     path.with_suffix(".holding").unlink(missing_ok=True)
     tmp = path.with_suffix(".tmp")
-    tmp.write_text(str(steps))
+    tmp.write_text(f"{steps} {time.monotonic_ns()}")
     os.replace(tmp, path)
 
 
@@ -61,8 +70,12 @@ def release(root: str | Path, name: str) -> None:
 
 
 def holding(root: str | Path, name: str) -> bool:
-    """Whether the worker has used up the steps it was allowed and now holds the next one."""
-    return (Path(root) / name).with_suffix(".holding").exists()
+    """Whether the worker has used up the steps of the latest grant and now holds the next one."""
+    path = Path(root) / name
+    try:
+        return path.with_suffix(".holding").read_text() == path.read_text()
+    except FileNotFoundError:
+        return False
 
 
 def forward_delay(environ=os.environ) -> None:

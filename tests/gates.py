@@ -14,7 +14,7 @@ from svip_common import test_hooks
 class TargetGate:
     """A test's hold on every target worker of this test session: `with gate.held(steps):` lets
     that many more batched verifications run, then holds the next until the block ends (or
-    `release()`); `holding()` says whether a worker is holding one back now."""
+    `release()`); `grant(n)` lets n more run from now; `holding()` says whether a worker is holding one back now."""
 
     name = "target"
 
@@ -28,6 +28,10 @@ class TargetGate:
             yield self
         finally:
             self.release()
+
+    def grant(self, steps: int = 1) -> None:
+        """Inside `held`: let `steps` more verifications run from now, then hold again."""
+        test_hooks.hold(self.root, self.name, steps)
 
     def release(self) -> None:
         test_hooks.release(self.root, self.name)
