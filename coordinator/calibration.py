@@ -1,4 +1,5 @@
-"""`--threshold auto`: learn SVIP's threshold for a model pair.
+"""Offline calibration for a model pair: `--threshold auto` (SVIP's threshold) and the prior of
+the `auto` policy (``auto_prior``).
 
 Entropy scales differ between pairs and tokenisers, so the paper's 0.3 (tuned on Qwen and Llama)
 can stop far too early or too late elsewhere. Calibration measures, for the pair at hand:
@@ -18,13 +19,16 @@ untouched.
 
 from __future__ import annotations
 
+import json
 import math
 import statistics
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
+from svip_common.acceptance import FEATURES, PRIOR_WEIGHTS, AutoEstimate, AutoSettings, features, fit_logistic
 from svip_common.kv_cache import KVCache
 from svip_common.models import LoadedModel
 from svip_common.sampling import entropy
@@ -135,6 +139,74 @@ def choose_threshold(trajs: list[Trajectory], scale: float, cap: int, cost: Cost
     return best, table
 
 
+PRIOR_TOKENS = 48  # per calibration prompt: the draft's own greedy continuation the prior is fit on
+
+
+@torch.inference_mode()
+def auto_prior(target: LoadedModel, draft: LoadedModel, settings: AutoSettings = AutoSettings(),
+               prompts: tuple[str, ...] = CALIBRATION_PROMPTS, new_tokens: int = PRIOR_TOKENS) -> AutoEstimate:
+    """`auto`'s starting point for a pair (about a second on a CPU): the draft continues each
+    prompt greedily, one teacher-forced target forward over that text says where the target's
+    argmax agrees (the greedy acceptance of each drafted token, its prefix given), a logistic fit
+    of agreement on the draft's features there gives the prior weights, and the forwards' timed
+    costs the prior tau (svip_common/acceptance.py)."""
+    rows, labels = [], []
+    for prompt in prompts:
+        ids = list(target.tokenizer(prompt)["input_ids"])
+        cache = KVCache(draft.model)
+        logits = cache.forward(ids, logits_to_keep=1)
+        drafted, feats = [], []
+        for index in range(new_tokens):
+            q = torch.softmax(logits[-1, : target.vocab_size].float(), dim=-1)
+            token = int(torch.argmax(q))
+            drafted.append(token)
+            feats.append(features(float(entropy(q)), float(q[token]), 1))  # no block here: place 1
+            logits = cache.forward([token], logits_to_keep=1)
+        target_logits = target.model(input_ids=torch.tensor([ids + drafted])).logits[0, len(ids) - 1 : -1]
+        agree = (torch.argmax(target_logits[:, : target.vocab_size], dim=-1) == torch.tensor(drafted)).tolist()
+        rows += feats
+        labels += [1.0 if a else 0.0 for a in agree]
+    prior = torch.tensor(PRIOR_WEIGHTS, dtype=torch.float64)
+    weights = fit_logistic(torch.tensor(rows, dtype=torch.float64), torch.tensor(labels, dtype=torch.float64), prior)
+    cost = measure_costs(target, draft, repeats=5)
+    return AutoEstimate(tuple(float(w) for w in weights), cost.draft_ratio + cost.verify_slope, settings)
+
+
+PRIOR_FILE = "svip_auto_prior.json"  # in the draft's directory: the pair's stored prior (`svip calibrate`)
+
+
+def stored_prior(draft_path: str | None) -> dict | None:
+    """The prior stored beside a draft ({"weights": [...], "cost": tau}), or None (none there, or
+    not readable as one: then the pair starts from the generic prior, or measures its own)."""
+    if draft_path is None:
+        return None
+    try:
+        data = json.loads((Path(draft_path) / PRIOR_FILE).read_text())
+        prior = {"weights": [float(w) for w in data["weights"]], "cost": float(data["cost"])}
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if len(prior["weights"]) != len(PRIOR_WEIGHTS) or not all(map(math.isfinite, prior["weights"])):
+        return None
+    if not math.isfinite(prior["cost"]) or prior["cost"] <= 0:
+        return None
+    return prior
+
+
+def estimate_from(prior: dict | None, settings: AutoSettings = AutoSettings()) -> AutoEstimate:
+    """A pair's `auto` estimate from a stored prior (None: the generic one)."""
+    if prior is None:
+        return AutoEstimate(settings=settings)
+    return AutoEstimate(tuple(prior["weights"]), prior["cost"], settings)
+
+
+def save_prior(estimate: AutoEstimate, draft_path: str) -> Path:
+    path = Path(draft_path) / PRIOR_FILE
+    model = estimate.model(True)
+    path.write_text(json.dumps({"weights": [round(w, 6) for w in model.weights], "cost": round(estimate.prior_cost, 6),
+                                "features": list(FEATURES)}, indent=1) + "\n")
+    return path
+
+
 @torch.inference_mode()
 def forward_time(model, tokens: int = 1, context: int = 64, repeats: int = 15) -> float:
     """Median time of one forward of `tokens` tokens after a warm cache of `context`."""
@@ -156,10 +228,11 @@ def measure_cost_ratio(target: LoadedModel, draft: LoadedModel) -> float:
     return forward_time(draft.model) / forward_time(target.model)
 
 
-def measure_costs(target: LoadedModel, draft: LoadedModel, block: int = 8) -> CostModel:
-    one = forward_time(target.model)
-    many = forward_time(target.model, tokens=block + 1)
-    return CostModel(draft_ratio=forward_time(draft.model) / one, verify_slope=max(0.0, (many - one) / block / one))
+def measure_costs(target: LoadedModel, draft: LoadedModel, block: int = 8, repeats: int = 15) -> CostModel:
+    one = forward_time(target.model, repeats=repeats)
+    many = forward_time(target.model, tokens=block + 1, repeats=repeats)
+    return CostModel(draft_ratio=forward_time(draft.model, repeats=repeats) / one,
+                     verify_slope=max(0.0, (many - one) / block / one))
 
 
 def _sync(model) -> None:

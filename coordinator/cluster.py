@@ -7,6 +7,8 @@ from __future__ import annotations
 import logging
 import os
 
+from coordinator.calibration import stored_prior
+from svip_common.acceptance import AutoSettings
 from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
 from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
@@ -154,12 +156,13 @@ class WorkerPair:
                  start_timeout_s: float = START_TIMEOUT_S, placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None,
                  load_aware: str = "greedy", max_restarts: int = WORKER_RESTARTS, recovery: dict | None = None,
-                 packed: bool = False, insecure_workers: bool = False):
+                 packed: bool = False, insecure_workers: bool = False, auto: AutoSettings = AutoSettings()):
         """max_restarts: how many times Ray restarts each worker that dies (a session outlives it:
         coordinator/draft_port.py, coordinator/distributed.py); recovery: the target host's
         draft_stall_s / sampled_hold_s / draft_recover_s. packed: the placement puts both workers
         on one node (Serve's STRICT_PACK group; layout "pack" says so itself), so they listen on
-        loopback; insecure_workers: serve plaintext on a node address (refused otherwise)."""
+        loopback; insecure_workers: serve plaintext on a node address (refused otherwise); auto: the
+        `auto` policy's settings (its estimate starts from the prior stored beside the draft)."""
         import ray
 
         from draft_worker.actor import DraftActor
@@ -195,7 +198,7 @@ class WorkerPair:
         self.target = ray.remote(TargetActor).options(
             **actor_options("target", target_gpus, placement, bundles[0], worker_cpus), **restarts).remote(
             target_path, self.limits, max_batched_tokens=max_batched_tokens, load_aware=load_aware,
-            recovery=recovery, **common)
+            recovery=recovery, auto=auto.check(), auto_prior=stored_prior(draft_path), **common)
         self.target_address = self.draft_address = None
         if draft_path is not None:
             self.draft = ray.remote(DraftActor).options(

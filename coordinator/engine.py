@@ -11,7 +11,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 
-from coordinator.calibration import Calibration, calibrate
+from coordinator.calibration import Calibration, auto_prior, calibrate, estimate_from, stored_prior
 from draft_worker.drafter import Drafter, NullDraftSession
 from svip_common.contracts import (
     AUTO,
@@ -21,6 +21,7 @@ from svip_common.contracts import (
     GenerationStats,
     Verdict,
 )
+from svip_common.acceptance import AutoEstimate, AutoSettings, SessionStop
 from svip_common.errors import InvalidRequest
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
@@ -34,13 +35,15 @@ OnRound = Callable[[Block, Verdict, list[int]], None]
 
 class SpeculativeEngine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
-                 max_batched_tokens: int | None = None, load_aware: str = "off"):
+                 max_batched_tokens: int | None = None, load_aware: str = "off", auto: AutoSettings = AutoSettings()):
         """kv_cache_tokens: each model's KV pool, in tokens (every session in flight shares it);
         max_batched_tokens: generate_many's cap on the tokens of one forward; load_aware: whose
         blocks hold no more tokens than pay at the target's measured load, "off" / "greedy" /
         "all" (svip_common/step_cost.py); off, each length policy runs exactly as configured (the
-        reference the paper's benchmark measures)."""
+        reference the paper's benchmark measures); auto: the `auto` policy's settings
+        (svip_common/acceptance.py)."""
         self.max_batched_tokens = max_batched_tokens
+        self.auto_settings = auto.check()
         self.load_aware = check_load_aware(load_aware)
         if draft is not None:
             check_same_vocabulary(target, draft)
@@ -52,6 +55,7 @@ class SpeculativeEngine:
         self.drafter = (Drafter(draft, target.vocab_size, self.limits.tokens, kv_cache_tokens, max_batched_tokens)
                         if draft is not None else None)
         self._calibration: Calibration | None = None
+        self._auto: AutoEstimate | None = None
 
     @property
     def draft_path(self) -> str | None:
@@ -62,6 +66,15 @@ class SpeculativeEngine:
         if self._calibration is None:
             self._calibration = calibrate(self.target, self.drafter.draft)
         return self._calibration
+
+    def auto_estimate(self) -> AutoEstimate:
+        """The pair's `auto` estimate, from its prior on first use: stored beside the draft, or
+        measured here (about two seconds on a CPU)."""
+        if self._auto is None:
+            prior = stored_prior(self.drafter.draft.path)
+            self._auto = (estimate_from(prior, self.auto_settings) if prior is not None
+                          else auto_prior(self.target, self.drafter.draft, self.auto_settings))
+        return self._auto
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
         """The request as it will run: validated, policy 'none' when there is no draft, and
@@ -121,7 +134,11 @@ class EngineSession:
         self.started = time.perf_counter()
         self._engine = engine
         drafts = not isinstance(self.draft, NullDraftSession)
-        self.gate = SessionGate() if drafts and load_aware_for(engine.load_aware, request.sampling.greedy) else None
+        auto = drafts and request.policy.name == "auto"
+        # the gate measures what drafting costs (auto's tau) and, load-aware, pauses or cuts blocks
+        self.gated = drafts and load_aware_for(engine.load_aware, request.sampling.greedy)
+        self.gate = SessionGate(cuts=not auto) if self.gated or auto else None
+        self.stop = SessionStop(engine.auto_estimate(), request.sampling.greedy) if auto else None
         self._draft_mark = 0.0
 
     @property
@@ -146,8 +163,11 @@ class EngineSession:
         """The most tokens this round's block may hold: the verdict's own token fills the last
         place, and at load no more than pay (0: this round runs as the target alone)."""
         cap = UNLIMITED
-        if self.gate is not None:
-            cap = self.gate.cap(self._engine.verifier.load())
+        load = self._engine.verifier.load() if self.gate is not None else None
+        if self.gated:
+            cap = self.gate.cap(load)
+        if self.stop is not None:
+            self.draft.policy.tune(self.stop.rule(self.gate.token_cost(load)))
         self._draft_mark = self.draft.forward_s - self.draft.prefill_s
         return min(self.budget - 1, cap)
 
@@ -155,6 +175,8 @@ class EngineSession:
         self.draft.feedback(len(block), verdict.accepted)
         if self.gate is not None:  # what this block's drafting took: the session's share of the forwards, no prefill
             self.gate.record(len(block), verdict.accepted, self.draft.forward_s - self.draft.prefill_s - self._draft_mark)
+        if self.stop is not None:
+            self.stop.record(block.entropies, block.probs, verdict.accepted)
         settled = [*block.tokens[: verdict.accepted], verdict.token]
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled
@@ -171,7 +193,7 @@ class EngineSession:
         stats = self.stats
         stats.wall_s = time.perf_counter() - self.started
         stats.draft_forwards, stats.target_forwards = self.draft.forwards, self.target.forwards
-        stats.pauses = self.gate.pauses if self.gate is not None else 0
+        stats.pauses = self.gate.pauses if self.gated else 0
         return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats)
 
     def close(self) -> None:

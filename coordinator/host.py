@@ -19,6 +19,7 @@ import grpc
 
 from coordinator.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S, DraftPort
 from coordinator.pipeline import PIPELINES, SessionPipeline
+from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
 from svip_common.grpc_server import SessionService, SessionStream, session_id_of, status_of
@@ -45,14 +46,16 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def __init__(self, verifier: Verifier, limits, draft_address: str | None = None, tls: TlsFiles | None = None,
                  max_batched_tokens: int | None = None, load_aware: str = "greedy", draft_actor=None,
                  draft_stall_s: float = DEFAULT_STALL_S, sampled_hold_s: float = DEFAULT_HOLD_S,
-                 draft_recover_s: float = DEFAULT_RECOVER_S):
+                 draft_recover_s: float = DEFAULT_RECOVER_S, auto: AutoEstimate | None = None):
         """max_batched_tokens: at most this many tokens in one target forward (a long prompt is
         prefilled in chunks under it); None: no limit. load_aware: whose blocks hold no more tokens
         than pay at the load measured here (none when verification is compute-bound): "off",
         "greedy" (greedy sessions) or "all" (svip_common/step_cost.py). draft_actor: the draft
         worker's Ray actor, asked for a replacement when the draft is lost (coordinator/draft_port.py);
         draft_stall_s: the least a session waits on its draft before it goes on without it;
-        sampled_hold_s: how long a sampled session waits for a lost draft to come back."""
+        sampled_hold_s: how long a sampled session waits for a lost draft to come back; auto: the
+        pair's `auto` estimate (svip_common/acceptance.py), kept here beside the verifier, where
+        every verdict is seen (None: from the generic prior)."""
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
         self._ready: list[tuple[str, SessionPipeline, pb.Block, object, tuple[float, str]]] = []  # blocks to verify
@@ -64,6 +67,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.max_batched_tokens = max_batched_tokens
         self.load_aware = check_load_aware(load_aware)
         self.sampled_hold_s = sampled_hold_s
+        self.auto = auto if auto is not None else AutoEstimate()
         self.step_metrics = StepMetrics("target")
         self.draft: DraftPort | None = None
         if draft_address is not None or draft_actor is not None:
@@ -137,7 +141,9 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                                       emit=stream.emit, schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args),
                                       enqueue=lambda session, block, checked, info: self._ready.append((msg.session_id, session, block, checked, info)),
                                       load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None,
-                                      hold_s=self.sampled_hold_s)
+                                      hold_s=self.sampled_hold_s,
+                                      auto=SessionStop(self.auto, sampling.greedy) if policy.name == "auto" else None,
+                                      load=self.verifier.load)
             self.new_session(msg.session_id, session, stream)
             self._reserved[msg.session_id] = tokens
             self._step(msg.session_id, session.start)
@@ -152,6 +158,15 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
 
     def _kv_room(self) -> int:
         return self.verifier.pool.tokens - sum(self._reserved.values())
+
+    def add_stats(self, stats: pb.WorkerStats) -> None:
+        for field, greedy in (("auto_greedy", True), ("auto_sampled", False)):
+            model = self.auto.model(greedy)
+            getattr(stats, field).CopyFrom(pb.AutoModelState(
+                weights=list(model.weights), observed_tokens=model.observed, fits=model.fits,
+                predicted_acceptance=model.predicted_sum / max(model.observed, 1),
+                observed_acceptance=model.accepted_sum / max(model.observed, 1)))
+        stats.auto_prior_cost = self.auto.prior_cost
 
     def load_cap(self, gate: SessionGate) -> int:
         """The most tokens a session's next block should hold at the load measured here (its

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
+from svip_common.acceptance import AutoSettings
 from svip_common.contracts import GenerationRequest, GenerationResult
 from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
 from svip_common.tls import TlsFiles
@@ -19,7 +20,8 @@ class LocalDistributed:
     def __init__(self, target_path: str, draft_path: str | None, pipeline: str = "async",
                  dtype: str = "float32", device: str = "cpu", target_gpus: int = 1, ray_address: str | None = None,
                  placement: str | None = None, tls: TlsFiles | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
-                 max_batched_tokens: int | None = None, load_aware: str = "greedy", insecure_workers: bool = False):
+                 max_batched_tokens: int | None = None, load_aware: str = "greedy", insecure_workers: bool = False,
+                 auto: AutoSettings = AutoSettings()):
         if ray_address is None:
             init_local_ray()
         else:
@@ -30,7 +32,7 @@ class LocalDistributed:
         self.pair = WorkerPair(target_path, draft_path, dtype=dtype, device=device,
                                target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=placement, tls=tls,
                                kv_cache_tokens=kv_cache_tokens, max_batched_tokens=max_batched_tokens,
-                               load_aware=load_aware, insecure_workers=insecure_workers)
+                               load_aware=load_aware, insecure_workers=insecure_workers, auto=auto)
         self.target = self.pair.target_info
         self.draft_path = draft_path
         self.loop = asyncio.new_event_loop()

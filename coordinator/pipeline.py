@@ -42,9 +42,10 @@ from collections.abc import Callable
 from typing import Protocol
 
 from coordinator.engine import clip_settled
+from svip_common.acceptance import SessionStop
 from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, GenerationStats, Limits, Verdict, check_token_ids
 from svip_common.errors import InvalidRequest, SvipError
-from svip_common.step_cost import SessionGate
+from svip_common.step_cost import SessionGate, TargetLoad
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from target_worker.verifier import TargetSession
@@ -79,12 +80,15 @@ class SessionPipeline:
     def __init__(self, session_id: str, request: GenerationRequest, stop_ids: frozenset[int], limits: Limits,
                  target: TargetSession, draft: DraftLink | None, pipeline: str,
                  emit: Callable[[pb.GenerateEvent], None], schedule: Callable[..., None],
-                 enqueue: Callable[..., None], load_cap: LoadCap | None = None, hold_s: float = 0.0):
+                 enqueue: Callable[..., None], load_cap: LoadCap | None = None, hold_s: float = 0.0,
+                 auto: SessionStop | None = None, load: Callable[[], TargetLoad | None] = lambda: None):
         """emit: sends an event to the caller; schedule(fn, *args): runs fn later on the compute
         thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
         batched step to verify the block, which answers with verified(); load_cap: load-aware
         speculation (None: the policy drafts as configured at any load); hold_s: how long a sampled
-        session waits for a lost draft before the target goes on alone."""
+        session waits for a lost draft before the target goes on alone; auto: the session's learnt
+        stop (policy auto; svip_common/acceptance.py), its rule sent with each start, feedback and
+        resume; load: the target's load now (what a drafted token costs, for auto's tau)."""
         self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
         self.target, self.draft, self.pipeline = target, draft, pipeline
         self.emit, self.schedule, self.enqueue = emit, schedule, enqueue
@@ -103,7 +107,8 @@ class SessionPipeline:
         self._draft_open = draft is not None
         self._correction_due = False  # a sampled rejection's correction is drawn by the draft
         self._feedback_chain: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
-        self._load_cap, self.gate = load_cap, SessionGate()
+        self._load_cap, self.gate = load_cap, SessionGate(cuts=auto is None)
+        self.auto, self._load = (auto if draft is not None else None), load
         self.paused = False  # load-aware: the draft waits for a Resume; the target settles tokens alone
         self._paused_tokens: list[int] = []  # settled since the pause (the Resume carries them)
         self.detached = False  # recovery: no draft works on the session; the target settles tokens alone
@@ -146,6 +151,8 @@ class SessionPipeline:
         cap = self._cap()
         if cap is not None:
             start.load_cap = cap
+        if self.auto is not None:
+            start.stop_rule.CopyFrom(self._stop_rule())
         self._draft_open = True
         self._to_draft(pb.DraftRequest(start=start))
         if cap == 0:
@@ -359,6 +366,8 @@ class SessionPipeline:
         k, accepted = len(block.tokens), verdict.accepted
         if k:
             self.gate.record(k, accepted, block.draft_s)
+            if self.auto is not None:
+                self._learn(block, accepted)
         cap = self._cap()
         ready, deferred = None, False
         if accepted < k:
@@ -419,6 +428,17 @@ class SessionPipeline:
             return None
         return self._load_cap(self.gate)
 
+    def _learn(self, block: pb.Block, accepted: int) -> None:
+        """auto: the verdict on a drafted block, into the pair's estimate and the session's rate."""
+        load = self._load()
+        entropies = convert.floats_from_proto(block.entropies) if block.HasField("entropies") else []
+        probs = convert.floats_from_proto(block.q_probs) if block.HasField("q_probs") else []
+        self.auto.record(entropies, probs, accepted, load.round_tokens(self.gate.round_s) if load is not None else 0.0)
+
+    def _stop_rule(self) -> pb.StopRule:
+        """auto: the rule for the next blocks, at this session's tau now."""
+        return convert.stop_rule_to_proto(self.auto.rule(self.gate.token_cost(self._load())))
+
     def _pause(self) -> None:
         """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
         self.paused, self._paused_tokens = True, []
@@ -429,6 +449,8 @@ class SessionPipeline:
         self.paused = False
         base = len(self.committed) - len(self._paused_tokens)  # where the draft's tokens end
         resume = pb.Resume(session_id=self.sid, epoch=self.epoch, base=base, tokens=self._paused_tokens, load_cap=cap)
+        if self.auto is not None:
+            resume.stop_rule.CopyFrom(self._stop_rule())
         self._paused_tokens = []
         self._feedback_sent_at = time.time()
         self._to_draft(pb.DraftRequest(resume=resume))
@@ -440,6 +462,8 @@ class SessionPipeline:
                                accepted=verdict.accepted, token=token, prepared_used=prepared_used)
         if cap is not None:
             feedback.load_cap = cap
+        if self.auto is not None:
+            feedback.stop_rule.CopyFrom(self._stop_rule())
         if verdict.p_row is not None:
             feedback.p_row.CopyFrom(convert.tensor_to_proto(verdict.p_row.float()))
         self._correction_due = token == NO_TOKEN and not deferred  # the draft draws it from p_row

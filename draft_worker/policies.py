@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from typing import Protocol
 
+from svip_common.acceptance import StopRule
 from svip_common.contracts import PolicyConfig, StepState
 from svip_common.errors import InvalidRequest
 
@@ -99,6 +100,34 @@ class ConfidencePolicy:
         pass
 
 
+class AutoPolicy:
+    """Learnt stop (svip_common/acceptance.py): draft one more token while the block's chance of
+    surviving to it, times its own predicted acceptance, is at least the rule's stop_at. The rule
+    comes from beside the verifier (``tune``) and changes between blocks, never within one."""
+
+    name = "auto"
+
+    def __init__(self, cap: int, rule: StopRule = StopRule()):
+        self.cap, self.rule = cap, rule
+        self._survival = 1.0
+
+    def tune(self, rule: StopRule) -> None:
+        self.rule = rule.check()
+
+    def max_length(self) -> int:
+        return self.cap
+
+    def should_stop(self, step: StepState) -> bool:
+        if step.index == 1:
+            self._survival = 1.0
+        rule = self.rule
+        self._survival *= rule.accept_prob(step.entropy, step.prob, step.index)
+        return self._survival * rule.accept_prob(step.entropy, step.prob, step.index + 1) < rule.stop_at
+
+    def update(self, drafted: int, accepted: int) -> None:
+        pass
+
+
 class NoDraftPolicy:
     """The target alone: no block is ever drafted."""
 
@@ -146,6 +175,8 @@ def make_policy(config: PolicyConfig) -> LengthPolicy:
         return HeuristicPolicy(config.draft_length, cap)
     if config.name == "confidence":
         return ConfidencePolicy(config.confidence, cap)
+    if config.name == "auto":
+        return AutoPolicy(cap)
     if config.name == "oracle":
         return OraclePolicy(config.oracle_tokens, cap)
     return NoDraftPolicy()

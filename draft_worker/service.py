@@ -12,6 +12,7 @@ import grpc
 
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import Outgoing, PipelinedDraft
+from draft_worker.policies import AutoPolicy
 from svip_common.contracts import NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.grpc_server import SessionService, SessionStream
@@ -60,6 +61,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                 epoch=msg.epoch,
             )
             self.new_session(msg.session_id, session, stream)
+            _tune(session, msg)
             cap = msg.load_cap if msg.HasField("load_cap") else None
             self._send(msg.session_id, session, session.start(received_at, cap))
         elif kind == "feedback":
@@ -72,6 +74,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             msg = request.resume
             session = self.session(msg.session_id, stream)
             check_token_ids(msg.tokens, self.limits.tokens, "resumed token id")
+            _tune(session, msg)
             self._send(msg.session_id, session, session.on_resume(msg.epoch, msg.base, list(msg.tokens), msg.load_cap,
                                                                   received_at))
         else:  # cancel
@@ -85,6 +88,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
         if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
             raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
+        _tune(session, msg)
         return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
                                    msg.prepared_used, received_at, msg.load_cap if msg.HasField("load_cap") else None)
 
@@ -136,10 +140,11 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         stream.emit(pb.DraftEvent(closed=pb.Closed(session_id=session_id, shed=True)))
 
     def _send(self, session_id: str, session: PipelinedDraft, items: list[Outgoing]) -> None:
-        greedy, stream = session.session.sampling.greedy, self.owner(session_id)
+        stream = self.owner(session_id)
+        probs = not session.session.sampling.greedy or isinstance(session.session.policy, AutoPolicy)
         for item in items:
             self.tokens_processed += len(item.block)
-            msg = convert.block_to_proto(session_id, item.block, greedy, item.resolved_token)
+            msg = convert.block_to_proto(session_id, item.block, item.resolved_token, probs)
             msg.followup, msg.reused = item.followup, item.reused
             msg.started_at, msg.finished_at, msg.draft_s, msg.trigger_at = item.started_at, item.finished_at, item.draft_s, item.trigger_at
             if item.prepared_for is not None:
@@ -149,3 +154,14 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
 
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.DraftEvent:
         return pb.DraftEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
+
+
+def _tune(session: PipelinedDraft, msg) -> None:
+    """A stop rule from the target side (policy auto) applies to the session's next blocks; one
+    for a session of another policy, or a malformed one, is INVALID_ARGUMENT."""
+    if not msg.HasField("stop_rule"):
+        return
+    policy = session.session.policy
+    if not isinstance(policy, AutoPolicy):
+        raise InvalidRequest(f"a stop rule for a session of policy {policy.name!r} (only auto takes one)")
+    policy.tune(convert.stop_rule_from_proto(msg.stop_rule))

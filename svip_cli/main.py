@@ -13,6 +13,7 @@ import os
 import secrets
 import sys
 
+from svip_common.acceptance import WINDOW, AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
@@ -68,6 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--draft-length", type=int, default=5, help="constant: k; heuristic: starting k (5)")
     pol.add_argument("--max-draft-length", type=int, default=40, help="hard cap on any block (40)")
     pol.add_argument("--confidence", type=float, default=0.4, help="confidence: stop when q(token) < c (0.4)")
+    _add_auto_arguments(pol)
     smp = gen.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=128)
     smp.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -94,6 +96,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _add_auto_arguments(group) -> None:
+    group.add_argument("--auto-cost", type=float, metavar="TAU",
+                       help="auto: a drafted token's cost in target-alone tokens, fixed (default: measured)")
+    group.add_argument("--auto-window", type=int, default=WINDOW,
+                       help=f"auto: verdicted tokens the pair's live estimate rests on ({WINDOW})")
+    group.add_argument("--no-auto-learn", dest="auto_learn", action="store_false",
+                       help="auto: keep the pair's prior (no live fit: reproducible lengths)")
+
+
+def _auto_settings(args) -> AutoSettings:
+    return AutoSettings(learn=args.auto_learn, cost=args.auto_cost, window=args.auto_window).check()
+
+
 def _add_serve_parser(sub) -> None:
     srv = sub.add_parser("serve", help="serve the OpenAI-compatible API (Ray Serve) on this machine")
     srv.add_argument("--host", default="127.0.0.1", help="HTTP address (default 127.0.0.1)")
@@ -118,6 +133,7 @@ def _add_serve_parser(sub) -> None:
                      help="whose blocks hold no more tokens than pay at the target's load: greedy (default), all, off")
     srv.add_argument("--policy", default="svip", help=f"default length policy: {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
+    _add_auto_arguments(srv)
     srv.add_argument("--draft-length-cap", type=int, default=DRAFT_LENGTH_CAP,
                      help=f"the longest block a request may ask for ({DRAFT_LENGTH_CAP})")
     srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (4 MiB)")
@@ -156,6 +172,7 @@ def _serve(args: argparse.Namespace) -> int:
         "device": args.device, "target_gpus": args.target_gpus, "pipeline": args.pipeline,
         "num_replicas": args.replicas, "max_in_flight": args.max_in_flight, "max_waiting": args.max_waiting,
         "policy": args.policy, "threshold": args.threshold, "draft_length_cap": args.draft_length_cap,
+        "auto_learn": args.auto_learn, "auto_cost": args.auto_cost, "auto_window": args.auto_window,
         "max_request_bytes": args.max_request_bytes, "grpc_tls_dir": args.grpc_tls_dir,
         "kv_cache_tokens": args.kv_cache_tokens, "max_batched_tokens": args.max_batched_tokens,
         "load_aware": args.load_aware, "worker_restarts": args.worker_restarts,
@@ -315,11 +332,12 @@ def _load_engine(args: argparse.Namespace):
         return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device,
                                 args.target_gpus, args.ray_address, args.placement, tls, args.kv_cache_tokens,
                                 args.max_batched_tokens, getattr(args, "load_aware", "off"),
-                                insecure_workers=bool(getattr(args, "insecure_workers", False)))
+                                insecure_workers=bool(getattr(args, "insecure_workers", False)), auto=_auto_settings(args))
     target = load_model(target_path, args.dtype, args.device)
     draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
     return SpeculativeEngine(target, draft, getattr(args, "kv_cache_tokens", DEFAULT_KV_TOKENS),
-                             getattr(args, "max_batched_tokens", None), getattr(args, "load_aware", "off"))
+                             getattr(args, "max_batched_tokens", None), getattr(args, "load_aware", "off"),
+                             _auto_settings(args))
 
 
 def _result_json(args, engine, request, result, text: str) -> dict:

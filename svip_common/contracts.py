@@ -18,7 +18,7 @@ import torch
 
 from svip_common.errors import InvalidRequest
 
-POLICY_NAMES = ("svip", "constant", "heuristic", "confidence", "none")
+POLICY_NAMES = ("auto", "svip", "constant", "heuristic", "confidence", "none")
 INT32_MAX = 2**31 - 1  # integer fields travel as int32
 DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deployment may change it)
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the warped q turns NaN

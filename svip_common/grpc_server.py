@@ -203,10 +203,15 @@ class SessionService:
         unavailable = self.unavailable() or ""
         if not unavailable and not await self._compute_answers(self.compute_probe_s):
             unavailable = f"the {self.role} worker's compute thread has not answered in {self.compute_probe_s:.0f} s"
-        return pb.WorkerStats(open_sessions=len(sessions), cached_tokens=sum(s.cached_tokens for s in sessions),
-                              tokens_processed=self.processed_tokens(), unavailable=unavailable,
-                              kv_pages_used=pool.used_pages, kv_pages_total=pool.pages, kv_page_tokens=pool.page_size,
-                              draft_replacements=replacements, draft_lost=lost)
+        stats = pb.WorkerStats(open_sessions=len(sessions), cached_tokens=sum(s.cached_tokens for s in sessions),
+                               tokens_processed=self.processed_tokens(), unavailable=unavailable,
+                               kv_pages_used=pool.used_pages, kv_pages_total=pool.pages, kv_page_tokens=pool.page_size,
+                               draft_replacements=replacements, draft_lost=lost)
+        self.add_stats(stats)
+        return stats
+
+    def add_stats(self, stats: pb.WorkerStats) -> None:
+        """What a worker of this kind adds to its stats (nothing by default)."""
 
     async def _compute_answers(self, timeout_s: float) -> bool:
         """Whether the compute thread runs a no-op within timeout_s (after what is queued)."""

@@ -206,7 +206,10 @@ class SessionGate:
     measured again rather than frozen at the values that paused it. A probe costs at most
     PROBE_TOKENS drafted tokens per PROBE_FIRST rounds, and less the longer the pause holds."""
 
-    def __init__(self):
+    def __init__(self, cuts: bool = True):
+        """cuts False: the policy itself stops a block where one more token stops paying at this
+        τ (auto), so a block that pays is not cut here; only the pause (and its probes) is decided."""
+        self.cuts = cuts
         self.acceptance = AcceptanceRate()
         self.draft_token_s = 0.0
         self.round_s = 0.0  # a drafting round's extra round trip (across workers; 0 in one process)
@@ -227,11 +230,19 @@ class SessionGate:
         if math.isfinite(seconds) and seconds >= 0:
             self.round_s = seconds if not self.round_s else 0.8 * self.round_s + 0.2 * seconds
 
+    def token_cost(self, load: TargetLoad | None) -> float | None:
+        """τ for this session now (None until both the load and its drafting are measured)."""
+        if load is None or not self.draft_token_s:
+            return None
+        return token_cost(load, self.draft_token_s)
+
     def cap(self, load: TargetLoad | None) -> int:
         if self.paused:
             self.acceptance.relax()
         a = self.acceptance
         cap = speculation_cap(load, self.draft_token_s, a.value, a.block_rate, self.round_s, a.drafted_per_block)
+        if not self.cuts and cap > 0:
+            cap = UNLIMITED
         if self.paused:
             if cap >= RESUME_CAP:
                 self.paused, self._probe_every = False, PROBE_FIRST

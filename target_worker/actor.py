@@ -4,7 +4,9 @@ between it and the draft worker."""
 
 from __future__ import annotations
 
+from coordinator.calibration import estimate_from
 from coordinator.host import SessionHost
+from svip_common.acceptance import AutoSettings
 from svip_common.actor import ModelActor
 from svip_proto import svip_pb2_grpc as pb_grpc
 from target_worker.verifier import Verifier
@@ -14,18 +16,21 @@ class TargetActor(ModelActor):
     service_name = "svip.v1.TargetWorker"
 
     def __init__(self, model_path: str, limits, max_batched_tokens: int | None = None, load_aware: str = "greedy",
-                 recovery: dict | None = None, **kwargs):
-        """recovery: SessionHost's draft_stall_s / sampled_hold_s / draft_recover_s."""
+                 recovery: dict | None = None, auto: AutoSettings = AutoSettings(), auto_prior: dict | None = None,
+                 **kwargs):
+        """recovery: SessionHost's draft_stall_s / sampled_hold_s / draft_recover_s; auto: the
+        `auto` policy's settings; auto_prior: the pair's stored prior (None: the generic one)."""
         super().__init__(model_path, limits, **kwargs)
         self.max_batched_tokens, self.load_aware = max_batched_tokens, load_aware
         self.recovery = recovery or {}
+        self.auto = estimate_from(auto_prior, auto.check())
 
     def make_service(self, draft_address: str | None = None, draft=None):
         """draft_address: the draft worker's; draft: its Ray actor (asked for the address, and
         for a replacement's after a loss)."""
         verifier = Verifier(self.model, self.limits.tokens, self.kv_cache_tokens)
         return SessionHost(verifier, self.limits, draft_address, self.tls, self.max_batched_tokens, self.load_aware,
-                           draft_actor=draft, **self.recovery)
+                           draft_actor=draft, auto=self.auto, **self.recovery)
 
     async def on_start(self, service: SessionHost) -> None:
         await service.start()

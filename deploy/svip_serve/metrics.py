@@ -6,6 +6,7 @@ beside them."""
 
 from __future__ import annotations
 
+from svip_common.acceptance import FEATURES
 from svip_common.contracts import DRAFT_LENGTH_CAP, GenerationStats
 
 LATENCY_BUCKETS = [0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0]
@@ -67,6 +68,11 @@ class ServeMetrics:
         self.open_sessions = m.Gauge("svip_worker_open_sessions", "Sessions open on a worker.", tag_keys=tags + ("role",))
         self.draft_lost = m.Gauge("svip_draft_lost", "1 while the target has no draft worker (sessions go on without "
                                   "speculation, the draft is being replaced); alert when it stays 1.", tag_keys=tags)
+        self.auto_acceptance = m.Gauge("svip_auto_acceptance", "Policy auto: mean acceptance of the verdicted drafted "
+                                       "tokens, as predicted by the pair's estimate and as observed.",
+                                       tag_keys=tags + ("kind", "source"))
+        self.auto_weight = m.Gauge("svip_auto_weight", "Policy auto: the pair's acceptance model, one weight per feature.",
+                                   tag_keys=tags + ("kind", "feature"))
         self._restarts_seen: dict[str, int] = {}
         self.kv_usage = m.Gauge("svip_kv_cache_usage_perc", "Share of a worker's KV pool pages in use (vLLM's cache usage).",
                                 tag_keys=tags + ("role",))
@@ -115,6 +121,15 @@ class ServeMetrics:
             if s.kv_pages_total:
                 self.kv_usage.set(s.kv_pages_used / s.kv_pages_total, {**self.tags, "role": role})
 
+    def set_auto(self, target) -> None:
+        """target: the target's WorkerStats, which carry the pair's `auto` estimate."""
+        for kind, state in (("greedy", target.auto_greedy), ("sampled", target.auto_sampled)):
+            if state.observed_tokens:
+                self.auto_acceptance.set(state.predicted_acceptance, {**self.tags, "kind": kind, "source": "predicted"})
+                self.auto_acceptance.set(state.observed_acceptance, {**self.tags, "kind": kind, "source": "observed"})
+            for feature, weight in zip(FEATURES, state.weights):
+                self.auto_weight.set(weight, {**self.tags, "kind": kind, "feature": feature})
+
     def set_draft_lost(self, lost: bool) -> None:
         self.draft_lost.set(1.0 if lost else 0.0, self.tags)
 
@@ -136,3 +151,14 @@ class ServeMetrics:
     def _inc(self, counter, value: float) -> None:
         if value > 0:  # Ray counters refuse 0 increments
             counter.inc(value, self.tags)
+
+
+def auto_state(target) -> dict:
+    """The pair's `auto` estimate from the target's WorkerStats, as /v1/svip/workers shows it."""
+    out = {"prior_cost": round(target.auto_prior_cost, 4)}
+    for kind, state in (("greedy", target.auto_greedy), ("sampled", target.auto_sampled)):
+        out[kind] = {"weights": dict(zip(FEATURES, (round(w, 4) for w in state.weights))),
+                     "observed_tokens": state.observed_tokens, "fits": state.fits,
+                     "predicted_acceptance": round(state.predicted_acceptance, 4),
+                     "observed_acceptance": round(state.observed_acceptance, 4)}
+    return out

@@ -22,6 +22,7 @@ from svip_serve import prompting
 from svip_serve.admission import Admission, Slot
 from svip_serve.auth import ApiKeys
 from svip_serve.generation import Generation
+from svip_serve.metrics import auto_state
 from svip_serve.protocol import (
     ApiError, ApiRequest, bad, chunk_body, new_id, parse_chat, parse_completion, parse_json, response_body, usage,
     usage_chunk,
@@ -146,7 +147,7 @@ class SVIPServer:
             worker_cpus=settings.worker_cpus, max_draft_length=settings.draft_length_cap,
             tls=TlsFiles.from_dir(settings.grpc_tls_dir) if settings.grpc_tls_dir else None,
             start_timeout_s=settings.worker_start_timeout_s, kv_cache_tokens=settings.kv_cache_tokens,
-            max_batched_tokens=settings.max_batched_tokens, load_aware=settings.load_aware,
+            max_batched_tokens=settings.max_batched_tokens, load_aware=settings.load_aware, auto=settings.auto(),
             max_restarts=settings.worker_restarts, recovery=settings.recovery(),
             packed=True,  # the replica's group is STRICT_PACK: the workers talk over the node's loopback
         )
@@ -185,6 +186,7 @@ class SVIPServer:
         self.metrics.set_workers(stats)  # the KV-cache gauges, every health period
         self.metrics.set_restarts({"target": engine.recoveries.restarts, "draft": stats["target"].draft_replacements})
         self.metrics.set_draft_lost(self.draft_path is not None and bool(stats["target"].draft_lost))
+        self.metrics.set_auto(stats["target"])
 
     # --- endpoints ------------------------------------------------------------------------------
 
@@ -220,7 +222,7 @@ class SVIPServer:
                for role, s in stats.items()}
         target = stats["target"]
         out["target"].update(restarts=self.engine.recoveries.restarts, draft_replacements=target.draft_replacements,
-                             draft_lost=target.draft_lost or None)
+                             draft_lost=target.draft_lost or None, auto=auto_state(target))
         return JSONResponse(out)
 
     @api.post("/v1/completions")

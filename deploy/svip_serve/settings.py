@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from svip_common.acceptance import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.step_cost import check_load_aware
@@ -44,6 +45,9 @@ class ServeSettings:
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
     policy: str = "svip"  # request default; a request's `policy` overrides it
     threshold: float = 0.3
+    auto_learn: bool = True  # policy auto: keep fitting the pair's estimate on live verdicts (off: its prior stays)
+    auto_cost: float | None = None  # policy auto: a fixed cost of a drafted token (tau) in place of the measured one
+    auto_window: int = 4096  # policy auto: verdicted tokens the live fit rests on
     draft_length_cap: int = DRAFT_LENGTH_CAP  # cap on a request's draft_length / max_draft_length (and any block)
     max_request_bytes: int = 4 * 1024 * 1024  # a larger body is refused with 413 before it is parsed
     api_key_sha256: tuple[str, ...] = ()  # SHA-256 (hex) of the API keys; $SVIP_API_KEY adds more; none: open
@@ -101,6 +105,13 @@ class ServeSettings:
         if self.policy not in POLICY_NAMES:
             raise InvalidRequest(f"policy must be one of {', '.join(POLICY_NAMES)}, got {self.policy!r}")
         self.policy_defaults().validate(self.draft_length_cap)
+        if not isinstance(self.auto_learn, bool):
+            raise InvalidRequest(f"auto_learn must be true or false, got {self.auto_learn!r}")
+        if self.auto_cost is not None and not isinstance(self.auto_cost, (int, float)):
+            raise InvalidRequest(f"auto_cost must be a number, got {self.auto_cost!r}")
+        if not isinstance(self.auto_window, int):
+            raise InvalidRequest(f"auto_window must be an integer, got {self.auto_window!r}")
+        self.auto()
         bad_hash = next((h for h in self.api_key_sha256 if not _is_key_digest(h)), None)
         if bad_hash is not None or not isinstance(self.api_key_sha256, tuple):
             raise InvalidRequest("api_key_sha256 must be a list of SHA-256 digests (64 hex digits, optionally "
@@ -110,6 +121,11 @@ class ServeSettings:
         """The target host's recovery settings (coordinator/host.py)."""
         return {"draft_stall_s": float(self.draft_stall_s), "sampled_hold_s": float(self.sampled_hold_s),
                 "draft_recover_s": float(self.worker_start_timeout_s)}  # one ask may take as long as a start
+
+    def auto(self) -> AutoSettings:
+        """The `auto` policy's settings, checked (svip_common/acceptance.py)."""
+        cost = None if self.auto_cost is None else float(self.auto_cost)
+        return AutoSettings(learn=self.auto_learn, cost=cost, window=self.auto_window).check()
 
     def policy_defaults(self) -> PolicyConfig:
         """What a request that names no policy knobs gets; within the cap."""

@@ -10,6 +10,7 @@ from array import array
 
 import torch
 
+from svip_common.acceptance import StopRule
 from svip_common.contracts import DRAFT_LENGTH_CAP, NO_TOKEN, Block, GenerationStats, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
@@ -91,14 +92,25 @@ def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> Poli
     return policy
 
 
-def block_to_proto(session_id: str, block: Block, greedy: bool, resolved_token: int = NO_TOKEN) -> pb.Block:
+def block_to_proto(session_id: str, block: Block, resolved_token: int = NO_TOKEN, probs: bool = True) -> pb.Block:
+    """probs: send each token's q (sampled acceptance needs it, `auto` learns from it; a greedy
+    block of another policy needs only ids and entropies)."""
     msg = pb.Block(session_id=session_id, epoch=block.epoch, base=block.base, tokens=block.tokens)
     if resolved_token != NO_TOKEN:
         msg.resolved_token = resolved_token
     msg.entropies.CopyFrom(floats_to_proto(block.entropies))
-    if not greedy:  # greedy verification needs no probabilities at all
+    if probs:
         msg.q_probs.CopyFrom(floats_to_proto(block.probs))
     return msg
+
+
+def stop_rule_to_proto(rule: StopRule) -> pb.StopRule:
+    return pb.StopRule(weights=list(rule.weights), stop_at=rule.stop_at)
+
+
+def stop_rule_from_proto(msg: pb.StopRule) -> StopRule:
+    """Checked: a rule with the wrong number of weights or a bad stop_at is INVALID_ARGUMENT."""
+    return StopRule(tuple(msg.weights), msg.stop_at).check()
 
 
 def block_from_proto(msg: pb.Block) -> Block:

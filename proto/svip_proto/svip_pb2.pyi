@@ -54,8 +54,16 @@ class PolicyConfig(_message.Message):
     confidence: float
     def __init__(self, name: _Optional[str] = ..., threshold: _Optional[float] = ..., entropy_scale: _Optional[float] = ..., draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., confidence: _Optional[float] = ...) -> None: ...
 
+class StopRule(_message.Message):
+    __slots__ = ("weights", "stop_at")
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    STOP_AT_FIELD_NUMBER: _ClassVar[int]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    stop_at: float
+    def __init__(self, weights: _Optional[_Iterable[float]] = ..., stop_at: _Optional[float] = ...) -> None: ...
+
 class StartSession(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch", "stop_rule")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -65,6 +73,7 @@ class StartSession(_message.Message):
     PIPELINE_FIELD_NUMBER: _ClassVar[int]
     LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
+    STOP_RULE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -74,7 +83,8 @@ class StartSession(_message.Message):
     pipeline: Pipeline
     load_cap: int
     epoch: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ...) -> None: ...
+    stop_rule: StopRule
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ...) -> None: ...
 
 class PreparedFor(_message.Message):
     __slots__ = ("base", "accepted", "token")
@@ -119,7 +129,7 @@ class Block(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -131,6 +141,7 @@ class Feedback(_message.Message):
     SENT_AT_FIELD_NUMBER: _ClassVar[int]
     THEN_FIELD_NUMBER: _ClassVar[int]
     LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
+    STOP_RULE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -142,21 +153,24 @@ class Feedback(_message.Message):
     sent_at: float
     then: Feedback
     load_cap: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ...) -> None: ...
+    stop_rule: StopRule
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ...) -> None: ...
 
 class Resume(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "tokens", "load_cap")
+    __slots__ = ("session_id", "epoch", "base", "tokens", "load_cap", "stop_rule")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
+    STOP_RULE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     load_cap: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., load_cap: _Optional[int] = ...) -> None: ...
+    stop_rule: StopRule
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("session_id",)
@@ -323,7 +337,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost")
+    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost", "auto_greedy", "auto_sampled", "auto_prior_cost")
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -333,6 +347,9 @@ class WorkerStats(_message.Message):
     KV_PAGE_TOKENS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_REPLACEMENTS_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LOST_FIELD_NUMBER: _ClassVar[int]
+    AUTO_GREEDY_FIELD_NUMBER: _ClassVar[int]
+    AUTO_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    AUTO_PRIOR_COST_FIELD_NUMBER: _ClassVar[int]
     open_sessions: int
     cached_tokens: int
     tokens_processed: int
@@ -342,4 +359,21 @@ class WorkerStats(_message.Message):
     kv_page_tokens: int
     draft_replacements: int
     draft_lost: str
-    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ...) -> None: ...
+    auto_greedy: AutoModelState
+    auto_sampled: AutoModelState
+    auto_prior_cost: float
+    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ..., auto_greedy: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_sampled: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_prior_cost: _Optional[float] = ...) -> None: ...
+
+class AutoModelState(_message.Message):
+    __slots__ = ("weights", "observed_tokens", "fits", "predicted_acceptance", "observed_acceptance")
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    FITS_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    OBSERVED_ACCEPTANCE_FIELD_NUMBER: _ClassVar[int]
+    weights: _containers.RepeatedScalarFieldContainer[float]
+    observed_tokens: int
+    fits: int
+    predicted_acceptance: float
+    observed_acceptance: float
+    def __init__(self, weights: _Optional[_Iterable[float]] = ..., observed_tokens: _Optional[int] = ..., fits: _Optional[int] = ..., predicted_acceptance: _Optional[float] = ..., observed_acceptance: _Optional[float] = ...) -> None: ...

@@ -232,6 +232,15 @@ def test_worker_grpc_tls_and_serving_limits_reach_the_app():
     assert "grpc_tls_dir" not in defaults and defaults["allow_ignore_eos"] is False and defaults["default_max_tokens"] == 2048
 
 
+def test_the_auto_policy_and_its_settings_reach_the_app():
+    args = yaml.safe_load(by_kind(render({"decoding": {"policy": "auto", "auto": {"learn": False, "cost": 0.25, "window": 1024}}}),
+                                  "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    settings = ServeSettings.from_args(args)
+    assert (settings.policy, settings.auto_learn, settings.auto_cost, settings.auto_window) == ("auto", False, 0.25, 1024)
+    defaults = yaml.safe_load(by_kind(render(), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    assert "auto_cost" not in defaults and defaults["auto_learn"] is True and defaults["auto_window"] == 4096
+
+
 def test_a_model_path_is_never_the_served_model_id():
     args = yaml.safe_load(by_kind(render({"model": {"target": "/models/qwen-7b", "draft": "none"}, "workers": {"gpusPerWorker": 1}}),
                                   "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
@@ -387,6 +396,10 @@ def test_the_charts_smoke_script_is_the_packages():
     ({"model": {"dtype": "int8"}}, "dtype"),
     ({"decoding": {"policy": "fastest"}}, "policy"),
     ({"decoding": {"threshold": -1}}, "threshold"),
+    ({"decoding": {"auto": {"cost": 0}}}, "cost"),
+    ({"decoding": {"auto": {"cost": 1e9}}}, "cost"),
+    ({"decoding": {"auto": {"window": 1}}}, "window"),
+    ({"decoding": {"auto": {"learn": "yes"}}}, "learn"),
     ({"service": {"type": "ExternalName"}}, "type"),
     ({"modle": {"target": "x"}}, "modle"),
 ])

@@ -15,7 +15,7 @@ from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParam
 from svip_common.errors import InvalidRequest
 
 POLICIES = [PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="constant", draft_length=4),
-            PolicyConfig(name="heuristic", draft_length=2), PolicyConfig(name="none"), PolicyConfig(name="svip", threshold=2.0)]
+            PolicyConfig(name="heuristic", draft_length=2), PolicyConfig(name="none"), PolicyConfig(name="svip", threshold=2.0), PolicyConfig(name="auto")]
 
 
 def requests_for(prompt_ids, sampling=SamplingParams()):

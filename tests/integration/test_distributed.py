@@ -27,6 +27,7 @@ POLICIES = {
     "constant": PolicyConfig(name="constant", draft_length=4),
     "heuristic": PolicyConfig(name="heuristic", draft_length=3),
     "confidence": PolicyConfig(name="confidence", confidence=0.2),
+    "auto": PolicyConfig(name="auto"),
     "none": PolicyConfig(name="none"),
 }
 MAX_NEW = 40

@@ -64,12 +64,12 @@ def test_params_round_trip_and_validate():
 
 def test_block_round_trip():
     block = Block(base=17, tokens=[5, 6, 7], probs=[0.5, 0.25, 0.125], entropies=[0.1, 0.2, 0.3], epoch=2)
-    msg = convert.block_to_proto("s1", block, greedy=False)
+    msg = convert.block_to_proto("s1", block)
     back = convert.block_from_proto(msg)
     assert (back.base, back.tokens, back.probs, back.epoch) == (17, [5, 6, 7], [0.5, 0.25, 0.125], 2)
     assert back.entropies == pytest.approx([0.1, 0.2, 0.3])
     assert not msg.HasField("resolved_token")  # absent, not 0: token 0 is a real token
-    assert convert.block_to_proto("s1", block, greedy=True, resolved_token=0).resolved_token == 0
+    assert convert.block_to_proto("s1", block, resolved_token=0).resolved_token == 0
 
 
 def test_session_stats_round_trip():
@@ -88,7 +88,7 @@ def test_session_stats_round_trip():
 
 def test_greedy_block_is_token_ids_and_a_small_header():
     block = Block(base=1000, tokens=[151_000 + i for i in range(8)], probs=[0.9] * 8, entropies=[0.1] * 8, epoch=3)
-    msg = convert.block_to_proto("session-0123456789", block, greedy=True)
+    msg = convert.block_to_proto("session-0123456789", block, probs=False)
     assert not msg.HasField("q_probs")
     size = len(msg.SerializeToString())
     # 8 ids of 3 bytes, 8 float32 entropies, a 20-byte session id, base, epoch, tags

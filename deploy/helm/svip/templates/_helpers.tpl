@@ -68,6 +68,8 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "load_aware" $v.decoding.loadAware
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
+  "auto_learn" $v.decoding.auto.learn
+  "auto_window" (int $v.decoding.auto.window)
   "max_wait_s" $v.serve.maxWaitS
   "max_requests_per_key" (int $v.serve.maxRequestsPerKey)
   "default_max_tokens" (int $v.serve.defaultMaxTokens)
@@ -75,6 +77,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 -}}
 {{- if $v.grpcTls.secretName -}}
 {{- $_ := set $args "grpc_tls_dir" "/etc/svip/grpc-tls" -}}
+{{- end -}}
+{{- if not (kindIs "invalid" $v.decoding.auto.cost) -}}
+{{- $_ := set $args "auto_cost" $v.decoding.auto.cost -}}
 {{- end -}}
 {{- if $v.serve.autoscaling.enabled -}}
 {{- $_ := set $args "autoscaling" (dict "min_replicas" (int $v.serve.autoscaling.minReplicas) "max_replicas" (int $v.serve.autoscaling.maxReplicas) "target_ongoing_requests" $v.serve.autoscaling.targetOngoingRequests) -}}
