@@ -32,11 +32,20 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--max-prompt-tokens", type=int, default=192, help="keep the last N prompt tokens (192)")
     bench.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="constant draft lengths to run (1..8)")
+    bench.add_argument("--thresholds", default="", help="also SVIP at these thresholds, e.g. 0.2,0.4,0.5 (svip-T rows)")
+    bench.add_argument("--confidences", default="", help="also the confidence stop at these c, e.g. 0.3,0.5 (confidence-C rows)")
     bench.add_argument("--no-hf", action="store_true", help="skip Hugging Face's assisted generation")
     bench.add_argument("--quick", action="store_true", help="2 prompts per category, 1 repeat, 64 tokens, k in 2,4,6")
     bench.add_argument("--threads", type=int, default=1, help="torch threads (1: one core, as on a GPU each model owns one device)")
     bench.add_argument("--latencies", metavar="MS,MS", help="pipeline: also run sync vs async across two nodes (network "
                        "namespaces, root) at these round-trip latencies on the link, e.g. 0,1,5")
+    bench.add_argument("--serve-policies", default="defaults,svip,none",
+                       help="serve: the policies compared (defaults, svip, auto, confidence, constant-K, none)")
+    bench.add_argument("--levels", default="1,4,16,32", help="serve: concurrent streaming clients (1,4,16,32)")
+    bench.add_argument("--long", action="store_true", help="long generations: every policy at --long-lengths new "
+                       "tokens, greedy and T=1, on held-out code prompts (--prompts-per-category of them), and the "
+                       "target's loss by position (svip_bench/long.py)")
+    bench.add_argument("--long-lengths", default="512,1024,2000", help="--long: new tokens per run (512,1024,2000)")
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
 
 
@@ -55,6 +64,8 @@ def run(args: argparse.Namespace, load_engine) -> int:
     if engine.drafter is None:
         raise InvalidRequest("svip bench needs a draft model")
     prompts = []
+    if args.long:
+        categories = [CODE]
     spec = [c for c in categories if c != CODE]
     if spec:
         prompts += [p for p in load_specbench(specbench_path(args.dataset), args.prompts_per_category) if p.category in spec]
@@ -68,6 +79,10 @@ def run(args: argparse.Namespace, load_engine) -> int:
         "target": engine.target.path, "draft": engine.drafter.draft.path,
         "prompts": len(prompts), "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
     }
+    if args.long:
+        from svip_bench import long
+
+        return long.run(engine, prompts, args, header)
     if args.mode == "pipeline":
         from svip_bench import pipeline
 
@@ -77,7 +92,9 @@ def run(args: argparse.Namespace, load_engine) -> int:
 
         return serve.run(engine, prompts, args, header)
     calibration = engine.calibration()
-    methods = build_methods(ks, 0.3, calibration.threshold, include_hf=not args.no_hf)
+    methods = build_methods(ks, 0.3, calibration.threshold, include_hf=not args.no_hf,
+                            thresholds=_parse_floats(args.thresholds, "--thresholds"),
+                            confidences=_parse_floats(args.confidences, "--confidences"))
     print(f"bench: {len(prompts)} prompts x {len(methods)} methods x {args.repeats} repeats; "
           f"svip-auto threshold {calibration.threshold} (cost ratio {calibration.cost_ratio:.3f})", file=sys.stderr)
     progress = Progress(len(prompts) * len(methods) * args.repeats)
@@ -100,6 +117,16 @@ def _parse_ks(spec: str) -> list[int]:
     if not ks or ks[0] < 1:
         raise InvalidRequest("--ks: draft lengths must be >= 1")
     return ks
+
+
+def _parse_floats(spec: str, flag: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in spec.split(",") if v.strip())
+    except ValueError:
+        raise InvalidRequest(f"{flag}: expected comma-separated numbers, got {spec!r}") from None
+    if any(not 0 <= v <= 10 for v in values):
+        raise InvalidRequest(f"{flag}: values must be in [0, 10]")
+    return values
 
 
 def _parse_categories(spec: str | None) -> list[str]:

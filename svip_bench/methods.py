@@ -16,7 +16,7 @@ from svip_common.contracts import GenerationRequest, PolicyConfig
 @dataclass(frozen=True)
 class Method:
     name: str
-    family: str  # target | constant | heuristic | confidence | svip | svip-auto | oracle | hf-constant | hf-heuristic
+    family: str  # target | constant | heuristic | confidence | svip | svip-auto | auto | oracle | defaults | hf-constant | hf-heuristic
     policy: PolicyConfig | None = None  # the project's engine
     hf: dict | None = None  # Hugging Face generate(assistant_model=...) settings
     k: int | None = None
@@ -41,7 +41,10 @@ class Run:
     entropy_acceptance: list[tuple[float, bool]] = field(default_factory=list)
 
 
-def build_methods(ks: list[int], svip_threshold: float, auto_threshold: float, include_hf: bool) -> list[Method]:
+def build_methods(ks: list[int], svip_threshold: float, auto_threshold: float, include_hf: bool,
+                  thresholds: tuple[float, ...] = (), confidences: tuple[float, ...] = ()) -> list[Method]:
+    """thresholds / confidences: SVIP and the confidence stop at these values too (a grid, for
+    the best fixed method in hindsight), as svip-T and confidence-C."""
     methods = [Method("target", "target", PolicyConfig(name="none"))]
     methods += [Method(f"constant-{k}", "constant", PolicyConfig(name="constant", draft_length=k), k=k) for k in ks]
     methods += [
@@ -49,10 +52,14 @@ def build_methods(ks: list[int], svip_threshold: float, auto_threshold: float, i
         Method("confidence", "confidence", PolicyConfig(name="confidence")),
         Method("svip", "svip", PolicyConfig(name="svip", threshold=svip_threshold)),
         Method("svip-auto", "svip-auto", PolicyConfig(name="svip", threshold=auto_threshold)),
+        Method("auto", "auto", PolicyConfig(name="auto")),
         Method("oracle", "oracle", PolicyConfig(name="oracle", oracle_tokens=(0,))),
         # exactly what `svip generate` does with no flags: its policy and load-aware mode
         Method("defaults", "defaults", PolicyConfig(), load_aware="greedy"),
     ]
+    methods += [Method(f"svip-{t:g}", "svip", PolicyConfig(name="svip", threshold=t)) for t in thresholds]
+    methods += [Method(f"confidence-{c:g}", "confidence", PolicyConfig(name="confidence", confidence=c))
+                for c in confidences]
     if include_hf:
         methods += [
             Method(f"hf-constant-{k}", "hf-constant", k=k, hf=dict(

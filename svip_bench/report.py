@@ -88,13 +88,14 @@ def entropy_acceptance(runs: list[Run]) -> list[dict]:
     return bands
 
 
-KEY_METHODS = ("target", "heuristic", "confidence", "svip", "svip-auto", "oracle", "hf-heuristic")
+KEY_METHODS = ("target", "heuristic", "confidence", "svip", "svip-auto", "auto", "defaults", "oracle", "hf-heuristic")
 
 
 def markdown(table: dict, header: dict) -> str:
     best = best_constant(table)
     best_hf = f"hf-constant-{best.split('-')[1]}" if best else None
-    shown = [m for m in ("target", best, *KEY_METHODS[1:], best_hf) if m]
+    grid = [n for n in table[ALL] if n.startswith(("svip-", "confidence-")) and n != "svip-auto"]
+    shown = [m for m in ("target", best, *KEY_METHODS[1:], *grid, best_hf) if m]
     lines = [f"Command: `{header['command']}`", f"Machine: {header['machine']}",
              f"Models: target {header['target']}, draft {header['draft']}; {header['prompts']} prompts, "
              f"{header['repeats']} repeats, {header['max_new_tokens']} new tokens, greedy", ""]
@@ -133,7 +134,8 @@ def write_plots(out: Path, table: dict, runs: list[Run], thresholds: dict[str, f
 
     best = best_constant(table)
     best_hf = f"hf-constant-{best.split('-')[1]}" if best else None
-    shown = [m for m in (best, "heuristic", "confidence", "svip", "svip-auto", "oracle", best_hf, "hf-heuristic") if m and m in table[ALL]]
+    shown = [m for m in (best, "heuristic", "confidence", "svip", "svip-auto", "auto", "defaults", "oracle", best_hf,
+                         "hf-heuristic") if m and m in table[ALL]]
     cats = list(table)
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.8 / max(1, len(shown))

@@ -1,7 +1,8 @@
 """`svip bench --mode serve`: the whole serving stack under load. The Serve app runs on this
 machine (`svip serve`'s start()); streaming clients send the same prompts over HTTP at rising
-concurrency with SVIP and with the target alone (policy none, same pipeline), interleaved and
-shuffled per repeat. Reports aggregate tokens/s, time to first token and request latency, and
+concurrency with each of --serve-policies (defaults: what a request with no policy gets; svip at
+the pair's calibrated threshold; none: the target alone on the same pipeline; confidence;
+constant-K), interleaved and shuffled per repeat. Reports aggregate tokens/s, time to first token and request latency, and
 checks that every output equals the in-process engine's greedy output. Then the in-process batched
 engine (`svip generate --batch-size`): the same prompts, BATCH requests at a time against one at
 a time, svip and the target alone, interleaved."""
@@ -20,9 +21,9 @@ from pathlib import Path
 
 from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.errors import InvalidRequest
 
-LEVELS = (1, 4, 16, 32)
-POLICIES = ("svip", "none")
+POLICIES = ("svip", "none")  # the in-process batched comparison
 BATCH = 16  # in-process: requests in flight at once, against 1
 
 
@@ -33,6 +34,7 @@ def run(engine, prompts, args, header: dict) -> int:
     from svip_serve.settings import ServeSettings
 
     threshold = engine.calibration().threshold
+    policies, levels = parse_policies(args.serve_policies), parse_levels(args.levels)
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     reference = [engine.generate(GenerationRequest(ids, args.max_new_tokens, ignore_eos=True,
                                                    policy=PolicyConfig(name="none"))).token_ids for ids in encoded]
@@ -40,27 +42,27 @@ def run(engine, prompts, args, header: dict) -> int:
     texts = [engine.target.tokenizer.decode(r, skip_special_tokens=True) for r in reference]
     port = _free_port()
     settings = ServeSettings(target=engine.target.path, draft=engine.draft_path, dtype=args.dtype,
-                             model_name="bench", max_in_flight=max(LEVELS), max_waiting=max(LEVELS),
+                             model_name="bench", max_in_flight=max(levels), max_waiting=max(levels),
                              allow_ignore_eos=True)
     base = local.start(settings, port=port)
     client = httpx.Client(timeout=600)
     try:
         for ids in encoded[:2]:  # warm-up
             _stream(client, base, ids, 8, "svip", threshold)
-        results, violations = _levels(client, base, encoded, texts, args, threshold)
+        results, violations = _levels(client, base, encoded, texts, args, threshold, policies, levels)
     finally:
         client.close()
         local.stop()
     batched, batch_violations = _inprocess_batches(engine, encoded, reference, args, threshold)
     violations += batch_violations
-    doc = {"header": {**header, "threshold": threshold, "levels": LEVELS}, "inprocess_tokens_per_s": inprocess,
+    doc = {"header": {**header, "threshold": threshold, "levels": levels, "policies": policies}, "inprocess_tokens_per_s": inprocess,
            "results": results, "inprocess_batches": batched, "exactness_violations": violations}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(doc, indent=1))
     md = _markdown(doc)
     (out / "serve.md").write_text(md)
-    _plot(out / "serve.png", results)
+    _plot(out / "serve.png", results, levels)
     print(md)
     if violations:
         print(f"EXACTNESS VIOLATIONS: {violations[:10]}", file=sys.stderr)
@@ -71,7 +73,7 @@ def run(engine, prompts, args, header: dict) -> int:
 def _inprocess_tps(engine, encoded, max_new: int, threshold: float) -> float:
     tokens = wall = 0.0
     for ids in encoded:
-        r = engine.generate(GenerationRequest(ids, max_new, ignore_eos=True, policy=PolicyConfig(threshold=threshold)))
+        r = engine.generate(GenerationRequest(ids, max_new, ignore_eos=True, policy=PolicyConfig()))
         tokens, wall = tokens + len(r.token_ids), wall + r.stats.wall_s
     return tokens / wall
 
@@ -110,10 +112,41 @@ def _inprocess_batches(engine, encoded, reference, args, threshold: float):
     return rows, violations
 
 
+def parse_policies(spec: str) -> list[str]:
+    names = [p.strip() for p in spec.split(",") if p.strip()]
+    bad = next((p for p in names if p not in ("defaults", "svip", "none", "confidence", "auto")
+                and not (p.startswith("constant-") and p[9:].isdigit())), None)
+    if bad is not None or "none" not in names:
+        raise InvalidRequest(f"--serve-policies: defaults, svip, auto, confidence, constant-K and none (required: the "
+                             f"baseline), got {bad or spec!r}")
+    return names
+
+
+def parse_levels(spec: str) -> list[int]:
+    try:
+        levels = sorted({int(v) for v in spec.split(",") if v.strip()})
+    except ValueError:
+        raise InvalidRequest(f"--levels: expected comma-separated integers, got {spec!r}") from None
+    if not levels or levels[0] < 1 or levels[-1] > 256:
+        raise InvalidRequest("--levels: client counts must be in [1, 256]")
+    return levels
+
+
+def _body(policy: str, threshold: float) -> dict:
+    """The request's policy fields: none for the server's defaults."""
+    if policy == "defaults":
+        return {}
+    if policy == "svip":
+        return {"policy": "svip", "threshold": threshold}
+    if policy.startswith("constant-"):
+        return {"policy": "constant", "draft_length": int(policy[9:])}
+    return {"policy": policy}
+
+
 def _stream(client, base: str, ids, max_tokens: int, policy: str, threshold: float) -> dict:
     """One streamed request: its text, token count, time to first token and latency."""
     body = {"model": "bench", "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, "policy": policy, "threshold": threshold}
+            "ignore_eos": True, **_body(policy, threshold)}
     start = time.perf_counter()
     first, parts, usage = None, [], None
     with client.stream("POST", f"{base}/completions", json=body) as r:
@@ -131,15 +164,15 @@ def _stream(client, base: str, ids, max_tokens: int, policy: str, threshold: flo
             "latency": end - start}
 
 
-def _levels(client, base, encoded, texts, args, threshold):
-    runs = {(n, p): [] for n in LEVELS for p in POLICIES}  # per repeat: tokens/s, ttfts, latencies
+def _levels(client, base, encoded, texts, args, threshold, policies, levels):
+    runs = {(n, p): [] for n in levels for p in policies}  # per repeat: tokens/s, ttfts, latencies
     violations = []
     rng = random.Random(0)
-    progress = Progress(args.repeats * len(LEVELS) * len(POLICIES))
+    progress = Progress(args.repeats * len(levels) * len(policies))
     for rep in range(args.repeats):
-        for n in LEVELS:
+        for n in levels:
             batch = [i % len(encoded) for i in range(max(n, len(encoded)))]
-            for policy in rng.sample(POLICIES, len(POLICIES)):
+            for policy in rng.sample(policies, len(policies)):
                 start = time.perf_counter()
                 with ThreadPoolExecutor(n) as pool:
                     done = list(pool.map(lambda i: _stream(client, base, encoded[i], args.max_new_tokens, policy, threshold), batch))
@@ -151,14 +184,14 @@ def _levels(client, base, encoded, texts, args, threshold):
                                           "ttft": [d["ttft"] for d in done], "latency": [d["latency"] for d in done]})
                 progress.update(1)
     results = []
-    for n in LEVELS:
-        for policy in POLICIES:
+    for n in levels:
+        for policy in policies:
             reps = runs[(n, policy)]
             tps = [r["tps"] for r in reps]
             ttft = sorted(t for r in reps for t in r["ttft"])
             results.append({"concurrency": n, "policy": policy, "tokens_per_s": statistics.median(tps),
                             "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
-                            "svip_over_none": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(n, "none")])]),
+                            "over_none": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(n, "none")])]),
                             "ttft_p50": statistics.median(ttft), "ttft_p95": _nearest_rank(ttft, 0.95),
                             "latency_p50": statistics.median(t for r in reps for t in r["latency"])})
     return results, violations
@@ -173,18 +206,21 @@ def _markdown(doc: dict) -> str:
     lines = [f"Command: `{h['command']}`", f"Machine: {h['machine']}",
              f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
              f"{h['max_new_tokens']} new tokens, greedy, streamed over HTTP (SSE) through Ray Serve; svip threshold "
-             f"{h['threshold']} (auto), none = the target alone on the same pipeline.",
-             f"In-process engine, one stream, svip: {doc['inprocess_tokens_per_s']:.1f} tokens/s.", "",
-             "| clients | policy | tokens/s (min–max) | svip / none | TTFT p50 | TTFT p95 | latency p50 |",
+             f"{h['threshold']} (calibrated), defaults = no policy in the request (the server's), none = the "
+             "target alone on the same pipeline.",
+             f"In-process engine, one stream, the defaults: {doc['inprocess_tokens_per_s']:.1f} tokens/s.", "",
+             "| clients | policy | tokens/s (min–max) | over none | TTFT p50 | TTFT p95 | latency p50 |",
              "|---|---|---|---|---|---|---|"]
     for r in doc["results"]:
         lines.append(f"| {r['concurrency']} | {r['policy']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–"
-                     f"{r['tokens_per_s_max']:.1f}) | {r['svip_over_none']:.2f}x | {1000 * r['ttft_p50']:.0f} ms | "
+                     f"{r['tokens_per_s_max']:.1f}) | {r['over_none']:.2f}x | {1000 * r['ttft_p50']:.0f} ms | "
                      f"{1000 * r['ttft_p95']:.0f} ms | {r['latency_p50']:.2f} s |")
     by = {(r["concurrency"], r["policy"]): r for r in doc["results"]}
-    lines.append(f"\n{LEVELS[-2]} clients over 1 client, aggregate tokens/s: svip "
-                 f"{by[(LEVELS[-2], 'svip')]['tokens_per_s'] / by[(1, 'svip')]['tokens_per_s']:.2f}x, none "
-                 f"{by[(LEVELS[-2], 'none')]['tokens_per_s'] / by[(1, 'none')]['tokens_per_s']:.2f}x.")
+    levels = h["levels"]
+    if len(levels) > 1:
+        top = levels[-2] if len(levels) > 2 else levels[-1]
+        lines.append(f"\n{top} clients over 1 client, aggregate tokens/s: " + ", ".join(
+            f"{p} {by[(top, p)]['tokens_per_s'] / by[(levels[0], p)]['tokens_per_s']:.2f}x" for p in h["policies"]) + ".")
     lines += ["", f"In-process batched engine (load-aware), {BATCH} requests:", "",
               "| batch size | policy | tokens/s (min–max) | over batch 1 | svip / none | drafted tokens | pauses |",
               "|---|---|---|---|---|---|---|"]
@@ -196,14 +232,15 @@ def _markdown(doc: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _plot(path: Path, results) -> None:
+def _plot(path: Path, results, levels) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (a, b) = plt.subplots(1, 2, figsize=(10, 3.6))
-    for policy, color in (("svip", "tab:blue"), ("none", "tab:gray")):
+    for policy in dict.fromkeys(r["policy"] for r in results):
+        color = "tab:gray" if policy == "none" else None
         rows = [r for r in results if r["policy"] == policy]
         xs = [r["concurrency"] for r in rows]
         a.plot(xs, [r["tokens_per_s"] for r in rows], "o-", color=color, label=policy)
@@ -211,7 +248,7 @@ def _plot(path: Path, results) -> None:
         b.plot(xs, [1000 * r["ttft_p95"] for r in rows], "o--", color=color, alpha=0.6, label=f"{policy} p95")
     for ax, label in ((a, "aggregate tokens/s"), (b, "time to first token (ms)")):
         ax.set_xscale("log", base=2)
-        ax.set_xticks(LEVELS, [str(n) for n in LEVELS])
+        ax.set_xticks(levels, [str(n) for n in levels])
         ax.set_xlabel("concurrent streaming clients")
         ax.set_ylabel(label)
         ax.legend()

@@ -63,7 +63,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="distributed: let the workers talk plaintext gRPC on a node address (refused "
                              "without TLS otherwise; packed pairs use loopback and need neither)")
     pol = gen.add_argument_group("length policy")
-    pol.add_argument("--policy", default="svip", help=f"one of {', '.join(POLICY_NAMES)} (default svip)")
+    pol.add_argument("--policy", default="auto", help=f"one of {', '.join(POLICY_NAMES)} (default auto: a stop learnt for the pair; svip: the paper's rule)")
     pol.add_argument("--threshold", type=_threshold, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3), or 'auto' (learnt for the pair)")
     pol.add_argument("--entropy-scale", type=float, default=0.15, help="svip: entropy scale (0.15)")
     pol.add_argument("--draft-length", type=int, default=5, help="constant: k; heuristic: starting k (5)")
@@ -106,7 +106,9 @@ def _add_auto_arguments(group) -> None:
 
 
 def _auto_settings(args) -> AutoSettings:
-    return AutoSettings(learn=args.auto_learn, cost=args.auto_cost, window=args.auto_window).check()
+    """The auto flags (commands without them, as `svip bench`: the defaults)."""
+    return AutoSettings(learn=getattr(args, "auto_learn", True), cost=getattr(args, "auto_cost", None),
+                        window=getattr(args, "auto_window", WINDOW)).check()
 
 
 def _add_serve_parser(sub) -> None:
@@ -131,7 +133,7 @@ def _add_serve_parser(sub) -> None:
                      help="at most this many tokens in one target forward; longer prompts are prefilled in chunks (512)")
     srv.add_argument("--load-aware", choices=LOAD_AWARE_MODES, default="greedy",
                      help="whose blocks hold no more tokens than pay at the target's load: greedy (default), all, off")
-    srv.add_argument("--policy", default="svip", help=f"default length policy: {', '.join(POLICY_NAMES)}")
+    srv.add_argument("--policy", default="auto", help=f"default length policy (auto): {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     _add_auto_arguments(srv)
     srv.add_argument("--draft-length-cap", type=int, default=DRAFT_LENGTH_CAP,

@@ -54,7 +54,7 @@ class SamplingParams:
 class PolicyConfig:
     """Which length policy drafts a block, and its knobs (unused knobs are ignored)."""
 
-    name: str = "svip"
+    name: str = "auto"  # the default: a stop learnt for the pair (svip: the paper's rule, as published)
     threshold: float | str = 0.3  # svip: stop once sqrt(entropy_scale * H) > threshold; or "auto"
     entropy_scale: float = 0.15
     draft_length: int = 5  # constant: k; heuristic: the starting k

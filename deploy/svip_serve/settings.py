@@ -43,7 +43,7 @@ class ServeSettings:
     allow_ignore_eos: bool = False  # whether a request may ask to generate past the end of its text
     body_read_timeout_s: float = 30.0  # a request body not read in full by then: 408
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
-    policy: str = "svip"  # request default; a request's `policy` overrides it
+    policy: str = "auto"  # request default; a request's `policy` overrides it
     threshold: float = 0.3
     auto_learn: bool = True  # policy auto: keep fitting the pair's estimate on live verdicts (off: its prior stays)
     auto_cost: float | None = None  # policy auto: a fixed cost of a drafted token (tau) in place of the measured one

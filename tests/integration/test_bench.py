@@ -31,7 +31,7 @@ def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
     assert set(doc["results"]) == {"qa", "translation", "code", "all"}
     methods = set(doc["results"]["all"])
     assert methods == {"target", "constant-2", "constant-3", "heuristic", "confidence", "svip", "svip-auto",
-                       "oracle", "defaults", "hf-constant-2", "hf-constant-3", "hf-heuristic"}
+                       "auto", "oracle", "defaults", "hf-constant-2", "hf-constant-3", "hf-heuristic"}
     assert doc["best_constant"] in ("constant-2", "constant-3")
     hf = doc["results"]["all"]
     assert hf["hf-constant-2"]["draft_forwards_per_token"] != hf["hf-constant-3"]["draft_forwards_per_token"]
@@ -103,7 +103,7 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
 
 
 def test_serve_bench(tmp_path, model_dirs, capsys):
-    """`--mode serve`: the Serve app over HTTP at 1/4/16/32 clients, svip and the target alone,
+    """`--mode serve`: the Serve app over HTTP at 1/4/16/32 clients, the defaults, svip and the target alone,
     and the in-process batched engine at batch 1 and 16; every output equal to the in-process
     greedy output (the bench fails otherwise)."""
     out = tmp_path / "serve"
@@ -115,7 +115,8 @@ def test_serve_bench(tmp_path, model_dirs, capsys):
     assert code == 0, capsys.readouterr().err[-2000:]
     doc = json.loads((out / "serve.json").read_text())
     assert doc["exactness_violations"] == []
-    assert {(r["concurrency"], r["policy"]) for r in doc["results"]} == {(n, p) for n in (1, 4, 16, 32) for p in ("svip", "none")}
+    assert {(r["concurrency"], r["policy"]) for r in doc["results"]} == {(n, p) for n in (1, 4, 16, 32)
+                                                                         for p in ("defaults", "svip", "none")}
     assert {(r["batch_size"], r["policy"]) for r in doc["inprocess_batches"]} == {(b, p) for b in (1, 16) for p in ("svip", "none")}
     assert all(r["tokens_per_s"] > 0 for r in doc["inprocess_batches"])
     assert all(r["tokens_per_s"] > 0 and 0 < r["ttft_p50"] <= r["ttft_p95"] for r in doc["results"])
@@ -147,3 +148,26 @@ def test_the_gpu_throughput_script_runs_where_there_is_no_gpu(tmp_path):
     assert all(r["tokens_per_s"] > 0 for r in doc["engine"])
     if not __import__("torch").cuda.is_available():
         assert gpu_throughput.main(["--out", str(out)]) == 2
+
+
+def test_long_bench_runs_every_policy_at_each_length(tmp_path, model_dirs, capsys):
+    out = tmp_path / "long"
+    code = main(["bench", "--long", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--prompts-per-category", "1", "--repeats", "1", "--long-lengths", "8,20", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads((out / "long.json").read_text())
+    assert doc["exactness_violations"] == []
+    assert set(doc["results"]) == {"T=0/8", "T=0/20", "T=1/8", "T=1/20"}
+    for row in doc["results"].values():
+        assert set(row) == {"target", "constant-3", "heuristic", "confidence", "svip", "auto", "defaults"}
+        assert row["target"]["speedup"] == 1.0 and all(r["tokens_per_s"] > 0 for r in row.values())
+    assert {r["tokens"] for r in doc["runs"]} == {8, 20}  # ignore_eos: every run to its length
+    assert [q["positions"] for q in doc["target_loss_by_position"]][:2] == ["0-256", "256-512"]
+    assert "| T=0/20 |" in (out / "long.md").read_text()
+
+
+def test_long_bench_refuses_lengths_past_the_context(model_dirs, capsys):
+    assert main(["bench", "--long", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--long-lengths", "100000"]) == 2
+    assert "exceed the pair's context" in capsys.readouterr().err
