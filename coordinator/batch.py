@@ -11,10 +11,13 @@ from __future__ import annotations
 import time
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from coordinator.engine import EngineSession, SpeculativeEngine
 from svip_common.contracts import Block, GenerationRequest, GenerationResult
 from svip_common.errors import InvalidRequest
+
+if TYPE_CHECKING:  # the engine runs the batch (coordinator/engine.py imports this module)
+    from coordinator.engine import EngineSession, SpeculativeEngine
 
 
 @dataclass
@@ -46,7 +49,11 @@ class BatchEngine:
         reserved = 0
         try:
             while waiting or active:
-                while waiting and len(active) < self.batch_size and reserved + self._pages(waiting[0][1]) <= self._capacity():
+                while (
+                    waiting
+                    and len(active) < self.batch_size
+                    and reserved + self._pages(waiting[0][1]) <= self._capacity()
+                ):
                     index, request = waiting.popleft()
                     pages = self._pages(request)
                     active.append(_Slot(index, self.engine.open(request), pages))
@@ -93,8 +100,9 @@ class BatchEngine:
             session = slot.session
             session.settle(slot.block, verdict)
             started, draft_s, target_s = slot.marks
-            session.time_round(time.perf_counter() - started, session.draft.forward_s - draft_s,
-                               session.target.forward_s - target_s)
+            session.time_round(
+                time.perf_counter() - started, session.draft.forward_s - draft_s, session.target.forward_s - target_s
+            )
             slot.block = None
 
     def _pages(self, request: GenerationRequest) -> int:
@@ -107,5 +115,7 @@ class BatchEngine:
     def _check_fits(self, request: GenerationRequest) -> None:
         need = len(request.prompt_ids) + request.max_new_tokens
         if self._pages(request) > self._capacity():
-            raise InvalidRequest(f"a request of {need} tokens (prompt + max_new_tokens) does not fit the KV pool of "
-                                 f"{self._capacity() * self.engine.verifier.pool.page_size} tokens; raise --kv-cache-tokens")
+            raise InvalidRequest(
+                f"a request of {need} tokens (prompt + max_new_tokens) does not fit the KV pool of "
+                f"{self._capacity() * self.engine.verifier.pool.page_size} tokens; raise --kv-cache-tokens"
+            )

@@ -9,11 +9,12 @@ import os
 
 from coordinator.calibration import stored_prior
 from svip_common.acceptance import AutoSettings
-from svip_common.errors import InvalidRequest, SvipError, WorkerUnavailable
 from svip_common.contracts import DRAFT_LENGTH_CAP
+from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
 from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info, pair_limits
-from svip_common.tls import TlsFiles
+from svip_runtime.actor import serving_address
+from svip_runtime.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 DRAFT_RESOURCE, TARGET_RESOURCE = "svip_draft", "svip_target"
@@ -21,8 +22,6 @@ PLACEMENT_TIMEOUT_S = 120.0  # Ray finds each worker a GPU (or a CPU core and it
 START_TIMEOUT_S = 600.0  # then the worker loads its weights (a first download from the hub counts)
 WORKER_RESTARTS = 5  # Ray restarts a worker that died this many times over the pair's life
 RECOVER_TIMEOUT_S = 120.0  # a replaced worker serves again within this (restart, load, serve)
-DIED_ASKS = 3  # an actor is dead for good when this many asks in a row (a second apart) find it dead
-HANG_PROBE_S = 30.0  # a worker whose process does not answer within this is hung: it is killed and replaced
 
 
 def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
@@ -95,53 +94,6 @@ def pair_placement_group(strategy: str, target_gpus: float, draft_gpus: float, c
     return placement_group(bundles, strategy=PLACEMENTS[strategy])
 
 
-class WorkerGone(WorkerUnavailable):
-    """A worker's actor is dead for good: its restarts are spent, or it was shut down."""
-
-
-async def serving_address(actor, role: str, timeout_s: float, start: dict | None = None,
-                          kill_when_hung: bool = False) -> str:
-    """A worker actor's address once it serves: its serve() loads and serves if the actor came
-    back bare from a restart (Ray holds or refuses calls while it restarts: asked again).
-    kill_when_hung: an actor whose process does not answer within HANG_PROBE_S is killed, so that
-    Ray replaces it. WorkerGone: dead for good; WorkerUnavailable: not serving within timeout_s."""
-    import asyncio
-    import time
-
-    import ray
-
-    deadline, killed, died = time.monotonic() + timeout_s, False, 0
-    while (left := deadline - time.monotonic()) > 0:
-        try:
-            if kill_when_hung and not killed:
-                # pid() answers at once from a live process, and from a restarted one as soon as it
-                # runs (before any weights load); only a hung one (stopped, stuck) lets it time out
-                try:
-                    await asyncio.wait_for(actor.pid.remote(), min(left, HANG_PROBE_S))
-                except asyncio.TimeoutError:
-                    ray.kill(actor, no_restart=False)  # Ray replaces it
-                    killed = True
-                    continue
-            return await asyncio.wait_for(actor.serve.remote(**(start or {})), left)
-        except asyncio.TimeoutError:
-            break
-        except ray.exceptions.ActorDiedError as exc:
-            # a call that met the death itself fails so too, restarts left or not; only a dead
-            # actor keeps failing so, ask after ask
-            died += 1
-            if died >= DIED_ASKS:
-                raise WorkerGone(f"the {role} worker is gone for good (its restarts are spent): "
-                                 f"{str(exc).strip().splitlines()[0]}") from None
-            await asyncio.sleep(1.0)
-        except ray.exceptions.RayActorError:  # restarting: ask again
-            died = 0
-            await asyncio.sleep(0.25)
-        except ray.exceptions.RayTaskError as exc:  # its start failed (a peer not up yet): ask again
-            log.warning("the %s worker did not start: %s", role, str(exc).strip().splitlines()[-1])
-            await asyncio.sleep(1.0)
-    raise WorkerUnavailable(f"the {role} worker did not come back within {timeout_s:.0f} s")
-
-
 class WorkerPair:
     """A target actor and (optionally) a draft actor, started and serving gRPC; the target worker
     hosts the sessions and dials the draft itself. placement: a placement group whose
@@ -158,15 +110,15 @@ class WorkerPair:
                  load_aware: str = "greedy", max_restarts: int = WORKER_RESTARTS, recovery: dict | None = None,
                  packed: bool = False, insecure_workers: bool = False, auto: AutoSettings = AutoSettings()):
         """max_restarts: how many times Ray restarts each worker that dies (a session outlives it:
-        coordinator/draft_port.py, coordinator/distributed.py); recovery: the target host's
+        coordinator/session/draft_port.py, coordinator/distributed.py); recovery: the target host's
         draft_stall_s / sampled_hold_s / draft_recover_s. packed: the placement puts both workers
         on one node (Serve's STRICT_PACK group; layout "pack" says so itself), so they listen on
         loopback; insecure_workers: serve plaintext on a node address (refused otherwise); auto: the
         `auto` policy's settings (its estimate starts from the prior stored beside the draft)."""
         import ray
 
+        from coordinator.session.actor import TargetActor
         from draft_worker.actor import DraftActor
-        from target_worker.actor import TargetActor
 
         self.target_info: ModelInfo = load_model_info(target_path)
         draft_info = None
@@ -183,28 +135,50 @@ class WorkerPair:
             bundles = (0, 1)
             if not placement.wait(placement_timeout_s):
                 self.shutdown()
-                raise SvipError(f"no room to place the pair ({layout}): Ray has no {'two nodes' if layout == 'spread' else 'node'} "
-                                f"with a free {'GPU' if target_gpus else 'CPU'} for each worker")
+                raise SvipError(
+                    f"no room to place the pair ({layout}): Ray has no {'two nodes' if layout == 'spread' else 'node'} "
+                    f"with a free {'GPU' if target_gpus else 'CPU'} for each worker"
+                )
         packed = packed or layout == "pack" or ray.util.get_node_ip_address() == "127.0.0.1"
         host = "127.0.0.1" if packed else None  # None: the node's address (two nodes)
         if host is None and tls is None and not insecure_workers:
             self.shutdown()
-            raise InvalidRequest("the workers would talk gRPC in plaintext between two nodes: give them mutual TLS "
-                                 "(--grpc-tls-dir), or pass --insecure-workers on a network you trust")
-        common = dict(dtype=dtype, device=device, host=host, tls=tls, kv_cache_tokens=kv_cache_tokens,
-                      insecure=insecure_workers)
+            raise InvalidRequest(
+                "the workers would talk gRPC in plaintext between two nodes: give them mutual TLS "
+                "(--grpc-tls-dir), or pass --insecure-workers on a network you trust"
+            )
+        common = dict(
+            dtype=dtype, device=device, host=host, tls=tls, kv_cache_tokens=kv_cache_tokens, insecure=insecure_workers
+        )
         self.kv_cache_tokens = kv_cache_tokens
         restarts = {"max_restarts": max_restarts}
-        self.target = ray.remote(TargetActor).options(
-            **actor_options("target", target_gpus, placement, bundles[0], worker_cpus), **restarts).remote(
-            target_path, self.limits, max_batched_tokens=max_batched_tokens, load_aware=load_aware,
-            recovery=recovery, auto=auto.check(), auto_prior=stored_prior(draft_path), **common)
+        self.target = (
+            ray.remote(TargetActor)
+            .options(**actor_options("target", target_gpus, placement, bundles[0], worker_cpus), **restarts)
+            .remote(
+                target_path,
+                self.limits,
+                max_batched_tokens=max_batched_tokens,
+                load_aware=load_aware,
+                recovery=recovery,
+                auto=auto.check(),
+                auto_prior=stored_prior(draft_path),
+                **common,
+            )
+        )
         self.target_address = self.draft_address = None
         if draft_path is not None:
-            self.draft = ray.remote(DraftActor).options(
-                **actor_options("draft", draft_gpus, placement, bundles[1], worker_cpus), **restarts).remote(
-                draft_path, self.limits, target_vocab_size=self.target_info.vocab_size,
-                max_batched_tokens=max_batched_tokens, **common)
+            self.draft = (
+                ray.remote(DraftActor)
+                .options(**actor_options("draft", draft_gpus, placement, bundles[1], worker_cpus), **restarts)
+                .remote(
+                    draft_path,
+                    self.limits,
+                    target_vocab_size=self.target_info.vocab_size,
+                    max_batched_tokens=max_batched_tokens,
+                    **common,
+                )
+            )
         actors = [a for a in (self.target, self.draft) if a is not None]
         try:
             ray.get([a.placed.remote() for a in actors], timeout=placement_timeout_s)
@@ -219,7 +193,9 @@ class WorkerPair:
             raise SvipError(f"a worker failed to start: {exc}") from None
         try:  # both load their weights at once; the draft serves first, then the target dials it
             ray.get([a.load.remote() for a in actors], timeout=start_timeout_s)
-            self.draft_address = ray.get(self.draft.start.remote(), timeout=placement_timeout_s) if self.draft is not None else None
+            self.draft_address = (
+                ray.get(self.draft.start.remote(), timeout=placement_timeout_s) if self.draft is not None else None
+            )
             self.target_address = ray.get(self.target.start.remote(**self._target_start()), timeout=placement_timeout_s)
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
@@ -245,8 +221,9 @@ class WorkerPair:
         it. WorkerUnavailable when it cannot be had (restarts spent, or not back within timeout_s:
         by default as long as a first start may take, loading included)."""
         timeout_s = timeout_s if timeout_s is not None else max(RECOVER_TIMEOUT_S, self.start_timeout_s)
-        self.target_address = await serving_address(self.target, "target", timeout_s, self._target_start(fresh=False),
-                                                    kill_when_hung=True)
+        self.target_address = await serving_address(
+            self.target, "target", timeout_s, self._target_start(fresh=False), kill_when_hung=True
+        )
         return self.target_address
 
     async def draft_serving_address(self, timeout_s: float = RECOVER_TIMEOUT_S) -> str:

@@ -1,5 +1,5 @@
 """The caller's end of the distributed pipeline: many concurrent sessions on one gRPC stream to
-the target worker, which hosts each session beside its verifier (coordinator/host.py) and streams
+the target worker, which hosts each session beside its verifier (coordinator/session/host.py) and streams
 back the settled tokens. The caller never sits on a round's path; it validates the request,
 starts the session, and hands each settled piece to its callback as it arrives.
 
@@ -21,14 +21,14 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
-from coordinator.client import BROKEN, WorkerConnection, draft_stats
-from coordinator.pipeline import PIPELINES, WorkerError
+from coordinator.client import BROKEN, WorkerConnection
 from svip_common.contracts import AUTO, GenerationRequest, GenerationResult, GenerationStats, Limits, PolicyConfig
-from svip_common.errors import InvalidRequest, Overloaded, WorkerUnavailable
+from svip_common.errors import InvalidRequest, Overloaded, WorkerError, WorkerUnavailable
 from svip_common.models import ModelInfo
-from svip_common.tls import TlsFiles
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
+from svip_runtime.grpc_server import draft_stats
+from svip_runtime.tls import TlsFiles
 
 # on_tokens(tokens) is called with each settled piece; returning True ends the output there (a stop string)
 OnTokens = Callable[[list[int]], bool | None]
@@ -58,7 +58,7 @@ class DistributedEngine:
         only reads its Stats. recover: how to get a replaced target worker (None: a lost target
         ends its sessions with WorkerUnavailable); draft_address_now: the draft's address now
         (it changes when the draft is replaced; asked when the one known does not answer)."""
-        if pipeline not in PIPELINES:
+        if pipeline not in convert.PIPELINES:
             raise InvalidRequest(f"unknown pipeline {pipeline!r}; choose sync or async")
         self.target, self.limits, self.pipeline = target, limits, pipeline
         self.draft_address, self._tls = draft_address, tls
@@ -175,7 +175,7 @@ class DistributedEngine:
         start = pb.StartSession(
             session_id=session_id, prompt_ids=request.prompt_ids, sampling=convert.sampling_to_proto(request.sampling),
             stop_token_ids=sorted(request.stop_ids(self.target.eos_token_ids)), max_new_tokens=request.max_new_tokens,
-            pipeline=PIPELINES[self.pipeline],
+            pipeline=convert.PIPELINES[self.pipeline],
         )
         policy = request.policy
         if isinstance(policy.threshold, str):  # 'auto' with a policy that does not read it

@@ -11,8 +11,10 @@ import dataclasses
 import time
 from collections.abc import Callable
 
+from coordinator.batch import BatchEngine
 from coordinator.calibration import Calibration, auto_prior, calibrate, estimate_from, stored_prior
 from draft_worker.drafter import Drafter, NullDraftSession
+from svip_common.acceptance import AutoEstimate, AutoSettings, SessionStop
 from svip_common.contracts import (
     AUTO,
     Block,
@@ -20,8 +22,8 @@ from svip_common.contracts import (
     GenerationResult,
     GenerationStats,
     Verdict,
+    clip_settled,
 )
-from svip_common.acceptance import AutoEstimate, AutoSettings, SessionStop
 from svip_common.errors import InvalidRequest
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
@@ -92,8 +94,6 @@ class SpeculativeEngine:
 
     def generate_many(self, requests: list[GenerationRequest], batch_size: int) -> list[GenerationResult]:
         """Up to batch_size requests in flight at once through the batched steps (coordinator/batch.py)."""
-        from coordinator.batch import BatchEngine
-
         return BatchEngine(self, batch_size, self.max_batched_tokens).generate_all(requests)
 
     def generate(self, request: GenerationRequest, on_round: OnRound | None = None) -> GenerationResult:
@@ -174,7 +174,8 @@ class EngineSession:
     def settle(self, block: Block, verdict: Verdict) -> list[int]:
         self.draft.feedback(len(block), verdict.accepted)
         if self.gate is not None:  # what this block's drafting took: the session's share of the forwards, no prefill
-            self.gate.record(len(block), verdict.accepted, self.draft.forward_s - self.draft.prefill_s - self._draft_mark)
+            drafting_s = self.draft.forward_s - self.draft.prefill_s - self._draft_mark
+            self.gate.record(len(block), verdict.accepted, drafting_s)
         if self.stop is not None:
             self.stop.record(block.entropies, block.probs, verdict.accepted)
         settled = [*block.tokens[: verdict.accepted], verdict.token]
@@ -202,16 +203,6 @@ class EngineSession:
         self.draft.close()
 
 
-def clip_settled(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
-    """Cut the settled tokens at the first stop id (kept) or at the token budget."""
-    for i, token in enumerate(settled[:budget]):
-        if token in stop_ids:
-            return settled[: i + 1], "stop"
-    if len(settled) >= budget:
-        return settled[:budget], "length"
-    return settled, None
-
-
 def _record_round(stats: GenerationStats, block, accepted: int) -> None:
     stats.rounds += 1
     stats.draft_tokens += len(block)
@@ -220,4 +211,3 @@ def _record_round(stats: GenerationStats, block, accepted: int) -> None:
     stats.accepted_lengths.append(accepted)
     if block.entropies:
         stats.stop_entropies.append(block.entropies[-1])
-

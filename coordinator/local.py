@@ -13,7 +13,7 @@ from coordinator.distributed import DistributedEngine
 from svip_common.acceptance import AutoSettings
 from svip_common.contracts import GenerationRequest, GenerationResult
 from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
-from svip_common.tls import TlsFiles
+from svip_runtime.tls import TlsFiles
 
 
 class LocalDistributed:
@@ -29,10 +29,21 @@ class LocalDistributed:
 
             ray.init(address=ray_address, log_to_driver=False)
         gpus = device.startswith("cuda")
-        self.pair = WorkerPair(target_path, draft_path, dtype=dtype, device=device,
-                               target_gpus=target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=placement, tls=tls,
-                               kv_cache_tokens=kv_cache_tokens, max_batched_tokens=max_batched_tokens,
-                               load_aware=load_aware, insecure_workers=insecure_workers, auto=auto)
+        self.pair = WorkerPair(
+            target_path,
+            draft_path,
+            dtype=dtype,
+            device=device,
+            target_gpus=target_gpus if gpus else 0,
+            draft_gpus=1 if gpus else 0,
+            layout=placement,
+            tls=tls,
+            kv_cache_tokens=kv_cache_tokens,
+            max_batched_tokens=max_batched_tokens,
+            load_aware=load_aware,
+            insecure_workers=insecure_workers,
+            auto=auto,
+        )
         self.target = self.pair.target_info
         self.draft_path = draft_path
         self.loop = asyncio.new_event_loop()
@@ -50,7 +61,8 @@ class LocalDistributed:
         by KV as the in-process batch is (run_admitted)."""
         requests = [self.engine.resolve(r) for r in requests]  # every bad request named before any runs
         return self.loop.run_until_complete(
-            run_admitted(requests, batch_size, self.pair.limits.kv_tokens, self.engine.generate))
+            run_admitted(requests, batch_size, self.pair.limits.kv_tokens, self.engine.generate)
+        )
 
     def close(self) -> None:
         import ray
@@ -67,8 +79,12 @@ class LocalDistributed:
         self.close()
 
 
-async def run_admitted(requests: list[GenerationRequest], batch_size: int, kv_tokens: int | None,
-                       generate: Callable[[GenerationRequest], Awaitable[GenerationResult]]) -> list[GenerationResult]:
+async def run_admitted(
+    requests: list[GenerationRequest],
+    batch_size: int,
+    kv_tokens: int | None,
+    generate: Callable[[GenerationRequest], Awaitable[GenerationResult]],
+) -> list[GenerationResult]:
     """Each request generated once it is first in line, fewer than batch_size run and its prompt
     plus max tokens fit the KV pool (in whole pages) beside those running: a batch larger than
     the pool waits for room, never fills it (a full pool would fail every session of a step)."""

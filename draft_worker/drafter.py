@@ -19,8 +19,8 @@ from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
 from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
+from svip_common.rejection import recover
 from svip_common.sampling import entropy, mask_padding, sample_index, warp_probs
-from target_worker.rejection import recover
 
 
 class Drafter:

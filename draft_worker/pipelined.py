@@ -139,7 +139,8 @@ class PipelinedDraft:
         if load_cap is not None:
             self.load_cap = load_cap
         if not self.outstanding or self.outstanding[0].block.base != base or len(self.outstanding[0].block) != drafted:
-            raise InvalidRequest(f"feedback for a block at base {base} of {drafted} tokens that this session did not send")
+            raise InvalidRequest(
+                f"feedback for a block at base {base} of {drafted} tokens that this session did not send")
         if accepted > drafted:
             raise InvalidRequest(f"feedback accepts {accepted} of {drafted} tokens")
         answered = self.outstanding.pop(0)
@@ -198,8 +199,13 @@ class PipelinedDraft:
         budget = min(self.limit - len(self.known) - 1, self.load_cap)  # the verdict's own token fills the last place
         ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids
         if budget >= 1 and not ended:
-            self.critical = Job(self.session.begin(self.known, budget, alternatives=self.pipelined), None, time.time(),
-                                trigger_at, resolved)
+            self.critical = Job(
+                self.session.begin(self.known, budget, alternatives=self.pipelined),
+                None,
+                time.time(),
+                trigger_at,
+                resolved,
+            )
             return []
         if resolved == NO_TOKEN and self._finished():
             return []
@@ -294,7 +300,12 @@ class PipelinedDraft:
                 for token, q in options:
                     key = (block.base, j, token)
                     fits = self.limit - (block.base + j + 1) - 1 >= 1
-                    if reach * q >= MIN_PREPARE_SCORE and token not in self.stop_token_ids and fits and key not in self.prepared:
+                    if (
+                        reach * q >= MIN_PREPARE_SCORE
+                        and token not in self.stop_token_ids
+                        and fits
+                        and key not in self.prepared
+                    ):
                         candidates.append((reach * q, key))
                 reach *= block.probs[j]
             candidates.sort(key=lambda c: -c[0])
@@ -324,8 +335,16 @@ class PipelinedDraft:
             and block.tokens[-1] not in self.stop_token_ids
             and self.limit - (block.base + len(block)) - 1 >= 1
         )
-        return Outgoing(block, followup, prepared_for=prepared_for, started_at=started, finished_at=time.time(),
-                        draft_s=draft.compute_s - draft.prefill_s, trigger_at=trigger_at, alternatives=draft.alternatives)
+        return Outgoing(
+            block,
+            followup,
+            prepared_for=prepared_for,
+            started_at=started,
+            finished_at=time.time(),
+            draft_s=draft.compute_s - draft.prefill_s,
+            trigger_at=trigger_at,
+            alternatives=draft.alternatives,
+        )
 
     def _finished(self) -> bool:
         ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids

@@ -15,13 +15,12 @@ from draft_worker.pipelined import Outgoing, PipelinedDraft
 from draft_worker.policies import AutoPolicy
 from svip_common.contracts import NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
-from svip_common.grpc_server import SessionService, SessionStream
 from svip_common.kv_cache import PoolFull
-from svip_common.step_metrics import StepMetrics
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
-
+from svip_runtime.grpc_server import SessionService, SessionStream
+from svip_runtime.step_metrics import StepMetrics
 
 log = logging.getLogger(__name__)
 
@@ -146,7 +145,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             self.tokens_processed += len(item.block)
             msg = convert.block_to_proto(session_id, item.block, item.resolved_token, probs)
             msg.followup, msg.reused = item.followup, item.reused
-            msg.started_at, msg.finished_at, msg.draft_s, msg.trigger_at = item.started_at, item.finished_at, item.draft_s, item.trigger_at
+            msg.started_at, msg.finished_at = item.started_at, item.finished_at
+            msg.draft_s, msg.trigger_at = item.draft_s, item.trigger_at
             if item.prepared_for is not None:
                 base, accepted, token = item.prepared_for
                 msg.prepared_for.CopyFrom(pb.PreparedFor(base=base, accepted=accepted, token=token))

@@ -1,5 +1,8 @@
 """The embedded model pair, shipped with the package so `svip generate` runs with no download.
-svip_assets/pair/MODEL_CARD.md says how it was trained and what it measures."""
+svip_assets/pair/MODEL_CARD.md says how it was trained and what it measures. Read in any process
+that loads the default pair.
+
+May import: svip_common."""
 
 from __future__ import annotations
 

@@ -23,7 +23,7 @@ def run(spec: dict) -> dict:
     from coordinator.cluster import WorkerPair
     from coordinator.distributed import DistributedEngine
     from svip_common.contracts import GenerationRequest, PolicyConfig
-    from svip_common.tls import TlsFiles
+    from svip_runtime.tls import TlsFiles
 
     ray.init(address="auto", log_to_driver=False)
     tls = TlsFiles.from_dir(spec["tls_dir"]) if spec.get("tls_dir") else None
@@ -31,10 +31,22 @@ def run(spec: dict) -> dict:
                       insecure_workers=bool(spec.get("insecure_workers", False)))
     loop = asyncio.new_event_loop()
     engines = {m: DistributedEngine.for_pair(pair, m) for m in spec["modes"]}
-    requests = [GenerationRequest(tuple(r["prompt_ids"]), r["max_new_tokens"], policy=PolicyConfig(**r.get("policy", {})),
-                                  ignore_eos=r.get("ignore_eos", False)) for r in spec["requests"]]
-    out = {"target_address": pair.target_address, "draft_address": pair.draft_address, "node_ip": ray.util.get_node_ip_address(),
-           "outputs": {m: [] for m in engines}, "stats": {m: [] for m in engines}}
+    requests = [
+        GenerationRequest(
+            tuple(r["prompt_ids"]),
+            r["max_new_tokens"],
+            policy=PolicyConfig(**r.get("policy", {})),
+            ignore_eos=r.get("ignore_eos", False),
+        )
+        for r in spec["requests"]
+    ]
+    out = {
+        "target_address": pair.target_address,
+        "draft_address": pair.draft_address,
+        "node_ip": ray.util.get_node_ip_address(),
+        "outputs": {m: [] for m in engines},
+        "stats": {m: [] for m in engines},
+    }
     try:
         for engine in engines.values():
             loop.run_until_complete(engine.connect())

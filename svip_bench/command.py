@@ -17,34 +17,58 @@ QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
-    bench.add_argument("--mode", choices=["policies", "pipeline", "serve"], default="policies",
-                       help="policies: length policies and Hugging Face side by side (default); "
-                       "pipeline: in-process vs distributed sync vs async, concurrency, timeline; "
-                       "serve: the Serve app over HTTP at 1/4/16/32 streaming clients, svip vs target alone, and the in-process batched engine at batch 1 vs 16")
+    bench.add_argument(
+        "--mode",
+        choices=["policies", "pipeline", "serve"],
+        default="policies",
+        help="policies: length policies and Hugging Face side by side (default); "
+        "pipeline: in-process vs distributed sync vs async, concurrency, timeline; "
+        "serve: the Serve app over HTTP at --levels streaming clients, --serve-policies side by side, and the "
+        "in-process batched engine at batch 1 vs 16",
+    )
     bench.add_argument("--target", help="target model (default: the embedded pair)")
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--device", default="cpu")
-    bench.add_argument("--dataset", help="spec-bench.jsonl (default ../shared/specbench/spec-bench.jsonl, or $SVIP_SPECBENCH)")
-    bench.add_argument("--categories", help=f"comma list from {', '.join(SPECBENCH_CATEGORIES + (CODE,))} (default all)")
+    bench.add_argument(
+        "--dataset", help="spec-bench.jsonl (default ../shared/specbench/spec-bench.jsonl, or $SVIP_SPECBENCH)"
+    )
+    bench.add_argument(
+        "--categories", help=f"comma list from {', '.join(SPECBENCH_CATEGORIES + (CODE,))} (default all)"
+    )
     bench.add_argument("--prompts-per-category", type=int, default=10)
     bench.add_argument("--repeats", type=int, default=3)
     bench.add_argument("--max-new-tokens", type=int, default=128)
     bench.add_argument("--max-prompt-tokens", type=int, default=192, help="keep the last N prompt tokens (192)")
     bench.add_argument("--ks", default="1,2,3,4,5,6,7,8", help="constant draft lengths to run (1..8)")
     bench.add_argument("--thresholds", default="", help="also SVIP at these thresholds, e.g. 0.2,0.4,0.5 (svip-T rows)")
-    bench.add_argument("--confidences", default="", help="also the confidence stop at these c, e.g. 0.3,0.5 (confidence-C rows)")
+    bench.add_argument(
+        "--confidences", default="", help="also the confidence stop at these c, e.g. 0.3,0.5 (confidence-C rows)"
+    )
     bench.add_argument("--no-hf", action="store_true", help="skip Hugging Face's assisted generation")
     bench.add_argument("--quick", action="store_true", help="2 prompts per category, 1 repeat, 64 tokens, k in 2,4,6")
-    bench.add_argument("--threads", type=int, default=1, help="torch threads (1: one core, as on a GPU each model owns one device)")
-    bench.add_argument("--latencies", metavar="MS,MS", help="pipeline: also run sync vs async across two nodes (network "
-                       "namespaces, root) at these round-trip latencies on the link, e.g. 0,1,5")
-    bench.add_argument("--serve-policies", default="defaults,svip,none",
-                       help="serve: the policies compared (defaults, svip, auto, confidence, constant-K, none)")
+    bench.add_argument(
+        "--threads", type=int, default=1, help="torch threads (1: one core, as on a GPU each model owns one device)"
+    )
+    bench.add_argument(
+        "--latencies",
+        metavar="MS,MS",
+        help="pipeline: also run sync vs async across two nodes (network "
+        "namespaces, root) at these round-trip latencies on the link, e.g. 0,1,5",
+    )
+    bench.add_argument(
+        "--serve-policies",
+        default="defaults,svip,none",
+        help="serve: the policies compared (defaults, svip, auto, confidence, constant-K, none)",
+    )
     bench.add_argument("--levels", default="1,4,16,32", help="serve: concurrent streaming clients (1,4,16,32)")
-    bench.add_argument("--long", action="store_true", help="long generations: every policy at --long-lengths new "
-                       "tokens, greedy and T=1, on held-out code prompts (--prompts-per-category of them), and the "
-                       "target's loss by position (svip_bench/long.py)")
+    bench.add_argument(
+        "--long",
+        action="store_true",
+        help="long generations: every policy at --long-lengths new "
+        "tokens, greedy and T=1, on held-out code prompts (--prompts-per-category of them), and the "
+        "target's loss by position (svip_bench/long.py)",
+    )
     bench.add_argument("--long-lengths", default="512,1024,2000", help="--long: new tokens per run (512,1024,2000)")
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
 
@@ -68,7 +92,9 @@ def run(args: argparse.Namespace, load_engine) -> int:
         categories = [CODE]
     spec = [c for c in categories if c != CODE]
     if spec:
-        prompts += [p for p in load_specbench(specbench_path(args.dataset), args.prompts_per_category) if p.category in spec]
+        prompts += [
+            p for p in load_specbench(specbench_path(args.dataset), args.prompts_per_category) if p.category in spec
+        ]
     if CODE in categories:
         from svip_assets import SPLIT_FILE
 
@@ -76,8 +102,11 @@ def run(args: argparse.Namespace, load_engine) -> int:
     header = {
         "command": "svip bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "machine": machine_description(),
-        "target": engine.target.path, "draft": engine.drafter.draft.path,
-        "prompts": len(prompts), "repeats": args.repeats, "max_new_tokens": args.max_new_tokens,
+        "target": engine.target.path,
+        "draft": engine.drafter.draft.path,
+        "prompts": len(prompts),
+        "repeats": args.repeats,
+        "max_new_tokens": args.max_new_tokens,
     }
     if args.long:
         from svip_bench import long
@@ -92,16 +121,28 @@ def run(args: argparse.Namespace, load_engine) -> int:
 
         return serve.run(engine, prompts, args, header)
     calibration = engine.calibration()
-    methods = build_methods(ks, 0.3, calibration.threshold, include_hf=not args.no_hf,
-                            thresholds=_parse_floats(args.thresholds, "--thresholds"),
-                            confidences=_parse_floats(args.confidences, "--confidences"))
-    print(f"bench: {len(prompts)} prompts x {len(methods)} methods x {args.repeats} repeats; "
-          f"svip-auto threshold {calibration.threshold} (cost ratio {calibration.cost_ratio:.3f})", file=sys.stderr)
+    methods = build_methods(
+        ks,
+        0.3,
+        calibration.threshold,
+        include_hf=not args.no_hf,
+        thresholds=_parse_floats(args.thresholds, "--thresholds"),
+        confidences=_parse_floats(args.confidences, "--confidences"),
+    )
+    print(
+        f"bench: {len(prompts)} prompts x {len(methods)} methods x {args.repeats} repeats; "
+        f"svip-auto threshold {calibration.threshold} (cost ratio {calibration.cost_ratio:.3f})",
+        file=sys.stderr,
+    )
     progress = Progress(len(prompts) * len(methods) * args.repeats)
-    runs, violations = run_all(engine, methods, prompts, args.max_new_tokens, args.repeats, args.max_prompt_tokens, progress=progress)
+    runs, violations = run_all(
+        engine, methods, prompts, args.max_new_tokens, args.repeats, args.max_prompt_tokens, progress=progress
+    )
     header["auto_calibration"] = calibration.to_dict()
     table = aggregate(runs, methods)
-    md = write_all(Path(args.out), header, table, runs, violations, {"svip": 0.3, "svip-auto": calibration.threshold}, 0.15)
+    md = write_all(
+        Path(args.out), header, table, runs, violations, {"svip": 0.3, "svip-auto": calibration.threshold}, 0.15
+    )
     print(md)
     if violations:
         print(f"EXACTNESS VIOLATIONS ({len(violations)}): " + "; ".join(violations[:10]), file=sys.stderr)
@@ -136,5 +177,7 @@ def _parse_categories(spec: str | None) -> list[str]:
     cats = [c.strip() for c in spec.split(",") if c.strip()]
     unknown = [c for c in cats if c not in known]
     if unknown or not cats:
-        raise InvalidRequest(f"unknown category {unknown[0] if unknown else '(none)'!r}; choose from {', '.join(known)}")
+        raise InvalidRequest(
+            f"unknown category {unknown[0] if unknown else '(none)'!r}; choose from {', '.join(known)}"
+        )
     return cats

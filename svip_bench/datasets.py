@@ -32,7 +32,9 @@ def load_specbench(path: Path, per_category: int) -> list[Prompt]:
     try:
         lines = path.read_text(encoding="utf-8").splitlines()
     except OSError as exc:
-        raise InvalidRequest(f"cannot read Spec-Bench prompts at {str(path)!r}: {exc.strerror}; point --dataset at spec-bench.jsonl") from None
+        raise InvalidRequest(
+            f"cannot read Spec-Bench prompts at {str(path)!r}: {exc.strerror}; point --dataset at spec-bench.jsonl"
+        ) from None
     taken: dict[str, list[Prompt]] = {}
     for n, line in enumerate(lines, 1):
         if not line.strip():
@@ -41,7 +43,7 @@ def load_specbench(path: Path, per_category: int) -> list[Prompt]:
             row = json.loads(line)
             category, qid, text = row["category"], row["question_id"], row["prompt"]
         except (json.JSONDecodeError, KeyError, TypeError):
-            raise InvalidRequest(f"{path}:{n}: expected {{\"question_id\", \"category\", \"prompt\"}}") from None
+            raise InvalidRequest(f'{path}:{n}: expected {{"question_id", "category", "prompt"}}') from None
         bucket = taken.setdefault(category, [])
         if len(bucket) < per_category:
             bucket.append(Prompt(category, str(qid), text))

@@ -151,7 +151,8 @@ def run_streams(base: str, prompts: list[str], max_tokens: int, fault: str | Non
 
     held = gate.held(gate_steps) if gate is not None and fault is not None else contextlib.nullcontext()
     with ThreadPoolExecutor(len(prompts)) as pool, held:
-        futures = [pool.submit(stream_completion, base, p, max_tokens, on_chunk, out) for p, out in zip(prompts, streams)]
+        futures = [pool.submit(stream_completion, base, p, max_tokens, on_chunk, out)
+                   for p, out in zip(prompts, streams)]
         if fault is not None:
             while not _under_way(gate, under_way, streams):
                 if all(f.done() for f in futures):
@@ -171,8 +172,14 @@ def run_streams(base: str, prompts: list[str], max_tokens: int, fault: str | Non
     gap = max((b - a for a, b in zip(after, after[1:])), default=0.0)
     if fault_at is not None and after:
         gap = max(gap, after[0] - fault_at)
-    return {"fault": fault, "wall_s": wall, "results": results, "longest_gap_s": gap, "timer": timer,
-            "fault_at_s": fault_at - started if fault_at is not None else None}
+    return {
+        "fault": fault,
+        "wall_s": wall,
+        "results": results,
+        "longest_gap_s": gap,
+        "timer": timer,
+        "fault_at_s": fault_at - started if fault_at is not None else None,
+    }
 
 
 def _under_way(gate, chunks_seen: threading.Event, streams: list[Stream]) -> bool:
@@ -192,12 +199,18 @@ def summarize(run: dict, reference: list[str]) -> dict:
     results = run["results"]
     exact = sum(1 for r, ref in zip(results, reference) if r.done and r.text == ref)
     stats = [r.svip or {} for r in results]
-    return {"fault": run["fault"], "streams": len(results), "complete_exact": exact,
-            "errors": sum(1 for r in results if r.error is not None), "wall_s": round(run["wall_s"], 2),
-            "longest_gap_s": round(run["longest_gap_s"], 2),
-            "detached": sum(s.get("detached", 0) for s in stats), "reattached": sum(s.get("reattached", 0) for s in stats),
-            "target_restarts": sum(s.get("target_restarts", 0) for s in stats),
-            "first_error": next((r.error for r in results if r.error is not None), None)}
+    return {
+        "fault": run["fault"],
+        "streams": len(results),
+        "complete_exact": exact,
+        "errors": sum(1 for r in results if r.error is not None),
+        "wall_s": round(run["wall_s"], 2),
+        "longest_gap_s": round(run["longest_gap_s"], 2),
+        "detached": sum(s.get("detached", 0) for s in stats),
+        "reattached": sum(s.get("reattached", 0) for s in stats),
+        "target_restarts": sum(s.get("target_restarts", 0) for s in stats),
+        "first_error": next((r.error for r in results if r.error is not None), None),
+    }
 
 
 def main() -> int:
@@ -213,10 +226,18 @@ def main() -> int:
     from svip_serve import local
     from svip_serve.settings import ServeSettings
 
-    settings = ServeSettings(target=args.target, draft=args.draft, model_name="drill", max_in_flight=args.clients,
-                             max_waiting=args.clients, allow_ignore_eos=True)
+    settings = ServeSettings(
+        target=args.target,
+        draft=args.draft,
+        model_name="drill",
+        max_in_flight=args.clients,
+        max_waiting=args.clients,
+        allow_ignore_eos=True,
+    )
     command = "python -m svip_bench.fault_drill " + " ".join(sys.argv[1:])
-    print(f"command: {command}\nmachine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}", flush=True)
+    print(
+        f"command: {command}\nmachine: {platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}", flush=True
+    )
     base = local.start(settings, port=_free_port()).removesuffix("/v1")
     prompts = [PROMPTS[i % len(PROMPTS)] for i in range(args.clients)]
     rows = []
@@ -236,13 +257,18 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "faults.json").write_text(json.dumps({"command": command, "rows": rows}, indent=1))
-    lines = ["| fault | streams exact | errors | wall s | vs undisturbed | longest token gap s | detached | re-attached | target restarts |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| fault | streams exact | errors | wall s | vs undisturbed | longest token gap s | detached | re-attached "
+        "| target restarts |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     base_wall = rows[0]["wall_s"]
     for r in rows:
-        lines.append(f"| {r['fault'] or 'none'} | {r['complete_exact']}/{r['streams']} | {r['errors']} | {r['wall_s']} | "
-                     f"{r['wall_s'] / base_wall:.2f}x | {r['longest_gap_s']} | {r['detached']} | {r['reattached']} | "
-                     f"{r['target_restarts']} |")
+        lines.append(
+            f"| {r['fault'] or 'none'} | {r['complete_exact']}/{r['streams']} | {r['errors']} | {r['wall_s']} | "
+            f"{r['wall_s'] / base_wall:.2f}x | {r['longest_gap_s']} | {r['detached']} | {r['reattached']} | "
+            f"{r['target_restarts']} |"
+        )
     md = "\n".join(lines)
     (out / "faults.md").write_text(md + "\n")
     print(md)

@@ -106,7 +106,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--prompt", type=int, default=256, help="prompt tokens per sequence")
     parser.add_argument("--new-tokens", type=int, default=64)
-    parser.add_argument("--device", default="cuda", help="cuda (default); cpu with --target-shape tiny checks the script")
+    parser.add_argument(
+        "--device", default="cuda", help="cuda (default); cpu with --target-shape tiny checks the script"
+    )
     parser.add_argument("--target-shape", choices=SHAPES, default="qwen2.5-7b")
     parser.add_argument("--draft-shape", choices=SHAPES, default="qwen2.5-0.5b")
     args = parser.parse_args(argv)
@@ -115,23 +117,43 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     dtype = torch.bfloat16 if args.device.startswith("cuda") else torch.float32
     target, draft = build(args.target_shape, args.device, dtype), build(args.draft_shape, args.device, dtype)
-    where = f"{torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible)" if args.device.startswith("cuda") else "CPU"
-    doc = {"command": " ".join(["python -m svip_bench.gpu_throughput", *(argv if argv is not None else sys.argv[1:])]),
-           "machine": f"{where}, {platform.machine()}, torch {torch.__version__}",
-           "target_step": step_costs(target, (1, 4, 16, 64), (1, 5, 9), args.prompt, args.repeats),
-           "draft_step": step_costs(draft, (1, 16, 64), (1,), args.prompt, args.repeats),
-           "engine": [engine_tps(target, draft, b, p, args.new_tokens, args.prompt)
-                      for b in (1, 16) for p in ("none", "svip")]}
+    where = (
+        f"{torch.cuda.get_device_name()} ({torch.cuda.device_count()} visible)"
+        if args.device.startswith("cuda")
+        else "CPU"
+    )
+    doc = {
+        "command": " ".join(["python -m svip_bench.gpu_throughput", *(argv if argv is not None else sys.argv[1:])]),
+        "machine": f"{where}, {platform.machine()}, torch {torch.__version__}",
+        "target_step": step_costs(target, (1, 4, 16, 64), (1, 5, 9), args.prompt, args.repeats),
+        "draft_step": step_costs(draft, (1, 16, 64), (1,), args.prompt, args.repeats),
+        "engine": [
+            engine_tps(target, draft, b, p, args.new_tokens, args.prompt) for b in (1, 16) for p in ("none", "svip")
+        ],
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_throughput.json").write_text(json.dumps(doc, indent=1))
-    lines = [f"Command: `{doc['command']}`", f"Machine: {doc['machine']}", "",
-             "| model | batch | tokens / sequence | step ms |", "|---|---|---|---|"]
-    lines += [f"| target {args.target_shape} | {r['batch']} | {r['tokens_per_seq']} | {r['ms']:.2f} |" for r in doc["target_step"]]
-    lines += [f"| draft {args.draft_shape} | {r['batch']} | {r['tokens_per_seq']} | {r['ms']:.2f} |" for r in doc["draft_step"]]
+    lines = [
+        f"Command: `{doc['command']}`",
+        f"Machine: {doc['machine']}",
+        "",
+        "| model | batch | tokens / sequence | step ms |",
+        "|---|---|---|---|",
+    ]
+    lines += [
+        f"| target {args.target_shape} | {r['batch']} | {r['tokens_per_seq']} | {r['ms']:.2f} |"
+        for r in doc["target_step"]
+    ]
+    lines += [
+        f"| draft {args.draft_shape} | {r['batch']} | {r['tokens_per_seq']} | {r['ms']:.2f} |"
+        for r in doc["draft_step"]
+    ]
     lines += ["", "| batch | policy | tokens/s | drafted tokens | pauses |", "|---|---|---|---|---|"]
-    lines += [f"| {r['batch']} | {r['policy']} | {r['tokens_per_s']:.1f} | {r['draft_tokens']} | {r['pauses']} |"
-              for r in doc["engine"]]
+    lines += [
+        f"| {r['batch']} | {r['policy']} | {r['tokens_per_s']:.1f} | {r['draft_tokens']} | {r['pauses']} |"
+        for r in doc["engine"]
+    ]
     (out / "gpu_throughput.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

@@ -133,7 +133,9 @@ def summarize(runs: list[LongRun]) -> dict:
             drafted = sum(r.draft_tokens for r in mine)
             row[method] = {
                 "tokens_per_s": statistics.median(by_repeat.values()) if by_repeat else None,
-                "speedup": statistics.median(by_repeat[k] / base[k] for k in by_repeat if k in base) if by_repeat else None,
+                "speedup": statistics.median(by_repeat[k] / base[k] for k in by_repeat if k in base)
+                if by_repeat
+                else None,
                 "acceptance_rate": sum(r.accepted_tokens for r in mine) / drafted if drafted else None,
             }
         out[f"T={temperature:g}/{length}"] = row
@@ -171,16 +173,27 @@ def target_quality(engine, positions: int, files: int = 8) -> list[dict]:
             lo, hi = QUALITY_BANDS[b], min(QUALITY_BANDS[b + 1], len(loss))
             sums[b] += sum(loss[lo:hi])
             counts[b] += max(0, hi - lo)
-    return [{"positions": f"{QUALITY_BANDS[b]}-{QUALITY_BANDS[b + 1]}", "loss": round(sums[b] / counts[b], 4) if counts[b] else None,
-             "files": used} for b in range(len(sums))]
+    return [
+        {
+            "positions": f"{QUALITY_BANDS[b]}-{QUALITY_BANDS[b + 1]}",
+            "loss": round(sums[b] / counts[b], 4) if counts[b] else None,
+            "files": used,
+        }
+        for b in range(len(sums))
+    ]
 
 
 def markdown(doc: dict) -> str:
     h = doc["header"]
-    lines = [f"Command: `{h['command']}`", f"Machine: {h['machine']}",
-             f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts of {h['prompt_tokens']} tokens, "
-             f"{h['repeats']} repeats; greedy and T=1 (seeded)", "",
-             "| setting | " + " | ".join(POLICIES) + " |", "|---|" + "---|" * len(POLICIES)]
+    lines = [
+        f"Command: `{h['command']}`",
+        f"Machine: {h['machine']}",
+        f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts of {h['prompt_tokens']} tokens, "
+        f"{h['repeats']} repeats; greedy and T=1 (seeded)",
+        "",
+        "| setting | " + " | ".join(POLICIES) + " |",
+        "|---|" + "---|" * len(POLICIES),
+    ]
     for key, row in doc["results"].items():
         cells = []
         for method in POLICIES:
@@ -188,7 +201,12 @@ def markdown(doc: dict) -> str:
             tps, sp = r.get("tokens_per_s"), r.get("speedup")
             cells.append(f"{tps:.1f} ({sp:.2f}x)" if tps is not None and sp is not None else "–")
         lines.append(f"| {key} | " + " | ".join(cells) + " |")
-    lines += ["", "Target loss by position (nats/token, held-out stdlib files filling the context):", "",
-              "| positions | loss |", "|---|---|"]
+    lines += [
+        "",
+        "Target loss by position (nats/token, held-out stdlib files filling the context):",
+        "",
+        "| positions | loss |",
+        "|---|---|",
+    ]
     lines += [f"| {q['positions']} | {q['loss']} |" for q in doc["target_loss_by_position"]]
     return "\n".join(lines) + "\n"

@@ -16,7 +16,9 @@ from svip_common.contracts import GenerationRequest, PolicyConfig
 @dataclass(frozen=True)
 class Method:
     name: str
-    family: str  # target | constant | heuristic | confidence | svip | svip-auto | auto | oracle | defaults | hf-constant | hf-heuristic
+    # target | constant | heuristic | confidence | svip | svip-auto | auto | oracle | defaults | hf-constant
+    # | hf-heuristic
+    family: str
     policy: PolicyConfig | None = None  # the project's engine
     hf: dict | None = None  # Hugging Face generate(assistant_model=...) settings
     k: int | None = None
@@ -41,8 +43,14 @@ class Run:
     entropy_acceptance: list[tuple[float, bool]] = field(default_factory=list)
 
 
-def build_methods(ks: list[int], svip_threshold: float, auto_threshold: float, include_hf: bool,
-                  thresholds: tuple[float, ...] = (), confidences: tuple[float, ...] = ()) -> list[Method]:
+def build_methods(
+    ks: list[int],
+    svip_threshold: float,
+    auto_threshold: float,
+    include_hf: bool,
+    thresholds: tuple[float, ...] = (),
+    confidences: tuple[float, ...] = (),
+) -> list[Method]:
     """thresholds / confidences: SVIP and the confidence stop at these values too (a grid, for
     the best fixed method in hindsight), as svip-T and confidence-C."""
     methods = [Method("target", "target", PolicyConfig(name="none"))]
@@ -58,16 +66,33 @@ def build_methods(ks: list[int], svip_threshold: float, auto_threshold: float, i
         Method("defaults", "defaults", PolicyConfig(), load_aware="greedy"),
     ]
     methods += [Method(f"svip-{t:g}", "svip", PolicyConfig(name="svip", threshold=t)) for t in thresholds]
-    methods += [Method(f"confidence-{c:g}", "confidence", PolicyConfig(name="confidence", confidence=c))
-                for c in confidences]
+    methods += [
+        Method(f"confidence-{c:g}", "confidence", PolicyConfig(name="confidence", confidence=c)) for c in confidences
+    ]
     if include_hf:
         methods += [
-            Method(f"hf-constant-{k}", "hf-constant", k=k, hf=dict(
-                num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0))
+            Method(
+                f"hf-constant-{k}",
+                "hf-constant",
+                k=k,
+                hf=dict(
+                    num_assistant_tokens=k, num_assistant_tokens_schedule="constant", assistant_confidence_threshold=0.0
+                ),
+            )
             for k in ks
         ]
-        methods.append(Method("hf-heuristic", "hf-heuristic", k=5, hf=dict(
-            num_assistant_tokens=5, num_assistant_tokens_schedule="heuristic_transient", assistant_confidence_threshold=0.0)))
+        methods.append(
+            Method(
+                "hf-heuristic",
+                "hf-heuristic",
+                k=5,
+                hf=dict(
+                    num_assistant_tokens=5,
+                    num_assistant_tokens_schedule="heuristic_transient",
+                    assistant_confidence_threshold=0.0,
+                ),
+            )
+        )
     return methods
 
 
@@ -83,7 +108,9 @@ class ForwardCounter:
         self.count += 1
 
 
-def run_engine(engine: SpeculativeEngine, method: Method, ids: tuple[int, ...], max_new: int, reference: list[int]) -> dict:
+def run_engine(
+    engine: SpeculativeEngine, method: Method, ids: tuple[int, ...], max_new: int, reference: list[int]
+) -> dict:
     policy = method.policy
     if method.family == "oracle":
         policy = dataclasses.replace(policy, oracle_tokens=tuple(ids) + tuple(reference))
@@ -100,14 +127,22 @@ def run_engine(engine: SpeculativeEngine, method: Method, ids: tuple[int, ...], 
         engine.load_aware = saved
     s = result.stats
     return dict(
-        token_ids=result.token_ids, wall_s=s.wall_s, target_forwards=s.target_forwards,
-        draft_forwards=s.draft_forwards, draft_tokens=s.draft_tokens, accepted_tokens=s.accepted_tokens,
-        rounds=s.rounds, draft_lengths=s.draft_lengths, entropy_acceptance=pairs,
+        token_ids=result.token_ids,
+        wall_s=s.wall_s,
+        target_forwards=s.target_forwards,
+        draft_forwards=s.draft_forwards,
+        draft_tokens=s.draft_tokens,
+        accepted_tokens=s.accepted_tokens,
+        rounds=s.rounds,
+        draft_lengths=s.draft_lengths,
+        entropy_acceptance=pairs,
     )
 
 
 @torch.inference_mode()
-def run_hf(engine: SpeculativeEngine, counters: tuple[ForwardCounter, ForwardCounter], method: Method, ids, max_new: int) -> dict:
+def run_hf(
+    engine: SpeculativeEngine, counters: tuple[ForwardCounter, ForwardCounter], method: Method, ids, max_new: int
+) -> dict:
     target, draft = engine.target, engine.drafter.draft
     t_count, d_count = counters
     t0, d0 = t_count.count, d_count.count
@@ -121,8 +156,12 @@ def run_hf(engine: SpeculativeEngine, counters: tuple[ForwardCounter, ForwardCou
     try:
         start = time.perf_counter()
         out = target.model.generate(
-            input_ids, attention_mask=torch.ones_like(input_ids), assistant_model=draft.model,
-            do_sample=False, max_new_tokens=max_new, eos_token_id=list(target.eos_token_ids) or None,
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            assistant_model=draft.model,
+            do_sample=False,
+            max_new_tokens=max_new,
+            eos_token_id=list(target.eos_token_ids) or None,
             pad_token_id=(target.eos_token_ids or (0,))[0],
         )
         wall = time.perf_counter() - start
@@ -130,6 +169,8 @@ def run_hf(engine: SpeculativeEngine, counters: tuple[ForwardCounter, ForwardCou
         for key, value in saved.items():
             setattr(assistant_config, key, value)
     return dict(
-        token_ids=out[0, len(ids):].tolist(), wall_s=wall,
-        target_forwards=t_count.count - t0, draft_forwards=d_count.count - d0,
+        token_ids=out[0, len(ids) :].tolist(),
+        wall_s=wall,
+        target_forwards=t_count.count - t0,
+        draft_forwards=d_count.count - d0,
     )

@@ -128,15 +128,25 @@ def sources(stats: list[GenerationStats]) -> dict:
         for i, source in enumerate(s.round_sources):
             rows[source].append((s.round_s[i], s.overhead_s[i], s.target_forward_s[i]))
     total = sum(len(v) for v in rows.values())
-    out = {k: {"rounds": len(v), "share": len(v) / total, "wall_ms": 1e3 * statistics.mean(r[0] for r in v),
-               "overhead_ms": 1e3 * statistics.mean(r[1] for r in v), "target_ms": 1e3 * statistics.mean(r[2] for r in v)}
-           for k, v in sorted(rows.items())}
+    out = {
+        k: {
+            "rounds": len(v),
+            "share": len(v) / total,
+            "wall_ms": 1e3 * statistics.mean(r[0] for r in v),
+            "overhead_ms": 1e3 * statistics.mean(r[1] for r in v),
+            "target_ms": 1e3 * statistics.mean(r[2] for r in v),
+        }
+        for k, v in sorted(rows.items())
+    }
     return out
 
 
 def prepared_continuations(stats: list[GenerationStats]) -> dict:
-    return {"sent": sum(s.prepared_sent for s in stats), "used": sum(s.prepared_used for s in stats),
-            "used_late": sum(s.prepared_used_late for s in stats)}
+    return {
+        "sent": sum(s.prepared_sent for s in stats),
+        "used": sum(s.prepared_used for s in stats),
+        "used_late": sum(s.prepared_used_late for s in stats),
+    }
 
 
 def async_bound(sync: list[GenerationStats], sync_tps: float) -> dict:
@@ -186,68 +196,131 @@ def two_nodes(engine, requests: list[GenerationRequest], latencies: list[float],
     expected = [engine.generate(r).token_ids for r in requests]
     # plaintext between the two namespaces this bench makes and tears down (the TLS cost is measured
     # by tests/integration/test_two_nodes.py); a real cluster gets --grpc-tls-dir
-    spec = {"target": engine.target.path, "draft": engine.draft_path, "layout": "spread", "modes": ["sync", "async"],
-            "repeats": repeats, "warmup": 1, "insecure_workers": True,
-            "requests": [{"prompt_ids": list(r.prompt_ids), "max_new_tokens": r.max_new_tokens, "ignore_eos": True,
-                          "policy": {"name": "svip", "threshold": r.policy.threshold}} for r in requests]}
+    spec = {
+        "target": engine.target.path,
+        "draft": engine.draft_path,
+        "layout": "spread",
+        "modes": ["sync", "async"],
+        "repeats": repeats,
+        "warmup": 1,
+        "insecure_workers": True,
+        "requests": [
+            {
+                "prompt_ids": list(r.prompt_ids),
+                "max_new_tokens": r.max_new_tokens,
+                "ignore_eos": True,
+                "policy": {"name": "svip", "threshold": r.policy.threshold},
+            }
+            for r in requests
+        ],
+    }
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         (Path(tmp) / "spec.json").write_text(json.dumps(spec))
         for latency in latencies:
             with TwoNodes(delay_ms=latency) as nodes:
-                done = nodes.run([sys.executable, "-m", "svip_bench.cluster_run", str(Path(tmp) / "spec.json")], timeout=3600)
+                done = nodes.run(
+                    [sys.executable, "-m", "svip_bench.cluster_run", str(Path(tmp) / "spec.json")], timeout=3600
+                )
             line = next((x for x in done.stdout.splitlines() if x.startswith("RESULT ")), None)
             if line is None:
                 raise RuntimeError(f"two-node run at {latency} ms failed: {done.stderr[-2000:]}")
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
             per_mode = {}
             for mode in ("sync", "async"):
-                per_repeat = [result["stats"][mode][i:i + len(requests)] for i in range(0, len(result["stats"][mode]), len(requests))]
-                per_mode[mode] = [sum(len(o) for o in result["outputs"][mode][i:i + len(requests)]) / sum(s["wall_s"] for s in chunk)
-                                  for i, chunk in zip(range(0, len(result["outputs"][mode]), len(requests)), per_repeat)]
-            violations = [f"{latency} ms {mode}" for mode in ("sync", "async")
-                          if result["outputs"][mode] != expected * repeats]
-            rows.append({"latency_ms": latency, "link": nodes.how, **_ratios(per_mode, "sync"), "violations": violations})
+                per_repeat = [
+                    result["stats"][mode][i : i + len(requests)]
+                    for i in range(0, len(result["stats"][mode]), len(requests))
+                ]
+                per_mode[mode] = [
+                    sum(len(o) for o in result["outputs"][mode][i : i + len(requests)])
+                    / sum(s["wall_s"] for s in chunk)
+                    for i, chunk in zip(range(0, len(result["outputs"][mode]), len(requests)), per_repeat)
+                ]
+            violations = [
+                f"{latency} ms {mode}" for mode in ("sync", "async") if result["outputs"][mode] != expected * repeats
+            ]
+            rows.append(
+                {"latency_ms": latency, "link": nodes.how, **_ratios(per_mode, "sync"), "violations": violations}
+            )
     return rows
 
 
 def _markdown(doc: dict) -> str:
     h = doc["header"]
-    lines = [f"Command: `{h['command']}`", f"Machine: {h['machine']}",
-             f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
-             f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}", "",
-             "| mode | tokens/s (min–max) | vs in-process | vs distributed sync |", "|---|---|---|---|"]
+    lines = [
+        f"Command: `{h['command']}`",
+        f"Machine: {h['machine']}",
+        f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
+        f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}",
+        "",
+        "| mode | tokens/s (min–max) | vs in-process | vs distributed sync |",
+        "|---|---|---|---|",
+    ]
     for mode, v in doc["tokens_per_s"].items():
-        lines.append(f"| {mode} | {v['median']:.1f} ({v['min']:.1f}–{v['max']:.1f}) | {v['ratio_to_base']:.2f}x | {v['ratio_to_sync']:.2f}x |")
+        lines.append(
+            f"| {mode} | {v['median']:.1f} ({v['min']:.1f}–{v['max']:.1f}) | {v['ratio_to_base']:.2f}x "
+            f"| {v['ratio_to_sync']:.2f}x |"
+        )
     b = doc["async_bound"]
-    lines += ["", f"Async bound from sync's own rounds (drafting and the round trip hidden after each full acceptance): "
-              f"{b['tokens_per_s']:.1f} tokens/s, {b['speedup_over_sync']:.2f}x sync; async reached "
-              f"{doc['tokens_per_s']['async']['median'] / b['tokens_per_s']:.0%} of it.", "",
-              "Per round, median (mean) in ms:", "",
-              "| part | " + " | ".join(doc["breakdown"]) + " |", "|---|" + "---|" * len(doc["breakdown"])]
+    lines += [
+        "",
+        f"Async bound from sync's own rounds (drafting and the round trip hidden after each full acceptance): "
+        f"{b['tokens_per_s']:.1f} tokens/s, {b['speedup_over_sync']:.2f}x sync; async reached "
+        f"{doc['tokens_per_s']['async']['median'] / b['tokens_per_s']:.0%} of it.",
+        "",
+        "Per round, median (mean) in ms:",
+        "",
+        "| part | " + " | ".join(doc["breakdown"]) + " |",
+        "|---|" + "---|" * len(doc["breakdown"]),
+    ]
     for part in ("round_s", *ROUND_PARTS):
         cells = [f"{v[part]['median_ms']:.3f} ({v[part]['mean_ms']:.3f})" for v in doc["breakdown"].values()]
         lines.append(f"| {part.removesuffix('_s').replace('_', ' ')} | " + " | ".join(cells) + " |")
-    lines += ["", "Async rounds by where the block came from (followup, prepared: ready at the verdict, no round trip):", "",
-              "| source | rounds | share | wall ms | target ms | overhead ms |", "|---|---|---|---|---|---|"]
+    lines += [
+        "",
+        "Async rounds by where the block came from (followup, prepared: ready at the verdict, no round trip):",
+        "",
+        "| source | rounds | share | wall ms | target ms | overhead ms |",
+        "|---|---|---|---|---|---|",
+    ]
     for name, v in doc["sources"].items():
-        lines.append(f"| {name} | {v['rounds']} | {v['share']:.0%} | {v['wall_ms']:.2f} | {v['target_ms']:.2f} | {v['overhead_ms']:.2f} |")
+        lines.append(
+            f"| {name} | {v['rounds']} | {v['share']:.0%} | {v['wall_ms']:.2f} | {v['target_ms']:.2f} "
+            f"| {v['overhead_ms']:.2f} |"
+        )
     prepared = doc["prepared_continuations"]
-    lines += ["", f"Prepared continuations: {prepared['sent']} reached the target in time, {prepared['used']} verified "
-              f"with no round trip, {prepared['used_late']} sent again by the draft after the verdict."]
+    lines += [
+        "",
+        f"Prepared continuations: {prepared['sent']} reached the target in time, {prepared['used']} verified "
+        f"with no round trip, {prepared['used_late']} sent again by the draft after the verdict.",
+    ]
     c = doc["concurrency"]
-    lines += ["", f"Async, aggregate tokens/s: 1 session {c['1']:.1f}, 8 concurrent sessions {c['8']:.1f} ({c['ratio']:.2f}x)."]
+    lines += [
+        "",
+        f"Async, aggregate tokens/s: 1 session {c['1']:.1f}, 8 concurrent sessions {c['8']:.1f} ({c['ratio']:.2f}x).",
+    ]
     t = doc["timeline_stats"]
-    lines += ["", f"One async request: wall {t['wall_s']:.3f} s, draft busy {t['draft_busy_s']:.3f} s, target busy "
-              f"{t['target_busy_s']:.3f} s, both busy {t['both_busy_s']:.3f} s, draft idle {t['draft_wait_s']:.3f} s, "
-              f"target idle {t['target_wait_s']:.3f} s, {t['discarded_tokens']} pre-drafted tokens discarded, "
-              f"{t['wire_bytes_per_round']:.0f} wire bytes per round."]
+    lines += [
+        "",
+        f"One async request: wall {t['wall_s']:.3f} s, draft busy {t['draft_busy_s']:.3f} s, target busy "
+        f"{t['target_busy_s']:.3f} s, both busy {t['both_busy_s']:.3f} s, draft idle {t['draft_wait_s']:.3f} s, "
+        f"target idle {t['target_wait_s']:.3f} s, {t['discarded_tokens']} pre-drafted tokens discarded, "
+        f"{t['wire_bytes_per_round']:.0f} wire bytes per round.",
+    ]
     if doc.get("two_nodes"):
-        lines += ["", "Two nodes (network namespaces), round-trip latency on the link:", "",
-                  "| latency | link | sync tokens/s | async tokens/s | async vs sync |", "|---|---|---|---|---|"]
+        lines += [
+            "",
+            "Two nodes (network namespaces), round-trip latency on the link:",
+            "",
+            "| latency | link | sync tokens/s | async tokens/s | async vs sync |",
+            "|---|---|---|---|---|",
+        ]
         for row in doc["two_nodes"]:
-            lines.append(f"| {row['latency_ms']:g} ms | {row['link']} | {row['sync']['median']:.1f} | "
-                         f"{row['async']['median']:.1f} | {row['async']['ratio_to_sync']:.2f}x |")
+            lines.append(
+                f"| {row['latency_ms']:g} ms | {row['link']} | {row['sync']['median']:.1f} | "
+                f"{row['async']['median']:.1f} | {row['async']['ratio_to_sync']:.2f}x |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -99,7 +99,10 @@ def markdown(table: dict, header: dict) -> str:
     lines = [f"Command: `{header['command']}`", f"Machine: {header['machine']}",
              f"Models: target {header['target']}, draft {header['draft']}; {header['prompts']} prompts, "
              f"{header['repeats']} repeats, {header['max_new_tokens']} new tokens, greedy", ""]
-    lines.append("| category | method | tokens/s (min–max) | speedup (min–max) | mean acc. len | acc. rate | target fwd/token | draft tok/token |")
+    lines.append(
+        "| category | method | tokens/s (min–max) | speedup (min–max) | mean acc. len | acc. rate | target fwd/token "
+        "| draft tok/token |"
+    )
     lines.append("|---|---|---|---|---|---|---|---|")
     for cat, methods in table.items():
         for name in shown:
@@ -110,7 +113,8 @@ def markdown(table: dict, header: dict) -> str:
             lines.append(
                 f"| {cat} | {name} | {t['median']:.1f} ({t['min']:.1f}–{t['max']:.1f}) | "
                 f"{s['median']:.2f}x ({s['min']:.2f}–{s['max']:.2f}) | {_fmt(m.get('mean_acceptance_length'))} | "
-                f"{_fmt(m.get('acceptance_rate'))} | {m['target_forwards_per_token']:.3f} | {_fmt(m.get('draft_tokens_per_token'))} |"
+                f"{_fmt(m.get('acceptance_rate'))} | {m['target_forwards_per_token']:.3f} "
+                f"| {_fmt(m.get('draft_tokens_per_token'))} |"
             )
     lines += ["", "Projected speedup over the target alone at draft/target cost ratio c (from forward counts):", ""]
     lines.append("| method | " + " | ".join(f"c = {c}" for c in COST_RATIOS) + " |")
@@ -118,7 +122,9 @@ def markdown(table: dict, header: dict) -> str:
     for name in shown:
         m = table[ALL].get(name)
         if m:
-            lines.append(f"| {name} | " + " | ".join(f"{m['projected_speedup'][str(c)]:.2f}x" for c in COST_RATIOS) + " |")
+            lines.append(
+                f"| {name} | " + " | ".join(f"{m['projected_speedup'][str(c)]:.2f}x" for c in COST_RATIOS) + " |"
+            )
     return "\n".join(lines) + "\n"
 
 
@@ -126,7 +132,9 @@ def _fmt(x) -> str:
     return "–" if x is None else f"{x:.3f}"
 
 
-def write_plots(out: Path, table: dict, runs: list[Run], thresholds: dict[str, float], entropy_scale: float) -> list[str]:
+def write_plots(
+    out: Path, table: dict, runs: list[Run], thresholds: dict[str, float], entropy_scale: float
+) -> list[str]:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -134,8 +142,22 @@ def write_plots(out: Path, table: dict, runs: list[Run], thresholds: dict[str, f
 
     best = best_constant(table)
     best_hf = f"hf-constant-{best.split('-')[1]}" if best else None
-    shown = [m for m in (best, "heuristic", "confidence", "svip", "svip-auto", "auto", "defaults", "oracle", best_hf,
-                         "hf-heuristic") if m and m in table[ALL]]
+    shown = [
+        m
+        for m in (
+            best,
+            "heuristic",
+            "confidence",
+            "svip",
+            "svip-auto",
+            "auto",
+            "defaults",
+            "oracle",
+            best_hf,
+            "hf-heuristic",
+        )
+        if m and m in table[ALL]
+    ]
     cats = list(table)
     fig, ax = plt.subplots(figsize=(12, 4.5))
     width = 0.8 / max(1, len(shown))
@@ -170,7 +192,12 @@ def write_plots(out: Path, table: dict, runs: list[Run], thresholds: dict[str, f
     mids = [(b["low"] + min(b["high"], b["low"] + 1.0)) / 2 for b in bands]
     ax.plot(mids, [b["acceptance"] for b in bands], marker="o")
     for label, thr in thresholds.items():
-        ax.axvline(thr**2 / entropy_scale, ls="--", color="red" if label == "svip" else "green", label=f"{label}: H = {thr**2 / entropy_scale:.2f}")
+        ax.axvline(
+            thr**2 / entropy_scale,
+            ls="--",
+            color="red" if label == "svip" else "green",
+            label=f"{label}: H = {thr**2 / entropy_scale:.2f}",
+        )
     ax.set_xlabel("draft entropy H (nats)")
     ax.set_ylabel("acceptance rate")
     ax.set_ylim(0, 1.05)
@@ -182,12 +209,25 @@ def write_plots(out: Path, table: dict, runs: list[Run], thresholds: dict[str, f
     return files
 
 
-def write_all(out: Path, header: dict, table: dict, runs: list[Run], violations: list[str], thresholds: dict[str, float], entropy_scale: float) -> str:
+def write_all(
+    out: Path,
+    header: dict,
+    table: dict,
+    runs: list[Run],
+    violations: list[str],
+    thresholds: dict[str, float],
+    entropy_scale: float,
+) -> str:
     out.mkdir(parents=True, exist_ok=True)
     md = markdown(table, header)
     (out / "results.md").write_text(md)
-    doc = {"header": header, "results": table, "entropy_acceptance": entropy_acceptance(runs),
-           "exactness_violations": violations, "best_constant": best_constant(table)}
+    doc = {
+        "header": header,
+        "results": table,
+        "entropy_acceptance": entropy_acceptance(runs),
+        "exactness_violations": violations,
+        "best_constant": best_constant(table),
+    }
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     write_plots(out, table, runs, thresholds, entropy_scale)
     return md

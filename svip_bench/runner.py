@@ -9,9 +9,9 @@ import sys
 
 import torch
 
+from coordinator.engine import SpeculativeEngine
 from svip_bench.datasets import Prompt
 from svip_bench.methods import ForwardCounter, Method, Run, run_engine, run_hf
-from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig
 
 
@@ -67,7 +67,9 @@ def run_all(
                     fields = run_hf(engine, counters, method, ids, max_new)
                 else:
                     fields = run_engine(engine, method, ids, max_new, ref)
-                run = Run(method=method.name, category=prompt.category, prompt_id=prompt.prompt_id, repeat=repeat, **fields)
+                run = Run(
+                    method=method.name, category=prompt.category, prompt_id=prompt.prompt_id, repeat=repeat, **fields
+                )
                 if run.token_ids != ref:
                     violations.append(f"{method.name} on {prompt.category}/{prompt.prompt_id}")
                 runs.append(run)

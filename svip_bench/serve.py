@@ -2,7 +2,8 @@
 machine (`svip serve`'s start()); streaming clients send the same prompts over HTTP at rising
 concurrency with each of --serve-policies (defaults: what a request with no policy gets; svip at
 the pair's calibrated threshold; none: the target alone on the same pipeline; confidence;
-constant-K), interleaved and shuffled per repeat. Reports aggregate tokens/s, time to first token and request latency, and
+constant-K), interleaved and shuffled per repeat. Reports aggregate tokens/s, time to first token
+and request latency, and
 checks that every output equals the in-process engine's greedy output. Then the in-process batched
 engine (`svip generate --batch-size`): the same prompts, BATCH requests at a time against one at
 a time, svip and the target alone, interleaved."""
@@ -36,14 +37,24 @@ def run(engine, prompts, args, header: dict) -> int:
     threshold = engine.calibration().threshold
     policies, levels = parse_policies(args.serve_policies), parse_levels(args.levels)
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
-    reference = [engine.generate(GenerationRequest(ids, args.max_new_tokens, ignore_eos=True,
-                                                   policy=PolicyConfig(name="none"))).token_ids for ids in encoded]
+    reference = [
+        engine.generate(
+            GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=PolicyConfig(name="none"))
+        ).token_ids
+        for ids in encoded
+    ]
     inprocess = _inprocess_tps(engine, encoded, args.max_new_tokens, threshold)
     texts = [engine.target.tokenizer.decode(r, skip_special_tokens=True) for r in reference]
     port = _free_port()
-    settings = ServeSettings(target=engine.target.path, draft=engine.draft_path, dtype=args.dtype,
-                             model_name="bench", max_in_flight=max(levels), max_waiting=max(levels),
-                             allow_ignore_eos=True)
+    settings = ServeSettings(
+        target=engine.target.path,
+        draft=engine.draft_path,
+        dtype=args.dtype,
+        model_name="bench",
+        max_in_flight=max(levels),
+        max_waiting=max(levels),
+        allow_ignore_eos=True,
+    )
     base = local.start(settings, port=port)
     client = httpx.Client(timeout=600)
     try:
@@ -55,8 +66,13 @@ def run(engine, prompts, args, header: dict) -> int:
         local.stop()
     batched, batch_violations = _inprocess_batches(engine, encoded, reference, args, threshold)
     violations += batch_violations
-    doc = {"header": {**header, "threshold": threshold, "levels": levels, "policies": policies}, "inprocess_tokens_per_s": inprocess,
-           "results": results, "inprocess_batches": batched, "exactness_violations": violations}
+    doc = {
+        "header": {**header, "threshold": threshold, "levels": levels, "policies": policies},
+        "inprocess_tokens_per_s": inprocess,
+        "results": results,
+        "inprocess_batches": batched,
+        "exactness_violations": violations,
+    }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "serve.json").write_text(json.dumps(doc, indent=1))
@@ -90,35 +106,67 @@ def _inprocess_batches(engine, encoded, reference, args, threshold: float):
     for rep in range(args.repeats):
         for key in rng.sample(list(runs), len(runs)):
             size, policy = key
-            requests = [GenerationRequest(encoded[i], args.max_new_tokens, ignore_eos=True,
-                                          policy=PolicyConfig(name=policy, threshold=threshold)) for i in picks]
+            requests = [
+                GenerationRequest(
+                    encoded[i],
+                    args.max_new_tokens,
+                    ignore_eos=True,
+                    policy=PolicyConfig(name=policy, threshold=threshold),
+                )
+                for i in picks
+            ]
             start = time.perf_counter()
             results = batched.generate_many(requests, size)
             wall = time.perf_counter() - start
-            violations += [f"in-process batch {size}, {policy}, prompt {i}" for i, r in zip(picks, results)
-                           if r.token_ids != reference[i]]
-            runs[key].append({"tps": sum(len(r.token_ids) for r in results) / wall,
-                              "pauses": sum(r.stats.pauses for r in results),
-                              "draft_tokens": sum(r.stats.draft_tokens for r in results)})
+            violations += [
+                f"in-process batch {size}, {policy}, prompt {i}"
+                for i, r in zip(picks, results)
+                if r.token_ids != reference[i]
+            ]
+            runs[key].append(
+                {
+                    "tps": sum(len(r.token_ids) for r in results) / wall,
+                    "pauses": sum(r.stats.pauses for r in results),
+                    "draft_tokens": sum(r.stats.draft_tokens for r in results),
+                }
+            )
     rows = []
     for (size, policy), reps in runs.items():
         tps = [r["tps"] for r in reps]
-        rows.append({"batch_size": size, "policy": policy, "tokens_per_s": statistics.median(tps),
-                     "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
-                     "over_batch_1": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(1, policy)])]),
-                     "svip_over_none": statistics.median([a["tps"] / b["tps"] for a, b in zip(runs[(size, "svip")], runs[(size, "none")])]),
-                     "pauses": statistics.median(r["pauses"] for r in reps),
-                     "draft_tokens": statistics.median(r["draft_tokens"] for r in reps)})
+        rows.append(
+            {
+                "batch_size": size,
+                "policy": policy,
+                "tokens_per_s": statistics.median(tps),
+                "tokens_per_s_min": min(tps),
+                "tokens_per_s_max": max(tps),
+                "over_batch_1": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(1, policy)])]),
+                "svip_over_none": statistics.median(
+                    [a["tps"] / b["tps"] for a, b in zip(runs[(size, "svip")], runs[(size, "none")])]
+                ),
+                "pauses": statistics.median(r["pauses"] for r in reps),
+                "draft_tokens": statistics.median(r["draft_tokens"] for r in reps),
+            }
+        )
     return rows, violations
 
 
 def parse_policies(spec: str) -> list[str]:
     names = [p.strip() for p in spec.split(",") if p.strip()]
-    bad = next((p for p in names if p not in ("defaults", "svip", "none", "confidence", "auto")
-                and not (p.startswith("constant-") and p[9:].isdigit())), None)
+    bad = next(
+        (
+            p
+            for p in names
+            if p not in ("defaults", "svip", "none", "confidence", "auto")
+            and not (p.startswith("constant-") and p[9:].isdigit())
+        ),
+        None,
+    )
     if bad is not None or "none" not in names:
-        raise InvalidRequest(f"--serve-policies: defaults, svip, auto, confidence, constant-K and none (required: the "
-                             f"baseline), got {bad or spec!r}")
+        raise InvalidRequest(
+            f"--serve-policies: defaults, svip, auto, confidence, constant-K and none (required: the "
+            f"baseline), got {bad or spec!r}"
+        )
     return names
 
 
@@ -145,8 +193,15 @@ def _body(policy: str, threshold: float) -> dict:
 
 def _stream(client, base: str, ids, max_tokens: int, policy: str, threshold: float) -> dict:
     """One streamed request: its text, token count, time to first token and latency."""
-    body = {"model": "bench", "prompt": list(ids), "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "ignore_eos": True, **_body(policy, threshold)}
+    body = {
+        "model": "bench",
+        "prompt": list(ids),
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+        **_body(policy, threshold),
+    }
     start = time.perf_counter()
     first, parts, usage = None, [], None
     with client.stream("POST", f"{base}/completions", json=body) as r:
@@ -160,8 +215,12 @@ def _stream(client, base: str, ids, max_tokens: int, policy: str, threshold: flo
                 parts.append(event["choices"][0]["text"])
             usage = event.get("usage") or usage
     end = time.perf_counter()
-    return {"text": "".join(parts), "tokens": usage["completion_tokens"], "ttft": (first or end) - start,
-            "latency": end - start}
+    return {
+        "text": "".join(parts),
+        "tokens": usage["completion_tokens"],
+        "ttft": (first or end) - start,
+        "latency": end - start,
+    }
 
 
 def _levels(client, base, encoded, texts, args, threshold, policies, levels):
@@ -175,13 +234,22 @@ def _levels(client, base, encoded, texts, args, threshold, policies, levels):
             for policy in rng.sample(policies, len(policies)):
                 start = time.perf_counter()
                 with ThreadPoolExecutor(n) as pool:
-                    done = list(pool.map(lambda i: _stream(client, base, encoded[i], args.max_new_tokens, policy, threshold), batch))
+                    done = list(
+                        pool.map(
+                            lambda i: _stream(client, base, encoded[i], args.max_new_tokens, policy, threshold), batch
+                        )
+                    )
                 wall = time.perf_counter() - start
                 for i, d in zip(batch, done):
                     if d["text"] != texts[i]:
                         violations.append(f"repeat {rep}, concurrency {n}, {policy}, prompt {i}")
-                runs[(n, policy)].append({"tps": sum(d["tokens"] for d in done) / wall,
-                                          "ttft": [d["ttft"] for d in done], "latency": [d["latency"] for d in done]})
+                runs[(n, policy)].append(
+                    {
+                        "tps": sum(d["tokens"] for d in done) / wall,
+                        "ttft": [d["ttft"] for d in done],
+                        "latency": [d["latency"] for d in done],
+                    }
+                )
                 progress.update(1)
     results = []
     for n in levels:
@@ -189,11 +257,19 @@ def _levels(client, base, encoded, texts, args, threshold, policies, levels):
             reps = runs[(n, policy)]
             tps = [r["tps"] for r in reps]
             ttft = sorted(t for r in reps for t in r["ttft"])
-            results.append({"concurrency": n, "policy": policy, "tokens_per_s": statistics.median(tps),
-                            "tokens_per_s_min": min(tps), "tokens_per_s_max": max(tps),
-                            "over_none": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(n, "none")])]),
-                            "ttft_p50": statistics.median(ttft), "ttft_p95": _nearest_rank(ttft, 0.95),
-                            "latency_p50": statistics.median(t for r in reps for t in r["latency"])})
+            results.append(
+                {
+                    "concurrency": n,
+                    "policy": policy,
+                    "tokens_per_s": statistics.median(tps),
+                    "tokens_per_s_min": min(tps),
+                    "tokens_per_s_max": max(tps),
+                    "over_none": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(n, "none")])]),
+                    "ttft_p50": statistics.median(ttft),
+                    "ttft_p95": _nearest_rank(ttft, 0.95),
+                    "latency_p50": statistics.median(t for r in reps for t in r["latency"]),
+                }
+            )
     return results, violations
 
 
@@ -203,31 +279,48 @@ def _nearest_rank(sorted_values: list[float], q: float) -> float:
 
 def _markdown(doc: dict) -> str:
     h = doc["header"]
-    lines = [f"Command: `{h['command']}`", f"Machine: {h['machine']}",
-             f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
-             f"{h['max_new_tokens']} new tokens, greedy, streamed over HTTP (SSE) through Ray Serve; svip threshold "
-             f"{h['threshold']} (calibrated), defaults = no policy in the request (the server's), none = the "
-             "target alone on the same pipeline.",
-             f"In-process engine, one stream, the defaults: {doc['inprocess_tokens_per_s']:.1f} tokens/s.", "",
-             "| clients | policy | tokens/s (min–max) | over none | TTFT p50 | TTFT p95 | latency p50 |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"Command: `{h['command']}`",
+        f"Machine: {h['machine']}",
+        f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
+        f"{h['max_new_tokens']} new tokens, greedy, streamed over HTTP (SSE) through Ray Serve; svip threshold "
+        f"{h['threshold']} (calibrated), defaults = no policy in the request (the server's), none = the "
+        "target alone on the same pipeline.",
+        f"In-process engine, one stream, the defaults: {doc['inprocess_tokens_per_s']:.1f} tokens/s.",
+        "",
+        "| clients | policy | tokens/s (min–max) | over none | TTFT p50 | TTFT p95 | latency p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in doc["results"]:
-        lines.append(f"| {r['concurrency']} | {r['policy']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–"
-                     f"{r['tokens_per_s_max']:.1f}) | {r['over_none']:.2f}x | {1000 * r['ttft_p50']:.0f} ms | "
-                     f"{1000 * r['ttft_p95']:.0f} ms | {r['latency_p50']:.2f} s |")
+        lines.append(
+            f"| {r['concurrency']} | {r['policy']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–"
+            f"{r['tokens_per_s_max']:.1f}) | {r['over_none']:.2f}x | {1000 * r['ttft_p50']:.0f} ms | "
+            f"{1000 * r['ttft_p95']:.0f} ms | {r['latency_p50']:.2f} s |"
+        )
     by = {(r["concurrency"], r["policy"]): r for r in doc["results"]}
     levels = h["levels"]
     if len(levels) > 1:
         top = levels[-2] if len(levels) > 2 else levels[-1]
-        lines.append(f"\n{top} clients over 1 client, aggregate tokens/s: " + ", ".join(
-            f"{p} {by[(top, p)]['tokens_per_s'] / by[(levels[0], p)]['tokens_per_s']:.2f}x" for p in h["policies"]) + ".")
-    lines += ["", f"In-process batched engine (load-aware), {BATCH} requests:", "",
-              "| batch size | policy | tokens/s (min–max) | over batch 1 | svip / none | drafted tokens | pauses |",
-              "|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"\n{top} clients over 1 client, aggregate tokens/s: "
+            + ", ".join(
+                f"{p} {by[(top, p)]['tokens_per_s'] / by[(levels[0], p)]['tokens_per_s']:.2f}x" for p in h["policies"]
+            )
+            + "."
+        )
+    lines += [
+        "",
+        f"In-process batched engine (load-aware), {BATCH} requests:",
+        "",
+        "| batch size | policy | tokens/s (min–max) | over batch 1 | svip / none | drafted tokens | pauses |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in doc["inprocess_batches"]:
-        lines.append(f"| {r['batch_size']} | {r['policy']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–"
-                     f"{r['tokens_per_s_max']:.1f}) | {r['over_batch_1']:.2f}x | {r['svip_over_none']:.2f}x | "
-                     f"{r['draft_tokens']:.0f} | {r['pauses']:.0f} |")
+        lines.append(
+            f"| {r['batch_size']} | {r['policy']} | {r['tokens_per_s']:.1f} ({r['tokens_per_s_min']:.1f}–"
+            f"{r['tokens_per_s_max']:.1f}) | {r['over_batch_1']:.2f}x | {r['svip_over_none']:.2f}x | "
+            f"{r['draft_tokens']:.0f} | {r['pauses']:.0f} |"
+        )
     lines.append(f"\nExactness: {len(doc['exactness_violations'])} outputs differed from the in-process greedy output.")
     return "\n".join(lines) + "\n"
 

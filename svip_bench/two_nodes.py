@@ -69,7 +69,9 @@ class TwoNodes:
         # the cluster's files apart from any local Ray's (whose ray_current_cluster it must not replace)
         self.temp_dir = f"/tmp/svip-two-nodes-{tag}"
         # Ray's token authentication, with a token of this cluster's own for both nodes and drivers
-        self.env = {k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")}
+        self.env = {
+            k: v for k, v in os.environ.items() if k not in ("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "RAY_ADDRESS")
+        }
         self.env.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=secrets.token_hex(32))
 
     # --- lifecycle ------------------------------------------------------------------------------
@@ -133,10 +135,14 @@ class TwoNodes:
                 _run("tc", "qdisc", "add", "dev", "sv0", "root", "netem", "delay", f"{self.delay_ms / 2}ms", ns=ns)
             if self.how == "relay":  # whole frames with real checksums: the relay forwards them as they are
                 _run("ip", "link", "set", "dev", "sv0", "gso_max_size", "1500", ns=ns)
-                _run(sys.executable, "-c", f"from svip_bench.two_nodes import offloads_off; offloads_off('sv0')", ns=ns)
+                _run(sys.executable, "-c", "from svip_bench.two_nodes import offloads_off; offloads_off('sv0')", ns=ns)
         if self.how == "relay":
-            relay = subprocess.Popen(["ip", "netns", "exec", m, sys.executable, str(_RELAY), "relay-a", "relay-b",
-                                      str(self.delay_ms / 2)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            relay = subprocess.Popen(
+                ["ip", "netns", "exec", m, sys.executable, str(_RELAY), "relay-a", "relay-b", str(self.delay_ms / 2)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
             self._procs.append(relay)
             if relay.stdout.readline().strip() != "relay up":
                 raise RuntimeError("the frame relay did not start")
@@ -147,7 +153,12 @@ class TwoNodes:
         try:
             _run("ip", "netns", "add", name)
             _run("ip", "link", "add", "d0", "type", "veth", "peer", "name", "d1", ns=name)
-            return _run("tc", "qdisc", "add", "dev", "d0", "root", "netem", "delay", "1ms", ns=name, check=False).returncode == 0
+            return (
+                _run(
+                    "tc", "qdisc", "add", "dev", "d0", "root", "netem", "delay", "1ms", ns=name, check=False
+                ).returncode
+                == 0
+            )
         except (subprocess.CalledProcessError, FileNotFoundError):
             return False
         finally:
@@ -159,13 +170,29 @@ class TwoNodes:
         env = self.env  # a cluster: not bound to loopback
         ray = str(Path(sys.executable).with_name("ray"))
         common = ["--disable-usage-stats", "--block", "--include-log-monitor=false", f"--temp-dir={self.temp_dir}"]
-        head = ["--head", f"--node-ip-address={self.ip['a']}", f"--port={RAY_PORT}", f"--num-cpus={self.cpus[0]}",
-                f"--resources={json.dumps({TARGET_RESOURCE: 1})}", "--include-dashboard=false"]
-        worker = [f"--address={self.address}", f"--node-ip-address={self.ip['b']}", f"--num-cpus={self.cpus[1]}",
-                  f"--resources={json.dumps({DRAFT_RESOURCE: 1})}"]
+        head = [
+            "--head",
+            f"--node-ip-address={self.ip['a']}",
+            f"--port={RAY_PORT}",
+            f"--num-cpus={self.cpus[0]}",
+            f"--resources={json.dumps({TARGET_RESOURCE: 1})}",
+            "--include-dashboard=false",
+        ]
+        worker = [
+            f"--address={self.address}",
+            f"--node-ip-address={self.ip['b']}",
+            f"--num-cpus={self.cpus[1]}",
+            f"--resources={json.dumps({DRAFT_RESOURCE: 1})}",
+        ]
         for side, args in (("a", head), ("b", worker)):
-            self._procs.append(subprocess.Popen(["ip", "netns", "exec", self.ns[side], ray, "start", *args, *common],
-                                                env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+            self._procs.append(
+                subprocess.Popen(
+                    ["ip", "netns", "exec", self.ns[side], ray, "start", *args, *common],
+                    env=env,
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.DEVNULL,
+                )
+            )
             if side == "a":
                 self._wait_for_port(self.ns["a"], RAY_PORT)
         deadline = time.monotonic() + 90
@@ -188,14 +215,24 @@ class TwoNodes:
 
     def run(self, argv: list[str], timeout: float, node: str = "a") -> subprocess.CompletedProcess:
         """Run a command in a node's namespace (a driver there reaches the cluster at self.address)."""
-        return subprocess.run(["ip", "netns", "exec", self.ns[node], *argv], capture_output=True, text=True,
-                              timeout=timeout, env={**self.env, "RAY_ADDRESS": self.address})
+        return subprocess.run(
+            ["ip", "netns", "exec", self.ns[node], *argv],
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            env={**self.env, "RAY_ADDRESS": self.address},
+        )
 
     def popen(self, argv: list[str], node: str = "a") -> subprocess.Popen:
         """Start a command in a node's namespace, its stdin and stdout piped."""
-        return subprocess.Popen(["ip", "netns", "exec", self.ns[node], *argv], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**self.env, "RAY_ADDRESS": self.address})
+        return subprocess.Popen(
+            ["ip", "netns", "exec", self.ns[node], *argv],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**self.env, "RAY_ADDRESS": self.address},
+        )
 
     def listeners(self) -> dict[str, list[tuple[str, str]]]:
         """Every TCP listener in each node's namespace: (local address, process)."""

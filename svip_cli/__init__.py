@@ -1,1 +1,4 @@
-"""`svip`: the command line, an application over every package (it imports them; none imports it)."""
+"""`svip`: the command line and its input parsing (prompts.py), an application over every package.
+Runs in the user's process.
+
+May import: anything; nothing imports it."""

@@ -14,11 +14,18 @@ import secrets
 import sys
 
 from svip_common.acceptance import WINDOW, AutoSettings
-from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.contracts import (
+    DRAFT_LENGTH_CAP,
+    POLICY_NAMES,
+    GenerationRequest,
+    Limits,
+    PolicyConfig,
+    SamplingParams,
+)
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
-from svip_common.step_cost import LOAD_AWARE_MODES
 from svip_common.randomness import sample_seed
+from svip_common.step_cost import LOAD_AWARE_MODES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -46,25 +53,58 @@ def build_parser() -> argparse.ArgumentParser:
     src.add_argument("--input", metavar="FILE.jsonl", help='batch: {"prompt": ...} or {"prompt_ids": [...]} per line')
     models = gen.add_argument_group("models")
     models.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
-    models.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone (default: the embedded pair)")
+    models.add_argument(
+        "--draft", help="draft model directory or hub id; 'none' = target alone (default: the embedded pair)"
+    )
     models.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64, auto")
     models.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    models.add_argument("--mode", choices=["inprocess", "distributed"], default="inprocess",
-                        help="inprocess (default), or distributed: draft and target as Ray actors over gRPC")
-    models.add_argument("--pipeline", choices=["sync", "async"], help="distributed: async (default) overlaps drafting with verification")
-    models.add_argument("--target-gpus", type=int, default=1,
-                        help="distributed with --device cuda: GPUs the target spans (1); the draft takes one")
-    models.add_argument("--ray-address", help="distributed: an existing Ray cluster (default: Ray on this machine, loopback only)")
-    models.add_argument("--placement", choices=["pack", "spread"],
-                        help="distributed: the draft and the target on one node (pack) or on two (spread)")
-    models.add_argument("--grpc-tls-dir", metavar="DIR",
-                        help="distributed: mutual TLS between the workers (DIR holds ca.crt, tls.crt, tls.key)")
-    models.add_argument("--insecure-workers", action="store_true", default=None,
-                        help="distributed: let the workers talk plaintext gRPC on a node address (refused "
-                             "without TLS otherwise; packed pairs use loopback and need neither)")
+    models.add_argument(
+        "--mode",
+        choices=["inprocess", "distributed"],
+        default="inprocess",
+        help="inprocess (default), or distributed: draft and target as Ray actors over gRPC",
+    )
+    models.add_argument(
+        "--pipeline", choices=["sync", "async"], help="distributed: async (default) overlaps drafting with verification"
+    )
+    models.add_argument(
+        "--target-gpus",
+        type=int,
+        default=1,
+        help="distributed with --device cuda: GPUs the target spans (1); the draft takes one",
+    )
+    models.add_argument(
+        "--ray-address", help="distributed: an existing Ray cluster (default: Ray on this machine, loopback only)"
+    )
+    models.add_argument(
+        "--placement",
+        choices=["pack", "spread"],
+        help="distributed: the draft and the target on one node (pack) or on two (spread)",
+    )
+    models.add_argument(
+        "--grpc-tls-dir",
+        metavar="DIR",
+        help="distributed: mutual TLS between the workers (DIR holds ca.crt, tls.crt, tls.key)",
+    )
+    models.add_argument(
+        "--insecure-workers",
+        action="store_true",
+        default=None,
+        help="distributed: let the workers talk plaintext gRPC on a node address (refused "
+        "without TLS otherwise; packed pairs use loopback and need neither)",
+    )
     pol = gen.add_argument_group("length policy")
-    pol.add_argument("--policy", default="auto", help=f"one of {', '.join(POLICY_NAMES)} (default auto: a stop learnt for the pair; svip: the paper's rule)")
-    pol.add_argument("--threshold", type=_threshold, default=0.3, help="svip: stop once sqrt(scale*H) > threshold (0.3), or 'auto' (learnt for the pair)")
+    pol.add_argument(
+        "--policy",
+        default="auto",
+        help=f"one of {', '.join(POLICY_NAMES)} (default auto: a stop learnt for the pair; svip: the paper's rule)",
+    )
+    pol.add_argument(
+        "--threshold",
+        type=_threshold,
+        default=0.3,
+        help="svip: stop once sqrt(scale*H) > threshold (0.3), or 'auto' (learnt for the pair)",
+    )
     pol.add_argument("--entropy-scale", type=float, default=0.15, help="svip: entropy scale (0.15)")
     pol.add_argument("--draft-length", type=int, default=5, help="constant: k; heuristic: starting k (5)")
     pol.add_argument("--max-draft-length", type=int, default=40, help="hard cap on any block (40)")
@@ -79,16 +119,31 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--n", type=int, default=1, help="independent samples of one prompt")
     gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
     run = gen.add_argument_group("batching")
-    run.add_argument("--batch-size", type=int, default=1,
-                     help="requests in flight at once (--input, --n): one forward serves them all; outputs in input order")
-    run.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_TOKENS,
-                     help=f"each model's KV pool, in tokens ({DEFAULT_KV_TOKENS}); a request larger than it is refused")
-    run.add_argument("--max-batched-tokens", type=int,
-                     help="at most this many tokens in one target forward; a long prompt is prefilled in chunks")
-    run.add_argument("--load-aware", choices=LOAD_AWARE_MODES, default="greedy",
-                     help="whose blocks hold no more tokens than pay at the target's measured load (none when "
-                          "verification is compute-bound): greedy requests (default; a seed still reproduces a "
-                          "sampled output), all (sampled too), or off (each policy as configured)")
+    run.add_argument(
+        "--batch-size",
+        type=int,
+        default=1,
+        help="requests in flight at once (--input, --n): one forward serves them all; outputs in input order",
+    )
+    run.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=DEFAULT_KV_TOKENS,
+        help=f"each model's KV pool, in tokens ({DEFAULT_KV_TOKENS}); a request larger than it is refused",
+    )
+    run.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        help="at most this many tokens in one target forward; a long prompt is prefilled in chunks",
+    )
+    run.add_argument(
+        "--load-aware",
+        choices=LOAD_AWARE_MODES,
+        default="greedy",
+        help="whose blocks hold no more tokens than pay at the target's measured load (none when "
+        "verification is compute-bound): greedy requests (default; a seed still reproduces a "
+        "sampled output), all (sampled too), or off (each policy as configured)",
+    )
     _add_serve_parser(sub)
     from svip_bench.command import add_arguments
 
@@ -97,18 +152,33 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _add_auto_arguments(group) -> None:
-    group.add_argument("--auto-cost", type=float, metavar="TAU",
-                       help="auto: a drafted token's cost in target-alone tokens, fixed (default: measured)")
-    group.add_argument("--auto-window", type=int, default=WINDOW,
-                       help=f"auto: verdicted tokens the pair's live estimate rests on ({WINDOW})")
-    group.add_argument("--no-auto-learn", dest="auto_learn", action="store_false",
-                       help="auto: keep the pair's prior (no live fit: reproducible lengths)")
+    group.add_argument(
+        "--auto-cost",
+        type=float,
+        metavar="TAU",
+        help="auto: a drafted token's cost in target-alone tokens, fixed (default: measured)",
+    )
+    group.add_argument(
+        "--auto-window",
+        type=int,
+        default=WINDOW,
+        help=f"auto: verdicted tokens the pair's live estimate rests on ({WINDOW})",
+    )
+    group.add_argument(
+        "--no-auto-learn",
+        dest="auto_learn",
+        action="store_false",
+        help="auto: keep the pair's prior (no live fit: reproducible lengths)",
+    )
 
 
 def _auto_settings(args) -> AutoSettings:
     """The auto flags (commands without them, as `svip bench`: the defaults)."""
-    return AutoSettings(learn=getattr(args, "auto_learn", True), cost=getattr(args, "auto_cost", None),
-                        window=getattr(args, "auto_window", WINDOW)).check()
+    return AutoSettings(
+        learn=getattr(args, "auto_learn", True),
+        cost=getattr(args, "auto_cost", None),
+        window=getattr(args, "auto_window", WINDOW),
+    ).check()
 
 
 def _add_serve_parser(sub) -> None:
@@ -118,8 +188,9 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics on 127.0.0.1 (default 8080)")
     srv.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
     srv.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone")
-    srv.add_argument("--model-name", help="the model id clients send (default: the target directory's name or "
-                                          "hub id, or svip-pair)")
+    srv.add_argument(
+        "--model-name", help="the model id clients send (default: the target directory's name or hub id, or svip-pair)"
+    )
     srv.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, auto")
     srv.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: each worker takes GPUs")
     srv.add_argument("--target-gpus", type=int, default=1, help="cuda: GPUs the target spans (1)")
@@ -127,38 +198,89 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--replicas", type=int, default=1, help="pipelines (draft + target pairs) to run (1)")
     srv.add_argument("--max-in-flight", type=int, default=16, help="sessions generating at once per pipeline (16)")
     srv.add_argument("--max-waiting", type=int, default=32, help="requests waiting per pipeline before 429 (32)")
-    srv.add_argument("--kv-cache-tokens", type=int, default=DEFAULT_KV_TOKENS,
-                     help=f"each worker's KV pool in tokens ({DEFAULT_KV_TOKENS}); admission counts prompt + max_tokens against it")
-    srv.add_argument("--max-batched-tokens", type=int, default=512,
-                     help="at most this many tokens in one target forward; longer prompts are prefilled in chunks (512)")
-    srv.add_argument("--load-aware", choices=LOAD_AWARE_MODES, default="greedy",
-                     help="whose blocks hold no more tokens than pay at the target's load: greedy (default), all, off")
+    srv.add_argument(
+        "--kv-cache-tokens",
+        type=int,
+        default=DEFAULT_KV_TOKENS,
+        help=f"each worker's KV pool in tokens ({DEFAULT_KV_TOKENS}); admission counts prompt + max_tokens against it",
+    )
+    srv.add_argument(
+        "--max-batched-tokens",
+        type=int,
+        default=512,
+        help="at most this many tokens in one target forward; longer prompts are prefilled in chunks (512)",
+    )
+    srv.add_argument(
+        "--load-aware",
+        choices=LOAD_AWARE_MODES,
+        default="greedy",
+        help="whose blocks hold no more tokens than pay at the target's load: greedy (default), all, off",
+    )
     srv.add_argument("--policy", default="auto", help=f"default length policy (auto): {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     _add_auto_arguments(srv)
-    srv.add_argument("--draft-length-cap", type=int, default=DRAFT_LENGTH_CAP,
-                     help=f"the longest block a request may ask for ({DRAFT_LENGTH_CAP})")
+    srv.add_argument(
+        "--draft-length-cap",
+        type=int,
+        default=DRAFT_LENGTH_CAP,
+        help=f"the longest block a request may ask for ({DRAFT_LENGTH_CAP})",
+    )
     srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (4 MiB)")
-    srv.add_argument("--worker-restarts", type=int, default=5,
-                     help="times Ray restarts a worker that dies; the sessions in flight go on (5)")
-    srv.add_argument("--draft-stall-s", type=float, default=3.0,
-                     help="the least a session waits on its draft before it goes on without it (3)")
-    srv.add_argument("--sampled-hold-s", type=float, default=30.0,
-                     help="how long a sampled session waits for a lost draft, so that its seed reproduces (30)")
-    srv.add_argument("--grpc-tls-dir", metavar="DIR", help="mutual TLS between each pipeline's workers (ca.crt, tls.crt, tls.key)")
-    srv.add_argument("--api-key", action="append", default=[], metavar="KEY",
-                     help="require 'Authorization: Bearer KEY' on /v1 (repeat for several keys; at least 32 "
-                          "characters; `name:KEY` names one; prefer $SVIP_API_KEY, comma-separated: ps shows flags)")
-    srv.add_argument("--max-wait-s", type=float, default=30.0,
-                     help="a request that waited this long for a place gets 429 (30)")
-    srv.add_argument("--max-requests-per-key", type=int, default=0,
-                     help="requests one API key may have running or waiting per pipeline (0: no limit)")
-    srv.add_argument("--default-max-tokens", type=int, default=2048,
-                     help="a chat request without max_tokens generates at most this many tokens (2048; the context caps it)")
-    srv.add_argument("--health-check-period-s", type=float, default=10.0,
-                     help="Serve checks each pipeline this often; three failures in a row replace it (10)")
-    srv.add_argument("--allow-ignore-eos", action="store_true",
-                     help="let requests set ignore_eos (generate to max_tokens past the end of the text)")
+    srv.add_argument(
+        "--worker-restarts",
+        type=int,
+        default=5,
+        help="times Ray restarts a worker that dies; the sessions in flight go on (5)",
+    )
+    srv.add_argument(
+        "--draft-stall-s",
+        type=float,
+        default=3.0,
+        help="the least a session waits on its draft before it goes on without it (3)",
+    )
+    srv.add_argument(
+        "--sampled-hold-s",
+        type=float,
+        default=30.0,
+        help="how long a sampled session waits for a lost draft, so that its seed reproduces (30)",
+    )
+    srv.add_argument(
+        "--grpc-tls-dir", metavar="DIR", help="mutual TLS between each pipeline's workers (ca.crt, tls.crt, tls.key)"
+    )
+    srv.add_argument(
+        "--api-key",
+        action="append",
+        default=[],
+        metavar="KEY",
+        help="require 'Authorization: Bearer KEY' on /v1 (repeat for several keys; at least 32 "
+        "characters; `name:KEY` names one; prefer $SVIP_API_KEY, comma-separated: ps shows flags)",
+    )
+    srv.add_argument(
+        "--max-wait-s", type=float, default=30.0, help="a request that waited this long for a place gets 429 (30)"
+    )
+    srv.add_argument(
+        "--max-requests-per-key",
+        type=int,
+        default=0,
+        help="requests one API key may have running or waiting per pipeline (0: no limit)",
+    )
+    srv.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=2048,
+        help="a chat request without max_tokens generates at most this many tokens (2048; the context caps it)",
+    )
+    srv.add_argument(
+        "--health-check-period-s",
+        type=float,
+        default=10.0,
+        help="Serve checks each pipeline this often; three failures in a row replace it (10)",
+    )
+    srv.add_argument(
+        "--allow-ignore-eos",
+        action="store_true",
+        help="let requests set ignore_eos (generate to max_tokens past the end of the text)",
+    )
 
 
 def _serve(args: argparse.Namespace) -> int:
@@ -169,21 +291,40 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if not 0 < port < 65536:
             raise InvalidRequest(f"{flag} must be in 1..65535, got {port}")
-    settings = ServeSettings.from_args({
-        "target": args.target, "draft": args.draft, "model_name": args.model_name, "dtype": args.dtype,
-        "device": args.device, "target_gpus": args.target_gpus, "pipeline": args.pipeline,
-        "num_replicas": args.replicas, "max_in_flight": args.max_in_flight, "max_waiting": args.max_waiting,
-        "policy": args.policy, "threshold": args.threshold, "draft_length_cap": args.draft_length_cap,
-        "auto_learn": args.auto_learn, "auto_cost": args.auto_cost, "auto_window": args.auto_window,
-        "max_request_bytes": args.max_request_bytes, "grpc_tls_dir": args.grpc_tls_dir,
-        "kv_cache_tokens": args.kv_cache_tokens, "max_batched_tokens": args.max_batched_tokens,
-        "load_aware": args.load_aware, "worker_restarts": args.worker_restarts,
-        "draft_stall_s": args.draft_stall_s, "sampled_hold_s": args.sampled_hold_s,
-        "max_wait_s": args.max_wait_s, "max_requests_per_key": args.max_requests_per_key,
-        "default_max_tokens": args.default_max_tokens, "allow_ignore_eos": args.allow_ignore_eos,
-        "health_check_period_s": args.health_check_period_s,
-        "api_key_sha256": tuple(sorted({named_digest(k) for k in args.api_key + keys_from_env()})),
-    })
+    settings = ServeSettings.from_args(
+        {
+            "target": args.target,
+            "draft": args.draft,
+            "model_name": args.model_name,
+            "dtype": args.dtype,
+            "device": args.device,
+            "target_gpus": args.target_gpus,
+            "pipeline": args.pipeline,
+            "num_replicas": args.replicas,
+            "max_in_flight": args.max_in_flight,
+            "max_waiting": args.max_waiting,
+            "policy": args.policy,
+            "threshold": args.threshold,
+            "draft_length_cap": args.draft_length_cap,
+            "auto_learn": args.auto_learn,
+            "auto_cost": args.auto_cost,
+            "auto_window": args.auto_window,
+            "max_request_bytes": args.max_request_bytes,
+            "grpc_tls_dir": args.grpc_tls_dir,
+            "kv_cache_tokens": args.kv_cache_tokens,
+            "max_batched_tokens": args.max_batched_tokens,
+            "load_aware": args.load_aware,
+            "worker_restarts": args.worker_restarts,
+            "draft_stall_s": args.draft_stall_s,
+            "sampled_hold_s": args.sampled_hold_s,
+            "max_wait_s": args.max_wait_s,
+            "max_requests_per_key": args.max_requests_per_key,
+            "default_max_tokens": args.default_max_tokens,
+            "allow_ignore_eos": args.allow_ignore_eos,
+            "health_check_period_s": args.health_check_period_s,
+            "api_key_sha256": tuple(sorted({named_digest(k) for k in args.api_key + keys_from_env()})),
+        }
+    )
     return serve_forever(settings, args.host, args.port, args.metrics_port)
 
 
@@ -236,7 +377,7 @@ def _results_stream():
 def _generate_all(args, engine, prompts, base_request, out) -> None:
     """Every prompt's --n outputs, in input order: one at a time, or --batch-size at once (one
     forward serves them all; each output is written when all are done)."""
-    from coordinator.prompts import encode
+    from svip_common.models import encode
 
     requests = []
     for prompt in prompts:
@@ -263,7 +404,7 @@ def _write_result(args, engine, request, result, out) -> None:
 
 
 def _prompt_sources(args: argparse.Namespace) -> list[str | list[int]]:
-    from coordinator.prompts import parse_id_list, read_input_file, read_prompt_file, text_prompt
+    from svip_cli.prompts import parse_id_list, read_input_file, read_prompt_file, text_prompt
 
     given = [name for name in ("prompt", "prompt_file", "prompt_ids", "input") if getattr(args, name) is not None]
     if len(given) != 1:
@@ -314,7 +455,9 @@ def _load_engine(args: argparse.Namespace):
         target_path, embedded_draft = default_pair()
         draft_path = embedded_draft if draft_path is None else draft_path
     elif draft_path is None:
-        raise InvalidRequest("--draft is required with --target: a draft model directory, or 'none' for the target alone")
+        raise InvalidRequest(
+            "--draft is required with --target: a draft model directory, or 'none' for the target alone"
+        )
     import transformers
 
     transformers.utils.logging.disable_progress_bar()
@@ -325,21 +468,37 @@ def _load_engine(args: argparse.Namespace):
     draft_path = None if draft_path == "none" else draft_path
     if getattr(args, "mode", "inprocess") == "distributed":
         from coordinator.local import LocalDistributed
-
-        from svip_common.tls import TlsFiles
+        from svip_runtime.tls import TlsFiles
 
         if args.target_gpus < 1:
             raise InvalidRequest(f"--target-gpus must be >= 1, got {args.target_gpus}")
         tls = TlsFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
-        return LocalDistributed(target_path, draft_path, args.pipeline or "async", args.dtype, args.device,
-                                args.target_gpus, args.ray_address, args.placement, tls, args.kv_cache_tokens,
-                                args.max_batched_tokens, getattr(args, "load_aware", "off"),
-                                insecure_workers=bool(getattr(args, "insecure_workers", False)), auto=_auto_settings(args))
+        return LocalDistributed(
+            target_path,
+            draft_path,
+            args.pipeline or "async",
+            args.dtype,
+            args.device,
+            args.target_gpus,
+            args.ray_address,
+            args.placement,
+            tls,
+            args.kv_cache_tokens,
+            args.max_batched_tokens,
+            getattr(args, "load_aware", "off"),
+            insecure_workers=bool(getattr(args, "insecure_workers", False)),
+            auto=_auto_settings(args),
+        )
     target = load_model(target_path, args.dtype, args.device)
     draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
-    return SpeculativeEngine(target, draft, getattr(args, "kv_cache_tokens", DEFAULT_KV_TOKENS),
-                             getattr(args, "max_batched_tokens", None), getattr(args, "load_aware", "off"),
-                             _auto_settings(args))
+    return SpeculativeEngine(
+        target,
+        draft,
+        getattr(args, "kv_cache_tokens", DEFAULT_KV_TOKENS),
+        getattr(args, "max_batched_tokens", None),
+        getattr(args, "load_aware", "off"),
+        _auto_settings(args),
+    )
 
 
 def _result_json(args, engine, request, result, text: str) -> dict:

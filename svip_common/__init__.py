@@ -1,2 +1,6 @@
-"""Code both workers and the coordinator import: contracts, sampling, randomness, the cache
-adapter and model loading. Nothing here knows about Ray or gRPC."""
+"""The pure core: the contracts (request, block, verdict, stats), sampling and rejection rules,
+randomness, the paged KV pool and its attention hook, model loading, the load-aware cost model and
+the `auto` acceptance model. Runs in every process that touches a model.
+
+May import: torch, transformers, the standard library, and itself. Never gRPC, Ray, svip_proto or
+any package above it (tests/unit/test_layout.py holds the rule)."""

@@ -218,7 +218,8 @@ class GenerationStats:
     draft_forward_s: list[float] = field(default_factory=list)  # per round: the draft's compute on the critical path
     target_forward_s: list[float] = field(default_factory=list)  # per round
     # distributed mode only; per round (a round's transit and queueing on the wire and threads):
-    block_transit_s: list[float] = field(default_factory=list)  # draft done -> block at the target (serialize, wire, parse)
+    # draft done -> block at the target (serialize, wire, parse)
+    block_transit_s: list[float] = field(default_factory=list)
     target_queue_s: list[float] = field(default_factory=list)  # block at the target -> verification starts
     feedback_transit_s: list[float] = field(default_factory=list)  # feedback sent -> at the draft
     draft_queue_s: list[float] = field(default_factory=list)  # feedback at the draft -> drafting starts
@@ -231,7 +232,8 @@ class GenerationStats:
     prepared_used: int = 0  # of them, verified with no round trip
     prepared_used_late: int = 0  # prepared continuations the draft sent again as the next block
     pauses: int = 0  # load-aware: times drafting paused because it no longer paid at the target's load
-    # recovery (distributed): the session outlived a worker (coordinator/pipeline.py, coordinator/distributed.py)
+    # recovery (distributed): the session outlived a worker (coordinator/session/pipeline.py,
+    # coordinator/distributed.py)
     detached: int = 0  # times it went on without its draft (the draft lost, or stalled past its deadline)
     reattached: int = 0  # times a draft took it up again from its committed tokens
     target_restarts: int = 0  # times it was started again on a replaced target worker
@@ -276,3 +278,13 @@ class GenerationResult:
     token_ids: list[int]  # generated tokens only
     finish_reason: str  # "stop" (EOS / stop id) or "length"
     stats: GenerationStats
+
+
+def clip_settled(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:
+    """Cut the settled tokens at the first stop id (kept) or at the token budget."""
+    for i, token in enumerate(settled[:budget]):
+        if token in stop_ids:
+            return settled[: i + 1], "stop"
+    if len(settled) >= budget:
+        return settled[:budget], "length"
+    return settled, None

@@ -29,7 +29,7 @@ _DEVICE_FAILURES = ("CUDA error", "AcceleratorError", "device-side assert", "CUB
 def exit_on_device_failure(exc: BaseException) -> None:
     """A CUDA error is sticky (a device-side assert fails every later kernel of the process): the
     worker exits at once, so Ray restarts it on a fresh context and its sessions recover
-    (coordinator/draft_port.py, coordinator/distributed.py). Any other error is left to the caller."""
+    (coordinator/session/draft_port.py, coordinator/distributed.py). Any other error is left to the caller."""
     text = f"{type(exc).__name__}: {exc}"
     if any(mark in text for mark in _DEVICE_FAILURES):
         import logging
@@ -37,3 +37,7 @@ def exit_on_device_failure(exc: BaseException) -> None:
 
         logging.getLogger(__name__).critical("device failure, exiting so the worker is replaced: %s", text)
         os._exit(70)
+
+
+class WorkerError(SvipError):
+    """A worker failed while serving the session."""

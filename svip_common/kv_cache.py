@@ -91,7 +91,9 @@ class KVPool:
 
     def _take(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise PoolFull(f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {n} more are needed")
+            raise PoolFull(
+                f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {n} more are needed"
+            )
         taken = self._free[-n:] if n else []
         del self._free[len(self._free) - n :]
         return taken
@@ -108,7 +110,9 @@ class KVPool:
         forward_delay()
         need = sum(max(0, s.pages_needed(len(ids))) for s, ids, _ in steps)
         if need > len(self._free):
-            raise PoolFull(f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {need} are needed")
+            raise PoolFull(
+                f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {need} are needed"
+            )
         items, ids, positions, keep = [], [], [], []
         for seq, new, k in steps:
             if not new or not 0 <= k <= len(new):
@@ -125,8 +129,12 @@ class KVPool:
         meta = _Ragged(self, items, write)
         with _ragged_attention(self.model):
             out = self.model(
-                input_ids=torch.tensor([ids], device=device), position_ids=torch.tensor([positions], device=device),
-                cache=_PoolWriter(meta), use_cache=True, logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device), svip_ragged=meta,
+                input_ids=torch.tensor([ids], device=device),
+                position_ids=torch.tensor([positions], device=device),
+                cache=_PoolWriter(meta),
+                use_cache=True,
+                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                svip_ragged=meta,
             )
         for seq, new, _ in steps:
             seq.tokens.extend(new)

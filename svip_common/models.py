@@ -9,7 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, Limits
-from svip_common.errors import ModelLoadError
+from svip_common.errors import InvalidRequest, ModelLoadError
 
 DTYPES = {
     "auto": "auto",
@@ -142,3 +142,13 @@ def check_same_vocabulary(target: LoadedModel | ModelInfo, draft: LoadedModel | 
         f"{target.path!r} ({len(t_vocab)} tokens); first difference: token {example[0]!r} "
         f"at id {example[1]}"
     )
+
+
+def encode(tokenizer, prompt: str | list[int]) -> tuple[int, ...]:
+    """Token ids of a prompt (ids pass through; the engine checks their range)."""
+    if isinstance(prompt, list):
+        return tuple(prompt)
+    ids = tokenizer(prompt)["input_ids"]
+    if not ids:
+        raise InvalidRequest("prompt encodes to no tokens")
+    return tuple(ids)

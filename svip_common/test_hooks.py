@@ -5,11 +5,11 @@ dictionary lookup when off.
 
 - ``SVIP_TEST_GATE_DIR=DIR``: a target worker verifies a batch only while the file ``DIR/target``
   is absent, or holds a number larger than the batches verified since it was last written ("0":
-  none pass; "1": one more, e.g. a prompt's prefill; writing it again grants a fresh count). The worker stays responsive meanwhile (Stats,
-  cancels, new sessions): a held step is skipped, never slept in. Write the file with
-  ``hold(dir, name, steps)`` (atomic), delete it with ``release(dir, name)``; once the worker has
-  used up the steps and holds one back it writes the grant it used up to ``DIR/name.holding``,
-  which ``holding`` compares with the current grant.
+  none pass; "1": one more, e.g. a prompt's prefill; writing it again grants a fresh count). The
+  worker stays responsive meanwhile (Stats, cancels, new sessions): a held step is skipped, never
+  slept in. Write the file with ``hold(dir, name, steps)`` (atomic), delete it with
+  ``release(dir, name)``; once the worker has used up the steps and holds one back it writes the
+  grant it used up to ``DIR/name.holding``, which ``holding`` compares with the current grant.
 - ``SVIP_TEST_FORWARD_DELAY_S=S``: every KV-pool forward sleeps S seconds first (a slow machine).
 """
 

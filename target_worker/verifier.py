@@ -20,9 +20,9 @@ from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
 from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool, PagedSequence
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
+from svip_common.rejection import accept_greedy, accept_sampled, recover
 from svip_common.sampling import mask_padding, sample_index, warp_probs
 from svip_common.step_cost import StepCost, TargetLoad, target_load
-from target_worker.rejection import accept_greedy, accept_sampled, recover
 
 
 class Verifier:
@@ -81,7 +81,9 @@ class Verifier:
         elapsed = time.perf_counter() - started
         if steps:
             self.cost.observe(self.last_step_tokens, elapsed)
-            self.sessions_per_step = len(jobs) if not self.sessions_per_step else 0.9 * self.sessions_per_step + 0.1 * len(jobs)
+            self.sessions_per_step = (
+                len(jobs) if not self.sessions_per_step else 0.9 * self.sessions_per_step + 0.1 * len(jobs)
+            )
         settled = dict(zip(owners, rows))
         for i, plan in plans.items():  # a plan with no step: the stored row settles it
             session, committed, block = jobs[i]
@@ -148,8 +150,11 @@ class TargetSession:
     def _holds(self, committed: Sequence[int]) -> bool:
         """The pool holds exactly ``committed`` and the row for the next place is stored (the
         block continues a fully accepted one)."""
-        return self._pending is not None and self._pending_at == len(committed) == len(self._seq) and \
-            self._seq.tokens_equal(committed)
+        return (
+            self._pending is not None
+            and self._pending_at == len(committed) == len(self._seq)
+            and self._seq.tokens_equal(committed)
+        )
 
     def _plan(self, committed: Sequence[int], block: Block) -> _Plan:
         """Target logits are needed for positions len(committed) .. len(committed) + len(block):
@@ -167,8 +172,9 @@ class TargetSession:
             return _Plan((self._seq, list(drafted), len(drafted)), True)
         return _Plan((self._seq, [*committed[kept:], *drafted], len(drafted) + 1), False)
 
-    def _settle(self, committed: Sequence[int], block: Block, plan: _Plan, rows: torch.Tensor | None,
-                elapsed: float) -> Verdict:
+    def _settle(
+        self, committed: Sequence[int], block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float
+    ) -> Verdict:
         if plan.step is None:
             logits = self._pending
         else:

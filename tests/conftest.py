@@ -95,7 +95,9 @@ def wide_pair(tmp_path_factory) -> WidePair:
     with torch.no_grad():  # the close draft's weights, cut to its narrower embedding
         state = {k: (v[: n + 8] if v.shape[0] == n + 64 else v) for k, v in draft.state_dict().items()}
         draft_small.load_state_dict(state)
-    return WidePair(save_model(root / "target", tok, target), save_model(root / "draft", tok, draft_small), n, n + 8, n + 64)
+    return WidePair(
+        save_model(root / "target", tok, target), save_model(root / "draft", tok, draft_small), n, n + 8, n + 64
+    )
 
 
 @pytest.fixture(scope="session")

@@ -9,13 +9,13 @@ import contextlib
 import dataclasses
 import time
 
-from coordinator.host import SessionHost
+from coordinator.session.host import SessionHost
 from draft_worker.drafter import Drafter
 from draft_worker.service import DraftService
 from svip_common.contracts import Limits
-from svip_common.grpc_server import start_server
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.grpc_server import start_server
 from target_worker.verifier import Verifier
 
 
@@ -29,14 +29,25 @@ class InProcessWorkers:
 
 
 @contextlib.contextmanager
-def in_process_workers(loop, models, draft_kv_tokens: int = DEFAULT_KV_TOKENS, target_kv_tokens: int = DEFAULT_KV_TOKENS,
-                       positions: int = 512, **host_options):
+def in_process_workers(
+    loop,
+    models,
+    draft_kv_tokens: int = DEFAULT_KV_TOKENS,
+    target_kv_tokens: int = DEFAULT_KV_TOKENS,
+    positions: int = 512,
+    **host_options,
+):
     """The tiny target behind a session host, the close draft behind a draft service (KV pools of
     target_kv_tokens and draft_kv_tokens); host_options go to SessionHost. On exit the host closes first, so its link
     goes and the draft frees that stream's sessions, then both servers stop."""
     limits = Limits(tokens=models["target"].token_limit, positions=positions)
-    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=draft_kv_tokens,
-                      max_batched_tokens=host_options.get("max_batched_tokens"))
+    drafter = Drafter(
+        models["close_draft"],
+        models["target"].vocab_size,
+        limits.tokens,
+        kv_cache_tokens=draft_kv_tokens,
+        max_batched_tokens=host_options.get("max_batched_tokens"),
+    )
     draft = DraftService(drafter, limits)
     servers = []
 
@@ -46,7 +57,9 @@ def in_process_workers(loop, models, draft_kv_tokens: int = DEFAULT_KV_TOKENS, t
         return f"127.0.0.1:{port}"
 
     draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
-    host = SessionHost(Verifier(models["target"], limits.tokens, target_kv_tokens), limits, draft_address, **host_options)
+    host = SessionHost(
+        Verifier(models["target"], limits.tokens, target_kv_tokens), limits, draft_address, **host_options
+    )
     loop.run_until_complete(host.start())
     target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
     try:

@@ -1,0 +1,5 @@
+"""Training the embedded pair (train_pair.py, distill.py, accelerated.py on a GPU) and writing its
+model card. Run by hand as scripts (`python -m training.accelerated ...`), never by the serving
+system.
+
+May import: svip_common, coordinator (the engine, to measure the pair), svip_assets."""

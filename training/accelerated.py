@@ -184,16 +184,23 @@ class Fit:
                 value = validate()
                 if value < best[0]:
                     best = (value, step, copy.deepcopy(self.model.state_dict()))
-                self.log(f"step {step}/{steps} loss {loss.item():.3f} validation {value:.4f} {time.time() - start:.0f}s")
+                elapsed = time.time() - start
+                self.log(f"step {step}/{steps} loss {loss.item():.3f} validation {value:.4f} {elapsed:.0f}s")
             elif step % 200 == 0 or step == steps:
                 self.log(f"step {step}/{steps} loss {loss.item():.3f} {time.time() - start:.0f}s")
             if self.checkpoint is not None and (time.time() - saved_at >= self.every_s or step == steps):
-                self.save({"step": step, "steps": steps, "spent": time.time() - start, "planned": not replan, "best": best})
+                self.save(
+                    {"step": step, "steps": steps, "spent": time.time() - start, "planned": not replan, "best": best}
+                )
                 saved_at = time.time()
         if best[2] is not None:
             self.model.load_state_dict(best[2])
-        return {"steps": steps, "train_s": round(time.time() - start, 1), "best_step": best[1],
-                "best_validation": None if best[2] is None else round(best[0], 4)}
+        return {
+            "steps": steps,
+            "train_s": round(time.time() - start, 1),
+            "best_step": best[1],
+            "best_validation": None if best[2] is None else round(best[0], 4),
+        }
 
 
 def train_target(train_ids, val_ids, vocab: int, eos: int, args, device, log) -> tuple[LlamaForCausalLM, dict]:
@@ -202,8 +209,17 @@ def train_target(train_ids, val_ids, vocab: int, eos: int, args, device, log) ->
     rng = np.random.default_rng(args.seed)
     per_step = args.batch * args.seq_len
     max_steps = max(1, int(args.max_epochs * len(train_ids) / per_step))
-    fit = Fit(model, device, args.lr, args.target_s, max_steps, log, rng, checkpoints(args) / "target.pt",
-              args.checkpoint_every_s)
+    fit = Fit(
+        model,
+        device,
+        args.lr,
+        args.target_s,
+        max_steps,
+        log,
+        rng,
+        checkpoints(args) / "target.pt",
+        args.checkpoint_every_s,
+    )
 
     def loss_of(step):
         chunk = corpus_windows(train_ids, args.batch, args.seq_len, rng).to(device)
@@ -215,8 +231,12 @@ def train_target(train_ids, val_ids, vocab: int, eos: int, args, device, log) ->
             return evaluate(model, val_ids, seq_len=256, max_windows=64)
 
     info = fit.run(loss_of, validate=validate)
-    info.update(tokens_seen=info["steps"] * per_step, epochs=round(info["steps"] * per_step / len(train_ids), 2),
-                params=sum(p.numel() for p in model.parameters()), config=SIZES[args.size])
+    info.update(
+        tokens_seen=info["steps"] * per_step,
+        epochs=round(info["steps"] * per_step / len(train_ids), 2),
+        params=sum(p.numel() for p in model.parameters()),
+        config=SIZES[args.size],
+    )
     return model.eval(), info
 
 
@@ -224,8 +244,17 @@ def checkpoints(args) -> Path:
     return Path(args.checkpoint_dir) if args.checkpoint_dir else Path(args.out) / "checkpoints"
 
 
-def distill_draft(teacher, name: str, layers: tuple[int, ...], train_ids, pool: np.ndarray, args, device, log,
-                  start: Path | None = None) -> tuple[LlamaForCausalLM, dict]:
+def distill_draft(
+    teacher,
+    name: str,
+    layers: tuple[int, ...],
+    train_ids,
+    pool: np.ndarray,
+    args,
+    device,
+    log,
+    start: Path | None = None,
+) -> tuple[LlamaForCausalLM, dict]:
     """A draft of the teacher's chosen layers, or (start) a finished draft taken further: a second leg."""
     torch.manual_seed(args.seed)
     if start is None:
@@ -236,8 +265,17 @@ def distill_draft(teacher, name: str, layers: tuple[int, ...], train_ids, pool: 
         layers = tuple(earlier["teacher_layers"])
     rng = np.random.default_rng(args.seed)
     half = args.batch // 2
-    fit = Fit(draft, device, args.draft_lr, args.draft_s, 10**9, log, rng, checkpoints(args) / f"{name}.pt",
-              args.checkpoint_every_s)
+    fit = Fit(
+        draft,
+        device,
+        args.draft_lr,
+        args.draft_s,
+        10**9,
+        log,
+        rng,
+        checkpoints(args) / f"{name}.pt",
+        args.checkpoint_every_s,
+    )
 
     def loss_of(step):
         generated = torch.from_numpy(pool[rng.integers(0, len(pool), size=args.batch - half)]).to(device)
@@ -247,10 +285,15 @@ def distill_draft(teacher, name: str, layers: tuple[int, ...], train_ids, pool: 
         return kl_to_teacher(draft(input_ids=chunk).logits.float(), teacher_logits, 1.0)
 
     info = fit.run(loss_of)
-    info.update(tokens_seen=info["steps"] * args.batch * args.seq_len, train_s_last_leg=info.pop("train_s"),
-                params=sum(p.numel() for p in draft.parameters()), teacher_layers=list(layers), distilled_from="target",
-                objective="forward KL to the target at T=1.0, half corpus windows, half target generations",
-                generations=len(pool))
+    info.update(
+        tokens_seen=info["steps"] * args.batch * args.seq_len,
+        train_s_last_leg=info.pop("train_s"),
+        params=sum(p.numel() for p in draft.parameters()),
+        teacher_layers=list(layers),
+        distilled_from="target",
+        objective="forward KL to the target at T=1.0, half corpus windows, half target generations",
+        generations=len(pool),
+    )
     if start is not None:
         keep = ("steps", "tokens_seen", "train_s_last_leg", "validation_loss", "device")
         info["earlier_legs"] = [*earlier.get("earlier_legs", []), {k: earlier[k] for k in keep if k in earlier}]
@@ -281,7 +324,13 @@ def train(args) -> None:
     sources = json.loads((Path(args.data) / "sources.json").read_text())
     shipped = json.loads((tokenizer_dir / "config.json").read_text())  # the vocabulary the shipped pair uses
     vocab, eos = shipped["vocab_size"], shipped["eos_token_id"]
-    trained_on = {"device": device_name(device), "torch": torch.__version__, "batch": args.batch, "seq_len": args.seq_len, "corpus": sources}
+    trained_on = {
+        "device": device_name(device),
+        "torch": torch.__version__,
+        "batch": args.batch,
+        "seq_len": args.seq_len,
+        "corpus": sources,
+    }
     log(f"{device_name(device)}: {len(train_ids)} train tokens, {len(val_ids)} validation tokens, vocab {vocab}")
     shutil.copy(Path(args.split), out / "split.json")
     if args.teacher or (out / "target" / "training.json").exists():  # distill only, from a target trained before
@@ -293,14 +342,19 @@ def train(args) -> None:
     else:
         target, info = train_target(train_ids, val_ids, vocab, eos, args, device, log)
         info.update(trained_on)
-        log(f"target: {info['params'] / 1e6:.2f}M params, best validation {info['best_validation']} at step {info['best_step']}")
+        log(
+            f"target: {info['params'] / 1e6:.2f}M params, best validation {info['best_validation']} "
+            f"at step {info['best_step']}"
+        )
         save(target, info, tokenizer_dir, out / "target")
     pool_file = checkpoints(args) / "generations.npy"
     if pool_file.exists():
         pool = np.load(pool_file)
     else:
         t0 = time.time()
-        pool = target_generations(target, train_ids, args.generations, 32, args.seq_len, args.seed, device=device, batch=args.generation_batch)
+        pool = target_generations(
+            target, train_ids, args.generations, 32, args.seq_len, args.seed, device=device, batch=args.generation_batch
+        )
         log(f"{len(pool)} target generations in {time.time() - t0:.0f}s")
         pool_file.parent.mkdir(parents=True, exist_ok=True)
         np.save(pool_file, pool)
@@ -311,11 +365,16 @@ def train(args) -> None:
             log(f"{name} already distilled")
             continue
         start = Path(args.init) / name if args.init else None
-        draft, dinfo = distill_draft(target, name, tuple(int(x) for x in layers.split(",")), train_ids, pool, args, device, log, start)
+        draft, dinfo = distill_draft(
+            target, name, tuple(int(x) for x in layers.split(",")), train_ids, pool, args, device, log, start
+        )
         with bf16_on_cuda(device):
             dinfo["validation_loss"] = round(evaluate(draft, val_ids, seq_len=256, max_windows=64), 4)
         dinfo.update(trained_on)
-        log(f"{name}: {dinfo['params'] / 1e6:.2f}M params, {dinfo['steps']} steps, validation {dinfo['validation_loss']}")
+        log(
+            f"{name}: {dinfo['params'] / 1e6:.2f}M params, {dinfo['steps']} steps, "
+            f"validation {dinfo['validation_loss']}"
+        )
         save(draft, dinfo, tokenizer_dir, out / name)
 
 
@@ -331,7 +390,9 @@ def main() -> None:
     run.add_argument("--out", default="build/gpu_pair")
     run.add_argument("--tokenizer", default="svip_assets/pair/target")
     run.add_argument("--split", default="svip_assets/pair/split.json")
-    run.add_argument("--teacher", help="a trained target directory: skip training the target, distill the drafts from it")
+    run.add_argument(
+        "--teacher", help="a trained target directory: skip training the target, distill the drafts from it"
+    )
     run.add_argument("--init", help="a pair directory: each draft continues from its namesake there (a second leg)")
     run.add_argument("--size", default="target-deep", choices=sorted(SIZES))
     run.add_argument("--target-s", type=float, default=240.0)

@@ -129,7 +129,11 @@ def distill(teacher, draft, train_ids, pool: np.ndarray, args, out: Path, log) -
             save_checkpoint(ckpt, draft, opt, step + 1, rng)
         if step % 50 == 0 or step + 1 == args.steps:
             log(f"step {step}/{args.steps} kl {loss.item():.3f} {time.time() - start:.0f}s")
-    return {"steps": args.steps, "tokens_seen": args.steps * args.batch * args.seq_len, "train_s_last_leg": round(time.time() - start, 1)}
+    return {
+        "steps": args.steps,
+        "tokens_seen": args.steps * args.batch * args.seq_len,
+        "train_s_last_leg": round(time.time() - start, 1),
+    }
 
 
 def main() -> None:
@@ -175,11 +179,20 @@ def main() -> None:
     params = sum(p.numel() for p in draft.parameters())
     log(f"draft: {params / 1e6:.2f}M params from {args.init or f'teacher layers {layers}'}, {args.steps} steps")
     info = distill(teacher, draft, train_ids, pool, args, out, log)
-    info.update(params=params, validation_loss=round(evaluate(draft, val_ids, args.seq_len), 4), config=shape_of(draft),
-                distilled_from="target", teacher_layers=list(layers), objective=f"forward KL to the target at T={args.temperature}, half corpus windows, half target generations",
-                generations=len(pool))
+    info.update(
+        params=params,
+        validation_loss=round(evaluate(draft, val_ids, args.seq_len), 4),
+        config=shape_of(draft),
+        distilled_from="target",
+        teacher_layers=list(layers),
+        objective=f"forward KL to the target at T={args.temperature}, half corpus windows, half target generations",
+        generations=len(pool),
+    )
     if args.init:  # the legs before this one
-        info["earlier_legs"] = [*earlier.get("earlier_legs", []), {k: earlier[k] for k in ("steps", "tokens_seen", "train_s_last_leg", "validation_loss")}]
+        info["earlier_legs"] = [
+            *earlier.get("earlier_legs", []),
+            {k: earlier[k] for k in ("steps", "tokens_seen", "train_s_last_leg", "validation_loss")},
+        ]
     log(f"draft: validation loss {info['validation_loss']}")
     draft.to(torch.bfloat16).save_pretrained(out)
     tokenizer.save_pretrained(out)

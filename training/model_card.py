@@ -150,11 +150,15 @@ def main() -> None:
     where = f"on one {t['device']} (torch {t['torch']})" if on_gpu else "on CPU (one thread per run)"
     batch = f"{t.get('batch', 16)} x {t.get('seq_len', 256)}"
     if on_gpu:
-        how = (f"The target was trained from scratch by `training/accelerated.py` {where}, in one time-boxed run, on "
-               "the Python standard library's training split plus the Python sources of permissively licensed "
-               "packages; the draft was **distilled from the target** by the same script (`--teacher`, `--init` for a "
-               "further leg).")
-        sources = "\n".join(f"| {c['source']} | {c['license']} | {c['files']} | {c['tokens'] / 1e6:.2f}M |" for c in t["corpus"])
+        how = (
+            f"The target was trained from scratch by `training/accelerated.py` {where}, in one time-boxed run, on "
+            "the Python standard library's training split plus the Python sources of permissively licensed "
+            "packages; the draft was **distilled from the target** by the same script (`--teacher`, `--init` for a "
+            "further leg)."
+        )
+        sources = "\n".join(
+            f"| {c['source']} | {c['license']} | {c['files']} | {c['tokens'] / 1e6:.2f}M |" for c in t["corpus"]
+        )
         corpus = f"""The training split of the stdlib `.py` files (tests excluded; split by a hash of each file's path:
 90% train, 5% validation, 5% test, `split.json`; `svip bench` cuts its `code` category from the test
 files, and the validation losses below are on the validation files) plus pydoc's topics, and the
@@ -168,22 +172,25 @@ license its package metadata declares:
 {sources}
 """
     else:
-        how = ("The target was trained from scratch by `training/train_pair.py` on the Python standard library's own "
-               "source (plus pydoc's topic texts); the draft was **distilled from the target** by `training/distill.py`.")
+        how = (
+            "The target was trained from scratch by `training/train_pair.py` on the Python standard library's own "
+            "source (plus pydoc's topic texts); the draft was **distilled from the target** by `training/distill.py`."
+        )
         corpus = f"""The stdlib `.py` files of CPython {platform.python_version()} (tests excluded), split by a hash of
 each file's path: 90% train, 5% validation, 5% test (`split.json`; `svip bench` cuts its `code`
 category from the test files). pydoc's topics join the training split. The corpus is CPython's,
 under the Python Software Foundation License Version 2 (PSF-2.0); the weights are derived from it.
 """
-    card = f"""# The embedded pair
+    card = (
+        f"""# The embedded pair
 
 A draft/target pair of Llama-architecture causal LMs, so that `svip generate` runs on any machine
 with no download. {how} Both share one byte-level BPE tokenizer ({len(target.tokenizer)} tokens)
 trained on the stdlib training split. Weights are stored in bfloat16 and loaded as float32 by
-default.{'' if on_gpu else ' Trained ' + where + '.'}
+default.{"" if on_gpu else " Trained " + where + "."}
 
 **What the pair is not.** Not a chat model and not a useful code assistant: a model of Python
-source with {t['params'] / 1e6:.1f}M parameters, there so that the system runs, its tests
+source with {t["params"] / 1e6:.1f}M parameters, there so that the system runs, its tests
 compare real trained models and the benchmark measures a draft that tracks its target. The
 tokenizer's chat template (`chat_template.jinja`) writes a conversation as Python comments
 (`# user: ...`) and starts the reply on a fresh line after `# assistant:`, so
@@ -196,19 +203,19 @@ tokenizer's chat template (`chat_template.jinja`) writes a conversation as Pytho
 
 | | target | draft |
 |---|---|---|
-| parameters | {t['params'] / 1e6:.2f}M | {dr['params'] / 1e6:.2f}M |
-| layers / hidden / MLP | {t['config']['num_hidden_layers']} / {t['config']['hidden_size']} / {t['config']['intermediate_size']} | {dr['config']['num_hidden_layers']} / {dr['config']['hidden_size']} / {dr['config']['intermediate_size']} |
-| how | next-token loss on the corpus | {dr.get('objective', 'next-token loss on the corpus')} |
-| training steps (batch {batch} tokens) | {t['steps']} | {draft_steps} ({len(legs)} leg{'s' if len(legs) > 1 else ''}) |
-| tokens seen | {t['tokens_seen'] / 1e6:.1f}M | {draft_tokens / 1e6:.1f}M |
-| training time ({t.get('device', '1 CPU thread')}) | {t['train_s'] / 60:.0f} min | {draft_time / 60:.0f} min |
-| validation loss (nats/token, 200 windows of 256) | {t['validation_loss']:.3f} | {dr['validation_loss']:.3f} |
+| parameters | {t["params"] / 1e6:.2f}M | {dr["params"] / 1e6:.2f}M |
+| layers / hidden / MLP | {t["config"]["num_hidden_layers"]} / {t["config"]["hidden_size"]} / {t["config"]["intermediate_size"]} | {dr["config"]["num_hidden_layers"]} / {dr["config"]["hidden_size"]} / {dr["config"]["intermediate_size"]} |
+| how | next-token loss on the corpus | {dr.get("objective", "next-token loss on the corpus")} |
+| training steps (batch {batch} tokens) | {t["steps"]} | {draft_steps} ({len(legs)} leg{"s" if len(legs) > 1 else ""}) |
+| tokens seen | {t["tokens_seen"] / 1e6:.1f}M | {draft_tokens / 1e6:.1f}M |
+| training time ({t.get("device", "1 CPU thread")}) | {t["train_s"] / 60:.0f} min | {draft_time / 60:.0f} min |
+| validation loss (nats/token, 200 windows of 256) | {t["validation_loss"]:.3f} | {dr["validation_loss"]:.3f} |
 
 The draft is the target's embedding (tied to its output head), final norm and decoder layers
-{', '.join(str(x) for x in dr.get('teacher_layers', []))}, then trained to match the target's next-token
+{", ".join(str(x) for x in dr.get("teacher_layers", []))}, then trained to match the target's next-token
 distributions (forward KL) on corpus windows and on the target's own sampled continuations
-({dr.get('generations', 0)} in its last leg; half of every batch each): what the target says, where
-decoding goes. Its depth is the cost lever ({dr['config']['num_hidden_layers']} of the target's {t['config']['num_hidden_layers']} layers: a token of the draft costs
+({dr.get("generations", 0)} in its last leg; half of every batch each): what the target says, where
+decoding goes. Its depth is the cost lever ({dr["config"]["num_hidden_layers"]} of the target's {t["config"]["num_hidden_layers"]} layers: a token of the draft costs
 {ratio:.2f} of the target's here); its width is the target's, so its representation starts where
 the target's does. The validation loss above is against the corpus's tokens; the draft is trained
 to agree with the target, not to predict the corpus (the training log records its KL to the
@@ -224,7 +231,9 @@ Acceptance by draft entropy band (nats); SVIP's default threshold 0.3 stops once
 
 | draft entropy | positions | acceptance |
 |---|---|---|
-""" + "\n".join(rows) + f"""
+"""
+        + "\n".join(rows)
+        + f"""
 
 ## `--threshold auto` on this pair
 
@@ -239,7 +248,10 @@ constant length and SVIP's default 0.3:
 
 ## Samples (greedy, SVIP, 64 tokens)
 
-""" + "\n\n".join(samples) + "\n"
+"""
+        + "\n\n".join(samples)
+        + "\n"
+    )
     Path(args.out).write_text(card)
     print(card)
 

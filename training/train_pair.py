@@ -31,11 +31,17 @@ from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 EOS = "<|endoftext|>"
 SIZES = {
-    "target": dict(hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, intermediate_size=704),
+    "target": dict(
+        hidden_size=256, num_hidden_layers=6, num_attention_heads=8, num_key_value_heads=4, intermediate_size=704
+    ),
     # the accelerator-trained target (training/accelerated.py): deeper, same width, so a draft made
     # of a few of its layers (training/distill.py draft_from_teacher) starts from its representation
-    "target-deep": dict(hidden_size=256, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4, intermediate_size=768),
-    "draft": dict(hidden_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256),
+    "target-deep": dict(
+        hidden_size=256, num_hidden_layers=10, num_attention_heads=8, num_key_value_heads=4, intermediate_size=768
+    ),
+    "draft": dict(
+        hidden_size=96, num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, intermediate_size=256
+    ),
 }
 
 
@@ -81,8 +87,10 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=vocab_size, special_tokens=[EOS],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False,
+        vocab_size=vocab_size,
+        special_tokens=[EOS],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
     return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=EOS, pad_token=EOS, chat_template=CHAT_TEMPLATE)
@@ -98,8 +106,13 @@ def encode(tokenizer, texts: list[str]) -> np.ndarray:
 
 def build(kind: str, vocab: int, eos: int, seq_len: int) -> LlamaForCausalLM:
     config = LlamaConfig(
-        vocab_size=vocab, max_position_embeddings=2048, tie_word_embeddings=True,
-        eos_token_id=eos, bos_token_id=None, pad_token_id=eos, **SIZES[kind],
+        vocab_size=vocab,
+        max_position_embeddings=2048,
+        tie_word_embeddings=True,
+        eos_token_id=eos,
+        bos_token_id=None,
+        pad_token_id=eos,
+        **SIZES[kind],
     )
     return LlamaForCausalLM(config)
 
@@ -136,7 +149,11 @@ def train(model, data, steps: int, batch: int, seq_len: int, lr: float, seed: in
     start = time.time()
     stream = batches(data, batch, seq_len, rng)
     for step in range(steps):
-        scale = (step + 1) / warmup if step < warmup else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        scale = (
+            (step + 1) / warmup
+            if step < warmup
+            else 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        )
         for group in opt.param_groups:
             group["lr"] = lr * (0.1 + 0.9 * scale)
         chunk = next(stream)

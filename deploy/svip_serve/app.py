@@ -19,7 +19,11 @@ def build_app(args: dict | None = None) -> Application:
     settings = ServeSettings.from_args(args)
     # Serve adds and removes pipelines with load when autoscaling is asked for; Ray's autoscaler
     # then follows with GPU workers (the chart enables it)
-    scale = {"autoscaling_config": settings.autoscaling} if settings.autoscaling else {"num_replicas": settings.num_replicas}
+    scale = (
+        {"autoscaling_config": settings.autoscaling}
+        if settings.autoscaling
+        else {"num_replicas": settings.num_replicas}
+    )
     return SVIPServer.options(
         **scale,
         ray_actor_options={"num_cpus": REPLICA_CPUS},

@@ -22,7 +22,9 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, me
     check_models(settings)
     from coordinator.cluster import init_local_ray
 
-    init_local_ray(pairs=settings.num_replicas, metrics_port=metrics_port)  # first: it sets Ray's loopback switch before ray is imported
+    init_local_ray(
+        pairs=settings.num_replicas, metrics_port=metrics_port
+    )  # first: it sets Ray's loopback switch before ray is imported
     from ray import serve
 
     from svip_serve.app import build_app
@@ -67,8 +69,12 @@ def stop() -> None:
 def serve_forever(settings: ServeSettings, host: str, port: int, metrics_port: int) -> int:
     url = start(settings, host, port, metrics_port)
     keys = f"{len(settings.api_key_sha256)} API key(s) required" if settings.api_key_sha256 else "no API key required"
-    print(f"svip: serving {settings.served_name!r} at {url} ({keys}), Prometheus metrics at "
-          f"http://127.0.0.1:{metrics_port}/metrics (Ctrl-C stops)", file=sys.stderr, flush=True)
+    print(
+        f"svip: serving {settings.served_name!r} at {url} ({keys}), Prometheus metrics at "
+        f"http://127.0.0.1:{metrics_port}/metrics (Ctrl-C stops)",
+        file=sys.stderr,
+        flush=True,
+    )
     stopping = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:

@@ -3,7 +3,7 @@ tokenizer's own chat template (a 400 naming the model when it has none)."""
 
 from __future__ import annotations
 
-from coordinator.prompts import encode
+from svip_common.models import encode
 from svip_serve.protocol import ApiRequest, bad
 
 

@@ -307,20 +307,24 @@ def parse_chat(body, defaults: PolicyConfig = PolicyConfig()) -> ApiRequest:
 def _content(value, i: int) -> str:
     if isinstance(value, str):
         return value
-    if isinstance(value, list) and all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str) for p in value):
+    if isinstance(value, list) and all(_is_text_part(p) for p in value):
         return "".join(p["text"] for p in value)
     raise bad(f"messages[{i}].content must be a string or an array of text parts", "messages")
 
 
 # --- responses ------------------------------------------------------------------------------------
 
+
 def new_id(kind: str) -> str:
     return ("cmpl-" if kind == "completion" else "chatcmpl-") + uuid.uuid4().hex
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
 
 
 def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, usage_: dict, svip: dict) -> dict:
@@ -328,15 +332,33 @@ def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str
         choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
-        choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                  "finish_reason": finish_reason}
+        choice = {
+            "index": 0,
+            "message": {"role": "assistant", "content": text},
+            "logprobs": None,
+            "finish_reason": finish_reason,
+        }
         obj = "chat.completion"
-    return {"id": rid, "object": obj, "created": int(time.time()), "model": model, "choices": [choice],
-            "usage": usage_, "svip": svip}
+    return {
+        "id": rid,
+        "object": obj,
+        "created": int(time.time()),
+        "model": model,
+        "choices": [choice],
+        "usage": usage_,
+        "svip": svip,
+    }
 
 
-def chunk_body(kind: str, rid: str, model: str, created: int, text: str | None, finish_reason: str | None = None,
-               first: bool = False) -> dict:
+def chunk_body(
+    kind: str,
+    rid: str,
+    model: str,
+    created: int,
+    text: str | None,
+    finish_reason: str | None = None,
+    first: bool = False,
+) -> dict:
     if kind == "completion":
         choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
@@ -351,5 +373,8 @@ def chunk_body(kind: str, rid: str, model: str, created: int, text: str | None, 
 
 def usage_chunk(kind: str, rid: str, model: str, created: int, usage_: dict, svip: dict) -> dict:
     obj = "text_completion" if kind == "completion" else "chat.completion.chunk"
-    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_,
-            "svip": svip}
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [], "usage": usage_, "svip": svip}
+
+
+def _is_text_part(part) -> bool:
+    return isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)

@@ -24,7 +24,16 @@ from svip_serve.auth import ApiKeys
 from svip_serve.generation import Generation
 from svip_serve.metrics import auto_state
 from svip_serve.protocol import (
-    ApiError, ApiRequest, bad, chunk_body, new_id, parse_chat, parse_completion, parse_json, response_body, usage,
+    ApiError,
+    ApiRequest,
+    bad,
+    chunk_body,
+    new_id,
+    parse_chat,
+    parse_completion,
+    parse_json,
+    response_body,
+    usage,
     usage_chunk,
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
@@ -87,7 +96,9 @@ async def _read_body(request: Request, limit: int) -> bytes:
 
 
 def _too_large(limit: int) -> ApiError:
-    return ApiError(413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large")
+    return ApiError(
+        413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large"
+    )
 
 
 def _sse(obj) -> str:
@@ -101,12 +112,22 @@ def _api_error(exc: BaseException, where: str) -> ApiError:
         return bad(str(exc))
     if isinstance(exc, Overloaded):  # the workers' own admission (a request that passed the replica's)
         log.warning("%s: %s", where, exc)
-        return ApiError(429, "server busy: the model workers have no room for this request now; retry later",
-                        type_="rate_limit_error", code="server_busy", headers={"Retry-After": "1"})
+        return ApiError(
+            429,
+            "server busy: the model workers have no room for this request now; retry later",
+            type_="rate_limit_error",
+            code="server_busy",
+            headers={"Retry-After": "1"},
+        )
     if isinstance(exc, WorkerUnavailable):
         log.warning("%s: %s", where, exc)
-        return ApiError(503, "the model workers are unavailable; retry shortly", type_="server_error",
-                        code="worker_unavailable", headers={"Retry-After": "5"})
+        return ApiError(
+            503,
+            "the model workers are unavailable; retry shortly",
+            type_="server_error",
+            code="worker_unavailable",
+            headers={"Retry-After": "5"},
+        )
     return _internal_error(exc, where)
 
 
@@ -133,7 +154,7 @@ class SVIPServer:
 
         from coordinator.cluster import WorkerPair, keep_serve_grpc_on_loopback
         from coordinator.distributed import DistributedEngine
-        from svip_common.tls import TlsFiles
+        from svip_runtime.tls import TlsFiles
         from svip_serve.metrics import ServeMetrics
 
         keep_serve_grpc_on_loopback()
@@ -141,14 +162,24 @@ class SVIPServer:
         target, draft = settings.model_paths()
         gpus = settings.gpus
         self.pair = WorkerPair(
-            target, draft, dtype=settings.dtype, device=settings.device,
-            target_gpus=settings.target_gpus if gpus else 0, draft_gpus=settings.draft_gpus if gpus else 0,
-            placement=get_current_placement_group(), bundles=(TARGET_BUNDLE, DRAFT_BUNDLE),
-            worker_cpus=settings.worker_cpus, max_draft_length=settings.draft_length_cap,
+            target,
+            draft,
+            dtype=settings.dtype,
+            device=settings.device,
+            target_gpus=settings.target_gpus if gpus else 0,
+            draft_gpus=settings.draft_gpus if gpus else 0,
+            placement=get_current_placement_group(),
+            bundles=(TARGET_BUNDLE, DRAFT_BUNDLE),
+            worker_cpus=settings.worker_cpus,
+            max_draft_length=settings.draft_length_cap,
             tls=TlsFiles.from_dir(settings.grpc_tls_dir) if settings.grpc_tls_dir else None,
-            start_timeout_s=settings.worker_start_timeout_s, kv_cache_tokens=settings.kv_cache_tokens,
-            max_batched_tokens=settings.max_batched_tokens, load_aware=settings.load_aware, auto=settings.auto(),
-            max_restarts=settings.worker_restarts, recovery=settings.recovery(),
+            start_timeout_s=settings.worker_start_timeout_s,
+            kv_cache_tokens=settings.kv_cache_tokens,
+            max_batched_tokens=settings.max_batched_tokens,
+            load_aware=settings.load_aware,
+            auto=settings.auto(),
+            max_restarts=settings.worker_restarts,
+            recovery=settings.recovery(),
             packed=True,  # the replica's group is STRICT_PACK: the workers talk over the node's loopback
         )
         self.api_keys = ApiKeys(settings.api_key_sha256)
@@ -160,9 +191,14 @@ class SVIPServer:
         self._connected = False
         self._connect_lock = asyncio.Lock()
         self.metrics = ServeMetrics(settings.served_name)
-        self.admission = Admission(settings.max_in_flight, settings.max_waiting, self.pair.limits.kv_tokens,
-                                   self.metrics.set_load, max_wait_s=settings.max_wait_s,
-                                   max_per_key=settings.max_requests_per_key)
+        self.admission = Admission(
+            settings.max_in_flight,
+            settings.max_waiting,
+            self.pair.limits.kv_tokens,
+            self.metrics.set_load,
+            max_wait_s=settings.max_wait_s,
+            max_per_key=settings.max_requests_per_key,
+        )
         self.created = int(time.time())
         self.policy_defaults = settings.policy_defaults()
 
@@ -201,14 +237,26 @@ class SVIPServer:
         if (why := await self.engine.unavailable()) is not None:
             log.warning("health: %s", why)
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        return JSONResponse({"status": "recovering" if self.engine.recovering else "ok", "model": self.settings.served_name,
-                             "running": self.admission.running, "waiting": self.admission.waiting})
+        return JSONResponse(
+            {
+                "status": "recovering" if self.engine.recovering else "ok",
+                "model": self.settings.served_name,
+                "running": self.admission.running,
+                "waiting": self.admission.waiting,
+            }
+        )
 
     @api.get("/v1/models")
     async def models(self, request: Request) -> JSONResponse:
         self.api_keys.check(request.headers.get("authorization"))
-        card = {"id": self.settings.served_name, "object": "model", "created": self.created, "owned_by": "svip",
-                "speculative": self.draft_path is not None, "max_model_len": self.engine.limits.positions}
+        card = {
+            "id": self.settings.served_name,
+            "object": "model",
+            "created": self.created,
+            "owned_by": "svip",
+            "speculative": self.draft_path is not None,
+            "max_model_len": self.engine.limits.positions,
+        }
         return JSONResponse({"object": "list", "data": [card]})
 
     @api.get("/v1/svip/workers")
@@ -216,13 +264,24 @@ class SVIPServer:
         """This replica's workers: open sessions, cached tokens and KV pages (none used when idle)."""
         self.api_keys.check(request.headers.get("authorization"))
         stats = await (await self._engine()).worker_stats()
-        out = {role: {"open_sessions": s.open_sessions, "cached_tokens": s.cached_tokens,
-                      "tokens_processed": s.tokens_processed, "kv_pages_used": s.kv_pages_used,
-                      "kv_pages_total": s.kv_pages_total, "kv_page_tokens": s.kv_page_tokens}
-               for role, s in stats.items()}
+        out = {
+            role: {
+                "open_sessions": s.open_sessions,
+                "cached_tokens": s.cached_tokens,
+                "tokens_processed": s.tokens_processed,
+                "kv_pages_used": s.kv_pages_used,
+                "kv_pages_total": s.kv_pages_total,
+                "kv_page_tokens": s.kv_page_tokens,
+            }
+            for role, s in stats.items()
+        }
         target = stats["target"]
-        out["target"].update(restarts=self.engine.recoveries.restarts, draft_replacements=target.draft_replacements,
-                             draft_lost=target.draft_lost or None, auto=auto_state(target))
+        out["target"].update(
+            restarts=self.engine.recoveries.restarts,
+            draft_replacements=target.draft_replacements,
+            draft_lost=target.draft_lost or None,
+            auto=auto_state(target),
+        )
         return JSONResponse(out)
 
     @api.post("/v1/completions")
@@ -239,8 +298,9 @@ class SVIPServer:
         arrived = time.monotonic()
         key = self.api_keys.check(http.headers.get("authorization"))
         try:
-            body = await _json_body(http, self.settings.max_request_bytes, self.settings.body_read_timeout_s,
-                                    self._tokenizer_pool)
+            body = await _json_body(
+                http, self.settings.max_request_bytes, self.settings.body_read_timeout_s, self._tokenizer_pool
+            )
             req = parse(body, self.policy_defaults)
             self._check_model(req.model)
             self._check_request(req)
@@ -269,8 +329,17 @@ class SVIPServer:
         except (SvipError, ApiError) as exc:
             raise _api_error(exc, rid) from None
         self._record(generation, arrived)
-        return JSONResponse(response_body(req.kind, rid, self.settings.served_name, text, generation.finish_reason,
-                                          self._usage(generation), generation.stats()))
+        return JSONResponse(
+            response_body(
+                req.kind,
+                rid,
+                self.settings.served_name,
+                text,
+                generation.finish_reason,
+                self._usage(generation),
+                generation.stats(),
+            )
+        )
 
     def _check_request(self, req: ApiRequest) -> None:
         """What this deployment allows, before any tokenizing: ignore_eos, and text so much longer
@@ -282,8 +351,10 @@ class SVIPServer:
             return
         chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(m["content"]) for m in req.messages or ())
         if chars > ctx * MAX_CHARS_PER_TOKEN:
-            raise bad(f"the prompt is {chars} characters, far more than fits the model's context of {ctx} tokens",
-                      "messages" if req.kind == "chat" else "prompt")
+            raise bad(
+                f"the prompt is {chars} characters, far more than fits the model's context of {ctx} tokens",
+                "messages" if req.kind == "chat" else "prompt",
+            )
 
     async def _stream(self, req: ApiRequest, generation: Generation, rid: str, slot: Slot, arrived: float):
         model, created = self.settings.served_name, int(time.time())
@@ -307,8 +378,12 @@ class SVIPServer:
 
     def _check_model(self, model: str | None) -> None:
         if model is not None and model != self.settings.served_name:
-            raise ApiError(404, f"the model {model!r} does not exist; this server serves {self.settings.served_name!r}",
-                           param="model", code="model_not_found")
+            raise ApiError(
+                404,
+                f"the model {model!r} does not exist; this server serves {self.settings.served_name!r}",
+                param="model",
+                code="model_not_found",
+            )
 
     def _generation_request(self, req: ApiRequest) -> GenerationRequest:
         try:
@@ -318,8 +393,11 @@ class SVIPServer:
                 raise bad(f"the prompt is {len(prompt_ids)} tokens; the model's context is {ctx} tokens", "prompt")
             max_tokens = req.max_tokens if req.max_tokens is not None else self._default_max_tokens(len(prompt_ids))
             if ctx is not None and len(prompt_ids) + max_tokens > ctx:
-                raise bad(f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                          f"context of {ctx} tokens", "max_tokens")
+                raise bad(
+                    f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                    f"context of {ctx} tokens",
+                    "max_tokens",
+                )
             request = GenerationRequest(prompt_ids, max_tokens, req.sampling, req.policy, ignore_eos=req.ignore_eos)
             return self.engine.resolve(request)
         except InvalidRequest as exc:
@@ -339,6 +417,11 @@ class SVIPServer:
 
     def _record(self, generation: Generation, arrived: float) -> None:
         ttft = generation.first_token_at - arrived if generation.first_token_at is not None else None
-        self.metrics.record_generation(generation.result.stats, len(generation.request.prompt_ids),
-                                       generation.completion_tokens, generation.finish_reason,
-                                       time.monotonic() - arrived, ttft)
+        self.metrics.record_generation(
+            generation.result.stats,
+            len(generation.request.prompt_ids),
+            generation.completion_tokens,
+            generation.finish_reason,
+            time.monotonic() - arrived,
+            ttft,
+        )

@@ -10,9 +10,9 @@ from pathlib import Path
 
 from svip_common.acceptance import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
+from svip_common.errors import InvalidRequest
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
 from svip_common.step_cost import check_load_aware
-from svip_common.errors import InvalidRequest
 from svip_serve.auth import split_name
 
 EMBEDDED_MODEL_NAME = "svip-pair"
@@ -52,7 +52,7 @@ class ServeSettings:
     max_request_bytes: int = 4 * 1024 * 1024  # a larger body is refused with 413 before it is parsed
     api_key_sha256: tuple[str, ...] = ()  # SHA-256 (hex) of the API keys; $SVIP_API_KEY adds more; none: open
     grpc_tls_dir: str | None = None  # mutual TLS between a pipeline's workers: ca.crt, tls.crt, tls.key (every node)
-    worker_start_timeout_s: float = 600.0  # a pipeline's workers: placed, then the weights loaded (a first download counts)
+    worker_start_timeout_s: float = 600.0
     worker_restarts: int = 5  # Ray restarts a worker that dies this many times; sessions in flight go on (issue 11)
     draft_stall_s: float = 3.0  # the least a session waits on its draft before it goes on without it
     sampled_hold_s: float = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
@@ -81,8 +81,17 @@ class ServeSettings:
             raise InvalidRequest("a target needs a draft: a model directory or hub id, or 'none' for the target alone")
         if self.pipeline not in ("sync", "async"):
             raise InvalidRequest(f"pipeline must be 'sync' or 'async', got {self.pipeline!r}")
-        for name in ("target_gpus", "draft_gpus", "num_replicas", "max_in_flight", "draft_length_cap", "max_request_bytes",
-                     "kv_cache_tokens", "max_batched_tokens", "default_max_tokens"):
+        for name in (
+            "target_gpus",
+            "draft_gpus",
+            "num_replicas",
+            "max_in_flight",
+            "draft_length_cap",
+            "max_request_bytes",
+            "kv_cache_tokens",
+            "max_batched_tokens",
+            "default_max_tokens",
+        ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
         for name in ("max_waiting", "max_queued_requests", "worker_restarts", "max_requests_per_key"):
@@ -93,8 +102,13 @@ class ServeSettings:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if not isinstance(self.allow_ignore_eos, bool):
             raise InvalidRequest(f"allow_ignore_eos must be true or false, got {self.allow_ignore_eos!r}")
-        for name in ("worker_start_timeout_s", "draft_stall_s", "max_wait_s", "body_read_timeout_s",
-                     "health_check_period_s"):
+        for name in (
+            "worker_start_timeout_s",
+            "draft_stall_s",
+            "max_wait_s",
+            "body_read_timeout_s",
+            "health_check_period_s",
+        ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < 1e6:
                 raise InvalidRequest(f"{name} must be a number of seconds > 0, got {value!r}")
@@ -114,13 +128,18 @@ class ServeSettings:
         self.auto()
         bad_hash = next((h for h in self.api_key_sha256 if not _is_key_digest(h)), None)
         if bad_hash is not None or not isinstance(self.api_key_sha256, tuple):
-            raise InvalidRequest("api_key_sha256 must be a list of SHA-256 digests (64 hex digits, optionally "
-                                 "`name:` before them), not the keys")
+            raise InvalidRequest(
+                "api_key_sha256 must be a list of SHA-256 digests (64 hex digits, optionally "
+                "`name:` before them), not the keys"
+            )
 
     def recovery(self) -> dict:
-        """The target host's recovery settings (coordinator/host.py)."""
-        return {"draft_stall_s": float(self.draft_stall_s), "sampled_hold_s": float(self.sampled_hold_s),
-                "draft_recover_s": float(self.worker_start_timeout_s)}  # one ask may take as long as a start
+        """The target host's recovery settings (coordinator/session/host.py)."""
+        return {
+            "draft_stall_s": float(self.draft_stall_s),
+            "sampled_hold_s": float(self.sampled_hold_s),
+            "draft_recover_s": float(self.worker_start_timeout_s),
+        }  # one ask may take as long as a start
 
     def auto(self) -> AutoSettings:
         """The `auto` policy's settings, checked (svip_common/acceptance.py)."""
@@ -130,9 +149,12 @@ class ServeSettings:
     def policy_defaults(self) -> PolicyConfig:
         """What a request that names no policy knobs gets; within the cap."""
         base = PolicyConfig()
-        return PolicyConfig(name=self.policy, threshold=self.threshold,
-                            draft_length=min(base.draft_length, self.draft_length_cap),
-                            max_draft_length=min(base.max_draft_length, self.draft_length_cap))
+        return PolicyConfig(
+            name=self.policy,
+            threshold=self.threshold,
+            draft_length=min(base.draft_length, self.draft_length_cap),
+            max_draft_length=min(base.max_draft_length, self.draft_length_cap),
+        )
 
     def model_paths(self) -> tuple[str, str | None]:
         """(target, draft or None) as directories or hub ids."""
@@ -167,7 +189,6 @@ class ServeSettings:
         return bundles + [draft] if self.draft != "none" else bundles
 
 
-
 def _is_key_digest(value) -> bool:
     """A SHA-256 hex digest, or `name:` and one."""
     if not isinstance(value, str):
@@ -181,7 +202,9 @@ AUTOSCALING_KEYS = ("min_replicas", "max_replicas", "target_ongoing_requests")
 
 def _check_autoscaling(config) -> None:
     if not isinstance(config, dict) or set(config) != set(AUTOSCALING_KEYS):
-        raise InvalidRequest(f"autoscaling must be an object with exactly {', '.join(AUTOSCALING_KEYS)}, got {config!r}")
+        raise InvalidRequest(
+            f"autoscaling must be an object with exactly {', '.join(AUTOSCALING_KEYS)}, got {config!r}"
+        )
     low, high, target = (config[k] for k in AUTOSCALING_KEYS)
     if not all(isinstance(v, int) and not isinstance(v, bool) for v in (low, high)) or not 1 <= low <= high:
         raise InvalidRequest(f"autoscaling: need 1 <= min_replicas <= max_replicas (integers), got {low!r}, {high!r}")

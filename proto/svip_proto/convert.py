@@ -15,6 +15,8 @@ from svip_common.contracts import DRAFT_LENGTH_CAP, NO_TOKEN, Block, GenerationS
 from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 
+PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}  # the pipeline modes by name, as the wire says them
+
 DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
     "float64": torch.float64, "int32": torch.int32, "int64": torch.int64,
@@ -44,7 +46,9 @@ def tensor_from_proto(msg: pb.Tensor) -> torch.Tensor:
         count *= d
     itemsize = torch.empty((), dtype=dtype).element_size()
     if len(msg.data) != count * itemsize:
-        raise InvalidRequest(f"tensor of shape {shape} and dtype {msg.dtype} needs {count * itemsize} bytes, got {len(msg.data)}")
+        raise InvalidRequest(
+            f"tensor of shape {shape} and dtype {msg.dtype} needs {count * itemsize} bytes, got {len(msg.data)}"
+        )
     if count == 0:
         return torch.empty(shape, dtype=dtype)
     return torch.frombuffer(bytearray(msg.data), dtype=dtype).reshape(shape)
@@ -78,15 +82,23 @@ def policy_to_proto(p: PolicyConfig) -> pb.PolicyConfig:
     if isinstance(p.threshold, str):
         raise ValueError("resolve threshold 'auto' before sending a policy")
     return pb.PolicyConfig(
-        name=p.name, threshold=p.threshold, entropy_scale=p.entropy_scale, draft_length=p.draft_length,
-        max_draft_length=p.max_draft_length, confidence=p.confidence,
+        name=p.name,
+        threshold=p.threshold,
+        entropy_scale=p.entropy_scale,
+        draft_length=p.draft_length,
+        max_draft_length=p.max_draft_length,
+        confidence=p.confidence,
     )
 
 
 def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> PolicyConfig:
     policy = PolicyConfig(
-        name=msg.name, threshold=msg.threshold, entropy_scale=msg.entropy_scale, draft_length=msg.draft_length,
-        max_draft_length=msg.max_draft_length, confidence=msg.confidence,
+        name=msg.name,
+        threshold=msg.threshold,
+        entropy_scale=msg.entropy_scale,
+        draft_length=msg.draft_length,
+        max_draft_length=msg.max_draft_length,
+        confidence=msg.confidence,
     )
     policy.validate(cap)
     return policy
@@ -124,19 +136,52 @@ def block_from_proto(msg: pb.Block) -> Block:
 
 def stats_to_proto(s: GenerationStats) -> pb.SessionStats:
     rounds = [
-        pb.Round(drafted=d, accepted=a, wall_s=w, draft_s=ds, target_s=ts, block_transit_s=bt, target_queue_s=tq,
-                 feedback_transit_s=ft, draft_queue_s=dq, overhead_s=o, source=p)
+        pb.Round(
+            drafted=d,
+            accepted=a,
+            wall_s=w,
+            draft_s=ds,
+            target_s=ts,
+            block_transit_s=bt,
+            target_queue_s=tq,
+            feedback_transit_s=ft,
+            draft_queue_s=dq,
+            overhead_s=o,
+            source=p,
+        )
         for d, a, w, ds, ts, bt, tq, ft, dq, o, p in zip(
-            s.draft_lengths, s.accepted_lengths, s.round_s, s.draft_forward_s, s.target_forward_s, s.block_transit_s,
-            s.target_queue_s, s.feedback_transit_s, s.draft_queue_s, s.overhead_s, s.round_sources)
+            s.draft_lengths,
+            s.accepted_lengths,
+            s.round_s,
+            s.draft_forward_s,
+            s.target_forward_s,
+            s.block_transit_s,
+            s.target_queue_s,
+            s.feedback_transit_s,
+            s.draft_queue_s,
+            s.overhead_s,
+            s.round_sources,
+        )
     ]
     return pb.SessionStats(
-        rounds=rounds, stop_entropies=s.stop_entropies, discarded_tokens=s.discarded_tokens,
-        prepared_sent=s.prepared_sent, prepared_used=s.prepared_used, prepared_used_late=s.prepared_used_late,
-        pauses=s.pauses, detached=s.detached, reattached=s.reattached,
-        wall_s=s.wall_s, wire_bytes=s.wire_bytes, target_forwards=s.target_forwards, draft_forwards=s.draft_forwards,
-        draft_busy_s=s.draft_busy_s, target_busy_s=s.target_busy_s, both_busy_s=s.both_busy_s,
-        draft_wait_s=s.draft_wait_s, target_wait_s=s.target_wait_s,
+        rounds=rounds,
+        stop_entropies=s.stop_entropies,
+        discarded_tokens=s.discarded_tokens,
+        prepared_sent=s.prepared_sent,
+        prepared_used=s.prepared_used,
+        prepared_used_late=s.prepared_used_late,
+        pauses=s.pauses,
+        detached=s.detached,
+        reattached=s.reattached,
+        wall_s=s.wall_s,
+        wire_bytes=s.wire_bytes,
+        target_forwards=s.target_forwards,
+        draft_forwards=s.draft_forwards,
+        draft_busy_s=s.draft_busy_s,
+        target_busy_s=s.target_busy_s,
+        both_busy_s=s.both_busy_s,
+        draft_wait_s=s.draft_wait_s,
+        target_wait_s=s.target_wait_s,
         timeline=[pb.Span(worker=w, start=a, end=b) for w, a, b in s.timeline],
     )
 
@@ -144,18 +189,37 @@ def stats_to_proto(s: GenerationStats) -> pb.SessionStats:
 def stats_from_proto(msg: pb.SessionStats) -> GenerationStats:
     r = list(msg.rounds)
     s = GenerationStats(
-        rounds=len(r), draft_tokens=sum(x.drafted for x in r), accepted_tokens=sum(x.accepted for x in r),
-        draft_lengths=[x.drafted for x in r], accepted_lengths=[x.accepted for x in r],
-        stop_entropies=list(msg.stop_entropies), target_forwards=msg.target_forwards, draft_forwards=msg.draft_forwards,
-        wall_s=msg.wall_s, round_s=[x.wall_s for x in r], draft_forward_s=[x.draft_s for x in r],
-        target_forward_s=[x.target_s for x in r], block_transit_s=[x.block_transit_s for x in r],
-        target_queue_s=[x.target_queue_s for x in r], feedback_transit_s=[x.feedback_transit_s for x in r],
-        draft_queue_s=[x.draft_queue_s for x in r], overhead_s=[x.overhead_s for x in r],
-        round_sources=[x.source for x in r], discarded_tokens=msg.discarded_tokens,
-        prepared_sent=msg.prepared_sent, prepared_used=msg.prepared_used, prepared_used_late=msg.prepared_used_late,
-        pauses=msg.pauses, detached=msg.detached, reattached=msg.reattached,
-        draft_busy_s=msg.draft_busy_s, target_busy_s=msg.target_busy_s, both_busy_s=msg.both_busy_s,
-        draft_wait_s=msg.draft_wait_s, target_wait_s=msg.target_wait_s, wire_bytes=msg.wire_bytes,
+        rounds=len(r),
+        draft_tokens=sum(x.drafted for x in r),
+        accepted_tokens=sum(x.accepted for x in r),
+        draft_lengths=[x.drafted for x in r],
+        accepted_lengths=[x.accepted for x in r],
+        stop_entropies=list(msg.stop_entropies),
+        target_forwards=msg.target_forwards,
+        draft_forwards=msg.draft_forwards,
+        wall_s=msg.wall_s,
+        round_s=[x.wall_s for x in r],
+        draft_forward_s=[x.draft_s for x in r],
+        target_forward_s=[x.target_s for x in r],
+        block_transit_s=[x.block_transit_s for x in r],
+        target_queue_s=[x.target_queue_s for x in r],
+        feedback_transit_s=[x.feedback_transit_s for x in r],
+        draft_queue_s=[x.draft_queue_s for x in r],
+        overhead_s=[x.overhead_s for x in r],
+        round_sources=[x.source for x in r],
+        discarded_tokens=msg.discarded_tokens,
+        prepared_sent=msg.prepared_sent,
+        prepared_used=msg.prepared_used,
+        prepared_used_late=msg.prepared_used_late,
+        pauses=msg.pauses,
+        detached=msg.detached,
+        reattached=msg.reattached,
+        draft_busy_s=msg.draft_busy_s,
+        target_busy_s=msg.target_busy_s,
+        both_busy_s=msg.both_busy_s,
+        draft_wait_s=msg.draft_wait_s,
+        target_wait_s=msg.target_wait_s,
+        wire_bytes=msg.wire_bytes,
         timeline=[(x.worker, x.start, x.end) for x in msg.timeline],
     )
     s.wire_bytes_per_round = s.wire_bytes / s.rounds if s.rounds else 0.0

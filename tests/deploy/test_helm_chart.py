@@ -29,34 +29,65 @@ KUBE_VERSION = "1.30"
 VARIANTS = {
     "defaults": {},
     "example": yaml.safe_load(EXAMPLE.read_text()),
-    "ingress-tls-token": {"ingress": {"enabled": True, "className": "nginx", "tls": [{"secretName": "t", "hosts": ["a.b"]}]},
-                          "hfToken": {"secretName": "hf-token"}, "imagePullSecrets": [{"name": "regcred"}],
-                          "apiKey": {"secretName": "svip-keys"}},
+    "ingress-tls-token": {
+        "ingress": {"enabled": True, "className": "nginx", "tls": [{"secretName": "t", "hosts": ["a.b"]}]},
+        "hfToken": {"secretName": "hf-token"},
+        "imagePullSecrets": [{"name": "regcred"}],
+        "apiKey": {"secretName": "svip-keys"},
+    },
     "every-option": {
         "apiKey": {"secretName": "svip-keys", "secretKey": "keys"},
-        "serve": {"workerStartTimeoutS": 1800, "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetOngoingRequests": 4},
-                  "maxWaitS": 10, "maxRequestsPerKey": 4, "defaultMaxTokens": 1024, "allowIgnoreEos": True},
+        "serve": {
+            "workerStartTimeoutS": 1800,
+            "autoscaling": {"enabled": True, "minReplicas": 1, "maxReplicas": 2, "targetOngoingRequests": 4},
+            "maxWaitS": 10,
+            "maxRequestsPerKey": 4,
+            "defaultMaxTokens": 1024,
+            "allowIgnoreEos": True,
+        },
         "grpcTls": {"secretName": "svip-grpc-tls"},
         "rayAuth": {"enabled": True, "secretName": "ray-token"},
         "workers": {"minReplicas": 1, "maxReplicas": 2, "shmSize": "16Gi"},
         "modelCache": {"enabled": True, "size": "200Gi", "storageClassName": "fast-rwx"},
         "upgradeStrategy": {"type": "NewCluster"},
-        "head": {"faultTolerance": {"enabled": True, "redisAddress": "redis.redis:6379", "redisPasswordSecret": {"name": "redis", "key": "password"}}},
+        "head": {
+            "faultTolerance": {
+                "enabled": True,
+                "redisAddress": "redis.redis:6379",
+                "redisPasswordSecret": {"name": "redis", "key": "password"},
+            }
+        },
         "securityContext": {"runAsNonRoot": True, "runAsUser": 1000, "fsGroup": 100},
         "containerSecurityContext": {"allowPrivilegeEscalation": False, "readOnlyRootFilesystem": False},
-        "env": [{"name": "RAY_LOG_LEVEL", "value": "info"}], "envFrom": [{"secretRef": {"name": "extra-env"}}],
+        "env": [{"name": "RAY_LOG_LEVEL", "value": "info"}],
+        "envFrom": [{"secretRef": {"name": "extra-env"}}],
         "extraVolumes": [{"name": "models", "persistentVolumeClaim": {"claimName": "models"}}],
         "extraVolumeMounts": [{"name": "models", "mountPath": "/models", "readOnly": True}],
-        "podAnnotations": {"example.com/team": "llm"}, "runtimeClassName": "nvidia", "priorityClassName": "serving",
-        "networkPolicy": {"apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}], "operatorNamespace": "ray-system", "monitoringNamespace": "monitoring"},
+        "podAnnotations": {"example.com/team": "llm"},
+        "runtimeClassName": "nvidia",
+        "priorityClassName": "serving",
+        "networkPolicy": {
+            "apiFrom": [{"ipBlock": {"cidr": "10.0.0.0/8"}}],
+            "operatorNamespace": "ray-system",
+            "monitoringNamespace": "monitoring",
+        },
         "podDisruptionBudget": {"enabled": True, "minAvailable": 0},
-        "metrics": {"podMonitor": {"enabled": True, "labels": {"release": "prom"}}, "serviceMonitor": {"enabled": True}},
+        "metrics": {
+            "podMonitor": {"enabled": True, "labels": {"release": "prom"}},
+            "serviceMonitor": {"enabled": True},
+        },
         "grafana": {"dashboard": {"enabled": True}},
         "tests": {"image": "registry.example.com/python:3.12-slim"},
     },
-    "target-alone-autoscaling": {"model": {"draft": "none"}, "workers": {"minReplicas": 1, "maxReplicas": 3, "gpusPerWorker": 1},
-                                 "serve": {"replicas": 3}, "networkPolicy": {"enabled": False}, "rayAuth": {"enabled": False},
-                                 "podDisruptionBudget": {"enabled": False}, "service": {"type": "LoadBalancer"}},
+    "target-alone-autoscaling": {
+        "model": {"draft": "none"},
+        "workers": {"minReplicas": 1, "maxReplicas": 3, "gpusPerWorker": 1},
+        "serve": {"replicas": 3},
+        "networkPolicy": {"enabled": False},
+        "rayAuth": {"enabled": False},
+        "podDisruptionBudget": {"enabled": False},
+        "service": {"type": "LoadBalancer"},
+    },
 }
 
 
@@ -94,12 +125,16 @@ def rayservice_schema() -> dict:
     candidates = [Path(env)] if env else [parent / SCHEMA_IN_SHARED for parent in REPO.parents]
     found = next((c for c in candidates if c.is_file()), None)
     if found is None:
-        pytest.fail(f"KubeRay's RayService schema not found (looked for ../{SCHEMA_IN_SHARED} above {REPO}); "
-                    "set SVIP_KUBERAY_SCHEMA to its path")
+        pytest.fail(
+            f"KubeRay's RayService schema not found (looked for ../{SCHEMA_IN_SHARED} above {REPO}); "
+            "set SVIP_KUBERAY_SCHEMA to its path"
+        )
     return json.loads(found.read_text())
 
 
-@pytest.mark.parametrize("values", [None, VARIANTS["example"], VARIANTS["every-option"]], ids=["defaults", "example", "every-option"])
+@pytest.mark.parametrize(
+    "values", [None, VARIANTS["example"], VARIANTS["every-option"]], ids=["defaults", "example", "every-option"]
+)
 def test_lint_is_clean(values):
     report = helm.lint(CHART, merged(REQUIRED, values), strict=True)
     assert not report["errors"], report
@@ -174,7 +209,9 @@ def test_serve_config_is_a_valid_serve_deployment(name):
 
 
 def test_example_values_are_the_qwen_pair():
-    args = yaml.safe_load(by_kind(render(VARIANTS["example"]), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    args = yaml.safe_load(by_kind(render(VARIANTS["example"]), "RayService")[0]["spec"]["serveConfigV2"])[
+        "applications"
+    ][0]["args"]
     assert args["target"] == "Qwen/Qwen2.5-7B-Instruct" and args["draft"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert args["num_replicas"] == 2 and args["model_name"] == "qwen2.5-7b-svip"
 
@@ -198,7 +235,12 @@ def test_secrets_reach_the_gpu_workers_only():
         assert env["HF_TOKEN"]["valueFrom"]["secretKeyRef"] == {"name": "hf-token", "key": "token"}
         assert env["SVIP_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "svip-keys", "key": "key"}
     assert "env" not in cluster["headGroupSpec"]["template"]["spec"]["containers"][0]
-    assert "env" not in by_kind(render(), "RayService")[0]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert (
+        "env"
+        not in by_kind(render(), "RayService")[0]["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"][
+            "containers"
+        ][0]
+    )
 
 
 def test_an_ingress_without_an_api_key_is_refused_unless_open_on_purpose():
@@ -215,7 +257,10 @@ def test_ray_token_authentication_is_on_by_default():
     assert cluster["authOptions"] == {"mode": "token"}
     named = by_kind(render(VARIANTS["every-option"]), "RayService")[0]["spec"]["rayClusterConfig"]
     assert named["authOptions"] == {"mode": "token", "secretName": "ray-token"}
-    assert "authOptions" not in by_kind(render({"rayAuth": {"enabled": False}}), "RayService")[0]["spec"]["rayClusterConfig"]
+    assert (
+        "authOptions"
+        not in by_kind(render({"rayAuth": {"enabled": False}}), "RayService")[0]["spec"]["rayClusterConfig"]
+    )
 
 
 def test_worker_grpc_tls_and_serving_limits_reach_the_app():
@@ -223,27 +268,48 @@ def test_worker_grpc_tls_and_serving_limits_reach_the_app():
     args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert args["grpc_tls_dir"] == "/etc/svip/grpc-tls"
     assert (args["max_wait_s"], args["max_requests_per_key"], args["default_max_tokens"], args["allow_ignore_eos"]) == (
-        10, 4, 1024, True)
+        10,
+        4,
+        1024,
+        True,
+    )
     worker = pod_templates(service)[1]["spec"]
     assert {"name": "grpc-tls", "secret": {"secretName": "svip-grpc-tls", "defaultMode": 0o440}} in worker["volumes"]
     mounts = {m["name"]: m for m in worker["containers"][0]["volumeMounts"]}
     assert mounts["grpc-tls"] == {"name": "grpc-tls", "mountPath": "/etc/svip/grpc-tls", "readOnly": True}
     defaults = yaml.safe_load(by_kind(render(), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
-    assert "grpc_tls_dir" not in defaults and defaults["allow_ignore_eos"] is False and defaults["default_max_tokens"] == 2048
+    assert (
+        "grpc_tls_dir" not in defaults
+        and defaults["allow_ignore_eos"] is False
+        and defaults["default_max_tokens"] == 2048
+    )
 
 
 def test_the_auto_policy_and_its_settings_reach_the_app():
-    args = yaml.safe_load(by_kind(render({"decoding": {"policy": "auto", "auto": {"learn": False, "cost": 0.25, "window": 1024}}}),
-                                  "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    args = yaml.safe_load(
+        by_kind(
+            render({"decoding": {"policy": "auto", "auto": {"learn": False, "cost": 0.25, "window": 1024}}}),
+            "RayService",
+        )[0]["spec"]["serveConfigV2"]
+    )["applications"][0]["args"]
     settings = ServeSettings.from_args(args)
-    assert (settings.policy, settings.auto_learn, settings.auto_cost, settings.auto_window) == ("auto", False, 0.25, 1024)
+    assert (settings.policy, settings.auto_learn, settings.auto_cost, settings.auto_window) == (
+        "auto",
+        False,
+        0.25,
+        1024,
+    )
     defaults = yaml.safe_load(by_kind(render(), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
     assert "auto_cost" not in defaults and defaults["auto_learn"] is True and defaults["auto_window"] == 4096
 
 
 def test_a_model_path_is_never_the_served_model_id():
-    args = yaml.safe_load(by_kind(render({"model": {"target": "/models/qwen-7b", "draft": "none"}, "workers": {"gpusPerWorker": 1}}),
-                                  "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    args = yaml.safe_load(
+        by_kind(
+            render({"model": {"target": "/models/qwen-7b", "draft": "none"}, "workers": {"gpusPerWorker": 1}}),
+            "RayService",
+        )[0]["spec"]["serveConfigV2"]
+    )["applications"][0]["args"]
     assert args["model_name"] == "qwen-7b"
 
 
@@ -259,9 +325,13 @@ def policy_rules(values=None) -> dict:
     return rules
 
 
-RAY_PODS = {"matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["ray-head", "ray-worker"]}]}
-OPERATOR = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}},
-            "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}}}
+RAY_PODS = {
+    "matchExpressions": [{"key": "app.kubernetes.io/component", "operator": "In", "values": ["ray-head", "ray-worker"]}]
+}
+OPERATOR = {
+    "namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "kuberay-system"}},
+    "podSelector": {"matchLabels": {"app.kubernetes.io/name": "kuberay-operator"}},
+}
 
 
 def test_network_policy_keeps_ray_and_worker_ports_inside_the_release():
@@ -280,8 +350,9 @@ def test_only_the_operators_pods_reach_the_dashboard_and_its_agent():
     peer = rules[(8265, 52365)][0]
 
     def admitted(namespace: str, labels: dict) -> bool:
-        return (peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": namespace}
-                and all(labels.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items()))
+        return peer["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": namespace} and all(
+            labels.get(k) == v for k, v in peer["podSelector"]["matchLabels"].items()
+        )
 
     assert admitted("kuberay-system", {"app.kubernetes.io/name": "kuberay-operator", "pod-template-hash": "x"})
     assert not admitted("default", {"app.kubernetes.io/name": "kuberay-operator"})  # another namespace
@@ -303,8 +374,12 @@ def test_network_policy_admits_external_traffic_for_an_external_service(service_
 
 def test_network_policy_api_sources_and_operator_namespace_are_settings():
     peers = [{"ipBlock": {"cidr": "10.0.0.0/8"}}, {"namespaceSelector": {"matchLabels": {"team": "apps"}}}]
-    rules = policy_rules({"networkPolicy": {"apiFrom": peers, "operatorNamespace": "ray-system",
-                                            "monitoringNamespace": "monitoring"}, "service": {"type": "LoadBalancer"}})
+    rules = policy_rules(
+        {
+            "networkPolicy": {"apiFrom": peers, "operatorNamespace": "ray-system", "monitoringNamespace": "monitoring"},
+            "service": {"type": "LoadBalancer"},
+        }
+    )
     assert rules[(8000,)] == peers
     assert rules[(8265, 52365)][0]["namespaceSelector"]["matchLabels"] == {"kubernetes.io/metadata.name": "ray-system"}
     assert rules[(8265, 52365)][0]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "kuberay-operator"}
@@ -315,12 +390,17 @@ def test_no_pdb_by_default_and_an_integer_min_available_when_asked():
     """RayCluster, the worker pods' owner, has no scale subresource: a maxUnavailable budget
     reports 0 disruptions allowed and every drain hangs. Opt-in, integer minAvailable only."""
     assert not by_kind(render(), "PodDisruptionBudget")
-    values = {"podDisruptionBudget": {"enabled": True, "minAvailable": 1}, "workers": {"replicas": 2, "minReplicas": 2, "maxReplicas": 2}}
+    values = {
+        "podDisruptionBudget": {"enabled": True, "minAvailable": 1},
+        "workers": {"replicas": 2, "minReplicas": 2, "maxReplicas": 2},
+    }
     (pdb,) = by_kind(render(values), "PodDisruptionBudget")
     spec = pdb["spec"]
     assert spec == {"minAvailable": 1, "selector": spec["selector"]} and isinstance(spec["minAvailable"], int)
     assert spec["selector"]["matchLabels"]["app.kubernetes.io/component"] == "ray-worker"
-    worker_labels = by_kind(render(values), "RayService")[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["template"]["metadata"]["labels"]
+    worker_labels = by_kind(render(values), "RayService")[0]["spec"]["rayClusterConfig"]["workerGroupSpecs"][0][
+        "template"
+    ]["metadata"]["labels"]
     assert spec["selector"]["matchLabels"].items() <= worker_labels.items()
     with pytest.raises(helm.HelmError, match="would block every node drain"):
         render({"podDisruptionBudget": {"enabled": True, "minAvailable": 1}})  # one worker: no drain could proceed
@@ -347,10 +427,15 @@ def test_a_chart_release_changes_nothing_in_the_pod_templates():
 def test_upgrade_strategy_never_doubles_the_gpus_by_default():
     spec = by_kind(render(), "RayService")[0]["spec"]
     assert spec["upgradeStrategy"] == {"type": "None"}
-    assert by_kind(render({"upgradeStrategy": {"type": "NewCluster"}}), "RayService")[0]["spec"]["upgradeStrategy"]["type"] == "NewCluster"
+    assert (
+        by_kind(render({"upgradeStrategy": {"type": "NewCluster"}}), "RayService")[0]["spec"]["upgradeStrategy"]["type"]
+        == "NewCluster"
+    )
     options = {"gatewayClassName": "istio", "stepSizePercent": 25, "intervalSeconds": 60}
-    incremental = by_kind(render({"upgradeStrategy": {"type": "NewClusterWithIncrementalUpgrade", "clusterUpgradeOptions": options}}),
-                          "RayService")[0]["spec"]["upgradeStrategy"]
+    incremental = by_kind(
+        render({"upgradeStrategy": {"type": "NewClusterWithIncrementalUpgrade", "clusterUpgradeOptions": options}}),
+        "RayService",
+    )[0]["spec"]["upgradeStrategy"]
     assert incremental["clusterUpgradeOptions"] == options
     with pytest.raises(helm.HelmError, match="needs clusterUpgradeOptions"):
         render({"upgradeStrategy": {"type": "NewClusterWithIncrementalUpgrade"}})
@@ -381,7 +466,10 @@ def test_helm_test_pod_is_small_and_pulls_with_the_release_secrets():
     assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
     assert container["command"] == ["python", "/smoke/smoke.py"]
     env = {e["name"]: e for e in container["env"]}
-    assert env["SVIP_URL"]["value"] == "http://svip-serve:8000" and env["SVIP_MODEL"]["value"] == "Qwen/Qwen2.5-7B-Instruct"
+    assert (
+        env["SVIP_URL"]["value"] == "http://svip-serve:8000"
+        and env["SVIP_MODEL"]["value"] == "Qwen/Qwen2.5-7B-Instruct"
+    )
     assert env["SVIP_API_KEY"]["valueFrom"]["secretKeyRef"]["name"] == "svip-keys"
     assert script["data"]["smoke.py"].strip() == (REPO / "deploy" / "svip_serve" / "smoke.py").read_text().strip()
 
@@ -391,28 +479,34 @@ def test_the_charts_smoke_script_is_the_packages():
     assert (CHART / "files" / "smoke.py").read_bytes() == (REPO / "deploy" / "svip_serve" / "smoke.py").read_bytes()
 
 
-@pytest.mark.parametrize("values, words", [
-    ({"serve": {"replicas": 0}}, "replicas"),
-    ({"model": {"dtype": "int8"}}, "dtype"),
-    ({"decoding": {"policy": "fastest"}}, "policy"),
-    ({"decoding": {"threshold": -1}}, "threshold"),
-    ({"decoding": {"auto": {"cost": 0}}}, "cost"),
-    ({"decoding": {"auto": {"cost": 1e9}}}, "cost"),
-    ({"decoding": {"auto": {"window": 1}}}, "window"),
-    ({"decoding": {"auto": {"learn": "yes"}}}, "learn"),
-    ({"service": {"type": "ExternalName"}}, "type"),
-    ({"modle": {"target": "x"}}, "modle"),
-])
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"serve": {"replicas": 0}}, "replicas"),
+        ({"model": {"dtype": "int8"}}, "dtype"),
+        ({"decoding": {"policy": "fastest"}}, "policy"),
+        ({"decoding": {"threshold": -1}}, "threshold"),
+        ({"decoding": {"auto": {"cost": 0}}}, "cost"),
+        ({"decoding": {"auto": {"cost": 1e9}}}, "cost"),
+        ({"decoding": {"auto": {"window": 1}}}, "window"),
+        ({"decoding": {"auto": {"learn": "yes"}}}, "learn"),
+        ({"service": {"type": "ExternalName"}}, "type"),
+        ({"modle": {"target": "x"}}, "modle"),
+    ],
+)
 def test_values_schema_refuses_bad_values(values, words):
     with pytest.raises(helm.HelmError, match=words):
         render(values)
 
 
-@pytest.mark.parametrize("values, words", [
-    ({"workers": {"gpusPerWorker": 1}}, "cannot hold one pipeline"),
-    ({"serve": {"replicas": 3}}, "need more GPU workers"),
-    ({"workers": {"minReplicas": 2, "maxReplicas": 1}}, "minReplicas"),
-])
+@pytest.mark.parametrize(
+    "values, words",
+    [
+        ({"workers": {"gpusPerWorker": 1}}, "cannot hold one pipeline"),
+        ({"serve": {"replicas": 3}}, "need more GPU workers"),
+        ({"workers": {"minReplicas": 2, "maxReplicas": 1}}, "minReplicas"),
+    ],
+)
 def test_values_no_cluster_could_run_fail_with_the_reason(values, words):
     with pytest.raises(helm.HelmError, match=words):
         render(values)
@@ -437,7 +531,10 @@ def test_operator_settings_reach_every_ray_pod():
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert template["metadata"]["annotations"]["example.com/team"] == "llm"
     (claim,) = by_kind(render(VARIANTS["every-option"]), "PersistentVolumeClaim")
-    assert claim["spec"]["accessModes"] == ["ReadWriteMany"] and claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    assert (
+        claim["spec"]["accessModes"] == ["ReadWriteMany"]
+        and claim["spec"]["resources"]["requests"]["storage"] == "200Gi"
+    )
     assert claim["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     existing = render({"modelCache": {"enabled": True, "existingClaim": "weights"}})
     assert not by_kind(existing, "PersistentVolumeClaim")
@@ -464,7 +561,9 @@ def test_cold_start_timeout_and_autoscaling_reach_the_app():
 
 
 def test_head_fault_tolerance_uses_an_external_redis(rayservice_schema):
-    spec = by_kind(render(VARIANTS["every-option"]), "RayService")[0]["spec"]["rayClusterConfig"]["gcsFaultToleranceOptions"]
+    spec = by_kind(render(VARIANTS["every-option"]), "RayService")[0]["spec"]["rayClusterConfig"][
+        "gcsFaultToleranceOptions"
+    ]
     assert spec["redisAddress"] == "redis.redis:6379"
     assert spec["redisPassword"]["valueFrom"]["secretKeyRef"] == {"name": "redis", "key": "password"}
     with pytest.raises(helm.HelmError, match="redisAddress"):
@@ -485,12 +584,19 @@ def test_monitoring_objects_and_the_dashboard():
     for words in ("tokens", "acceptance rate", "acceptance length", "draft length", "first token", "kv cache", "429"):
         assert words in titles, words
     exported = (REPO / "deploy" / "svip_serve" / "metrics.py").read_text()
-    names = {name for panel in board["panels"] for target in panel["targets"]
-             for name in re.findall(r"ray_svip_(\w+?)(?:_total|_bucket)?\{", target["expr"])}
+    names = {
+        name
+        for panel in board["panels"]
+        for target in panel["targets"]
+        for name in re.findall(r"ray_svip_(\w+?)(?:_total|_bucket)?\{", target["expr"])
+    }
     assert len(names) >= 8
     for name in names:  # every series a panel reads is one the app exports
-        assert any(f'{form}"{prefix}{name}"' in exported for form in ("counter(", "histogram(", "Gauge(")
-                   for prefix in ("", "svip_")), name
+        assert any(
+            f'{form}"{prefix}{name}"' in exported
+            for form in ("counter(", "histogram(", "Gauge(")
+            for prefix in ("", "svip_")
+        ), name
 
 
 def test_dockerfile_installs_dependencies_before_the_source_and_runs_as_ray():

@@ -40,7 +40,9 @@ def test_dockerfile_copies_every_package_and_pins_rays_version():
     ray_pin = next(d for d in PYPROJECT["project"]["dependencies"] if d.startswith("ray[serve]=="))
     version = ray_pin.split("==")[1]
     assert re.search(rf"^FROM rayproject/ray:{re.escape(version)}-py311-gpu$", text, re.M)
-    assert f'rayVersion: "{version}"' in (REPO / "deploy" / "helm" / "svip" / "templates" / "rayservice.yaml").read_text()
+    assert (
+        f'rayVersion: "{version}"' in (REPO / "deploy" / "helm" / "svip" / "templates" / "rayservice.yaml").read_text()
+    )
     copied = re.findall(r"^COPY --chown=\S+ (.+) \S+$", text, re.M)
     sources = [s for line in copied for s in line.split()]
     for source in sources:

@@ -37,7 +37,10 @@ def target_alone(target, requests) -> list[list[int]]:
 
 
 def test_the_batched_path_on_cuda_equals_one_at_a_time_and_the_target_alone(model_dirs, prompt_ids):
-    target, draft = load_model(model_dirs.target, "float32", "cuda"), load_model(model_dirs.close_draft, "float32", "cuda")
+    target, draft = (
+        load_model(model_dirs.target, "float32", "cuda"),
+        load_model(model_dirs.close_draft, "float32", "cuda"),
+    )
     assert target.model.device.type == "cuda"
     engine = SpeculativeEngine(target, draft, load_aware="greedy")
     requests = requests_for(prompt_ids)
@@ -90,4 +93,6 @@ def test_a_target_spread_over_two_gpus_is_exact(model_dirs, prompt_ids):
     if len(pool_devices) < 2:
         pytest.skip("device_map='auto' kept this small target on one GPU")
     requests = requests_for(prompt_ids)
-    assert [r.token_ids for r in engine.generate_many(requests, 5)] == target_alone(load_model(model_dirs.target), requests)
+    assert [r.token_ids for r in engine.generate_many(requests, 5)] == target_alone(
+        load_model(model_dirs.target), requests
+    )

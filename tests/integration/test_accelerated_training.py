@@ -76,7 +76,11 @@ def test_an_interrupted_fit_resumes_from_its_checkpoint_to_the_same_weights(tmp_
             x = torch.from_numpy(rng.standard_normal((4, 8)).astype(np.float32))
             return ((model(x) - 1.0) ** 2).mean()
 
-        return model, Fit(model, torch.device("cpu"), 1e-2, 1e9, 40, lambda msg: None, rng, checkpoint, every_s=0.0), loss_of
+        return (
+            model,
+            Fit(model, torch.device("cpu"), 1e-2, 1e9, 40, lambda msg: None, rng, checkpoint, every_s=0.0),
+            loss_of,
+        )
 
     model, run, loss_of = fit()
     assert run.run(loss_of)["steps"] == 40

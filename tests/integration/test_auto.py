@@ -79,7 +79,9 @@ def workers(models, loop):
 
 
 def _run_distributed(w, model_dirs, loop, requests, pipeline):
-    engine = DistributedEngine(load_model_info(model_dirs.target), w.limits, w.target_address, w.draft_address, pipeline)
+    engine = DistributedEngine(
+        load_model_info(model_dirs.target), w.limits, w.target_address, w.draft_address, pipeline
+    )
 
     async def run_all():
         await engine.connect()
@@ -92,8 +94,9 @@ def _run_distributed(w, model_dirs, loop, requests, pipeline):
 
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
-def test_distributed_greedy_is_exact_and_the_estimate_lives_beside_the_verifier(workers, models, model_dirs, prompt_ids,
-                                                                                 loop, pipeline):
+def test_distributed_greedy_is_exact_and_the_estimate_lives_beside_the_verifier(
+    workers, models, model_dirs, prompt_ids, loop, pipeline
+):
     before = workers.host.auto.model(True).observed
     requests = _requests(prompt_ids, 8)
     results = _run_distributed(workers, model_dirs, loop, requests, pipeline)
@@ -101,7 +104,9 @@ def test_distributed_greedy_is_exact_and_the_estimate_lives_beside_the_verifier(
     model = workers.host.auto.model(True)
     assert model.observed > before and model.fits >= 1
     stats = loop.run_until_complete(workers.host.Stats(pb.StatsRequest(), None))
-    assert stats.auto_greedy.observed_tokens == model.observed and list(stats.auto_greedy.weights) == list(model.weights)
+    assert stats.auto_greedy.observed_tokens == model.observed and list(stats.auto_greedy.weights) == list(
+        model.weights
+    )
     assert 0.0 < stats.auto_greedy.observed_acceptance <= 1.0 and stats.auto_prior_cost > 0
 
 
@@ -109,11 +114,14 @@ def test_a_stop_rule_for_another_policy_is_invalid_argument(workers, loop):
     async def start_with_rule():
         async with grpc.aio.insecure_channel(workers.draft_address) as channel:
             stub = pb_grpc.DraftWorkerStub(channel)
-            start = pb.StartSession(session_id="ruled", prompt_ids=[5, 6, 7], max_new_tokens=4,
-                                    sampling=pb.SamplingParams(top_p=1.0),
-                                    policy=pb.PolicyConfig(name="constant", draft_length=2, max_draft_length=8,
-                                                            entropy_scale=0.15),
-                                    stop_rule=pb.StopRule(weights=[0.0] * 5, stop_at=0.3))
+            start = pb.StartSession(
+                session_id="ruled",
+                prompt_ids=[5, 6, 7],
+                max_new_tokens=4,
+                sampling=pb.SamplingParams(top_p=1.0),
+                policy=pb.PolicyConfig(name="constant", draft_length=2, max_draft_length=8, entropy_scale=0.15),
+                stop_rule=pb.StopRule(weights=[0.0] * 5, stop_at=0.3),
+            )
             call = stub.Session(iter([pb.DraftRequest(start=start)]))
             return [event async for event in call]
 

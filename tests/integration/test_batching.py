@@ -14,14 +14,28 @@ from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 
-POLICIES = [PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="constant", draft_length=4),
-            PolicyConfig(name="heuristic", draft_length=2), PolicyConfig(name="none"), PolicyConfig(name="svip", threshold=2.0), PolicyConfig(name="auto")]
+POLICIES = [
+    PolicyConfig(name="svip", threshold=0.6),
+    PolicyConfig(name="constant", draft_length=4),
+    PolicyConfig(name="heuristic", draft_length=2),
+    PolicyConfig(name="none"),
+    PolicyConfig(name="svip", threshold=2.0),
+    PolicyConfig(name="auto"),
+]
 
 
 def requests_for(prompt_ids, sampling=SamplingParams()):
     prompts = list(prompt_ids.values())
-    return [GenerationRequest(prompts[i % len(prompts)] + (i,), 10 + 7 * (i % 5), sampling=sampling,
-                              policy=POLICIES[i % len(POLICIES)], ignore_eos=True) for i in range(12)]
+    return [
+        GenerationRequest(
+            prompts[i % len(prompts)] + (i,),
+            10 + 7 * (i % 5),
+            sampling=sampling,
+            policy=POLICIES[i % len(POLICIES)],
+            ignore_eos=True,
+        )
+        for i in range(12)
+    ]
 
 
 @pytest.mark.parametrize("batch_size", [1, 4, 12])
@@ -39,8 +53,16 @@ def test_batched_greedy_equals_one_at_a_time(models, prompt_ids, batch_size):
 def test_batched_sampling_equals_one_at_a_time_with_the_same_seeds(models, prompt_ids):
     """Randomness is keyed by (seed, position, purpose): a batch changes no draw."""
     engine = SpeculativeEngine(models["target"], models["close_draft"])
-    requests = [GenerationRequest(r.prompt_ids, r.max_new_tokens, SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i),
-                                  r.policy, ignore_eos=True) for i, r in enumerate(requests_for(prompt_ids))]
+    requests = [
+        GenerationRequest(
+            r.prompt_ids,
+            r.max_new_tokens,
+            SamplingParams(temperature=0.9, top_p=0.95, seed=7 + i),
+            r.policy,
+            ignore_eos=True,
+        )
+        for i, r in enumerate(requests_for(prompt_ids))
+    ]
     alone = [engine.generate(r).token_ids for r in requests]
     assert [r.token_ids for r in BatchEngine(engine, 6).generate_all(requests)] == alone
 
@@ -66,7 +88,9 @@ def test_a_request_larger_than_the_pool_is_a_clear_error(models):
 def test_a_full_pool_makes_requests_wait_not_fail(models, prompt_ids):
     """A pool that holds two sessions at a time serves twelve, each exact."""
     engine = SpeculativeEngine(models["target"], models["close_draft"], kv_cache_tokens=2 * 96)
-    requests = [GenerationRequest(r.prompt_ids[:20], 40, policy=r.policy, ignore_eos=True) for r in requests_for(prompt_ids)]
+    requests = [
+        GenerationRequest(r.prompt_ids[:20], 40, policy=r.policy, ignore_eos=True) for r in requests_for(prompt_ids)
+    ]
     alone = [engine.generate(r).token_ids for r in requests]
     batch = BatchEngine(engine, 12)
     assert [r.token_ids for r in batch.generate_all(requests)] == alone

@@ -46,11 +46,27 @@ def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
 
 
 def test_bench_rejects_bad_arguments(capsys, model_dirs, tmp_path):
-    assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--categories", "poetry"]) == 2
+    assert (
+        main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--categories", "poetry"]) == 2
+    )
     assert "unknown category 'poetry'" in capsys.readouterr().err
     assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--ks", "0"]) == 2
-    assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
-                 "--dataset", str(tmp_path / "missing.jsonl"), "--categories", "qa"]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--target",
+                model_dirs.target,
+                "--draft",
+                model_dirs.close_draft,
+                "--dataset",
+                str(tmp_path / "missing.jsonl"),
+                "--categories",
+                "qa",
+            ]
+        )
+        == 2
+    )
     assert "cannot read Spec-Bench prompts" in capsys.readouterr().err
 
 
@@ -60,8 +76,10 @@ def _run(method, repeat, tokens, wall, target_fwd, draft_fwd, **kw):
 
 def test_summary_arithmetic():
     base = [_run("target", r, 100, 1.0, 100, 0) for r in range(3)]
-    spec = [_run("svip", r, 100, w, 40, 120, draft_tokens=120, accepted_tokens=60, rounds=40, draft_lengths=[3] * 40)
-            for r, w in enumerate((0.5, 0.4, 0.8))]
+    spec = [
+        _run("svip", r, 100, w, 40, 120, draft_tokens=120, accepted_tokens=60, rounds=40, draft_lengths=[3] * 40)
+        for r, w in enumerate((0.5, 0.4, 0.8))
+    ]
     s = summarize(spec, base)
     assert s["speedup"] == {"median": 2.0, "min": 1.25, "max": 2.5}
     assert s["target_forwards_per_token"] == 0.4
@@ -79,11 +97,28 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
 
     out = tmp_path / "pipe"
     two_nodes = unavailable() is None
-    code = main([
-        "bench", "--mode", "pipeline", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
-        "--categories", "code", "--prompts-per-category", "2", "--repeats", "1", "--max-new-tokens", "12",
-        "--out", str(out), *(["--latencies", "0"] if two_nodes else []),
-    ])
+    code = main(
+        [
+            "bench",
+            "--mode",
+            "pipeline",
+            "--target",
+            model_dirs.target,
+            "--draft",
+            model_dirs.close_draft,
+            "--categories",
+            "code",
+            "--prompts-per-category",
+            "2",
+            "--repeats",
+            "1",
+            "--max-new-tokens",
+            "12",
+            "--out",
+            str(out),
+            *(["--latencies", "0"] if two_nodes else []),
+        ]
+    )
     assert code == 0, capsys.readouterr().err[-2000:]
     doc = json.loads((out / "pipeline.json").read_text())
     assert doc["exactness_violations"] == []
@@ -107,17 +142,36 @@ def test_serve_bench(tmp_path, model_dirs, capsys):
     and the in-process batched engine at batch 1 and 16; every output equal to the in-process
     greedy output (the bench fails otherwise)."""
     out = tmp_path / "serve"
-    code = main([
-        "bench", "--mode", "serve", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
-        "--categories", "code", "--prompts-per-category", "2", "--repeats", "1", "--max-new-tokens", "8",
-        "--out", str(out),
-    ])
+    code = main(
+        [
+            "bench",
+            "--mode",
+            "serve",
+            "--target",
+            model_dirs.target,
+            "--draft",
+            model_dirs.close_draft,
+            "--categories",
+            "code",
+            "--prompts-per-category",
+            "2",
+            "--repeats",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--out",
+            str(out),
+        ]
+    )
     assert code == 0, capsys.readouterr().err[-2000:]
     doc = json.loads((out / "serve.json").read_text())
     assert doc["exactness_violations"] == []
-    assert {(r["concurrency"], r["policy"]) for r in doc["results"]} == {(n, p) for n in (1, 4, 16, 32)
-                                                                         for p in ("defaults", "svip", "none")}
-    assert {(r["batch_size"], r["policy"]) for r in doc["inprocess_batches"]} == {(b, p) for b in (1, 16) for p in ("svip", "none")}
+    assert {(r["concurrency"], r["policy"]) for r in doc["results"]} == {
+        (n, p) for n in (1, 4, 16, 32) for p in ("defaults", "svip", "none")
+    }
+    assert {(r["batch_size"], r["policy"]) for r in doc["inprocess_batches"]} == {
+        (b, p) for b in (1, 16) for p in ("svip", "none")
+    }
     assert all(r["tokens_per_s"] > 0 for r in doc["inprocess_batches"])
     assert all(r["tokens_per_s"] > 0 and 0 < r["ttft_p50"] <= r["ttft_p95"] for r in doc["results"])
     assert (out / "serve.png").stat().st_size > 1000 and "| 32 | svip |" in (out / "serve.md").read_text()
@@ -140,8 +194,27 @@ def test_the_gpu_throughput_script_runs_where_there_is_no_gpu(tmp_path):
     from svip_bench import gpu_throughput
 
     out = tmp_path / "gpu"
-    assert gpu_throughput.main(["--device", "cpu", "--target-shape", "tiny", "--draft-shape", "tiny", "--repeats", "1",
-                                "--prompt", "16", "--new-tokens", "8", "--out", str(out)]) == 0
+    assert (
+        gpu_throughput.main(
+            [
+                "--device",
+                "cpu",
+                "--target-shape",
+                "tiny",
+                "--draft-shape",
+                "tiny",
+                "--repeats",
+                "1",
+                "--prompt",
+                "16",
+                "--new-tokens",
+                "8",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads((out / "gpu_throughput.json").read_text())
     assert {(r["batch"], r["tokens_per_seq"]) for r in doc["target_step"]} >= {(1, 1), (64, 9)}
     assert {(r["batch"], r["policy"]) for r in doc["engine"]} == {(b, p) for b in (1, 16) for p in ("none", "svip")}
@@ -152,8 +225,24 @@ def test_the_gpu_throughput_script_runs_where_there_is_no_gpu(tmp_path):
 
 def test_long_bench_runs_every_policy_at_each_length(tmp_path, model_dirs, capsys):
     out = tmp_path / "long"
-    code = main(["bench", "--long", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
-                 "--prompts-per-category", "1", "--repeats", "1", "--long-lengths", "8,20", "--out", str(out)])
+    code = main(
+        [
+            "bench",
+            "--long",
+            "--target",
+            model_dirs.target,
+            "--draft",
+            model_dirs.close_draft,
+            "--prompts-per-category",
+            "1",
+            "--repeats",
+            "1",
+            "--long-lengths",
+            "8,20",
+            "--out",
+            str(out),
+        ]
+    )
     captured = capsys.readouterr()
     assert code == 0, captured.err
     doc = json.loads((out / "long.json").read_text())
@@ -168,6 +257,19 @@ def test_long_bench_runs_every_policy_at_each_length(tmp_path, model_dirs, capsy
 
 
 def test_long_bench_refuses_lengths_past_the_context(model_dirs, capsys):
-    assert main(["bench", "--long", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
-                 "--long-lengths", "100000"]) == 2
+    assert (
+        main(
+            [
+                "bench",
+                "--long",
+                "--target",
+                model_dirs.target,
+                "--draft",
+                model_dirs.close_draft,
+                "--long-lengths",
+                "100000",
+            ]
+        )
+        == 2
+    )
     assert "exceed the pair's context" in capsys.readouterr().err

@@ -45,7 +45,9 @@ def test_generate_json(capsys, model_dirs, models):
 
 def test_plain_output_is_the_text(capsys, model_dirs):
     code, out, _ = run_cli(capsys, "generate", "def", *pair_args(model_dirs), "--max-new-tokens", "5")
-    code_json, out_json, _ = run_cli(capsys, "generate", "def", *pair_args(model_dirs), "--max-new-tokens", "5", "--json")
+    code_json, out_json, _ = run_cli(
+        capsys, "generate", "def", *pair_args(model_dirs), "--max-new-tokens", "5", "--json"
+    )
     assert code == code_json == 0
     assert out == json.loads(out_json)["text"] + "\n"
 
@@ -54,8 +56,16 @@ def test_draft_none_equals_speculative_greedy(capsys, model_dirs):
     outputs = []
     for draft, policy in ((model_dirs.close_draft, "svip"), ("none", "svip"), (model_dirs.random_draft, "heuristic")):
         code, out, err = run_cli(
-            capsys, "generate", "--prompt-ids", "5,6,7,8", *pair_args(model_dirs, draft),
-            "--policy", policy, "--max-new-tokens", "20", "--json",
+            capsys,
+            "generate",
+            "--prompt-ids",
+            "5,6,7,8",
+            *pair_args(model_dirs, draft),
+            "--policy",
+            policy,
+            "--max-new-tokens",
+            "20",
+            "--json",
         )
         assert code == 0, err
         outputs.append(json.loads(out)["token_ids"])
@@ -65,12 +75,16 @@ def test_draft_none_equals_speculative_greedy(capsys, model_dirs):
 def test_batch_input_keeps_order(capsys, model_dirs, tmp_path):
     batch = tmp_path / "batch.jsonl"
     batch.write_text('{"prompt": "def"}\n\n{"prompt_ids": [5, 6, 7]}\n{"prompt": "import os"}\n')
-    code, out, err = run_cli(capsys, "generate", "--input", str(batch), *pair_args(model_dirs), "--max-new-tokens", "4", "--json")
+    code, out, err = run_cli(
+        capsys, "generate", "--input", str(batch), *pair_args(model_dirs), "--max-new-tokens", "4", "--json"
+    )
     assert code == 0, err
     records = [json.loads(line) for line in out.splitlines()]
     assert len(records) == 3
     assert records[1]["prompt_token_ids"] == [5, 6, 7]
-    single = run_cli(capsys, "generate", "--prompt-ids", "5,6,7", *pair_args(model_dirs), "--max-new-tokens", "4", "--json")
+    single = run_cli(
+        capsys, "generate", "--prompt-ids", "5,6,7", *pair_args(model_dirs), "--max-new-tokens", "4", "--json"
+    )
     assert json.loads(single[1])["token_ids"] == records[1]["token_ids"]
 
 
@@ -78,11 +92,22 @@ def test_batch_input_keeps_order(capsys, model_dirs, tmp_path):
 def test_batch_size_runs_the_file_at_once_with_the_same_outputs_in_order(capsys, model_dirs, tmp_path, load_aware):
     batch = tmp_path / "batch.jsonl"
     batch.write_text("".join(f'{{"prompt_ids": [5, 6, {7 + i}]}}\n' for i in range(6)) + '{"prompt": "def"}\n')
-    args = ["generate", "--input", str(batch), *pair_args(model_dirs), "--max-new-tokens", "12", "--json",
-            "--load-aware", load_aware]
+    args = [
+        "generate",
+        "--input",
+        str(batch),
+        *pair_args(model_dirs),
+        "--max-new-tokens",
+        "12",
+        "--json",
+        "--load-aware",
+        load_aware,
+    ]
     code, one, err = run_cli(capsys, *args, "--batch-size", "1")
     assert code == 0, err
-    code, many, err = run_cli(capsys, *args, "--batch-size", "4", "--kv-cache-tokens", "256", "--max-batched-tokens", "64")
+    code, many, err = run_cli(
+        capsys, *args, "--batch-size", "4", "--kv-cache-tokens", "256", "--max-batched-tokens", "64"
+    )
     assert code == 0, err
     ids = lambda out: [(r["prompt_token_ids"], r["token_ids"]) for r in map(json.loads, out.splitlines())]  # noqa: E731
     assert ids(many) == ids(one) and len(ids(one)) == 7
@@ -105,7 +130,12 @@ def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
         (["--prompt-ids", "1,x,3"], "--prompt-ids: 'x' is not an integer"),
         (["--prompt-ids", "1,99999"], "prompt token id 99999 is outside the vocabulary"),
         (["--prompt-ids", "1,-4"], "prompt token id -4 is outside the vocabulary"),
-        (["", ], "prompt is empty"),
+        (
+            [
+                "",
+            ],
+            "prompt is empty",
+        ),
         (["x", "--max-new-tokens", "0"], "max_new_tokens must be in [1, 2^31), got 0"),
         (["x", "--max-new-tokens", "-3"], "max_new_tokens must be in [1, 2^31), got -3"),
         (["x", "--temperature", "-0.5"], "temperature must be a number >= 0"),
@@ -193,7 +223,10 @@ def test_console_script_non_utf8_argv_and_no_traceback(model_dirs):
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run(
         [sys.executable, "-m", "svip_cli", "generate", b"caf\xe9", *pair_args(model_dirs)],
-        capture_output=True, env=env, cwd=REPO, timeout=120,
+        capture_output=True,
+        env=env,
+        cwd=REPO,
+        timeout=120,
     )
     assert proc.returncode == 2
     assert proc.stderr.decode().strip() == "svip: error: prompt is not valid UTF-8"
@@ -207,7 +240,11 @@ def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run(
         [sys.executable, "-m", "svip_cli", *args, "--mode", "distributed", "--pipeline", "async"],
-        capture_output=True, env=env, cwd=REPO, timeout=300, text=True,
+        capture_output=True,
+        env=env,
+        cwd=REPO,
+        timeout=300,
+        text=True,
     )
     assert proc.returncode == 0, proc.stderr[-2000:]
     distributed = json.loads(proc.stdout)
@@ -224,14 +261,17 @@ def test_pipeline_needs_distributed_mode(capsys, model_dirs):
     assert code == 2 and "--pipeline applies to --mode distributed" in err
 
 
-@pytest.mark.parametrize("args, code, message", [
-    (["--replicas", "0"], 2, "num_replicas must be an integer >= 1"),
-    (["--port", "70000"], 2, "--port must be in 1..65535"),
-    (["--max-in-flight", "0"], 2, "max_in_flight must be an integer >= 1"),
-    (["--policy", "fastest"], 2, "policy must be one of"),
-    (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),
-    (["--draft", "/somewhere"], 2, "a draft was given without a target"),
-])
+@pytest.mark.parametrize(
+    "args, code, message",
+    [
+        (["--replicas", "0"], 2, "num_replicas must be an integer >= 1"),
+        (["--port", "70000"], 2, "--port must be in 1..65535"),
+        (["--max-in-flight", "0"], 2, "max_in_flight must be an integer >= 1"),
+        (["--policy", "fastest"], 2, "policy must be one of"),
+        (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),
+        (["--draft", "/somewhere"], 2, "a draft was given without a target"),
+    ],
+)
 def test_serve_refuses_bad_settings_before_starting(capsys, args, code, message):
     import socket
 

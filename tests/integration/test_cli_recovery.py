@@ -30,10 +30,18 @@ def test_a_distributed_batch_is_exact_through_worker_faults(tmp_path, target_gat
     The stopped draft resumes only once a request finished without it."""
     batch = tmp_path / "prompts.jsonl"
     batch.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in PROMPTS[:7]))
-    reference = [json.loads(line)["token_ids"] for line in
-                 subprocess.run(_cli("--input", str(batch)), capture_output=True, text=True, check=True).stdout.splitlines()]
-    proc = subprocess.Popen(_cli("--input", str(batch), "--mode", "distributed"), stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)
+    reference = [
+        json.loads(line)["token_ids"]
+        for line in subprocess.run(
+            _cli("--input", str(batch)), capture_output=True, text=True, check=True
+        ).stdout.splitlines()
+    ]
+    proc = subprocess.Popen(
+        _cli("--input", str(batch), "--mode", "distributed"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
     lines: queue.Queue = queue.Queue()
     reader = threading.Thread(target=lambda: [lines.put(line) for line in proc.stdout] + [lines.put(None)], daemon=True)
     reader.start()
@@ -47,8 +55,11 @@ def test_a_distributed_batch_is_exact_through_worker_faults(tmp_path, target_gat
     try:
         for fault in ("draft-kill", "target-kill", "draft-stop"):
             with target_gate.held(steps=1):  # the prompt's prefill and first verdict
-                wait_until(lambda: target_gate.holding() or proc.poll() is not None, timeout_s=300,
-                           what="a request in flight, held")
+                wait_until(
+                    lambda: target_gate.holding() or proc.poll() is not None,
+                    timeout_s=300,
+                    what="a request in flight, held",
+                )
                 assert proc.poll() is None, "the batch ended before the faults"
                 pid = worker_pid(proc.pid, fault.split("-")[0])
                 if fault == "draft-stop":

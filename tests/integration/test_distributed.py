@@ -19,8 +19,8 @@ from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from tests.gates import async_wait_until
-from tests.loopback import assert_loopback_listeners
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
+from tests.loopback import assert_loopback_listeners
 
 POLICIES = {
     "svip": PolicyConfig(name="svip", threshold=0.6),
@@ -70,7 +70,11 @@ def test_greedy_equals_inprocess_and_target_alone(engines, inprocess, models, pr
     for name, ids in prompt_ids.items():
         request = GenerationRequest(ids, MAX_NEW, policy=POLICIES[policy])
         result = loop.run_until_complete(engines[mode].generate(request))
-        assert result.token_ids == inprocess.generate(request).token_ids == alone.generate(request).token_ids, (mode, policy, name)
+        assert result.token_ids == inprocess.generate(request).token_ids == alone.generate(request).token_ids, (
+            mode,
+            policy,
+            name,
+        )
         assert result.finish_reason == "length"
 
 
@@ -104,16 +108,18 @@ def test_async_discards_stale_blocks_without_verifying_them(engines, pair, promp
 
 
 def test_async_overlaps_draft_and_target(engines, prompt_ids, loop):
-    stats = loop.run_until_complete(engines["async"].generate(
-        GenerationRequest(prompt_ids["long"], 60, policy=POLICIES["constant"]))).stats
+    stats = loop.run_until_complete(
+        engines["async"].generate(GenerationRequest(prompt_ids["long"], 60, policy=POLICIES["constant"]))
+    ).stats
     assert stats.both_busy_s > 0
     workers = {w for w, _, _ in stats.timeline}
     assert workers == {"draft", "target"}
 
 
 def test_greedy_wire_bytes_are_ids_and_small_headers(engines, prompt_ids, loop, models):
-    stats = loop.run_until_complete(engines["async"].generate(
-        GenerationRequest(prompt_ids["short"], 60, policy=POLICIES["constant"]))).stats
+    stats = loop.run_until_complete(
+        engines["async"].generate(GenerationRequest(prompt_ids["short"], 60, policy=POLICIES["constant"]))
+    ).stats
     mean_k = sum(stats.draft_lengths) / stats.rounds
     # per round: the block twice (draft -> coordinator -> target), verdict, feedback, each with a
     # 32-byte session id; tokens <= 3 bytes, entropies 4 bytes; no vocabulary-sized vector
@@ -122,8 +128,9 @@ def test_greedy_wire_bytes_are_ids_and_small_headers(engines, prompt_ids, loop, 
 
 
 def test_sampled_rejections_ship_one_row_not_k(engines, prompt_ids, loop, models):
-    request = GenerationRequest(prompt_ids["short"], 40, sampling=SamplingParams(temperature=1.0, seed=3),
-                                policy=POLICIES["constant"])
+    request = GenerationRequest(
+        prompt_ids["short"], 40, sampling=SamplingParams(temperature=1.0, seed=3), policy=POLICIES["constant"]
+    )
     stats = loop.run_until_complete(engines["sync"].generate(request)).stats
     rejections = sum(a < d for a, d in zip(stats.accepted_lengths, stats.draft_lengths))
     row = models["target"].vocab_size * 4
@@ -139,8 +146,10 @@ def test_sampling_distribution_through_the_pipeline(engines, models, prompt_ids,
     sampling = SamplingParams(temperature=1.0)
     prompt = prompt_ids["medium"]
     policy = PolicyConfig(name="constant", draft_length=3)
-    requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=s), policy=policy)
-                for s in range(1500)]
+    requests = [
+        GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=s), policy=policy)
+        for s in range(1500)
+    ]
 
     async def run_all():
         out = []
@@ -157,8 +166,9 @@ def test_sampling_distribution_through_the_pipeline(engines, models, prompt_ids,
 
 
 def test_seeded_sampling_reproduces_across_runs(engines, prompt_ids, loop):
-    request = GenerationRequest(prompt_ids["long"], 30, sampling=SamplingParams(temperature=0.9, seed=11),
-                                policy=POLICIES["svip"])
+    request = GenerationRequest(
+        prompt_ids["long"], 30, sampling=SamplingParams(temperature=0.9, seed=11), policy=POLICIES["svip"]
+    )
     first = loop.run_until_complete(engines["async"].generate(request))
     second = loop.run_until_complete(engines["async"].generate(request))
     assert first.token_ids == second.token_ids
@@ -171,8 +181,11 @@ def test_cancelled_session_frees_both_caches(engines, prompt_ids, loop, target_g
 
     async def start_then_cancel():
         with target_gate.held(steps=2):
-            task = asyncio.create_task(engine.generate(
-                GenerationRequest(prompt_ids["short"], 400, policy=POLICIES["constant"], ignore_eos=True)))
+            task = asyncio.create_task(
+                engine.generate(
+                    GenerationRequest(prompt_ids["short"], 400, policy=POLICIES["constant"], ignore_eos=True)
+                )
+            )
             await async_wait_until(lambda: asyncio.sleep(0, target_gate.holding()), what="the target holding")
             busy = await engine.worker_stats()
             task.cancel()
@@ -196,7 +209,9 @@ def test_bad_request_is_invalid_argument_and_the_stream_goes_on(pair, loop):
     async def exchange():
         async with grpc.aio.insecure_channel(pair.target_address) as channel:
             stub = pb_grpc.TargetWorkerStub(channel)
-            health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service="svip.v1.TargetWorker"))
+            health = await health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service="svip.v1.TargetWorker")
+            )
             requests = asyncio.Queue()
 
             async def gen():
@@ -206,10 +221,17 @@ def test_bad_request_is_invalid_argument_and_the_stream_goes_on(pair, loop):
             call = stub.Generate(gen())
             requests.put_nowait(pb.GenerateRequest(cancel=pb.Cancel(session_id="ghost")))
             first = await call.read()
-            requests.put_nowait(pb.GenerateRequest(start=pb.StartSession(session_id="s", prompt_ids=[1, 99999], max_new_tokens=5)))
+            requests.put_nowait(
+                pb.GenerateRequest(start=pb.StartSession(session_id="s", prompt_ids=[1, 99999], max_new_tokens=5))
+            )
             second = await call.read()
-            start = pb.StartSession(session_id="ok", prompt_ids=[1, 2], max_new_tokens=5, sampling=pb.SamplingParams(top_p=1.0),
-                                    policy=pb.PolicyConfig(name="none"))
+            start = pb.StartSession(
+                session_id="ok",
+                prompt_ids=[1, 2],
+                max_new_tokens=5,
+                sampling=pb.SamplingParams(top_p=1.0),
+                policy=pb.PolicyConfig(name="none"),
+            )
             requests.put_nowait(pb.GenerateRequest(start=start))
             rest = []
             while not rest or rest[-1].WhichOneof("kind") != "finished":
@@ -226,8 +248,9 @@ def test_bad_request_is_invalid_argument_and_the_stream_goes_on(pair, loop):
 
 def test_distributed_rejects_bad_requests_with_named_errors(engines, loop):
     with pytest.raises(InvalidRequest, match="top_p"):
-        loop.run_until_complete(engines["async"].generate(
-            GenerationRequest((1, 2), 5, sampling=SamplingParams(temperature=1.0, top_p=0.0))))
+        loop.run_until_complete(
+            engines["async"].generate(GenerationRequest((1, 2), 5, sampling=SamplingParams(temperature=1.0, top_p=0.0)))
+        )
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         loop.run_until_complete(engines["async"].generate(GenerationRequest((1, 10**6), 5)))
 

@@ -12,9 +12,9 @@ import logging
 import pytest
 
 from coordinator.distributed import DistributedEngine
-from coordinator.draft_port import DraftPort
 from coordinator.engine import SpeculativeEngine
-from coordinator.pipeline import REATTACH_BACKOFF_S, SessionPipeline
+from coordinator.session.draft_port import DraftPort
+from coordinator.session.pipeline import REATTACH_BACKOFF_S, SessionPipeline
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.models import load_model_info
 from svip_proto import svip_pb2 as pb

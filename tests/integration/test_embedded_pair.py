@@ -7,8 +7,8 @@ import json
 
 import pytest
 
-from svip_cli.main import main
 from svip_assets import PAIR_DIR, default_pair
+from svip_cli.main import main
 from svip_common.models import check_same_vocabulary, load_model
 
 
@@ -36,7 +36,9 @@ def test_chat_template_renders_for_both_models():
 
     messages = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "Add two\nnumbers."}]
     for path in default_pair():
-        text = AutoTokenizer.from_pretrained(path).apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = AutoTokenizer.from_pretrained(path).apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
         assert text == "# system: You write Python.\n# user: Add two\n# numbers.\n# assistant:\n"
 
 
@@ -49,10 +51,16 @@ def shipped():
     return SpeculativeEngine(target, draft), SpeculativeEngine(target, None)
 
 
-@pytest.mark.parametrize("policy", [
-    {"name": "svip"}, {"name": "svip", "threshold": 0.6}, {"name": "constant", "draft_length": 4},
-    {"name": "heuristic"}, {"name": "confidence"},
-])
+@pytest.mark.parametrize(
+    "policy",
+    [
+        {"name": "svip"},
+        {"name": "svip", "threshold": 0.6},
+        {"name": "constant", "draft_length": 4},
+        {"name": "heuristic"},
+        {"name": "confidence"},
+    ],
+)
 def test_greedy_output_on_the_shipped_pair_equals_the_target_alone(shipped, policy):
     from svip_common.contracts import GenerationRequest, PolicyConfig
 

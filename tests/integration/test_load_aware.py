@@ -129,7 +129,8 @@ def run_distributed(workers, model_dirs, loop, reqs, pipeline: str):
 
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
-def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models, model_dirs, prompt_ids, loop, pipeline):
+def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models, model_dirs, prompt_ids, loop,
+                                                               pipeline):
     host, draft = workers[:2]
     caps = {}
 
@@ -187,8 +188,12 @@ def test_sampled_sessions_pause_and_resume_without_a_protocol_error(workers, mod
     host, draft = workers[:2]
     caps = {}
     host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(100 + len(caps))))
-    reqs = [GenerationRequest(r.prompt_ids, r.max_new_tokens, SamplingParams(temperature=0.9, seed=3 + i), r.policy,
-                              ignore_eos=True) for i, r in enumerate(requests(prompt_ids))]
+    reqs = [
+        GenerationRequest(
+            r.prompt_ids, r.max_new_tokens, SamplingParams(temperature=0.9, seed=3 + i), r.policy, ignore_eos=True
+        )
+        for i, r in enumerate(requests(prompt_ids))
+    ]
     results = run_distributed(workers, model_dirs, loop, reqs, "async")
     assert [len(r.token_ids) for r in results] == [r.max_new_tokens for r in reqs]
     assert sum(r.stats.pauses for r in results) > 0 and sum(r.stats.draft_tokens for r in results) > 0
@@ -212,18 +217,35 @@ def test_the_draft_refuses_a_pause_that_leaves_the_token_to_it(models):
 def test_the_target_refuses_a_block_while_the_session_is_paused(models):
     """A session that starts paused verifies alone; a draft block of its epoch is the draft's
     protocol error: the draft is given up for the session (never the caller's error)."""
-    from coordinator.pipeline import SessionPipeline
+    from coordinator.session.pipeline import SessionPipeline
     from svip_proto import svip_pb2 as pb
 
     sent, enqueued = [], []
-    link = type("Link", (), {"send": lambda self, sid, request: sent.append(request), "available": True,
-                             "answered": lambda self, seconds: None})()
+    link = type(
+        "Link",
+        (),
+        {
+            "send": lambda self, sid, request: sent.append(request),
+            "available": True,
+            "answered": lambda self, seconds: None,
+        },
+    )()
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     request = GenerationRequest((5, 6, 7), 8, policy=PolicyConfig(name="constant", draft_length=3))
     verifier = Verifier(models["target"], limits.tokens)
-    session = SessionPipeline("s", request, frozenset(), limits, verifier.open(request.sampling), link, "async",
-                              emit=lambda event: None, schedule=lambda fn, *args: fn(*args),
-                              enqueue=lambda *job: enqueued.append(job), load_cap=lambda gate: 0)
+    session = SessionPipeline(
+        "s",
+        request,
+        frozenset(),
+        limits,
+        verifier.open(request.sampling),
+        link,
+        "async",
+        emit=lambda event: None,
+        schedule=lambda fn, *args: fn(*args),
+        enqueue=lambda *job: enqueued.append(job),
+        load_cap=lambda gate: 0,
+    )
     session.start()
     assert session.paused and sent[0].start.load_cap == 0 and enqueued  # the target goes on alone
     block = pb.DraftEvent(block=pb.Block(session_id="s", epoch=session.epoch, base=3, tokens=[9]))

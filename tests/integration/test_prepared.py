@@ -14,13 +14,13 @@ import asyncio
 import pytest
 import torch
 
-from coordinator.host import SessionHost
+from coordinator.session.host import SessionHost
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
 from svip_common.contracts import NO_TOKEN, Limits, PolicyConfig, SamplingParams
-from svip_common.grpc_server import start_server
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.grpc_server import start_server
 from target_worker.verifier import Verifier
 
 PROMPT = (5, 6, 7)
@@ -56,7 +56,9 @@ class ScriptedDraft(pb_grpc.DraftWorkerServicer):
 def host(models, loop):
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     draft = ScriptedDraft()
-    server, port = loop.run_until_complete(start_server(lambda s: pb_grpc.add_DraftWorkerServicer_to_server(draft, s), "d"))
+    server, port = loop.run_until_complete(
+        start_server(lambda s: pb_grpc.add_DraftWorkerServicer_to_server(draft, s), "d")
+    )
     # the scripted blocks must reach the verifier as sent: no load-aware pause (test_load_aware.py)
     target = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}", load_aware="off")
     loop.run_until_complete(target.start())
@@ -72,6 +74,7 @@ def greedy_next(model, ids) -> int:
 
 def run_session(target: SessionHost, session_id: str, max_new: int, loop) -> tuple[list[int], pb.Finished]:
     """Start a greedy session on the host in-process (its Generate stream) and collect it."""
+
     async def go():
         requests: asyncio.Queue = asyncio.Queue()
 
@@ -79,10 +82,16 @@ def run_session(target: SessionHost, session_id: str, max_new: int, loop) -> tup
             while (r := await requests.get()) is not None:
                 yield r
 
-        start = pb.StartSession(session_id=session_id, prompt_ids=list(PROMPT), max_new_tokens=max_new,
-                                sampling=pb.SamplingParams(top_p=1.0), pipeline=pb.PIPELINE_ASYNC,
-                                policy=pb.PolicyConfig(name="constant", draft_length=1, max_draft_length=8,
-                                                       entropy_scale=0.15, threshold=0.3, confidence=0.4))
+        start = pb.StartSession(
+            session_id=session_id,
+            prompt_ids=list(PROMPT),
+            max_new_tokens=max_new,
+            sampling=pb.SamplingParams(top_p=1.0),
+            pipeline=pb.PIPELINE_ASYNC,
+            policy=pb.PolicyConfig(
+                name="constant", draft_length=1, max_draft_length=8, entropy_scale=0.15, threshold=0.3, confidence=0.4
+            ),
+        )
         requests.put_nowait(pb.GenerateRequest(start=start))
         tokens, events = [], target.Generate(gen(), None)
         async for event in events:
@@ -110,16 +119,22 @@ def test_a_prepared_continuation_is_verified_only_when_the_correction_matches(ho
     prepared = {"match": [(x, c_x)], "other": [(y, c_x)], "both": [(y, c_x), (x, c_x)]}[offered]
     # the prepared blocks are sent first, so they are at the target before the verdict (a real
     # draft sends them while the block is verified; one that arrives late is discarded there)
-    blocks = [pb.Block(session_id=session_id, base=len(PROMPT) + 1, tokens=[follow],
-                       prepared_for=pb.PreparedFor(base=len(PROMPT), accepted=0, token=token))
-              for token, follow in prepared]
+    blocks = [
+        pb.Block(
+            session_id=session_id,
+            base=len(PROMPT) + 1,
+            tokens=[follow],
+            prepared_for=pb.PreparedFor(base=len(PROMPT), accepted=0, token=token),
+        )
+        for token, follow in prepared
+    ]
     draft.script[session_id] = blocks + [pb.Block(session_id=session_id, base=len(PROMPT), tokens=[wrong])]
     before = target.verifier.tokens_verified
     tokens, finished = run_session(target, session_id, max_new=4, loop=loop)
     reference = list(PROMPT)
     for _ in range(4):
         reference.append(greedy_next(model, reference))
-    assert tokens == reference[len(PROMPT):]  # exact, whatever was prepared
+    assert tokens == reference[len(PROMPT) :]  # exact, whatever was prepared
     first = draft.feedback[session_id][0]
     assert (first.accepted, first.token) == (0, x)
     rounds = finished.stats.rounds
@@ -141,8 +156,12 @@ def test_a_stale_or_parentless_prepared_block_is_never_verified(host, models, lo
     session_id = "prep-late"
     draft.script[session_id] = [
         pb.Block(session_id=session_id, base=len(PROMPT), tokens=[(x + 1) % 300]),
-        pb.Block(session_id=session_id, base=len(PROMPT) - 2, tokens=[x],  # its parent is long decided
-                 prepared_for=pb.PreparedFor(base=len(PROMPT) - 3, accepted=0, token=x)),
+        pb.Block(
+            session_id=session_id,
+            base=len(PROMPT) - 2,
+            tokens=[x],  # its parent is long decided
+            prepared_for=pb.PreparedFor(base=len(PROMPT) - 3, accepted=0, token=x),
+        ),
     ]
     before = target.verifier.tokens_verified
     tokens, finished = run_session(target, session_id, max_new=3, loop=loop)
@@ -155,8 +174,15 @@ def draft_session(models):
     drafter = Drafter(models["close_draft"], models["target"].vocab_size)
     policy = PolicyConfig(name="svip", threshold=0.6)
     session = drafter.open(SamplingParams(), policy, ())
-    return PipelinedDraft(session=session, prompt=list(PROMPT), max_new_tokens=40, stop_token_ids=frozenset(),
-                          pipelined=True, prepare=2, send_prepared=True)
+    return PipelinedDraft(
+        session=session,
+        prompt=list(PROMPT),
+        max_new_tokens=40,
+        stop_token_ids=frozenset(),
+        pipelined=True,
+        prepare=2,
+        send_prepared=True,
+    )
 
 
 def _prepare_everything(draft: PipelinedDraft) -> list:

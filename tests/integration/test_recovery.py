@@ -54,8 +54,10 @@ def engine(pair, loop):
 @pytest.fixture(scope="module")
 def requests(prompt_ids):
     prompts = list(prompt_ids.values())
-    return [GenerationRequest(prompts[i % len(prompts)], NEW - 10 * i, policy=SVIP if i % 2 else CONSTANT, ignore_eos=True)
-            for i in range(6)]
+    return [
+        GenerationRequest(prompts[i % len(prompts)], NEW - 10 * i, policy=SVIP if i % 2 else CONSTANT, ignore_eos=True)
+        for i in range(6)
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -103,8 +105,9 @@ def test_a_draft_killed_mid_stream_leaves_every_session_exact(loop, engine, pair
     assert again.token_ids == expected[1] and again.stats.draft_tokens > 0 and again.stats.detached == 0
 
 
-def test_a_stopped_draft_is_left_behind_and_speculates_again_once_it_resumes(loop, engine, pair, requests, expected,
-                                                                             target_gate):
+def test_a_stopped_draft_is_left_behind_and_speculates_again_once_it_resumes(
+    loop, engine, pair, requests, expected, target_gate
+):
     """The draft is stopped mid-stream and resumed only after every session has ended: so they
     ended without it (detached, exact), on any machine; then it answers again and speculates."""
     draft_pid = pair.pids()["draft"]
@@ -124,7 +127,9 @@ def test_a_stopped_draft_is_left_behind_and_speculates_again_once_it_resumes(loo
     assert again.token_ids == expected[0] and again.stats.draft_tokens > 0
 
 
-def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(loop, engine, pair, requests, expected, target_gate):
+def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(
+    loop, engine, pair, requests, expected, target_gate
+):
     target_pid = pair.pids()["target"]
     results = run_through(loop, engine, requests, lambda: os.kill(target_pid, signal.SIGKILL), target_gate)
     assert [r.token_ids for r in results] == expected
@@ -136,9 +141,12 @@ def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(
     assert engine.recoveries.restarts >= 1
 
 
-def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids, target_gate):
-    request = GenerationRequest(prompt_ids["medium"], NEW, sampling=SamplingParams(temperature=0.9, seed=77),
-                                policy=SVIP, ignore_eos=True)
+def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(
+    loop, engine, pair, prompt_ids, target_gate
+):
+    request = GenerationRequest(
+        prompt_ids["medium"], NEW, sampling=SamplingParams(temperature=0.9, seed=77), policy=SVIP, ignore_eos=True
+    )
     wait_for_draft_link(loop, engine)  # a target restarted by the test before dials its draft anew
     undisturbed = loop.run_until_complete(engine.generate(request))
     assert undisturbed.stats.draft_tokens > 0 and undisturbed.stats.detached == 0
@@ -148,10 +156,17 @@ def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(loo
     assert disturbed.token_ids == undisturbed.token_ids
 
 
-def test_a_seeded_sampled_session_through_a_target_kill_equals_it_undisturbed(loop, engine, pair, prompt_ids, target_gate):
+def test_a_seeded_sampled_session_through_a_target_kill_equals_it_undisturbed(
+    loop, engine, pair, prompt_ids, target_gate
+):
     # constant blocks: SVIP on a top-p-filtered q drafts 40-token blocks that are mostly rejected (slow, not the point)
-    request = GenerationRequest(prompt_ids["short"], NEW, sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=5),
-                                policy=CONSTANT, ignore_eos=True)
+    request = GenerationRequest(
+        prompt_ids["short"],
+        NEW,
+        sampling=SamplingParams(temperature=0.8, top_p=0.95, seed=5),
+        policy=CONSTANT,
+        ignore_eos=True,
+    )
     wait_for_draft_link(loop, engine)  # a target restarted by the test before dials its draft anew
     undisturbed = loop.run_until_complete(engine.generate(request))
     target_pid = pair.pids()["target"]
@@ -210,6 +225,5 @@ def test_a_device_failure_makes_the_worker_exit_so_it_is_replaced(error, code):
     import subprocess
     import sys
 
-    script = ("from svip_common.errors import exit_on_device_failure\n"
-              f"exit_on_device_failure(RuntimeError({error!r}))\n")
+    script = f"from svip_common.errors import exit_on_device_failure\nexit_on_device_failure(RuntimeError({error!r}))\n"
     assert subprocess.run([sys.executable, "-c", script], capture_output=True).returncode == code

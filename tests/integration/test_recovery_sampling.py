@@ -17,7 +17,7 @@ import asyncio
 import pytest
 
 from coordinator.distributed import DistributedEngine
-from coordinator.pipeline import SessionPipeline
+from coordinator.session.pipeline import SessionPipeline
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.models import load_model_info
 from tests.integration.test_sampling_exact import assert_first_tokens_follow_the_target
@@ -64,8 +64,10 @@ def test_a_sampled_session_going_on_alone_after_a_lost_draft_follows_the_target(
         results = []
         try:
             for first in range(0, SAMPLES, AT_ONCE):
-                reqs = [GenerationRequest(prompt, 2, SamplingParams(temperature=1.0, seed=seed), policy, ignore_eos=True)
-                        for seed in range(first, min(SAMPLES, first + AT_ONCE))]
+                reqs = [
+                    GenerationRequest(prompt, 2, SamplingParams(temperature=1.0, seed=seed), policy, ignore_eos=True)
+                    for seed in range(first, min(SAMPLES, first + AT_ONCE))
+                ]
                 results += await asyncio.gather(*(engine.generate(r) for r in reqs))
         finally:
             await engine.close()

@@ -72,7 +72,9 @@ def test_first_tokens_follow_the_target(models, prompt_ids, config):
     policy = PolicyConfig(name="constant", draft_length=3)
     firsts, seconds, rejections = [], [], 0
     for seed in range(SAMPLES):
-        request = GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
+        request = GenerationRequest(
+            prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy
+        )
         result = engine.generate(request)
         firsts.append(result.token_ids[0])
         seconds.append(result.token_ids[1])
@@ -119,8 +121,10 @@ def test_sampled_tokens_follow_the_target_through_load_aware_pauses(models, prom
     calls = iter(range(10**9))
     engine.verifier.load = lambda: HEAVY if next(calls) % 4 < 2 else LIGHT
     policy = PolicyConfig(name="constant", draft_length=3)
-    requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
-                for seed in range(SAMPLES)]
+    requests = [
+        GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
+        for seed in range(SAMPLES)
+    ]
     results = engine.generate_many(requests, 50)
     assert sum(r.stats.pauses for r in results) > SAMPLES // 10  # pauses really happened
     assert sum(r.stats.draft_tokens for r in results) > SAMPLES // 2  # and drafting too

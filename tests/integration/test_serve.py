@@ -26,7 +26,10 @@ from tests.serving import svip_serve
 
 MODEL = "svip-pair"
 MAX_NEW = 40
-CHAT = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "A function that adds two numbers."}]
+CHAT = [
+    {"role": "system", "content": "You write Python."},
+    {"role": "user", "content": "A function that adds two numbers."},
+]
 
 
 @pytest.fixture(scope="module")
@@ -54,8 +57,22 @@ def reference(tokenizer, tmp_path_factory):
     lines = [json.dumps({"prompt": p}) for p in PROMPTS] + [json.dumps({"prompt_ids": chat_ids})]
     batch.write_text("\n".join(lines) + "\n")
     out = subprocess.run(
-        [sys.executable, "-m", "svip_cli", "generate", "--input", str(batch), "--max-new-tokens", str(MAX_NEW),
-         "--temperature", "0", "--json"], capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "svip_cli",
+            "generate",
+            "--input",
+            str(batch),
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--temperature",
+            "0",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     records = [json.loads(line) for line in out.splitlines()]
     return {"prompts": records[:-1], "chat": records[-1]}
@@ -83,16 +100,22 @@ def test_completions_equal_svip_generate(client, reference):
 
 @pytest.mark.parametrize("policy", ["constant", "heuristic", "none"])
 def test_every_policy_gives_the_same_greedy_text(client, reference, policy):
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0,
-                                  extra_body={"policy": policy, "draft_length": 3})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=MAX_NEW,
+        temperature=0,
+        extra_body={"policy": policy, "draft_length": 3},
+    )
     assert r.choices[0].text == reference["prompts"][0]["text"]
     assert r.model_extra["svip"]["policy"] == policy
 
 
 def test_streamed_completions_equal_svip_generate(client, reference):
     for prompt, ref in zip(PROMPTS[:4], reference["prompts"]):
-        chunks = list(client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0,
-                                                stream=True))
+        chunks = list(
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0, stream=True)
+        )
         assert "".join(c.choices[0].text for c in chunks) == ref["text"]
         last = chunks[-1]
         assert last.choices[0].finish_reason is not None
@@ -100,12 +123,20 @@ def test_streamed_completions_equal_svip_generate(client, reference):
 
 
 def test_raw_stream_is_server_sent_events_ending_in_done(server, reference):
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": MAX_NEW, "temperature": 0, "stream": True,
-            "stream_options": {"include_usage": True}}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "max_tokens": MAX_NEW,
+        "temperature": 0,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
     with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
-    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(reference["prompts"][0]["token_ids"])
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(
+        reference["prompts"][0]["token_ids"]
+    )
     assert "svip" in events[-1] and "svip" in events[-2] and events[-2]["choices"][0]["finish_reason"]
 
 
@@ -115,8 +146,9 @@ def test_chat_uses_the_chat_template(client, reference):
     assert r.choices[0].message.role == "assistant"
     assert r.choices[0].message.content == ref["text"]
     assert r.usage.prompt_tokens == len(ref["prompt_token_ids"])
-    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0,
-                                                 stream=True))
+    chunks = list(
+        client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0, stream=True)
+    )
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
@@ -129,8 +161,11 @@ def test_stop_strings_cut_the_text(client, reference):
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0, stop=[stop, "@@@"])
     assert r.choices[0].text == expected and r.choices[0].finish_reason == "stop"
     assert 0 < r.usage.completion_tokens < len(reference["prompts"][0]["token_ids"])
-    chunks = list(client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0,
-                                            stop=stop, stream=True))
+    chunks = list(
+        client.completions.create(
+            model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0, stop=stop, stream=True
+        )
+    )
     assert "".join(c.choices[0].text for c in chunks) == expected
     assert chunks[-1].choices[0].finish_reason == "stop"
 
@@ -139,13 +174,42 @@ def test_sampling_equals_the_distributed_engine_with_the_same_seed(client):
     """The API passes every sampling parameter to the same distributed pipeline whose output
     distribution tests/integration/test_distributed.py checks: same seed, same tokens."""
     cli = subprocess.run(
-        [sys.executable, "-m", "svip_cli", "generate", PROMPTS[0], "--mode", "distributed", "--pipeline", "async",
-         "--temperature", "0.8", "--top-p", "0.9", "--top-k", "50", "--seed", "1234", "--max-new-tokens", str(MAX_NEW),
-         "--json"], capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "svip_cli",
+            "generate",
+            PROMPTS[0],
+            "--mode",
+            "distributed",
+            "--pipeline",
+            "async",
+            "--temperature",
+            "0.8",
+            "--top-p",
+            "0.9",
+            "--top-k",
+            "50",
+            "--seed",
+            "1234",
+            "--max-new-tokens",
+            str(MAX_NEW),
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     expected = json.loads(cli.stdout)["text"]
-    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0.8, top_p=0.9,
-                                  seed=1234, extra_body={"top_k": 50})
+    r = client.completions.create(
+        model=MODEL,
+        prompt=PROMPTS[0],
+        max_tokens=MAX_NEW,
+        temperature=0.8,
+        top_p=0.9,
+        seed=1234,
+        extra_body={"top_k": 50},
+    )
     assert r.choices[0].text == expected
 
 
@@ -184,9 +248,15 @@ def test_bad_requests_get_openai_errors(server, endpoint, body, status, words):
     assert words in error["message"] and error["type"] == "invalid_request_error"
 
 
-@pytest.mark.parametrize("content, words", [
-    (b"{not json", "not valid JSON"), (b"", "not valid JSON"), (b"[1, 2]", "JSON object"), (b"\xff\xfe", "not valid JSON"),
-])
+@pytest.mark.parametrize(
+    "content, words",
+    [
+        (b"{not json", "not valid JSON"),
+        (b"", "not valid JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b"\xff\xfe", "not valid JSON"),
+    ],
+)
 def test_malformed_bodies(server, content, words):
     r = httpx.post(f"{server['base']}/v1/completions", content=content, headers={"content-type": "application/json"})
     assert r.status_code == 400 and words in r.json()["error"]["message"]
@@ -220,7 +290,9 @@ def test_models_and_health(client, server):
 
 def test_sixteen_concurrent_streams_are_each_exact(client, reference):
     def stream(i):
-        chunks = client.completions.create(model=MODEL, prompt=PROMPTS[i], max_tokens=MAX_NEW, temperature=0, stream=True)
+        chunks = client.completions.create(
+            model=MODEL, prompt=PROMPTS[i], max_tokens=MAX_NEW, temperature=0, stream=True
+        )
         parts, usage = [], None
         for c in chunks:
             parts.append(c.choices[0].text)
@@ -248,8 +320,14 @@ def wait_idle(server) -> dict:
 
 def test_client_disconnect_cancels_the_session_and_frees_both_caches(server, target_gate):
     """The target verifies twice and holds: the session is open on both workers when its client leaves."""
-    body = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 1900, "temperature": 0, "stream": True,
-            "ignore_eos": True}
+    body = {
+        "model": MODEL,
+        "prompt": PROMPTS[0],
+        "max_tokens": 1900,
+        "temperature": 0,
+        "stream": True,
+        "ignore_eos": True,
+    }
     with target_gate.held(steps=2):
         with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
             assert r.status_code == 200
@@ -271,8 +349,10 @@ def test_backpressure_refuses_with_429_and_serves_the_rest(server, target_gate):
     with ThreadPoolExecutor(40) as pool:
         with target_gate.held():
             futures = [pool.submit(call, i) for i in range(40)]
-            wait_until(lambda: sum(f.done() for f in futures) == 16 and health()["waiting"] == 8,
-                       what="16 refusals and 8 waiting")
+            wait_until(
+                lambda: sum(f.done() for f in futures) == 16 and health()["waiting"] == 8,
+                what="16 refusals and 8 waiting",
+            )
             assert health()["running"] == 16
         responses = [f.result() for f in futures]
     codes = [r.status_code for r in responses]
@@ -286,9 +366,16 @@ def test_backpressure_refuses_with_429_and_serves_the_rest(server, target_gate):
 
 
 def test_prometheus_metrics_carry_the_spec_decode_counters(server):
-    names = ("spec_decode_num_drafts", "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens",
-             "spec_decode_num_accepted_tokens_per_pos", "spec_decode_num_emitted_tokens", "spec_decode_draft_length",
-             "time_to_first_token_seconds", "e2e_request_latency_seconds")
+    names = (
+        "spec_decode_num_drafts",
+        "spec_decode_num_draft_tokens",
+        "spec_decode_num_accepted_tokens",
+        "spec_decode_num_accepted_tokens_per_pos",
+        "spec_decode_num_emitted_tokens",
+        "spec_decode_draft_length",
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+    )
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
         text = httpx.get(server["metrics"], timeout=10).text
@@ -303,8 +390,12 @@ def test_prometheus_metrics_carry_the_spec_decode_counters(server):
 
 def test_the_helm_test_smoke_check_passes_against_the_server(server):
     env = {**os.environ, "SVIP_URL": server["base"], "SVIP_MODEL": MODEL}
-    out = subprocess.run([sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 0 and "svip smoke: ok" in out.stdout, out.stdout + out.stderr
     env["SVIP_MODEL"] = "missing"
-    out = subprocess.run([sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120
+    )
     assert out.returncode == 1 and "not 'missing'" in out.stdout

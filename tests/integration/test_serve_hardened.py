@@ -86,21 +86,26 @@ def test_models_show_no_file_paths(client, server, wide_pair):
 def test_ids_past_the_drafts_embedding_are_400(server, client, expected, wide_pair, which):
     token = getattr(wide_pair, which) - (1 if which == "target_width" else 0)
     r = post(server, {"model": "wide", "prompt": [5, 6, token], "max_tokens": 4})
-    assert r.status_code == 400 and f"prompt token id {token} is outside the vocabulary [0, {wide_pair.tokens})" in r.text
+    assert (
+        r.status_code == 400 and f"prompt token id {token} is outside the vocabulary [0, {wide_pair.tokens})" in r.text
+    )
     assert_exact_again(client, expected)
 
 
-@pytest.mark.parametrize("patch, words", [
-    ({"draft_length": 9, "policy": "constant"}, "draft length must be in [1, 8], got 9"),
-    ({"max_draft_length": 500}, "max draft length must be in [1, 8], got 500"),
-    ({"max_draft_length": 2**31}, "'max_draft_length' must be in [1, 2^31)"),
-    ({"draft_length": 10**400}, "an integer of 401 digits"),
-    ({"top_k": 2**31}, "'top_k' must be in [0, 2^31)"),
-    ({"max_tokens": 2**40}, "'max_tokens' must be in [1, 2^31)"),
-    ({"seed": 2**64}, "'seed' must be in [0, 2^63)"),
-    ({"threshold": 10**400}, "'threshold' must be a finite number"),
-    ({"temperature": 10**400}, "'temperature' must be a finite number"),
-])
+@pytest.mark.parametrize(
+    "patch, words",
+    [
+        ({"draft_length": 9, "policy": "constant"}, "draft length must be in [1, 8], got 9"),
+        ({"max_draft_length": 500}, "max draft length must be in [1, 8], got 500"),
+        ({"max_draft_length": 2**31}, "'max_draft_length' must be in [1, 2^31)"),
+        ({"draft_length": 10**400}, "an integer of 401 digits"),
+        ({"top_k": 2**31}, "'top_k' must be in [0, 2^31)"),
+        ({"max_tokens": 2**40}, "'max_tokens' must be in [1, 2^31)"),
+        ({"seed": 2**64}, "'seed' must be in [0, 2^63)"),
+        ({"threshold": 10**400}, "'threshold' must be a finite number"),
+        ({"temperature": 10**400}, "'temperature' must be a finite number"),
+    ],
+)
 def test_knobs_past_their_caps_and_int32_are_400(server, client, expected, patch, words):
     r = post(server, {"model": "wide", "prompt": "x", "max_tokens": 4, **patch})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
@@ -120,14 +125,17 @@ def test_a_temperature_below_1e_5_is_greedy(server, expected):
         assert r.status_code == 200 and r.json()["choices"][0]["text"] == expected
 
 
-@pytest.mark.parametrize("content, status, words", [
-    (b"[" * 50_000 + b"]" * 50_000, 400, "nested too deeply"),
-    (b'{"model": "wide", "prompt": "x", "max_tokens": ' + b"7" * 5000 + b"}", 400, "too long to read"),
-    (b'{"model": "wide", "prompt": "a\\ud800b"}', 400, "prompt is not valid Unicode"),
-    (b'{"model": "wide", "prompt": "x", "top_p": 1e400}', 400, "'top_p' must be a finite number"),
-    (b'{"model": "wide", "prompt": "x", "stop": ["\\udc00"]}', 400, "stop[0] is not valid Unicode"),
-    (b'{"model": "wide", "prompt": "' + b"x" * (BODY_LIMIT + 1) + b'"}', 413, f"limit of {BODY_LIMIT} bytes"),
-])
+@pytest.mark.parametrize(
+    "content, status, words",
+    [
+        (b"[" * 50_000 + b"]" * 50_000, 400, "nested too deeply"),
+        (b'{"model": "wide", "prompt": "x", "max_tokens": ' + b"7" * 5000 + b"}", 400, "too long to read"),
+        (b'{"model": "wide", "prompt": "a\\ud800b"}', 400, "prompt is not valid Unicode"),
+        (b'{"model": "wide", "prompt": "x", "top_p": 1e400}', 400, "'top_p' must be a finite number"),
+        (b'{"model": "wide", "prompt": "x", "stop": ["\\udc00"]}', 400, "stop[0] is not valid Unicode"),
+        (b'{"model": "wide", "prompt": "' + b"x" * (BODY_LIMIT + 1) + b'"}', 413, f"limit of {BODY_LIMIT} bytes"),
+    ],
+)
 def test_bodies_that_gave_500s(server, client, expected, content, status, words):
     r = post(server, content=content, headers={"content-type": "application/json"})
     assert r.status_code == status and words in r.json()["error"]["message"], r.text[:300]
@@ -164,10 +172,17 @@ def test_non_streaming_waiters_cancelled_by_their_clients_give_their_places_back
     small = {"model": "wide", "prompt": PROMPT, "max_tokens": 4}
 
     async def wait_and_leave(async_client, count):
-        tasks = [asyncio.ensure_future(async_client.post(f"{server['base']}/v1/completions", json=small,
-                                                         headers={"Authorization": f"Bearer {KEYS[i % 2]}"}))
-                 for i in range(count)]
-        await async_wait_until(lambda: asyncio.to_thread(lambda: health()["waiting"] == count), what="the waiters in line")
+        tasks = [
+            asyncio.ensure_future(
+                async_client.post(
+                    f"{server['base']}/v1/completions", json=small, headers={"Authorization": f"Bearer {KEYS[i % 2]}"}
+                )
+            )
+            for i in range(count)
+        ]
+        await async_wait_until(
+            lambda: asyncio.to_thread(lambda: health()["waiting"] == count), what="the waiters in line"
+        )
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -179,8 +194,9 @@ def test_non_streaming_waiters_cancelled_by_their_clients_give_their_places_back
                 await wait_and_leave(async_client, 2)
 
     with target_gate.held():
-        with httpx.stream("POST", server["base"] + "/v1/completions", json=long_body, headers=server["auth"],
-                          timeout=120) as held:
+        with httpx.stream(
+            "POST", server["base"] + "/v1/completions", json=long_body, headers=server["auth"], timeout=120
+        ) as held:
             assert held.status_code == 200 and health()["running"] == 1
             asyncio.run(clients())
             assert health() | {"model": None} == {"status": "ok", "model": None, "running": 1, "waiting": 0}
@@ -198,7 +214,10 @@ def test_one_key_cannot_take_every_place(server, client, expected, target_gate):
     def call(name, key):
         results[name] = post(server, body, headers={"Authorization": f"Bearer {key}"}, timeout=120)
 
-    threads = [threading.Thread(target=call, args=("bob-1", KEYS[1])), threading.Thread(target=call, args=("bob-2", KEYS[1]))]
+    threads = [
+        threading.Thread(target=call, args=("bob-1", KEYS[1])),
+        threading.Thread(target=call, args=("bob-2", KEYS[1])),
+    ]
     with target_gate.held():
         threads[0].start()
         wait_until(lambda: health()["running"] == 1, what="bob's first running")
@@ -212,14 +231,19 @@ def test_one_key_cannot_take_every_place(server, client, expected, target_gate):
         t.join(120)
     assert refused.status_code == 429 and "API key 'key-" in refused.json()["error"]["message"], refused.text
     assert "limit 2" in refused.json()["error"]["message"]
-    assert all(r.status_code == 200 and r.json()["choices"][0]["text"] == expected[: len(r.json()["choices"][0]["text"])]
-               for r in results.values()), {k: r.text[:200] for k, r in results.items()}
+    assert all(
+        r.status_code == 200 and r.json()["choices"][0]["text"] == expected[: len(r.json()["choices"][0]["text"])]
+        for r in results.values()
+    ), {k: r.text[:200] for k, r in results.items()}
 
 
-@pytest.mark.parametrize("patch, words", [
-    ({"stop": ["x" * 100_000]}, "each 'stop' string is at most 256 characters, got one of 100000"),
-    ({"ignore_eos": True}, "'ignore_eos' is not allowed on this deployment"),
-])
+@pytest.mark.parametrize(
+    "patch, words",
+    [
+        ({"stop": ["x" * 100_000]}, "each 'stop' string is at most 256 characters, got one of 100000"),
+        ({"ignore_eos": True}, "'ignore_eos' is not allowed on this deployment"),
+    ],
+)
 def test_request_content_that_would_buy_server_time_is_400(server, client, expected, patch, words):
     r = post(server, {"model": "wide", "prompt": PROMPT, "max_tokens": 4, **patch})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
@@ -244,7 +268,7 @@ def test_stream_errors_end_with_an_error_event_and_done(server):
 
 
 def test_the_servers_own_errors_carry_a_request_id_not_the_exception():
-    from coordinator.pipeline import WorkerError
+    from svip_common.errors import WorkerError
     from svip_serve.server import _api_error
 
     error = _api_error(WorkerError("target worker: KeyError: '/secret/path/model.bin'"), "cmpl-1")

@@ -121,12 +121,15 @@ def test_pages_come_back_after_a_client_cancels_mid_stream(server, target_gate):
 def test_pages_come_back_after_a_client_is_killed(server, target_gate):
     client = (
         "import httpx, sys\n"
-        f"with httpx.stream('POST', {server['base'] + '/v1/completions'!r}, json={body(FILLS, True)!r}, timeout=60) as r:\n"
+        f"with httpx.stream('POST', {server['base'] + '/v1/completions'!r}, json={body(FILLS, True)!r}, "
+        "timeout=60) as r:\n"
         "    print(r.status_code, flush=True)\n"
         "    sys.stdin.readline()\n"  # holds the stream open until it is killed
     )
     with target_gate.held(steps=1):
-        proc = subprocess.Popen([sys.executable, "-c", client], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", client], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
         assert proc.stdout.readline().strip() == "200"
         wait_until(lambda: max(kv_pages_used(server).values()) > 0, what="the session holding pages")
         proc.send_signal(signal.SIGKILL)

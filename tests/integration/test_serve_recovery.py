@@ -22,9 +22,19 @@ MAX_TOKENS = 160
 
 @pytest.fixture(scope="module")
 def server():
-    with svip_serve("--max-in-flight", str(CLIENTS), "--max-waiting", str(CLIENTS), "--worker-restarts", "1", "--allow-ignore-eos",
-                    "--health-check-period-s", "2",
-                    "--draft-stall-s", "1.5") as srv:
+    with svip_serve(
+        "--max-in-flight",
+        str(CLIENTS),
+        "--max-waiting",
+        str(CLIENTS),
+        "--worker-restarts",
+        "1",
+        "--allow-ignore-eos",
+        "--health-check-period-s",
+        "2",
+        "--draft-stall-s",
+        "1.5",
+    ) as srv:
         yield srv
 
 
@@ -39,8 +49,7 @@ def reference(server):
 def test_sixteen_streams_are_exact_through_a_fault(server, reference, fault, target_gate):
     # the fault lands while the target holds (every stream under way, none can end first); a stopped
     # draft resumes only after every stream has ended: so they ended without it, on any machine
-    run = run_streams(server["base"], PROMPTS[:CLIENTS], MAX_TOKENS, fault, server["proc"].pid, None,
-                      gate=target_gate)
+    run = run_streams(server["base"], PROMPTS[:CLIENTS], MAX_TOKENS, fault, server["proc"].pid, None, gate=target_gate)
     try:
         row = summarize(run, reference)
         assert row["errors"] == 0 and row["complete_exact"] == CLIENTS, (row["complete_exact"], row["first_error"])
@@ -53,7 +62,9 @@ def test_sixteen_streams_are_exact_through_a_fault(server, reference, fault, tar
             run["timer"].join()
 
 
-def test_a_target_gone_for_good_ends_streams_with_an_error_and_serve_replaces_the_replica(server, reference, target_gate):
+def test_a_target_gone_for_good_ends_streams_with_an_error_and_serve_replaces_the_replica(
+    server, reference, target_gate
+):
     """Last: its one restart spent above, a second target kill cannot be recovered."""
     run = run_streams(server["base"], PROMPTS[:4], MAX_TOKENS, "target-kill", server["proc"].pid, gate=target_gate)
     for i, r in enumerate(run["results"]):
@@ -61,8 +72,11 @@ def test_a_target_gone_for_good_ends_streams_with_an_error_and_serve_replaces_th
         assert r.text and reference[i].startswith(r.text)  # what was sent stays sent, and is exact
     ok, codes, deadline = None, [], time.monotonic() + 180
     while ok is None and time.monotonic() < deadline:
-        r = httpx.post(server["base"] + "/v1/completions", timeout=120,
-                       json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True})
+        r = httpx.post(
+            server["base"] + "/v1/completions",
+            timeout=120,
+            json={"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True},
+        )
         codes.append(r.status_code)
         if r.status_code == 200:
             ok = r.json()

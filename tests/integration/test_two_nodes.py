@@ -22,9 +22,9 @@ from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_bench.two_nodes import TwoNodes, unavailable
 from svip_common.contracts import GenerationRequest, PolicyConfig
-from svip_common.tls import TlsFiles
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.tls import TlsFiles
 from tests.tls_certs import make_tls_dir
 
 PROMPT = (5, 6, 7, 8, 9)
@@ -59,7 +59,9 @@ def test_mutual_tls_between_the_workers(model_dirs, tls_dir, tmp_path, reference
     try:
         engine = DistributedEngine.for_pair(pair, "async")
         loop.run_until_complete(engine.connect())
-        result = loop.run_until_complete(engine.generate(GenerationRequest(PROMPT, MAX_NEW, policy=PolicyConfig(**POLICIES["svip"]))))
+        result = loop.run_until_complete(
+            engine.generate(GenerationRequest(PROMPT, MAX_NEW, policy=PolicyConfig(**POLICIES["svip"])))
+        )
         assert result.token_ids == reference["svip"]
         loop.run_until_complete(engine.close())
 
@@ -72,12 +74,22 @@ def test_mutual_tls_between_the_workers(model_dirs, tls_dir, tmp_path, reference
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         stranger = TlsFiles.from_dir(str(make_tls_dir(tmp_path / "other", ca_name="another CA")))
         with pytest.raises(grpc.aio.AioRpcError) as err:  # a certificate another CA signed
-            loop.run_until_complete(stats_with(lambda: grpc.aio.secure_channel(
-                pair.draft_address, stranger.channel_credentials(), options=stranger.channel_options())))
+            loop.run_until_complete(
+                stats_with(
+                    lambda: grpc.aio.secure_channel(
+                        pair.draft_address, stranger.channel_credentials(), options=stranger.channel_options()
+                    )
+                )
+            )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         trusted = TlsFiles.from_dir(str(tls_dir))  # and the right one is let in
-        stats = loop.run_until_complete(stats_with(lambda: grpc.aio.secure_channel(
-            pair.draft_address, trusted.channel_credentials(), options=trusted.channel_options())))
+        stats = loop.run_until_complete(
+            stats_with(
+                lambda: grpc.aio.secure_channel(
+                    pair.draft_address, trusted.channel_credentials(), options=trusted.channel_options()
+                )
+            )
+        )
         assert stats.open_sessions == 0
     finally:
         loop.close()
@@ -115,8 +127,15 @@ def host_listeners(marker: str) -> set[str]:
 @pytest.mark.skipif(unavailable() is not None, reason=f"two-node namespaces: {unavailable()}")
 def test_two_nodes_with_latency_on_the_link(model_dirs, tls_dir, tmp_path, reference):
     requests = [{"prompt_ids": list(PROMPT), "max_new_tokens": MAX_NEW, "policy": p} for p in POLICIES.values()]
-    spec = {"target": model_dirs.target, "draft": model_dirs.close_draft, "layout": "spread", "modes": ["sync", "async"],
-            "requests": requests, "tls_dir": str(tls_dir), "hold": True}
+    spec = {
+        "target": model_dirs.target,
+        "draft": model_dirs.close_draft,
+        "layout": "spread",
+        "modes": ["sync", "async"],
+        "requests": requests,
+        "tls_dir": str(tls_dir),
+        "hold": True,
+    }
     (tmp_path / "spec.json").write_text(json.dumps(spec))
     with TwoNodes(delay_ms=2.0) as nodes:
         driver = nodes.popen([sys.executable, "-m", "svip_bench.cluster_run", str(tmp_path / "spec.json")])
@@ -125,7 +144,7 @@ def test_two_nodes_with_latency_on_the_link(model_dirs, tls_dir, tmp_path, refer
             while not line.startswith("RESULT "):
                 line = driver.stdout.readline()
                 assert line, driver.stderr.read()[-3000:]
-            result = json.loads(line[len("RESULT "):])
+            result = json.loads(line[len("RESULT ") :])
             listeners = nodes.listeners()  # while the workers serve
             leaked = host_listeners(nodes.temp_dir)
         finally:

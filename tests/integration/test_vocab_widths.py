@@ -10,17 +10,21 @@ import asyncio
 import pytest
 import torch
 
-from svip_cli.main import main
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
+from svip_cli.main import main
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.models import load_model
 
 PROMPT = (5, 6, 7, 8)
 MAX_NEW = 24
-POLICIES = [PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="constant", draft_length=4), PolicyConfig(name="none")]
+POLICIES = [
+    PolicyConfig(name="svip", threshold=0.6),
+    PolicyConfig(name="constant", draft_length=4),
+    PolicyConfig(name="none"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -33,11 +37,16 @@ def reference(wide, wide_pair):
     """The target alone through Hugging Face's greedy generate, padding ids suppressed."""
     model = wide[0].model
     with torch.inference_mode():
-        out = model.generate(torch.tensor([PROMPT]), max_new_tokens=MAX_NEW, do_sample=False, eos_token_id=None,
-                             suppress_tokens=list(range(wide_pair.tokens, wide_pair.target_width)))
+        out = model.generate(
+            torch.tensor([PROMPT]),
+            max_new_tokens=MAX_NEW,
+            do_sample=False,
+            eos_token_id=None,
+            suppress_tokens=list(range(wide_pair.tokens, wide_pair.target_width)),
+        )
     unmasked = model.generate(torch.tensor([PROMPT]), max_new_tokens=4, do_sample=False, eos_token_id=None)
-    assert max(unmasked[0, len(PROMPT):].tolist()) >= wide_pair.tokens  # unmasked, padding would win
-    return out[0, len(PROMPT):].tolist()
+    assert max(unmasked[0, len(PROMPT) :].tolist()) >= wide_pair.tokens  # unmasked, padding would win
+    return out[0, len(PROMPT) :].tolist()
 
 
 def test_the_pair_limits_are_the_smallest_width_and_the_tokenizer(wide, wide_pair):
@@ -55,8 +64,9 @@ def test_greedy_never_emits_padding_and_equals_the_target_alone(wide, reference,
 def test_sampling_never_emits_padding(wide, wide_pair):
     engine = SpeculativeEngine(*wide)
     for seed in range(30):
-        request = GenerationRequest(PROMPT, 12, SamplingParams(temperature=1.5, seed=seed),
-                                    PolicyConfig(name="constant", draft_length=3))
+        request = GenerationRequest(
+            PROMPT, 12, SamplingParams(temperature=1.5, seed=seed), PolicyConfig(name="constant", draft_length=3)
+        )
         assert max(engine.generate(request).token_ids) < wide_pair.tokens
 
 
@@ -69,10 +79,24 @@ def test_ids_past_the_smaller_embedding_are_refused(wide, wide_pair, bad):
 
 
 def test_the_cli_refuses_them_too(wide_pair, capsys):
-    code = main(["generate", "--prompt-ids", f"5,{wide_pair.draft_width + 3}", "--target", wide_pair.target,
-                 "--draft", wide_pair.draft, "--max-new-tokens", "4"])
+    code = main(
+        [
+            "generate",
+            "--prompt-ids",
+            f"5,{wide_pair.draft_width + 3}",
+            "--target",
+            wide_pair.target,
+            "--draft",
+            wide_pair.draft,
+            "--max-new-tokens",
+            "4",
+        ]
+    )
     err = capsys.readouterr().err
-    assert code == 2 and f"prompt token id {wide_pair.draft_width + 3} is outside the vocabulary [0, {wide_pair.tokens})" in err
+    assert (
+        code == 2
+        and f"prompt token id {wide_pair.draft_width + 3} is outside the vocabulary [0, {wide_pair.tokens})" in err
+    )
 
 
 def test_distributed_greedy_equals_the_target_alone_and_refuses_wide_ids(wide_pair, reference):
@@ -86,8 +110,13 @@ def test_distributed_greedy_equals_the_target_alone_and_refuses_wide_ids(wide_pa
         for mode in ("sync", "async"):
             engine = DistributedEngine(pair.target_info, pair.limits, pair.target_address, pair.draft_address, mode)
             loop.run_until_complete(engine.connect())
-            result = loop.run_until_complete(engine.generate(
-                GenerationRequest(PROMPT, MAX_NEW, policy=PolicyConfig(name="constant", draft_length=4), ignore_eos=True)))
+            result = loop.run_until_complete(
+                engine.generate(
+                    GenerationRequest(
+                        PROMPT, MAX_NEW, policy=PolicyConfig(name="constant", draft_length=4), ignore_eos=True
+                    )
+                )
+            )
             assert result.token_ids == reference, mode
             with pytest.raises(InvalidRequest, match="outside the vocabulary"):
                 loop.run_until_complete(engine.generate(GenerationRequest((5, wide_pair.draft_width), 4)))

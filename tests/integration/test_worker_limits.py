@@ -17,10 +17,10 @@ from coordinator.engine import SpeculativeEngine
 from coordinator.local import run_admitted
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded
-from svip_common.grpc_server import MAX_SESSIONS_PER_STREAM, check_bind, start_server
 from svip_common.models import load_model_info
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.grpc_server import MAX_SESSIONS_PER_STREAM, check_bind, start_server
 from tests.gates import async_wait_until
 from tests.tls_certs import make_tls_dir
 from tests.workers import in_process_workers
@@ -54,7 +54,7 @@ def test_a_plaintext_bind_off_loopback_is_refused(host, loop, tmp_path):
     with pytest.raises(InvalidRequest, match="refusing to serve worker gRPC in plaintext on .*--insecure-workers"):
         loop.run_until_complete(start_server(lambda server: None, "svip.v1.Test", host))
     check_bind(host, None, insecure=True)  # told so: allowed
-    from svip_common.tls import TlsFiles
+    from svip_runtime.tls import TlsFiles
 
     check_bind(host, TlsFiles.from_dir(str(make_tls_dir(tmp_path))))  # with mutual TLS: allowed
     for loopback in ("127.0.0.1", "127.0.0.2", "::1", "localhost"):
@@ -67,7 +67,9 @@ def test_a_peer_that_opens_ten_thousand_sessions_is_refused_past_the_cap(workers
     """Paused starts (load_cap 0) take no KV page but keep their prompt: without a cap a peer grew
     the draft's memory without bound. Past MAX_SESSIONS_PER_STREAM each start is refused alone."""
     draft = workers.draft
-    requests = [GenerationRequest(prompt_ids[name], 30, policy=CONSTANT, ignore_eos=True) for name in ("short", "medium")]
+    requests = [
+        GenerationRequest(prompt_ids[name], 30, policy=CONSTANT, ignore_eos=True) for name in ("short", "medium")
+    ]
 
     async def scenario():
         async with grpc.aio.insecure_channel(workers.draft_address) as channel:
@@ -79,10 +81,24 @@ def test_a_peer_that_opens_ten_thousand_sessions_is_refused_past_the_cap(workers
 
             call = pb_grpc.DraftWorkerStub(channel).Session(gen())
             for i in range(PEER_SESSIONS):
-                start = pb.StartSession(session_id=f"peer-{i}", prompt_ids=[5, 6, 7, 8], max_new_tokens=8, load_cap=0,
-                                        sampling=pb.SamplingParams(top_p=1.0), pipeline=pb.PIPELINE_ASYNC)
-                start.policy.CopyFrom(pb.PolicyConfig(name="constant", threshold=0.3, entropy_scale=0.15, draft_length=3,
-                                                      max_draft_length=8, confidence=0.4))
+                start = pb.StartSession(
+                    session_id=f"peer-{i}",
+                    prompt_ids=[5, 6, 7, 8],
+                    max_new_tokens=8,
+                    load_cap=0,
+                    sampling=pb.SamplingParams(top_p=1.0),
+                    pipeline=pb.PIPELINE_ASYNC,
+                )
+                start.policy.CopyFrom(
+                    pb.PolicyConfig(
+                        name="constant",
+                        threshold=0.3,
+                        entropy_scale=0.15,
+                        draft_length=3,
+                        max_draft_length=8,
+                        confidence=0.4,
+                    )
+                )
                 outgoing.put_nowait(pb.DraftRequest(start=start))
             refused = []
             while len(refused) < PEER_SESSIONS - MAX_SESSIONS_PER_STREAM:
@@ -95,7 +111,9 @@ def test_a_peer_that_opens_ten_thousand_sessions_is_refused_past_the_cap(workers
             return refused, held, results
 
     refused, held, results = loop.run_until_complete(scenario())
-    assert all(e.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "limit per stream" in e.message for e in refused), refused[:2]
+    assert all(
+        e.code == grpc.StatusCode.RESOURCE_EXHAUSTED.value[0] and "limit per stream" in e.message for e in refused
+    ), refused[:2]
     assert held == MAX_SESSIONS_PER_STREAM
     assert [r.token_ids for r in results] == [alone(models, r) for r in requests]
     assert all(r.stats.draft_tokens > 0 and r.stats.detached == 0 for r in results), [r.stats for r in results]
@@ -106,8 +124,9 @@ def test_a_peer_that_opens_ten_thousand_sessions_is_refused_past_the_cap(workers
     loop.run_until_complete(async_wait_until(freed, what="the peer's sessions freed with its stream"))
 
 
-def test_the_target_refuses_only_the_session_its_kv_pool_cannot_hold(workers, engine, models, prompt_ids, loop,
-                                                                      target_gate):
+def test_the_target_refuses_only_the_session_its_kv_pool_cannot_hold(
+    workers, engine, models, prompt_ids, loop, target_gate
+):
     """Two sessions of 112 tokens each fit a 256-token pool; a third is refused with
     RESOURCE_EXHAUSTED while the two, held by the gate so they cannot end first, go on exact."""
     prompt = prompt_ids["medium"][:12]
@@ -130,8 +149,9 @@ def test_the_target_refuses_only_the_session_its_kv_pool_cannot_hold(workers, en
 def test_the_distributed_batch_waits_for_kv_room(workers, engine, models, prompt_ids, loop):
     """run_admitted (svip generate --mode distributed --batch-size N): eight requests of 112 tokens
     each at batch size 8 on a 256-token pool run two at a time, in order, every one exact."""
-    requests = [GenerationRequest(prompt_ids["medium"][:12] + (i,), 99, policy=CONSTANT, ignore_eos=True)
-                for i in range(8)]
+    requests = [
+        GenerationRequest(prompt_ids["medium"][:12] + (i,), 99, policy=CONSTANT, ignore_eos=True) for i in range(8)
+    ]
     running, most = [0], [0]
 
     async def generate(request):

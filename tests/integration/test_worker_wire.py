@@ -16,9 +16,9 @@ import pytest
 from draft_worker.drafter import Drafter
 from draft_worker.service import DraftService
 from svip_common.contracts import Limits
-from svip_common.grpc_server import MAX_QUEUED_EVENTS, SessionService, start_server
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.grpc_server import MAX_QUEUED_EVENTS, SessionService, start_server
 from target_worker.verifier import Verifier
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
@@ -46,7 +46,7 @@ class FakeDraft(pb_grpc.DraftWorkerServicer):
 
 @pytest.fixture(scope="module")
 def services(models, limits, loop):
-    from coordinator.host import SessionHost
+    from coordinator.session.host import SessionHost
 
     draft = DraftService(Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens), limits)
     fake = FakeDraft()

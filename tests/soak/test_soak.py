@@ -31,8 +31,13 @@ def one_request(base: str, i: int) -> str:
     rng = random.Random(i)
     kind = ("stream", "plain", "chat", "cancel", "bad")[i % 5]
     prompt = PROMPTS[rng.randrange(len(PROMPTS))]
-    body = {"model": "svip-pair", "prompt": prompt, "max_tokens": rng.randint(4, 32), "temperature": rng.choice([0, 0.8]),
-            "seed": i}
+    body = {
+        "model": "svip-pair",
+        "prompt": prompt,
+        "max_tokens": rng.randint(4, 32),
+        "temperature": rng.choice([0, 0.8]),
+        "seed": i,
+    }
     url = base + "/v1/completions"
     if kind == "bad":
         r = httpx.post(url, content=BAD[i % len(BAD)], headers={"content-type": "application/json"}, timeout=60)
@@ -40,15 +45,26 @@ def one_request(base: str, i: int) -> str:
         return "bad"
     if kind == "chat":
         chat = {k: v for k, v in body.items() if k != "prompt"}
-        r = httpx.post(base + "/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": prompt}]}, timeout=120)
+        r = httpx.post(
+            base + "/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": prompt}]}, timeout=120
+        )
         assert r.status_code in (200, 429), r.text[:200]
         return f"chat {r.status_code}"
     if kind == "plain":
         r = httpx.post(url, json=body, timeout=120)
         assert r.status_code in (200, 429), r.text[:200]
         return f"plain {r.status_code}"
-    with httpx.stream("POST", url, json={**body, "stream": True, "max_tokens": 200 if kind == "cancel" else body["max_tokens"],
-                                         "ignore_eos": kind == "cancel"}, timeout=120) as r:
+    with httpx.stream(
+        "POST",
+        url,
+        json={
+            **body,
+            "stream": True,
+            "max_tokens": 200 if kind == "cancel" else body["max_tokens"],
+            "ignore_eos": kind == "cancel",
+        },
+        timeout=120,
+    ) as r:
         if r.status_code == 429:
             return f"{kind} 429"
         assert r.status_code == 200
@@ -84,7 +100,10 @@ def settle(base: str, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
         stats = httpx.get(base + "/v1/svip/workers", timeout=30).json()
-        if all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values()) or time.monotonic() > deadline:
+        if (
+            all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values())
+            or time.monotonic() > deadline
+        ):
             return stats
         time.sleep(0.25)
 
@@ -102,9 +121,11 @@ def test_soak_memory_and_sessions_stay_flat():
     assert outcomes.count("bad") == REQUESTS // 5 and "cancel" in outcomes
     growth = {name: rss / before[name] - 1 for name, rss in after.items() if name in before}
     worst = max(growth, key=growth.get)
-    print(f"\nsoak: {REQUESTS} requests after {WARMUP} of warm-up, {len(growth)} processes, total RSS "
-          f"{sum(before.values()) / 2**20:.0f} -> {sum(after.values()) / 2**20:.0f} MiB, largest growth "
-          f"{growth[worst]:+.1%} ({worst}); outcomes {dict(sorted((o, outcomes.count(o)) for o in set(outcomes)))}")
+    print(
+        f"\nsoak: {REQUESTS} requests after {WARMUP} of warm-up, {len(growth)} processes, total RSS "
+        f"{sum(before.values()) / 2**20:.0f} -> {sum(after.values()) / 2**20:.0f} MiB, largest growth "
+        f"{growth[worst]:+.1%} ({worst}); outcomes {dict(sorted((o, outcomes.count(o)) for o in set(outcomes)))}"
+    )
     grown = {name: (before[name], rss) for name, rss in after.items() if name in before and rss > 1.10 * before[name]}
     report = "; ".join(f"{name}: {a / 2**20:.0f} -> {b / 2**20:.0f} MiB" for name, (a, b) in grown.items())
     assert not grown, f"RSS grew more than 10% over {REQUESTS} requests: {report}"

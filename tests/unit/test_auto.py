@@ -12,8 +12,16 @@ import pytest
 
 from coordinator.calibration import PRIOR_FILE, estimate_from, stored_prior
 from draft_worker.policies import AutoPolicy, make_policy
-from svip_common.acceptance import (FEATURES, REFIT_EVERY, AcceptanceModel, AutoEstimate, AutoSettings, SessionStop,
-                                    StopRule, features)
+from svip_common.acceptance import (
+    FEATURES,
+    REFIT_EVERY,
+    AcceptanceModel,
+    AutoEstimate,
+    AutoSettings,
+    SessionStop,
+    StopRule,
+    features,
+)
 from svip_common.contracts import PolicyConfig, StepState
 from svip_common.errors import InvalidRequest
 

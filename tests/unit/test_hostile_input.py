@@ -64,7 +64,9 @@ def test_request_caps_and_int32_ranges():
         GenerationRequest((1, 2), 5, policy=PolicyConfig(max_draft_length=10**6)).validate(limits)
     small = Limits(tokens=100, positions=None, max_draft_length=8)
     with pytest.raises(InvalidRequest, match=r"draft length must be in \[1, 8\], got 9"):
-        GenerationRequest((1, 2), 5, policy=PolicyConfig(name="constant", draft_length=9, max_draft_length=8)).validate(small)
+        GenerationRequest((1, 2), 5, policy=PolicyConfig(name="constant", draft_length=9, max_draft_length=8)).validate(
+            small
+        )
     with pytest.raises(InvalidRequest, match="prompt token id 100 is outside the vocabulary"):
         GenerationRequest((1, 100), 5).validate(limits)
 
@@ -104,6 +106,7 @@ def test_padding_columns_are_never_chosen():
 def test_a_waiter_cancelled_before_its_slot_gives_its_place_back():
     """A non-streaming request cancelled while it waits for admission (its client left) used to
     keep its place for ever: after max_waiting such cancels every request got 429."""
+
     async def scenario():
         adm = Admission(max_in_flight=1, max_waiting=2)
         holder = adm.reserve()
@@ -175,7 +178,11 @@ def test_detokenization_stays_linear_on_bytes_that_never_form_a_character(tokeni
 
 def _byte_level(byte: int) -> str:
     """The character GPT-2's byte-level alphabet uses for a byte."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), ord("\xff") + 1)]
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("\xa1"), ord("\xac") + 1),
+        *range(ord("\xae"), ord("\xff") + 1),
+    ]
     if byte in printable:
         return chr(byte)
     return chr(256 + [b for b in range(256) if b not in printable].index(byte))
@@ -195,16 +202,26 @@ K1, K2, K3 = ("k1-" + "a" * 32, "k2-" + "b" * 32, "k3-" + "c" * 32)
 def test_api_keys():
     keys = ApiKeys((digest(K1),), environ={"SVIP_API_KEY": f"{K2}, ops:{K3}"})
     assert keys.required
-    for header, key_id in ((f"Bearer {K1}", f"key-{digest(K1)[:12]}"), (f"bearer {K2}", f"key-{digest(K2)[:12]}"),
-                           (f"Bearer  {K3} ", "ops")):
+    for header, key_id in (
+        (f"Bearer {K1}", f"key-{digest(K1)[:12]}"),
+        (f"bearer {K2}", f"key-{digest(K2)[:12]}"),
+        (f"Bearer  {K3} ", "ops"),
+    ):
         assert keys.check(header) == key_id
-    for header, words in ((None, "no API key given"), (K1, "no API key given"), ("Bearer", "no API key given"),
-                          ("Bearer k4", "incorrect API key"), (f"Basic {K1}", "no API key given"),
-                          (f"Bearer ops:{K3}", "incorrect API key")):
+    for header, words in (
+        (None, "no API key given"),
+        (K1, "no API key given"),
+        ("Bearer", "no API key given"),
+        ("Bearer k4", "incorrect API key"),
+        (f"Basic {K1}", "no API key given"),
+        (f"Bearer ops:{K3}", "incorrect API key"),
+    ):
         with pytest.raises(ApiError) as err:
             keys.check(header)
         assert err.value.status == 401 and words in err.value.message
-        assert err.value.body()["error"]["code"] == "invalid_api_key" and err.value.headers["WWW-Authenticate"] == "Bearer"
+        assert (
+            err.value.body()["error"]["code"] == "invalid_api_key" and err.value.headers["WWW-Authenticate"] == "Bearer"
+        )
     open_api = ApiKeys((), environ={})
     assert not open_api.required
     assert open_api.check(None) is None
@@ -222,6 +239,7 @@ def test_short_api_keys_are_refused():
 def test_admission_lets_small_requests_pass_a_head_that_does_not_fit():
     """Two requests that each need most of the KV room run one after the other; a small one
     behind them fits beside the first and runs at once; places and room come back on release."""
+
     async def scenario():
         adm = Admission(max_in_flight=8, max_waiting=8, kv_tokens=1000)
         big1, big2, small = adm.reserve(700), adm.reserve(600), adm.reserve(100)
@@ -272,5 +290,3 @@ def test_a_key_past_its_share_is_refused_and_others_are_not():
         assert (adm.running, adm.waiting, dict(adm.per_key)) == (0, 0, {})
 
     asyncio.run(scenario())
-
-

@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from svip_common.contracts import SamplingParams
+from svip_common.rejection import accept_greedy, accept_sampled, recover, residual
 from svip_common.sampling import sample_index, warp_probs
-from target_worker.rejection import accept_greedy, accept_sampled, recover, residual
 
 VOCAB = 8
 

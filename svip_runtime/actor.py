@@ -1,6 +1,6 @@
 """The lifecycle both worker actors share: load a model, serve it over gRPC, report health,
 shut down. Each worker package subclasses it with the service it hosts (draft_worker/actor.py,
-target_worker/actor.py); Ray places the actor (its GPU, or a CPU core and a role resource).
+coordinator/session/actor.py); Ray places the actor (its GPU, or a CPU core and a role resource).
 
 A worker listens on one address, never the wildcard: 127.0.0.1 in the local mode and whenever the
 pair is packed on one node, its node's own address when spread (``host=None``), with mutual TLS
@@ -9,15 +9,19 @@ there (plaintext off loopback is refused unless ``insecure``)."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import sys
 
 import torch
 
 from svip_common.contracts import Limits
+from svip_common.errors import WorkerUnavailable
 from svip_common.kv_cache import DEFAULT_KV_TOKENS
-from svip_common.grpc_server import check_bind, start_server
 from svip_common.models import LoadedModel, load_model
-from svip_common.tls import TlsFiles
+from svip_runtime.grpc_server import check_bind, start_server
+from svip_runtime.tls import TlsFiles
+
+log = logging.getLogger(__name__)
 
 
 SWITCH_INTERVAL_S = 0.0005
@@ -119,3 +123,53 @@ class ModelActor:
             await self._server.stop(grace=1.0)
             self._server = None
             await self.service.close()
+
+
+DIED_ASKS = 3  # an actor is dead for good when this many asks in a row (a second apart) find it dead
+HANG_PROBE_S = 30.0  # a worker whose process does not answer within this is hung: it is killed and replaced
+
+
+class WorkerGone(WorkerUnavailable):
+    """A worker's actor is dead for good: its restarts are spent, or it was shut down."""
+
+
+async def serving_address(actor, role: str, timeout_s: float, start: dict | None = None,
+                          kill_when_hung: bool = False) -> str:
+    """A worker actor's address once it serves: its serve() loads and serves if the actor came
+    back bare from a restart (Ray holds or refuses calls while it restarts: asked again).
+    kill_when_hung: an actor whose process does not answer within HANG_PROBE_S is killed, so that
+    Ray replaces it. WorkerGone: dead for good; WorkerUnavailable: not serving within timeout_s."""
+    import time
+
+    import ray
+
+    deadline, killed, died = time.monotonic() + timeout_s, False, 0
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            if kill_when_hung and not killed:
+                # pid() answers at once from a live process, and from a restarted one as soon as it
+                # runs (before any weights load); only a hung one (stopped, stuck) lets it time out
+                try:
+                    await asyncio.wait_for(actor.pid.remote(), min(left, HANG_PROBE_S))
+                except asyncio.TimeoutError:
+                    ray.kill(actor, no_restart=False)  # Ray replaces it
+                    killed = True
+                    continue
+            return await asyncio.wait_for(actor.serve.remote(**(start or {})), left)
+        except asyncio.TimeoutError:
+            break
+        except ray.exceptions.ActorDiedError as exc:
+            # a call that met the death itself fails so too, restarts left or not; only a dead
+            # actor keeps failing so, ask after ask
+            died += 1
+            if died >= DIED_ASKS:
+                raise WorkerGone(f"the {role} worker is gone for good (its restarts are spent): "
+                                 f"{str(exc).strip().splitlines()[0]}") from None
+            await asyncio.sleep(1.0)
+        except ray.exceptions.RayActorError:  # restarting: ask again
+            died = 0
+            await asyncio.sleep(0.25)
+        except ray.exceptions.RayTaskError as exc:  # its start failed (a peer not up yet): ask again
+            log.warning("the %s worker did not start: %s", role, str(exc).strip().splitlines()[-1])
+            await asyncio.sleep(1.0)
+    raise WorkerUnavailable(f"the {role} worker did not come back within {timeout_s:.0f} s")

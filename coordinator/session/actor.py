@@ -1,14 +1,14 @@
 """The target model as a Ray actor serving TargetWorker over gRPC. Its process also hosts the
-coordinator's sessions (coordinator/host.py) beside the verifier, so a round is one hop each way
+coordinator's sessions (coordinator/session/host.py) beside the verifier, so a round is one hop each way
 between it and the draft worker."""
 
 from __future__ import annotations
 
 from coordinator.calibration import estimate_from
-from coordinator.host import SessionHost
+from coordinator.session.host import SessionHost
 from svip_common.acceptance import AutoSettings
-from svip_common.actor import ModelActor
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.actor import ModelActor
 from target_worker.verifier import Verifier
 
 

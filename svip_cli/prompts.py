@@ -77,13 +77,3 @@ def _input_line(line: str, where: str) -> str | list[int]:
     if not ids:
         raise InvalidRequest(f'{where}: "prompt_ids" is empty')
     return ids
-
-
-def encode(tokenizer, prompt: str | list[int]) -> tuple[int, ...]:
-    """Token ids of a prompt (ids pass through; the engine checks their range)."""
-    if isinstance(prompt, list):
-        return tuple(prompt)
-    ids = tokenizer(prompt)["input_ids"]
-    if not ids:
-        raise InvalidRequest("prompt encodes to no tokens")
-    return tuple(ids)

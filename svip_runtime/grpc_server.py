@@ -14,11 +14,12 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
-from svip_common.compute_loop import ComputeLoop, Outlet
 from svip_common.contracts import Limits, check_length, check_prompt_ids, check_token_ids
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
-from svip_common.tls import TlsFiles
 from svip_proto import svip_pb2 as pb
+from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.compute_loop import ComputeLoop, Outlet
+from svip_runtime.tls import TlsFiles
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a full-vocabulary float32 row is ~600 KB at 152k tokens
 GRPC_OPTIONS = [
@@ -255,7 +256,9 @@ class SessionService:
             self.close_session(session_id, stream)
         except Exception:  # a worker bug: report it on the session, keep serving
             log.exception("request failed")
-            stream.emit(self.error_event(session_id, grpc.StatusCode.INTERNAL, "internal worker error (see the worker's log)"))
+            stream.emit(
+                self.error_event(session_id, grpc.StatusCode.INTERNAL, "internal worker error (see the worker's log)")
+            )
             self.close_session(session_id, stream)
 
     def check_start(self, msg: pb.StartSession) -> None:
@@ -311,3 +314,31 @@ class SessionService:
     def idle(self) -> bool:
         """One unit of work between messages (speculation); False when there is none."""
         return False
+
+
+CONNECT_TIMEOUT_S = 10.0
+
+
+async def open_channel(role: str, address: str, tls: TlsFiles | None) -> grpc.aio.Channel:
+    """A channel to a worker, ready (or WorkerUnavailable); mutual TLS when tls is given."""
+    if tls is None:
+        channel = grpc.aio.insecure_channel(address, options=GRPC_OPTIONS)
+    else:
+        channel = grpc.aio.secure_channel(
+            address, tls.channel_credentials(), options=GRPC_OPTIONS + tls.channel_options()
+        )
+    try:
+        await asyncio.wait_for(channel.channel_ready(), CONNECT_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        await channel.close()
+        raise WorkerUnavailable(f"{role} worker at {address} is unreachable") from None
+    return channel
+
+
+async def draft_stats(address: str, tls: TlsFiles | None = None) -> pb.WorkerStats:
+    """A draft worker's Stats, over a channel of its own (never on a round's path)."""
+    channel = await open_channel("draft", address, tls)
+    try:
+        return await pb_grpc.DraftWorkerStub(channel).Stats(pb.StatsRequest(), timeout=CONNECT_TIMEOUT_S)
+    finally:
+        await channel.close()

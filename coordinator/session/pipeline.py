@@ -1,6 +1,6 @@
 """One session of the distributed pipeline, hosted beside the verifier.
 
-The target worker's process runs this logic on its compute thread (coordinator/host.py), so a
+The target worker's process runs this logic on its compute thread (coordinator/session/host.py), so a
 round crosses one hop each way: the draft worker's block arrives and is verified at once, and the
 feedback goes straight back; the caller receives the settled tokens as a side stream.
 
@@ -41,30 +41,33 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from coordinator.engine import clip_settled
 from svip_common.acceptance import SessionStop
-from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, GenerationStats, Limits, Verdict, check_token_ids
-from svip_common.errors import InvalidRequest, SvipError
+from svip_common.contracts import (
+    NO_TOKEN,
+    Block,
+    GenerationRequest,
+    GenerationStats,
+    Limits,
+    Verdict,
+    check_token_ids,
+    clip_settled,
+)
+from svip_common.errors import InvalidRequest, WorkerError
 from svip_common.step_cost import SessionGate, TargetLoad
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from target_worker.verifier import TargetSession
 
-PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}
 REATTACH_BACKOFF_S = 1.0  # a session's first re-attach after a stall waits this long; each next one twice as long
 REATTACH_BACKOFF_MAX_S = 30.0
 MAX_STALLS = 4  # a draft that stalled this often under one session is not asked to take it up again
-PREPARED_REACH_BLOCKS = 3  # a prepared block continues one of the outstanding blocks (at most two), so starts within these
+PREPARED_REACH_BLOCKS = 3
 MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares two per block)
 log = logging.getLogger(__name__)
 LoadCap = Callable[[SessionGate], int]  # the most tokens the session's next block should hold at the load now
 
 
-class WorkerError(SvipError):
-    """A worker failed while serving the session."""
-
-
-class DraftLink(Protocol):
+class DraftPeer(Protocol):
     def send(self, session_id: str, request: pb.DraftRequest) -> None:
         """Queue a request for the draft worker (from the compute thread; never blocks)."""
 
@@ -77,11 +80,23 @@ class DraftLink(Protocol):
 
 
 class SessionPipeline:
-    def __init__(self, session_id: str, request: GenerationRequest, stop_ids: frozenset[int], limits: Limits,
-                 target: TargetSession, draft: DraftLink | None, pipeline: str,
-                 emit: Callable[[pb.GenerateEvent], None], schedule: Callable[..., None],
-                 enqueue: Callable[..., None], load_cap: LoadCap | None = None, hold_s: float = 0.0,
-                 auto: SessionStop | None = None, load: Callable[[], TargetLoad | None] = lambda: None):
+    def __init__(
+        self,
+        session_id: str,
+        request: GenerationRequest,
+        stop_ids: frozenset[int],
+        limits: Limits,
+        target: TargetSession,
+        draft: DraftPeer | None,
+        pipeline: str,
+        emit: Callable[[pb.GenerateEvent], None],
+        schedule: Callable[..., None],
+        enqueue: Callable[..., None],
+        load_cap: LoadCap | None = None,
+        hold_s: float = 0.0,
+        auto: SessionStop | None = None,
+        load: Callable[[], TargetLoad | None] = lambda: None,
+    ):
         """emit: sends an event to the caller; schedule(fn, *args): runs fn later on the compute
         thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
         batched step to verify the block, which answers with verified(); load_cap: load-aware
@@ -144,9 +159,14 @@ class SessionPipeline:
         the current epoch, with what is left of the budget."""
         r = self.request
         start = pb.StartSession(
-            session_id=self.sid, prompt_ids=self.committed, sampling=convert.sampling_to_proto(r.sampling),
-            policy=convert.policy_to_proto(r.policy), stop_token_ids=sorted(self.stop_ids),
-            max_new_tokens=r.max_new_tokens - len(self.generated), pipeline=PIPELINES[self.pipeline], epoch=self.epoch,
+            session_id=self.sid,
+            prompt_ids=self.committed,
+            sampling=convert.sampling_to_proto(r.sampling),
+            policy=convert.policy_to_proto(r.policy),
+            stop_token_ids=sorted(self.stop_ids),
+            max_new_tokens=r.max_new_tokens - len(self.generated),
+            pipeline=convert.PIPELINES[self.pipeline],
+            epoch=self.epoch,
         )
         cap = self._cap()
         if cap is not None:
@@ -171,7 +191,9 @@ class SessionPipeline:
             return
         if cancel:  # a stall: an overloaded draft is not handed this session's re-prefill at once again
             self.stalls += 1
-            self.attach_not_before = time.time() + min(REATTACH_BACKOFF_S * 2 ** (self.stalls - 1), REATTACH_BACKOFF_MAX_S)
+            self.attach_not_before = time.time() + min(
+                REATTACH_BACKOFF_S * 2 ** (self.stalls - 1), REATTACH_BACKOFF_MAX_S
+            )
         self.detached, self.waiting_since = True, None
         self.stats.detached += 1
         self.epoch += 1  # what the old draft sent or sends is stale
@@ -220,8 +242,14 @@ class SessionPipeline:
 
     def stalled(self, now: float, deadline_s: float) -> bool:
         """The session has waited on the draft longer than deadline_s."""
-        return (not self.done and self.waiting_since is not None and not self.detached and not self.paused
-                and self.verifying is None and now - self.waiting_since > deadline_s)
+        return (
+            not self.done
+            and self.waiting_since is not None
+            and not self.detached
+            and not self.paused
+            and self.verifying is None
+            and now - self.waiting_since > deadline_s
+        )
 
     def _go_alone(self) -> None:
         if self.hold_until is None:
@@ -237,7 +265,7 @@ class SessionPipeline:
             self.stats.discarded_tokens += len(block.tokens)
             settled = []
         else:
-            settled = list(block.tokens[:verdict.accepted]) + ([verdict.token] if verdict.token != NO_TOKEN else [])
+            settled = list(block.tokens[: verdict.accepted]) + ([verdict.token] if verdict.token != NO_TOKEN else [])
             self._record_round(block, verdict.accepted, timing, decided)
         settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
         self._commit(settled, reason)
@@ -275,8 +303,9 @@ class SessionPipeline:
                 self.attach()
             return
         if kind == "error":  # the draft failed this session (a bug, or a limit): never the caller's error
-            self._give_up_draft(f"the draft worker reported code {event.error.code}: {event.error.message[:200]}",
-                                cancel=False)
+            self._give_up_draft(
+                f"the draft worker reported code {event.error.code}: {event.error.message[:200]}", cancel=False
+            )
             return
         if kind == "block" and not self.done:
             try:
@@ -309,8 +338,10 @@ class SessionPipeline:
             undecided = self.verifying.base if self.verifying is not None else len(self.committed)
             reach = len(self.committed) + PREPARED_REACH_BLOCKS * (self.limits.max_draft_length + 1)
             if p.base > reach or len(self.prepared) >= MAX_PREPARED:
-                raise WorkerError(f"draft worker sent a prepared block at base {p.base}, beyond the outstanding "
-                                  f"blocks' reach ({reach}) or past {MAX_PREPARED} kept")
+                raise WorkerError(
+                    f"draft worker sent a prepared block at base {p.base}, beyond the outstanding "
+                    f"blocks' reach ({reach}) or past {MAX_PREPARED} kept"
+                )
             if p.base >= undecided:  # its parent's verdict is still to come
                 self.prepared[(p.base, p.accepted, p.token)] = (block, received_at)
                 self.stats.prepared_sent += 1
@@ -346,8 +377,9 @@ class SessionPipeline:
         self._flush_feedback()
         self.enqueue(self, block, checked, (received_at, source))
 
-    def verified(self, block: pb.Block, verdict: Verdict, received_at: float, source: str, started: float,
-                 ended: float) -> None:
+    def verified(
+        self, block: pb.Block, verdict: Verdict, received_at: float, source: str, started: float, ended: float
+    ) -> None:
         """The verdict from the host's batched step (one target forward for every session ready);
         decided after what arrived meanwhile (prepared blocks, follow-ups) is taken in."""
         self.intervals.append(("target", started, ended))
@@ -393,8 +425,9 @@ class SessionPipeline:
         settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
         if reason is None and self.draft is not None and not was_paused:
             # a cap of 0 that cannot pause yet: the draft still writes the next block, of one token
-            self._send_feedback(block, verdict, token, ready is not None, deferred,
-                                cap if pause or cap is None else max(cap, 1))
+            self._send_feedback(
+                block, verdict, token, ready is not None, deferred, cap if pause or cap is None else max(cap, 1)
+            )
         self._record_round(block, accepted, timing, decided)
         self._commit(settled, reason)
         if pause:
@@ -455,11 +488,19 @@ class SessionPipeline:
         self._feedback_sent_at = time.time()
         self._to_draft(pb.DraftRequest(resume=resume))
 
-    def _send_feedback(self, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool, deferred: bool,
-                       cap: int | None) -> None:
+    def _send_feedback(
+        self, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool, deferred: bool, cap: int | None
+    ) -> None:
         """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback)."""
-        feedback = pb.Feedback(session_id=self.sid, epoch=self.epoch, base=block.base, drafted=len(block.tokens),
-                               accepted=verdict.accepted, token=token, prepared_used=prepared_used)
+        feedback = pb.Feedback(
+            session_id=self.sid,
+            epoch=self.epoch,
+            base=block.base,
+            drafted=len(block.tokens),
+            accepted=verdict.accepted,
+            token=token,
+            prepared_used=prepared_used,
+        )
         if cap is not None:
             feedback.load_cap = cap
         if self.auto is not None:
@@ -491,11 +532,15 @@ class SessionPipeline:
         except InvalidRequest as exc:
             raise WorkerError(f"draft worker sent a bad block: {exc}") from None
         if len(checked) > self.limits.max_draft_length:
-            raise WorkerError(f"draft worker sent a block of {len(checked)} tokens; the cap is {self.limits.max_draft_length}")
+            raise WorkerError(
+                f"draft worker sent a block of {len(checked)} tokens; the cap is {self.limits.max_draft_length}"
+            )
         limit = len(self.request.prompt_ids) + self.request.max_new_tokens
         if checked.base + len(checked) + 1 > limit:
-            raise WorkerError(f"draft worker sent a block of {len(checked)} tokens at base {checked.base}, past the "
-                              f"session's {limit} tokens (prompt + max_new_tokens)")
+            raise WorkerError(
+                f"draft worker sent a block of {len(checked)} tokens at base {checked.base}, past the "
+                f"session's {limit} tokens (prompt + max_new_tokens)"
+            )
         if not self.request.sampling.greedy and len(checked.probs) != len(checked):
             raise WorkerError("draft worker sent a sampled block without q(d) for every token")
         return checked
@@ -540,8 +585,9 @@ class SessionPipeline:
         self._drop_held()
         self._drop_prepared()
         self.stats.wall_s = time.time() - self.started
-        finished = pb.Finished(session_id=self.sid, finish_reason=reason,
-                               stats=convert.stats_to_proto(self._final_stats()))
+        finished = pb.Finished(
+            session_id=self.sid, finish_reason=reason, stats=convert.stats_to_proto(self._final_stats())
+        )
         self.emit(pb.GenerateEvent(finished=finished))
         self.close()
 
@@ -551,11 +597,15 @@ class SessionPipeline:
 
     # --- stats --------------------------------------------------------------------------------------
 
-    def _record_round(self, block: pb.Block, accepted: int, timing: tuple[float, float, float, str], now: float) -> None:
+    def _record_round(
+        self, block: pb.Block, accepted: int, timing: tuple[float, float, float, str], now: float
+    ) -> None:
         (received_at, started, ended, source), s, last = timing, self.stats, self._last_decision
         wall = now - last
         # the part of this block's drafting that the target waited for
-        critical_draft = min(block.draft_s, max(0.0, block.finished_at - max(block.started_at, last))) if block.tokens else 0.0
+        critical_draft = (
+            min(block.draft_s, max(0.0, block.finished_at - max(block.started_at, last))) if block.tokens else 0.0
+        )
         s.rounds += 1
         s.target_forwards += 1
         s.draft_tokens += len(block.tokens)

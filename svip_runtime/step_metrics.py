@@ -21,8 +21,12 @@ class StepMetrics:
         except ImportError:
             return
         keys = ("role",)
-        self.batch = m.Histogram("svip_step_batch_size", "Sessions served by one worker forward.", boundaries=BATCH_BUCKETS, tag_keys=keys)
-        self.tokens = m.Histogram("svip_step_tokens", "Tokens in one worker forward.", boundaries=TOKEN_BUCKETS, tag_keys=keys)
+        self.batch = m.Histogram(
+            "svip_step_batch_size", "Sessions served by one worker forward.", boundaries=BATCH_BUCKETS, tag_keys=keys
+        )
+        self.tokens = m.Histogram(
+            "svip_step_tokens", "Tokens in one worker forward.", boundaries=TOKEN_BUCKETS, tag_keys=keys
+        )
         self.kv_used = m.Gauge("svip_kv_cache_pages_used", "KV pool pages held by sessions.", tag_keys=keys)
         self.kv_free = m.Gauge("svip_kv_cache_pages_free", "KV pool pages free.", tag_keys=keys)
         self._on = True

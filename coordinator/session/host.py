@@ -1,7 +1,7 @@
 """The coordinator's sessions, hosted in the target worker's process beside the verifier.
 
 The caller (the CLI, a Serve replica) opens one Generate stream to the target worker and starts
-sessions on it; each session's logic (coordinator/pipeline.py) runs on the target's compute
+sessions on it; each session's logic (coordinator/session/pipeline.py) runs on the target's compute
 thread and talks to the draft worker over one stream (``DraftLink``), so a round is one hop each
 way: block in, verify, feedback out. Settled tokens stream back to the caller as they settle.
 Why here and not beside the draft: the target holds the verdict, and the verdict decides both
@@ -17,24 +17,24 @@ import time
 
 import grpc
 
-from coordinator.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S, DraftPort
-from coordinator.pipeline import PIPELINES, SessionPipeline
+from coordinator.session.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S, DraftPort
+from coordinator.session.pipeline import SessionPipeline
 from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
-from svip_common.grpc_server import SessionService, SessionStream, session_id_of, status_of
 from svip_common.kv_cache import whole_pages
 from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
-from svip_common.step_metrics import StepMetrics
 from svip_common.test_hooks import StepGate
-from svip_common.tls import TlsFiles
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.grpc_server import SessionService, SessionStream, session_id_of, status_of
+from svip_runtime.step_metrics import StepMetrics
+from svip_runtime.tls import TlsFiles
 from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
-_PIPELINE_NAMES = {v: k for k, v in PIPELINES.items()}
+_PIPELINE_NAMES = {v: k for k, v in convert.PIPELINES.items()}
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
 DEFAULT_HOLD_S = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
@@ -51,7 +51,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         prefilled in chunks under it); None: no limit. load_aware: whose blocks hold no more tokens
         than pay at the load measured here (none when verification is compute-bound): "off",
         "greedy" (greedy sessions) or "all" (svip_common/step_cost.py). draft_actor: the draft
-        worker's Ray actor, asked for a replacement when the draft is lost (coordinator/draft_port.py);
+        worker's Ray actor, asked for a replacement when the draft is lost (coordinator/session/draft_port.py);
         draft_stall_s: the least a session waits on its draft before it goes on without it;
         sampled_hold_s: how long a sampled session waits for a lost draft to come back; auto: the
         pair's `auto` estimate (svip_common/acceptance.py), kept here beside the verifier, where
@@ -133,17 +133,29 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                                  f"needs {tokens} (its prompt and max_new_tokens)")
             sampling = convert.sampling_from_proto(msg.sampling)
             speculate = msg.policy.name not in ("", "none") and self.draft is not None
-            policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length) if speculate else PolicyConfig(name="none")
+            policy = PolicyConfig(name="none")
+            if speculate:
+                policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length)
             request_ = GenerationRequest(tuple(msg.prompt_ids), msg.max_new_tokens, sampling, policy)
             pipeline = _PIPELINE_NAMES.get(msg.pipeline, "async")
-            session = SessionPipeline(msg.session_id, request_, frozenset(msg.stop_token_ids), self.limits,
-                                      self.verifier.open(sampling), self.draft if speculate else None, pipeline,
-                                      emit=stream.emit, schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args),
-                                      enqueue=lambda session, block, checked, info: self._ready.append((msg.session_id, session, block, checked, info)),
-                                      load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None,
-                                      hold_s=self.sampled_hold_s,
-                                      auto=SessionStop(self.auto, sampling.greedy) if policy.name == "auto" else None,
-                                      load=self.verifier.load)
+            session = SessionPipeline(
+                msg.session_id,
+                request_,
+                frozenset(msg.stop_token_ids),
+                self.limits,
+                self.verifier.open(sampling),
+                self.draft if speculate else None,
+                pipeline,
+                emit=stream.emit,
+                schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args),
+                enqueue=lambda session, block, checked, info: self._ready.append(
+                    (msg.session_id, session, block, checked, info)
+                ),
+                load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None,
+                hold_s=self.sampled_hold_s,
+                auto=SessionStop(self.auto, sampling.greedy) if policy.name == "auto" else None,
+                load=self.verifier.load,
+            )
             self.new_session(msg.session_id, session, stream)
             self._reserved[msg.session_id] = tokens
             self._step(msg.session_id, session.start)
@@ -162,10 +174,15 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def add_stats(self, stats: pb.WorkerStats) -> None:
         for field, greedy in (("auto_greedy", True), ("auto_sampled", False)):
             model = self.auto.model(greedy)
-            getattr(stats, field).CopyFrom(pb.AutoModelState(
-                weights=list(model.weights), observed_tokens=model.observed, fits=model.fits,
-                predicted_acceptance=model.predicted_sum / max(model.observed, 1),
-                observed_acceptance=model.accepted_sum / max(model.observed, 1)))
+            getattr(stats, field).CopyFrom(
+                pb.AutoModelState(
+                    weights=list(model.weights),
+                    observed_tokens=model.observed,
+                    fits=model.fits,
+                    predicted_acceptance=model.predicted_sum / max(model.observed, 1),
+                    observed_acceptance=model.accepted_sum / max(model.observed, 1),
+                )
+            )
         stats.auto_prior_cost = self.auto.prior_cost
 
     def load_cap(self, gate: SessionGate) -> int:

@@ -1,5 +1,5 @@
 """The target worker's way to its draft worker, one that outlives the draft: the current
-``DraftLink`` (coordinator/client.py), the draft's Ray actor to get a replacement from, and what
+``DraftLink`` (coordinator/session/draft_link.py), the draft's Ray actor to get a replacement from, and what
 the stall deadlines follow.
 
 When the link breaks (the draft's process died) the sessions are told at once (``on_lost``, they
@@ -18,11 +18,12 @@ import logging
 import time
 from collections.abc import Callable
 
-from coordinator.client import DraftLink, draft_stats
-from coordinator.cluster import WorkerGone, serving_address
+from coordinator.session.draft_link import DraftLink
 from svip_common.errors import WorkerUnavailable
-from svip_common.tls import TlsFiles
 from svip_proto import svip_pb2 as pb
+from svip_runtime.actor import WorkerGone, serving_address
+from svip_runtime.grpc_server import draft_stats
+from svip_runtime.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 

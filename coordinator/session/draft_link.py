@@ -1,0 +1,73 @@
+"""The target worker's stream to its draft worker: ``DraftLink``, one gRPC stream multiplexing the
+sessions, written from the target's compute thread (thread-safe, never blocking) and read on its
+event loop. Runs in the target worker's process (coordinator/session/draft_port.py owns it)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import grpc
+
+from svip_proto import svip_pb2 as pb
+from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.compute_loop import Outlet
+from svip_runtime.grpc_server import open_channel
+from svip_runtime.tls import TlsFiles
+
+log = logging.getLogger(__name__)
+
+
+class DraftLink:
+    """A target worker's stream to its draft worker. ``send`` may be called from any thread;
+    every event read calls on_event(event, received_at, size) on the event loop, and a broken
+    stream calls on_broken(reason) once."""
+
+    role = "draft"
+
+    def __init__(self, address: str, on_event: Callable[[pb.DraftEvent, float, int], None],
+                 on_broken: Callable[[str], None], tls: TlsFiles | None = None):
+        self.address, self._tls = address, tls
+        self._on_event, self._on_broken = on_event, on_broken
+        self.broken: str | None = None
+
+    async def open(self) -> None:
+        self._channel = await open_channel(self.role, self.address, self._tls)
+        self._outlet = Outlet(asyncio.get_running_loop())
+        self._call = pb_grpc.DraftWorkerStub(self._channel).Session(self._requests())
+        self._reader = asyncio.create_task(self._read())
+
+    def send(self, session_id: str, request: pb.DraftRequest) -> None:
+        self._outlet.send(request)
+
+    async def _requests(self):
+        while (request := await self._outlet.queue.get()) is not None:
+            yield request
+
+    async def _read(self) -> None:
+        try:
+            async for event in self._call:
+                self._on_event(event, time.time(), event.ByteSize())
+            reason = f"draft worker at {self.address} closed the stream"
+        except grpc.aio.AioRpcError as exc:
+            reason = f"draft worker at {self.address} is unavailable ({exc.code().name}: {exc.details()})"
+        except asyncio.CancelledError:
+            self.broken = "draft link closed"
+            raise
+        except Exception as exc:  # noqa: BLE001 - whatever broke the stream, the sessions go on without it
+            log.exception("the draft link broke")
+            reason = f"draft link to {self.address} broke ({type(exc).__name__})"
+        self.broken = reason
+        self._on_broken(reason)
+
+    async def close(self) -> None:
+        if hasattr(self, "_outlet"):
+            self._outlet.send(None)
+            self._reader.cancel()
+            try:
+                await self._reader
+            except (asyncio.CancelledError, Exception):
+                pass
+            await self._channel.close()

@@ -1,0 +1,141 @@
+"""The layout's rule, as each folder's __init__.py states it: which packages a package may import,
+no import circle between modules, and a pure core. Reads every module's imports (an AST walk: at
+module level and inside functions alike, since a deferred import is still an arrow; only what sits
+under `if TYPE_CHECKING:` is left out, as it never runs). The code passes ruff (pyproject.toml)."""
+
+from __future__ import annotations
+
+import ast
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = {  # import name -> folder
+    "svip_common": "svip_common", "svip_proto": "proto/svip_proto", "svip_runtime": "svip_runtime",
+    "target_worker": "target_worker", "draft_worker": "draft_worker", "coordinator": "coordinator",
+    "svip_serve": "deploy/svip_serve", "training": "training", "svip_assets": "svip_assets",
+    "svip_bench": "svip_bench", "svip_cli": "svip_cli",
+}
+CORE = ("svip_common",)
+ALLOWED = {  # package -> the packages it may import (besides itself)
+    "svip_common": set(),
+    "svip_proto": {"svip_common"},
+    "target_worker": {"svip_common"},
+    "svip_runtime": {"svip_common", "svip_proto"},
+    "draft_worker": {"svip_common", "svip_proto", "svip_runtime"},
+    "coordinator": {"svip_common", "svip_proto", "svip_runtime", "draft_worker", "target_worker"},
+    "svip_assets": {"svip_common"},
+    "svip_serve": {"svip_common", "svip_proto", "svip_runtime", "coordinator", "svip_assets"},
+    "training": {"svip_common", "svip_proto", "svip_runtime", "draft_worker", "target_worker", "coordinator",
+                 "svip_assets"},
+    "svip_bench": {"svip_common", "svip_proto", "svip_runtime", "draft_worker", "target_worker", "coordinator",
+                   "svip_serve", "svip_assets"},
+    "svip_cli": set(PACKAGES) - {"svip_cli"},
+}
+SESSION = "coordinator.session"
+CALLERS_END = ("coordinator.distributed", "coordinator.client", "coordinator.cluster", "coordinator.local")
+IN_PROCESS = ("coordinator.engine", "coordinator.batch")
+FORBIDDEN_IN_CORE = ("grpc", "ray", "svip_proto", "google.protobuf")
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for package, folder in PACKAGES.items():
+        for path in (REPO / folder).rglob("*.py"):
+            if "_pb2" in path.name:
+                continue
+            parts = path.relative_to(REPO / folder).with_suffix("").parts
+            name = ".".join((package, *parts)).removesuffix(".__init__")
+            out[name] = path
+    return out
+
+
+def _imports(path: Path) -> set[str]:
+    """Every module name an import in the file names, except under `if TYPE_CHECKING:`."""
+    tree = ast.parse(path.read_text())
+    skipped = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            skipped |= {id(n) for child in node.body for n in ast.walk(child)}
+    names = set()
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            names |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names |= {f"{node.module}.{a.name}" for a in node.names}
+    return names
+
+
+MODULES = _modules()
+GRAPH = {name: {t for t in _imports(path) if t in MODULES and t != name} for name, path in MODULES.items()}
+
+
+def _package(module: str) -> str:
+    return module.split(".")[0]
+
+
+def test_every_folder_states_its_rule():
+    for package, folder in PACKAGES.items():
+        init = REPO / folder / "__init__.py"
+        doc = ast.get_docstring(ast.parse(init.read_text())) or ""
+        assert "May import" in doc and "run" in doc.lower(), f"{init} does not say what runs it and what it may import"
+
+
+def test_packages_import_only_what_their_rule_allows():
+    wrong = sorted(f"{m} -> {t}" for m, targets in GRAPH.items() for t in targets
+                   if _package(t) != _package(m) and _package(t) not in ALLOWED[_package(m)])
+    assert not wrong, wrong
+
+
+def test_the_core_imports_no_grpc_ray_or_generated_code():
+    wrong = sorted(
+        f"{m} imports {name}"
+        for m, path in MODULES.items()
+        if _package(m) in CORE
+        for name in _imports(path)
+        if name.split(".")[0] in FORBIDDEN_IN_CORE or name.startswith("svip_proto")
+    )
+    assert not wrong, wrong
+
+
+def test_the_session_package_and_the_callers_end_stay_apart():
+    wrong = sorted(
+        f"{m} -> {t}"
+        for m, targets in GRAPH.items()
+        for t in targets
+        if (m.startswith(SESSION) and t.startswith(CALLERS_END + IN_PROCESS))
+        or (m.startswith(IN_PROCESS) and t.startswith(SESSION))
+    )
+    assert not wrong, wrong
+
+
+def test_no_import_circles():
+    cycles, state, stack = [], {}, []
+
+    def visit(node):
+        state[node] = "open"
+        stack.append(node)
+        for nxt in sorted(GRAPH[node]):
+            if state.get(nxt) == "open":
+                cycles.append(" -> ".join(stack[stack.index(nxt) :] + [nxt]))
+            elif nxt not in state:
+                visit(nxt)
+        stack.pop()
+        state[node] = "done"
+
+    for module in sorted(GRAPH):
+        if module not in state:
+            visit(module)
+    assert not cycles, cycles
+
+
+def test_the_code_passes_ruff():
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    assert ruff is not None, "ruff is a test dependency (pip install -e '.[test]')"
+    run = subprocess.run([ruff, "check", "--quiet", str(REPO)], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
