@@ -135,9 +135,9 @@ class EngineSession:
         self._engine = engine
         drafts = not isinstance(self.draft, NullDraftSession)
         auto = drafts and request.policy.name == "auto"
-        # the gate measures what drafting costs (auto's tau) and, load-aware, pauses or cuts blocks
+        # load-aware: the gate pauses drafting that does not pay (and cuts blocks, but not auto's)
         self.gated = drafts and load_aware_for(engine.load_aware, request.sampling.greedy)
-        self.gate = SessionGate(cuts=not auto) if self.gated or auto else None
+        self.gate = SessionGate(cuts=not auto) if self.gated else None
         self.stop = SessionStop(engine.auto_estimate(), request.sampling.greedy) if auto else None
         self._draft_mark = 0.0
 
@@ -163,21 +163,21 @@ class EngineSession:
         """The most tokens this round's block may hold: the verdict's own token fills the last
         place, and at load no more than pay (0: this round runs as the target alone)."""
         cap = UNLIMITED
-        load = self._engine.verifier.load() if self.gate is not None else None
+        load = self._engine.verifier.load() if self.gated or self.stop is not None else None
         if self.gated:
             cap = self.gate.cap(load)
         if self.stop is not None:
-            self.draft.policy.tune(self.stop.rule(self.gate.token_cost(load)))
-        self._draft_mark = self.draft.forward_s - self.draft.prefill_s
+            self.draft.policy.tune(self.stop.rule(load))
+        self._draft_mark = self.draft.compute_s - self.draft.prefill_s
         return min(self.budget - 1, cap)
 
     def settle(self, block: Block, verdict: Verdict) -> list[int]:
         self.draft.feedback(len(block), verdict.accepted)
-        if self.gate is not None:  # what this block's drafting took: the session's share of the forwards, no prefill
-            drafting_s = self.draft.forward_s - self.draft.prefill_s - self._draft_mark
+        drafting_s = self.draft.compute_s - self.draft.prefill_s - self._draft_mark  # its forwards and work, no prefill
+        if self.gate is not None:
             self.gate.record(len(block), verdict.accepted, drafting_s)
         if self.stop is not None:
-            self.stop.record(block.entropies, block.probs, verdict.accepted)
+            self.stop.record(block.entropies, block.probs, verdict.accepted, drafting_s)
         settled = [*block.tokens[: verdict.accepted], verdict.token]
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled

@@ -90,6 +90,7 @@ class DraftSession:
         self.forwards = 0
         self.forward_s = 0.0
         self.prefill_s = 0.0  # of forward_s, the forwards that took in a prefix (a prompt)
+        self.compute_s = 0.0  # forward_s and the work on each drafted token (q, its entropy, the policy)
 
     @property
     def cached_tokens(self) -> int:
@@ -192,7 +193,9 @@ class BlockDraft:
         if self.done and self._q_rows:
             block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
         self._pending = [token]
-        self.compute_s += forward_s + time.perf_counter() - started
+        spent = forward_s + time.perf_counter() - started
+        self.compute_s += spent
+        s.compute_s += spent
 
 
 class NullDraftSession:
@@ -202,6 +205,7 @@ class NullDraftSession:
         self.forwards = 0
         self.forward_s = 0.0
         self.prefill_s = 0.0  # of forward_s, the forwards that took in a prefix (a prompt)
+        self.compute_s = 0.0
         self.cached_tokens = 0
 
     def propose(self, committed: Sequence[int], budget: int) -> Block:

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from svip_common.errors import InvalidRequest
+from svip_common.step_cost import TargetLoad, token_cost
 
 FEATURES = ("bias", "sqrt_entropy", "entropy", "prob", "index")
 INDEX_SCALE = 16  # places in a block beyond this look alike
@@ -172,10 +173,11 @@ class AcceptanceModel:
 
 
 class RoundRate:
-    """A session's recent rate: tokens a round settles over what it costs (1 for the target's
-    step, tau per drafted token, the round trip), exponentially weighted; 1 until measured."""
+    """The pair's recent rate: tokens a round settles over what it costs (1 for the target's step,
+    tau per drafted token, the round trip), exponentially weighted over every greedy session's
+    rounds; 1 until measured."""
 
-    def __init__(self, decay: float = 0.8):
+    def __init__(self, decay: float = 0.95):
         self.decay = decay
         self._tokens = self._cost = 0.0
 
@@ -190,8 +192,10 @@ class RoundRate:
 
 
 class AutoEstimate:
-    """A pair's `auto` state beside its verifier: one model per decoding kind and the prior cost
-    of a drafted token (tau before the session has measured its own)."""
+    """A pair's `auto` state beside its verifier: one acceptance model per decoding kind, what a
+    drafted token takes on the draft (every session's blocks, exponentially weighted), the rate
+    rounds reach, and the prior cost of a drafted token (tau until drafting is measured). Pair-wide,
+    so a new session starts from what the ones before it measured."""
 
     def __init__(self, prior_weights: tuple[float, ...] = PRIOR_WEIGHTS, prior_cost: float = 0.3,
                  settings: AutoSettings = AutoSettings()):
@@ -201,26 +205,37 @@ class AutoEstimate:
         # its sample); still scored against their verdicts, for the export
         frozen = dataclasses.replace(settings, learn=False)
         self.models = {True: AcceptanceModel(prior_weights, settings), False: AcceptanceModel(prior_weights, frozen)}
+        self.rate = RoundRate()
+        self.draft_token_s = 0.0  # seconds a drafted token takes on the draft (its share of a forward, and its work)
 
     def model(self, greedy: bool) -> AcceptanceModel:
         return self.models[greedy]
 
-    def cost(self, measured: float | None) -> float:
-        """tau: the configured one, else the session's measured one, else the prior."""
+    def record_drafting(self, drafted: int, seconds: float | None) -> None:
+        if not drafted or seconds is None or not math.isfinite(seconds) or seconds < 0:
+            return
+        per_token = seconds / drafted
+        self.draft_token_s = per_token if not self.draft_token_s else 0.9 * self.draft_token_s + 0.1 * per_token
+
+    def cost(self, load: TargetLoad | None) -> float:
+        """tau: the configured one, else the measured one at the target's load now, else the prior."""
         if self.settings.cost is not None:
             return self.settings.cost
-        if measured is not None and math.isfinite(measured) and measured > 0:
-            return min(measured, MAX_AUTO_COST)
+        if load is not None and self.draft_token_s:
+            measured = token_cost(load, self.draft_token_s)
+            if math.isfinite(measured) and measured > 0:
+                return min(measured, MAX_AUTO_COST)
         return self.prior_cost
 
     def to_dict(self) -> dict:
-        return {"prior_cost": round(self.prior_cost, 4), "cost": self.settings.cost,
+        return {"prior_cost": round(self.prior_cost, 4), "cost": self.settings.cost, "rate": round(self.rate.value, 4),
+                "draft_token_s": round(self.draft_token_s, 6),
                 "greedy": self.models[True].to_dict(), "sampled": self.models[False].to_dict()}
 
 
 class SessionStop:
-    """One session's `auto` stop: learns from its verdicts into the pair's model and gives the
-    rule for its next block (stop_at = its recent rate times tau).
+    """One session's `auto` stop: its verdicts go into the pair's estimate, and its next block's
+    rule is the pair's weights at stop_at = the pair's recent rate times tau now.
 
     What a seed reproduces: a greedy session's output is the target's whatever the lengths. A
     sampled one's draw depends on where its blocks end, so its rule is fixed (``frozen``): the
@@ -232,16 +247,19 @@ class SessionStop:
         self.estimate = estimate
         self.model = estimate.model(greedy)
         self.frozen = not self.model.settings.learn
-        self.rate = RoundRate()
         self.tau = estimate.cost(None)
 
-    def rule(self, measured_cost: float | None = None) -> StopRule:
+    def rule(self, load: TargetLoad | None = None) -> StopRule:
         if self.frozen:
             return StopRule(tuple(float(w) for w in self.estimate.model(False).prior), FROZEN_RATE * self.tau)
-        self.tau = self.estimate.cost(measured_cost)
-        return self.model.rule(max(self.rate.value, 1.0) * self.tau)
+        self.tau = self.estimate.cost(load)
+        return self.model.rule(max(self.estimate.rate.value, 1.0) * self.tau)
 
-    def record(self, entropies: list[float], probs: list[float], accepted: int, round_tokens: float = 0.0) -> None:
+    def record(self, entropies: list[float], probs: list[float], accepted: int, draft_s: float | None = None,
+               round_tokens: float = 0.0) -> None:
+        """A verdict on a block of len(entropies) tokens that took draft_s seconds to draft."""
         if entropies:
             self.model.observe(entropies, probs, accepted)
-        self.rate.update(len(entropies), accepted, self.tau, round_tokens)
+        if not self.frozen:
+            self.estimate.record_drafting(len(entropies), draft_s)
+            self.estimate.rate.update(len(entropies), accepted, self.tau, round_tokens)

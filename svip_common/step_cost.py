@@ -230,12 +230,6 @@ class SessionGate:
         if math.isfinite(seconds) and seconds >= 0:
             self.round_s = seconds if not self.round_s else 0.8 * self.round_s + 0.2 * seconds
 
-    def token_cost(self, load: TargetLoad | None) -> float | None:
-        """τ for this session now (None until both the load and its drafting are measured)."""
-        if load is None or not self.draft_token_s:
-            return None
-        return token_cost(load, self.draft_token_s)
-
     def cap(self, load: TargetLoad | None) -> int:
         if self.paused:
             self.acceptance.relax()

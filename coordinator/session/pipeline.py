@@ -466,11 +466,12 @@ class SessionPipeline:
         load = self._load()
         entropies = convert.floats_from_proto(block.entropies) if block.HasField("entropies") else []
         probs = convert.floats_from_proto(block.q_probs) if block.HasField("q_probs") else []
-        self.auto.record(entropies, probs, accepted, load.round_tokens(self.gate.round_s) if load is not None else 0.0)
+        round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
+        self.auto.record(entropies, probs, accepted, block.draft_s, round_tokens)
 
     def _stop_rule(self) -> pb.StopRule:
         """auto: the rule for the next blocks, at this session's tau now."""
-        return convert.stop_rule_to_proto(self.auto.rule(self.gate.token_cost(self._load())))
+        return convert.stop_rule_to_proto(self.auto.rule(self._load()))
 
     def _pause(self) -> None:
         """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""

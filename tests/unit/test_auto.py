@@ -24,6 +24,7 @@ from svip_common.acceptance import (
 )
 from svip_common.contracts import PolicyConfig, StepState
 from svip_common.errors import InvalidRequest
+from svip_common.step_cost import TargetLoad
 
 TRUE = (-3.0, 0.0, 0.0, 6.0, 0.0)  # the scripted pair: acceptance = sigmoid(6 q - 3), q the draft's q(token)
 
@@ -101,17 +102,23 @@ def test_the_rule_follows_the_signal():
     assert _block_length(policy, [0.2] * 10) == 1
 
 
-def test_session_rule_scales_tau_by_its_rate_and_frozen_sessions_stay_put():
+def test_the_rule_scales_the_measured_tau_by_the_pairs_rate_and_frozen_sessions_stay_put():
     estimate = AutoEstimate(prior_cost=0.25)
     greedy, sampled = SessionStop(estimate, True), SessionStop(estimate, False)
-    assert greedy.rule(None).stop_at == pytest.approx(0.25)  # rate 1 before any round
-    for _ in range(20):
-        greedy.record([0.5] * 4, [0.9] * 4, accepted=4)  # 5 tokens for 1 + 4 * 0.25 = 2: rate 2.5
-    assert greedy.rule(0.25).stop_at == pytest.approx(0.25 * 2.5, rel=0.05)
-    first = sampled.rule(0.9)  # a measured cost does not move a frozen rule
+    assert greedy.rule(None).stop_at == pytest.approx(0.25)  # the prior, at rate 1 before any round
+    load = TargetLoad(plain_rate=100.0, verify_token_s=0.0005, batch=1.0)  # 100 tokens/s alone
+    for _ in range(100):  # 4 drafted in 8 ms, all accepted: tau = 100 * (0.0005 + 0.002) = 0.25
+        greedy.rule(load)
+        greedy.record([0.5] * 4, [0.9] * 4, accepted=4, draft_s=0.008)
+    assert estimate.cost(load) == pytest.approx(0.25)
+    assert estimate.rate.value == pytest.approx(5 / 2, rel=0.01)  # 5 tokens for 1 + 4 * 0.25
+    assert greedy.rule(load).stop_at == pytest.approx(0.25 * 2.5, rel=0.01)
+    assert SessionStop(estimate, True).rule(load).stop_at == pytest.approx(0.25 * 2.5, rel=0.01)  # a new session too
+    first = sampled.rule(load)  # a measured cost does not move a frozen rule
     for _ in range(100):
-        sampled.record([0.5] * 4, [0.9] * 4, accepted=1)
-    assert sampled.rule(0.1) == first
+        sampled.record([0.5] * 4, [0.9] * 4, accepted=1, draft_s=0.1)
+    assert sampled.rule(TargetLoad(10.0, 0.01)) == first
+    assert first.stop_at == pytest.approx(0.25 * 1.5)
 
 
 @pytest.mark.parametrize("settings, message", [
