@@ -28,7 +28,7 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
     """Start (or join) a Ray instance on this machine whose every listener is on 127.0.0.1.
     metrics_port: where Ray's agent serves Prometheus metrics (None: a free port)."""
     # Must be in the environment before ray is first imported, and is inherited by the processes
-    # Ray starts (DESIGN.md, Placement). Never set in a cluster deployment.
+    # Ray starts (docs/architecture.md, Placement). Never set in a cluster deployment.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
     import ray
 

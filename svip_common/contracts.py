@@ -1,7 +1,7 @@
 """The types every part of the system speaks: request parameters, the draft block, the target's
 verdict, the per-step state a length policy sees, and the result of a generation.
 
-Words (see DESIGN.md): *committed* tokens are settled by the target and never change; a *block* is
+Words (see docs/architecture.md): *committed* tokens are settled by the target and never change; a *block* is
 a run of draft tokens proposed on a committed prefix of length ``base``; a *verdict* says how many
 of them the target accepted and which token resolves the next position (a *correction* after a
 rejection, a *bonus* after full acceptance).

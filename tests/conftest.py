@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 
-# Ray must bind to loopback only (DESIGN.md, Placement); set before ray is first imported.
+# Ray must bind to loopback only (docs/architecture.md, Placement); set before ray is first imported.
 os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
 
 import tempfile

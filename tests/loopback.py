@@ -1,5 +1,5 @@
 """The check both distributed modes share: every TCP listener of Ray, its workers and the app is
-on 127.0.0.1 (DESIGN.md, Placement)."""
+on 127.0.0.1 (docs/architecture.md, Placement)."""
 
 from __future__ import annotations
 

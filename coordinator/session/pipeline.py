@@ -22,7 +22,7 @@ what pays at the target's measured load. When that is nothing, the session pause
 says so, the target settles the next tokens alone (one token per batched step, as without a
 draft), and when drafting pays again one Resume gives the draft those tokens and its next cap.
 
-Recovery (DESIGN.md, Placement): a draft worker that is lost, or that leaves the session waiting
+Recovery (docs/architecture.md, Placement): a draft worker that is lost, or that leaves the session waiting
 past its stall deadline, no longer ends it. The session *detaches*: the epoch advances (whatever
 the old draft sent or sends is stale), the verdict in flight is kept if greedy and voided if
 sampled (a rejection's correction needs the draft's q row; voiding regardless of the outcome

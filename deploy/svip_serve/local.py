@@ -1,4 +1,4 @@
-"""`svip serve`: the Serve app on this machine, Ray bound to loopback (DESIGN.md, Placement), the
+"""`svip serve`: the Serve app on this machine, Ray bound to loopback (docs/architecture.md, Placement), the
 HTTP proxy on --host/--port (127.0.0.1:8000 by default), until interrupted."""
 
 from __future__ import annotations

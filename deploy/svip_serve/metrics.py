@@ -1,5 +1,5 @@
 """Prometheus metrics through Ray's metrics agent (every node exports them on its metrics port).
-Names follow vLLM's speculative-decoding counters (DESIGN.md, Metrics): `vllm:spec_decode_*` is
+Names follow vLLM's speculative-decoding counters (docs/architecture.md, Metrics): `vllm:spec_decode_*` is
 `ray_svip_spec_decode_*` here (Ray prefixes `ray_` and, from 2.60, drops names with a colon;
 counters end in `_total`), so a vLLM dashboard carries over by renaming; SVIP's own series sit
 beside them."""
@@ -38,81 +38,53 @@ class ServeMetrics:
         self.emitted = counter("spec_decode_num_emitted_tokens", "Tokens emitted (accepted, corrections, bonuses).")
         # SVIP's own
         self.discarded = counter("spec_decode_num_discarded_tokens", "Pre-drafted tokens dropped by rollbacks.")
-        self.pauses = counter(
-            "spec_decode_num_pauses", "Times a session stopped drafting: it did not pay at the target's load."
-        )
+        self.pauses = counter("spec_decode_num_pauses",
+                              "Times a session stopped drafting: it did not pay at the target's load.")
         self.both_busy = counter("spec_decode_overlap_seconds", "Time draft and target computed at once.")
         self.draft_wait = counter("spec_decode_draft_wait_seconds", "Time the draft worker idled (bubbles).")
         self.target_wait = counter("spec_decode_target_wait_seconds", "Time the target worker idled (bubbles).")
         self.draft_length = histogram("spec_decode_draft_length", "Length of each draft block.", LENGTH_BUCKETS)
-        self.stop_entropy = histogram(
-            "spec_decode_stop_entropy", "Draft entropy (nats) where a block stopped.", ENTROPY_BUCKETS
-        )
-        self.wire_bytes = histogram(
-            "spec_decode_wire_bytes_per_round", "gRPC bytes per round, both workers.", BYTES_BUCKETS
-        )
+        self.stop_entropy = histogram("spec_decode_stop_entropy", "Draft entropy (nats) where a block stopped.",
+                                      ENTROPY_BUCKETS)
+        self.wire_bytes = histogram("spec_decode_wire_bytes_per_round", "gRPC bytes per round, both workers.",
+                                    BYTES_BUCKETS)
         # recovery: sessions that outlived a worker (coordinator/session/draft_port.py, coordinator/distributed.py)
         self.detached = counter("sessions_detached", "Times a session went on without its draft (lost or stalled).")
         self.reattached = counter("sessions_reattached", "Times a draft took a session up again.")
         self.worker_restarts = counter("worker_restarts", "Workers replaced under running sessions.", ("role",))
         self.reprefilled = counter("reprefilled_tokens", "Tokens prefilled again on a replaced target worker.")
-        self.recover_time = histogram(
-            "time_to_recover_seconds",
-            "A session's wait from its target worker's loss to going on on the replaced one.",
-            LATENCY_BUCKETS,
-        )
+        self.recover_time = histogram("time_to_recover_seconds", "A session's wait from its target worker's loss "
+                                      "to going on on the replaced one.", LATENCY_BUCKETS)
         # requests
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens processed.")
         self.generation_tokens = counter("generation_tokens", "Tokens returned to clients.")
         self.requests = counter("request_success", "Finished requests.", ("finished_reason",))
         self.rejected = counter("request_rejected", "Requests refused before generating.", ("reason",))
-        self.latency = histogram(
-            "e2e_request_latency_seconds", "Request latency, arrival to last token.", LATENCY_BUCKETS
-        )
+        self.latency = histogram("e2e_request_latency_seconds", "Request latency, arrival to last token.",
+                                 LATENCY_BUCKETS)
         self.ttft = histogram("time_to_first_token_seconds", "Arrival to first settled token.", LATENCY_BUCKETS)
         self.running = m.Gauge("svip_num_requests_running", "Sessions generating on this replica.", tag_keys=tags)
-        self.waiting = m.Gauge(
-            "svip_num_requests_waiting", "Requests waiting for a session slot or KV room.", tag_keys=tags
-        )
-        self.cached_tokens = m.Gauge(
-            "svip_worker_cached_tokens", "Tokens in a worker's KV caches.", tag_keys=tags + ("role",)
-        )
-        self.open_sessions = m.Gauge(
-            "svip_worker_open_sessions", "Sessions open on a worker.", tag_keys=tags + ("role",)
-        )
-        self.draft_lost = m.Gauge(
-            "svip_draft_lost",
-            "1 while the target has no draft worker (sessions go on without "
-            "speculation, the draft is being replaced); alert when it stays 1.",
-            tag_keys=tags,
-        )
-        self.auto_acceptance = m.Gauge(
-            "svip_auto_acceptance",
-            "Policy auto: mean acceptance of the verdicted drafted "
-            "tokens, as predicted by the pair's estimate and as observed.",
-            tag_keys=tags + ("kind", "source"),
-        )
-        self.auto_weight = m.Gauge(
-            "svip_auto_weight",
-            "Policy auto: the pair's acceptance model, one weight per feature.",
-            tag_keys=tags + ("kind", "feature"),
-        )
+        self.waiting = m.Gauge("svip_num_requests_waiting", "Requests waiting for a session slot or KV room.",
+                               tag_keys=tags)
+        self.cached_tokens = m.Gauge("svip_worker_cached_tokens", "Tokens in a worker's KV caches.",
+                                     tag_keys=tags + ("role",))
+        self.open_sessions = m.Gauge("svip_worker_open_sessions", "Sessions open on a worker.",
+                                     tag_keys=tags + ("role",))
+        self.draft_lost = m.Gauge("svip_draft_lost", "1 while the target has no draft worker (sessions go on without "
+                                  "speculation, the draft is being replaced); alert when it stays 1.", tag_keys=tags)
+        self.auto_acceptance = m.Gauge("svip_auto_acceptance", "Policy auto: mean acceptance of the verdicted drafted "
+                                       "tokens, as predicted by the pair's estimate and as observed.",
+                                       tag_keys=tags + ("kind", "source"))
+        self.auto_weight = m.Gauge("svip_auto_weight",
+                                   "Policy auto: the pair's acceptance model, one weight per feature.",
+                                   tag_keys=tags + ("kind", "feature"))
         self._restarts_seen: dict[str, int] = {}
-        self.kv_usage = m.Gauge(
-            "svip_kv_cache_usage_perc",
-            "Share of a worker's KV pool pages in use (vLLM's cache usage).",
-            tag_keys=tags + ("role",),
-        )
+        self.kv_usage = m.Gauge("svip_kv_cache_usage_perc",
+                                "Share of a worker's KV pool pages in use (vLLM's cache usage).",
+                                tag_keys=tags + ("role",))
 
-    def record_generation(
-        self,
-        stats: GenerationStats,
-        prompt_tokens: int,
-        completion_tokens: int,
-        finish_reason: str,
-        latency_s: float,
-        ttft_s: float | None,
-    ) -> None:
+    def record_generation(self, stats: GenerationStats, prompt_tokens: int, completion_tokens: int,
+                          finish_reason: str, latency_s: float, ttft_s: float | None) -> None:
         t = self.tags
         self._inc(self.drafts, stats.rounds)
         self._inc(self.draft_tokens, stats.draft_tokens)
@@ -191,11 +163,8 @@ def auto_state(target) -> dict:
     """The pair's `auto` estimate from the target's WorkerStats, as /v1/svip/workers shows it."""
     out = {"prior_cost": round(target.auto_prior_cost, 4)}
     for kind, state in (("greedy", target.auto_greedy), ("sampled", target.auto_sampled)):
-        out[kind] = {
-            "weights": dict(zip(FEATURES, (round(w, 4) for w in state.weights))),
-            "observed_tokens": state.observed_tokens,
-            "fits": state.fits,
-            "predicted_acceptance": round(state.predicted_acceptance, 4),
-            "observed_acceptance": round(state.observed_acceptance, 4),
-        }
+        out[kind] = {"weights": dict(zip(FEATURES, (round(w, 4) for w in state.weights))),
+                     "observed_tokens": state.observed_tokens, "fits": state.fits,
+                     "predicted_acceptance": round(state.predicted_acceptance, 4),
+                     "observed_acceptance": round(state.observed_acceptance, 4)}
     return out
