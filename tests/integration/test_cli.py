@@ -38,7 +38,7 @@ def test_generate_json(capsys, model_dirs, models):
         assert key in stats
     assert len(record["token_ids"]) == 12
     assert len(stats["draft_lengths"]) == len(stats["accepted_lengths"]) == stats["rounds"]
-    assert stats["config"]["policy"]["name"] == "svip" and stats["config"]["policy"]["threshold"] == 0.3
+    assert stats["config"]["policy"]["name"] == "auto"  # the default policy
     assert record["text"] == models["target"].tokenizer.decode(record["token_ids"], skip_special_tokens=True)
     assert record["prompt_token_ids"] == models["target"].tokenizer("def fibonacci(n):")["input_ids"]
 
