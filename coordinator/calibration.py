@@ -28,6 +28,7 @@ from pathlib import Path
 
 import torch
 
+from draft_worker.policies import svip_stops
 from svip_common.acceptance import FEATURES, PRIOR_WEIGHTS, AutoEstimate, AutoSettings, features, fit_logistic
 from svip_common.kv_cache import KVCache
 from svip_common.models import LoadedModel
@@ -122,7 +123,7 @@ def replay_svip(traj: Trajectory, threshold: float, scale: float, cap: int, cost
             drafted += 1
             rejected = rejected or not traj.matches[i]
             accepted += not rejected
-            if math.sqrt(scale * traj.entropies[i]) > threshold:
+            if svip_stops(traj.entropies[i], scale, threshold):
                 break
         total += cost.round_cost(drafted)
         emitted += accepted + 1

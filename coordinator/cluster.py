@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 from coordinator.calibration import stored_prior
 from svip_common.acceptance import AutoSettings
@@ -180,30 +181,33 @@ class WorkerPair:
                 )
             )
         actors = [a for a in (self.target, self.draft) if a is not None]
-        try:
+        with self._starting(
+            f"the workers were not placed within {placement_timeout_s:.0f} s: Ray has no free "
+            f"GPU / '{DRAFT_RESOURCE}' / '{TARGET_RESOURCE}' slot for them"
+        ):
             ray.get([a.placed.remote() for a in actors], timeout=placement_timeout_s)
-        except ray.exceptions.GetTimeoutError:
-            self.shutdown()
-            raise SvipError(
-                f"the workers were not placed within {placement_timeout_s:.0f} s: Ray has no free "
-                f"GPU / '{DRAFT_RESOURCE}' / '{TARGET_RESOURCE}' slot for them"
-            ) from None
-        except ray.exceptions.RayActorError as exc:
-            self.shutdown()
-            raise SvipError(f"a worker failed to start: {exc}") from None
-        try:  # both load their weights at once; the draft serves first, then the target dials it
+        with self._starting(
+            f"the workers were placed but did not load their weights within {start_timeout_s:.0f} s "
+            f"(a first download from the hub counts): raise the start timeout (worker_start_timeout_s, "
+            f"the chart's serve.workerStartTimeoutS) or mount a weights cache"
+        ):  # both load their weights at once; the draft serves first, then the target dials it
             ray.get([a.load.remote() for a in actors], timeout=start_timeout_s)
             self.draft_address = (
                 ray.get(self.draft.start.remote(), timeout=placement_timeout_s) if self.draft is not None else None
             )
             self.target_address = ray.get(self.target.start.remote(**self._target_start()), timeout=placement_timeout_s)
+
+    @contextmanager
+    def _starting(self, late: str):
+        """One step of starting the workers: past its timeout (``late`` says what to do) or with a
+        worker dead, both workers are shut down and the caller gets a SvipError that says which."""
+        import ray
+
+        try:
+            yield
         except ray.exceptions.GetTimeoutError:
             self.shutdown()
-            raise SvipError(
-                f"the workers were placed but did not load their weights within {start_timeout_s:.0f} s "
-                f"(a first download from the hub counts): raise the start timeout (worker_start_timeout_s, "
-                f"the chart's serve.workerStartTimeoutS) or mount a weights cache"
-            ) from None
+            raise SvipError(late) from None
         except ray.exceptions.RayActorError as exc:
             self.shutdown()
             raise SvipError(f"a worker failed to start: {exc}") from None

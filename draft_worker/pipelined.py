@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from draft_worker.drafter import BlockDraft, DraftSession
 from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
-from svip_common.step_cost import UNLIMITED
+from svip_common.step_cost import UNLIMITED, Ewma
 
 MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
 EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
@@ -94,8 +94,8 @@ class PipelinedDraft:
         # from there is learnt. Speculation that would still run when the verdict is due is not
         # started: a feedback that needs a new block then finds the draft free.
         self._verifying_since = 0.0
-        self._verdict_wait: float | None = None
-        self._forward_s: float | None = None
+        self._verdict_wait = Ewma(EMA, empty=None)
+        self._forward_s = Ewma(EMA, empty=None)
 
     @property
     def cached_tokens(self) -> int:
@@ -197,8 +197,7 @@ class PipelinedDraft:
         when there is nothing to draft (the budget is spent, or the correction ends the output;
         it lets the target settle the next position, or at least carries the correction)."""
         budget = min(self.limit - len(self.known) - 1, self.load_cap)  # the verdict's own token fills the last place
-        ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids
-        if budget >= 1 and not ended:
+        if budget >= 1 and not self._stopped:
             self.critical = Job(
                 self.session.begin(self.known, budget, alternatives=self.pipelined),
                 None,
@@ -271,19 +270,20 @@ class PipelinedDraft:
         return self.after_step(time.perf_counter() - started)
 
     def _time_for_a_forward(self) -> bool:
-        if self._verdict_wait is None or self._forward_s is None or not self.outstanding:
+        wait, forward_s = self._verdict_wait.value, self._forward_s.value
+        if wait is None or forward_s is None or not self.outstanding:
             return True
-        due = max(self._verifying_since, self.outstanding[0].finished_at) + self._verdict_wait
-        return time.time() + self._forward_s < due
+        due = max(self._verifying_since, self.outstanding[0].finished_at) + wait
+        return time.time() + forward_s < due
 
     def _learn_wait(self, answered: Outgoing, received_at: float) -> None:
         since = max(self._verifying_since, answered.finished_at)
         wait = received_at - since
-        self._verdict_wait = wait if self._verdict_wait is None else (1 - EMA) * self._verdict_wait + EMA * wait
+        self._verdict_wait.update(wait)
         self._verifying_since = received_at
 
     def _learn_forward(self, seconds: float) -> None:
-        self._forward_s = seconds if self._forward_s is None else (1 - EMA) * self._forward_s + EMA * seconds
+        self._forward_s.update(seconds)
 
     def _plan(self) -> None:
         """What to prepare while the outstanding blocks are verified, most likely first: the
@@ -346,6 +346,10 @@ class PipelinedDraft:
             alternatives=draft.alternatives,
         )
 
+    @property
+    def _stopped(self) -> bool:
+        """The output already ended on a stop token."""
+        return len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids
+
     def _finished(self) -> bool:
-        ended = len(self.known) > len(self.prompt) and self.known[-1] in self.stop_token_ids
-        return ended or len(self.known) >= self.limit
+        return self._stopped or len(self.known) >= self.limit

@@ -26,6 +26,12 @@ class LengthPolicy(Protocol):
     def update(self, drafted: int, accepted: int) -> None: ...
 
 
+def svip_stops(entropy: float, entropy_scale: float, threshold: float) -> bool:
+    """SVIP's rule, its one home: stop once sqrt(entropy_scale * H) > threshold (H clamped at 0,
+    which a float's rounding can undershoot)."""
+    return math.sqrt(entropy_scale * max(entropy, 0.0)) > threshold
+
+
 class SvipPolicy:
     """SVIP (Zhang et al., 2024): stop once sqrt(entropy_scale * H(q_t)) > threshold."""
 
@@ -38,7 +44,7 @@ class SvipPolicy:
         return self.cap
 
     def should_stop(self, step: StepState) -> bool:
-        return math.sqrt(self.entropy_scale * max(step.entropy, 0.0)) > self.threshold
+        return svip_stops(step.entropy, self.entropy_scale, self.threshold)
 
     def update(self, drafted: int, accepted: int) -> None:
         pass

@@ -13,6 +13,7 @@ import grpc
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import Outgoing, PipelinedDraft
 from draft_worker.policies import AutoPolicy
+from svip_common.acceptance import StopRule
 from svip_common.contracts import NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.kv_cache import PoolFull
@@ -47,22 +48,20 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     def handle(self, request: pb.DraftRequest, stream: SessionStream, received_at: float) -> None:
         kind = request.WhichOneof("kind")
         if kind == "start":
-            msg = request.start
-            self.check_start(msg)
-            self.admit(msg.session_id, stream)
-            sampling = convert.sampling_from_proto(msg.sampling)
-            policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length)
-            stop = frozenset(msg.stop_token_ids)
+            self.check_start(request.start)
+            start = convert.start_from_proto(request.start, self.limits.max_draft_length)
+            if not start.speculates:
+                raise InvalidRequest("a draft session needs a drafting policy (not 'none')")
+            self.admit(start.session_id, stream)
             session = PipelinedDraft(
-                session=self.drafter.open(sampling, policy, tuple(stop)),
-                prompt=list(msg.prompt_ids), max_new_tokens=msg.max_new_tokens, stop_token_ids=stop,
-                pipelined=msg.pipeline == pb.PIPELINE_ASYNC, prepare=self.prepare, send_prepared=sampling.greedy,
-                epoch=msg.epoch,
+                session=self.drafter.open(start.sampling, start.policy, tuple(start.stop_token_ids)),
+                prompt=list(start.prompt_ids), max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
+                pipelined=start.pipeline == "async", prepare=self.prepare, send_prepared=start.sampling.greedy,
+                epoch=start.epoch,
             )
-            self.new_session(msg.session_id, session, stream)
-            _tune(session, msg)
-            cap = msg.load_cap if msg.HasField("load_cap") else None
-            self._send(msg.session_id, session, session.start(received_at, cap))
+            self.new_session(start.session_id, session, stream)
+            _tune(session, start.stop_rule)
+            self._send(start.session_id, session, session.start(received_at, start.load_cap))
         elif kind == "feedback":
             msg = request.feedback
             session = self.session(msg.session_id, stream)
@@ -73,7 +72,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             msg = request.resume
             session = self.session(msg.session_id, stream)
             check_token_ids(msg.tokens, self.limits.tokens, "resumed token id")
-            _tune(session, msg)
+            _tune(session, _stop_rule(msg))
             self._send(msg.session_id, session, session.on_resume(msg.epoch, msg.base, list(msg.tokens), msg.load_cap,
                                                                   received_at))
         else:  # cancel
@@ -87,7 +86,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
         if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
             raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
-        _tune(session, msg)
+        _tune(session, _stop_rule(msg))
         return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
                                    msg.prepared_used, received_at, msg.load_cap if msg.HasField("load_cap") else None)
 
@@ -156,12 +155,17 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         return pb.DraftEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
 
 
-def _tune(session: PipelinedDraft, msg) -> None:
+def _tune(session: PipelinedDraft, rule: StopRule | None) -> None:
     """A stop rule from the target side (policy auto) applies to the session's next blocks; one
-    for a session of another policy, or a malformed one, is INVALID_ARGUMENT."""
-    if not msg.HasField("stop_rule"):
+    for a session of another policy is INVALID_ARGUMENT."""
+    if rule is None:
         return
     policy = session.session.policy
     if not isinstance(policy, AutoPolicy):
         raise InvalidRequest(f"a stop rule for a session of policy {policy.name!r} (only auto takes one)")
-    policy.tune(convert.stop_rule_from_proto(msg.stop_rule))
+    policy.tune(rule)
+
+
+def _stop_rule(msg) -> StopRule | None:
+    """A Feedback's or Resume's stop rule, checked (a malformed one is INVALID_ARGUMENT)."""
+    return convert.stop_rule_from_proto(msg.stop_rule) if msg.HasField("stop_rule") else None

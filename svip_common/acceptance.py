@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from svip_common.errors import InvalidRequest
-from svip_common.step_cost import TargetLoad, token_cost
+from svip_common.step_cost import Ewma, TargetLoad, token_cost
 
 FEATURES = ("bias", "sqrt_entropy", "entropy", "prob", "index")
 INDEX_SCALE = 16  # places in a block beyond this look alike
@@ -206,7 +206,7 @@ class AutoEstimate:
         frozen = dataclasses.replace(settings, learn=False)
         self.models = {True: AcceptanceModel(prior_weights, settings), False: AcceptanceModel(prior_weights, frozen)}
         self.rate = RoundRate()
-        self.draft_token_s = 0.0  # seconds a drafted token takes on the draft (its share of a forward, and its work)
+        self._draft_token_s = Ewma(0.1)  # seconds a drafted token takes on the draft (its share of a forward, its work)
 
     def model(self, greedy: bool) -> AcceptanceModel:
         return self.models[greedy]
@@ -214,8 +214,11 @@ class AutoEstimate:
     def record_drafting(self, drafted: int, seconds: float | None) -> None:
         if not drafted or seconds is None or not math.isfinite(seconds) or seconds < 0:
             return
-        per_token = seconds / drafted
-        self.draft_token_s = per_token if not self.draft_token_s else 0.9 * self.draft_token_s + 0.1 * per_token
+        self._draft_token_s.update(seconds / drafted)
+
+    @property
+    def draft_token_s(self) -> float:
+        return self._draft_token_s.value
 
     def cost(self, load: TargetLoad | None) -> float:
         """tau: the configured one, else the measured one at the target's load now, else the prior."""

@@ -56,6 +56,19 @@ def load_aware_for(mode: str, greedy: bool) -> bool:
     return mode == "all" or (mode == "greedy" and greedy)
 
 
+class Ewma:
+    """An exponentially weighted moving average: the first sample as it is, then each new one
+    weighted ``weight``; ``value`` is ``empty`` until the first sample."""
+
+    def __init__(self, weight: float, empty: float | None = 0.0):
+        self.weight, self.value, self.samples = weight, empty, 0
+
+    def update(self, sample: float) -> float:
+        self.value = sample if not self.samples else (1 - self.weight) * self.value + self.weight * sample
+        self.samples += 1
+        return self.value
+
+
 class StepCost:
     """A forward's time as fixed + per_item · items (items: tokens in a verification forward,
     sessions in a draft forward), an exponentially weighted least-squares fit over recent steps."""
@@ -211,8 +224,8 @@ class SessionGate:
         τ (auto), so a block that pays is not cut here; only the pause (and its probes) is decided."""
         self.cuts = cuts
         self.acceptance = AcceptanceRate()
-        self.draft_token_s = 0.0
-        self.round_s = 0.0  # a drafting round's extra round trip (across workers; 0 in one process)
+        self._draft_token_s = Ewma(0.2)
+        self._round_s = Ewma(0.2)  # a drafting round's extra round trip (across workers; 0 in one process)
         self.paused = False
         self.pauses = 0
         self.probes = 0
@@ -222,13 +235,20 @@ class SessionGate:
     def record(self, drafted: int, accepted: int, draft_s: float | None = None) -> None:
         self.acceptance.update(drafted, accepted)
         if draft_s is not None and drafted and math.isfinite(draft_s) and draft_s >= 0:
-            per_token = draft_s / drafted
-            self.draft_token_s = per_token if not self.draft_token_s else 0.8 * self.draft_token_s + 0.2 * per_token
+            self._draft_token_s.update(draft_s / drafted)
 
     def record_round_trip(self, seconds: float) -> None:
         """What a drafting round spent beyond its forwards (wire, hand-offs), across workers."""
         if math.isfinite(seconds) and seconds >= 0:
-            self.round_s = seconds if not self.round_s else 0.8 * self.round_s + 0.2 * seconds
+            self._round_s.update(seconds)
+
+    @property
+    def draft_token_s(self) -> float:
+        return self._draft_token_s.value
+
+    @property
+    def round_s(self) -> float:
+        return self._round_s.value
 
     def cap(self, load: TargetLoad | None) -> int:
         if self.paused:

@@ -22,7 +22,7 @@ from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import accept_greedy, accept_sampled, recover
 from svip_common.sampling import mask_padding, sample_index, warp_probs
-from svip_common.step_cost import StepCost, TargetLoad, target_load
+from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 
 
 class Verifier:
@@ -35,14 +35,14 @@ class Verifier:
         self.tokens_verified = 0  # drafted tokens, every session
         self.last_step_tokens = 0  # tokens in the last batched forward
         self.cost = StepCost()  # a forward's time by its tokens (load-aware speculation)
-        self.sessions_per_step = 0.0  # recent sessions per verification step (weighted mean)
+        self._sessions_per_step = Ewma(0.1)  # recent sessions per verification step
 
     def open(self, sampling: SamplingParams) -> TargetSession:
         return TargetSession(self, sampling)
 
     def load(self) -> TargetLoad | None:
         """The target's current load, as load-aware speculation sees it (None: nothing measured yet)."""
-        return target_load(self.cost, self.sessions_per_step)
+        return target_load(self.cost, self._sessions_per_step.value)
 
     @torch.inference_mode()
     def verify_batch(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
@@ -81,9 +81,7 @@ class Verifier:
         elapsed = time.perf_counter() - started
         if steps:
             self.cost.observe(self.last_step_tokens, elapsed)
-            self.sessions_per_step = (
-                len(jobs) if not self.sessions_per_step else 0.9 * self.sessions_per_step + 0.1 * len(jobs)
-            )
+            self._sessions_per_step.update(len(jobs))
         settled = dict(zip(owners, rows))
         for i, plan in plans.items():  # a plan with no step: the stored row settles it
             session, committed, block = jobs[i]

@@ -20,6 +20,7 @@ from collections.abc import Callable
 
 from coordinator.session.draft_link import DraftLink
 from svip_common.errors import WorkerUnavailable
+from svip_common.step_cost import Ewma
 from svip_proto import svip_pb2 as pb
 from svip_runtime.actor import WorkerGone, serving_address
 from svip_runtime.grpc_server import draft_stats
@@ -47,7 +48,7 @@ class DraftPort:
         self.link: DraftLink | None = None
         self.lost: str | None = None  # why no draft is connected now
         self.replacements = 0  # links opened to a replaced draft worker
-        self._answer_s: float | None = None
+        self._answer_s = Ewma(_EWMA)
         self._recovery: asyncio.Task | None = None
         self._watch: asyncio.Task | None = None
 
@@ -90,11 +91,11 @@ class DraftPort:
         return self.lost is None and self.link is not None and self.link.broken is None
 
     def answered(self, seconds: float) -> None:
-        self._answer_s = seconds if self._answer_s is None else (1 - _EWMA) * self._answer_s + _EWMA * seconds
+        self._answer_s.update(seconds)
 
     def stall_deadline(self) -> float:
         """How long a session may wait on the draft before it goes on without it."""
-        return max(self.stall_s, STALL_FACTOR * (self._answer_s or 0.0))
+        return max(self.stall_s, STALL_FACTOR * self._answer_s.value)
 
     # --- on the event loop ------------------------------------------------------------------------
 

@@ -34,7 +34,6 @@ from svip_runtime.tls import TlsFiles
 from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
-_PIPELINE_NAMES = {v: k for k, v in convert.PIPELINES.items()}
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
 DEFAULT_HOLD_S = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
@@ -124,41 +123,35 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def handle(self, request: pb.GenerateRequest, stream: SessionStream, received_at: float) -> None:
         kind = request.WhichOneof("kind")
         if kind == "start":
-            msg = request.start
-            self.check_start(msg)
-            self.admit(msg.session_id, stream)
-            tokens = whole_pages(len(msg.prompt_ids) + msg.max_new_tokens, self.verifier.pool.page_size)
+            self.check_start(request.start)
+            start = convert.start_from_proto(request.start, self.limits.max_draft_length)
+            self.admit(start.session_id, stream)
+            tokens = whole_pages(len(start.prompt_ids) + start.max_new_tokens, self.verifier.pool.page_size)
             if tokens > self._kv_room():
                 raise Overloaded(f"the target's KV pool has room for {self._kv_room()} more tokens; this session "
                                  f"needs {tokens} (its prompt and max_new_tokens)")
-            sampling = convert.sampling_from_proto(msg.sampling)
-            speculate = msg.policy.name not in ("", "none") and self.draft is not None
-            policy = PolicyConfig(name="none")
-            if speculate:
-                policy = convert.policy_from_proto(msg.policy, self.limits.max_draft_length)
-            request_ = GenerationRequest(tuple(msg.prompt_ids), msg.max_new_tokens, sampling, policy)
-            pipeline = _PIPELINE_NAMES.get(msg.pipeline, "async")
+            speculate = start.speculates and self.draft is not None
+            policy = start.policy if speculate else PolicyConfig(name="none")
+            sid, sampling = start.session_id, start.sampling
             session = SessionPipeline(
-                msg.session_id,
-                request_,
-                frozenset(msg.stop_token_ids),
+                sid,
+                GenerationRequest(start.prompt_ids, start.max_new_tokens, sampling, policy),
+                start.stop_token_ids,
                 self.limits,
                 self.verifier.open(sampling),
                 self.draft if speculate else None,
-                pipeline,
+                start.pipeline,
                 emit=stream.emit,
-                schedule=lambda fn, *args: self.compute.post(self._step, msg.session_id, fn, *args),
-                enqueue=lambda session, block, checked, info: self._ready.append(
-                    (msg.session_id, session, block, checked, info)
-                ),
+                schedule=lambda fn, *args: self.compute.post(self._step, sid, fn, *args),
+                enqueue=lambda session, block, checked, info: self._ready.append((sid, session, block, checked, info)),
                 load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None,
                 hold_s=self.sampled_hold_s,
                 auto=SessionStop(self.auto, sampling.greedy) if policy.name == "auto" else None,
                 load=self.verifier.load,
             )
-            self.new_session(msg.session_id, session, stream)
-            self._reserved[msg.session_id] = tokens
-            self._step(msg.session_id, session.start)
+            self.new_session(sid, session, stream)
+            self._reserved[sid] = tokens
+            self._step(sid, session.start)
         else:  # cancel
             self.session(request.cancel.session_id, stream).cancel()
             self._reap(request.cancel.session_id)

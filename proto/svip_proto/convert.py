@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import sys
 from array import array
+from dataclasses import dataclass
 
 import torch
 
@@ -16,6 +17,7 @@ from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 
 PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}  # the pipeline modes by name, as the wire says them
+_PIPELINE_NAMES = {v: k for k, v in PIPELINES.items()}
 
 DTYPES = {
     "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
@@ -102,6 +104,43 @@ def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> Poli
     )
     policy.validate(cap)
     return policy
+
+
+@dataclass(frozen=True)
+class SessionStart:
+    """A StartSession in the project's terms (both workers read one the same way)."""
+
+    session_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    policy: PolicyConfig  # name "none": the target alone, no draft session
+    stop_token_ids: frozenset[int]
+    pipeline: str  # "sync" or "async"
+    epoch: int
+    load_cap: int | None  # the first block's cap (0: start paused); None: the policy's own
+    stop_rule: StopRule | None  # policy auto: the rule for the first blocks
+
+    @property
+    def speculates(self) -> bool:
+        return self.policy.name != "none"
+
+
+def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> SessionStart:
+    """Checked against the worker's block cap: a bad policy or stop rule is INVALID_ARGUMENT."""
+    speculates = msg.policy.name not in ("", "none")
+    return SessionStart(
+        session_id=msg.session_id,
+        prompt_ids=tuple(msg.prompt_ids),
+        max_new_tokens=msg.max_new_tokens,
+        sampling=sampling_from_proto(msg.sampling),
+        policy=policy_from_proto(msg.policy, cap) if speculates else PolicyConfig(name="none"),
+        stop_token_ids=frozenset(msg.stop_token_ids),
+        pipeline=_PIPELINE_NAMES.get(msg.pipeline, "async"),
+        epoch=msg.epoch,
+        load_cap=msg.load_cap if msg.HasField("load_cap") else None,
+        stop_rule=stop_rule_from_proto(msg.stop_rule) if msg.HasField("stop_rule") else None,
+    )
 
 
 def block_to_proto(session_id: str, block: Block, resolved_token: int = NO_TOKEN, probs: bool = True) -> pb.Block:

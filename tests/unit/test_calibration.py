@@ -29,6 +29,14 @@ def test_replay_follows_svip_blocks():
     assert slow_verify == pytest.approx(3 * 1.0 + 0.3 * (3 + 4 + 3))
 
 
+def test_replay_uses_the_policys_rule_with_its_clamp():
+    """Calibration replays SVIP with the policy's own check: an entropy rounded below zero is 0
+    (the bare formula raised a math domain error on it), and the boundary is strict as the policy's."""
+    traj = Trajectory(entropies=[-1e-9, 0.6, 0.0], matches=[True, True, True])
+    _, emitted = replay_svip(traj, threshold=0.3, scale=0.15, cap=40, cost=CostModel(0.0))
+    assert emitted == 3 + 1  # sqrt(0.15 * 0.6) = 0.3 is not over 0.3: one block of all three
+
+
 def test_replay_respects_the_cap():
     traj = Trajectory(entropies=[0.0] * 10, matches=[True] * 10)
     cost, emitted = replay_svip(traj, threshold=0.3, scale=0.15, cap=4, cost=CostModel(0.0))

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from svip_common.acceptance import PRIOR_WEIGHTS, StopRule
 from svip_common.contracts import Block, GenerationStats, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_proto import convert
@@ -123,3 +124,35 @@ def test_mismatched_block_lengths_are_invalid():
     msg.q_probs.CopyFrom(convert.tensor_to_proto(torch.tensor([0.5])))
     with pytest.raises(InvalidRequest, match="carries 1 probabilities"):
         convert.block_from_proto(msg)
+
+
+def test_a_start_reads_the_same_on_both_workers():
+    msg = pb.StartSession(
+        session_id="s", prompt_ids=[5, 6], max_new_tokens=7, stop_token_ids=[0, 3], pipeline=pb.PIPELINE_SYNC,
+        epoch=2, load_cap=0, policy=convert.policy_to_proto(PolicyConfig(name="auto")),
+        sampling=convert.sampling_to_proto(SamplingParams(temperature=0.5, seed=3)),
+        stop_rule=convert.stop_rule_to_proto(StopRule(PRIOR_WEIGHTS, 0.4)),
+    )
+    start = convert.start_from_proto(msg)
+    assert (start.session_id, start.prompt_ids, start.max_new_tokens) == ("s", (5, 6), 7)
+    assert start.stop_token_ids == frozenset({0, 3}) and start.pipeline == "sync" and start.epoch == 2
+    assert start.load_cap == 0 and start.speculates and start.policy.name == "auto"
+    assert start.sampling == SamplingParams(temperature=0.5, seed=3)
+    assert start.stop_rule == StopRule(PRIOR_WEIGHTS, 0.4)
+    greedy = convert.sampling_to_proto(SamplingParams())
+    bare = convert.start_from_proto(pb.StartSession(session_id="t", prompt_ids=[1], max_new_tokens=1, sampling=greedy))
+    assert bare.pipeline == "async" and bare.load_cap is None and bare.stop_rule is None
+    assert not bare.speculates and bare.policy.name == "none"
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("policy", convert.policy_to_proto(PolicyConfig(name="svip", threshold=-1.0)), "threshold"),
+    ("stop_rule", pb.StopRule(weights=[1.0], stop_at=0.5), "weights"),
+])
+def test_a_bad_start_is_invalid(field, value, message):
+    msg = pb.StartSession(session_id="s", prompt_ids=[1], max_new_tokens=1,
+                          policy=convert.policy_to_proto(PolicyConfig(name="auto")),
+                          sampling=convert.sampling_to_proto(SamplingParams()))
+    getattr(msg, field).CopyFrom(value)
+    with pytest.raises(InvalidRequest, match=message):
+        convert.start_from_proto(msg)

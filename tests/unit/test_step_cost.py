@@ -9,6 +9,7 @@ import pytest
 from svip_common.step_cost import (
     UNLIMITED,
     AcceptanceRate,
+    Ewma,
     StepCost,
     TargetLoad,
     speculation_cap,
@@ -189,3 +190,11 @@ def test_a_round_trip_counts_for_one_session_and_fades_in_a_full_batch():
     assert speculation_cap(alone, 0.001, 0.6, block_rate=0.5, round_s=0.004, drafted=2.0) == 0
     # in a full batch the same round trip costs 0.4 of a token: they pay again (1.0 ≥ 0.48 + 0.4)
     assert speculation_cap(full, 0.00005, 0.6, block_rate=0.5, round_s=0.004, drafted=2.0) == UNLIMITED
+
+
+def test_ewma_takes_its_first_sample_then_weights_each_new_one():
+    avg = Ewma(0.25)
+    assert avg.value == 0.0 and Ewma(0.25, empty=None).value is None
+    assert avg.update(8.0) == 8.0  # the first sample as it is, not weighted against the empty value
+    assert avg.update(4.0) == pytest.approx(0.75 * 8.0 + 0.25 * 4.0)
+    assert avg.update(0.0) == pytest.approx(0.75 * 7.0) and avg.samples == 3
