@@ -182,7 +182,7 @@ class EngineSession:
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled
         self.generated += settled
-        _record_round(self.stats, block, verdict.accepted)
+        self.stats.record_round(len(block), verdict.accepted, block.entropies[-1] if block.entropies else None)
         return settled
 
     def time_round(self, round_s: float, draft_s: float, target_s: float) -> None:
@@ -203,11 +203,3 @@ class EngineSession:
         self.draft.close()
 
 
-def _record_round(stats: GenerationStats, block, accepted: int) -> None:
-    stats.rounds += 1
-    stats.draft_tokens += len(block)
-    stats.accepted_tokens += accepted
-    stats.draft_lengths.append(len(block))
-    stats.accepted_lengths.append(accepted)
-    if block.entropies:
-        stats.stop_entropies.append(block.entropies[-1])

@@ -248,6 +248,16 @@ class GenerationStats:
     wire_bytes_per_round: float = 0.0
     timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (worker, start, end), s from start
 
+    def record_round(self, drafted: int, accepted: int, stop_entropy: float | None) -> None:
+        """A verified block: its length, what was accepted, the entropy where drafting stopped."""
+        self.rounds += 1
+        self.draft_tokens += drafted
+        self.accepted_tokens += accepted
+        self.draft_lengths.append(drafted)
+        self.accepted_lengths.append(accepted)
+        if stop_entropy is not None:
+            self.stop_entropies.append(stop_entropy)
+
     @property
     def acceptance_rate(self) -> float:
         return self.accepted_tokens / self.draft_tokens if self.draft_tokens else 0.0

@@ -607,14 +607,10 @@ class SessionPipeline:
         critical_draft = (
             min(block.draft_s, max(0.0, block.finished_at - max(block.started_at, last))) if block.tokens else 0.0
         )
-        s.rounds += 1
+        drafted_entropy = block.tokens and block.HasField("entropies")
+        s.record_round(len(block.tokens), accepted,
+                       convert.floats_from_proto(block.entropies)[-1] if drafted_entropy else None)
         s.target_forwards += 1
-        s.draft_tokens += len(block.tokens)
-        s.accepted_tokens += accepted
-        s.draft_lengths.append(len(block.tokens))
-        s.accepted_lengths.append(accepted)
-        if block.tokens and block.HasField("entropies"):
-            s.stop_entropies.append(convert.floats_from_proto(block.entropies)[-1])
         s.round_s.append(wall)
         s.draft_forward_s.append(critical_draft)
         s.target_forward_s.append(ended - started)
