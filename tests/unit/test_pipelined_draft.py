@@ -1,0 +1,263 @@
+"""The draft side's protocol state machine (draft_worker/pipelined.py), without a model: a
+scripted draft proposes a known token sequence, and each test drives PipelinedDraft through the
+messages the target sends (start, feedback, resume) and checks what it sends back and what it
+then knows. The same protocol runs end to end with real models in tests/integration; here each
+transition is pinned down on its own, fast.
+
+Times: every feedback says it arrived an hour after the block left, so the draft's estimate of
+when a verdict is due never stops it preparing (no test depends on how fast this machine is)."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from draft_worker.pipelined import PipelinedDraft
+from svip_common.contracts import NO_TOKEN, Block
+from svip_common.errors import InvalidRequest
+
+VOCAB = 50
+STOP = 0
+PROMPT = [7, 8, 9]
+LATE = 3600.0  # a verdict arrives this long after "now": preparing always has time
+
+
+def model(seq: list[int]) -> int:
+    """The scripted draft's choice after seq (never the stop token unless seq asks for it)."""
+    return 1 + (seq[-1] * 3 + 1) % (VOCAB - 1)
+
+
+def runner_up(token: int) -> int:
+    return 1 + token % (VOCAB - 1)
+
+
+class ScriptedBlock:
+    """A BlockDraft stand-in: `length` tokens of the script (or fewer: budget, stop token), each
+    with q = 0.9 and one runner-up at q = 0.08."""
+
+    def __init__(self, seq: list[int], budget: int, length: int, stop_ids: frozenset[int]):
+        self.block = Block(base=len(seq), tokens=[], probs=[], entropies=[])
+        self.alternatives: list[list[tuple[int, float]]] = []
+        self.compute_s = self.prefill_s = 0.0
+        self._seq, self._limit, self._stop_ids = list(seq), min(length, budget), stop_ids
+        self.done = self._limit <= 0
+
+    def step(self) -> bool:
+        token = model(self._seq)
+        self._seq.append(token)
+        self.block.tokens.append(token)
+        self.block.probs.append(0.9)
+        self.block.entropies.append(0.3)
+        self.alternatives.append([(runner_up(token), 0.08)])
+        self.done = len(self.block) >= self._limit or token in self._stop_ids
+        return self.done
+
+
+class ScriptedSession:
+    """A DraftSession stand-in: blocks of `length`, and a record of the verdicts it was told."""
+
+    def __init__(self, length: int = 3, stop_ids: frozenset[int] = frozenset({STOP})):
+        self.length, self.stop_ids = length, stop_ids
+        self.verdicts: list[tuple[int, int]] = []
+        self.begun: list[tuple[tuple[int, ...], int]] = []
+        self.closed = False
+        self.cached_tokens = 0
+
+    def begin(self, seq, budget: int, alternatives: bool = False) -> ScriptedBlock:
+        self.begun.append((tuple(seq), budget))
+        return ScriptedBlock(list(seq), budget, self.length, self.stop_ids)
+
+    def feedback(self, drafted: int, accepted: int) -> None:
+        self.verdicts.append((drafted, accepted))
+
+    def close(self) -> None:
+        self.closed = True
+
+
+def session(pipelined: bool = False, max_new_tokens: int = 20, length: int = 3, prepare: int = 2) -> PipelinedDraft:
+    return PipelinedDraft(ScriptedSession(length), list(PROMPT), max_new_tokens, frozenset({STOP}), pipelined,
+                          prepare=prepare)
+
+
+def script(seq: list[int], n: int) -> list[int]:
+    out, seq = [], list(seq)
+    for _ in range(n):
+        seq.append(model(seq))
+        out.append(seq[-1])
+    return out
+
+
+def drain(s: PipelinedDraft, steps: int = 100) -> list:
+    """Run the session's forwards until it has nothing to do; every block it sends, in order."""
+    sent = []
+    for _ in range(steps):
+        out = s.work()
+        if out is None:
+            return sent
+        sent += out
+    raise AssertionError("the session kept working")
+
+
+def feedback(s: PipelinedDraft, block: Block, accepted: int, token: int, **kw):
+    return s.on_feedback(block.epoch, block.base, len(block), accepted, token, None,
+                         kw.pop("prepared_used", False), time.time() + LATE, **kw)
+
+
+def test_sync_drafts_a_block_then_waits_for_its_verdict():
+    s = session()
+    assert s.start(time.time()) == []  # the first block is a job for the batched steps
+    (item,) = drain(s)
+    assert item.block.base == len(PROMPT) and item.block.tokens == script(PROMPT, 3)
+    assert not item.followup and s.next_draft() is None  # sync: nothing ahead of the verdict
+
+
+def test_a_full_acceptance_and_its_bonus_token_start_the_next_block_there():
+    s = session()
+    s.start(time.time())
+    (first,) = drain(s)
+    bonus = 42
+    assert feedback(s, first.block, 3, bonus) == []
+    assert s.known == PROMPT + first.block.tokens + [bonus] and s.session.verdicts == [(3, 3)]
+    (second,) = drain(s)
+    assert second.block.base == len(PROMPT) + 4 and second.block.tokens == script(s.known, 3)
+
+
+def test_a_rejection_rolls_back_to_the_correction_in_the_new_epoch():
+    s = session()
+    s.start(time.time())
+    (first,) = drain(s)
+    correction = runner_up(first.block.tokens[1])
+    assert s.on_feedback(5, first.block.base, 3, 1, correction, None, False, time.time()) == []
+    assert s.known == PROMPT + first.block.tokens[:1] + [correction] and s.epoch == 5
+    (second,) = drain(s)
+    assert second.block.epoch == 5 and second.block.base == len(s.known)
+    assert s.session.begun[-1][0] == tuple(s.known)  # drafted from the corrected sequence
+
+
+@pytest.mark.parametrize("base, drafted, accepted, message", [
+    (len(PROMPT) + 1, 3, 1, "did not send"),
+    (len(PROMPT), 2, 1, "did not send"),
+    (len(PROMPT), 3, 4, "accepts 4 of 3"),
+])
+def test_feedback_on_a_block_it_did_not_send_is_refused(base, drafted, accepted, message):
+    s = session()
+    s.start(time.time())
+    drain(s)
+    with pytest.raises(InvalidRequest, match=message):
+        s.on_feedback(0, base, drafted, accepted, 5, None, False, time.time())
+
+
+def test_a_pause_drafts_nothing_until_a_resume_brings_the_targets_tokens():
+    s = session()
+    s.start(time.time())
+    (first,) = drain(s)
+    assert feedback(s, first.block, 3, 42, load_cap=0) == []
+    assert s.paused and s.next_draft() is None and drain(s) == []
+    with pytest.raises(InvalidRequest, match="base"):
+        s.on_resume(1, len(s.known) + 1, [5], 4, time.time())
+    with pytest.raises(InvalidRequest, match="load_cap 0"):
+        s.on_resume(1, len(s.known), [5], 0, time.time())
+    alone = [11, 12]  # what the target settled alone meanwhile
+    assert s.on_resume(1, len(s.known), alone, 2, time.time()) == []
+    assert not s.paused and s.known[-2:] == alone
+    (item,) = drain(s)
+    assert item.block.epoch == 1 and len(item.block) == 2  # the resume's cap holds
+    with pytest.raises(InvalidRequest, match="not paused"):
+        s.on_resume(2, len(s.known), [], 2, time.time())
+
+
+def test_a_session_that_starts_paused_drafts_nothing():
+    s = session()
+    assert s.start(time.time(), load_cap=0) == [] and s.paused and drain(s) == []
+
+
+def test_the_budget_ends_the_output_with_an_empty_block_for_the_last_place():
+    s = session(max_new_tokens=4)
+    s.start(time.time())
+    (first,) = drain(s)
+    out = feedback(s, first.block, 3, 42)  # 4 tokens settled: the budget is spent
+    assert out == [] and len(s.known) == len(PROMPT) + 4 and s.next_draft() is None
+    s2 = session(max_new_tokens=5)
+    s2.start(time.time())
+    (first,) = drain(s2)
+    (empty,) = feedback(s2, first.block, 3, 42)  # one place left, the verdict's own token fills it
+    assert empty.block.tokens == [] and empty.block.base == len(PROMPT) + 4
+
+
+def test_async_sends_the_follow_up_and_prepared_continuations_while_a_block_is_verified():
+    s = session(pipelined=True)
+    s.start(time.time())
+    sent = drain(s)
+    first, followup = sent[0], sent[1]
+    assert first.followup and first.prepared_for is None
+    assert followup.block.base == first.block.base + 3
+    assert followup.block.tokens == script(PROMPT + first.block.tokens, 3)
+    prepared = [o for o in sent if o.prepared_for is not None]
+    keys = {o.prepared_for for o in prepared}
+    # the two most likely rejections of each outstanding block: its first two places, the runner-up there
+    for block in (first.block, followup.block):
+        for j in (0, 1):
+            assert (block.base, j, runner_up(block.tokens[j])) in keys
+    for o in prepared:
+        base, j, token = o.prepared_for
+        sequence = PROMPT + first.block.tokens + followup.block.tokens
+        assert o.block.base == base + j + 1 and o.block.tokens == script(sequence[:base + j] + [token], 3)
+
+
+def test_a_deferred_acceptance_makes_the_follow_up_the_block_in_flight():
+    s = session(pipelined=True)
+    s.start(time.time())
+    sent = drain(s)
+    first, followup = sent[0], sent[1]
+    assert feedback(s, first.block, 3, NO_TOKEN) == []  # whole, and the follow-up settles what is next
+    assert s.known == PROMPT + first.block.tokens and s.outstanding[0] is followup
+    assert all(key[0] != first.block.base for key in s.prepared)  # the first block's continuations are void
+
+
+def test_a_used_prepared_continuation_is_the_next_block_without_drafting_again():
+    s = session(pipelined=True)
+    s.start(time.time())
+    sent = drain(s)
+    first = sent[0]
+    key = (first.block.base, 1, runner_up(first.block.tokens[1]))
+    ready = next(o for o in sent if o.prepared_for == key)
+    begun = len(s.session.begun)
+    out = s.on_feedback(3, first.block.base, 3, 1, key[2], None, True, time.time() + LATE)
+    assert out == [] and s.outstanding == [ready] and ready.block.epoch == 3
+    assert s.known == PROMPT + first.block.tokens[:1] + [key[2]]
+    assert len(s.session.begun) == begun  # nothing drafted for it: it was ready
+    with pytest.raises(InvalidRequest, match="did not send"):
+        s.on_feedback(3, first.block.base, 3, 1, key[2], None, True, time.time())
+
+
+def test_a_prepared_continuation_it_never_made_cannot_be_used():
+    s = session(pipelined=True, prepare=0)
+    s.start(time.time())
+    first = drain(s)[0]
+    with pytest.raises(InvalidRequest, match="prepared continuation"):
+        s.on_feedback(1, first.block.base, 3, 0, 33, None, True, time.time())
+
+
+def test_a_pause_must_settle_its_token_at_the_target():
+    s = session(pipelined=True)
+    s.start(time.time())
+    first = drain(s)[0]
+    with pytest.raises(InvalidRequest, match="pause"):
+        feedback(s, first.block, 3, NO_TOKEN, load_cap=0)
+
+
+def test_a_sampled_rejection_without_the_targets_row_is_refused():
+    s = session()
+    s.start(time.time())
+    first = drain(s)[0]
+    with pytest.raises(InvalidRequest, match="p row"):
+        feedback(s, first.block, 1, NO_TOKEN)
+
+
+def test_close_drops_every_job_and_returns_the_pages():
+    s = session(pipelined=True)
+    s.start(time.time())
+    s.work()
+    s.close()
+    assert s.session.closed and s.job is None and s.critical is None and s.prepared == {}

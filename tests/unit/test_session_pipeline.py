@@ -1,0 +1,216 @@
+"""The target side's protocol state machine (coordinator/session/pipeline.py), without a model:
+the test plays both the draft worker (it delivers blocks, reads the feedback) and the verifier (it
+answers each block the session queues with a verdict it chooses), and checks what the session
+sends the draft, what it settles for the caller, and which state it is in. The protocol runs end
+to end with real models and workers in tests/integration; here each transition is pinned down on
+its own."""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+
+from coordinator.session.pipeline import SessionPipeline
+from svip_common.contracts import NO_TOKEN, GenerationRequest, Limits, PolicyConfig, SamplingParams, Verdict
+from svip_proto import convert
+from svip_proto import svip_pb2 as pb
+
+PROMPT = (7, 8, 9)
+STOP = 0
+LIMITS = Limits(tokens=50, positions=None, max_draft_length=8)
+
+
+class Draft:
+    """The DraftPeer: what the session sends the draft worker."""
+
+    def __init__(self):
+        self.sent: list[pb.DraftRequest] = []
+        self.available = True
+
+    def send(self, session_id: str, request: pb.DraftRequest) -> None:
+        self.sent.append(request)
+
+    def answered(self, seconds: float) -> None:
+        pass
+
+    def last(self, kind: str):
+        return getattr([r for r in self.sent if r.WhichOneof("kind") == kind][-1], kind)
+
+    def count(self, kind: str) -> int:
+        return sum(r.WhichOneof("kind") == kind for r in self.sent)
+
+
+class Target:
+    """A TargetSession stand-in: the test gives every verdict (no early judgement from a stored row)."""
+
+    cached_tokens = 0
+    closed = False
+
+    def judge_first(self, committed, block):
+        return None
+
+    def close(self) -> None:
+        self.closed = True
+
+
+class Harness:
+    def __init__(self, pipeline: str = "sync", max_new_tokens: int = 20, draft: bool = True):
+        self.draft, self.events, self.queue = Draft(), [], []
+        self.session = SessionPipeline(
+            "s", GenerationRequest(PROMPT, max_new_tokens, SamplingParams(), PolicyConfig(name="svip")),
+            frozenset({STOP}), LIMITS, Target(), self.draft if draft else None, pipeline,
+            emit=self.events.append,
+            schedule=lambda fn, *args: fn(*args),
+            enqueue=lambda session, block, checked, info: self.queue.append((block, info)),
+        )
+
+    def block(self, tokens: list[int], base: int | None = None, epoch: int | None = None, **fields) -> pb.Block:
+        s = self.session
+        fields = {"started_at": 1.0, "finished_at": 1.0, "draft_s": 0.001, **fields}
+        block = pb.Block(session_id="s", epoch=s.epoch if epoch is None else epoch,
+                         base=len(s.committed) if base is None else base, tokens=tokens, **fields)
+        block.entropies.CopyFrom(convert.floats_to_proto([0.3] * len(tokens)))
+        return block
+
+    def deliver(self, block: pb.Block) -> None:
+        self.session.on_draft_event(pb.DraftEvent(block=block), time.time(), block.ByteSize())
+
+    def verify(self, accepted: int, token: int) -> pb.Block:
+        block, (received_at, source) = self.queue.pop(0)
+        now = time.time()
+        self.session.verified(block, Verdict(block.base, accepted, token), received_at, source, now, now)
+        return block
+
+    @property
+    def settled(self) -> list[int]:
+        return [t for e in self.events if e.WhichOneof("kind") == "settled" for t in e.settled.tokens]
+
+    @property
+    def finished(self) -> pb.Finished | None:
+        done = [e.finished for e in self.events if e.WhichOneof("kind") == "finished"]
+        return done[0] if done else None
+
+
+def test_start_opens_the_draft_session_on_the_prompt():
+    h = Harness()
+    h.session.start()
+    start = h.draft.last("start")
+    assert list(start.prompt_ids) == list(PROMPT) and start.max_new_tokens == 20 and start.epoch == 0
+    assert start.pipeline == pb.PIPELINE_SYNC and list(start.stop_token_ids) == [STOP]
+    assert h.queue == [] and h.session.waiting_since is not None  # it waits on the draft's block
+
+
+def test_a_round_verifies_the_block_settles_and_feeds_back():
+    h = Harness()
+    h.session.start()
+    h.deliver(h.block([11, 12, 13]))
+    assert len(h.queue) == 1 and h.session.verifying is not None
+    h.verify(3, 14)  # all accepted, and a bonus token
+    assert h.settled == [11, 12, 13, 14] and h.session.committed == [*PROMPT, 11, 12, 13, 14]
+    fb = h.draft.last("feedback")
+    assert (fb.epoch, fb.base, fb.drafted, fb.accepted, fb.token) == (0, 3, 3, 3, 14)
+    assert h.session.stats.rounds == 1 and h.session.stats.accepted_lengths == [3]
+
+
+def test_a_rejection_advances_the_epoch_and_a_stale_block_is_never_verified():
+    h = Harness()
+    h.session.start()
+    h.deliver(h.block([11, 12, 13]))
+    h.verify(1, 20)
+    assert h.settled == [11, 20] and h.session.epoch == 1 and h.draft.last("feedback").epoch == 1
+    h.deliver(h.block([30, 31], base=5, epoch=0))  # drafted before the verdict: a rolled-back base
+    assert h.queue == [] and h.session.stats.discarded_tokens == 2
+    h.deliver(h.block([30, 31]))
+    assert len(h.queue) == 1
+
+
+def test_async_verifies_the_follow_up_with_no_round_trip_on_a_full_acceptance():
+    h = Harness(pipeline="async")
+    h.session.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.deliver(h.block([13, 14], base=5))  # the follow-up, written while the first is verified
+    assert len(h.queue) == 1 and h.session.held is not None
+    h.verify(2, NO_TOKEN)
+    fb = h.draft.last("feedback")
+    assert (fb.accepted, fb.token) == (2, NO_TOKEN)  # deferred: the follow-up settles the next place
+    assert [b.base for b, _ in h.queue] == [5] and h.queue[0][1][1] == "followup"
+    h.verify(1, 40)
+    assert h.settled == [11, 12, 13, 40]
+
+
+def test_a_prepared_continuation_is_verified_next_when_the_rejection_matches_it():
+    h = Harness(pipeline="async")
+    h.session.start()
+    h.deliver(h.block([11, 12, 13]))
+    prepared = h.block([21, 22], base=5, prepared_for=pb.PreparedFor(base=3, accepted=1, token=20))
+    h.deliver(prepared)
+    h.deliver(h.block([23], base=5, prepared_for=pb.PreparedFor(base=3, accepted=1, token=25)))
+    assert h.session.stats.prepared_sent == 2 and len(h.queue) == 1
+    h.verify(1, 20)
+    fb = h.draft.last("feedback")
+    assert fb.prepared_used and fb.token == 20 and fb.epoch == 1
+    (block, (_, source)), = h.queue
+    assert source == "prepared" and list(block.tokens) == [21, 22] and block.epoch == 1
+    assert h.session.prepared == {}  # the other one is void
+
+
+@pytest.mark.parametrize("bad, why", [
+    (dict(draft_s=math.nan), "draft_s"),
+    (dict(base=2), "base 2"),
+    (dict(tokens=[11, 99]), "token id"),
+    (dict(tokens=list(range(1, 10))), "cap is 8"),
+])
+def test_a_bad_block_gives_the_draft_up_and_the_target_goes_on_alone(bad, why, caplog):
+    h = Harness()
+    h.session.start()
+    tokens = bad.pop("tokens", [11, 12])
+    h.deliver(h.block(tokens, **bad))
+    assert h.session.draft_given_up and h.session.detached and why in caplog.text
+    assert h.draft.count("cancel") == 1  # the draft's session is closed there
+    (block, (_, source)), = h.queue
+    assert len(block.tokens) == 0 and source != "drafted"  # the target settles the next token alone
+    h.verify(0, 15)
+    assert h.settled == [15] and not h.session.done
+
+
+def test_a_lost_draft_detaches_and_a_returned_one_takes_the_session_up_again():
+    h = Harness()
+    h.session.start()
+    h.draft.available = False
+    h.session.detach(cancel=False)
+    assert h.session.detached and h.session.epoch == 1
+    (block, _), = h.queue
+    assert len(block.tokens) == 0
+    h.draft.available = True
+    h.session.attach()  # the verdict in flight is decided first
+    h.verify(0, 15)
+    start = h.draft.last("start")
+    assert h.draft.count("start") == 2 and list(start.prompt_ids) == [*PROMPT, 15] and start.epoch == h.session.epoch
+    assert start.max_new_tokens == 19 and not h.session.detached
+    h.deliver(h.block([16]))
+    assert len(h.queue) == 1
+
+
+def test_the_budget_and_a_stop_token_end_the_session_with_a_finished_event():
+    h = Harness(max_new_tokens=3)
+    h.session.start()
+    h.deliver(h.block([11, 12]))
+    h.verify(2, 13)
+    assert h.finished.finish_reason == "length" and h.session.done and h.session.target.closed
+    h2 = Harness()
+    h2.session.start()
+    h2.deliver(h2.block([11, STOP, 12]))
+    h2.verify(3, 14)
+    assert h2.settled == [11, STOP] and h2.finished.finish_reason == "stop"
+
+
+def test_without_a_draft_the_target_settles_one_token_per_round():
+    h = Harness(draft=False)
+    h.session.start()
+    for token in (21, 22):
+        (block, (_, source)), = h.queue
+        assert len(block.tokens) == 0 and source == "none"
+        h.verify(0, token)
+    assert h.settled == [21, 22] and h.draft.sent == []
