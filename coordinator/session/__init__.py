@@ -1,7 +1,7 @@
 """The distributed sessions, run in the target worker's process beside its verifier: the session
 host (the TargetWorker gRPC service and its batched verification step), each session's protocol
-(pipeline.py), the link to the draft worker and its recovery (draft_link.py, draft_port.py), and
-the target's Ray actor (actor.py).
+(pipeline.py) and what it checks of the draft's messages (wire_checks.py), the link to the draft
+worker and its recovery (draft_link.py, draft_port.py), and the target's Ray actor (actor.py).
 
 May import: svip_common, svip_proto, svip_runtime, target_worker, coordinator.calibration (the
 `auto` prior). Not the caller's end (distributed, client, cluster, local) nor the in-process

@@ -36,11 +36,11 @@ at the current epoch, and drafting goes on from there.
 from __future__ import annotations
 
 import logging
-import math
 import time
 from collections.abc import Callable
 from typing import Protocol
 
+from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
 from svip_common.acceptance import SessionStop
 from svip_common.contracts import (
     NO_TOKEN,
@@ -49,10 +49,9 @@ from svip_common.contracts import (
     GenerationStats,
     Limits,
     Verdict,
-    check_token_ids,
     clip_settled,
 )
-from svip_common.errors import InvalidRequest, WorkerError
+from svip_common.errors import WorkerError
 from svip_common.step_cost import SessionGate, TargetLoad
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -61,8 +60,6 @@ from target_worker.verifier import TargetSession
 REATTACH_BACKOFF_S = 1.0  # a session's first re-attach after a stall waits this long; each next one twice as long
 REATTACH_BACKOFF_MAX_S = 30.0
 MAX_STALLS = 4  # a draft that stalled this often under one session is not asked to take it up again
-PREPARED_REACH_BLOCKS = 3
-MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares two per block)
 log = logging.getLogger(__name__)
 LoadCap = Callable[[SessionGate], int]  # the most tokens the session's next block should hold at the load now
 
@@ -322,10 +319,7 @@ class SessionPipeline:
         self.hold_expired(float("inf"))
 
     def _on_block(self, block: pb.Block, received_at: float) -> None:
-        for name in ("started_at", "finished_at", "draft_s", "trigger_at"):
-            value = getattr(block, name)
-            if not math.isfinite(value) or value < 0:
-                raise WorkerError(f"draft worker sent a block whose {name} is {value!r}")
+        check_timings(block)
         self.intervals.append(("draft", block.started_at, block.finished_at))
         self._note_feedback_answered(block, received_at)
         if block.epoch != self.epoch:
@@ -336,12 +330,7 @@ class SessionPipeline:
         if block.HasField("prepared_for"):
             p = block.prepared_for
             undecided = self.verifying.base if self.verifying is not None else len(self.committed)
-            reach = len(self.committed) + PREPARED_REACH_BLOCKS * (self.limits.max_draft_length + 1)
-            if p.base > reach or len(self.prepared) >= MAX_PREPARED:
-                raise WorkerError(
-                    f"draft worker sent a prepared block at base {p.base}, beyond the outstanding "
-                    f"blocks' reach ({reach}) or past {MAX_PREPARED} kept"
-                )
+            check_prepared(p.base, len(self.committed), len(self.prepared), self.limits)
             if p.base >= undecided:  # its parent's verdict is still to come
                 self.prepared[(p.base, p.accepted, p.token)] = (block, received_at)
                 self.stats.prepared_sent += 1
@@ -523,40 +512,11 @@ class SessionPipeline:
         self._to_draft(pb.DraftRequest(feedback=chain[0]))
 
     def _checked(self, block: pb.Block) -> Block:
-        """The wire is not trusted: a block on the committed sequence, ids in range, within the
-        cap and within the session's budget (hence the context)."""
-        if block.base != len(self.committed):
-            raise WorkerError(f"draft worker sent a block at base {block.base}, committed {len(self.committed)}")
-        try:
-            check_token_ids(block.tokens, self.limits.tokens, "drafted token id")
-            checked = convert.block_from_proto(block)
-        except InvalidRequest as exc:
-            raise WorkerError(f"draft worker sent a bad block: {exc}") from None
-        if len(checked) > self.limits.max_draft_length:
-            raise WorkerError(
-                f"draft worker sent a block of {len(checked)} tokens; the cap is {self.limits.max_draft_length}"
-            )
-        limit = len(self.request.prompt_ids) + self.request.max_new_tokens
-        if checked.base + len(checked) + 1 > limit:
-            raise WorkerError(
-                f"draft worker sent a block of {len(checked)} tokens at base {checked.base}, past the "
-                f"session's {limit} tokens (prompt + max_new_tokens)"
-            )
-        if not self.request.sampling.greedy and len(checked.probs) != len(checked):
-            raise WorkerError("draft worker sent a sampled block without q(d) for every token")
-        return checked
+        return check_block(block, len(self.committed), self.request, self.limits)
 
     def _checked_correction(self, token: int) -> int:
-        """A correction the draft drew from the target's p row: only right after a sampled
-        rejection's feedback asked for one, and an id in range (greedy tokens are the target's own)."""
-        if not self._correction_due:
-            raise WorkerError("draft worker sent a correction no feedback asked for")
-        self._correction_due = False
-        try:
-            check_token_ids([token], self.limits.tokens, "correction token id")
-        except InvalidRequest as exc:
-            raise WorkerError(f"draft worker sent a bad block: {exc}") from None
-        return token
+        due, self._correction_due = self._correction_due, False
+        return check_correction(token, due, self.limits)
 
     def _drop_held(self) -> None:
         if self.held is not None:

@@ -1,0 +1,69 @@
+"""What the target worker checks of a draft worker's messages before they change anything: the
+wire is not trusted. Each failure is a WorkerError, which gives the draft up for that session
+(the target goes on alone), never the caller's error. Pure functions of the message and the
+session's numbers, so they are tested without models (tests/unit/test_wire_checks.py)."""
+
+from __future__ import annotations
+
+import math
+
+from svip_common.contracts import Block, GenerationRequest, Limits, check_token_ids
+from svip_common.errors import InvalidRequest, WorkerError
+from svip_proto import convert
+from svip_proto import svip_pb2 as pb
+
+PREPARED_REACH_BLOCKS = 3  # a prepared block's parent lies within this many blocks of the committed tokens
+MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares two per block)
+
+
+def check_timings(block: pb.Block) -> None:
+    """Its timings go into stats and the cost model: finite and not negative."""
+    for name in ("started_at", "finished_at", "draft_s", "trigger_at"):
+        value = getattr(block, name)
+        if not math.isfinite(value) or value < 0:
+            raise WorkerError(f"draft worker sent a block whose {name} is {value!r}")
+
+
+def check_prepared(base: int, committed: int, kept: int, limits: Limits) -> None:
+    """A prepared continuation's parent within the outstanding blocks' reach, and room to keep it."""
+    reach = committed + PREPARED_REACH_BLOCKS * (limits.max_draft_length + 1)
+    if base > reach or kept >= MAX_PREPARED:
+        raise WorkerError(
+            f"draft worker sent a prepared block at base {base}, beyond the outstanding "
+            f"blocks' reach ({reach}) or past {MAX_PREPARED} kept"
+        )
+
+
+def check_block(block: pb.Block, committed: int, request: GenerationRequest, limits: Limits) -> Block:
+    """A block to verify: on the committed sequence, ids in range, within the cap and within the
+    session's budget (hence the context); a sampled one with q(d) for every token."""
+    if block.base != committed:
+        raise WorkerError(f"draft worker sent a block at base {block.base}, committed {committed}")
+    try:
+        check_token_ids(block.tokens, limits.tokens, "drafted token id")
+        checked = convert.block_from_proto(block)
+    except InvalidRequest as exc:
+        raise WorkerError(f"draft worker sent a bad block: {exc}") from None
+    if len(checked) > limits.max_draft_length:
+        raise WorkerError(f"draft worker sent a block of {len(checked)} tokens; the cap is {limits.max_draft_length}")
+    limit = len(request.prompt_ids) + request.max_new_tokens
+    if checked.base + len(checked) + 1 > limit:
+        raise WorkerError(
+            f"draft worker sent a block of {len(checked)} tokens at base {checked.base}, past the "
+            f"session's {limit} tokens (prompt + max_new_tokens)"
+        )
+    if not request.sampling.greedy and len(checked.probs) != len(checked):
+        raise WorkerError("draft worker sent a sampled block without q(d) for every token")
+    return checked
+
+
+def check_correction(token: int, due: bool, limits: Limits) -> int:
+    """A correction the draft drew from the target's p row: only when a sampled rejection's
+    feedback asked for one (due), and an id in range (greedy tokens are the target's own)."""
+    if not due:
+        raise WorkerError("draft worker sent a correction no feedback asked for")
+    try:
+        check_token_ids([token], limits.tokens, "correction token id")
+    except InvalidRequest as exc:
+        raise WorkerError(f"draft worker sent a bad block: {exc}") from None
+    return token

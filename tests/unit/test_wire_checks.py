@@ -1,0 +1,72 @@
+"""What the target checks of a draft worker's messages (coordinator/session/wire_checks.py): each
+hostile or broken field is a WorkerError that names it."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from coordinator.session.wire_checks import (
+    MAX_PREPARED,
+    check_block,
+    check_correction,
+    check_prepared,
+    check_timings,
+)
+from svip_common.contracts import GenerationRequest, Limits, SamplingParams
+from svip_common.errors import WorkerError
+from svip_proto import convert
+from svip_proto import svip_pb2 as pb
+
+LIMITS = Limits(tokens=50, positions=None, max_draft_length=4)
+GREEDY = GenerationRequest((1, 2, 3), max_new_tokens=10)
+
+
+def _block(tokens, base=3, probs=True) -> pb.Block:
+    block = pb.Block(session_id="s", base=base, tokens=tokens)
+    block.entropies.CopyFrom(convert.floats_to_proto([0.1] * len(tokens)))
+    if probs:
+        block.q_probs.CopyFrom(convert.floats_to_proto([0.9] * len(tokens)))
+    return block
+
+
+@pytest.mark.parametrize("field", ["started_at", "finished_at", "draft_s", "trigger_at"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
+def test_timings_must_be_finite_and_not_negative(field, value):
+    with pytest.raises(WorkerError, match=field):
+        check_timings(pb.Block(**{field: value}))
+    check_timings(pb.Block(**{field: 1.5}))
+
+
+def test_a_good_block_comes_back_as_the_projects_block():
+    checked = check_block(_block([5, 6]), 3, GREEDY, LIMITS)
+    assert checked.base == 3 and checked.tokens == [5, 6] and len(checked.entropies) == 2
+
+
+@pytest.mark.parametrize("block, request_, message", [
+    (_block([5], base=2), GREEDY, "base 2, committed 3"),
+    (_block([5, 50]), GREEDY, "token id"),
+    (_block([5, 6, 7, 8, 9]), GREEDY, "the cap is 4"),
+    (_block([5, 6, 7]), GenerationRequest((1, 2, 3), max_new_tokens=3), "past the session's 6 tokens"),
+    (_block([5], probs=False), GenerationRequest((1, 2, 3), 10, SamplingParams(temperature=1.0)), "q\\(d\\)"),
+])
+def test_a_bad_block_is_refused_naming_why(block, request_, message):
+    with pytest.raises(WorkerError, match=message):
+        check_block(block, 3, request_, LIMITS)
+
+
+def test_prepared_blocks_within_reach_and_count():
+    check_prepared(3 + 3 * 5, 3, 0, LIMITS)
+    with pytest.raises(WorkerError, match="reach"):
+        check_prepared(3 + 3 * 5 + 1, 3, 0, LIMITS)
+    with pytest.raises(WorkerError, match=f"{MAX_PREPARED} kept"):
+        check_prepared(4, 3, MAX_PREPARED, LIMITS)
+
+
+def test_a_correction_only_when_asked_and_in_range():
+    assert check_correction(7, True, LIMITS) == 7
+    with pytest.raises(WorkerError, match="no feedback asked"):
+        check_correction(7, False, LIMITS)
+    with pytest.raises(WorkerError, match="correction token id"):
+        check_correction(50, True, LIMITS)
