@@ -40,13 +40,13 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from coordinator.session.round_log import RoundLog
 from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
 from svip_common.acceptance import SessionStop
 from svip_common.contracts import (
     NO_TOKEN,
     Block,
     GenerationRequest,
-    GenerationStats,
     Limits,
     Verdict,
     clip_settled,
@@ -111,10 +111,8 @@ class SessionPipeline:
         self.held: tuple[pb.Block, float] | None = None  # the follow-up of the block being verified, received at
         self.prepared: dict[tuple[int, int, int], tuple[pb.Block, float]] = {}  # (base, accepted, token) -> block
         self.finish_reason: str | None = None
-        self.stats = GenerationStats()
-        self.intervals: list[tuple[str, float, float]] = []
-        self.wire_bytes = 0
-        self._last_decision = self.started = time.time()
+        self.log = RoundLog()
+        self.stats = self.log.stats
         self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
         self._draft_open = draft is not None
         self._correction_due = False  # a sampled rejection's correction is drawn by the draft
@@ -263,7 +261,7 @@ class SessionPipeline:
             settled = []
         else:
             settled = list(block.tokens[: verdict.accepted]) + ([verdict.token] if verdict.token != NO_TOKEN else [])
-            self._record_round(block, verdict.accepted, timing, decided)
+            self.log.round(block, verdict.accepted, timing, decided)
         settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
         self._commit(settled, reason)
         if self.done:
@@ -289,7 +287,7 @@ class SessionPipeline:
     # --- from the draft worker ---------------------------------------------------------------------
 
     def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
-        self.wire_bytes += size
+        self.log.wire_bytes += size
         kind = event.WhichOneof("kind")
         if kind == "closed" and event.closed.shed:  # the draft gave the session up (its KV pool is full)
             self.detach(cancel=False)  # if not detached already
@@ -320,7 +318,7 @@ class SessionPipeline:
 
     def _on_block(self, block: pb.Block, received_at: float) -> None:
         check_timings(block)
-        self.intervals.append(("draft", block.started_at, block.finished_at))
+        self.log.busy("draft", block.started_at, block.finished_at)
         self._note_feedback_answered(block, received_at)
         if block.epoch != self.epoch:
             self.stats.discarded_tokens += len(block.tokens)  # drafted on a rolled-back base
@@ -371,7 +369,7 @@ class SessionPipeline:
     ) -> None:
         """The verdict from the host's batched step (one target forward for every session ready);
         decided after what arrived meanwhile (prepared blocks, follow-ups) is taken in."""
-        self.intervals.append(("target", started, ended))
+        self.log.busy("target", started, ended)
         self.schedule(self._decide, block, verdict, (received_at, started, ended, source))
 
     def _decide(self, block: pb.Block, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
@@ -417,7 +415,7 @@ class SessionPipeline:
             self._send_feedback(
                 block, verdict, token, ready is not None, deferred, cap if pause or cap is None else max(cap, 1)
             )
-        self._record_round(block, accepted, timing, decided)
+        self.log.round(block, accepted, timing, decided)
         self._commit(settled, reason)
         if pause:
             self._pause()
@@ -545,42 +543,16 @@ class SessionPipeline:
         self.finish_reason = reason
         self._drop_held()
         self._drop_prepared()
-        self.stats.wall_s = time.time() - self.started
-        finished = pb.Finished(
-            session_id=self.sid, finish_reason=reason, stats=convert.stats_to_proto(self._final_stats())
-        )
+        stats = convert.stats_to_proto(self.log.final(self.draft is not None))
+        finished = pb.Finished(session_id=self.sid, finish_reason=reason, stats=stats)
         self.emit(pb.GenerateEvent(finished=finished))
         self.close()
 
     def _to_draft(self, request: pb.DraftRequest) -> None:
-        self.wire_bytes += request.ByteSize()
+        self.log.wire_bytes += request.ByteSize()
         self.draft.send(self.sid, request)
 
     # --- stats --------------------------------------------------------------------------------------
-
-    def _record_round(
-        self, block: pb.Block, accepted: int, timing: tuple[float, float, float, str], now: float
-    ) -> None:
-        (received_at, started, ended, source), s, last = timing, self.stats, self._last_decision
-        wall = now - last
-        # the part of this block's drafting that the target waited for
-        critical_draft = (
-            min(block.draft_s, max(0.0, block.finished_at - max(block.started_at, last))) if block.tokens else 0.0
-        )
-        drafted_entropy = block.tokens and block.HasField("entropies")
-        s.record_round(len(block.tokens), accepted,
-                       convert.floats_from_proto(block.entropies)[-1] if drafted_entropy else None)
-        s.target_forwards += 1
-        s.round_s.append(wall)
-        s.draft_forward_s.append(critical_draft)
-        s.target_forward_s.append(ended - started)
-        s.block_transit_s.append(max(0.0, received_at - block.finished_at) if block.finished_at else 0.0)
-        s.target_queue_s.append(max(0.0, started - max(received_at, last)))
-        s.feedback_transit_s.append(0.0)  # filled in when the draft answers this round's feedback
-        s.draft_queue_s.append(0.0)
-        s.overhead_s.append(max(0.0, wall - (ended - started) - critical_draft))
-        s.round_sources.append(source)
-        self._last_decision = now
 
     def _note_feedback_answered(self, block: pb.Block, received_at: float) -> None:
         """A block drafted in answer to the latest feedback: that round's return trip (for the
@@ -588,36 +560,5 @@ class SessionPipeline:
         if block.trigger_at and self._feedback_sent_at:
             self.gate.record_round_trip(max(0.0, received_at - self._feedback_sent_at - block.draft_s))
             self.draft.answered(received_at - self._feedback_sent_at)
-            if self.stats.rounds:
-                self.stats.feedback_transit_s[-1] = max(0.0, block.trigger_at - self._feedback_sent_at)
-                self.stats.draft_queue_s[-1] = max(0.0, block.started_at - block.trigger_at)
+            self.log.feedback_answered(block, self._feedback_sent_at)
             self._feedback_sent_at = 0.0
-
-    def _final_stats(self) -> GenerationStats:
-        s = self.stats
-        draft = [(a, b) for w, a, b in self.intervals if w == "draft"]
-        target = [(a, b) for w, a, b in self.intervals if w == "target"]
-        s.draft_forwards = s.draft_tokens + s.discarded_tokens
-        s.draft_busy_s = sum(b - a for a, b in draft)
-        s.target_busy_s = sum(b - a for a, b in target)
-        s.both_busy_s = _overlap(draft, target)
-        s.draft_wait_s = max(0.0, s.wall_s - s.draft_busy_s) if self.draft is not None else 0.0
-        s.target_wait_s = max(0.0, s.wall_s - s.target_busy_s)
-        s.wire_bytes = self.wire_bytes
-        s.wire_bytes_per_round = s.wire_bytes / s.rounds if s.rounds else 0.0
-        s.timeline = [(w, a - self.started, b - self.started) for w, a, b in sorted(self.intervals, key=lambda x: x[1])]
-        return s
-
-
-def _overlap(xs: list[tuple[float, float]], ys: list[tuple[float, float]]) -> float:
-    """Total time covered by both interval sets (each set's intervals are disjoint)."""
-    total, i, j = 0.0, 0, 0
-    xs, ys = sorted(xs), sorted(ys)
-    while i < len(xs) and j < len(ys):
-        lo, hi = max(xs[i][0], ys[j][0]), min(xs[i][1], ys[j][1])
-        total += max(0.0, hi - lo)
-        if xs[i][1] < ys[j][1]:
-            i += 1
-        else:
-            j += 1
-    return total
