@@ -9,7 +9,15 @@ sequence and frees its whole pages past the new end; closing it frees everything
 ``KVPool.forward`` runs one forward over a ragged batch: every sequence's new tokens flattened
 into one row [1, total] with their own positions (vLLM's way: no padding to the longest), the new
 keys and values written to each sequence's pages, and each sequence's queries attending to its own
-pages only, causally. transformers reaches the pool through two hooks: a cache object whose
+pages only, causally. What each layer needs is worked out once per forward (``_Ragged``): the
+write slots, each sequence's causal mask, and where its keys and values are read. Pages are
+handed out lowest first, so a sequence that grows alone holds one run of slots and its keys are a
+view of the pool; the others' are gathered in one ``index_select`` per layer for all of them. On
+a CPU there is no varlen attention kernel, so each sequence still gets its own SDPA call (a
+block-diagonal mask would cost the batch size times the work); its inputs are bitwise what a
+per-sequence gather gives (tests/unit/test_kv_cache.py compares logits with ``torch.equal``).
+
+transformers reaches the pool through two hooks: a cache object whose
 ``update`` writes the new keys and values (the forward's ``cache=`` argument, so named since 5.24),
 and an attention function registered under ``ATTENTION`` that the model's config names for the
 duration of the forward. Why not transformers' own ``PagedAttentionCache``: it is built for its
@@ -23,6 +31,7 @@ A release of transformers that moves this API changes this file alone
 from __future__ import annotations
 
 import contextlib
+import heapq
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -63,7 +72,7 @@ class KVPool:
         self.keys = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
         self.values = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
         self.device = devices[0]  # where page tables live
-        self._free = list(range(self.pages - 1, -1, -1))  # a stack: pages freed last are reused first
+        self._free = list(range(self.pages))  # a min-heap: the lowest free page goes first, so runs form
         self.max_forward_tokens = 0  # the most tokens any forward has held (max_batched_tokens bounds it)
 
     @property
@@ -94,12 +103,11 @@ class KVPool:
             raise PoolFull(
                 f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {n} more are needed"
             )
-        taken = self._free[-n:] if n else []
-        del self._free[len(self._free) - n :]
-        return taken
+        return [heapq.heappop(self._free) for _ in range(n)]
 
     def _give(self, pages: list[int]) -> None:
-        self._free.extend(reversed(pages))
+        for page in pages:
+            heapq.heappush(self._free, page)
 
     @torch.inference_mode()
     def forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]]) -> list[torch.Tensor]:
@@ -113,20 +121,18 @@ class KVPool:
             raise PoolFull(
                 f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {need} are needed"
             )
-        items, ids, positions, keep = [], [], [], []
+        ids, positions, keep = [], [], []
         for seq, new, k in steps:
             if not new or not 0 <= k <= len(new):
                 raise ValueError(f"a step needs new tokens and 0 <= k <= their count, got {len(new)} and {k}")
             seq._grow(len(new))
             start = len(seq)
-            items.append(_Item(len(ids), len(new), seq._slots_upto(start + len(new))))
             keep += range(len(ids) + len(new) - k, len(ids) + len(new))
             ids += new
             positions += range(start, start + len(new))
         self.max_forward_tokens = max(self.max_forward_tokens, len(ids))
         device = self.model.device
-        write = torch.cat([it.slots[-it.length :] for it in items])  # each new token's slot
-        meta = _Ragged(self, items, write)
+        meta = _Ragged.plan(self, [(seq, len(new)) for seq, new, _ in steps])
         with _ragged_attention(self.model):
             out = self.model(
                 input_ids=torch.tensor([ids], device=device),
@@ -154,6 +160,7 @@ class PagedSequence:
         self.pages: list[int] = []
         self.tokens: list[int] = []
         self._slots: torch.Tensor | None = None  # every page's slots, in order (rebuilt on change)
+        self._run: int | None = None  # the first slot, when the pages are one ascending run (else None)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -204,6 +211,9 @@ class PagedSequence:
             pages = torch.tensor(self.pages, dtype=torch.long, device=self.pool.device)
             offsets = torch.arange(self.pool.page_size, device=pages.device)
             self._slots = (pages[:, None] * self.pool.page_size + offsets).reshape(-1)
+            first = self.pages[0] if self.pages else 0
+            run = self.pages == list(range(first, first + len(self.pages)))
+            self._run = first * self.pool.page_size if run else None
         return self._slots[:length]
 
 
@@ -211,14 +221,39 @@ class PagedSequence:
 class _Item:
     start: int  # where its new tokens begin in the flattened row
     length: int  # how many new tokens
-    slots: torch.Tensor  # slots of every token it will hold after this forward, in order
+    total: int  # how many tokens it holds after this forward (its keys and values)
+    read: int  # where its keys begin: a slot of the pool (run) or a row of the step's gather
+    run: bool  # its keys are one run of the pool's slots (a view), else rows of the gather
+    mask: torch.Tensor | None  # [length, total] causal, lower right; None for one new token
 
 
 @dataclass
 class _Ragged:
+    """What every layer of one forward needs, worked out once."""
+
     pool: KVPool
     items: list[_Item]
     write: torch.Tensor  # [total new tokens] the slot each new token's keys and values go to
+    gather: torch.Tensor | None  # the slots of every sequence not held in one run, in item order
+
+    @staticmethod
+    def plan(pool: KVPool, steps: Sequence[tuple[PagedSequence, int]]) -> _Ragged:
+        """steps: (sequence, new tokens) after each sequence has grown its pages for them."""
+        items, writes, gathers, start, gathered = [], [], [], 0, 0
+        for seq, n in steps:
+            total = len(seq) + n
+            slots = seq._slots_upto(total)
+            writes.append(slots[-n:])
+            mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool, device=slots.device).tril(total - n)
+            if seq._run is not None:
+                items.append(_Item(start, n, total, seq._run, True, mask))
+            else:
+                items.append(_Item(start, n, total, gathered, False, mask))
+                gathers.append(slots)
+                gathered += total
+            start += n
+        gather = torch.cat(gathers) if gathers else None
+        return _Ragged(pool, items, torch.cat(writes), gather)
 
 
 class _PoolWriter:
@@ -231,8 +266,8 @@ class _PoolWriter:
         pool, write = self.meta.pool, self.meta.write
         keys, values = pool.keys[layer_idx], pool.values[layer_idx]
         write = write.to(keys.device)  # a no-op unless the model spans devices
-        keys[write] = key_states[0].transpose(0, 1)  # [total, kv_heads, head_dim]
-        values[write] = value_states[0].transpose(0, 1)
+        keys.index_copy_(0, write, key_states[0].transpose(0, 1))  # [total, kv_heads, head_dim]
+        values.index_copy_(0, write, value_states[0].transpose(0, 1))
         return key_states, value_states
 
 
@@ -241,14 +276,16 @@ def _ragged_attention_forward(module, query, key, value, attention_mask, scaling
     values in the pool (those before, and its new ones causally); returns [1, total, heads, head_dim]."""
     meta: _Ragged = kwargs["svip_ragged"]
     keys, values = meta.pool.keys[module.layer_idx], meta.pool.values[module.layer_idx]
+    if meta.gather is not None:  # one gather per layer for every sequence not held in one run
+        gather = meta.gather.to(keys.device)  # a no-op unless the model spans devices
+        gathered_keys, gathered_values = keys.index_select(0, gather), values.index_select(0, gather)
     outs = []
     for item in meta.items:
         q = query[:, :, item.start : item.start + item.length]  # [1, heads, n, d]
-        slots = item.slots.to(keys.device)  # a no-op unless the model spans devices
-        k = keys[slots].permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
-        v = values[slots].permute(1, 0, 2).unsqueeze(0)
-        n, total = item.length, item.slots.shape[0]
-        mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool, device=q.device).tril(total - n)
+        k_src, v_src = (keys, values) if item.run else (gathered_keys, gathered_values)
+        k = k_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
+        v = v_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)
+        mask = None if item.mask is None else item.mask.to(q.device)
         outs.append(scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True))
     return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
 

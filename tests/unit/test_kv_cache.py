@@ -168,3 +168,81 @@ def test_the_pools_memory_is_what_the_setting_says(model):
     seqs = [pool.sequence() for _ in range(3)]
     pool.forward([(s, TOKENS, 1) for s in seqs])
     assert pool.nbytes == 1008 * per_token
+
+
+# --- attention planned once per forward: bitwise what a per-sequence gather gives -------------
+
+from transformers import AttentionInterface  # noqa: E402
+
+from svip_common import kv_cache  # noqa: E402
+
+
+def _per_sequence_gather(sequences):
+    """The attention as first written, the reference: per layer and per sequence, a gather of its
+    every key and value by its page table and a causal mask built there."""
+
+    def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+        meta = kwargs["svip_ragged"]
+        keys, values = meta.pool.keys[module.layer_idx], meta.pool.values[module.layer_idx]
+        outs = []
+        for item, seq in zip(meta.items, sequences, strict=True):
+            q = query[:, :, item.start : item.start + item.length]
+            slots = seq._slots_upto(item.total)
+            k = keys[slots].permute(1, 0, 2).unsqueeze(0)
+            v = values[slots].permute(1, 0, 2).unsqueeze(0)
+            n, total = item.length, slots.shape[0]
+            mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool).tril(total - n)
+            outs.append(torch.nn.functional.scaled_dot_product_attention(
+                q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True))
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+
+    return attention
+
+
+def _forward_twice(pool, steps):
+    """The step's logits with the pool's attention and with the reference, from the same cache."""
+    lengths = [len(seq) for seq, _, _ in steps]
+    planned = pool.forward(steps)
+    for (seq, _, _), n in zip(steps, lengths):
+        seq.rollback(n)
+    AttentionInterface.register(kv_cache.ATTENTION, _per_sequence_gather([seq for seq, _, _ in steps]))
+    try:
+        reference = pool.forward(steps)
+    finally:
+        AttentionInterface.register(kv_cache.ATTENTION, kv_cache._ragged_attention_forward)
+    return planned, reference
+
+
+@torch.inference_mode()
+def test_planned_attention_is_bitwise_a_per_sequence_gather(model):
+    """Views of one run, rows of the step's single gather, masks made once: the logits equal,
+    bit for bit, those of the per-sequence gathers they replace, for decode and verify rows."""
+    pool = KVPool(model, tokens=256, page_size=4)
+    alone = pool.sequence()
+    alone.forward(TOKENS + [3, 4, 5], 1)  # grows alone: one run of pages
+    a, b = pool.sequence(), pool.sequence()
+    for i in range(4):  # grow side by side: pages interleaved, neither one run
+        pool.forward([(a, [10 + i, 11 + i, 12 + i], 1), (b, [20 + i, 21 + i], 1)])
+    a.rollback(7)  # mid-page, pages freed and taken again
+    pool.forward([(a, [1, 2, 3, 4, 5, 6], 1)])
+    steps = [(alone, [7], 1), (a, [8, 9, 10, 11], 4), (b, [12], 1), (pool.sequence(), TOKENS, 3)]
+    for seq, new, _ in steps:  # pages grown ahead (the forward would), so the plan can be read here
+        seq._grow(len(new))
+    planned_meta = kv_cache._Ragged.plan(pool, [(seq, len(new)) for seq, new, _ in steps])
+    assert [it.run for it in planned_meta.items] == [True, False, False, True]
+    planned, reference = _forward_twice(pool, steps)
+    for p, r in zip(planned, reference, strict=True):
+        assert torch.equal(p, r)
+
+
+@torch.inference_mode()
+def test_pages_go_out_lowest_first(model):
+    pool = KVPool(model, tokens=64, page_size=4)
+    a, b = pool.sequence(), pool.sequence()
+    a.forward(TOKENS, 1)
+    assert a.pages == [0, 1]
+    b.forward(TOKENS[:5], 1)
+    assert b.pages == [2, 3]
+    a.close()
+    b.forward(TOKENS, 1)  # the lowest free pages first, whoever gave them back
+    assert b.pages == [2, 3, 0, 1]

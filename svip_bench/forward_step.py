@@ -1,0 +1,115 @@
+"""One pooled forward, timed and counted: what the engine step costs at a batch size and a context.
+
+    python -m svip_bench.forward_step [--batches 1,16] [--context 200] [--repeats 30]
+
+For each model of the pair (the embedded one unless --target / --draft), each batch size and each
+step shape (decode: one new token per session, as a draft step; verify: five, as a target
+step): B sessions prefilled together with a context of --context tokens (their pages interleave,
+as on a worker serving them), then the step is run --repeats times (each followed by a rollback,
+so the context stays put). Prints its command, the machine, the median and p90 of the forward's
+wall time and the number of aten operators one forward runs (torch.profiler). Nothing here
+changes the engine: it reads ``KVPool.forward`` as the workers call it, so two commits are
+compared by running this file against each (``PYTHONPATH=<checkout>``), alternately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from svip_assets import default_pair
+from svip_bench.overhead import machine
+from svip_common.kv_cache import KVPool
+from svip_common.models import load_model
+
+SHAPES = {"decode": 1, "verify": 5}
+
+
+def sessions(pool: KVPool, batch: int, context: int, vocab: int) -> list:
+    """B sequences holding ``context`` tokens each, prefilled and grown side by side."""
+    g = torch.Generator().manual_seed(0)
+    seqs = [pool.sequence() for _ in range(batch)]
+    prompt = context // 2
+    ids = [torch.randint(1, vocab, (context,), generator=g).tolist() for _ in range(batch)]
+    pool.forward([(s, row[:prompt], 1) for s, row in zip(seqs, ids)])
+    for i in range(prompt, context):  # decoded together: each sequence's pages interleave with the others'
+        pool.forward([(s, [row[i]], 1) for s, row in zip(seqs, ids)])
+    return seqs
+
+
+def step(pool: KVPool, seqs: list, new: int) -> float:
+    steps = [(s, list(range(7, 7 + new)), new) for s in seqs]
+    lengths = [len(s) for s in seqs]
+    started = time.perf_counter()
+    pool.forward(steps)
+    elapsed = time.perf_counter() - started
+    for s, n in zip(seqs, lengths):
+        s.rollback(n)
+    return elapsed
+
+
+def aten_ops(pool: KVPool, seqs: list, new: int) -> int:
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(pool, seqs, new)
+    return sum(1 for e in prof.events() if e.name.startswith("aten::"))
+
+
+def measure(model, batch: int, context: int, repeats: int) -> list[dict]:
+    pool = KVPool(model.model, tokens=batch * (context + 64))
+    seqs = sessions(pool, batch, context, model.token_limit)
+    rows = []
+    for shape, new in SHAPES.items():
+        for _ in range(3):
+            step(pool, seqs, new)  # warm-up
+        times = sorted(step(pool, seqs, new) for _ in range(repeats))
+        rows.append({
+            "batch": batch, "shape": shape, "new_tokens": new, "context": context,
+            "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))],
+            "aten_ops": aten_ops(pool, seqs, new),
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--context", type=int, default=200)
+    parser.add_argument("--repeats", type=int, default=30)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
+    args = parser.parse_args(argv)
+    if args.context < 2 or args.repeats < 1:
+        parser.error("--context must be at least 2 and --repeats at least 1")
+    batches = [int(b) for b in args.batches.split(",")]
+    if any(b < 1 for b in batches):
+        parser.error("--batches takes positive integers, e.g. 1,16")
+    torch.set_num_threads(args.threads)
+    target_dir, draft_dir = (args.target, args.draft) if args.target and args.draft else default_pair()
+    if not args.json:
+        print("command: python -m svip_bench.forward_step " + " ".join(argv if argv is not None else sys.argv[1:]))
+        print(f"machine: {machine()}")
+        print("| model | batch | step | median ms | p90 ms | aten ops |")
+        print("|---|---|---|---|---|---|")
+    for name, path in (("target", target_dir), ("draft", draft_dir)):
+        model = load_model(path)
+        for batch in batches:
+            for row in measure(model, batch, args.context, args.repeats):
+                row["model"] = name
+                if args.json:
+                    print(json.dumps(row), flush=True)
+                else:
+                    print(f"| {name} | {batch} | {row['shape']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} "
+                          f"| {row['aten_ops']} |", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
