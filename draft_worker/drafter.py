@@ -22,6 +22,8 @@ from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
 from svip_common.sampling import entropy, mask_padding, sample_index, warp_probs
 
+GREEDY = SamplingParams(temperature=0.0)
+
 
 class Drafter:
     """The draft model and its KV pool, shared by the sessions it opens."""
@@ -63,8 +65,30 @@ class Drafter:
         rows = self.pool.forward(steps)
         elapsed = time.perf_counter() - started
         share = elapsed / len(steps)  # each block's part of the forward
-        for draft, logits in zip(drafting, [row for row, (_, _, k) in zip(rows, steps) if k]):
-            draft._absorb(logits, share)
+        rows = [row for row, (_, _, k) in zip(rows, steps) if k]
+        greedy = [i for i, d in enumerate(drafting) if d._session.sampling.greedy]
+        if greedy:
+            for i, chosen in zip(greedy, self._greedy_steps(torch.cat([rows[i] for i in greedy]))):
+                drafting[i]._absorb(share, *chosen)
+        for draft, logits in zip(drafting, rows):
+            if not draft._session.sampling.greedy:
+                draft._absorb(share, *draft._session._sampled_step(logits, draft))
+
+    def _greedy_steps(self, logits: torch.Tensor) -> list[tuple[int, float, float, list[tuple[int, float]]]]:
+        """Each greedy block's next token from its row of logits [B, draft_vocab]: (token, q(token),
+        the entropy of q, the most likely tokens with their q), worked out for every block of the
+        step at once and read to the host in one copy."""
+        q = warp_probs(mask_padding(_to_width(logits, self.width), self.token_limit), GREEDY)  # [B, vocab]
+        tokens = torch.argmax(q, dim=-1, keepdim=True)  # [B, 1]
+        top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[-1]), dim=-1)
+        host = torch.cat(
+            [tokens.double(), q.gather(-1, tokens).double(), entropy(q).double()[:, None],
+             top.indices.double(), top.values.double()], dim=-1,
+        ).tolist()  # the step's one host read
+        n = top.indices.shape[-1]
+        return [
+            (int(row[0]), row[1], row[2], list(zip(map(int, row[3 : 3 + n]), row[3 + n :]))) for row in host
+        ]
 
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
@@ -125,10 +149,13 @@ class DraftSession:
         u = uniform(self.sampling.seed, position, Purpose.RESOLVE)
         return recover(p_row.to(block.q_rows.device).float(), block.q_rows[accepted], u)
 
-    def _choose(self, q: torch.Tensor, position: int) -> int:
-        if self.sampling.greedy:
-            return int(torch.argmax(q))
-        return sample_index(q, uniform(self.sampling.seed, position, Purpose.DRAFT))
+    def _sampled_step(self, logits: torch.Tensor, draft: BlockDraft) -> tuple:
+        """A sampled block's next token from its logits [1, draft_vocab]: (token, q(token), the
+        entropy of q, the most likely tokens when kept, q) for ``BlockDraft._absorb``."""
+        q = self._q(logits)  # [vocab]
+        token = sample_index(q, uniform(self.sampling.seed, draft.block.base + len(draft.block), Purpose.DRAFT))
+        ranked = _runners_up(q) if draft._keep_alternatives else []
+        return token, float(q[token]), float(entropy(q)), ranked, q
 
     def _q(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's distribution [vocab] over the target's vocabulary from its logits [1, draft_vocab]."""
@@ -165,9 +192,11 @@ class BlockDraft:
         self._session._drafter.step([self])
         return self.done
 
-    @torch.inference_mode()
-    def _absorb(self, logits: torch.Tensor, forward_s: float) -> None:  # forward_s: this block's share of the forward
-        """The token this block's last forward chose, and whether the block ends there."""
+    def _absorb(self, forward_s: float, token: int, prob: float, h: float,
+                ranked: list[tuple[int, float]], q: torch.Tensor | None = None) -> None:
+        """The token this block's last forward chose (its q, the entropy of q, the most likely
+        tokens; q itself when sampled), and whether the block ends there. forward_s: this block's
+        share of the forward."""
         s, block = self._session, self.block
         started = time.perf_counter()
         s.forwards += 1
@@ -176,18 +205,13 @@ class BlockDraft:
             self._prefilling = False
             s.prefill_s += forward_s
             self.prefill_s += forward_s
-        q = s._q(logits)  # [vocab]
-        token = s._choose(q, block.base + len(block))
-        h = float(entropy(q))
-        step = StepState(len(block) + 1, block.base + len(block), token, float(q[token]), h)
+        step = StepState(len(block) + 1, block.base + len(block), token, prob, h)
         block.tokens.append(token)
-        block.probs.append(step.prob)
+        block.probs.append(prob)
         block.entropies.append(h)
         if self._keep_alternatives:
-            top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[0]))
-            ranked = zip(top.indices.tolist(), top.values.tolist())
             self.alternatives.append([(i, p) for i, p in ranked if i != token and p > 0][:ALTERNATIVES])
-        if not s.sampling.greedy:
+        if q is not None:
             self._q_rows.append(q)
         self.done = step.index >= self._limit or token in s.stop_token_ids or s.policy.should_stop(step)
         if self.done and self._q_rows:
@@ -216,6 +240,12 @@ class NullDraftSession:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass
+
+
+def _runners_up(q: torch.Tensor) -> list[tuple[int, float]]:
+    """The most likely tokens of q [vocab] with their probabilities, most likely first."""
+    top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[0]))
+    return list(zip(top.indices.tolist(), top.values.tolist()))
 
 
 def _to_width(logits: torch.Tensor, width: int) -> torch.Tensor:

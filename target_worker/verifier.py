@@ -83,10 +83,24 @@ class Verifier:
             self.cost.observe(self.last_step_tokens, elapsed)
             self._sessions_per_step.update(len(jobs))
         settled = dict(zip(owners, rows))
+        choices = self._greedy_choices(jobs, plans, settled)
         for i, plan in plans.items():  # a plan with no step: the stored row settles it
             session, committed, block = jobs[i]
-            verdicts[i] = session._settle(committed, block, plan, settled.get(i), elapsed)
+            verdicts[i] = session._settle(committed, block, plan, settled.get(i), elapsed, choices.get(i))
         return verdicts
+
+    def _greedy_choices(self, jobs, plans: dict[int, _Plan], settled: dict) -> dict[int, list[int]]:
+        """The target's choice at every row the step computed for a greedy session, read to the
+        host in one copy for the whole step (not one per session): job index -> its rows' argmax."""
+        greedy = [i for i in plans if i in settled and jobs[i][0].sampling.greedy]
+        if not greedy:
+            return {}
+        rows = [mask_padding(settled[i], self.token_limit) for i in greedy]
+        flat = torch.argmax(torch.cat(rows), dim=-1).tolist()
+        choices = {}
+        for i, r in zip(greedy, rows):
+            choices[i], flat = flat[: r.shape[0]], flat[r.shape[0]:]
+        return choices
 
 
 @dataclass
@@ -103,6 +117,7 @@ class TargetSession:
         self._limit = verifier.token_limit
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
         self._pending_at = -1
+        self._pending_choice: int | None = None  # greedy: the argmax of _pending, read with its step
         self.forwards = 0
         self.forward_s = 0.0
 
@@ -113,7 +128,7 @@ class TargetSession:
     def close(self) -> None:
         """Give the session's pages back to the pool."""
         self._seq.close()
-        self._pending, self._pending_at = None, -1
+        self._pending, self._pending_at, self._pending_choice = None, -1, None
 
     def verify(self, committed: Sequence[int], block: Block) -> Verdict:
         """Settle the block. When the block's q rows live on the draft side (distributed
@@ -131,7 +146,7 @@ class TargetSession:
             return None
         base, d0 = len(committed), block.tokens[0]
         if self.sampling.greedy:
-            target = int(torch.argmax(self._pending[0]))
+            target = self._pending_choice
             if target == d0:
                 return None
             self._verifier.tokens_verified += len(block)
@@ -171,25 +186,34 @@ class TargetSession:
         return _Plan((self._seq, [*committed[kept:], *drafted], len(drafted) + 1), False)
 
     def _settle(
-        self, committed: Sequence[int], block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float
+        self, committed: Sequence[int], block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float,
+        choices: list[int] | None = None,
     ) -> Verdict:
+        """choices (greedy): the argmax of each of ``rows``, read with the step's others."""
         if plan.step is None:
-            logits = self._pending
+            logits, choices = self._pending, [self._pending_choice]
         else:
             rows = mask_padding(rows, self._limit)
             logits = torch.cat([self._pending, rows]) if plan.reuse else rows  # [k + 1, vocab]
+            if choices is not None and plan.reuse:
+                choices = [self._pending_choice, *choices]
             self.forwards += 1
             self.forward_s += elapsed
         self._pending, self._pending_at = logits[-1:], len(self._seq)
         self._verifier.tokens_verified += len(block)
-        return self._judge(len(committed), block, logits)
-
-    def _judge(self, base: int, block: Block, logits: torch.Tensor) -> Verdict:
-        k = len(block)
         if self.sampling.greedy:
-            target_tokens = torch.argmax(logits, dim=-1).tolist()  # [k + 1]
-            accepted = accept_greedy(target_tokens, block.tokens)
-            return Verdict(base=base, accepted=accepted, token=target_tokens[accepted], epoch=block.epoch)
+            self._pending_choice = choices[-1]
+            return self._judge_greedy(len(committed), block, choices)
+        return self._judge_sampled(len(committed), block, logits)
+
+    @staticmethod
+    def _judge_greedy(base: int, block: Block, target_tokens: list[int]) -> Verdict:
+        """target_tokens [k + 1]: the target's choice at each place of the block and after it."""
+        accepted = accept_greedy(target_tokens, block.tokens)
+        return Verdict(base=base, accepted=accepted, token=target_tokens[accepted], epoch=block.epoch)
+
+    def _judge_sampled(self, base: int, block: Block, logits: torch.Tensor) -> Verdict:
+        k = len(block)
         p = warp_probs(logits, self.sampling)  # [k + 1, vocab]
         seed = self.sampling.seed
         if k:

@@ -1,0 +1,60 @@
+"""One host read per step: a greedy draft step and a greedy verification step bring their results
+to the host in one copy for the whole batch, not one (or five) per session. Counted: every
+``.item()`` / ``int()`` / ``float()`` / ``bool()`` of a tensor is an ``aten::_local_scalar_dense``
+under the profiler, and every ``.tolist()`` is counted by a wrapper around it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from draft_worker.drafter import Drafter
+from svip_common.contracts import Block, PolicyConfig, SamplingParams
+from target_worker.verifier import Verifier
+
+PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
+
+
+def host_reads(run) -> int:
+    lists = []
+    tolist = torch.Tensor.tolist
+
+    def counted(self):
+        lists.append(self.shape)
+        return tolist(self)
+
+    torch.Tensor.tolist = counted
+    try:
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            run()
+    finally:
+        torch.Tensor.tolist = tolist
+    return len(lists) + sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
+
+
+def draft_step_reads(models, batch: int) -> int:
+    draft = models["close_draft"]
+    drafter = Drafter(draft, draft.token_limit, kv_cache_tokens=4096)
+    policy = PolicyConfig(name="constant", draft_length=8)
+    blocks = [drafter.open(SamplingParams(), policy, []).begin(PROMPT[: 3 + i], budget=8) for i in range(batch)]
+    drafter.step(blocks)  # the prompts' prefill
+    reads = host_reads(lambda: drafter.step(blocks))
+    assert all(len(b.block) == 2 for b in blocks)
+    return reads
+
+
+def verify_step_reads(models, batch: int) -> int:
+    target = models["target"]
+    verifier = Verifier(target, kv_cache_tokens=4096)
+    sessions = [verifier.open(SamplingParams()) for _ in range(batch)]
+    jobs = [(s, PROMPT[: 3 + i], Block(base=3 + i, tokens=[1, 2, 3], probs=[1.0] * 3, entropies=[0.0] * 3))
+            for i, s in enumerate(sessions)]
+    verifier.verify_batch(jobs)  # the prompts' prefill with a first block
+    return host_reads(lambda: verifier.verify_batch(jobs))  # the same blocks again: a verify step
+
+
+@pytest.mark.parametrize("count", [draft_step_reads, verify_step_reads])
+def test_host_reads_do_not_grow_with_the_batch(models, count):
+    one, many = count(models, 1), count(models, 8)
+    assert one == many <= 1, f"{one} host reads at batch 1, {many} at batch 8"
