@@ -35,6 +35,7 @@ at the current epoch, and drafting goes on from there.
 
 from __future__ import annotations
 
+import enum
 import logging
 import time
 from collections.abc import Callable
@@ -62,6 +63,15 @@ REATTACH_BACKOFF_MAX_S = 30.0
 MAX_STALLS = 4  # a draft that stalled this often under one session is not asked to take it up again
 log = logging.getLogger(__name__)
 LoadCap = Callable[[SessionGate], int]  # the most tokens the session's next block should hold at the load now
+
+
+class DraftMode(enum.Enum):
+    """Who proposes the session's blocks: one state, not a flag per situation."""
+
+    DRAFTING = "drafting"  # the draft worker proposes blocks
+    PAUSED = "paused"  # load-aware: the draft waits for a Resume; the target settles tokens alone
+    DETACHED = "detached"  # recovery: no draft works on the session; the target settles tokens alone until one is back
+    GIVEN_UP = "given up"  # the draft failed the session (an error, a bad block): the target goes on alone for good
 
 
 class DraftPeer(Protocol):
@@ -119,9 +129,8 @@ class SessionPipeline:
         self._feedback_chain: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
         self._load_cap, self.gate = load_cap, SessionGate(cuts=auto is None)
         self.auto, self._load = (auto if draft is not None else None), load
-        self.paused = False  # load-aware: the draft waits for a Resume; the target settles tokens alone
+        self.mode = DraftMode.DRAFTING
         self._paused_tokens: list[int] = []  # settled since the pause (the Resume carries them)
-        self.detached = False  # recovery: no draft works on the session; the target settles tokens alone
         self.hold_s = hold_s
         self.hold_until: float | None = None  # a detached sampled session waits for a draft until then
         self._attach_due = False  # a draft is back: re-attach once the verdict in flight is decided
@@ -129,7 +138,19 @@ class SessionPipeline:
         self.stalls = 0  # times the draft stalled under this session: each re-attach waits longer
         self.attach_not_before = 0.0  # a re-attach after a stall waits until then (backoff)
         self._attach_wanted = False  # a draft is back, the backoff not over yet
-        self.draft_given_up = False  # the draft failed this session (an error): the target goes on alone
+
+    @property
+    def paused(self) -> bool:
+        return self.mode is DraftMode.PAUSED
+
+    @property
+    def detached(self) -> bool:
+        """No draft works on the session (for now, or for good)."""
+        return self.mode in (DraftMode.DETACHED, DraftMode.GIVEN_UP)
+
+    @property
+    def draft_given_up(self) -> bool:
+        return self.mode is DraftMode.GIVEN_UP
 
     @property
     def cached_tokens(self) -> int:
@@ -189,14 +210,14 @@ class SessionPipeline:
             self.attach_not_before = time.time() + min(
                 REATTACH_BACKOFF_S * 2 ** (self.stalls - 1), REATTACH_BACKOFF_MAX_S
             )
-        self.detached, self.waiting_since = True, None
+        self.mode, self.waiting_since = DraftMode.DETACHED, None
         self.stats.detached += 1
         self.epoch += 1  # what the old draft sent or sends is stale
         self._drop_held()
         self._drop_prepared()
         self._feedback_chain.clear()
         self._correction_due = False
-        self.paused, self._paused_tokens = False, []
+        self._paused_tokens = []
         self.hold_until = None if self.request.sampling.greedy else time.time() + self.hold_s
         if self._draft_open:
             self._draft_open = False
@@ -209,7 +230,7 @@ class SessionPipeline:
         """A draft is back: it takes the session up from the committed tokens (not before the
         backoff after a stall ends; never after the draft failed the session, or stalled under it
         MAX_STALLS times)."""
-        if self.done or not self.detached or self.draft_given_up or self.stalls >= MAX_STALLS:
+        if self.done or self.mode is not DraftMode.DETACHED or self.stalls >= MAX_STALLS:
             return
         if (now if now is not None else time.time()) < self.attach_not_before:
             self._attach_wanted = True  # retry_attach takes it up once the backoff is over
@@ -218,7 +239,7 @@ class SessionPipeline:
         if self.verifying is not None:
             self._attach_due = True  # after the verdict in flight
             return
-        self.detached = self._attach_due = False
+        self.mode, self._attach_due = DraftMode.DRAFTING, False
         self.hold_until = None
         self.stats.reattached += 1
         self._start_draft()
@@ -312,8 +333,9 @@ class SessionPipeline:
         """The draft failed this session: the target goes on alone, at once (no hold: the draft
         will not take the session up again)."""
         log.warning("session %s: %s; going on without the draft", self.sid, why)
-        self.draft_given_up = True
         self.detach(cancel)
+        if self.detached:
+            self.mode = DraftMode.GIVEN_UP
         self.hold_expired(float("inf"))
 
     def _on_block(self, block: pb.Block, received_at: float) -> None:
@@ -462,12 +484,12 @@ class SessionPipeline:
 
     def _pause(self) -> None:
         """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
-        self.paused, self._paused_tokens = True, []
+        self.mode, self._paused_tokens = DraftMode.PAUSED, []
         self.stats.pauses += 1
 
     def _resume(self, cap: int) -> None:
         """Drafting pays again: the draft gets the tokens settled since the pause and its cap."""
-        self.paused = False
+        self.mode = DraftMode.DRAFTING
         base = len(self.committed) - len(self._paused_tokens)  # where the draft's tokens end
         resume = pb.Resume(session_id=self.sid, epoch=self.epoch, base=base, tokens=self._paused_tokens, load_cap=cap)
         if self.auto is not None:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from coordinator.session.pipeline import SessionPipeline
+from coordinator.session.pipeline import DraftMode, SessionPipeline
 from svip_common.contracts import NO_TOKEN, GenerationRequest, Limits, PolicyConfig, SamplingParams, Verdict
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -56,7 +56,7 @@ class Target:
 
 
 class Harness:
-    def __init__(self, pipeline: str = "sync", max_new_tokens: int = 20, draft: bool = True):
+    def __init__(self, pipeline: str = "sync", max_new_tokens: int = 20, draft: bool = True, load_cap=None):
         self.draft, self.events, self.queue = Draft(), [], []
         self.session = SessionPipeline(
             "s", GenerationRequest(PROMPT, max_new_tokens, SamplingParams(), PolicyConfig(name="svip")),
@@ -64,6 +64,7 @@ class Harness:
             emit=self.events.append,
             schedule=lambda fn, *args: fn(*args),
             enqueue=lambda session, block, checked, info: self.queue.append((block, info)),
+            load_cap=load_cap,
         )
 
     def block(self, tokens: list[int], base: int | None = None, epoch: int | None = None, **fields) -> pb.Block:
@@ -167,12 +168,14 @@ def test_a_bad_block_gives_the_draft_up_and_the_target_goes_on_alone(bad, why, c
     h.session.start()
     tokens = bad.pop("tokens", [11, 12])
     h.deliver(h.block(tokens, **bad))
-    assert h.session.draft_given_up and h.session.detached and why in caplog.text
+    assert h.session.mode is DraftMode.GIVEN_UP and h.session.detached and why in caplog.text
     assert h.draft.count("cancel") == 1  # the draft's session is closed there
     (block, (_, source)), = h.queue
     assert len(block.tokens) == 0 and source != "drafted"  # the target settles the next token alone
     h.verify(0, 15)
     assert h.settled == [15] and not h.session.done
+    h.session.attach()  # a draft that failed the session never takes it up again
+    assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("start") == 1
 
 
 def test_a_lost_draft_detaches_and_a_returned_one_takes_the_session_up_again():
@@ -180,7 +183,7 @@ def test_a_lost_draft_detaches_and_a_returned_one_takes_the_session_up_again():
     h.session.start()
     h.draft.available = False
     h.session.detach(cancel=False)
-    assert h.session.detached and h.session.epoch == 1
+    assert h.session.mode is DraftMode.DETACHED and h.session.epoch == 1
     (block, _), = h.queue
     assert len(block.tokens) == 0
     h.draft.available = True
@@ -188,7 +191,7 @@ def test_a_lost_draft_detaches_and_a_returned_one_takes_the_session_up_again():
     h.verify(0, 15)
     start = h.draft.last("start")
     assert h.draft.count("start") == 2 and list(start.prompt_ids) == [*PROMPT, 15] and start.epoch == h.session.epoch
-    assert start.max_new_tokens == 19 and not h.session.detached
+    assert start.max_new_tokens == 19 and h.session.mode is DraftMode.DRAFTING
     h.deliver(h.block([16]))
     assert len(h.queue) == 1
 
@@ -214,3 +217,25 @@ def test_without_a_draft_the_target_settles_one_token_per_round():
         assert len(block.tokens) == 0 and source == "none"
         h.verify(0, token)
     assert h.settled == [21, 22] and h.draft.sent == []
+
+
+def test_a_paused_session_detaches_from_the_pause_and_pauses_again_on_re_attach():
+    """The draft mode is one state: a lost draft ends a pause (the tokens settled alone are not
+    owed to a Resume any more), and the re-attach's start carries the cap that pauses it again."""
+    cap = [0]
+    h = Harness(load_cap=lambda gate: cap[0])
+    h.session.start()
+    assert h.session.mode is DraftMode.PAUSED and h.draft.last("start").load_cap == 0
+    h.verify(0, 15)  # the target settles alone while paused
+    assert h.session.mode is DraftMode.PAUSED and h.settled == [15]
+    h.draft.available = False
+    h.session.detach(cancel=False)
+    assert h.session.mode is DraftMode.DETACHED and not h.session.paused
+    h.draft.available = True
+    h.session.attach()  # the verdict in flight first
+    h.verify(0, 16)
+    assert h.draft.count("start") == 2 and h.session.mode is DraftMode.PAUSED
+    cap[0] = 4
+    h.verify(0, 17)  # drafting pays again: a Resume with the tokens settled since the pause
+    resume = h.draft.last("resume")
+    assert h.session.mode is DraftMode.DRAFTING and list(resume.tokens) == [17] and resume.load_cap == 4
