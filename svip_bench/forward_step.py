@@ -3,13 +3,14 @@
     python -m svip_bench.forward_step [--batches 1,16] [--context 200] [--repeats 30]
 
 For each model of the pair (the embedded one unless --target / --draft), each batch size and each
-step shape (decode: one new token per session, as a draft step; verify: five, as a target
-step): B sessions prefilled together with a context of --context tokens (their pages interleave,
-as on a worker serving them), then the step is run --repeats times (each followed by a rollback,
-so the context stays put). Prints its command, the machine, the median and p90 of the forward's
-wall time and the number of aten operators one forward runs (torch.profiler). Nothing here
-changes the engine: it reads ``KVPool.forward`` as the workers call it, so two commits are
-compared by running this file against each (``PYTHONPATH=<checkout>``), alternately.
+step shape (decode: one new token per session, as a draft step; verify: five, as a target step):
+B sessions in a pool of a worker's default size, prefilled and decoded together up to a context
+of --context tokens (as on a worker serving them), then the step is run --repeats times (each
+followed by a rollback, so the context stays put). Prints its command, the machine, the median
+and p90 of the forward's wall time, the number of aten operators one forward runs
+(torch.profiler) and how many sessions hold one run of pages. Nothing here changes the engine: it
+reads ``KVPool.forward`` as the workers call it, so two commits are compared by running this file
+against each (``PYTHONPATH=<checkout>``), alternately.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from svip_assets import default_pair
 from svip_bench.overhead import machine
-from svip_common.kv_cache import KVPool
+from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool
 from svip_common.models import load_model
 
 SHAPES = {"decode": 1, "verify": 5}
@@ -38,7 +39,7 @@ def sessions(pool: KVPool, batch: int, context: int, vocab: int) -> list:
     prompt = context // 2
     ids = [torch.randint(1, vocab, (context,), generator=g).tolist() for _ in range(batch)]
     pool.forward([(s, row[:prompt], 1) for s, row in zip(seqs, ids)])
-    for i in range(prompt, context):  # decoded together: each sequence's pages interleave with the others'
+    for i in range(prompt, context):  # decoded together, as a worker's sessions grow
         pool.forward([(s, [row[i]], 1) for s, row in zip(seqs, ids)])
     return seqs
 
@@ -61,7 +62,7 @@ def aten_ops(pool: KVPool, seqs: list, new: int) -> int:
 
 
 def measure(model, batch: int, context: int, repeats: int) -> list[dict]:
-    pool = KVPool(model.model, tokens=batch * (context + 64))
+    pool = KVPool(model.model, tokens=max(DEFAULT_KV_TOKENS, batch * (context + 64)))  # a worker's default pool
     seqs = sessions(pool, batch, context, model.token_limit)
     rows = []
     for shape, new in SHAPES.items():
@@ -72,6 +73,7 @@ def measure(model, batch: int, context: int, repeats: int) -> list[dict]:
             "batch": batch, "shape": shape, "new_tokens": new, "context": context,
             "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))],
             "aten_ops": aten_ops(pool, seqs, new),
+            "runs": sum(s.pages == list(range(s.pages[0], s.pages[0] + len(s.pages))) for s in seqs),
         })
     return rows
 
@@ -96,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print("command: python -m svip_bench.forward_step " + " ".join(argv if argv is not None else sys.argv[1:]))
         print(f"machine: {machine()}")
-        print("| model | batch | step | median ms | p90 ms | aten ops |")
-        print("|---|---|---|---|---|---|")
+        print("| model | batch | step | median ms | p90 ms | aten ops | sessions held as one run |")
+        print("|---|---|---|---|---|---|---|")
     for name, path in (("target", target_dir), ("draft", draft_dir)):
         model = load_model(path)
         for batch in batches:
@@ -107,7 +109,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(json.dumps(row), flush=True)
                 else:
                     print(f"| {name} | {batch} | {row['shape']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} "
-                          f"| {row['aten_ops']} |", flush=True)
+                          f"| {row['aten_ops']} | {row['runs']} of {batch} |", flush=True)
     return 0
 
 

@@ -11,8 +11,9 @@ into one row [1, total] with their own positions (vLLM's way: no padding to the 
 keys and values written to each sequence's pages, and each sequence's queries attending to its own
 pages only, causally. What each layer needs is worked out once per forward (``_Ragged``): the
 write slots, each sequence's causal mask, and where its keys and values are read. Pages are
-handed out lowest first, so a sequence that grows alone holds one run of slots and its keys are a
-view of the pool; the others' are gathered in one ``index_select`` per layer for all of them. On
+placed so that each sequence holds one run of slots where the pool has room (``_FreePages``), and
+then its keys and values are a view of the pool, not a copy; those of a sequence whose pages are
+scattered are gathered in one ``index_select`` per layer for all such sequences. On
 a CPU there is no varlen attention kernel, so each sequence still gets its own SDPA call (a
 block-diagonal mask would cost the batch size times the work); its inputs are bitwise what a
 per-sequence gather gives (tests/unit/test_kv_cache.py compares logits with ``torch.equal``).
@@ -31,7 +32,7 @@ A release of transformers that moves this API changes this file alone
 from __future__ import annotations
 
 import contextlib
-import heapq
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -72,7 +73,7 @@ class KVPool:
         self.keys = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
         self.values = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
         self.device = devices[0]  # where page tables live
-        self._free = list(range(self.pages))  # a min-heap: the lowest free page goes first, so runs form
+        self._free = _FreePages(self.pages)
         self.max_forward_tokens = 0  # the most tokens any forward has held (max_batched_tokens bounds it)
 
     @property
@@ -98,16 +99,16 @@ class KVPool:
     def sequence(self) -> PagedSequence:
         return PagedSequence(self)
 
-    def _take(self, n: int) -> list[int]:
+    def _take(self, n: int, after: int | None = None) -> list[int]:
+        """n free pages for a sequence whose last page is ``after`` (None: a new sequence)."""
         if n > len(self._free):
             raise PoolFull(
                 f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {n} more are needed"
             )
-        return [heapq.heappop(self._free) for _ in range(n)]
+        return self._free.take(n, after)
 
     def _give(self, pages: list[int]) -> None:
-        for page in pages:
-            heapq.heappush(self._free, page)
+        self._free.give(pages)
 
     @torch.inference_mode()
     def forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]]) -> list[torch.Tensor]:
@@ -203,7 +204,7 @@ class PagedSequence:
     def _grow(self, new_tokens: int) -> None:
         need = self.pages_needed(new_tokens)
         if need > 0:
-            self.pages += self.pool._take(need)
+            self.pages += self.pool._take(need, self.pages[-1] if self.pages else None)
             self._slots = None
 
     def _slots_upto(self, length: int) -> torch.Tensor:
@@ -215,6 +216,46 @@ class PagedSequence:
             run = self.pages == list(range(first, first + len(self.pages)))
             self._run = first * self.pool.page_size if run else None
         return self._slots[:length]
+
+
+class _FreePages:
+    """A pool's free pages, sorted, and where a sequence's next pages go: each sequence is kept one
+    run of pages where the pool has room, so that its keys and values are a view, not a gather. A
+    sequence grows into the page after its last one when that page is free; a new sequence starts
+    where it leaves the most room to grow (the middle of the longest free run, or its start when no
+    page before it is held), so sequences growing side by side do not interleave. When the page a
+    run needs is taken, the lowest free page is used (the sequence is then gathered, as exact)."""
+
+    def __init__(self, pages: int):
+        self._free = list(range(pages))
+
+    def __len__(self) -> int:
+        return len(self._free)
+
+    def take(self, n: int, after: int | None) -> list[int]:
+        taken, want = [], self._roomiest() if after is None else after + 1
+        for _ in range(n):
+            i = bisect_left(self._free, want)
+            page = self._free.pop(i if i < len(self._free) and self._free[i] == want else 0)
+            taken.append(page)
+            want = page + 1
+        return taken
+
+    def give(self, pages: Sequence[int]) -> None:
+        for page in pages:
+            insort(self._free, page)
+
+    def _roomiest(self) -> int:
+        """Where a new sequence starts: the middle of the longest free run (its start if it is the
+        pool's first page, before which no sequence can be growing)."""
+        best_start, best_len, start, prev = 0, 0, None, None
+        for page in self._free:
+            if prev is None or page != prev + 1:
+                start = page
+            prev = page
+            if page - start + 1 > best_len:
+                best_start, best_len = start, page - start + 1
+        return best_start if best_start == 0 else best_start + best_len // 2
 
 
 @dataclass

@@ -217,14 +217,20 @@ def _forward_twice(pool, steps):
 def test_planned_attention_is_bitwise_a_per_sequence_gather(model):
     """Views of one run, rows of the step's single gather, masks made once: the logits equal,
     bit for bit, those of the per-sequence gathers they replace, for decode and verify rows."""
-    pool = KVPool(model, tokens=256, page_size=4)
+    pool = KVPool(model, tokens=128, page_size=4)  # 32 pages
     alone = pool.sequence()
-    alone.forward(TOKENS + [3, 4, 5], 1)  # grows alone: one run of pages
+    alone.forward(TOKENS + [3, 4, 5], 1)  # one run of pages
+    fillers = [pool.sequence() for _ in range(pool.free_pages)]
+    pool.forward([(f, [1], 1) for f in fillers])  # every page held
+    for f in fillers[::3]:
+        f.close()  # holes of one page: what grows now is scattered
     a, b = pool.sequence(), pool.sequence()
-    for i in range(4):  # grow side by side: pages interleaved, neither one run
-        pool.forward([(a, [10 + i, 11 + i, 12 + i], 1), (b, [20 + i, 21 + i], 1)])
-    a.rollback(7)  # mid-page, pages freed and taken again
-    pool.forward([(a, [1, 2, 3, 4, 5, 6], 1)])
+    for i in range(3):
+        pool.forward([(a, [10 + i, 11 + i, 12 + i], 1), (b, [20 + i, 21 + i, 22 + i], 1)])
+    a.rollback(5)  # mid-page, pages freed and taken again
+    pool.forward([(a, [1, 2, 3, 4], 1)])
+    for f in fillers[1::3] + fillers[2::3]:
+        f.close()  # room again: a new sequence is one run
     steps = [(alone, [7], 1), (a, [8, 9, 10, 11], 4), (b, [12], 1), (pool.sequence(), TOKENS, 3)]
     for seq, new, _ in steps:  # pages grown ahead (the forward would), so the plan can be read here
         seq._grow(len(new))
@@ -236,13 +242,19 @@ def test_planned_attention_is_bitwise_a_per_sequence_gather(model):
 
 
 @torch.inference_mode()
-def test_pages_go_out_lowest_first(model):
-    pool = KVPool(model, tokens=64, page_size=4)
-    a, b = pool.sequence(), pool.sequence()
-    a.forward(TOKENS, 1)
-    assert a.pages == [0, 1]
-    b.forward(TOKENS[:5], 1)
-    assert b.pages == [2, 3]
-    a.close()
-    b.forward(TOKENS, 1)  # the lowest free pages first, whoever gave them back
-    assert b.pages == [2, 3, 0, 1]
+def test_sequences_growing_side_by_side_stay_runs_while_the_pool_has_room(model):
+    """Prefilled together and decoded together, with rollbacks, each sequence keeps one run of
+    pages (its keys a view); when the pool is too full for that, pages still come, scattered."""
+    pool = KVPool(model, tokens=64 * 4, page_size=4)  # 64 pages
+    seqs = [pool.sequence() for _ in range(4)]
+    pool.forward([(s, TOKENS[: 3 + i], 1) for i, s in enumerate(seqs)])
+    for step in range(30):
+        pool.forward([(s, [1 + step % 7], 1) for s in seqs])
+        if step % 5 == 4:
+            seqs[step % 4].rollback(len(seqs[step % 4]) - 6)
+    for s in seqs:
+        assert s.pages == list(range(s.pages[0], s.pages[0] + len(s.pages))), s.pages
+    assert len({p for s in seqs for p in s.pages}) == sum(len(s.pages) for s in seqs)
+    late = pool.sequence()
+    late.forward([5] * (pool.free_pages * 4), 1)  # every page left, wherever they are
+    assert pool.free_pages == 0 and len(late.pages) * 4 == len(late)
