@@ -20,9 +20,9 @@ from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
-from svip_common.sampling import entropy, mask_padding, sample_index, warp_probs
+from svip_common.sampling import entropy, mask_padding, sample_indices, warp_probs
 
-GREEDY = SamplingParams(temperature=0.0)
+GREEDY_KEY = (0.0, 0, 1.0)  # every greedy block is warped alike (softmax), whatever its other settings
 
 
 class Drafter:
@@ -66,28 +66,37 @@ class Drafter:
         elapsed = time.perf_counter() - started
         share = elapsed / len(steps)  # each block's part of the forward
         rows = [row for row, (_, _, k) in zip(rows, steps) if k]
-        greedy = [i for i, d in enumerate(drafting) if d._session.sampling.greedy]
-        if greedy:
-            for i, chosen in zip(greedy, self._greedy_steps(torch.cat([rows[i] for i in greedy]))):
-                drafting[i]._absorb(share, *chosen)
-        for draft, logits in zip(drafting, rows):
-            if not draft._session.sampling.greedy:
-                draft._absorb(share, *draft._session._sampled_step(logits, draft))
+        groups: dict[tuple, list[int]] = {}  # blocks whose q is warped alike: one batched pass each
+        for i, d in enumerate(drafting):
+            sp = d._session.sampling
+            groups.setdefault(GREEDY_KEY if sp.greedy else (sp.temperature, sp.top_k, sp.top_p), []).append(i)
+        for indices in groups.values():
+            blocks = [drafting[i] for i in indices]
+            for draft, chosen in zip(blocks, self._choose(blocks, torch.cat([rows[i] for i in indices]))):
+                draft._absorb(share, *chosen)
 
-    def _greedy_steps(self, logits: torch.Tensor) -> list[tuple[int, float, float, list[tuple[int, float]]]]:
-        """Each greedy block's next token from its row of logits [B, draft_vocab]: (token, q(token),
-        the entropy of q, the most likely tokens with their q), worked out for every block of the
-        step at once and read to the host in one copy."""
-        q = warp_probs(mask_padding(_to_width(logits, self.width), self.token_limit), GREEDY)  # [B, vocab]
-        tokens = torch.argmax(q, dim=-1, keepdim=True)  # [B, 1]
+    def _choose(self, blocks: list[BlockDraft], logits: torch.Tensor) -> list[tuple]:
+        """Each block's next token from its row of logits [B, draft_vocab], the blocks sharing one
+        warp: (token, q(token), the entropy of q, the most likely tokens with their q, q when
+        sampled), worked out for all of them at once and read to the host in one copy. A sampled
+        token is drawn with the uniform keyed by its session's seed and its position."""
+        sampling = blocks[0]._session.sampling
+        q = warp_probs(mask_padding(_to_width(logits, self.width), self.token_limit), sampling)  # [B, vocab]
+        if sampling.greedy:
+            tokens = torch.argmax(q, dim=-1, keepdim=True)  # [B, 1]
+        else:
+            keyed = [uniform(b._session.sampling.seed, b.block.base + len(b.block), Purpose.DRAFT) for b in blocks]
+            tokens = sample_indices(q, torch.tensor(keyed, dtype=torch.float64, device=q.device))[:, None]
         top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[-1]), dim=-1)
         host = torch.cat(
             [tokens.double(), q.gather(-1, tokens).double(), entropy(q).double()[:, None],
              top.indices.double(), top.values.double()], dim=-1,
-        ).tolist()  # the step's one host read
-        n = top.indices.shape[-1]
+        ).tolist()  # the one host read
+        n, kept = top.indices.shape[-1], None if sampling.greedy else q
         return [
-            (int(row[0]), row[1], row[2], list(zip(map(int, row[3 : 3 + n]), row[3 + n :]))) for row in host
+            (int(row[0]), row[1], row[2], list(zip(map(int, row[3 : 3 + n]), row[3 + n :])),
+             None if kept is None else kept[i])
+            for i, row in enumerate(host)
         ]
 
     def open(
@@ -108,8 +117,6 @@ class DraftSession:
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
         self._drafter = drafter
-        self._width = drafter.width
-        self._limit = drafter.token_limit
         self._seq = drafter.pool.sequence()
         self.forwards = 0
         self.forward_s = 0.0
@@ -149,17 +156,6 @@ class DraftSession:
         u = uniform(self.sampling.seed, position, Purpose.RESOLVE)
         return recover(p_row.to(block.q_rows.device).float(), block.q_rows[accepted], u)
 
-    def _sampled_step(self, logits: torch.Tensor, draft: BlockDraft) -> tuple:
-        """A sampled block's next token from its logits [1, draft_vocab]: (token, q(token), the
-        entropy of q, the most likely tokens when kept, q) for ``BlockDraft._absorb``."""
-        q = self._q(logits)  # [vocab]
-        token = sample_index(q, uniform(self.sampling.seed, draft.block.base + len(draft.block), Purpose.DRAFT))
-        ranked = _runners_up(q) if draft._keep_alternatives else []
-        return token, float(q[token]), float(entropy(q)), ranked, q
-
-    def _q(self, logits: torch.Tensor) -> torch.Tensor:
-        """The draft's distribution [vocab] over the target's vocabulary from its logits [1, draft_vocab]."""
-        return warp_probs(mask_padding(_to_width(logits, self._width), self._limit), self.sampling)[0]
 
 
 PREFILL_TOKENS = 8  # a forward taking in more of a block's pending tokens than this is a prefill
@@ -240,12 +236,6 @@ class NullDraftSession:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         pass
-
-
-def _runners_up(q: torch.Tensor) -> list[tuple[int, float]]:
-    """The most likely tokens of q [vocab] with their probabilities, most likely first."""
-    top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[0]))
-    return list(zip(top.indices.tolist(), top.values.tolist()))
 
 
 def _to_width(logits: torch.Tensor, width: int) -> torch.Tensor:

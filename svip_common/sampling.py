@@ -54,11 +54,16 @@ def entropy(probs: torch.Tensor) -> torch.Tensor:
 
 def sample_index(probs: torch.Tensor, u: float) -> int:
     """Inverse-CDF draw from probs [vocab] (need not be normalised) with one uniform u in [0, 1)."""
-    cdf = probs.double().cumsum(dim=0)
-    target = u * cdf[-1]
-    index = int(torch.searchsorted(cdf, target.reshape(1), right=True).item())
-    index = min(index, probs.shape[0] - 1)
-    while probs[index] <= 0 and index > 0:  # u * total landed on a flat stretch's right edge
-        index -= 1
-    return index
+    return int(sample_indices(probs[None], torch.tensor([u], dtype=torch.float64, device=probs.device))[0])
 
+
+def sample_indices(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One inverse-CDF draw per row of probs [n, vocab] (rows need not be normalised), row i with
+    the uniform u[i] in [0, 1) (float64): [n] ids, with no host read. u * a row's total landing on
+    the right edge of a stretch of zeros steps back to the last id before it with mass."""
+    cdf = probs.double().cumsum(dim=-1)  # [n, vocab]
+    target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]  # [n, 1]
+    index = torch.searchsorted(cdf, target, right=True).clamp_max(probs.shape[-1] - 1)  # [n, 1]
+    ids = torch.arange(probs.shape[-1], device=probs.device)
+    with_mass = torch.where(probs > 0, ids, 0).cummax(dim=-1).values  # the last id at or before with mass
+    return with_mass.gather(-1, index)[:, 0]

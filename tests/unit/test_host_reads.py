@@ -1,9 +1,12 @@
-"""One host read per step: a greedy draft step and a greedy verification step bring their results
-to the host in one copy for the whole batch, not one (or five) per session. Counted: every
+"""One host read per step: a draft step (greedy, or sampled sessions sharing a warp) and a greedy
+verification step bring their results to the host in one copy for the whole batch, not one (or
+five) per session. Counted: every
 ``.item()`` / ``int()`` / ``float()`` / ``bool()`` of a tensor is an ``aten::_local_scalar_dense``
 under the profiler, and every ``.tolist()`` is counted by a wrapper around it."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -33,11 +36,12 @@ def host_reads(run) -> int:
     return len(lists) + sum(1 for e in prof.events() if e.name == "aten::_local_scalar_dense")
 
 
-def draft_step_reads(models, batch: int) -> int:
+def draft_step_reads(models, batch: int, sampling: SamplingParams = SamplingParams()) -> int:
     draft = models["close_draft"]
     drafter = Drafter(draft, draft.token_limit, kv_cache_tokens=4096)
     policy = PolicyConfig(name="constant", draft_length=8)
-    blocks = [drafter.open(SamplingParams(), policy, []).begin(PROMPT[: 3 + i], budget=8) for i in range(batch)]
+    blocks = [drafter.open(dataclasses.replace(sampling, seed=i), policy, []).begin(PROMPT[: 3 + i], budget=8)
+              for i in range(batch)]
     drafter.step(blocks)  # the prompts' prefill
     reads = host_reads(lambda: drafter.step(blocks))
     assert all(len(b.block) == 2 for b in blocks)
@@ -54,7 +58,11 @@ def verify_step_reads(models, batch: int) -> int:
     return host_reads(lambda: verifier.verify_batch(jobs))  # the same blocks again: a verify step
 
 
-@pytest.mark.parametrize("count", [draft_step_reads, verify_step_reads])
+def sampled_draft_step_reads(models, batch: int) -> int:
+    return draft_step_reads(models, batch, SamplingParams(temperature=0.8, top_k=20, top_p=0.9))
+
+
+@pytest.mark.parametrize("count", [draft_step_reads, sampled_draft_step_reads, verify_step_reads])
 def test_host_reads_do_not_grow_with_the_batch(models, count):
     one, many = count(models, 1), count(models, 8)
     assert one == many <= 1, f"{one} host reads at batch 1, {many} at batch 8"

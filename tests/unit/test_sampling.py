@@ -83,3 +83,26 @@ def test_sample_seeds():
 def test_bad_sampling_params_are_named(params, message):
     with pytest.raises(InvalidRequest, match=message):
         params.validate()
+
+
+def test_sample_indices_draws_each_row_as_the_inverse_cdf_does():
+    """Rows with stretches of zeros (top-k / top-p), unnormalised rows, u at the edges: the batched
+    draw equals the definition (the first id whose cumulative mass passes u * total, stepped back
+    over zeros) row by row."""
+    from svip_common.sampling import sample_indices
+
+    g = torch.Generator().manual_seed(0)
+    probs = torch.rand(64, 50, generator=g) * (torch.rand(64, 50, generator=g) > 0.6)
+    probs[0] = 0.0
+    probs[0, 7] = 1.0  # one id with mass
+    probs[1, :] = 0.0
+    probs[1, -1] = 3.0  # the last id only, unnormalised
+    u = torch.rand(64, generator=g, dtype=torch.float64)
+    u[2], u[3] = 0.0, 1.0 - 1e-12
+    drawn = sample_indices(probs, u).tolist()
+    for row, x, d in zip(probs, u.tolist(), drawn):
+        cdf = row.double().cumsum(0).tolist()
+        expect = next((i for i, c in enumerate(cdf) if c > x * cdf[-1]), len(cdf) - 1)
+        while row[expect] <= 0 and expect > 0:
+            expect -= 1
+        assert d == expect and row[d] > 0
