@@ -39,10 +39,11 @@ def accept_sampled(
 
 
 def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
-    """max(0, p - q) over the vocabulary [vocab], unnormalised. If p == q up to rounding (so no
-    rejection was possible in exact arithmetic) it falls back to p."""
+    """max(0, p - q) over the vocabulary (the last axis: [vocab] or rows [n, vocab]), unnormalised,
+    with no host read. A row where p == q up to rounding (so no rejection was possible in exact
+    arithmetic) falls back to p."""
     r = (p - q).clamp_min(0.0)
-    return r if float(r.sum()) > 1e-12 else p
+    return torch.where(r.sum(dim=-1, keepdim=True) > 1e-12, r, p)
 
 
 def recover(p: torch.Tensor, q: torch.Tensor, u: float) -> int:

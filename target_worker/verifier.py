@@ -20,8 +20,8 @@ from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
 from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool, PagedSequence
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
-from svip_common.rejection import accept_greedy, accept_sampled, recover
-from svip_common.sampling import mask_padding, sample_index, warp_probs
+from svip_common.rejection import accept_greedy, accept_sampled, recover, residual
+from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 
 
@@ -84,9 +84,21 @@ class Verifier:
             self._sessions_per_step.update(len(jobs))
         settled = dict(zip(owners, rows))
         choices = self._greedy_choices(jobs, plans, settled)
+        sampled = []  # (job index, session, base, block, logits): judged together below
         for i, plan in plans.items():  # a plan with no step: the stored row settles it
             session, committed, block = jobs[i]
-            verdicts[i] = session._settle(committed, block, plan, settled.get(i), elapsed, choices.get(i))
+            logits = session._logits(block, plan, settled.get(i), elapsed)
+            if session.sampling.greedy:
+                verdicts[i] = session._judge_greedy(len(committed), block, plan, choices.get(i, []))
+            else:
+                sampled.append((i, session, len(committed), block, logits))
+        groups: dict[tuple, list] = {}  # sessions warped alike: judged in one pass, two host reads
+        for item in sampled:
+            sp = item[1].sampling
+            groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(item)
+        for group in groups.values():
+            for (i, *_), verdict in zip(group, _judge_sampled(group)):
+                verdicts[i] = verdict
         return verdicts
 
     def _greedy_choices(self, jobs, plans: dict[int, _Plan], settled: dict) -> dict[int, list[int]]:
@@ -185,48 +197,61 @@ class TargetSession:
             return _Plan((self._seq, list(drafted), len(drafted)), True)
         return _Plan((self._seq, [*committed[kept:], *drafted], len(drafted) + 1), False)
 
-    def _settle(
-        self, committed: Sequence[int], block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float,
-        choices: list[int] | None = None,
-    ) -> Verdict:
-        """choices (greedy): the argmax of each of ``rows``, read with the step's others."""
+    def _logits(self, block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float) -> torch.Tensor:
+        """The target's logits for the block's places and the one after it [k + 1, vocab] (the
+        stored row first when the plan reuses it); the last row is stored for the next block."""
         if plan.step is None:
-            logits, choices = self._pending, [self._pending_choice]
+            logits = self._pending
         else:
             rows = mask_padding(rows, self._limit)
             logits = torch.cat([self._pending, rows]) if plan.reuse else rows  # [k + 1, vocab]
-            if choices is not None and plan.reuse:
-                choices = [self._pending_choice, *choices]
             self.forwards += 1
             self.forward_s += elapsed
         self._pending, self._pending_at = logits[-1:], len(self._seq)
         self._verifier.tokens_verified += len(block)
-        if self.sampling.greedy:
-            self._pending_choice = choices[-1]
-            return self._judge_greedy(len(committed), block, choices)
-        return self._judge_sampled(len(committed), block, logits)
+        return logits
 
-    @staticmethod
-    def _judge_greedy(base: int, block: Block, target_tokens: list[int]) -> Verdict:
-        """target_tokens [k + 1]: the target's choice at each place of the block and after it."""
+    def _judge_greedy(self, base: int, block: Block, plan: _Plan, choices: list[int]) -> Verdict:
+        """choices: the argmax of each row the step computed for this block (read with the step's
+        others); the stored row's argmax goes first when the plan reuses it."""
+        target_tokens = ([self._pending_choice] if plan.step is None or plan.reuse else []) + choices  # [k + 1]
+        self._pending_choice = target_tokens[-1]
         accepted = accept_greedy(target_tokens, block.tokens)
         return Verdict(base=base, accepted=accepted, token=target_tokens[accepted], epoch=block.epoch)
 
-    def _judge_sampled(self, base: int, block: Block, logits: torch.Tensor) -> Verdict:
-        k = len(block)
-        p = warp_probs(logits, self.sampling)  # [k + 1, vocab]
-        seed = self.sampling.seed
-        if k:
-            p_draft = p[torch.arange(k), torch.tensor(block.tokens)].tolist()  # [k]
-            uniforms = [uniform(seed, base + i, Purpose.ACCEPT) for i in range(k)]
-            accepted = accept_sampled(p_draft, block.probs, uniforms)
-        else:
-            accepted = 0
-        u = uniform(seed, base + accepted, Purpose.RESOLVE)
-        if accepted == k:
-            token = sample_index(p[k], u)
-        elif block.q_rows is None:
-            return Verdict(base=base, accepted=accepted, token=NO_TOKEN, epoch=block.epoch, p_row=p[accepted])
-        else:
-            token = recover(p[accepted], block.q_rows[accepted], u)
-        return Verdict(base=base, accepted=accepted, token=token, epoch=block.epoch)
+
+def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tensor]]) -> list[Verdict]:
+    """The verdicts of sampled sessions that warp alike, (job, session, base, block, logits) each,
+    in one pass: p for every row at once, p at every drafted token in one host read, the
+    acceptance per session by its keyed uniforms, then every bonus or correction drawn at once in
+    a second read (a correction from norm(max(0, p - q)); none here when q stayed with the draft,
+    whose verdict carries the p row instead)."""
+    p = warp_probs(torch.cat([logits for *_, logits in group]), group[0][1].sampling)  # [sum of k + 1, vocab]
+    starts, at = [], 0
+    for *_, logits in group:
+        starts.append(at)
+        at += logits.shape[0]
+    rows = [start + i for (_, _, _, block, _), start in zip(group, starts) for i in range(len(block))]
+    cols = [t for _, _, _, block, _ in group for t in block.tokens]
+    p_drafted = p[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)].tolist() if rows else []
+    outcomes, draws, keyed = [], [], []  # per session: (base, block, accepted, the p row it is owed, or None)
+    for (_, session, base, block, _), start in zip(group, starts):
+        k, seed = len(block), session.sampling.seed
+        mine, p_drafted = p_drafted[:k], p_drafted[k:]
+        accepted = accept_sampled(mine, block.probs, [uniform(seed, base + i, Purpose.ACCEPT) for i in range(k)])
+        row = p[start + accepted]
+        if accepted < k and block.q_rows is None:  # the draft draws the correction: it gets the p row
+            outcomes.append((base, block, accepted, row))
+            continue
+        outcomes.append((base, block, accepted, None))
+        draws.append(row if accepted == k else residual(row, block.q_rows[accepted]))
+        keyed.append(uniform(seed, base + accepted, Purpose.RESOLVE))
+    tokens = iter(
+        sample_indices(torch.stack(draws), torch.tensor(keyed, dtype=torch.float64, device=p.device)).tolist()
+        if draws else []
+    )
+    return [
+        Verdict(base=base, accepted=accepted, token=NO_TOKEN if p_row is not None else next(tokens),
+                epoch=block.epoch, p_row=p_row)
+        for base, block, accepted, p_row in outcomes
+    ]
