@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from svip_bench.methods import Run
 from svip_bench.report import summarize
 from svip_cli.main import main
@@ -273,3 +275,25 @@ def test_long_bench_refuses_lengths_past_the_context(model_dirs, capsys):
         == 2
     )
     assert "exceed the pair's context" in capsys.readouterr().err
+
+
+def test_the_batched_bench_runs_each_policy_at_each_batch_size_exactly(tmp_path, model_dirs, capsys):
+    """`python -m svip_bench.batched`: a row per policy and batch size, every output checked
+    against the target alone's (it would exit 1 otherwise); bad sizes are a usage error."""
+    from svip_bench import batched
+
+    data = tmp_path / "spec-bench.jsonl"
+    data.write_text("".join(
+        json.dumps({"question_id": i, "category": c, "prompt": f"def f{i}(x):\n    return"}) + "\n"
+        for i, c in enumerate(["code", "qa", "math"] * 2)
+    ))
+    args = ["--target", model_dirs.target, "--draft", model_dirs.close_draft, "--dataset", str(data),
+            "--requests", "4", "--batches", "1,4", "--max-new-tokens", "6", "--json"]
+    assert batched.main(args) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(r["policy"], r["batch"]) for r in rows} == {
+        (p, b) for p in ("target alone", "svip (0.4)", "defaults") for b in (1, 4)
+    }
+    assert all(r["exact"] and r["tokens_per_s"] > 0 for r in rows)
+    with pytest.raises(SystemExit):
+        batched.main([*args[:-6], "--batches", "0"])

@@ -1,0 +1,83 @@
+"""The in-process batched engine end to end: tokens/s at each batch size, target alone / svip / the defaults.
+
+    python -m svip_bench.batched [--requests 16] [--batches 1,16] [--max-new-tokens 64] [--json]
+
+The embedded pair (unless --target / --draft), --requests Spec-Bench prompts (their last 200
+tokens), --max-new-tokens each with ignore_eos, greedy, through ``SpeculativeEngine.generate_many``
+at each batch size: the target alone, SVIP at its calibrated threshold 0.4, and the defaults (no
+policy: auto, with the load gate as `svip generate` runs it). Prints its command, the machine and
+one row per policy and batch size; every output must equal the target alone's (exit 1 otherwise).
+Two commits are compared by running this file against each (``PYTHONPATH=<checkout>``), alternately.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from svip_assets import default_pair
+from svip_bench.datasets import load_specbench, specbench_path
+from svip_bench.overhead import machine
+from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.models import load_model
+
+PROMPT_TOKENS = 200  # each prompt's last tokens
+
+
+def engines(target, draft) -> dict:
+    from coordinator.engine import SpeculativeEngine
+
+    return {
+        "target alone": (SpeculativeEngine(target, None), PolicyConfig(name="none")),
+        "svip (0.4)": (SpeculativeEngine(target, draft), PolicyConfig(name="svip", threshold=0.4)),
+        "defaults": (SpeculativeEngine(target, draft, load_aware="greedy"), PolicyConfig()),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--target")
+    parser.add_argument("--draft")
+    parser.add_argument("--dataset", help="spec-bench.jsonl (default: ../shared/specbench beside the checkout)")
+    parser.add_argument("--requests", type=int, default=16)
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
+    args = parser.parse_args(argv)
+    batches = [int(b) for b in args.batches.split(",") if b.strip().isdigit()]
+    if not batches or min(batches) < 1 or not 1 <= args.requests <= 1024 or not 1 <= args.max_new_tokens <= 4096:
+        parser.error("--batches takes positive integers (1,16), --requests 1..1024, --max-new-tokens 1..4096")
+    torch.set_num_threads(1)
+    target_dir, draft_dir = (args.target, args.draft) if args.target and args.draft else default_pair()
+    target, draft = load_model(target_dir), load_model(draft_dir)
+    prompts = load_specbench(specbench_path(args.dataset), -(-args.requests // 7))[: args.requests]
+    encoded = [tuple(target.tokenizer(p.text)["input_ids"])[-PROMPT_TOKENS:] for p in prompts]
+    if not args.json:
+        print("command: python -m svip_bench.batched " + " ".join(argv if argv is not None else sys.argv[1:]))
+        print(f"machine: {machine()}")
+        print("| policy | batch | tokens/s |")
+        print("|---|---|---|")
+    reference, failed = None, False
+    for name, (engine, policy) in engines(target, draft).items():
+        for size in batches:
+            requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=policy) for ids in encoded]
+            started = time.perf_counter()
+            outputs = [list(r.token_ids) for r in engine.generate_many(requests, size)]
+            tps = sum(map(len, outputs)) / (time.perf_counter() - started)
+            reference = reference or outputs
+            failed |= outputs != reference
+            if args.json:
+                print(json.dumps({"policy": name, "batch": size, "tokens_per_s": tps, "exact": outputs == reference}))
+            else:
+                print(f"| {name} | {size} | {tps:.1f} |", flush=True)
+    if failed:
+        print("an output differed from the target alone's", file=sys.stderr)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
