@@ -22,8 +22,6 @@ from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
 from svip_common.sampling import entropy, mask_padding, sample_indices, warp_probs
 
-GREEDY_KEY = (0.0, 0, 1.0)  # every greedy block is warped alike (softmax), whatever its other settings
-
 
 class Drafter:
     """The draft model and its KV pool, shared by the sessions it opens."""
@@ -68,8 +66,7 @@ class Drafter:
         rows = [row for row, (_, _, k) in zip(rows, steps) if k]
         groups: dict[tuple, list[int]] = {}  # blocks whose q is warped alike: one batched pass each
         for i, d in enumerate(drafting):
-            sp = d._session.sampling
-            groups.setdefault(GREEDY_KEY if sp.greedy else (sp.temperature, sp.top_k, sp.top_p), []).append(i)
+            groups.setdefault(d._session.sampling.warp_key, []).append(i)
         for indices in groups.values():
             blocks = [drafting[i] for i in indices]
             for draft, chosen in zip(blocks, self._choose(blocks, torch.cat([rows[i] for i in indices]))):
@@ -87,12 +84,12 @@ class Drafter:
         else:
             keyed = [uniform(b._session.sampling.seed, b.block.base + len(b.block), Purpose.DRAFT) for b in blocks]
             tokens = sample_indices(q, torch.tensor(keyed, dtype=torch.float64, device=q.device))[:, None]
-        top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[-1]), dim=-1)
-        host = torch.cat(
-            [tokens.double(), q.gather(-1, tokens).double(), entropy(q).double()[:, None],
-             top.indices.double(), top.values.double()], dim=-1,
-        ).tolist()  # the one host read
-        n, kept = top.indices.shape[-1], None if sampling.greedy else q
+        parts = [tokens.double(), q.gather(-1, tokens).double(), entropy(q).double()[:, None]]
+        if any(b._keep_alternatives for b in blocks):  # the runners-up only where a block keeps them
+            top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[-1]), dim=-1)
+            parts += [top.indices.double(), top.values.double()]
+        host = torch.cat(parts, dim=-1).tolist()  # the one host read
+        n, kept = (len(host[0]) - 3) // 2, None if sampling.greedy else q
         return [
             (int(row[0]), row[1], row[2], list(zip(map(int, row[3 : 3 + n]), row[3 + n :])),
              None if kept is None else kept[i])

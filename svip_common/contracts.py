@@ -39,6 +39,12 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature < GREEDY_BELOW
 
+    @property
+    def warp_key(self) -> tuple[float, int, float]:
+        """Requests with equal keys warp logits alike (greedy: a plain softmax, whatever else is
+        set), so their rows can be warped in one batched call."""
+        return (0.0, 0, 1.0) if self.greedy else (self.temperature, self.top_k, self.top_p)
+
     def validate(self) -> None:
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequest(f"temperature must be a number >= 0, got {self.temperature}")

@@ -170,6 +170,12 @@ class PagedSequence:
         """The new tokens after the ones held; the last logits_to_keep rows of logits [k, vocab]."""
         return self.pool.forward([(self, list(token_ids), logits_to_keep)])[0]
 
+    @property
+    def one_run(self) -> bool:
+        """Its pages are one ascending run of the pool's: its keys and values are read as a view."""
+        first = self.pages[0] if self.pages else 0
+        return self.pages == list(range(first, first + len(self.pages)))
+
     def pages_needed(self, new_tokens: int) -> int:
         return self.pool.pages_for(len(self.tokens) + new_tokens) - len(self.pages)
 
@@ -212,9 +218,7 @@ class PagedSequence:
             pages = torch.tensor(self.pages, dtype=torch.long, device=self.pool.device)
             offsets = torch.arange(self.pool.page_size, device=pages.device)
             self._slots = (pages[:, None] * self.pool.page_size + offsets).reshape(-1)
-            first = self.pages[0] if self.pages else 0
-            run = self.pages == list(range(first, first + len(self.pages)))
-            self._run = first * self.pool.page_size if run else None
+            self._run = self.pages[0] * self.pool.page_size if self.pages and self.one_run else None
         return self._slots[:length]
 
 

@@ -82,7 +82,7 @@ class Verifier:
         if steps:
             self.cost.observe(self.last_step_tokens, elapsed)
             self._sessions_per_step.update(len(jobs))
-        settled = dict(zip(owners, rows))
+        settled = {i: mask_padding(row, self.token_limit) for i, row in zip(owners, rows) if i is not None}
         choices = self._greedy_choices(jobs, plans, settled)
         sampled = []  # (job index, session, base, block, logits): judged together below
         for i, plan in plans.items():  # a plan with no step: the stored row settles it
@@ -94,8 +94,7 @@ class Verifier:
                 sampled.append((i, session, len(committed), block, logits))
         groups: dict[tuple, list] = {}  # sessions warped alike: judged in one pass, two host reads
         for item in sampled:
-            sp = item[1].sampling
-            groups.setdefault((sp.temperature, sp.top_k, sp.top_p), []).append(item)
+            groups.setdefault(item[1].sampling.warp_key, []).append(item)
         for group in groups.values():
             for (i, *_), verdict in zip(group, _judge_sampled(group)):
                 verdicts[i] = verdict
@@ -107,7 +106,7 @@ class Verifier:
         greedy = [i for i in plans if i in settled and jobs[i][0].sampling.greedy]
         if not greedy:
             return {}
-        rows = [mask_padding(settled[i], self.token_limit) for i in greedy]
+        rows = [settled[i] for i in greedy]
         flat = torch.argmax(torch.cat(rows), dim=-1).tolist()
         choices = {}
         for i, r in zip(greedy, rows):
@@ -126,7 +125,6 @@ class TargetSession:
         self.sampling = sampling
         self._verifier = verifier
         self._seq = verifier.pool.sequence()
-        self._limit = verifier.token_limit
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
         self._pending_at = -1
         self._pending_choice: int | None = None  # greedy: the argmax of _pending, read with its step
@@ -199,11 +197,11 @@ class TargetSession:
 
     def _logits(self, block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float) -> torch.Tensor:
         """The target's logits for the block's places and the one after it [k + 1, vocab] (the
-        stored row first when the plan reuses it); the last row is stored for the next block."""
+        stored row first when the plan reuses it); the last row is stored for the next block.
+        rows: this block's rows of the step, their padding columns masked (verify_batch)."""
         if plan.step is None:
             logits = self._pending
         else:
-            rows = mask_padding(rows, self._limit)
             logits = torch.cat([self._pending, rows]) if plan.reuse else rows  # [k + 1, vocab]
             self.forwards += 1
             self.forward_s += elapsed
