@@ -19,8 +19,8 @@ import time
 
 import torch
 
-from svip_assets import default_pair
 from svip_bench.datasets import load_specbench, specbench_path
+from svip_bench.forward_step import add_pair_args, batch_sizes, pair_dirs
 from svip_bench.overhead import machine
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.models import load_model
@@ -40,19 +40,16 @@ def engines(target, draft) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
-    parser.add_argument("--draft")
+    add_pair_args(parser)
     parser.add_argument("--dataset", help="spec-bench.jsonl (default: ../shared/specbench beside the checkout)")
     parser.add_argument("--requests", type=int, default=16)
-    parser.add_argument("--batches", default="1,16")
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
     args = parser.parse_args(argv)
-    batches = [int(b) for b in args.batches.split(",") if b.strip().isdigit()]
-    if not batches or min(batches) < 1 or not 1 <= args.requests <= 1024 or not 1 <= args.max_new_tokens <= 4096:
-        parser.error("--batches takes positive integers (1,16), --requests 1..1024, --max-new-tokens 1..4096")
+    if not 1 <= args.requests <= 1024 or not 1 <= args.max_new_tokens <= 4096:
+        parser.error("--requests takes 1..1024 and --max-new-tokens 1..4096")
+    batches, (target_dir, draft_dir) = batch_sizes(parser, args.batches), pair_dirs(parser, args)
     torch.set_num_threads(1)
-    target_dir, draft_dir = (args.target, args.draft) if args.target and args.draft else default_pair()
     target, draft = load_model(target_dir), load_model(draft_dir)
     prompts = load_specbench(specbench_path(args.dataset), -(-args.requests // 7))[: args.requests]
     encoded = [tuple(target.tokenizer(p.text)["input_ids"])[-PROMPT_TOKENS:] for p in prompts]

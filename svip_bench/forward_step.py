@@ -73,16 +73,34 @@ def measure(model, batch: int, context: int, repeats: int) -> list[dict]:
             "batch": batch, "shape": shape, "new_tokens": new, "context": context,
             "median_ms": 1e3 * statistics.median(times), "p90_ms": 1e3 * times[int(0.9 * (len(times) - 1))],
             "aten_ops": aten_ops(pool, seqs, new),
-            "runs": sum(s.pages == list(range(s.pages[0], s.pages[0] + len(s.pages))) for s in seqs),
+            "runs": sum(s.one_run for s in seqs),
         })
     return rows
 
 
+def add_pair_args(parser: argparse.ArgumentParser) -> None:
+    """--target / --draft (both, or neither: the embedded pair) and --batches, as these benches take them."""
+    parser.add_argument("--target", help="model directory (with --draft; default: the embedded pair)")
+    parser.add_argument("--draft", help="model directory (with --target)")
+    parser.add_argument("--batches", default="1,16", help="batch sizes, comma-separated")
+
+
+def pair_dirs(parser: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[str, str]:
+    if bool(args.target) != bool(args.draft):
+        parser.error("give --target and --draft together, or neither (the embedded pair)")
+    return (args.target, args.draft) if args.target else default_pair()
+
+
+def batch_sizes(parser: argparse.ArgumentParser, text: str) -> list[int]:
+    sizes = [s.strip() for s in text.split(",")]
+    if not all(s.isdigit() and 1 <= int(s) <= 4096 for s in sizes):
+        parser.error(f"--batches takes batch sizes from 1 to 4096, comma-separated (1,16), got {text!r}")
+    return [int(s) for s in sizes]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--target")
-    parser.add_argument("--draft")
-    parser.add_argument("--batches", default="1,16")
+    add_pair_args(parser)
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
@@ -90,11 +108,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.context < 2 or args.repeats < 1:
         parser.error("--context must be at least 2 and --repeats at least 1")
-    batches = [int(b) for b in args.batches.split(",")]
-    if any(b < 1 for b in batches):
-        parser.error("--batches takes positive integers, e.g. 1,16")
+    batches, (target_dir, draft_dir) = batch_sizes(parser, args.batches), pair_dirs(parser, args)
     torch.set_num_threads(args.threads)
-    target_dir, draft_dir = (args.target, args.draft) if args.target and args.draft else default_pair()
     if not args.json:
         print("command: python -m svip_bench.forward_step " + " ".join(argv if argv is not None else sys.argv[1:]))
         print(f"machine: {machine()}")

@@ -287,13 +287,19 @@ def test_the_batched_bench_runs_each_policy_at_each_batch_size_exactly(tmp_path,
         json.dumps({"question_id": i, "category": c, "prompt": f"def f{i}(x):\n    return"}) + "\n"
         for i, c in enumerate(["code", "qa", "math"] * 2)
     ))
-    args = ["--target", model_dirs.target, "--draft", model_dirs.close_draft, "--dataset", str(data),
-            "--requests", "4", "--batches", "1,4", "--max-new-tokens", "6", "--json"]
-    assert batched.main(args) == 0
+    pair = ["--target", model_dirs.target, "--draft", model_dirs.close_draft]
+    args = ["--dataset", str(data), "--requests", "4", "--max-new-tokens", "6", "--json"]
+    assert batched.main([*pair, *args, "--batches", "1,4"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert {(r["policy"], r["batch"]) for r in rows} == {
         (p, b) for p in ("target alone", "svip (0.4)", "defaults") for b in (1, 4)
     }
     assert all(r["exact"] and r["tokens_per_s"] > 0 for r in rows)
+    for bad, why in ((["--batches", "0"], "--batches"), (["--batches", "1,x"], "--batches"),
+                     (["--batches", "99999"], "--batches")):
+        with pytest.raises(SystemExit):
+            batched.main([*pair, *args, *bad])
+        assert why in capsys.readouterr().err
     with pytest.raises(SystemExit):
-        batched.main([*args[:-6], "--batches", "0"])
+        batched.main([*pair[:2], *args])  # a target without its draft
+    assert "--target and --draft together" in capsys.readouterr().err
