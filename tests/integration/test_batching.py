@@ -7,6 +7,8 @@ than the pool is a clear error."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coordinator.batch import BatchEngine
@@ -65,6 +67,20 @@ def test_batched_sampling_equals_one_at_a_time_with_the_same_seeds(models, promp
     ]
     alone = [engine.generate(r).token_ids for r in requests]
     assert [r.token_ids for r in BatchEngine(engine, 6).generate_all(requests)] == alone
+
+
+def test_a_batch_mixing_greedy_and_differently_warped_sessions_equals_one_at_a_time(models, prompt_ids):
+    """A step's rows are warped and drawn in groups of sessions that warp alike (draft and target
+    side): greedy, two sampled settings and their seeds side by side change no session's output."""
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    settings = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95), SamplingParams(temperature=1.3, top_k=7)]
+    requests = [
+        GenerationRequest(r.prompt_ids, r.max_new_tokens, dataclasses.replace(settings[i % 3], seed=11 + i),
+                          r.policy, ignore_eos=True)
+        for i, r in enumerate(requests_for(prompt_ids))
+    ]
+    alone = [engine.generate(r).token_ids for r in requests]
+    assert [r.token_ids for r in BatchEngine(engine, len(requests)).generate_all(requests)] == alone
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget(models, prompt_ids):
