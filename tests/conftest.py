@@ -13,8 +13,10 @@ import tempfile
 from svip_common.test_hooks import GATE_DIR_VAR
 
 # Where tests hold a target worker's steps (svip_common/test_hooks.py). Set before any Ray or
-# `svip serve` starts, so every worker process of the session inherits it.
-os.environ.setdefault(GATE_DIR_VAR, tempfile.mkdtemp(prefix="svip-gates-"))
+# `svip serve` starts, so every worker process of the session inherits it; one per pytest-xdist
+# worker (each inherits the controller's environment), so parallel files never hold each other.
+if os.environ.get("PYTEST_XDIST_WORKER") or GATE_DIR_VAR not in os.environ:
+    os.environ[GATE_DIR_VAR] = tempfile.mkdtemp(prefix="svip-gates-")
 
 import asyncio
 import dataclasses
