@@ -1,6 +1,8 @@
 """The distributed sessions, run in the target worker's process beside its verifier: the session
 host (the TargetWorker gRPC service and its batched verification step), each session's protocol
-(pipeline.py) and what it checks of the draft's messages (wire_checks.py), the link to the draft
+(pipeline.py: the round's decision and the draft's mode), its parts that decide nothing (ahead.py:
+blocks drafted ahead of a verdict; reattach.py: recovery's re-attach schedule; round_log.py: the
+statistics) and what it checks of the draft's messages (wire_checks.py), the link to the draft
 worker and its recovery (draft_link.py, draft_port.py), and the target's Ray actor (actor.py).
 
 May import: svip_common, svip_proto, svip_runtime, target_worker, coordinator.calibration (the

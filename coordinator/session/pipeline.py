@@ -41,6 +41,8 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
+from coordinator.session.ahead import AheadBlocks
+from coordinator.session.reattach import AttachWait, Reattach
 from coordinator.session.round_log import RoundLog
 from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
 from svip_common.acceptance import SessionStop
@@ -58,9 +60,6 @@ from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from target_worker.verifier import TargetSession
 
-REATTACH_BACKOFF_S = 1.0  # a session's first re-attach after a stall waits this long; each next one twice as long
-REATTACH_BACKOFF_MAX_S = 30.0
-MAX_STALLS = 4  # a draft that stalled this often under one session is not asked to take it up again
 log = logging.getLogger(__name__)
 LoadCap = Callable[[SessionGate], int]  # the most tokens the session's next block should hold at the load now
 
@@ -118,26 +117,20 @@ class SessionPipeline:
         self.generated: list[int] = []
         self.epoch = 0
         self.verifying: pb.Block | None = None  # verified, its decision not yet taken
-        self.held: tuple[pb.Block, float] | None = None  # the follow-up of the block being verified, received at
-        self.prepared: dict[tuple[int, int, int], tuple[pb.Block, float]] = {}  # (base, accepted, token) -> block
         self.finish_reason: str | None = None
         self.log = RoundLog()
         self.stats = self.log.stats
+        self.ahead = AheadBlocks(self.stats)  # async: blocks drafted ahead of the verdict in flight
+        self.reattach = Reattach(hold_s)  # recovery: when a detached session may take a draft up again
         self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
-        self._draft_open = draft is not None
+        self._draft_open = draft is not None  # the draft worker holds this session: a Cancel is owed on close
         self._correction_due = False  # a sampled rejection's correction is drawn by the draft
         self._feedback_chain: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
         self._load_cap, self.gate = load_cap, SessionGate(cuts=auto is None)
         self.auto, self._load = (auto if draft is not None else None), load
         self.mode = DraftMode.DRAFTING
         self._paused_tokens: list[int] = []  # settled since the pause (the Resume carries them)
-        self.hold_s = hold_s
-        self.hold_until: float | None = None  # a detached sampled session waits for a draft until then
-        self._attach_due = False  # a draft is back: re-attach once the verdict in flight is decided
         self.waiting_since: float | None = None  # since when the session waits on the draft (stall check)
-        self.stalls = 0  # times the draft stalled under this session: each re-attach waits longer
-        self.attach_not_before = 0.0  # a re-attach after a stall waits until then (backoff)
-        self._attach_wanted = False  # a draft is back, the backoff not over yet
 
     @property
     def paused(self) -> bool:
@@ -151,6 +144,19 @@ class SessionPipeline:
     @property
     def draft_given_up(self) -> bool:
         return self.mode is DraftMode.GIVEN_UP
+
+    @property
+    def held(self) -> tuple[pb.Block, float] | None:
+        """The follow-up of the block being verified, and when it was received."""
+        return self.ahead.followup
+
+    @property
+    def prepared(self) -> dict[tuple[int, int, int], tuple[pb.Block, float]]:
+        return self.ahead.prepared
+
+    @property
+    def attach_not_before(self) -> float:
+        return self.reattach.not_before
 
     @property
     def cached_tokens(self) -> int:
@@ -205,20 +211,15 @@ class SessionPipeline:
         cancelled, and its answer (Closed) says it is back."""
         if self.done or self.draft is None or self.detached:
             return
-        if cancel:  # a stall: an overloaded draft is not handed this session's re-prefill at once again
-            self.stalls += 1
-            self.attach_not_before = time.time() + min(
-                REATTACH_BACKOFF_S * 2 ** (self.stalls - 1), REATTACH_BACKOFF_MAX_S
-            )
+        # a stall (cancel): an overloaded draft is not handed this session's re-prefill at once again
+        self.reattach.detached(time.time(), stalled=cancel, sampled=not self.request.sampling.greedy)
         self.mode, self.waiting_since = DraftMode.DETACHED, None
         self.stats.detached += 1
         self.epoch += 1  # what the old draft sent or sends is stale
-        self._drop_held()
-        self._drop_prepared()
+        self.ahead.drop_all()
         self._feedback_chain.clear()
         self._correction_due = False
         self._paused_tokens = []
-        self.hold_until = None if self.request.sampling.greedy else time.time() + self.hold_s
         if self._draft_open:
             self._draft_open = False
             if cancel:
@@ -230,31 +231,28 @@ class SessionPipeline:
         """A draft is back: it takes the session up from the committed tokens (not before the
         backoff after a stall ends; never after the draft failed the session, or stalled under it
         MAX_STALLS times)."""
-        if self.done or self.mode is not DraftMode.DETACHED or self.stalls >= MAX_STALLS:
+        if self.done or self.mode is not DraftMode.DETACHED or self.reattach.retired:
             return
-        if (now if now is not None else time.time()) < self.attach_not_before:
-            self._attach_wanted = True  # retry_attach takes it up once the backoff is over
+        if (now if now is not None else time.time()) < self.reattach.not_before:
+            self.reattach.waiting = AttachWait.BACKOFF  # retry_attach takes it up once the backoff is over
             return
-        self._attach_wanted = False
         if self.verifying is not None:
-            self._attach_due = True  # after the verdict in flight
+            self.reattach.waiting = AttachWait.VERDICT  # taken up once the verdict in flight is decided
             return
-        self.mode, self._attach_due = DraftMode.DRAFTING, False
-        self.hold_until = None
+        self.reattach.attached()
+        self.mode = DraftMode.DRAFTING
         self.stats.reattached += 1
         self._start_draft()
 
     def retry_attach(self, now: float) -> None:
         """A re-attach that waited for its backoff, now due (the host checks periodically)."""
-        if self._attach_wanted and now >= self.attach_not_before:
+        if self.reattach.backoff_over(now):
             self.attach(now)
 
     def hold_expired(self, now: float) -> None:
         """A sampled session waited for a draft long enough: the target goes on alone."""
-        if self.detached and self.hold_until is not None and now >= self.hold_until:
-            self.hold_until = None
-            if self.verifying is None:
-                self._go_alone()
+        if self.detached and self.reattach.hold_over(now) and self.verifying is None:
+            self._go_alone()
 
     def stalled(self, now: float, deadline_s: float) -> bool:
         """The session has waited on the draft longer than deadline_s."""
@@ -268,7 +266,7 @@ class SessionPipeline:
         )
 
     def _go_alone(self) -> None:
-        if self.hold_until is None:
+        if self.reattach.hold_until is None:
             self._verify(self._empty_block(), time.time(), "detached")
 
     def _decide_detached(self, block: pb.Block, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
@@ -287,7 +285,7 @@ class SessionPipeline:
         self._commit(settled, reason)
         if self.done:
             return
-        if self._attach_due:
+        if self.reattach.waiting is AttachWait.VERDICT:
             self.attach()
         else:
             self._go_alone()
@@ -352,8 +350,7 @@ class SessionPipeline:
             undecided = self.verifying.base if self.verifying is not None else len(self.committed)
             check_prepared(p.base, len(self.committed), len(self.prepared), self.limits)
             if p.base >= undecided:  # its parent's verdict is still to come
-                self.prepared[(p.base, p.accepted, p.token)] = (block, received_at)
-                self.stats.prepared_sent += 1
+                self.ahead.keep_prepared((p.base, p.accepted, p.token), block, received_at)
             else:  # its parent's verdict is already out: the draft sends it again if it applies
                 self.stats.discarded_tokens += len(block.tokens)
             return
@@ -367,7 +364,7 @@ class SessionPipeline:
         if self.verifying is None:
             self._verify(block, received_at, "drafted" if self.stats.rounds else "first")
         else:
-            self.held = (block, received_at)  # drafted ahead; verified next if the block before it is accepted whole
+            self.ahead.hold_followup(block, received_at)  # verified next if the block before it is accepted whole
 
     # --- a round: verify, then decide ---------------------------------------------------------------
 
@@ -413,9 +410,9 @@ class SessionPipeline:
         ready, deferred = None, False
         if accepted < k:
             self.epoch += 1
-            self._drop_held()
+            self.ahead.drop_followup()
             if verdict.token != NO_TOKEN:
-                ready = self.prepared.pop((block.base, accepted, verdict.token), None)
+                ready = self.ahead.take_prepared((block.base, accepted, verdict.token))
             token = verdict.token
         elif block.followup:
             deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
@@ -427,9 +424,9 @@ class SessionPipeline:
         pause = cap == 0 and not was_paused and verdict.token != NO_TOKEN and ready is None
         if pause and accepted == k:  # the follow-up drafted on this block is voided
             self.epoch += 1
-            self._drop_held()
+            self.ahead.drop_followup()
             deferred, token = False, verdict.token
-        self._drop_prepared(None if accepted < k or pause else block.base)  # a rejection voids every one
+        self.ahead.drop_prepared(None if accepted < k or pause else block.base)  # a rejection voids every one
         settled = list(block.tokens[:accepted]) + ([token] if token != NO_TOKEN else [])
         settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
         if reason is None and self.draft is not None and not was_paused:
@@ -442,27 +439,34 @@ class SessionPipeline:
         if pause:
             self._pause()
         if not self.done:
-            if was_paused:
-                self._paused_tokens += settled
-            if was_paused and cap > 0:
-                self._resume(cap)  # the draft's block comes next
-            elif self.paused:
-                self._verify(self._empty_block(), time.time(), "paused")
-            elif self.draft is None:
-                self._verify(self._empty_block(), time.time(), "none")
-            elif ready is not None:  # no round trip this time
-                prepared_block, prepared_received = ready
-                prepared_block.epoch = self.epoch
-                self.stats.prepared_used += 1
-                self.gate.record_round_trip(0.0)
-                self._verify(prepared_block, prepared_received, "prepared")
-            elif deferred and self.held is not None:
-                (held, held_received), self.held = self.held, None
-                self.gate.record_round_trip(0.0)
-                self._verify(held, held_received, "followup")
+            self._next_round(was_paused, cap, settled, ready, deferred)
         self._flush_feedback()
         waiting = not self.done and self.verifying is None and not self.paused and self.draft is not None
         self.waiting_since = decided if waiting else None
+
+    def _next_round(self, was_paused: bool, cap: int | None, settled: list[int], ready, deferred: bool) -> None:
+        """After a decided verdict: what is verified next, if it is already known (the target's
+        own step while paused or without a draft, a prepared continuation, the follow-up); else
+        the session waits for the draft's block. ready: the prepared continuation the verdict
+        chose; deferred: the follow-up settles the next place."""
+        if was_paused:
+            self._paused_tokens += settled
+        if was_paused and cap > 0:
+            self._resume(cap)  # the draft's block comes next
+        elif self.paused:
+            self._verify(self._empty_block(), time.time(), "paused")
+        elif self.draft is None:
+            self._verify(self._empty_block(), time.time(), "none")
+        elif ready is not None:  # no round trip this time
+            prepared_block, prepared_received = ready
+            prepared_block.epoch = self.epoch
+            self.stats.prepared_used += 1
+            self.gate.record_round_trip(0.0)
+            self._verify(prepared_block, prepared_received, "prepared")
+        elif deferred and self.ahead.followup is not None:
+            held, held_received = self.ahead.take_followup()
+            self.gate.record_round_trip(0.0)
+            self._verify(held, held_received, "followup")
 
     def _cap(self) -> int | None:
         """Load-aware speculation: the most tokens the next block should hold (None: no cap)."""
@@ -538,17 +542,6 @@ class SessionPipeline:
         due, self._correction_due = self._correction_due, False
         return check_correction(token, due, self.limits)
 
-    def _drop_held(self) -> None:
-        if self.held is not None:
-            self.stats.discarded_tokens += len(self.held[0].tokens)
-            self.held = None
-
-    def _drop_prepared(self, base: int | None = None) -> None:
-        """Forget the prepared continuations of the block at ``base`` (None: all of them)."""
-        dropped = [key for key in self.prepared if base is None or key[0] == base]
-        for key in dropped:
-            self.stats.discarded_tokens += len(self.prepared.pop(key)[0].tokens)
-
     def _empty_block(self) -> pb.Block:
         return pb.Block(session_id=self.sid, epoch=self.epoch, base=len(self.committed))
 
@@ -563,8 +556,7 @@ class SessionPipeline:
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
-        self._drop_held()
-        self._drop_prepared()
+        self.ahead.drop_all()
         stats = convert.stats_to_proto(self.log.final(self.draft is not None))
         finished = pb.Finished(session_id=self.sid, finish_reason=reason, stats=stats)
         self.emit(pb.GenerateEvent(finished=finished))

@@ -14,7 +14,8 @@ import pytest
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from coordinator.session.draft_port import DraftPort
-from coordinator.session.pipeline import REATTACH_BACKOFF_S, SessionPipeline
+from coordinator.session.pipeline import SessionPipeline
+from coordinator.session.reattach import REATTACH_BACKOFF_S
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.models import load_model_info
 from svip_proto import svip_pb2 as pb

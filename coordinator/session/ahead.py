@@ -1,0 +1,51 @@
+"""Async mode's bookkeeping on the target side: the blocks the draft wrote ahead of the verdict in
+flight, waiting here until that verdict says whether they apply. The follow-up (the next block,
+should the one in flight be accepted whole) and the prepared continuations (the next block after
+a rejection whose correction the draft guessed, keyed by (base, accepted, token)). Every block
+dropped unverified counts its tokens as discarded. Decides nothing: SessionPipeline says which
+one applies; tests/unit/test_session_pipeline.py drives it without models."""
+
+from __future__ import annotations
+
+from svip_common.contracts import GenerationStats
+from svip_proto import svip_pb2 as pb
+
+Waiting = tuple[pb.Block, float]  # a block and when it was received
+PreparedKey = tuple[int, int, int]  # (base, accepted, token): the verdict a prepared block assumed
+
+
+class AheadBlocks:
+    def __init__(self, stats: GenerationStats):
+        self.stats = stats
+        self.followup: Waiting | None = None
+        self.prepared: dict[PreparedKey, Waiting] = {}
+
+    def hold_followup(self, block: pb.Block, received_at: float) -> None:
+        self.followup = (block, received_at)
+
+    def take_followup(self) -> Waiting | None:
+        """The follow-up, for verification next (the block before it was accepted whole)."""
+        followup, self.followup = self.followup, None
+        return followup
+
+    def drop_followup(self) -> None:
+        if self.followup is not None:
+            self.stats.discarded_tokens += len(self.followup[0].tokens)
+            self.followup = None
+
+    def keep_prepared(self, key: PreparedKey, block: pb.Block, received_at: float) -> None:
+        self.prepared[key] = (block, received_at)
+        self.stats.prepared_sent += 1
+
+    def take_prepared(self, key: PreparedKey) -> Waiting | None:
+        """The prepared continuation that assumed this verdict, if the draft wrote one."""
+        return self.prepared.pop(key, None)
+
+    def drop_prepared(self, base: int | None = None) -> None:
+        """Forget the prepared continuations of the block at ``base`` (None: all of them)."""
+        for key in [key for key in self.prepared if base is None or key[0] == base]:
+            self.stats.discarded_tokens += len(self.prepared.pop(key)[0].tokens)
+
+    def drop_all(self) -> None:
+        self.drop_followup()
+        self.drop_prepared()

@@ -1,0 +1,87 @@
+"""The target-side session's parts on their own, without models or a protocol: the blocks drafted
+ahead of a verdict (coordinator/session/ahead.py) and recovery's re-attach schedule
+(coordinator/session/reattach.py), on a clock the test chooses."""
+
+from __future__ import annotations
+
+from coordinator.session.ahead import AheadBlocks
+from coordinator.session.reattach import (
+    MAX_STALLS,
+    REATTACH_BACKOFF_MAX_S,
+    REATTACH_BACKOFF_S,
+    AttachWait,
+    Reattach,
+)
+from svip_common.contracts import GenerationStats
+from svip_proto import svip_pb2 as pb
+
+
+def _block(base: int, n: int) -> pb.Block:
+    return pb.Block(session_id="s", base=base, tokens=list(range(n)))
+
+
+def test_a_followup_taken_is_not_discarded_and_one_dropped_is():
+    stats = GenerationStats()
+    ahead = AheadBlocks(stats)
+    ahead.hold_followup(_block(10, 3), 1.0)
+    assert ahead.take_followup()[1] == 1.0 and ahead.followup is None
+    ahead.drop_followup()  # nothing left to drop
+    assert stats.discarded_tokens == 0
+    ahead.hold_followup(_block(10, 3), 2.0)
+    ahead.drop_followup()
+    assert stats.discarded_tokens == 3 and ahead.followup is None
+
+
+def test_prepared_blocks_are_taken_by_their_verdict_and_dropped_by_base():
+    stats = GenerationStats()
+    ahead = AheadBlocks(stats)
+    ahead.keep_prepared((10, 1, 5), _block(12, 2), 1.0)
+    ahead.keep_prepared((10, 1, 6), _block(12, 4), 1.0)
+    ahead.keep_prepared((20, 0, 5), _block(21, 3), 1.0)
+    assert stats.prepared_sent == 3
+    assert ahead.take_prepared((10, 2, 5)) is None  # no block assumed that verdict
+    assert len(ahead.take_prepared((10, 1, 5))[0].tokens) == 2
+    ahead.drop_prepared(10)  # the other continuation of the same block is void
+    assert list(ahead.prepared) == [(20, 0, 5)] and stats.discarded_tokens == 4
+    ahead.hold_followup(_block(30, 1), 1.0)
+    ahead.drop_all()
+    assert ahead.prepared == {} and ahead.followup is None and stats.discarded_tokens == 8
+
+
+def test_each_stall_doubles_the_backoff_up_to_its_cap_and_retires_the_draft():
+    r = Reattach(hold_s=0.0)
+    backoffs = []
+    for stall in range(MAX_STALLS):
+        assert not r.retired
+        r.detached(100.0, stalled=True, sampled=False)
+        backoffs.append(r.not_before - 100.0)
+    assert backoffs == [min(REATTACH_BACKOFF_S * 2**i, REATTACH_BACKOFF_MAX_S) for i in range(MAX_STALLS)]
+    assert r.retired
+    lost = Reattach(hold_s=0.0)
+    lost.detached(100.0, stalled=False, sampled=False)  # a lost draft: no backoff, no stall counted
+    assert lost.stalls == 0 and lost.not_before == 0.0
+
+
+def test_a_backoff_retry_is_due_only_once_it_is_over_and_only_if_asked():
+    r = Reattach(hold_s=0.0)
+    r.detached(100.0, stalled=True, sampled=False)
+    assert not r.backoff_over(200.0)  # nobody asked for a re-attach
+    r.waiting = AttachWait.BACKOFF
+    assert not r.backoff_over(100.0 + 0.5 * REATTACH_BACKOFF_S)
+    assert r.backoff_over(100.0 + REATTACH_BACKOFF_S)
+    r.attached()
+    assert r.waiting is AttachWait.NONE and not r.backoff_over(200.0)
+
+
+def test_only_a_sampled_session_holds_and_its_hold_ends_once():
+    greedy = Reattach(hold_s=5.0)
+    greedy.detached(100.0, stalled=False, sampled=False)
+    assert greedy.hold_until is None and not greedy.hold_over(200.0)
+    sampled = Reattach(hold_s=5.0)
+    sampled.detached(100.0, stalled=False, sampled=True)
+    assert not sampled.hold_over(104.0)
+    assert sampled.hold_over(105.0)
+    assert not sampled.hold_over(106.0) and sampled.hold_until is None
+    sampled.detached(200.0, stalled=False, sampled=True)
+    sampled.attached()  # a draft took the session up: no hold left
+    assert sampled.hold_until is None
