@@ -40,7 +40,7 @@ class TargetGate:
         return test_hooks.holding(self.root, self.name)
 
 
-def wait_until(predicate, timeout_s: float = 60.0, what: str = "the condition") -> None:
+def wait_until(predicate, timeout_s: float = 300.0, what: str = "the condition") -> None:
     """Until predicate() holds (the deadline only bounds a failure: it never stands in for the condition)."""
     deadline = time.monotonic() + timeout_s
     while not predicate():
@@ -48,7 +48,7 @@ def wait_until(predicate, timeout_s: float = 60.0, what: str = "the condition") 
         time.sleep(0.01)
 
 
-async def async_wait_until(predicate, timeout_s: float = 60.0, what: str = "the condition") -> None:
+async def async_wait_until(predicate, timeout_s: float = 300.0, what: str = "the condition") -> None:
     """wait_until for coroutines: predicate is an async callable."""
     deadline = time.monotonic() + timeout_s
     while not await predicate():

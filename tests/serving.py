@@ -21,7 +21,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def svip_serve(*args: str, env: dict | None = None, startup_s: float = 180):
+def svip_serve(*args: str, env: dict | None = None, startup_s: float = 600):
     """Yields {"base", "metrics", "proc"} once the server is healthy."""
     port, metrics_port = free_port(), free_port()
     proc = subprocess.Popen(
@@ -46,6 +46,6 @@ def svip_serve(*args: str, env: dict | None = None, startup_s: float = 180):
     finally:
         proc.send_signal(signal.SIGTERM)
         try:
-            proc.wait(timeout=60)
+            proc.wait(timeout=300)
         except subprocess.TimeoutExpired:
             proc.kill()

@@ -66,7 +66,7 @@ def in_process_workers(
         yield InProcessWorkers(host, draft, limits, target_address, draft_address)
     finally:
         loop.run_until_complete(host.close())
-        deadline = time.monotonic() + 60  # bounds a failure only
+        deadline = time.monotonic() + 300  # bounds a failure only
         while draft.sessions and time.monotonic() < deadline:
             loop.run_until_complete(asyncio.sleep(0.05))
         for server in servers:

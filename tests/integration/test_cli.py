@@ -226,7 +226,7 @@ def test_console_script_non_utf8_argv_and_no_traceback(model_dirs):
         capture_output=True,
         env=env,
         cwd=REPO,
-        timeout=120,
+        timeout=600,
     )
     assert proc.returncode == 2
     assert proc.stderr.decode().strip() == "svip: error: prompt is not valid UTF-8"

@@ -40,7 +40,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def client(server):
-    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -131,7 +131,7 @@ def test_raw_stream_is_server_sent_events_ending_in_done(server, reference):
         "stream": True,
         "stream_options": {"include_usage": True},
     }
-    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
+    with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=300) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         events = sse_events(r)
     assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == len(
@@ -242,7 +242,7 @@ BAD = [
 
 @pytest.mark.parametrize("endpoint, body, status, words", BAD)
 def test_bad_requests_get_openai_errors(server, endpoint, body, status, words):
-    r = httpx.post(f"{server['base']}/v1/{endpoint}", json=body, timeout=30)
+    r = httpx.post(f"{server['base']}/v1/{endpoint}", json=body, timeout=120)
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert words in error["message"] and error["type"] == "invalid_request_error"
@@ -306,7 +306,7 @@ def test_sixteen_concurrent_streams_are_each_exact(client, reference):
 
 
 def workers(server) -> dict:
-    return httpx.get(server["base"] + "/v1/svip/workers", timeout=10).json()
+    return httpx.get(server["base"] + "/v1/svip/workers", timeout=60).json()
 
 
 def idle(stats: dict) -> bool:
@@ -329,7 +329,7 @@ def test_client_disconnect_cancels_the_session_and_frees_both_caches(server, tar
         "ignore_eos": True,
     }
     with target_gate.held(steps=2):
-        with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=60) as r:
+        with httpx.stream("POST", server["base"] + "/v1/completions", json=body, timeout=300) as r:
             assert r.status_code == 200
             wait_until(target_gate.holding, what="the target holding the session")
             busy = workers(server)
@@ -341,7 +341,7 @@ def test_backpressure_refuses_with_429_and_serves_the_rest(server, target_gate):
     """The target holds while 40 requests arrive: 16 run, 8 wait, 16 are refused at once; then all
     that were admitted finish, exact."""
     body = {"model": MODEL, "prompt": PROMPTS[2], "max_tokens": 120, "temperature": 0, "ignore_eos": True}
-    health = lambda: httpx.get(server["base"] + "/health", timeout=30).json()  # noqa: E731
+    health = lambda: httpx.get(server["base"] + "/health", timeout=120).json()  # noqa: E731
 
     def call(_):
         return httpx.post(server["base"] + "/v1/completions", json=body, timeout=300)
@@ -378,7 +378,7 @@ def test_prometheus_metrics_carry_the_spec_decode_counters(server):
     )
     deadline, text = time.monotonic() + 60, ""
     while time.monotonic() < deadline:
-        text = httpx.get(server["metrics"], timeout=10).text
+        text = httpx.get(server["metrics"], timeout=60).text
         if all(f"ray_svip_{n}" in text for n in names):
             break
         time.sleep(2)
@@ -391,11 +391,11 @@ def test_prometheus_metrics_carry_the_spec_decode_counters(server):
 def test_the_helm_test_smoke_check_passes_against_the_server(server):
     env = {**os.environ, "SVIP_URL": server["base"], "SVIP_MODEL": MODEL}
     out = subprocess.run(
-        [sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 0 and "svip smoke: ok" in out.stdout, out.stdout + out.stderr
     env["SVIP_MODEL"] = "missing"
     out = subprocess.run(
-        [sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 1 and "not 'missing'" in out.stdout

@@ -148,7 +148,7 @@ def test_two_nodes_with_latency_on_the_link(model_dirs, tls_dir, tmp_path, refer
             listeners = nodes.listeners()  # while the workers serve
             leaked = host_listeners(nodes.temp_dir)
         finally:
-            driver.communicate("done\n", timeout=120)
+            driver.communicate("done\n", timeout=600)
     for mode in ("sync", "async"):
         assert result["outputs"][mode] == [reference[name] for name in POLICIES], mode
     target_ip, target_port = result["target_address"].rsplit(":", 1)

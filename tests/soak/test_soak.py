@@ -40,18 +40,18 @@ def one_request(base: str, i: int) -> str:
     }
     url = base + "/v1/completions"
     if kind == "bad":
-        r = httpx.post(url, content=BAD[i % len(BAD)], headers={"content-type": "application/json"}, timeout=60)
+        r = httpx.post(url, content=BAD[i % len(BAD)], headers={"content-type": "application/json"}, timeout=300)
         assert r.status_code == 400, r.text[:200]
         return "bad"
     if kind == "chat":
         chat = {k: v for k, v in body.items() if k != "prompt"}
         r = httpx.post(
-            base + "/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": prompt}]}, timeout=120
+            base + "/v1/chat/completions", json={**chat, "messages": [{"role": "user", "content": prompt}]}, timeout=600
         )
         assert r.status_code in (200, 429), r.text[:200]
         return f"chat {r.status_code}"
     if kind == "plain":
-        r = httpx.post(url, json=body, timeout=120)
+        r = httpx.post(url, json=body, timeout=600)
         assert r.status_code in (200, 429), r.text[:200]
         return f"plain {r.status_code}"
     with httpx.stream(
@@ -63,7 +63,7 @@ def one_request(base: str, i: int) -> str:
             "max_tokens": 200 if kind == "cancel" else body["max_tokens"],
             "ignore_eos": kind == "cancel",
         },
-        timeout=120,
+        timeout=600,
     ) as r:
         if r.status_code == 429:
             return f"{kind} 429"
@@ -99,7 +99,7 @@ def run_mix(base: str, start: int, count: int) -> list[str]:
 def settle(base: str, timeout: float = 30.0) -> dict:
     deadline = time.monotonic() + timeout
     while True:
-        stats = httpx.get(base + "/v1/svip/workers", timeout=30).json()
+        stats = httpx.get(base + "/v1/svip/workers", timeout=120).json()
         if (
             all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values())
             or time.monotonic() > deadline
