@@ -41,7 +41,7 @@ import time
 from collections.abc import Callable
 from typing import Protocol
 
-from coordinator.session.ahead import AheadBlocks
+from coordinator.session.ahead import AheadBlocks, Waiting
 from coordinator.session.reattach import AttachWait, Reattach
 from coordinator.session.round_log import RoundLog
 from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
@@ -144,19 +144,6 @@ class SessionPipeline:
     @property
     def draft_given_up(self) -> bool:
         return self.mode is DraftMode.GIVEN_UP
-
-    @property
-    def held(self) -> tuple[pb.Block, float] | None:
-        """The follow-up of the block being verified, and when it was received."""
-        return self.ahead.followup
-
-    @property
-    def prepared(self) -> dict[tuple[int, int, int], tuple[pb.Block, float]]:
-        return self.ahead.prepared
-
-    @property
-    def attach_not_before(self) -> float:
-        return self.reattach.not_before
 
     @property
     def cached_tokens(self) -> int:
@@ -348,7 +335,7 @@ class SessionPipeline:
         if block.HasField("prepared_for"):
             p = block.prepared_for
             undecided = self.verifying.base if self.verifying is not None else len(self.committed)
-            check_prepared(p.base, len(self.committed), len(self.prepared), self.limits)
+            check_prepared(p.base, len(self.committed), len(self.ahead.prepared), self.limits)
             if p.base >= undecided:  # its parent's verdict is still to come
                 self.ahead.keep_prepared((p.base, p.accepted, p.token), block, received_at)
             else:  # its parent's verdict is already out: the draft sends it again if it applies
@@ -444,7 +431,9 @@ class SessionPipeline:
         waiting = not self.done and self.verifying is None and not self.paused and self.draft is not None
         self.waiting_since = decided if waiting else None
 
-    def _next_round(self, was_paused: bool, cap: int | None, settled: list[int], ready, deferred: bool) -> None:
+    def _next_round(
+        self, was_paused: bool, cap: int | None, settled: list[int], ready: Waiting | None, deferred: bool
+    ) -> None:
         """After a decided verdict: what is verified next, if it is already known (the target's
         own step while paused or without a draft, a prepared continuation, the follow-up); else
         the session waits for the draft's block. ready: the prepared continuation the verdict

@@ -105,7 +105,7 @@ def test_a_draft_block_that_fails_the_checks_gives_the_draft_up_not_the_session(
     else:
         setattr(block, field, value)
     session.on_draft_event(pb.DraftEvent(block=block), 0.0, 10)  # raises nothing
-    assert session.detached and session.draft_given_up and not session.prepared and not session.done
+    assert session.detached and session.draft_given_up and not session.ahead.prepared and not session.done
     session.attach()
     assert session.detached  # never taken up again
 
@@ -116,7 +116,7 @@ def test_a_reattach_after_a_stall_waits_a_doubling_backoff(models, prompt_ids):
     session = pipeline_session(models, prompt_ids)
     session.verifying = None
     session.detach(cancel=True)
-    stalled_at = session.attach_not_before - REATTACH_BACKOFF_S
+    stalled_at = session.reattach.not_before - REATTACH_BACKOFF_S
     session.attach()
     assert session.detached  # too soon
     session.retry_attach(stalled_at + 0.9 * REATTACH_BACKOFF_S)
@@ -126,4 +126,4 @@ def test_a_reattach_after_a_stall_waits_a_doubling_backoff(models, prompt_ids):
     assert not session.detached and session.stats.reattached == 1
     session.verifying = None
     session.detach(cancel=True)
-    assert session.attach_not_before - stalled_at == pytest.approx(2 * REATTACH_BACKOFF_S, abs=0.5)
+    assert session.reattach.not_before - stalled_at == pytest.approx(2 * REATTACH_BACKOFF_S, abs=0.5)

@@ -132,7 +132,7 @@ def test_async_verifies_the_follow_up_with_no_round_trip_on_a_full_acceptance():
     h.session.start()
     h.deliver(h.block([11, 12], followup=True))
     h.deliver(h.block([13, 14], base=5))  # the follow-up, written while the first is verified
-    assert len(h.queue) == 1 and h.session.held is not None
+    assert len(h.queue) == 1 and h.session.ahead.followup is not None
     h.verify(2, NO_TOKEN)
     fb = h.draft.last("feedback")
     assert (fb.accepted, fb.token) == (2, NO_TOKEN)  # deferred: the follow-up settles the next place
@@ -154,7 +154,7 @@ def test_a_prepared_continuation_is_verified_next_when_the_rejection_matches_it(
     assert fb.prepared_used and fb.token == 20 and fb.epoch == 1
     (block, (_, source)), = h.queue
     assert source == "prepared" and list(block.tokens) == [21, 22] and block.epoch == 1
-    assert h.session.prepared == {}  # the other one is void
+    assert h.session.ahead.prepared == {}  # the other one is void
 
 
 @pytest.mark.parametrize("bad, why", [
