@@ -31,6 +31,9 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
     # Must be in the environment before ray is first imported, and is inherited by the processes
     # Ray starts (docs/architecture.md, Placement). Never set in a cluster deployment.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    # How long ray.init waits for the head's GCS to publish its port (Ray's default 30 s): a
+    # bound on a failure only, which a busy machine (two test workers on two cores) once reached.
+    os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
     import ray
 
     if ray.is_initialized():

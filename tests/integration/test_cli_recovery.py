@@ -13,8 +13,12 @@ import subprocess
 import sys
 import threading
 
+import pytest
+
 from svip_bench.fault_drill import PROMPTS, worker_pid
 from tests.gates import wait_until
+
+pytestmark = pytest.mark.drill
 
 MAX_NEW = 64
 

@@ -23,7 +23,10 @@ from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import WorkerUnavailable
+from tests.drills import full_drill
 from tests.gates import async_wait_until
+
+pytestmark = pytest.mark.drill
 
 SVIP = PolicyConfig(name="svip", threshold=0.6)
 CONSTANT = PolicyConfig(name="constant", draft_length=4)
@@ -105,6 +108,7 @@ def test_a_draft_killed_mid_stream_leaves_every_session_exact(loop, engine, pair
     assert again.token_ids == expected[1] and again.stats.draft_tokens > 0 and again.stats.detached == 0
 
 
+@full_drill
 def test_a_stopped_draft_is_left_behind_and_speculates_again_once_it_resumes(
     loop, engine, pair, requests, expected, target_gate
 ):
@@ -127,6 +131,7 @@ def test_a_stopped_draft_is_left_behind_and_speculates_again_once_it_resumes(
     assert again.token_ids == expected[0] and again.stats.draft_tokens > 0
 
 
+@full_drill
 def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(
     loop, engine, pair, requests, expected, target_gate
 ):
@@ -141,6 +146,7 @@ def test_a_target_killed_mid_stream_is_replaced_and_every_session_goes_on_exact(
     assert engine.recoveries.restarts >= 1
 
 
+@full_drill
 def test_a_seeded_sampled_session_through_a_draft_kill_equals_it_undisturbed(
     loop, engine, pair, prompt_ids, target_gate
 ):

@@ -2,7 +2,8 @@
 the official `openai` client and raw HTTP. Greedy completions equal `svip generate`, streamed and
 not; chat goes through the pair's chat template; stop strings; bad requests get an OpenAI-style
 4xx and the server keeps serving; 16 concurrent streams; backpressure; a client that disconnects
-frees both workers' caches; Prometheus metrics."""
+frees both workers' caches; Prometheus metrics. Last, the soak (marked `soak`), on the same server:
+every process's memory and both workers' sessions stay flat over a mix of every kind of request."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from svip_assets import default_pair
 from svip_bench.fault_drill import PROMPTS
 from tests.gates import wait_until
 from tests.loopback import assert_loopback_listeners
+from tests.request_mix import REQUESTS, WARMUP, rss_by_process, run_mix, settle
 from tests.serving import svip_serve
 
 MODEL = "svip-pair"
@@ -399,3 +401,29 @@ def test_the_helm_test_smoke_check_passes_against_the_server(server):
         [sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True, timeout=600
     )
     assert out.returncode == 1 and "not 'missing'" in out.stdout
+
+
+@pytest.mark.soak
+def test_soak_memory_and_sessions_stay_flat(server):
+    """Last in this module, on its server: it also finds whatever the tests above left behind.
+    After warm-up, REQUESTS more of the mix; then every process of the deployment holds the memory
+    it held after warm-up (within 10%), and the workers hold no session and no cached token."""
+    base = server["base"]
+    run_mix(base, 0, WARMUP)
+    settle(base)
+    before = rss_by_process(server["proc"].pid)
+    outcomes = run_mix(base, WARMUP, REQUESTS)
+    stats = settle(base)
+    after = rss_by_process(server["proc"].pid)
+    assert all(s["open_sessions"] == 0 and s["cached_tokens"] == 0 for s in stats.values()), stats
+    assert outcomes.count("bad") == REQUESTS // 5 and "cancel" in outcomes
+    growth = {name: rss / before[name] - 1 for name, rss in after.items() if name in before}
+    worst = max(growth, key=growth.get)
+    print(
+        f"\nsoak: {REQUESTS} requests after {WARMUP} of warm-up, {len(growth)} processes, total RSS "
+        f"{sum(before.values()) / 2**20:.0f} -> {sum(after.values()) / 2**20:.0f} MiB, largest growth "
+        f"{growth[worst]:+.1%} ({worst}); outcomes {dict(sorted((o, outcomes.count(o)) for o in set(outcomes)))}"
+    )
+    grown = {name: (before[name], rss) for name, rss in after.items() if name in before and rss > 1.10 * before[name]}
+    report = "; ".join(f"{name}: {a / 2**20:.0f} -> {b / 2**20:.0f} MiB" for name, (a, b) in grown.items())
+    assert not grown, f"RSS grew more than 10% over {REQUESTS} requests: {report}"

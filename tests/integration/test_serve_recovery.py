@@ -14,7 +14,10 @@ import httpx
 import pytest
 
 from svip_bench.fault_drill import PROMPTS, run_streams, summarize
+from tests.drills import faults
 from tests.serving import svip_serve
+
+pytestmark = pytest.mark.drill
 
 CLIENTS = 16
 MAX_TOKENS = 160
@@ -45,7 +48,7 @@ def reference(server):
     return [r.text for r in run["results"]]
 
 
-@pytest.mark.parametrize("fault", ["draft-kill", "draft-stop", "target-kill"])
+@pytest.mark.parametrize("fault", faults(["target-kill"], ["draft-kill", "draft-stop"]))
 def test_sixteen_streams_are_exact_through_a_fault(server, reference, fault, target_gate):
     # the fault lands while the target holds (every stream under way, none can end first); a stopped
     # draft resumes only after every stream has ended: so they ended without it, on any machine

@@ -8,39 +8,43 @@ check, so the check has power.
 
 from __future__ import annotations
 
-import random
-
 import pytest
 import torch
 
 from svip_common.contracts import SamplingParams
 from svip_common.rejection import accept_greedy, accept_sampled, recover, residual
-from svip_common.sampling import sample_index, warp_probs
+from svip_common.sampling import sample_index, sample_indices, warp_probs
 
 VOCAB = 8
 
 
-def speculative_draw(p: torch.Tensor, q: torch.Tensor, rng: random.Random) -> int:
-    """One position, k = 1: draft d ~ q, accept w.p. min(1, p/q), else correct from residual."""
-    d = sample_index(q, rng.random())
-    if accept_sampled([float(p[d])], [float(q[d])], [rng.random()]) == 1:
+def speculative_draw(p: torch.Tensor, q: torch.Tensor, u: tuple[float, float, float]) -> int:
+    """One position, k = 1, with the verifier's scalar functions: draft d ~ q, accept w.p.
+    min(1, p/q), else correct from the residual."""
+    d = sample_index(q, u[0])
+    if accept_sampled([float(p[d])], [float(q[d])], [u[1]]) == 1:
         return d
-    return recover(p, q, rng.random())
+    return recover(p, q, u[2])
 
 
-def wrong_draw(p: torch.Tensor, q: torch.Tensor, rng: random.Random) -> int:
-    d = sample_index(q, rng.random())
-    if accept_sampled([float(p[d])], [float(q[d])], [rng.random()]) == 1:
-        return d
-    return sample_index(p, rng.random())  # the classic bug: correction from p, not max(0, p - q)
+def speculative_draws(p: torch.Tensor, q: torch.Tensor, u: torch.Tensor, wrong: bool = False) -> list[int]:
+    """speculative_draw at n positions at once (u: [n, 3] uniforms): the draws and the corrections
+    as rows through sample_indices (what sample_index and recover run on one row), the accept rule
+    per position. wrong: the classic bug, corrections drawn from p instead of max(0, p - q)."""
+    n = len(u)
+    drafts = sample_indices(q.expand(n, -1), u[:, 0]).tolist()
+    corrections = sample_indices((p if wrong else residual(p, q)).expand(n, -1), u[:, 2]).tolist()
+    ps, qs, accepts = p.tolist(), q.tolist(), u[:, 1].tolist()
+    return [d if accept_sampled([ps[d]], [qs[d]], [a]) == 1 else c for d, c, a in zip(drafts, corrections, accepts)]
 
 
-def empirical(draw, p, q, n: int, seed: int) -> torch.Tensor:
-    rng = random.Random(seed)
-    counts = torch.zeros(VOCAB, dtype=torch.float64)
-    for _ in range(n):
-        counts[draw(p, q, rng)] += 1
-    return counts / n
+def uniforms(n: int, seed: int) -> torch.Tensor:
+    return torch.rand(n, 3, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def empirical(p, q, n: int, seed: int, wrong: bool = False) -> torch.Tensor:
+    draws = torch.tensor(speculative_draws(p, q, uniforms(n, seed), wrong))
+    return torch.bincount(draws, minlength=VOCAB).double() / n
 
 
 def tv(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -66,8 +70,8 @@ def test_empirical_distribution_converges_to_p(case):
     p, q = CASES[case]
     references = [q, torch.full((VOCAB,), 1.0 / VOCAB), _dist(*range(1, VOCAB + 1))]
     references = [r for r in references if tv(r, p) > 0.1]
-    small = empirical(speculative_draw, p, q, 500, seed=1)
-    large = empirical(speculative_draw, p, q, 20000, seed=2)
+    small = empirical(p, q, 500, seed=1)
+    large = empirical(p, q, 20000, seed=2)
     # sampling noise alone: E[TV] ~ sqrt(VOCAB / n) / 2.5 -> ~0.008 at n = 20000
     assert tv(large, p) < 0.02
     assert tv(large, p) < tv(small, p) or tv(small, p) < 0.02
@@ -75,9 +79,18 @@ def test_empirical_distribution_converges_to_p(case):
         assert tv(large, ref) > 5 * tv(large, p)
 
 
+@pytest.mark.parametrize("case", list(CASES))
+def test_the_batched_draws_are_the_scalar_functions_draws(case):
+    """The statistical tests draw n positions at once; each is what the verifier's scalar
+    functions (sample_index, accept_sampled, recover) give for the same uniforms."""
+    p, q = CASES[case]
+    u = uniforms(300, seed=5)
+    assert speculative_draws(p, q, u) == [speculative_draw(p, q, tuple(row)) for row in u.tolist()]
+
+
 def test_wrong_correction_rule_is_caught():
     p, q = CASES["random"]
-    wrong = empirical(wrong_draw, p, q, 20000, seed=3)
+    wrong = empirical(p, q, 20000, seed=3, wrong=True)
     assert tv(wrong, p) > 0.05
 
 
@@ -97,7 +110,7 @@ def test_warping_applied_to_both_sides(sampling):
     draft_logits = target_logits + torch.randn(1, VOCAB, generator=gen)
     p = warp_probs(target_logits, sampling)[0]
     q = warp_probs(draft_logits, sampling)[0]
-    out = empirical(speculative_draw, p, q, 20000, seed=4)
+    out = empirical(p, q, 20000, seed=4)
     assert tv(out, p) < 0.02
     assert float(out[p == 0].sum()) == 0.0
 
