@@ -29,7 +29,8 @@ from pathlib import Path
 import torch
 
 from draft_worker.policies import svip_stops
-from svip_common.acceptance import FEATURES, PRIOR_WEIGHTS, AutoEstimate, AutoSettings, features, fit_logistic
+from svip_common.acceptance import FEATURES, PRIOR_WEIGHTS, AutoEstimate, features, fit_logistic
+from svip_common.auto_settings import AutoSettings
 from svip_common.kv_cache import KVCache
 from svip_common.models import LoadedModel
 from svip_common.sampling import entropy

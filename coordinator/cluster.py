@@ -9,10 +9,10 @@ import os
 from contextlib import contextmanager
 
 from coordinator.calibration import stored_prior
-from svip_common.acceptance import AutoSettings
+from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.errors import InvalidRequest, SvipError
-from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS, whole_pages
 from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info, pair_limits
 from svip_runtime.actor import serving_address
 from svip_runtime.tls import TlsFiles

@@ -14,7 +14,8 @@ from collections.abc import Callable
 from coordinator.batch import BatchEngine
 from coordinator.calibration import Calibration, auto_prior, calibrate, estimate_from, stored_prior
 from draft_worker.drafter import Drafter, NullDraftSession
-from svip_common.acceptance import AutoEstimate, AutoSettings, SessionStop
+from svip_common.acceptance import AutoEstimate, SessionStop
+from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import (
     AUTO,
     Block,
@@ -25,7 +26,7 @@ from svip_common.contracts import (
     clip_settled,
 )
 from svip_common.errors import InvalidRequest
-from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
 from svip_common.step_cost import UNLIMITED, SessionGate, check_load_aware, load_aware_for
 from target_worker.verifier import Verifier

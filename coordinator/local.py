@@ -10,9 +10,9 @@ from collections.abc import Awaitable, Callable
 
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
-from svip_common.acceptance import AutoSettings
+from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import GenerationRequest, GenerationResult
-from svip_common.kv_cache import DEFAULT_KV_TOKENS, whole_pages
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS, whole_pages
 from svip_runtime.tls import TlsFiles
 
 

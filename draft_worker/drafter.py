@@ -16,7 +16,8 @@ import torch
 
 from draft_worker.policies import LengthPolicy, make_policy
 from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
-from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool
+from svip_common.kv_cache import KVPool
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover

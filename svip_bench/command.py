@@ -1,4 +1,5 @@
-"""`svip bench`: the command around the runner and the report."""
+"""`svip bench`: the command around the runner and the report. Its arguments need no torch (so
+`svip --help` answers at once); run() loads the engine and the runners."""
 
 from __future__ import annotations
 
@@ -8,9 +9,6 @@ import sys
 from pathlib import Path
 
 from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
-from svip_bench.methods import build_methods
-from svip_bench.report import aggregate, write_all
-from svip_bench.runner import Progress, machine_description, run_all
 from svip_common.errors import InvalidRequest
 
 QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
@@ -75,6 +73,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace, load_engine) -> int:
     import torch
+
+    from svip_bench.methods import build_methods
+    from svip_bench.report import aggregate, write_all
+    from svip_bench.runner import Progress, machine_description, run_all
 
     if args.quick:
         for key, value in QUICK.items():

@@ -26,7 +26,8 @@ from torch.profiler import ProfilerActivity, profile
 
 from svip_assets import default_pair
 from svip_bench.overhead import machine
-from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool
+from svip_common.kv_cache import KVPool
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import load_model
 
 SHAPES = {"decode": 1, "verify": 5}

@@ -13,7 +13,7 @@ import os
 import secrets
 import sys
 
-from svip_common.acceptance import WINDOW, AutoSettings
+from svip_common.auto_settings import WINDOW, AutoSettings
 from svip_common.contracts import (
     DRAFT_LENGTH_CAP,
     POLICY_NAMES,
@@ -23,7 +23,7 @@ from svip_common.contracts import (
     SamplingParams,
 )
 from svip_common.errors import InvalidRequest, SvipError
-from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.randomness import sample_seed
 from svip_common.step_cost import LOAD_AWARE_MODES
 

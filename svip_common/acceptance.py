@@ -28,17 +28,15 @@ from dataclasses import dataclass
 
 import torch
 
+from svip_common.auto_settings import MAX_AUTO_COST, AutoSettings
 from svip_common.errors import InvalidRequest
 from svip_common.step_cost import Ewma, TargetLoad, token_cost
 
 FEATURES = ("bias", "sqrt_entropy", "entropy", "prob", "index")
 INDEX_SCALE = 16  # places in a block beyond this look alike
 PRIOR_WEIGHTS = (-2.0, 0.0, 0.0, 4.0, 0.0)  # before any fit: acceptance near the draft's own q(token)
-WINDOW = 4096  # verdicted tokens the live fit rests on (the newest)
 REFIT_EVERY = 64  # new observations between refits
 PRIOR_STRENGTH = 1.0  # the prior's pull (an L2 penalty toward it, in observations)
-MAX_AUTO_COST = 10.0  # a configured tau beyond this is refused (1 already means drafting never pays)
-MIN_WINDOW, MAX_WINDOW = 64, 1 << 20
 FROZEN_RATE = 1.5  # a fixed rule's stand-in for a session's rate (tokens per target step's cost)
 
 
@@ -70,24 +68,6 @@ class StopRule:
             raise InvalidRequest(f"an auto stop rule needs {len(FEATURES)} finite weights, got {list(self.weights)}")
         if not math.isfinite(self.stop_at) or not 0.0 <= self.stop_at <= MAX_AUTO_COST:
             raise InvalidRequest(f"an auto stop rule's stop_at must be in [0, {MAX_AUTO_COST}], got {self.stop_at}")
-        return self
-
-
-@dataclass(frozen=True)
-class AutoSettings:
-    """A deployment's `auto` knobs: learn (keep fitting on live verdicts; off: the prior stays,
-    for reproducible lengths), cost (a fixed tau in place of the measured one; None: measured)
-    and window (verdicted tokens the fit rests on)."""
-
-    learn: bool = True
-    cost: float | None = None
-    window: int = WINDOW
-
-    def check(self) -> AutoSettings:
-        if self.cost is not None and (not math.isfinite(self.cost) or not 0.0 < self.cost <= MAX_AUTO_COST):
-            raise InvalidRequest(f"auto cost must be a number in (0, {MAX_AUTO_COST}], got {self.cost}")
-        if not MIN_WINDOW <= self.window <= MAX_WINDOW:
-            raise InvalidRequest(f"auto window must be in [{MIN_WINDOW}, {MAX_WINDOW}] tokens, got {self.window}")
         return self
 
 

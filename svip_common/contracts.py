@@ -13,10 +13,12 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from svip_common.errors import InvalidRequest
+
+if TYPE_CHECKING:  # tensors ride on blocks and verdicts; the CLI reads this module without loading torch
+    import torch
 
 POLICY_NAMES = ("auto", "svip", "constant", "heuristic", "confidence", "none")
 INT32_MAX = 2**31 - 1  # integer fields travel as int32

@@ -41,15 +41,9 @@ from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface, PreTrainedModel
 
 from svip_common.errors import ModelLoadError, SvipError
+from svip_common.kv_sizes import PAGE_SIZE
 from svip_common.test_hooks import forward_delay
 
-PAGE_SIZE = 16  # tokens per page
-DEFAULT_KV_TOKENS = 32768  # a pool's size in tokens when none is given
-
-
-def whole_pages(tokens: int, page_size: int = PAGE_SIZE) -> int:
-    """The room ``tokens`` take in a pool, in tokens: a sequence holds whole pages."""
-    return -(-tokens // page_size) * page_size
 ATTENTION = "svip_ragged"
 
 

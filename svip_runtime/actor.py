@@ -16,7 +16,7 @@ import torch
 
 from svip_common.contracts import Limits
 from svip_common.errors import WorkerUnavailable
-from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, load_model
 from svip_runtime.grpc_server import check_bind, start_server
 from svip_runtime.tls import TlsFiles

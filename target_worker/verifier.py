@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 
 from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
-from svip_common.kv_cache import DEFAULT_KV_TOKENS, KVPool, PagedSequence
+from svip_common.kv_cache import KVPool, PagedSequence
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import accept_greedy, accept_sampled, recover, residual

@@ -13,7 +13,7 @@ from coordinator.session.host import SessionHost
 from draft_worker.drafter import Drafter
 from draft_worker.service import DraftService
 from svip_common.contracts import Limits
-from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import start_server
 from target_worker.verifier import Verifier

@@ -22,7 +22,7 @@ from coordinator.session.pipeline import SessionPipeline
 from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
-from svip_common.kv_cache import whole_pages
+from svip_common.kv_sizes import whole_pages
 from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
 from svip_common.test_hooks import StepGate
 from svip_proto import convert

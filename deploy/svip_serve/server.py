@@ -17,7 +17,7 @@ from starlette.exceptions import HTTPException
 
 from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
-from svip_common.kv_cache import whole_pages
+from svip_common.kv_sizes import whole_pages
 from svip_serve import prompting
 from svip_serve.admission import Admission, Slot
 from svip_serve.auth import ApiKeys

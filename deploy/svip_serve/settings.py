@@ -8,10 +8,10 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from svip_common.acceptance import AutoSettings
+from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
-from svip_common.kv_cache import DEFAULT_KV_TOKENS
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.step_cost import check_load_aware
 from svip_serve.auth import split_name
 

@@ -14,7 +14,7 @@ import pytest
 from coordinator.batch import BatchEngine
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
-from svip_common.acceptance import AutoSettings
+from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.models import load_model_info
 from svip_proto import svip_pb2 as pb

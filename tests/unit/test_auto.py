@@ -17,11 +17,11 @@ from svip_common.acceptance import (
     REFIT_EVERY,
     AcceptanceModel,
     AutoEstimate,
-    AutoSettings,
     SessionStop,
     StopRule,
     features,
 )
+from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import PolicyConfig, StepState
 from svip_common.errors import InvalidRequest
 from svip_common.step_cost import TargetLoad

@@ -139,3 +139,18 @@ def test_the_code_passes_ruff():
     assert ruff is not None, "ruff is a test dependency (pip install -e '.[test]')"
     run = subprocess.run([ruff, "check", "--quiet", str(REPO)], capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
+
+
+def test_the_command_line_answers_without_loading_the_model_stack():
+    """`svip --help`, a bad flag, and `svip serve`'s settings need no torch or transformers (they
+    took 6 s to load here before the command could answer)."""
+    code = (
+        "import sys\n"
+        "from svip_cli.main import build_parser\n"
+        "import svip_serve.local, svip_serve.settings\n"
+        "build_parser()\n"
+        "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]", run.stdout
