@@ -42,6 +42,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from coordinator.session.ahead import AheadBlocks, Waiting
+from coordinator.session.feedback import FeedbackChain
 from coordinator.session.reattach import AttachWait, Reattach
 from coordinator.session.round_log import RoundLog
 from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
@@ -124,8 +125,7 @@ class SessionPipeline:
         self.reattach = Reattach(hold_s)  # recovery: when a detached session may take a draft up again
         self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
         self._draft_open = draft is not None  # the draft worker holds this session: a Cancel is owed on close
-        self._correction_due = False  # a sampled rejection's correction is drawn by the draft
-        self._feedback_chain: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
+        self.feedback = FeedbackChain(session_id)  # verdicts' feedback not yet sent, a correction owed
         self._load_cap, self.gate = load_cap, SessionGate(cuts=auto is None)
         self.auto, self._load = (auto if draft is not None else None), load
         self.mode = DraftMode.DRAFTING
@@ -204,8 +204,7 @@ class SessionPipeline:
         self.stats.detached += 1
         self.epoch += 1  # what the old draft sent or sends is stale
         self.ahead.drop_all()
-        self._feedback_chain.clear()
-        self._correction_due = False
+        self.feedback.reset()
         self._paused_tokens = []
         if self._draft_open:
             self._draft_open = False
@@ -495,41 +494,25 @@ class SessionPipeline:
         self, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool, deferred: bool, cap: int | None
     ) -> None:
         """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback)."""
-        feedback = pb.Feedback(
-            session_id=self.sid,
-            epoch=self.epoch,
-            base=block.base,
-            drafted=len(block.tokens),
-            accepted=verdict.accepted,
-            token=token,
-            prepared_used=prepared_used,
-        )
-        if cap is not None:
-            feedback.load_cap = cap
-        if self.auto is not None:
-            feedback.stop_rule.CopyFrom(self._stop_rule())
-        if verdict.p_row is not None:
-            feedback.p_row.CopyFrom(convert.tensor_to_proto(verdict.p_row.float()))
-        self._correction_due = token == NO_TOKEN and not deferred  # the draft draws it from p_row
-        self._feedback_chain.append(feedback)
+        rule = self._stop_rule() if self.auto is not None else None
+        self.feedback.add(self.epoch, block, verdict, token, prepared_used, deferred, cap, rule)
 
     def _flush_feedback(self) -> None:
         """Send the queued feedback, several verdicts as one message (each the next one's ``then``)."""
-        if not self._feedback_chain or self.done:
-            self._feedback_chain.clear()
+        if self.done:
+            self.feedback.drop()
             return
-        chain, self._feedback_chain = self._feedback_chain, []
-        for earlier, later in zip(reversed(chain[:-1]), reversed(chain[1:])):
-            earlier.then.CopyFrom(later)
-        self._feedback_sent_at = chain[0].sent_at = time.time()
-        self._to_draft(pb.DraftRequest(feedback=chain[0]))
+        head = self.feedback.take()
+        if head is None:
+            return
+        self._feedback_sent_at = head.sent_at = time.time()
+        self._to_draft(pb.DraftRequest(feedback=head))
 
     def _checked(self, block: pb.Block) -> Block:
         return check_block(block, len(self.committed), self.request, self.limits)
 
     def _checked_correction(self, token: int) -> int:
-        due, self._correction_due = self._correction_due, False
-        return check_correction(token, due, self.limits)
+        return check_correction(token, self.feedback.take_correction_due(), self.limits)
 
     def _empty_block(self) -> pb.Block:
         return pb.Block(session_id=self.sid, epoch=self.epoch, base=len(self.committed))

@@ -1,10 +1,14 @@
 """The target-side session's parts on their own, without models or a protocol: the blocks drafted
-ahead of a verdict (coordinator/session/ahead.py) and recovery's re-attach schedule
-(coordinator/session/reattach.py), on a clock the test chooses."""
+ahead of a verdict (coordinator/session/ahead.py), recovery's re-attach schedule
+(coordinator/session/reattach.py), on a clock the test chooses, and the feedback a session owes
+its draft (coordinator/session/feedback.py)."""
 
 from __future__ import annotations
 
+import torch
+
 from coordinator.session.ahead import AheadBlocks
+from coordinator.session.feedback import FeedbackChain
 from coordinator.session.reattach import (
     MAX_STALLS,
     REATTACH_BACKOFF_MAX_S,
@@ -12,7 +16,9 @@ from coordinator.session.reattach import (
     AttachWait,
     Reattach,
 )
-from svip_common.contracts import GenerationStats
+from svip_common.acceptance import StopRule
+from svip_common.contracts import NO_TOKEN, GenerationStats, Verdict
+from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 
 
@@ -85,3 +91,38 @@ def test_only_a_sampled_session_holds_and_its_hold_ends_once():
     sampled.detached(200.0, stalled=False, sampled=True)
     sampled.attached()  # a draft took the session up: no hold left
     assert sampled.hold_until is None
+
+
+def test_feedback_queued_in_one_step_leaves_as_one_message_earliest_first():
+    chain = FeedbackChain("s")
+    assert chain.take() is None
+    chain.add(3, _block(10, 4), Verdict(base=10, accepted=4, token=NO_TOKEN), NO_TOKEN, False, True, 2, None)
+    rule = convert.stop_rule_to_proto(StopRule(stop_at=0.3))
+    chain.add(3, _block(14, 2), Verdict(base=14, accepted=0, token=7), 7, True, False, None, rule)
+    assert len(chain) == 2
+    head = chain.take()
+    assert len(chain) == 0 and chain.take() is None
+    fields = (head.session_id, head.epoch, head.base, head.drafted, head.accepted, head.token)
+    assert fields == ("s", 3, 10, 4, 4, NO_TOKEN)
+    assert head.load_cap == 2 and not head.HasField("stop_rule") and not head.prepared_used
+    then = head.then
+    assert (then.base, then.drafted, then.accepted, then.token, then.prepared_used) == (14, 2, 0, 7, True)
+    assert not then.HasField("load_cap") and then.stop_rule == rule and not then.HasField("then")
+
+
+def test_a_sampled_rejection_owes_one_correction_and_a_detach_forgets_it():
+    chain = FeedbackChain("s")
+    p_row = torch.tensor([0.25, 0.75], dtype=torch.float64)
+    chain.add(1, _block(10, 3), Verdict(base=10, accepted=1, token=NO_TOKEN, p_row=p_row), NO_TOKEN, False, False,
+              None, None)
+    assert chain.correction_due
+    assert convert.floats_from_proto(chain.take().p_row) == [0.25, 0.75]
+    assert chain.take_correction_due() and not chain.take_correction_due()  # due once
+    chain.add(1, _block(11, 3), Verdict(base=11, accepted=3, token=NO_TOKEN), NO_TOKEN, False, True, None, None)
+    assert not chain.correction_due  # a deferred token: the follow-up settles it
+    chain.add(2, _block(14, 3), Verdict(base=14, accepted=0, token=NO_TOKEN), NO_TOKEN, False, False, None, None)
+    chain.reset()
+    assert not chain.correction_due and chain.take() is None
+    chain.add(2, _block(14, 3), Verdict(base=14, accepted=3, token=9), 9, False, False, None, None)
+    chain.drop()  # the session is done: nothing leaves, and nothing was owed
+    assert chain.take() is None and not chain.correction_due

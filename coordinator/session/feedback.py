@@ -1,0 +1,69 @@
+"""What a session tells its draft after each verdict, on the target side. A verdict's feedback is
+queued when the verdict is decided and leaves before the next forward: verdicts decided in one
+step (a follow-up the stored row rejects at once, then its parent's) go as one message, each the
+next one's ``then``. It also remembers whether the draft owes the session a sampled correction
+(a rejection whose token the draft draws from the p row it was sent). Decides nothing:
+SessionPipeline says what each verdict settled; tests/unit/test_session_parts.py drives it
+without models."""
+
+from __future__ import annotations
+
+from svip_common.contracts import NO_TOKEN, Verdict
+from svip_proto import convert
+from svip_proto import svip_pb2 as pb
+
+
+class FeedbackChain:
+    def __init__(self, session_id: str):
+        self.session_id = session_id
+        self.correction_due = False  # the latest feedback asks the draft to draw the correction
+        self._queued: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
+
+    def __len__(self) -> int:
+        return len(self._queued)
+
+    def add(self, epoch: int, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool,
+            deferred: bool, cap: int | None, stop_rule: pb.StopRule | None) -> None:
+        """Queue a decided verdict's feedback. token: the place after the accepted tokens as
+        settled here (NO_TOKEN: the follow-up settles it when deferred, else the draft draws it
+        from the p row); cap: load-aware speculation's cap on the next blocks; stop_rule: auto's."""
+        feedback = pb.Feedback(
+            session_id=self.session_id,
+            epoch=epoch,
+            base=block.base,
+            drafted=len(block.tokens),
+            accepted=verdict.accepted,
+            token=token,
+            prepared_used=prepared_used,
+        )
+        if cap is not None:
+            feedback.load_cap = cap
+        if stop_rule is not None:
+            feedback.stop_rule.CopyFrom(stop_rule)
+        if verdict.p_row is not None:
+            feedback.p_row.CopyFrom(convert.tensor_to_proto(verdict.p_row.float()))
+        self.correction_due = token == NO_TOKEN and not deferred
+        self._queued.append(feedback)
+
+    def take(self) -> pb.Feedback | None:
+        """Everything queued, as one message (the earliest verdict first); None if nothing is."""
+        if not self._queued:
+            return None
+        chain, self._queued = self._queued, []
+        for earlier, later in zip(reversed(chain[:-1]), reversed(chain[1:])):
+            earlier.then.CopyFrom(later)
+        return chain[0]
+
+    def drop(self) -> None:
+        """The session is done: what is queued never leaves."""
+        self._queued.clear()
+
+    def reset(self) -> None:
+        """The session detached: the old draft is owed nothing and owes nothing."""
+        self._queued.clear()
+        self.correction_due = False
+
+    def take_correction_due(self) -> bool:
+        """Whether a correction is due now; it is due once."""
+        due, self.correction_due = self.correction_due, False
+        return due
