@@ -20,7 +20,7 @@ import grpc
 from coordinator.session.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S, DraftPort
 from coordinator.session.pipeline import SessionPipeline
 from svip_common.acceptance import AutoEstimate, SessionStop
-from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.contracts import GenerationRequest, GenerationStats, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
 from svip_common.kv_sizes import whole_pages
 from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
@@ -37,6 +37,20 @@ log = logging.getLogger(__name__)
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
 DEFAULT_HOLD_S = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
+
+
+class StreamCaller:
+    """A session's outcome onto its caller's Generate stream: the protobuf edge of SessionPipeline."""
+
+    def __init__(self, stream: SessionStream, session_id: str):
+        self.stream, self.session_id = stream, session_id
+
+    def settled(self, tokens: list[int]) -> None:
+        self.stream.emit(pb.GenerateEvent(settled=pb.Settled(session_id=self.session_id, tokens=tokens)))
+
+    def finished(self, reason: str, stats: GenerationStats) -> None:
+        finished = pb.Finished(session_id=self.session_id, finish_reason=reason, stats=convert.stats_to_proto(stats))
+        self.stream.emit(pb.GenerateEvent(finished=finished))
 
 
 class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
@@ -141,7 +155,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 self.verifier.open(sampling),
                 self.draft if speculate else None,
                 start.pipeline,
-                emit=stream.emit,
+                caller=StreamCaller(stream, sid),
                 schedule=lambda fn, *args: self.compute.post(self._step, sid, fn, *args),
                 enqueue=lambda session, block, checked, info: self._ready.append((sid, session, block, checked, info)),
                 load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None,

@@ -51,6 +51,7 @@ from svip_common.contracts import (
     NO_TOKEN,
     Block,
     GenerationRequest,
+    GenerationStats,
     Limits,
     Verdict,
     clip_settled,
@@ -86,6 +87,16 @@ class DraftPeer(Protocol):
         """A draft answer took this long (feedback out to block in): what stall deadlines follow."""
 
 
+class CallerPort(Protocol):
+    """Where the session's outcome goes: the caller's Generate stream (host.py converts at the edge)."""
+
+    def settled(self, tokens: list[int]) -> None:
+        """Tokens settled for good, in order (clipped to the budget and the stop ids)."""
+
+    def finished(self, reason: str, stats: GenerationStats) -> None:
+        """The session ended: why, and its statistics (the last event)."""
+
+
 class SessionPipeline:
     def __init__(
         self,
@@ -96,7 +107,7 @@ class SessionPipeline:
         target: TargetSession,
         draft: DraftPeer | None,
         pipeline: str,
-        emit: Callable[[pb.GenerateEvent], None],
+        caller: CallerPort,
         schedule: Callable[..., None],
         enqueue: Callable[..., None],
         load_cap: LoadCap | None = None,
@@ -104,7 +115,7 @@ class SessionPipeline:
         auto: SessionStop | None = None,
         load: Callable[[], TargetLoad | None] = lambda: None,
     ):
-        """emit: sends an event to the caller; schedule(fn, *args): runs fn later on the compute
+        """caller: where settled tokens and the finish go; schedule(fn, *args): runs fn later on the compute
         thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
         batched step to verify the block, which answers with verified(); load_cap: load-aware
         speculation (None: the policy drafts as configured at any load); hold_s: how long a sampled
@@ -113,7 +124,7 @@ class SessionPipeline:
         resume; load: the target's load now (what a drafted token costs, for auto's tau)."""
         self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
         self.target, self.draft, self.pipeline = target, draft, pipeline
-        self.emit, self.schedule, self.enqueue = emit, schedule, enqueue
+        self.caller, self.schedule, self.enqueue = caller, schedule, enqueue
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.epoch = 0
@@ -522,16 +533,14 @@ class SessionPipeline:
         self.committed += tokens
         self.generated += tokens
         if tokens:
-            self.emit(pb.GenerateEvent(settled=pb.Settled(session_id=self.sid, tokens=tokens)))
+            self.caller.settled(tokens)
         if reason is not None:
             self._finish(reason)
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.ahead.drop_all()
-        stats = convert.stats_to_proto(self.log.final(self.draft is not None))
-        finished = pb.Finished(session_id=self.sid, finish_reason=reason, stats=stats)
-        self.emit(pb.GenerateEvent(finished=finished))
+        self.caller.finished(reason, self.log.final(self.draft is not None))
         self.close()
 
     def _to_draft(self, request: pb.DraftRequest) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,7 +90,8 @@ def pipeline_session(models, prompt_ids) -> SessionPipeline:
     port = DraftPort(None, None, lambda *a: None, lambda r: None, lambda: None)
     return SessionPipeline("s", GenerationRequest(prompt_ids["short"], 8, policy=POLICIES[0]), frozenset(), limits,
                            Verifier(models["target"]).open(SamplingParams()), port, "async",
-                           emit=lambda e: None, schedule=lambda fn, *a: None, enqueue=lambda *a: None)
+                           caller=SimpleNamespace(settled=lambda t: None, finished=lambda r, s: None),
+                           schedule=lambda fn, *a: None, enqueue=lambda *a: None)
 
 
 @pytest.mark.parametrize("field, value", [("draft_s", float("nan")), ("started_at", float("inf")),

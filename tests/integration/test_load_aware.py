@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -241,7 +242,7 @@ def test_the_target_refuses_a_block_while_the_session_is_paused(models):
         verifier.open(request.sampling),
         link,
         "async",
-        emit=lambda event: None,
+        caller=SimpleNamespace(settled=lambda tokens: None, finished=lambda reason, stats: None),
         schedule=lambda fn, *args: fn(*args),
         enqueue=lambda *job: enqueued.append(job),
         load_cap=lambda gate: 0,

@@ -13,7 +13,15 @@ import time
 import pytest
 
 from coordinator.session.pipeline import DraftMode, SessionPipeline
-from svip_common.contracts import NO_TOKEN, GenerationRequest, Limits, PolicyConfig, SamplingParams, Verdict
+from svip_common.contracts import (
+    NO_TOKEN,
+    GenerationRequest,
+    GenerationStats,
+    Limits,
+    PolicyConfig,
+    SamplingParams,
+    Verdict,
+)
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 
@@ -61,7 +69,7 @@ class Harness:
         self.session = SessionPipeline(
             "s", GenerationRequest(PROMPT, max_new_tokens, SamplingParams(), PolicyConfig(name="svip")),
             frozenset({STOP}), LIMITS, Target(), self.draft if draft else None, pipeline,
-            emit=self.events.append,
+            caller=self,
             schedule=lambda fn, *args: fn(*args),
             enqueue=lambda session, block, checked, info: self.queue.append((block, info)),
             load_cap=load_cap,
@@ -84,13 +92,19 @@ class Harness:
         self.session.verified(block, Verdict(block.base, accepted, token), received_at, source, now, now)
         return block
 
-    @property
-    def settled(self) -> list[int]:
-        return [t for e in self.events if e.WhichOneof("kind") == "settled" for t in e.settled.tokens]
+    def settled(self, tokens: list[int]) -> None:  # the session's caller (CallerPort)
+        self.events.append(("settled", list(tokens)))
+
+    def finished(self, reason: str, stats: GenerationStats) -> None:
+        self.events.append(("finished", reason))
 
     @property
-    def finished(self) -> pb.Finished | None:
-        done = [e.finished for e in self.events if e.WhichOneof("kind") == "finished"]
+    def tokens(self) -> list[int]:
+        return [t for kind, tokens in self.events if kind == "settled" for t in tokens]
+
+    @property
+    def finish_reason(self) -> str | None:
+        done = [reason for kind, reason in self.events if kind == "finished"]
         return done[0] if done else None
 
 
@@ -109,7 +123,7 @@ def test_a_round_verifies_the_block_settles_and_feeds_back():
     h.deliver(h.block([11, 12, 13]))
     assert len(h.queue) == 1 and h.session.verifying is not None
     h.verify(3, 14)  # all accepted, and a bonus token
-    assert h.settled == [11, 12, 13, 14] and h.session.committed == [*PROMPT, 11, 12, 13, 14]
+    assert h.tokens == [11, 12, 13, 14] and h.session.committed == [*PROMPT, 11, 12, 13, 14]
     fb = h.draft.last("feedback")
     assert (fb.epoch, fb.base, fb.drafted, fb.accepted, fb.token) == (0, 3, 3, 3, 14)
     assert h.session.stats.rounds == 1 and h.session.stats.accepted_lengths == [3]
@@ -120,7 +134,7 @@ def test_a_rejection_advances_the_epoch_and_a_stale_block_is_never_verified():
     h.session.start()
     h.deliver(h.block([11, 12, 13]))
     h.verify(1, 20)
-    assert h.settled == [11, 20] and h.session.epoch == 1 and h.draft.last("feedback").epoch == 1
+    assert h.tokens == [11, 20] and h.session.epoch == 1 and h.draft.last("feedback").epoch == 1
     h.deliver(h.block([30, 31], base=5, epoch=0))  # drafted before the verdict: a rolled-back base
     assert h.queue == [] and h.session.stats.discarded_tokens == 2
     h.deliver(h.block([30, 31]))
@@ -138,7 +152,7 @@ def test_async_verifies_the_follow_up_with_no_round_trip_on_a_full_acceptance():
     assert (fb.accepted, fb.token) == (2, NO_TOKEN)  # deferred: the follow-up settles the next place
     assert [b.base for b, _ in h.queue] == [5] and h.queue[0][1][1] == "followup"
     h.verify(1, 40)
-    assert h.settled == [11, 12, 13, 40]
+    assert h.tokens == [11, 12, 13, 40]
 
 
 def test_a_prepared_continuation_is_verified_next_when_the_rejection_matches_it():
@@ -173,7 +187,7 @@ def test_a_bad_block_gives_the_draft_up_and_the_target_goes_on_alone(bad, why, c
     (block, (_, source)), = h.queue
     assert len(block.tokens) == 0 and source != "drafted"  # the target settles the next token alone
     h.verify(0, 15)
-    assert h.settled == [15] and not h.session.done
+    assert h.tokens == [15] and not h.session.done
     h.session.attach()  # a draft that failed the session never takes it up again
     assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("start") == 1
 
@@ -201,12 +215,12 @@ def test_the_budget_and_a_stop_token_end_the_session_with_a_finished_event():
     h.session.start()
     h.deliver(h.block([11, 12]))
     h.verify(2, 13)
-    assert h.finished.finish_reason == "length" and h.session.done and h.session.target.closed
+    assert h.finish_reason == "length" and h.session.done and h.session.target.closed
     h2 = Harness()
     h2.session.start()
     h2.deliver(h2.block([11, STOP, 12]))
     h2.verify(3, 14)
-    assert h2.settled == [11, STOP] and h2.finished.finish_reason == "stop"
+    assert h2.tokens == [11, STOP] and h2.finish_reason == "stop"
 
 
 def test_without_a_draft_the_target_settles_one_token_per_round():
@@ -216,7 +230,7 @@ def test_without_a_draft_the_target_settles_one_token_per_round():
         (block, (_, source)), = h.queue
         assert len(block.tokens) == 0 and source == "none"
         h.verify(0, token)
-    assert h.settled == [21, 22] and h.draft.sent == []
+    assert h.tokens == [21, 22] and h.draft.sent == []
 
 
 def test_a_paused_session_detaches_from_the_pause_and_pauses_again_on_re_attach():
@@ -227,7 +241,7 @@ def test_a_paused_session_detaches_from_the_pause_and_pauses_again_on_re_attach(
     h.session.start()
     assert h.session.mode is DraftMode.PAUSED and h.draft.last("start").load_cap == 0
     h.verify(0, 15)  # the target settles alone while paused
-    assert h.session.mode is DraftMode.PAUSED and h.settled == [15]
+    assert h.session.mode is DraftMode.PAUSED and h.tokens == [15]
     h.draft.available = False
     h.session.detach(cancel=False)
     assert h.session.mode is DraftMode.DETACHED and not h.session.paused
