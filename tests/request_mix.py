@@ -92,7 +92,7 @@ def run_mix(base: str, start: int, count: int) -> list[str]:
         return list(pool.map(lambda i: one_request(base, i), range(start, start + count)))
 
 
-def settle(base: str, timeout: float = 30.0) -> dict:
+def settle(base: str, timeout: float = 300.0) -> dict:  # the timeout bounds a failure only
     deadline = time.monotonic() + timeout
     while True:
         stats = httpx.get(base + "/v1/svip/workers", timeout=120).json()

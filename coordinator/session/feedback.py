@@ -19,9 +19,6 @@ class FeedbackChain:
         self.correction_due = False  # the latest feedback asks the draft to draw the correction
         self._queued: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
 
-    def __len__(self) -> int:
-        return len(self._queued)
-
     def add(self, epoch: int, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool,
             deferred: bool, cap: int | None, stop_rule: pb.StopRule | None) -> None:
         """Queue a decided verdict's feedback. token: the place after the accepted tokens as
