@@ -8,7 +8,7 @@ import logging
 import os
 from contextlib import contextmanager
 
-from coordinator.calibration import stored_prior
+from svip_common.auto_prior import stored_prior
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.errors import InvalidRequest, SvipError

@@ -12,9 +12,10 @@ import time
 from collections.abc import Callable
 
 from coordinator.batch import BatchEngine
-from coordinator.calibration import Calibration, auto_prior, calibrate, estimate_from, stored_prior
+from coordinator.calibration import Calibration, auto_prior, calibrate
 from draft_worker.drafter import Drafter, NullDraftSession
 from svip_common.acceptance import AutoEstimate, SessionStop
+from svip_common.auto_prior import estimate_from, stored_prior
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import (
     AUTO,

@@ -32,24 +32,11 @@ from dataclasses import dataclass, field
 from draft_worker.drafter import BlockDraft, DraftSession
 from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
+from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.step_cost import UNLIMITED, Ewma
 
 MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
 EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
-
-
-@dataclass
-class Outgoing:
-    block: Block
-    followup: bool = False  # the next block on top of this one will come (async)
-    resolved_token: int = NO_TOKEN  # a sampled correction drawn here, for position block.base - 1
-    prepared_for: tuple[int, int, int] | None = None  # (parent base, accepted, correction)
-    reused: bool = False  # a prepared continuation sent again as the next block
-    started_at: float = 0.0
-    finished_at: float = 0.0
-    draft_s: float = 0.0  # compute time
-    trigger_at: float = 0.0  # when the feedback this block answers was received
-    alternatives: list = field(default_factory=list, repr=False)  # per token: the draft's runners-up (id, q)
 
 
 @dataclass
@@ -78,11 +65,11 @@ class PipelinedDraft:
     send_prepared: bool = True  # greedy: send them ahead; sampled: keep them here
     known: list[int] = field(default_factory=list)  # committed, as the target's feedback settled it
     epoch: int = 0
-    outstanding: list[Outgoing] = field(default_factory=list)  # main-line blocks sent, unanswered (<= 2)
+    outstanding: list[DraftedBlock] = field(default_factory=list)  # main-line blocks sent, unanswered (<= 2)
     agenda: list[tuple[float, tuple[int, int, int] | None]] = field(default_factory=list)  # (score, prepared_for)
     job: Job | None = None  # the speculative block in the making
     critical: Job | None = None  # the main-line block the target waits for, drafted before any speculation
-    prepared: dict[tuple[int, int, int], Outgoing] = field(default_factory=dict)  # (base, accepted, token) -> finished
+    prepared: dict[PreparedKey, DraftedBlock] = field(default_factory=dict)  # (base, accepted, token) -> finished
     load_cap: int = UNLIMITED  # the most tokens a block may hold at the target's load (its latest word)
     paused: bool = False  # load_cap 0: nothing is drafted until a Resume
 
@@ -110,7 +97,7 @@ class PipelinedDraft:
     # Each returns the blocks ready to send at once; a block that must be drafted first becomes
     # the critical job, advanced by the worker's batched steps before any speculation.
 
-    def start(self, now: float, load_cap: int | None = None) -> list[Outgoing]:
+    def start(self, now: float, load_cap: int | None = None) -> list[DraftedBlock]:
         if load_cap is not None:
             self.load_cap = load_cap
         if self.load_cap == 0:
@@ -118,7 +105,9 @@ class PipelinedDraft:
             return []
         return self._next_block(NO_TOKEN, now)
 
-    def on_resume(self, epoch: int, base: int, tokens: list[int], load_cap: int, received_at: float) -> list[Outgoing]:
+    def on_resume(
+        self, epoch: int, base: int, tokens: list[int], load_cap: int, received_at: float
+    ) -> list[DraftedBlock]:
         """Drafting pays again: take the tokens the target settled alone since the pause, then
         draft the next block (checked at once)."""
         if not self.paused:
@@ -134,7 +123,7 @@ class PipelinedDraft:
         return self._next_block(NO_TOKEN, received_at)
 
     def on_feedback(self, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
-                    prepared_used: bool, received_at: float, load_cap: int | None = None) -> list[Outgoing]:
+                    prepared_used: bool, received_at: float, load_cap: int | None = None) -> list[DraftedBlock]:
         """Apply the verdict on the oldest outstanding block (checked at once)."""
         if load_cap is not None:
             self.load_cap = load_cap
@@ -192,7 +181,7 @@ class PipelinedDraft:
             return [ready]
         return self._next_block(resolved, received_at)
 
-    def _next_block(self, resolved: int, trigger_at: float) -> list[Outgoing]:
+    def _next_block(self, resolved: int, trigger_at: float) -> list[DraftedBlock]:
         """The next main-line block after what is known: the critical job, or an empty block
         when there is nothing to draft (the budget is spent, or the correction ends the output;
         it lets the target settle the next position, or at least carries the correction)."""
@@ -210,7 +199,7 @@ class PipelinedDraft:
             return []
         now = time.time()
         empty = Block(base=len(self.known), tokens=[], probs=[], entropies=[], epoch=self.epoch)
-        item = Outgoing(empty, resolved_token=resolved, started_at=now, finished_at=now, trigger_at=trigger_at)
+        item = DraftedBlock(empty, resolved_token=resolved, started_at=now, finished_at=now, trigger_at=trigger_at)
         self.outstanding.append(item)
         return [item]
 
@@ -233,7 +222,7 @@ class PipelinedDraft:
             return None
         return self.job.draft
 
-    def after_step(self, forward_s: float) -> list[Outgoing]:
+    def after_step(self, forward_s: float) -> list[DraftedBlock]:
         """What the step finished: blocks to send now."""
         self._learn_forward(forward_s)
         if self.critical is not None:
@@ -260,7 +249,7 @@ class PipelinedDraft:
         self.prepared[job.prepared_for] = item
         return [item] if self.send_prepared else []
 
-    def work(self) -> list[Outgoing] | None:
+    def work(self) -> list[DraftedBlock] | None:
         """One forward of this session alone (next_draft, then after_step); None: nothing to do."""
         draft = self.next_draft()
         if draft is None:
@@ -276,7 +265,7 @@ class PipelinedDraft:
         due = max(self._verifying_since, self.outstanding[0].finished_at) + wait
         return time.time() + forward_s < due
 
-    def _learn_wait(self, answered: Outgoing, received_at: float) -> None:
+    def _learn_wait(self, answered: DraftedBlock, received_at: float) -> None:
         since = max(self._verifying_since, answered.finished_at)
         wait = received_at - since
         self._verdict_wait.update(wait)
@@ -326,7 +315,7 @@ class PipelinedDraft:
         draft = self.session.begin(seq, min(self.limit - len(seq) - 1, self.load_cap), alternatives=True)
         self.job = Job(draft, prepared_for, time.time())
 
-    def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> Outgoing:
+    def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> DraftedBlock:
         block = draft.block
         block.epoch = self.epoch
         followup = (
@@ -335,7 +324,7 @@ class PipelinedDraft:
             and block.tokens[-1] not in self.stop_token_ids
             and self.limit - (block.base + len(block)) - 1 >= 1
         )
-        return Outgoing(
+        return DraftedBlock(
             block,
             followup,
             prepared_for=prepared_for,

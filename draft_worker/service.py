@@ -11,12 +11,13 @@ import time
 import grpc
 
 from draft_worker.drafter import Drafter
-from draft_worker.pipelined import Outgoing, PipelinedDraft
+from draft_worker.pipelined import PipelinedDraft
 from draft_worker.policies import AutoPolicy
 from svip_common.acceptance import StopRule
 from svip_common.contracts import NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.kv_cache import PoolFull
+from svip_common.messages import DraftedBlock
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -80,7 +81,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             self.close_session(request.cancel.session_id, stream)
             stream.emit(pb.DraftEvent(closed=pb.Closed(session_id=request.cancel.session_id)))
 
-    def _apply(self, session: PipelinedDraft, msg: pb.Feedback, received_at: float) -> list[Outgoing]:
+    def _apply(self, session: PipelinedDraft, msg: pb.Feedback, received_at: float) -> list[DraftedBlock]:
         if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
             check_token_ids([msg.token], self.limits.tokens, "feedback token id")
         p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
@@ -137,19 +138,12 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         log.warning("draft session %s shed (%s); its target goes on alone", session_id, why)
         stream.emit(pb.DraftEvent(closed=pb.Closed(session_id=session_id, shed=True)))
 
-    def _send(self, session_id: str, session: PipelinedDraft, items: list[Outgoing]) -> None:
+    def _send(self, session_id: str, session: PipelinedDraft, items: list[DraftedBlock]) -> None:
         stream = self.owner(session_id)
         probs = not session.session.sampling.greedy or isinstance(session.session.policy, AutoPolicy)
         for item in items:
             self.tokens_processed += len(item.block)
-            msg = convert.block_to_proto(session_id, item.block, item.resolved_token, probs)
-            msg.followup, msg.reused = item.followup, item.reused
-            msg.started_at, msg.finished_at = item.started_at, item.finished_at
-            msg.draft_s, msg.trigger_at = item.draft_s, item.trigger_at
-            if item.prepared_for is not None:
-                base, accepted, token = item.prepared_for
-                msg.prepared_for.CopyFrom(pb.PreparedFor(base=base, accepted=accepted, token=token))
-            stream.emit(pb.DraftEvent(block=msg))
+            stream.emit(pb.DraftEvent(block=convert.drafted_to_proto(session_id, item, probs)))
 
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.DraftEvent:
         return pb.DraftEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))

@@ -1,15 +1,23 @@
-"""Loading a Hugging Face causal LM and its tokenizer, and checking that a draft fits a target."""
+"""Loading a Hugging Face causal LM and its tokenizer, and checking that a draft fits a target.
+
+transformers' modeling stack (AutoModelForCausalLM: ~3.5 s of imports here, torch.distributed,
+dynamo, scipy) loads only when weights do: a process that needs a model's tokenizer and limits
+(a Serve replica, the CLI's distributed driver) imports the tokenizer side alone."""
 
 from __future__ import annotations
 
 import os
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import AutoTokenizer
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, Limits
 from svip_common.errors import InvalidRequest, ModelLoadError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
 
 DTYPES = {
     "auto": "auto",
@@ -34,6 +42,8 @@ class LoadedModel:
 def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: bool = False) -> LoadedModel:
     """Load model and tokenizer from a local directory (or a hub id where a hub is reachable).
     spread: place the layers evenly across every visible GPU (a target too large for one)."""
+    from transformers import AutoModelForCausalLM
+
     _check_local_path(path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")

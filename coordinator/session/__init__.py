@@ -4,7 +4,9 @@ host (the TargetWorker gRPC service and its batched verification step), each ses
 blocks drafted ahead of a verdict; reattach.py: recovery's re-attach schedule; round_log.py: the
 statistics) and what it checks of the draft's messages (wire_checks.py), the link to the draft
 worker and its recovery (draft_link.py, draft_port.py), and the target's Ray actor (actor.py).
+The protocol logic (pipeline.py and its parts) speaks svip_common.messages; protobuf is read and
+written at the edges only (host.py, draft_port.py).
 
-May import: svip_common, svip_proto, svip_runtime, target_worker, coordinator.calibration (the
-`auto` prior). Not the caller's end (distributed, client, cluster, local) nor the in-process
-engine."""
+May import: svip_common and target_worker; at the edges (host.py, draft_port.py, draft_link.py,
+actor.py) also svip_proto and svip_runtime. Nothing else of the coordinator: not the caller's end
+(distributed, client, cluster, local), nor the in-process engine or its calibration."""

@@ -4,8 +4,8 @@ between it and the draft worker."""
 
 from __future__ import annotations
 
-from coordinator.calibration import estimate_from
 from coordinator.session.host import SessionHost
+from svip_common.auto_prior import estimate_from
 from svip_common.auto_settings import AutoSettings
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.actor import ModelActor

@@ -8,10 +8,9 @@ one applies; tests/unit/test_session_pipeline.py drives it without models."""
 from __future__ import annotations
 
 from svip_common.contracts import GenerationStats
-from svip_proto import svip_pb2 as pb
+from svip_common.messages import DraftedBlock, PreparedKey
 
-Waiting = tuple[pb.Block, float]  # a block and when it was received
-PreparedKey = tuple[int, int, int]  # (base, accepted, token): the verdict a prepared block assumed
+Waiting = tuple[DraftedBlock, float]  # a block and when it was received
 
 
 class AheadBlocks:
@@ -20,7 +19,7 @@ class AheadBlocks:
         self.followup: Waiting | None = None
         self.prepared: dict[PreparedKey, Waiting] = {}
 
-    def hold_followup(self, block: pb.Block, received_at: float) -> None:
+    def hold_followup(self, block: DraftedBlock, received_at: float) -> None:
         self.followup = (block, received_at)
 
     def take_followup(self) -> Waiting | None:
@@ -33,7 +32,7 @@ class AheadBlocks:
             self.stats.discarded_tokens += len(self.followup[0].tokens)
             self.followup = None
 
-    def keep_prepared(self, key: PreparedKey, block: pb.Block, received_at: float) -> None:
+    def keep_prepared(self, key: PreparedKey, block: DraftedBlock, received_at: float) -> None:
         self.prepared[key] = (block, received_at)
         self.stats.prepared_sent += 1
 

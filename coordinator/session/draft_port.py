@@ -20,7 +20,9 @@ from collections.abc import Callable
 
 from coordinator.session.draft_link import DraftLink
 from svip_common.errors import WorkerUnavailable
+from svip_common.messages import DraftRequest
 from svip_common.step_cost import Ewma
+from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_runtime.actor import WorkerGone, serving_address
 from svip_runtime.grpc_server import draft_stats
@@ -82,9 +84,14 @@ class DraftPort:
 
     # --- from the compute thread ------------------------------------------------------------------
 
-    def send(self, session_id: str, request: pb.DraftRequest) -> None:
-        if self.available:  # else the sessions are detached: nothing to send
-            self.link.send(session_id, request)
+    def send(self, session_id: str, request: DraftRequest) -> int:
+        """The session's request onto the wire (converted here, its edge): the bytes sent, 0 when no
+        draft is connected (the sessions are detached: nothing to send)."""
+        if not self.available:
+            return 0
+        msg = convert.draft_request_to_proto(request)
+        self.link.send(session_id, msg)
+        return msg.ByteSize()
 
     @property
     def available(self) -> bool:

@@ -8,23 +8,23 @@ without models."""
 
 from __future__ import annotations
 
+from svip_common.acceptance import StopRule
 from svip_common.contracts import NO_TOKEN, Verdict
-from svip_proto import convert
-from svip_proto import svip_pb2 as pb
+from svip_common.messages import DraftedBlock, Feedback
 
 
 class FeedbackChain:
     def __init__(self, session_id: str):
         self.session_id = session_id
         self.correction_due = False  # the latest feedback asks the draft to draw the correction
-        self._queued: list[pb.Feedback] = []  # verdicts whose feedback has not left yet
+        self._queued: list[Feedback] = []  # verdicts whose feedback has not left yet
 
-    def add(self, epoch: int, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool,
-            deferred: bool, cap: int | None, stop_rule: pb.StopRule | None) -> None:
+    def add(self, epoch: int, block: DraftedBlock, verdict: Verdict, token: int, prepared_used: bool,
+            deferred: bool, cap: int | None, stop_rule: StopRule | None) -> None:
         """Queue a decided verdict's feedback. token: the place after the accepted tokens as
         settled here (NO_TOKEN: the follow-up settles it when deferred, else the draft draws it
         from the p row); cap: load-aware speculation's cap on the next blocks; stop_rule: auto's."""
-        feedback = pb.Feedback(
+        feedback = Feedback(
             session_id=self.session_id,
             epoch=epoch,
             base=block.base,
@@ -32,23 +32,20 @@ class FeedbackChain:
             accepted=verdict.accepted,
             token=token,
             prepared_used=prepared_used,
+            load_cap=cap,
+            stop_rule=stop_rule,
+            p_row=verdict.p_row,
         )
-        if cap is not None:
-            feedback.load_cap = cap
-        if stop_rule is not None:
-            feedback.stop_rule.CopyFrom(stop_rule)
-        if verdict.p_row is not None:
-            feedback.p_row.CopyFrom(convert.tensor_to_proto(verdict.p_row.float()))
         self.correction_due = token == NO_TOKEN and not deferred
         self._queued.append(feedback)
 
-    def take(self) -> pb.Feedback | None:
+    def take(self) -> Feedback | None:
         """Everything queued, as one message (the earliest verdict first); None if nothing is."""
         if not self._queued:
             return None
         chain, self._queued = self._queued, []
         for earlier, later in zip(reversed(chain[:-1]), reversed(chain[1:])):
-            earlier.then.CopyFrom(later)
+            earlier.then = later
         return chain[0]
 
     def drop(self) -> None:

@@ -23,6 +23,7 @@ from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.contracts import GenerationRequest, GenerationStats, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
 from svip_common.kv_sizes import whole_pages
+from svip_common.messages import DraftedBlock
 from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
 from svip_common.test_hooks import StepGate
 from svip_proto import convert
@@ -71,7 +72,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         every verdict is seen (None: from the generic prior)."""
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
-        self._ready: list[tuple[str, SessionPipeline, pb.Block, object, tuple[float, str]]] = []  # blocks to verify
+        self._ready: list[tuple[str, SessionPipeline, DraftedBlock, object, tuple[float, str]]] = []  # to verify
         # KV admission: each open session holds room for its prompt and max_new_tokens, in whole
         # pages, so a batched step never runs out of pages (which would fail every session in it)
         self._reserved: dict[str, int] = {}  # session id -> tokens held
@@ -198,13 +199,21 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         return gate.cap(self.verifier.load())
 
     def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
+        """The draft's message, read into the project's terms here, once (the session's logic never
+        sees protobuf); one that cannot be read gives the draft up for that session."""
         try:
             session_id = session_id_of(event)
         except InvalidRequest:
             return
         session = self.sessions.get(session_id)
-        if session is not None:  # else a late event of an ended session
-            self._step(session_id, session.on_draft_event, event, received_at, size)
+        if session is None:  # a late event of an ended session
+            return
+        try:
+            message = convert.draft_event_from_proto(event)
+        except InvalidRequest as exc:
+            self._step(session_id, session.on_bad_draft_message, f"draft worker sent a bad block: {exc}")
+            return
+        self._step(session_id, session.on_draft_event, message, received_at, size)
 
     def idle(self) -> bool:
         """One batched step: a single target forward verifies every block that is ready, each

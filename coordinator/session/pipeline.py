@@ -46,7 +46,7 @@ from coordinator.session.feedback import FeedbackChain
 from coordinator.session.reattach import AttachWait, Reattach
 from coordinator.session.round_log import RoundLog
 from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
-from svip_common.acceptance import SessionStop
+from svip_common.acceptance import SessionStop, StopRule
 from svip_common.contracts import (
     NO_TOKEN,
     Block,
@@ -57,9 +57,17 @@ from svip_common.contracts import (
     clip_settled,
 )
 from svip_common.errors import WorkerError
+from svip_common.messages import (
+    Cancel,
+    DraftClosed,
+    DraftedBlock,
+    DraftEvent,
+    DraftFailed,
+    DraftRequest,
+    Resume,
+    SessionStart,
+)
 from svip_common.step_cost import SessionGate, TargetLoad
-from svip_proto import convert
-from svip_proto import svip_pb2 as pb
 from target_worker.verifier import TargetSession
 
 log = logging.getLogger(__name__)
@@ -73,11 +81,13 @@ class DraftMode(enum.Enum):
     PAUSED = "paused"  # load-aware: the draft waits for a Resume; the target settles tokens alone
     DETACHED = "detached"  # recovery: no draft works on the session; the target settles tokens alone until one is back
     GIVEN_UP = "given up"  # the draft failed the session (an error, a bad block): the target goes on alone for good
+    CLOSED = "closed"  # the session is over: its draft session is cancelled, nothing more goes to the draft
 
 
 class DraftPeer(Protocol):
-    def send(self, session_id: str, request: pb.DraftRequest) -> None:
-        """Queue a request for the draft worker (from the compute thread; never blocks)."""
+    def send(self, session_id: str, request: DraftRequest) -> int:
+        """Queue a request for the draft worker (from the compute thread; never blocks); the
+        bytes it takes on the wire (0: not sent, no draft is connected)."""
 
     @property
     def available(self) -> bool:
@@ -128,14 +138,13 @@ class SessionPipeline:
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.epoch = 0
-        self.verifying: pb.Block | None = None  # verified, its decision not yet taken
+        self.verifying: DraftedBlock | None = None  # verified, its decision not yet taken
         self.finish_reason: str | None = None
         self.log = RoundLog()
         self.stats = self.log.stats
         self.ahead = AheadBlocks(self.stats)  # async: blocks drafted ahead of the verdict in flight
         self.reattach = Reattach(hold_s)  # recovery: when a detached session may take a draft up again
         self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
-        self._draft_open = draft is not None  # the draft worker holds this session: a Cancel is owed on close
         self.feedback = FeedbackChain(session_id)  # verdicts' feedback not yet sent, a correction owed
         self._load_cap, self.gate = load_cap, SessionGate(cuts=auto is None)
         self.auto, self._load = (auto if draft is not None else None), load
@@ -151,6 +160,11 @@ class SessionPipeline:
     def detached(self) -> bool:
         """No draft works on the session (for now, or for good)."""
         return self.mode in (DraftMode.DETACHED, DraftMode.GIVEN_UP)
+
+    @property
+    def _draft_holds_session(self) -> bool:
+        """The draft worker holds a session of ours (drafting or paused): a Cancel is owed when it ends."""
+        return self.draft is not None and self.mode in (DraftMode.DRAFTING, DraftMode.PAUSED)
 
     @property
     def draft_given_up(self) -> bool:
@@ -177,24 +191,20 @@ class SessionPipeline:
     def _start_draft(self) -> None:
         """The draft's session, on the committed tokens (the prompt, or more on a re-attach), at
         the current epoch, with what is left of the budget."""
-        r = self.request
-        start = pb.StartSession(
+        r, cap = self.request, self._cap()
+        start = SessionStart(
             session_id=self.sid,
-            prompt_ids=self.committed,
-            sampling=convert.sampling_to_proto(r.sampling),
-            policy=convert.policy_to_proto(r.policy),
-            stop_token_ids=sorted(self.stop_ids),
+            prompt_ids=tuple(self.committed),
             max_new_tokens=r.max_new_tokens - len(self.generated),
-            pipeline=convert.PIPELINES[self.pipeline],
+            sampling=r.sampling,
+            policy=r.policy,
+            stop_token_ids=self.stop_ids,
+            pipeline=self.pipeline,
             epoch=self.epoch,
+            load_cap=cap,
+            stop_rule=self._stop_rule(),
         )
-        cap = self._cap()
-        if cap is not None:
-            start.load_cap = cap
-        if self.auto is not None:
-            start.stop_rule.CopyFrom(self._stop_rule())
-        self._draft_open = True
-        self._to_draft(pb.DraftRequest(start=start))
+        self._to_draft(start)
         if cap == 0:
             self._pause()
             self._verify(self._empty_block(), time.time(), "paused")
@@ -211,16 +221,14 @@ class SessionPipeline:
             return
         # a stall (cancel): an overloaded draft is not handed this session's re-prefill at once again
         self.reattach.detached(time.time(), stalled=cancel, sampled=not self.request.sampling.greedy)
+        if cancel and self._draft_holds_session:  # a stall: the draft still holds the session
+            self._to_draft(Cancel(self.sid))
         self.mode, self.waiting_since = DraftMode.DETACHED, None
         self.stats.detached += 1
         self.epoch += 1  # what the old draft sent or sends is stale
         self.ahead.drop_all()
         self.feedback.reset()
         self._paused_tokens = []
-        if self._draft_open:
-            self._draft_open = False
-            if cancel:
-                self._to_draft(pb.DraftRequest(cancel=pb.Cancel(session_id=self.sid)))
         if self.verifying is None:
             self._go_alone()
 
@@ -266,7 +274,7 @@ class SessionPipeline:
         if self.reattach.hold_until is None:
             self._verify(self._empty_block(), time.time(), "detached")
 
-    def _decide_detached(self, block: pb.Block, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
+    def _decide_detached(self, block: DraftedBlock, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
         """A verdict while no draft works on the session: the target's own token, or a verdict on
         a block drafted before the draft was lost (greedy: kept; sampled: voided, see above)."""
         decided = time.time()
@@ -296,33 +304,36 @@ class SessionPipeline:
         """The session is dropped (finished, cancelled, or its caller's stream is gone): its
         pages go back to the pool and the draft's session is cancelled."""
         self.target.close()
-        if self._draft_open:
-            self._draft_open = False
-            self._to_draft(pb.DraftRequest(cancel=pb.Cancel(session_id=self.sid)))
+        if self._draft_holds_session:
+            self._to_draft(Cancel(self.sid))
+        self.mode = DraftMode.CLOSED
 
     # --- from the draft worker ---------------------------------------------------------------------
 
-    def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
+    def on_draft_event(self, event: DraftEvent, received_at: float, size: int) -> None:
         self.log.wire_bytes += size
-        kind = event.WhichOneof("kind")
-        if kind == "closed" and event.closed.shed:  # the draft gave the session up (its KV pool is full)
+        if isinstance(event, DraftClosed) and event.shed:  # the draft gave the session up (its KV pool is full)
             self.detach(cancel=False)  # if not detached already
             self.hold_expired(float("inf"))  # it will not take this session up again: no hold
             return
         if self.detached:  # stale: the old draft session's; a Closed says a stalled draft is back
-            if kind == "closed" and self.draft.available:
+            if isinstance(event, DraftClosed) and self.draft.available:
                 self.attach()
             return
-        if kind == "error":  # the draft failed this session (a bug, or a limit): never the caller's error
-            self._give_up_draft(
-                f"the draft worker reported code {event.error.code}: {event.error.message[:200]}", cancel=False
-            )
+        if isinstance(event, DraftFailed):  # the draft failed this session (a bug, or a limit): never the caller's
+            self._give_up_draft(f"the draft worker reported code {event.code}: {event.message[:200]}", cancel=False)
             return
-        if kind == "block" and not self.done:
+        if isinstance(event, DraftedBlock) and not self.done:
             try:
-                self._on_block(event.block, received_at)
+                self._on_block(event, received_at)
             except WorkerError as exc:  # a bad block is the draft's fault: checked before it changes anything
                 self._give_up_draft(str(exc), cancel=True)
+
+    def on_bad_draft_message(self, why: str) -> None:
+        """The draft sent what cannot be read (the service's edge found it malformed): the draft's
+        fault, never the caller's. A detached session ignores it, as every message of the old draft."""
+        if not self.done and not self.detached:
+            self._give_up_draft(why, cancel=True)
 
     def _give_up_draft(self, why: str, cancel: bool) -> None:
         """The draft failed this session: the target goes on alone, at once (no hold: the draft
@@ -333,7 +344,7 @@ class SessionPipeline:
             self.mode = DraftMode.GIVEN_UP
         self.hold_expired(float("inf"))
 
-    def _on_block(self, block: pb.Block, received_at: float) -> None:
+    def _on_block(self, block: DraftedBlock, received_at: float) -> None:
         check_timings(block)
         self.log.busy("draft", block.started_at, block.finished_at)
         self._note_feedback_answered(block, received_at)
@@ -342,18 +353,18 @@ class SessionPipeline:
             return
         if self.paused:
             raise WorkerError("draft worker sent a block while the session is paused")
-        if block.HasField("prepared_for"):
-            p = block.prepared_for
+        if block.prepared_for is not None:
+            parent = block.prepared_for[0]
             undecided = self.verifying.base if self.verifying is not None else len(self.committed)
-            check_prepared(p.base, len(self.committed), len(self.ahead.prepared), self.limits)
-            if p.base >= undecided:  # its parent's verdict is still to come
-                self.ahead.keep_prepared((p.base, p.accepted, p.token), block, received_at)
+            check_prepared(parent, len(self.committed), len(self.ahead.prepared), self.limits)
+            if parent >= undecided:  # its parent's verdict is still to come
+                self.ahead.keep_prepared(block.prepared_for, block, received_at)
             else:  # its parent's verdict is already out: the draft sends it again if it applies
                 self.stats.discarded_tokens += len(block.tokens)
             return
         if block.reused:
             self.stats.prepared_used_late += 1
-        if block.HasField("resolved_token"):
+        if block.resolved_token != NO_TOKEN:
             budget = self.request.max_new_tokens - len(self.generated)
             self._commit(*clip_settled([self._checked_correction(block.resolved_token)], budget, self.stop_ids))
             if self.done:
@@ -365,7 +376,7 @@ class SessionPipeline:
 
     # --- a round: verify, then decide ---------------------------------------------------------------
 
-    def _verify(self, block: pb.Block, received_at: float, source: str) -> None:
+    def _verify(self, block: DraftedBlock, received_at: float, source: str) -> None:
         """source: how the block came to be verified (stats): see GenerationStats.round_sources.
         A follow-up whose first token the target's stored row already rejects is decided at once,
         no forward, and its feedback joins the one before it; otherwise the feedback goes out
@@ -381,14 +392,14 @@ class SessionPipeline:
         self.enqueue(self, block, checked, (received_at, source))
 
     def verified(
-        self, block: pb.Block, verdict: Verdict, received_at: float, source: str, started: float, ended: float
+        self, block: DraftedBlock, verdict: Verdict, received_at: float, source: str, started: float, ended: float
     ) -> None:
         """The verdict from the host's batched step (one target forward for every session ready);
         decided after what arrived meanwhile (prepared blocks, follow-ups) is taken in."""
         self.log.busy("target", started, ended)
         self.schedule(self._decide, block, verdict, (received_at, started, ended, source))
 
-    def _decide(self, block: pb.Block, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
+    def _decide(self, block: DraftedBlock, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
         """The verdict's consequences, the critical ones first: the feedback to the draft, then
         the next block if it is already here; the caller's tokens and the stats after."""
         if self.done:
@@ -458,7 +469,7 @@ class SessionPipeline:
             self._verify(self._empty_block(), time.time(), "none")
         elif ready is not None:  # no round trip this time
             prepared_block, prepared_received = ready
-            prepared_block.epoch = self.epoch
+            prepared_block.block.epoch = self.epoch
             self.stats.prepared_used += 1
             self.gate.record_round_trip(0.0)
             self._verify(prepared_block, prepared_received, "prepared")
@@ -473,17 +484,15 @@ class SessionPipeline:
             return None
         return self._load_cap(self.gate)
 
-    def _learn(self, block: pb.Block, accepted: int) -> None:
+    def _learn(self, block: DraftedBlock, accepted: int) -> None:
         """auto: the verdict on a drafted block, into the pair's estimate and the session's rate."""
         load = self._load()
-        entropies = convert.floats_from_proto(block.entropies) if block.HasField("entropies") else []
-        probs = convert.floats_from_proto(block.q_probs) if block.HasField("q_probs") else []
         round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
-        self.auto.record(entropies, probs, accepted, block.draft_s, round_tokens)
+        self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s, round_tokens)
 
-    def _stop_rule(self) -> pb.StopRule:
-        """auto: the rule for the next blocks, at this session's tau now."""
-        return convert.stop_rule_to_proto(self.auto.rule(self._load()))
+    def _stop_rule(self) -> StopRule | None:
+        """auto: the rule for the next blocks, at this session's tau now (None: not policy auto)."""
+        return self.auto.rule(self._load()) if self.auto is not None else None
 
     def _pause(self) -> None:
         """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
@@ -494,19 +503,16 @@ class SessionPipeline:
         """Drafting pays again: the draft gets the tokens settled since the pause and its cap."""
         self.mode = DraftMode.DRAFTING
         base = len(self.committed) - len(self._paused_tokens)  # where the draft's tokens end
-        resume = pb.Resume(session_id=self.sid, epoch=self.epoch, base=base, tokens=self._paused_tokens, load_cap=cap)
-        if self.auto is not None:
-            resume.stop_rule.CopyFrom(self._stop_rule())
+        resume = Resume(self.sid, self.epoch, base, tuple(self._paused_tokens), cap, self._stop_rule())
         self._paused_tokens = []
         self._feedback_sent_at = time.time()
-        self._to_draft(pb.DraftRequest(resume=resume))
+        self._to_draft(resume)
 
     def _send_feedback(
-        self, block: pb.Block, verdict: Verdict, token: int, prepared_used: bool, deferred: bool, cap: int | None
+        self, block: DraftedBlock, verdict: Verdict, token: int, prepared_used: bool, deferred: bool, cap: int | None
     ) -> None:
         """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback)."""
-        rule = self._stop_rule() if self.auto is not None else None
-        self.feedback.add(self.epoch, block, verdict, token, prepared_used, deferred, cap, rule)
+        self.feedback.add(self.epoch, block, verdict, token, prepared_used, deferred, cap, self._stop_rule())
 
     def _flush_feedback(self) -> None:
         """Send the queued feedback, several verdicts as one message (each the next one's ``then``)."""
@@ -517,16 +523,16 @@ class SessionPipeline:
         if head is None:
             return
         self._feedback_sent_at = head.sent_at = time.time()
-        self._to_draft(pb.DraftRequest(feedback=head))
+        self._to_draft(head)
 
-    def _checked(self, block: pb.Block) -> Block:
+    def _checked(self, block: DraftedBlock) -> Block:
         return check_block(block, len(self.committed), self.request, self.limits)
 
     def _checked_correction(self, token: int) -> int:
         return check_correction(token, self.feedback.take_correction_due(), self.limits)
 
-    def _empty_block(self) -> pb.Block:
-        return pb.Block(session_id=self.sid, epoch=self.epoch, base=len(self.committed))
+    def _empty_block(self) -> DraftedBlock:
+        return DraftedBlock.empty(len(self.committed), self.epoch)
 
     def _commit(self, tokens: list[int], reason: str | None = None) -> None:
         """Settle tokens already clipped (reason: the finish they reach, if any)."""
@@ -543,13 +549,12 @@ class SessionPipeline:
         self.caller.finished(reason, self.log.final(self.draft is not None))
         self.close()
 
-    def _to_draft(self, request: pb.DraftRequest) -> None:
-        self.log.wire_bytes += request.ByteSize()
-        self.draft.send(self.sid, request)
+    def _to_draft(self, request: DraftRequest) -> None:
+        self.log.wire_bytes += self.draft.send(self.sid, request)
 
     # --- stats --------------------------------------------------------------------------------------
 
-    def _note_feedback_answered(self, block: pb.Block, received_at: float) -> None:
+    def _note_feedback_answered(self, block: DraftedBlock, received_at: float) -> None:
         """A block drafted in answer to the latest feedback: that round's return trip (for the
         stats, and what load-aware speculation charges a drafting round beyond its forwards)."""
         if block.trigger_at and self._feedback_sent_at:

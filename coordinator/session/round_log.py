@@ -8,8 +8,7 @@ from __future__ import annotations
 import time
 
 from svip_common.contracts import GenerationStats
-from svip_proto import convert
-from svip_proto import svip_pb2 as pb
+from svip_common.messages import DraftedBlock
 
 
 class RoundLog:
@@ -22,7 +21,7 @@ class RoundLog:
     def busy(self, worker: str, start: float, end: float) -> None:
         self.intervals.append((worker, start, end))
 
-    def round(self, block: pb.Block, accepted: int, timing: tuple[float, float, float, str], now: float) -> None:
+    def round(self, block: DraftedBlock, accepted: int, timing: tuple[float, float, float, str], now: float) -> None:
         """A decided round. timing: (block received, forward started, forward ended, source)."""
         (received_at, started, ended, source), s, last = timing, self.stats, self.last_decision
         wall = now - last
@@ -30,9 +29,8 @@ class RoundLog:
         critical_draft = (
             min(block.draft_s, max(0.0, block.finished_at - max(block.started_at, last))) if block.tokens else 0.0
         )
-        drafted_entropy = block.tokens and block.HasField("entropies")
-        s.record_round(len(block.tokens), accepted,
-                       convert.floats_from_proto(block.entropies)[-1] if drafted_entropy else None)
+        entropies = block.block.entropies
+        s.record_round(len(block.tokens), accepted, entropies[-1] if block.tokens and entropies else None)
         s.target_forwards += 1
         s.round_s.append(wall)
         s.draft_forward_s.append(critical_draft)
@@ -45,7 +43,7 @@ class RoundLog:
         s.round_sources.append(source)
         self.last_decision = now
 
-    def feedback_answered(self, block: pb.Block, feedback_sent_at: float) -> None:
+    def feedback_answered(self, block: DraftedBlock, feedback_sent_at: float) -> None:
         """The latest round's return trip, now that a block answering its feedback arrived."""
         if self.stats.rounds:
             self.stats.feedback_transit_s[-1] = max(0.0, block.trigger_at - feedback_sent_at)

@@ -9,14 +9,13 @@ import math
 
 from svip_common.contracts import Block, GenerationRequest, Limits, check_token_ids
 from svip_common.errors import InvalidRequest, WorkerError
-from svip_proto import convert
-from svip_proto import svip_pb2 as pb
+from svip_common.messages import DraftedBlock
 
 PREPARED_REACH_BLOCKS = 3  # a prepared block's parent lies within this many blocks of the committed tokens
 MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares two per block)
 
 
-def check_timings(block: pb.Block) -> None:
+def check_timings(block: DraftedBlock) -> None:
     """Its timings go into stats and the cost model: finite and not negative."""
     for name in ("started_at", "finished_at", "draft_s", "trigger_at"):
         value = getattr(block, name)
@@ -34,14 +33,15 @@ def check_prepared(base: int, committed: int, kept: int, limits: Limits) -> None
         )
 
 
-def check_block(block: pb.Block, committed: int, request: GenerationRequest, limits: Limits) -> Block:
+def check_block(drafted: DraftedBlock, committed: int, request: GenerationRequest, limits: Limits) -> Block:
     """A block to verify: on the committed sequence, ids in range, within the cap and within the
-    session's budget (hence the context); a sampled one with q(d) for every token."""
-    if block.base != committed:
-        raise WorkerError(f"draft worker sent a block at base {block.base}, committed {committed}")
+    session's budget (hence the context); a sampled one with q(d) for every token. (Its shape, a q
+    and an entropy per token or none, the service's edge checked when it read it.)"""
+    checked = drafted.block
+    if checked.base != committed:
+        raise WorkerError(f"draft worker sent a block at base {checked.base}, committed {committed}")
     try:
-        check_token_ids(block.tokens, limits.tokens, "drafted token id")
-        checked = convert.block_from_proto(block)
+        check_token_ids(checked.tokens, limits.tokens, "drafted token id")
     except InvalidRequest as exc:
         raise WorkerError(f"draft worker sent a bad block: {exc}") from None
     if len(checked) > limits.max_draft_length:

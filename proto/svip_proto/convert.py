@@ -7,13 +7,23 @@ from __future__ import annotations
 
 import sys
 from array import array
-from dataclasses import dataclass
 
 import torch
 
 from svip_common.acceptance import StopRule
 from svip_common.contracts import DRAFT_LENGTH_CAP, NO_TOKEN, Block, GenerationStats, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
+from svip_common.messages import (
+    Cancel,
+    DraftClosed,
+    DraftedBlock,
+    DraftEvent,
+    DraftFailed,
+    DraftRequest,
+    Feedback,
+    Resume,
+    SessionStart,
+)
 from svip_proto import svip_pb2 as pb
 
 PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}  # the pipeline modes by name, as the wire says them
@@ -106,26 +116,6 @@ def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> Poli
     return policy
 
 
-@dataclass(frozen=True)
-class SessionStart:
-    """A StartSession in the project's terms (both workers read one the same way)."""
-
-    session_id: str
-    prompt_ids: tuple[int, ...]
-    max_new_tokens: int
-    sampling: SamplingParams
-    policy: PolicyConfig  # name "none": the target alone, no draft session
-    stop_token_ids: frozenset[int]
-    pipeline: str  # "sync" or "async"
-    epoch: int
-    load_cap: int | None  # the first block's cap (0: start paused); None: the policy's own
-    stop_rule: StopRule | None  # policy auto: the rule for the first blocks
-
-    @property
-    def speculates(self) -> bool:
-        return self.policy.name != "none"
-
-
 def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> SessionStart:
     """Checked against the worker's block cap: a bad policy or stop rule is INVALID_ARGUMENT."""
     speculates = msg.policy.name not in ("", "none")
@@ -143,6 +133,64 @@ def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> Sessi
     )
 
 
+def start_to_proto(start: SessionStart) -> pb.StartSession:
+    msg = pb.StartSession(
+        session_id=start.session_id,
+        prompt_ids=start.prompt_ids,
+        sampling=sampling_to_proto(start.sampling),
+        policy=policy_to_proto(start.policy),
+        stop_token_ids=sorted(start.stop_token_ids),
+        max_new_tokens=start.max_new_tokens,
+        pipeline=PIPELINES[start.pipeline],
+        epoch=start.epoch,
+    )
+    if start.load_cap is not None:
+        msg.load_cap = start.load_cap
+    if start.stop_rule is not None:
+        msg.stop_rule.CopyFrom(stop_rule_to_proto(start.stop_rule))
+    return msg
+
+
+def feedback_to_proto(feedback: Feedback) -> pb.Feedback:
+    """A chain of verdicts as one message, each the next one's ``then``."""
+    head = None
+    for item in reversed(feedback.chain()):
+        msg = pb.Feedback(session_id=item.session_id, epoch=item.epoch, base=item.base, drafted=item.drafted,
+                          accepted=item.accepted, token=item.token, prepared_used=item.prepared_used,
+                          sent_at=item.sent_at)
+        if item.load_cap is not None:
+            msg.load_cap = item.load_cap
+        if item.stop_rule is not None:
+            msg.stop_rule.CopyFrom(stop_rule_to_proto(item.stop_rule))
+        if item.p_row is not None:
+            msg.p_row.CopyFrom(tensor_to_proto(item.p_row.float()))
+        if head is not None:
+            msg.then.CopyFrom(head)
+        head = msg
+    return head
+
+
+def resume_to_proto(resume: Resume) -> pb.Resume:
+    msg = pb.Resume(session_id=resume.session_id, epoch=resume.epoch, base=resume.base, tokens=resume.tokens,
+                    load_cap=resume.load_cap)
+    if resume.stop_rule is not None:
+        msg.stop_rule.CopyFrom(stop_rule_to_proto(resume.stop_rule))
+    return msg
+
+
+def draft_request_to_proto(request: DraftRequest) -> pb.DraftRequest:
+    """What the target side's session sends its draft, as the wire says it."""
+    if isinstance(request, SessionStart):
+        return pb.DraftRequest(start=start_to_proto(request))
+    if isinstance(request, Feedback):
+        return pb.DraftRequest(feedback=feedback_to_proto(request))
+    if isinstance(request, Resume):
+        return pb.DraftRequest(resume=resume_to_proto(request))
+    if isinstance(request, Cancel):
+        return pb.DraftRequest(cancel=pb.Cancel(session_id=request.session_id))
+    raise TypeError(f"not a draft request: {type(request).__name__}")
+
+
 def block_to_proto(session_id: str, block: Block, resolved_token: int = NO_TOKEN, probs: bool = True) -> pb.Block:
     """probs: send each token's q (sampled acceptance needs it, `auto` learns from it; a greedy
     block of another policy needs only ids and entropies)."""
@@ -153,6 +201,45 @@ def block_to_proto(session_id: str, block: Block, resolved_token: int = NO_TOKEN
     if probs:
         msg.q_probs.CopyFrom(floats_to_proto(block.probs))
     return msg
+
+
+def drafted_to_proto(session_id: str, drafted: DraftedBlock, probs: bool = True) -> pb.Block:
+    msg = block_to_proto(session_id, drafted.block, drafted.resolved_token, probs)
+    msg.followup, msg.reused = drafted.followup, drafted.reused
+    msg.started_at, msg.finished_at = drafted.started_at, drafted.finished_at
+    msg.draft_s, msg.trigger_at = drafted.draft_s, drafted.trigger_at
+    if drafted.prepared_for is not None:
+        base, accepted, token = drafted.prepared_for
+        msg.prepared_for.CopyFrom(pb.PreparedFor(base=base, accepted=accepted, token=token))
+    return msg
+
+
+def drafted_from_proto(msg: pb.Block) -> DraftedBlock:
+    """A malformed block (its q or entropies not one per token, a bad tensor) is an InvalidRequest."""
+    p = msg.prepared_for
+    return DraftedBlock(
+        block_from_proto(msg),
+        followup=msg.followup,
+        resolved_token=msg.resolved_token if msg.HasField("resolved_token") else NO_TOKEN,
+        prepared_for=(p.base, p.accepted, p.token) if msg.HasField("prepared_for") else None,
+        reused=msg.reused,
+        started_at=msg.started_at,
+        finished_at=msg.finished_at,
+        draft_s=msg.draft_s,
+        trigger_at=msg.trigger_at,
+    )
+
+
+def draft_event_from_proto(event: pb.DraftEvent) -> DraftEvent:
+    """What the draft sent, in the project's terms (a malformed block is an InvalidRequest)."""
+    kind = event.WhichOneof("kind")
+    if kind == "block":
+        return drafted_from_proto(event.block)
+    if kind == "closed":
+        return DraftClosed(event.closed.session_id, event.closed.shed)
+    if kind == "error":
+        return DraftFailed(event.error.session_id, event.error.code, event.error.message)
+    raise InvalidRequest("an empty draft event")
 
 
 def stop_rule_to_proto(rule: StopRule) -> pb.StopRule:

@@ -18,8 +18,8 @@ from coordinator.session.draft_port import DraftPort
 from coordinator.session.pipeline import SessionPipeline
 from coordinator.session.reattach import REATTACH_BACKOFF_S
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.messages import DraftedBlock
 from svip_common.models import load_model_info
-from svip_proto import svip_pb2 as pb
 from target_worker.verifier import Verifier
 from tests.workers import in_process_workers
 
@@ -101,12 +101,13 @@ def test_a_draft_block_that_fails_the_checks_gives_the_draft_up_not_the_session(
     prepared block far beyond the outstanding blocks (kept for ever): the draft is given up, the
     session goes on alone, no error reaches its caller."""
     session = pipeline_session(models, prompt_ids)
-    block = pb.Block(session_id="s", epoch=session.epoch, base=len(session.committed), tokens=[5])
+    block = DraftedBlock.empty(len(session.committed), session.epoch)
+    block.block.tokens, block.block.entropies = [5], [0.5]
     if field == "prepared_base":
-        block.prepared_for.CopyFrom(pb.PreparedFor(base=value, accepted=0, token=5))
+        block.prepared_for = (value, 0, 5)
     else:
         setattr(block, field, value)
-    session.on_draft_event(pb.DraftEvent(block=block), 0.0, 10)  # raises nothing
+    session.on_draft_event(block, 0.0, 10)  # raises nothing
     assert session.detached and session.draft_given_up and not session.ahead.prepared and not session.done
     session.attach()
     assert session.detached  # never taken up again

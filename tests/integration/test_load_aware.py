@@ -219,14 +219,14 @@ def test_the_target_refuses_a_block_while_the_session_is_paused(models):
     """A session that starts paused verifies alone; a draft block of its epoch is the draft's
     protocol error: the draft is given up for the session (never the caller's error)."""
     from coordinator.session.pipeline import SessionPipeline
-    from svip_proto import svip_pb2 as pb
+    from svip_common.messages import DraftedBlock
 
     sent, enqueued = [], []
     link = type(
         "Link",
         (),
         {
-            "send": lambda self, sid, request: sent.append(request),
+            "send": lambda self, sid, request: sent.append(request) or 0,
             "available": True,
             "answered": lambda self, seconds: None,
         },
@@ -248,8 +248,9 @@ def test_the_target_refuses_a_block_while_the_session_is_paused(models):
         load_cap=lambda gate: 0,
     )
     session.start()
-    assert session.paused and sent[0].start.load_cap == 0 and enqueued  # the target goes on alone
-    block = pb.DraftEvent(block=pb.Block(session_id="s", epoch=session.epoch, base=3, tokens=[9]))
+    assert session.paused and sent[0].load_cap == 0 and enqueued  # the target goes on alone
+    block = DraftedBlock.empty(3, session.epoch)
+    block.block.tokens = [9]
     session.on_draft_event(block, 0.0, 0)  # a protocol error of the draft's: it is given up, the session goes on
     assert session.draft_given_up and session.detached and not session.done
     session.close()

@@ -10,7 +10,6 @@ import random
 
 import pytest
 
-from coordinator.calibration import PRIOR_FILE, estimate_from, stored_prior
 from draft_worker.policies import AutoPolicy, make_policy
 from svip_common.acceptance import (
     FEATURES,
@@ -21,6 +20,7 @@ from svip_common.acceptance import (
     StopRule,
     features,
 )
+from svip_common.auto_prior import PRIOR_FILE, estimate_from, stored_prior
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import PolicyConfig, StepState
 from svip_common.errors import InvalidRequest

@@ -35,8 +35,9 @@ ALLOWED = {  # package -> the packages it may import (besides itself)
     "svip_cli": set(PACKAGES) - {"svip_cli"},
 }
 SESSION = "coordinator.session"
-CALLERS_END = ("coordinator.distributed", "coordinator.client", "coordinator.cluster", "coordinator.local")
 IN_PROCESS = ("coordinator.engine", "coordinator.batch")
+EDGES = ("coordinator.session.host", "coordinator.session.draft_port", "coordinator.session.draft_link",
+         "coordinator.session.actor")  # where the session package meets the wire and Ray
 FORBIDDEN_IN_CORE = ("grpc", "ray", "svip_proto", "google.protobuf")
 
 
@@ -103,15 +104,28 @@ def test_the_core_imports_no_grpc_ray_or_generated_code():
     assert not wrong, wrong
 
 
-def test_the_session_package_and_the_callers_end_stay_apart():
+def test_the_session_package_stays_apart_from_the_rest_of_the_coordinator():
     wrong = sorted(
         f"{m} -> {t}"
         for m, targets in GRAPH.items()
         for t in targets
-        if (m.startswith(SESSION) and t.startswith(CALLERS_END + IN_PROCESS))
+        if (m.startswith(SESSION) and _package(t) == "coordinator" and not t.startswith(SESSION))
         or (m.startswith(IN_PROCESS) and t.startswith(SESSION))
     )
     assert not wrong, wrong
+
+
+def test_the_sessions_protocol_logic_speaks_the_domain():
+    """Both sides' session logic reads and writes svip_common.messages; protobuf, gRPC and Ray stay
+    at the services' edges (host.py and draft_port.py on the target side, service.py on the draft's)."""
+    logic = [m for m in MODULES if m.startswith(SESSION + ".") and m not in EDGES] + ["draft_worker.pipelined"]
+    wrong = sorted(
+        f"{m} imports {name}"
+        for m in logic
+        for name in _imports(MODULES[m])
+        if name.split(".")[0] in (*FORBIDDEN_IN_CORE, "svip_runtime")
+    )
+    assert len(logic) >= 7 and not wrong, wrong
 
 
 def test_no_import_circles():
@@ -150,6 +164,21 @@ def test_the_command_line_answers_without_loading_the_model_stack():
         "import svip_serve.local, svip_serve.settings\n"
         "build_parser()\n"
         "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
+    )
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    assert run.stdout.strip() == "[]", run.stdout
+
+
+def test_processes_that_host_no_model_load_no_modeling_stack():
+    """A Serve replica, `svip serve`'s driver and `svip generate --mode distributed`'s caller need a
+    tokenizer and a model's limits, never its weights: transformers' modeling stack (torch.distributed,
+    dynamo, scipy: ~3.5 s of imports on this machine, in each such process) stays unloaded."""
+    code = (
+        "import sys\n"
+        "import svip_serve.app, svip_serve.server, svip_serve.local, svip_serve.metrics\n"
+        "import coordinator.cluster, coordinator.distributed, coordinator.client\n"
+        "print(sorted(m for m in ('transformers.modeling_utils', 'torch._dynamo', 'scipy') if m in sys.modules))\n"
     )
     run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
     assert run.returncode == 0, run.stderr[-2000:]

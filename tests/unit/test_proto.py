@@ -13,6 +13,15 @@ import torch
 from svip_common.acceptance import PRIOR_WEIGHTS, StopRule
 from svip_common.contracts import Block, GenerationStats, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
+from svip_common.messages import (
+    Cancel,
+    DraftClosed,
+    DraftedBlock,
+    DraftFailed,
+    Feedback,
+    Resume,
+    SessionStart,
+)
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 
@@ -156,3 +165,68 @@ def test_a_bad_start_is_invalid(field, value, message):
     getattr(msg, field).CopyFrom(value)
     with pytest.raises(InvalidRequest, match=message):
         convert.start_from_proto(msg)
+
+
+def test_a_start_the_target_sends_is_the_start_the_draft_reads():
+    start = SessionStart(
+        session_id="s", prompt_ids=(5, 6), max_new_tokens=7, sampling=SamplingParams(temperature=0.5, seed=3),
+        policy=PolicyConfig(name="auto"), stop_token_ids=frozenset({3, 0}), pipeline="sync", epoch=2, load_cap=0,
+        stop_rule=StopRule(PRIOR_WEIGHTS, 0.4),
+    )
+    msg = convert.draft_request_to_proto(start)
+    assert msg.WhichOneof("kind") == "start" and list(msg.start.stop_token_ids) == [0, 3]
+    back = convert.start_from_proto(msg.start)
+    assert back == start
+    bare = convert.draft_request_to_proto(SessionStart("t", (1,), 1, SamplingParams(), PolicyConfig(name="svip"),
+                                                       frozenset(), "async"))
+    assert not bare.start.HasField("load_cap") and not bare.start.HasField("stop_rule")
+
+
+def test_a_feedback_chain_travels_as_one_message_earliest_first():
+    rule = StopRule(PRIOR_WEIGHTS, 0.3)
+    later = Feedback("s", 1, 14, 2, 0, 7, prepared_used=True, stop_rule=rule)
+    head = Feedback("s", 1, 10, 4, 4, -1, load_cap=0, p_row=torch.tensor([0.25, 0.75], dtype=torch.float64),
+                    sent_at=5.0, then=later)
+    msg = convert.draft_request_to_proto(head).feedback
+    assert (msg.base, msg.drafted, msg.accepted, msg.token, msg.sent_at) == (10, 4, 4, -1, 5.0)
+    assert msg.HasField("load_cap") and msg.load_cap == 0 and not msg.HasField("stop_rule")
+    assert convert.tensor_from_proto(msg.p_row).tolist() == [0.25, 0.75] and msg.p_row.dtype == "float32"
+    then = msg.then
+    assert (then.base, then.accepted, then.token, then.prepared_used) == (14, 0, 7, True)
+    assert not then.HasField("load_cap") and not then.HasField("p_row") and not then.HasField("then")
+    assert convert.stop_rule_from_proto(then.stop_rule) == rule
+
+
+def test_resume_and_cancel_on_the_wire():
+    msg = convert.draft_request_to_proto(Resume("s", 3, 40, (8, 9), 4, StopRule(PRIOR_WEIGHTS, 0.2)))
+    r = msg.resume
+    assert (r.session_id, r.epoch, r.base, list(r.tokens), r.load_cap) == ("s", 3, 40, [8, 9], 4)
+    assert convert.stop_rule_from_proto(r.stop_rule) == StopRule(PRIOR_WEIGHTS, 0.2)
+    assert convert.draft_request_to_proto(Cancel("s")).cancel.session_id == "s"
+    with pytest.raises(TypeError, match="not a draft request"):
+        convert.draft_request_to_proto(object())
+
+
+def test_a_drafted_block_round_trips_with_its_place_in_the_protocol():
+    block = Block(base=17, tokens=[5, 6], probs=[0.5, 0.25], entropies=[0.5, 0.25], epoch=2)
+    sent = DraftedBlock(block, followup=True, resolved_token=0, prepared_for=(15, 1, 9), reused=True,
+                        started_at=1.0, finished_at=2.0, draft_s=0.5, trigger_at=0.75)
+    msg = convert.drafted_to_proto("s1", sent)
+    assert msg.session_id == "s1" and msg.resolved_token == 0  # token 0 is a real token
+    got = convert.draft_event_from_proto(pb.DraftEvent(block=msg))
+    assert got == sent
+    plain = convert.drafted_from_proto(convert.drafted_to_proto("s1", DraftedBlock(block)))
+    assert plain.prepared_for is None and plain.resolved_token == -1 and not plain.followup
+
+
+def test_draft_events_read_in_the_projects_terms():
+    shed = convert.draft_event_from_proto(pb.DraftEvent(closed=pb.Closed(session_id="s", shed=True)))
+    assert shed == DraftClosed("s", shed=True)
+    error = convert.draft_event_from_proto(pb.DraftEvent(error=pb.Error(session_id="s", code=8, message="full")))
+    assert error == DraftFailed("s", 8, "full")
+    with pytest.raises(InvalidRequest, match="empty draft event"):
+        convert.draft_event_from_proto(pb.DraftEvent())
+    bad = pb.Block(session_id="s", base=1, tokens=[1, 2])
+    bad.entropies.CopyFrom(convert.floats_to_proto([0.5]))
+    with pytest.raises(InvalidRequest, match="1 entropies"):
+        convert.draft_event_from_proto(pb.DraftEvent(block=bad))

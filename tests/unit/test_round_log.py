@@ -6,14 +6,14 @@ from __future__ import annotations
 import pytest
 
 from coordinator.session.round_log import RoundLog, overlap
-from svip_proto import convert
-from svip_proto import svip_pb2 as pb
+from svip_common.contracts import Block
+from svip_common.messages import DraftedBlock
 
 
-def _block(tokens, started, finished, draft_s, trigger_at=0.0) -> pb.Block:
-    block = pb.Block(tokens=tokens, started_at=started, finished_at=finished, draft_s=draft_s, trigger_at=trigger_at)
-    block.entropies.CopyFrom(convert.floats_to_proto([0.5] * (len(tokens) - 1) + [1.5]) if tokens else pb.Tensor())
-    return block
+def _block(tokens, started, finished, draft_s, trigger_at=0.0) -> DraftedBlock:
+    entropies = [0.5] * (len(tokens) - 1) + [1.5] if tokens else []
+    return DraftedBlock(Block(base=0, tokens=tokens, probs=[], entropies=entropies), started_at=started,
+                        finished_at=finished, draft_s=draft_s, trigger_at=trigger_at)
 
 
 def test_a_rounds_parts():

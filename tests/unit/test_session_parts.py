@@ -17,13 +17,12 @@ from coordinator.session.reattach import (
     Reattach,
 )
 from svip_common.acceptance import StopRule
-from svip_common.contracts import NO_TOKEN, GenerationStats, Verdict
-from svip_proto import convert
-from svip_proto import svip_pb2 as pb
+from svip_common.contracts import NO_TOKEN, Block, GenerationStats, Verdict
+from svip_common.messages import DraftedBlock
 
 
-def _block(base: int, n: int) -> pb.Block:
-    return pb.Block(session_id="s", base=base, tokens=list(range(n)))
+def _block(base: int, n: int) -> DraftedBlock:
+    return DraftedBlock(Block(base=base, tokens=list(range(n)), probs=[], entropies=[]))
 
 
 def test_a_followup_taken_is_not_discarded_and_one_dropped_is():
@@ -97,16 +96,17 @@ def test_feedback_queued_in_one_step_leaves_as_one_message_earliest_first():
     chain = FeedbackChain("s")
     assert chain.take() is None
     chain.add(3, _block(10, 4), Verdict(base=10, accepted=4, token=NO_TOKEN), NO_TOKEN, False, True, 2, None)
-    rule = convert.stop_rule_to_proto(StopRule(stop_at=0.3))
+    rule = StopRule(stop_at=0.3)
     chain.add(3, _block(14, 2), Verdict(base=14, accepted=0, token=7), 7, True, False, None, rule)
     head = chain.take()
     assert chain.take() is None  # all of it left as one message
     fields = (head.session_id, head.epoch, head.base, head.drafted, head.accepted, head.token)
     assert fields == ("s", 3, 10, 4, 4, NO_TOKEN)
-    assert head.load_cap == 2 and not head.HasField("stop_rule") and not head.prepared_used
+    assert head.load_cap == 2 and head.stop_rule is None and not head.prepared_used
     then = head.then
     assert (then.base, then.drafted, then.accepted, then.token, then.prepared_used) == (14, 2, 0, 7, True)
-    assert not then.HasField("load_cap") and then.stop_rule == rule and not then.HasField("then")
+    assert then.load_cap is None and then.stop_rule == rule and then.then is None
+    assert head.chain() == [head, then]
 
 
 def test_a_sampled_rejection_owes_one_correction_and_a_detach_forgets_it():
@@ -115,7 +115,7 @@ def test_a_sampled_rejection_owes_one_correction_and_a_detach_forgets_it():
     chain.add(1, _block(10, 3), Verdict(base=10, accepted=1, token=NO_TOKEN, p_row=p_row), NO_TOKEN, False, False,
               None, None)
     assert chain.correction_due
-    assert convert.floats_from_proto(chain.take().p_row) == [0.25, 0.75]
+    assert chain.take().p_row.tolist() == [0.25, 0.75]
     assert chain.take_correction_due() and not chain.take_correction_due()  # due once
     chain.add(1, _block(11, 3), Verdict(base=11, accepted=3, token=NO_TOKEN), NO_TOKEN, False, True, None, None)
     assert not chain.correction_due  # a deferred token: the follow-up settles it

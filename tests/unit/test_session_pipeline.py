@@ -15,6 +15,7 @@ import pytest
 from coordinator.session.pipeline import DraftMode, SessionPipeline
 from svip_common.contracts import (
     NO_TOKEN,
+    Block,
     GenerationRequest,
     GenerationStats,
     Limits,
@@ -22,32 +23,44 @@ from svip_common.contracts import (
     SamplingParams,
     Verdict,
 )
-from svip_proto import convert
-from svip_proto import svip_pb2 as pb
+from svip_common.messages import (
+    Cancel,
+    DraftClosed,
+    DraftedBlock,
+    DraftFailed,
+    DraftRequest,
+    Feedback,
+    Resume,
+    SessionStart,
+)
 
 PROMPT = (7, 8, 9)
 STOP = 0
 LIMITS = Limits(tokens=50, positions=None, max_draft_length=8)
 
 
+KINDS = {"start": SessionStart, "feedback": Feedback, "resume": Resume, "cancel": Cancel}
+
+
 class Draft:
     """The DraftPeer: what the session sends the draft worker."""
 
     def __init__(self):
-        self.sent: list[pb.DraftRequest] = []
+        self.sent: list[DraftRequest] = []
         self.available = True
 
-    def send(self, session_id: str, request: pb.DraftRequest) -> None:
+    def send(self, session_id: str, request: DraftRequest) -> int:
         self.sent.append(request)
+        return 100
 
     def answered(self, seconds: float) -> None:
         pass
 
     def last(self, kind: str):
-        return getattr([r for r in self.sent if r.WhichOneof("kind") == kind][-1], kind)
+        return [r for r in self.sent if isinstance(r, KINDS[kind])][-1]
 
     def count(self, kind: str) -> int:
-        return sum(r.WhichOneof("kind") == kind for r in self.sent)
+        return sum(isinstance(r, KINDS[kind]) for r in self.sent)
 
 
 class Target:
@@ -75,18 +88,17 @@ class Harness:
             load_cap=load_cap,
         )
 
-    def block(self, tokens: list[int], base: int | None = None, epoch: int | None = None, **fields) -> pb.Block:
+    def block(self, tokens: list[int], base: int | None = None, epoch: int | None = None, **fields) -> DraftedBlock:
         s = self.session
         fields = {"started_at": 1.0, "finished_at": 1.0, "draft_s": 0.001, **fields}
-        block = pb.Block(session_id="s", epoch=s.epoch if epoch is None else epoch,
-                         base=len(s.committed) if base is None else base, tokens=tokens, **fields)
-        block.entropies.CopyFrom(convert.floats_to_proto([0.3] * len(tokens)))
-        return block
+        block = Block(base=len(s.committed) if base is None else base, tokens=tokens, probs=[],
+                      entropies=[0.3] * len(tokens), epoch=s.epoch if epoch is None else epoch)
+        return DraftedBlock(block, **fields)
 
-    def deliver(self, block: pb.Block) -> None:
-        self.session.on_draft_event(pb.DraftEvent(block=block), time.time(), block.ByteSize())
+    def deliver(self, block: DraftedBlock) -> None:
+        self.session.on_draft_event(block, time.time(), 100)
 
-    def verify(self, accepted: int, token: int) -> pb.Block:
+    def verify(self, accepted: int, token: int) -> DraftedBlock:
         block, (received_at, source) = self.queue.pop(0)
         now = time.time()
         self.session.verified(block, Verdict(block.base, accepted, token), received_at, source, now, now)
@@ -113,7 +125,7 @@ def test_start_opens_the_draft_session_on_the_prompt():
     h.session.start()
     start = h.draft.last("start")
     assert list(start.prompt_ids) == list(PROMPT) and start.max_new_tokens == 20 and start.epoch == 0
-    assert start.pipeline == pb.PIPELINE_SYNC and list(start.stop_token_ids) == [STOP]
+    assert start.pipeline == "sync" and sorted(start.stop_token_ids) == [STOP]
     assert h.queue == [] and h.session.waiting_since is not None  # it waits on the draft's block
 
 
@@ -159,9 +171,9 @@ def test_a_prepared_continuation_is_verified_next_when_the_rejection_matches_it(
     h = Harness(pipeline="async")
     h.session.start()
     h.deliver(h.block([11, 12, 13]))
-    prepared = h.block([21, 22], base=5, prepared_for=pb.PreparedFor(base=3, accepted=1, token=20))
+    prepared = h.block([21, 22], base=5, prepared_for=(3, 1, 20))
     h.deliver(prepared)
-    h.deliver(h.block([23], base=5, prepared_for=pb.PreparedFor(base=3, accepted=1, token=25)))
+    h.deliver(h.block([23], base=5, prepared_for=(3, 1, 25)))
     assert h.session.stats.prepared_sent == 2 and len(h.queue) == 1
     h.verify(1, 20)
     fb = h.draft.last("feedback")
@@ -190,6 +202,33 @@ def test_a_bad_block_gives_the_draft_up_and_the_target_goes_on_alone(bad, why, c
     assert h.tokens == [15] and not h.session.done
     h.session.attach()  # a draft that failed the session never takes it up again
     assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("start") == 1
+
+
+def test_a_message_the_edge_could_not_read_gives_the_draft_up_and_cancels_its_session(caplog):
+    h = Harness()
+    h.session.start()
+    h.session.on_bad_draft_message("draft worker sent a bad block: block of 2 tokens carries 1 entropies")
+    assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("cancel") == 1 and "1 entropies" in caplog.text
+    (block, _), = h.queue
+    assert len(block.tokens) == 0  # the target settles the next token alone
+    lost = Harness()
+    lost.session.start()
+    lost.draft.available = False
+    lost.session.detach(cancel=False)
+    lost.session.on_bad_draft_message("junk from the old draft")  # a detached session ignores the old draft
+    assert lost.session.mode is DraftMode.DETACHED and lost.draft.count("cancel") == 0
+
+
+def test_a_draft_error_gives_the_draft_up_and_a_shed_session_goes_on_alone_without_a_hold():
+    h = Harness()
+    h.session.start()
+    h.session.on_draft_event(DraftFailed("s", 8, "its KV pool is full"), time.time(), 40)
+    assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("cancel") == 0  # its session there is gone
+    assert len(h.queue) == 1 and h.session.log.wire_bytes >= 40
+    shed = Harness()
+    shed.session.start()
+    shed.session.on_draft_event(DraftClosed("s", shed=True), time.time(), 10)
+    assert shed.session.detached and shed.session.reattach.hold_until is None and len(shed.queue) == 1
 
 
 def test_a_lost_draft_detaches_and_a_returned_one_takes_the_session_up_again():

@@ -14,29 +14,25 @@ from coordinator.session.wire_checks import (
     check_prepared,
     check_timings,
 )
-from svip_common.contracts import GenerationRequest, Limits, SamplingParams
+from svip_common.contracts import Block, GenerationRequest, Limits, SamplingParams
 from svip_common.errors import WorkerError
-from svip_proto import convert
-from svip_proto import svip_pb2 as pb
+from svip_common.messages import DraftedBlock
 
 LIMITS = Limits(tokens=50, positions=None, max_draft_length=4)
 GREEDY = GenerationRequest((1, 2, 3), max_new_tokens=10)
 
 
-def _block(tokens, base=3, probs=True) -> pb.Block:
-    block = pb.Block(session_id="s", base=base, tokens=tokens)
-    block.entropies.CopyFrom(convert.floats_to_proto([0.1] * len(tokens)))
-    if probs:
-        block.q_probs.CopyFrom(convert.floats_to_proto([0.9] * len(tokens)))
-    return block
+def _block(tokens, base=3, probs=True) -> DraftedBlock:
+    return DraftedBlock(Block(base=base, tokens=tokens, probs=[0.9] * len(tokens) if probs else [],
+                              entropies=[0.1] * len(tokens)))
 
 
 @pytest.mark.parametrize("field", ["started_at", "finished_at", "draft_s", "trigger_at"])
 @pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
 def test_timings_must_be_finite_and_not_negative(field, value):
     with pytest.raises(WorkerError, match=field):
-        check_timings(pb.Block(**{field: value}))
-    check_timings(pb.Block(**{field: 1.5}))
+        check_timings(DraftedBlock(_block([]).block, **{field: value}))
+    check_timings(DraftedBlock(_block([]).block, **{field: 1.5}))
 
 
 def test_a_good_block_comes_back_as_the_projects_block():

@@ -1,0 +1,146 @@
+"""The distributed protocol's messages in the project's terms. Each worker's service converts them
+to and from the wire (svip_proto/convert.py) at its edge, once; the session logic on both sides
+(coordinator/session/pipeline.py, draft_worker/pipelined.py) reads and writes only these.
+
+    target ──SessionStart, Feedback (a chain), Resume, Cancel──►  draft
+    target ◄──DraftedBlock, DraftClosed, DraftFailed───────────  draft
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from svip_common.acceptance import StopRule
+from svip_common.contracts import NO_TOKEN, Block, PolicyConfig, SamplingParams
+
+PreparedKey = tuple[int, int, int]  # (parent base, accepted, correction): the verdict a prepared block assumes
+
+
+# --- target -> draft --------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SessionStart:
+    """A session's start (the caller's to the target, the target's to the draft): both workers read
+    one the same way."""
+
+    session_id: str
+    prompt_ids: tuple[int, ...]
+    max_new_tokens: int
+    sampling: SamplingParams
+    policy: PolicyConfig  # name "none": the target alone, no draft session
+    stop_token_ids: frozenset[int]
+    pipeline: str  # "sync" or "async"
+    epoch: int = 0
+    load_cap: int | None = None  # the first block's cap (0: start paused); None: the policy's own
+    stop_rule: StopRule | None = None  # policy auto: the rule for the first blocks
+
+    @property
+    def speculates(self) -> bool:
+        return self.policy.name != "none"
+
+
+@dataclass
+class Feedback:
+    """The verdict on one drafted block. token: the place after the accepted tokens as the target
+    settled it (NO_TOKEN: the draft draws it from p_row, or the follow-up settles it); then: the
+    verdict on the next block, decided in the same step (a chain, earliest first)."""
+
+    session_id: str
+    epoch: int
+    base: int
+    drafted: int
+    accepted: int
+    token: int
+    prepared_used: bool = False
+    load_cap: int | None = None  # load-aware speculation's cap on the next blocks (None: no cap)
+    stop_rule: StopRule | None = None  # policy auto: the rule for the next blocks
+    p_row: torch.Tensor | None = field(default=None, repr=False)  # sampled rejection: the target's p there
+    sent_at: float = 0.0  # the target's wall clock when the feedback left
+    then: Feedback | None = None
+
+    def chain(self) -> list[Feedback]:
+        out, item = [], self
+        while item is not None:
+            out.append(item)
+            item = item.then
+        return out
+
+
+@dataclass(frozen=True)
+class Resume:
+    """Drafting pays again after a pause: the tokens the target settled alone since, from base."""
+
+    session_id: str
+    epoch: int
+    base: int
+    tokens: tuple[int, ...]
+    load_cap: int
+    stop_rule: StopRule | None = None
+
+
+@dataclass(frozen=True)
+class Cancel:
+    session_id: str
+
+
+DraftRequest = SessionStart | Feedback | Resume | Cancel
+
+
+# --- draft -> target --------------------------------------------------------------------------------
+
+
+@dataclass
+class DraftedBlock:
+    """A block as the draft sends it: the tokens (with q and entropy), and where it stands in the
+    async protocol (a follow-up, a prepared continuation), with the draft's timings."""
+
+    block: Block
+    followup: bool = False  # the next block on top of this one will come (async)
+    resolved_token: int = NO_TOKEN  # a sampled correction drawn by the draft, for position base - 1
+    prepared_for: PreparedKey | None = None  # a prepared continuation: the verdict it assumes
+    reused: bool = False  # a prepared continuation sent again as the next block
+    started_at: float = 0.0
+    finished_at: float = 0.0
+    draft_s: float = 0.0  # compute time
+    trigger_at: float = 0.0  # when the feedback this block answers reached the draft
+    alternatives: list = field(default_factory=list, repr=False)  # draft side only: per token, the runners-up
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.block.tokens
+
+    @property
+    def base(self) -> int:
+        return self.block.base
+
+    @property
+    def epoch(self) -> int:
+        return self.block.epoch
+
+    @classmethod
+    def empty(cls, base: int, epoch: int) -> DraftedBlock:
+        """No drafted tokens: the target settles the next place alone."""
+        return cls(Block(base=base, tokens=[], probs=[], entropies=[], epoch=epoch))
+
+
+@dataclass(frozen=True)
+class DraftClosed:
+    """The draft ended its side of the session: cancelled as asked, or shed (its KV pool is full)."""
+
+    session_id: str
+    shed: bool = False
+
+
+@dataclass(frozen=True)
+class DraftFailed:
+    """The draft failed the session (its error: never the caller's)."""
+
+    session_id: str
+    code: int
+    message: str
+
+
+DraftEvent = DraftedBlock | DraftClosed | DraftFailed
