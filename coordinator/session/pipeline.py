@@ -409,40 +409,16 @@ class SessionPipeline:
             return
         decided = time.time()
         self.verifying = None
-        k, accepted = len(block.tokens), verdict.accepted
-        if k:
-            self.gate.record(k, accepted, block.draft_s)
-            if self.auto is not None:
-                self._learn(block, accepted)
-        cap = self._cap()
-        ready, deferred = None, False
-        if accepted < k:
-            self.epoch += 1
-            self.ahead.drop_followup()
-            if verdict.token != NO_TOKEN:
-                ready = self.ahead.take_prepared((block.base, accepted, verdict.token))
-            token = verdict.token
-        elif block.followup:
-            deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
-        else:
-            token = verdict.token
-        was_paused = self.paused
-        # drafting no longer pays: pause at a verdict whose token is settled here (not a sampled
-        # correction the draft draws, not a prepared block about to be verified)
-        pause = cap == 0 and not was_paused and verdict.token != NO_TOKEN and ready is None
-        if pause and accepted == k:  # the follow-up drafted on this block is voided
-            self.epoch += 1
-            self.ahead.drop_followup()
-            deferred, token = False, verdict.token
-        self.ahead.drop_prepared(None if accepted < k or pause else block.base)  # a rejection voids every one
-        settled = list(block.tokens[:accepted]) + ([token] if token != NO_TOKEN else [])
+        self._record(block, verdict.accepted)
+        cap, was_paused = self._cap(), self.paused
+        token, ready, deferred, pause = self._resolve_ahead(block, verdict, cap, was_paused)
+        settled = list(block.tokens[: verdict.accepted]) + ([token] if token != NO_TOKEN else [])
         settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
         if reason is None and self.draft is not None and not was_paused:
             # a cap of 0 that cannot pause yet: the draft still writes the next block, of one token
-            self._send_feedback(
-                block, verdict, token, ready is not None, deferred, cap if pause or cap is None else max(cap, 1)
-            )
-        self.log.round(block, accepted, timing, decided)
+            next_cap = cap if pause or cap is None else max(cap, 1)
+            self._send_feedback(block, verdict, token, ready is not None, deferred, next_cap)
+        self.log.round(block, verdict.accepted, timing, decided)
         self._commit(settled, reason)
         if pause:
             self._pause()
@@ -451,6 +427,42 @@ class SessionPipeline:
         self._flush_feedback()
         waiting = not self.done and self.verifying is None and not self.paused and self.draft is not None
         self.waiting_since = decided if waiting else None
+
+    def _record(self, block: DraftedBlock, accepted: int) -> None:
+        """The verdict on a drafted block, into load-aware speculation's estimate and auto's."""
+        if block.tokens:
+            self.gate.record(len(block.tokens), accepted, block.draft_s)
+            if self.auto is not None:
+                self._learn(block, accepted)
+
+    def _resolve_ahead(
+        self, block: DraftedBlock, verdict: Verdict, cap: int | None, was_paused: bool
+    ) -> tuple[int, Waiting | None, bool, bool]:
+        """What the verdict makes of the epoch and of the blocks drafted ahead. Returns the token
+        settled at the place after the accepted ones (NO_TOKEN: the follow-up settles it when
+        deferred, else the draft draws it), the prepared continuation verified next (ready),
+        deferred, and whether the session pauses."""
+        k, accepted = len(block.tokens), verdict.accepted
+        token, ready, deferred = verdict.token, None, False
+        if accepted < k:
+            self._new_epoch()
+            if verdict.token != NO_TOKEN:
+                ready = self.ahead.take_prepared((block.base, accepted, verdict.token))
+        elif block.followup:
+            deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
+        # drafting no longer pays: pause at a verdict whose token is settled here (not a sampled
+        # correction the draft draws, not a prepared block about to be verified)
+        pause = cap == 0 and not was_paused and verdict.token != NO_TOKEN and ready is None
+        if pause and accepted == k:  # the follow-up drafted on this block is voided
+            self._new_epoch()
+            deferred, token = False, verdict.token
+        self.ahead.drop_prepared(None if accepted < k or pause else block.base)  # a rejection voids every one
+        return token, ready, deferred, pause
+
+    def _new_epoch(self) -> None:
+        """The draft's line is rolled back: what it drafted on the old one is stale."""
+        self.epoch += 1
+        self.ahead.drop_followup()
 
     def _next_round(
         self, was_paused: bool, cap: int | None, settled: list[int], ready: Waiting | None, deferred: bool
