@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 from contextlib import contextmanager
 
 from svip_common.auto_prior import stored_prior
@@ -28,9 +29,11 @@ RECOVER_TIMEOUT_S = 120.0  # a replaced worker serves again within this (restart
 def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
     """Start (or join) a Ray instance on this machine whose every listener is on 127.0.0.1.
     metrics_port: where Ray's agent serves Prometheus metrics (None: a free port)."""
-    # Must be in the environment before ray is first imported, and is inherited by the processes
-    # Ray starts (docs/architecture.md, Placement). Never set in a cluster deployment.
+    # Read by ray when it is first imported, and inherited by the processes Ray starts
+    # (docs/architecture.md, Placement). Never set in a cluster deployment.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")
+    if "ray" in sys.modules:  # imported before this call: ray read its switch already
+        _ray_stays_on_loopback()
     # How long ray.init waits for the head's GCS to publish its port (Ray's default 30 s): a
     # bound on a failure only, which a busy machine (two test workers on two cores) once reached.
     os.environ.setdefault("RAY_gcs_server_port_wait_time_s", "120")
@@ -47,6 +50,18 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
         configure_logging=False,
         _metrics_export_port=metrics_port,
     )
+
+
+def _ray_stays_on_loopback() -> None:
+    """Ray 2.x resolves ray.init's _node_ip_address="127.0.0.1" to the machine's routable address
+    unless its cluster switch is off (ray._private.services.resolve_ip_for_localhost), and it reads
+    that switch from the environment once, at import. A process that imported ray before
+    init_local_ray (`svip bench --mode pipeline` did) would put the whole local cluster on the
+    machine's network: the switch is turned off where ray reads it."""
+    from ray._private import ray_constants
+
+    if os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0":
+        ray_constants.ENABLE_RAY_CLUSTER = False
 
 
 def keep_serve_grpc_on_loopback() -> None:

@@ -28,12 +28,12 @@ MODES = ("inprocess", "sync", "async")
 
 def run(engine, prompts, args, header: dict) -> int:
     """engine: the in-process engine (its calibration gives the shared SVIP threshold)."""
-    import ray
-
     policy = PolicyConfig(name="svip", threshold=engine.calibration().threshold)
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     requests = [GenerationRequest(ids, args.max_new_tokens, policy=policy, ignore_eos=True) for ids in encoded]
-    init_local_ray()
+    init_local_ray()  # before ray is imported here: the local cluster stays on 127.0.0.1
+    import ray
+
     pair = WorkerPair(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device)
     loop = asyncio.new_event_loop()
     remote = {m: DistributedEngine.for_pair(pair, m) for m in ("sync", "async")}
