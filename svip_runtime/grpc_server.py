@@ -97,7 +97,9 @@ class SessionStream:
         self.outlet = Outlet(asyncio.get_running_loop())
         self.sessions = 0  # open sessions this stream started (the compute thread counts them)
         self._room = asyncio.Event()
-        self._unanswered = 0  # requests read, not yet handled by the compute thread
+        self._read_count = 0  # requests read (the event loop counts them)
+        self._handled = 0  # of them, handled (the compute thread counts them)
+        self._waiting_for_room = False  # the reader waits: the compute thread wakes it when it frees room
 
     def emit(self, event) -> None:
         """From the compute thread: send an event on this stream."""
@@ -117,18 +119,22 @@ class SessionStream:
             compute.post(self._service.close_owned, self)  # the peer went away: free its caches
 
     def _handle(self, request, received: float) -> None:
-        """On the compute thread: one request, then its place in the backlog is freed."""
+        """On the compute thread: one request, then its place in the backlog is freed (a counter;
+        the loop is woken for it only while its reader waits for room)."""
         try:
             self._service.receive(self, request, received)
         finally:
-            self.outlet.loop.call_soon_threadsafe(self._answered)
+            self._handled += 1
+            if self._waiting_for_room:
+                self.outlet.loop.call_soon_threadsafe(self._check_room)
 
-    def _answered(self) -> None:
-        self._unanswered -= 1
-        self._check_room()
+    @property
+    def _backlog(self) -> int:
+        """Requests read and not yet handled, and events made and not yet sent."""
+        return self._read_count - self._handled + self.outlet.queue.qsize()
 
     def _check_room(self) -> None:
-        if self._unanswered + self.outlet.queue.qsize() < MAX_QUEUED_EVENTS // 2:
+        if self._backlog < MAX_QUEUED_EVENTS // 2:
             self._room.set()
 
     async def _read(self, requests: AsyncIterator) -> None:
@@ -136,10 +142,13 @@ class SessionStream:
         try:
             async for request in requests:
                 received = time.time()
-                while self._unanswered + self.outlet.queue.qsize() >= MAX_QUEUED_EVENTS:
+                while self._backlog >= MAX_QUEUED_EVENTS:
                     self._room.clear()
-                    await self._room.wait()
-                self._unanswered += 1
+                    self._waiting_for_room = True  # set before the check below: no wake-up is lost
+                    if self._backlog >= MAX_QUEUED_EVENTS:
+                        await self._room.wait()
+                    self._waiting_for_room = False
+                self._read_count += 1
                 compute.post(self._handle, request, received)
         except asyncio.CancelledError:
             raise

@@ -1,6 +1,10 @@
 """The target worker's stream to its draft worker: ``DraftLink``, one gRPC stream multiplexing the
 sessions, written from the target's compute thread (thread-safe, never blocking) and read on its
-event loop. Runs in the target worker's process (coordinator/session/draft_port.py owns it)."""
+event loop. Runs in the target worker's process (coordinator/session/draft_port.py owns it).
+
+The stream carries serialised messages both ways: what is sent is serialised by the sender
+(DraftPort, on the compute thread) and what is read arrives with its length, so the sessions'
+wire-byte statistics cost no second serialisation."""
 
 from __future__ import annotations
 
@@ -12,12 +16,21 @@ from collections.abc import Callable
 import grpc
 
 from svip_proto import svip_pb2 as pb
-from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.compute_loop import Outlet
 from svip_runtime.grpc_server import open_channel
 from svip_runtime.tls import TlsFiles
 
 log = logging.getLogger(__name__)
+_SERVICE = pb.DESCRIPTOR.services_by_name["DraftWorker"]
+SESSION_METHOD = f"/{_SERVICE.full_name}/{_SERVICE.methods_by_name['Session'].name}"  # as the generated stub names it
+
+
+def _as_is(data: bytes) -> bytes:
+    return data
+
+
+def _event_and_size(data: bytes) -> tuple[pb.DraftEvent, int]:
+    return pb.DraftEvent.FromString(data), len(data)
 
 
 class DraftLink:
@@ -36,10 +49,13 @@ class DraftLink:
     async def open(self) -> None:
         self._channel = await open_channel(self.role, self.address, self._tls)
         self._outlet = Outlet(asyncio.get_running_loop())
-        self._call = pb_grpc.DraftWorkerStub(self._channel).Session(self._requests())
+        session = self._channel.stream_stream(SESSION_METHOD, request_serializer=_as_is,
+                                              response_deserializer=_event_and_size)
+        self._call = session(self._requests())
         self._reader = asyncio.create_task(self._read())
 
-    def send(self, session_id: str, request: pb.DraftRequest) -> None:
+    def send(self, session_id: str, request: bytes) -> None:
+        """A serialised DraftRequest."""
         self._outlet.send(request)
 
     async def _requests(self):
@@ -48,8 +64,8 @@ class DraftLink:
 
     async def _read(self) -> None:
         try:
-            async for event in self._call:
-                self._on_event(event, time.time(), event.ByteSize())
+            async for event, size in self._call:
+                self._on_event(event, time.time(), size)
             reason = f"draft worker at {self.address} closed the stream"
         except grpc.aio.AioRpcError as exc:
             reason = f"draft worker at {self.address} is unavailable ({exc.code().name}: {exc.details()})"

@@ -89,9 +89,9 @@ class DraftPort:
         draft is connected (the sessions are detached: nothing to send)."""
         if not self.available:
             return 0
-        msg = convert.draft_request_to_proto(request)
-        self.link.send(session_id, msg)
-        return msg.ByteSize()
+        data = convert.draft_request_to_proto(request).SerializeToString()
+        self.link.send(session_id, data)
+        return len(data)
 
     @property
     def available(self) -> bool:
