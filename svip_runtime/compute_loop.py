@@ -7,24 +7,21 @@ what it wants sent back to the loop (``Outlet.send``). Between messages the thre
 work in small units (a draft forward at a time), so a message that arrives never waits for more
 than one unit.
 
-The compute thread runs at a lower priority than the I/O threads (nice +COMPUTE_NICE, its own
-thread only): where cores are shared, a woken event-loop or gRPC poller thread preempts it at once
-instead of waiting for its slice, which is most of a busy round trip's cost on a 2-core machine.
-And the compute thread wakes the event loop once per burst of sends, not once per message.
+The compute thread wakes the event loop once per burst of sends, not once per message. (Running it
+at a lower priority than the I/O threads, nice +10, was measured and left out: no change in the
+round's transit or overhead on this 2-core machine, see docs/benchmarks.md.)
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 import queue
 import threading
 from collections.abc import Callable
 
 log = logging.getLogger(__name__)
 _STOP = object()
-COMPUTE_NICE = 10  # the compute thread's niceness above the process's (0: leave it)
 
 
 class ComputeLoop:
@@ -48,7 +45,6 @@ class ComputeLoop:
         return threading.current_thread() is self._thread
 
     def _run(self) -> None:
-        lower_priority(COMPUTE_NICE)
         while True:
             try:
                 item = self._inbox.get_nowait()
@@ -67,18 +63,6 @@ class ComputeLoop:
         except Exception:  # handlers report their own errors; this keeps the thread alive
             log.exception("compute loop: unhandled error")
             return False
-
-
-def lower_priority(nice: int) -> None:
-    """The calling thread's niceness up by ``nice`` (Linux: per thread; unprivileged, as it only
-    lowers). Where that cannot be done the thread keeps its priority."""
-    if nice <= 0 or not hasattr(os, "setpriority"):
-        return
-    tid = threading.get_native_id()
-    try:
-        os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
-    except OSError as exc:
-        log.info("compute thread keeps its priority (%s)", exc)
 
 
 class Outlet:
