@@ -1,9 +1,10 @@
 """The distributed sessions, run in the target worker's process beside its verifier: the session
 host (the TargetWorker gRPC service and its batched verification step), each session's protocol
 (pipeline.py: the round's decision and the draft's mode), its parts that decide nothing (ahead.py:
-blocks drafted ahead of a verdict; reattach.py: recovery's re-attach schedule; round_log.py: the
-statistics) and what it checks of the draft's messages (wire_checks.py), the link to the draft
-worker and its recovery (draft_link.py, draft_port.py), and the target's Ray actor (actor.py).
+blocks drafted ahead of a verdict; reattach.py: recovery's re-attach schedule; pausing.py:
+load-aware pauses; feedback.py: the feedback owed to the draft; round_log.py: the statistics)
+and what it checks of the draft's messages (wire_checks.py), the link to the draft worker and its
+recovery (draft_link.py, draft_port.py), and the target's Ray actor (actor.py).
 The protocol logic (pipeline.py and its parts) speaks svip_common.messages; protobuf is read and
 written at the edges only (host.py, draft_port.py).
 

@@ -43,6 +43,7 @@ from typing import Protocol
 
 from coordinator.session.ahead import AheadBlocks, Waiting
 from coordinator.session.feedback import FeedbackChain
+from coordinator.session.pausing import LoadCap, LoadPause
 from coordinator.session.reattach import AttachWait, Reattach
 from coordinator.session.round_log import RoundLog
 from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
@@ -64,14 +65,12 @@ from svip_common.messages import (
     DraftEvent,
     DraftFailed,
     DraftRequest,
-    Resume,
     SessionStart,
 )
 from svip_common.step_cost import SessionGate, TargetLoad
 from target_worker.verifier import TargetSession
 
 log = logging.getLogger(__name__)
-LoadCap = Callable[[SessionGate], int]  # the most tokens the session's next block should hold at the load now
 
 
 class DraftMode(enum.Enum):
@@ -146,10 +145,10 @@ class SessionPipeline:
         self.reattach = Reattach(hold_s)  # recovery: when a detached session may take a draft up again
         self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
         self.feedback = FeedbackChain(session_id)  # verdicts' feedback not yet sent, a correction owed
-        self._load_cap, self.gate = load_cap, SessionGate(cuts=auto is None)
+        self.gate = SessionGate(cuts=auto is None)  # load-aware speculation's estimate for this session
+        self.pausing = LoadPause(load_cap, self.gate, self.stats)  # its cap, and the tokens settled while paused
         self.auto, self._load = (auto if draft is not None else None), load
         self.mode = DraftMode.DRAFTING
-        self._paused_tokens: list[int] = []  # settled since the pause (the Resume carries them)
         self.waiting_since: float | None = None  # since when the session waits on the draft (stall check)
 
     @property
@@ -228,7 +227,7 @@ class SessionPipeline:
         self.epoch += 1  # what the old draft sent or sends is stale
         self.ahead.drop_all()
         self.feedback.reset()
-        self._paused_tokens = []
+        self.pausing.forget()
         if self.verifying is None:
             self._go_alone()
 
@@ -472,7 +471,7 @@ class SessionPipeline:
         the session waits for the draft's block. ready: the prepared continuation the verdict
         chose; deferred: the follow-up settles the next place."""
         if was_paused:
-            self._paused_tokens += settled
+            self.pausing.settle(settled)
         if was_paused and cap > 0:
             self._resume(cap)  # the draft's block comes next
         elif self.paused:
@@ -492,9 +491,7 @@ class SessionPipeline:
 
     def _cap(self) -> int | None:
         """Load-aware speculation: the most tokens the next block should hold (None: no cap)."""
-        if self._load_cap is None or self.draft is None:
-            return None
-        return self._load_cap(self.gate)
+        return None if self.draft is None else self.pausing.cap()
 
     def _learn(self, block: DraftedBlock, accepted: int) -> None:
         """auto: the verdict on a drafted block, into the pair's estimate and the session's rate."""
@@ -508,15 +505,13 @@ class SessionPipeline:
 
     def _pause(self) -> None:
         """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
-        self.mode, self._paused_tokens = DraftMode.PAUSED, []
-        self.stats.pauses += 1
+        self.mode = DraftMode.PAUSED
+        self.pausing.pause()
 
     def _resume(self, cap: int) -> None:
         """Drafting pays again: the draft gets the tokens settled since the pause and its cap."""
         self.mode = DraftMode.DRAFTING
-        base = len(self.committed) - len(self._paused_tokens)  # where the draft's tokens end
-        resume = Resume(self.sid, self.epoch, base, tuple(self._paused_tokens), cap, self._stop_rule())
-        self._paused_tokens = []
+        resume = self.pausing.resume(self.sid, self.epoch, len(self.committed), cap, self._stop_rule())
         self._feedback_sent_at = time.time()
         self._to_draft(resume)
 

@@ -9,6 +9,7 @@ import torch
 
 from coordinator.session.ahead import AheadBlocks
 from coordinator.session.feedback import FeedbackChain
+from coordinator.session.pausing import LoadPause
 from coordinator.session.reattach import (
     MAX_STALLS,
     REATTACH_BACKOFF_MAX_S,
@@ -19,6 +20,7 @@ from coordinator.session.reattach import (
 from svip_common.acceptance import StopRule
 from svip_common.contracts import NO_TOKEN, Block, GenerationStats, Verdict
 from svip_common.messages import DraftedBlock
+from svip_common.step_cost import SessionGate
 
 
 def _block(base: int, n: int) -> DraftedBlock:
@@ -125,3 +127,22 @@ def test_a_sampled_rejection_owes_one_correction_and_a_detach_forgets_it():
     chain.add(2, _block(14, 3), Verdict(base=14, accepted=3, token=9), 9, False, False, None, None)
     chain.drop()  # the session is done: nothing leaves, and nothing was owed
     assert chain.take() is None and not chain.correction_due
+
+
+def test_a_pause_counts_once_gathers_what_the_target_settles_and_resumes_from_where_the_draft_stopped():
+    stats = GenerationStats()
+    caps = [0]
+    pausing = LoadPause(lambda gate: caps[0], SessionGate(), stats)
+    assert pausing.cap() == 0 and LoadPause(None, SessionGate(), stats).cap() is None
+    pausing.pause()
+    pausing.settle([7])
+    pausing.settle([8, 9])
+    rule = StopRule(stop_at=0.2)
+    resume = pausing.resume("s", 4, committed=20, cap=3, stop_rule=rule)
+    assert (resume.session_id, resume.epoch, resume.base, resume.tokens) == ("s", 4, 17, (7, 8, 9))
+    assert resume.load_cap == 3 and resume.stop_rule == rule and stats.pauses == 1
+    assert pausing.resume("s", 4, committed=20, cap=3, stop_rule=None).tokens == ()  # handed over once
+    pausing.pause()
+    pausing.settle([5])
+    pausing.forget()  # detached: the paused draft is gone, and what it was owed with it
+    assert pausing.settled == [] and stats.pauses == 2
