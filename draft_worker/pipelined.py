@@ -30,7 +30,7 @@ import time
 from dataclasses import dataclass, field
 
 from draft_worker.drafter import BlockDraft, DraftSession
-from svip_common.contracts import NO_TOKEN, Block
+from svip_common.contracts import NO_TOKEN
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.step_cost import UNLIMITED, Ewma
@@ -44,7 +44,7 @@ class Job:
     """A block in the making: the next main-line block, the follow-up, or a prepared continuation."""
 
     draft: BlockDraft
-    prepared_for: tuple[int, int, int] | None
+    prepared_for: PreparedKey | None
     started_at: float
     trigger_at: float = 0.0  # the feedback it answers arrived then (critical jobs)
     resolved_token: int = NO_TOKEN  # the sampled correction it carries (critical jobs)
@@ -66,7 +66,7 @@ class PipelinedDraft:
     known: list[int] = field(default_factory=list)  # committed, as the target's feedback settled it
     epoch: int = 0
     outstanding: list[DraftedBlock] = field(default_factory=list)  # main-line blocks sent, unanswered (<= 2)
-    agenda: list[tuple[float, tuple[int, int, int] | None]] = field(default_factory=list)  # (score, prepared_for)
+    agenda: list[tuple[float, PreparedKey | None]] = field(default_factory=list)  # (score, prepared_for)
     job: Job | None = None  # the speculative block in the making
     critical: Job | None = None  # the main-line block the target waits for, drafted before any speculation
     prepared: dict[PreparedKey, DraftedBlock] = field(default_factory=dict)  # (base, accepted, token) -> finished
@@ -198,8 +198,8 @@ class PipelinedDraft:
         if resolved == NO_TOKEN and self._finished():
             return []
         now = time.time()
-        empty = Block(base=len(self.known), tokens=[], probs=[], entropies=[], epoch=self.epoch)
-        item = DraftedBlock(empty, resolved_token=resolved, started_at=now, finished_at=now, trigger_at=trigger_at)
+        item = DraftedBlock.empty(len(self.known), self.epoch, resolved_token=resolved, started_at=now,
+                                  finished_at=now, trigger_at=trigger_at)
         self.outstanding.append(item)
         return [item]
 
@@ -305,7 +305,7 @@ class PipelinedDraft:
             self.agenda = [a for a in self.agenda if a[1] != self.job.prepared_for]
         self.agenda.sort(key=lambda c: -c[0])
 
-    def _begin(self, prepared_for: tuple[int, int, int] | None) -> None:
+    def _begin(self, prepared_for: PreparedKey | None) -> None:
         if prepared_for is None:  # the follow-up: after every outstanding block
             seq = self.known + [t for o in self.outstanding for t in o.block.tokens]
         else:

@@ -121,9 +121,10 @@ class DraftedBlock:
         return self.block.epoch
 
     @classmethod
-    def empty(cls, base: int, epoch: int) -> DraftedBlock:
-        """No drafted tokens: the target settles the next place alone."""
-        return cls(Block(base=base, tokens=[], probs=[], entropies=[], epoch=epoch))
+    def empty(cls, base: int, epoch: int, **fields) -> DraftedBlock:
+        """No drafted tokens: the target settles the next place alone (fields: the rest, e.g. a
+        sampled correction it carries and its timings)."""
+        return cls(Block(base=base, tokens=[], probs=[], entropies=[], epoch=epoch), **fields)
 
 
 @dataclass(frozen=True)

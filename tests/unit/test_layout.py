@@ -155,31 +155,25 @@ def test_the_code_passes_ruff():
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-1000:]
 
 
+def _loaded_after(imports: str, watched: tuple[str, ...]) -> str:
+    """Which of ``watched`` a fresh interpreter has loaded after running ``imports``."""
+    code = f"import sys\n{imports}\nprint(sorted(m for m in {watched!r} if m in sys.modules))\n"
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
+    assert run.returncode == 0, run.stderr[-2000:]
+    return run.stdout.strip()
+
+
 def test_the_command_line_answers_without_loading_the_model_stack():
     """`svip --help`, a bad flag, and `svip serve`'s settings need no torch or transformers (they
     took 6 s to load here before the command could answer)."""
-    code = (
-        "import sys\n"
-        "from svip_cli.main import build_parser\n"
-        "import svip_serve.local, svip_serve.settings\n"
-        "build_parser()\n"
-        "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "[]", run.stdout
+    imports = "from svip_cli.main import build_parser\nimport svip_serve.local, svip_serve.settings\nbuild_parser()"
+    assert _loaded_after(imports, ("torch", "transformers", "ray")) == "[]"
 
 
 def test_processes_that_host_no_model_load_no_modeling_stack():
     """A Serve replica, `svip serve`'s driver and `svip generate --mode distributed`'s caller need a
     tokenizer and a model's limits, never its weights: transformers' modeling stack (torch.distributed,
     dynamo, scipy: ~3.5 s of imports on this machine, in each such process) stays unloaded."""
-    code = (
-        "import sys\n"
-        "import svip_serve.app, svip_serve.server, svip_serve.local, svip_serve.metrics\n"
-        "import coordinator.cluster, coordinator.distributed, coordinator.client\n"
-        "print(sorted(m for m in ('transformers.modeling_utils', 'torch._dynamo', 'scipy') if m in sys.modules))\n"
-    )
-    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO)
-    assert run.returncode == 0, run.stderr[-2000:]
-    assert run.stdout.strip() == "[]", run.stdout
+    imports = ("import svip_serve.app, svip_serve.server, svip_serve.local, svip_serve.metrics\n"
+               "import coordinator.cluster, coordinator.distributed, coordinator.client")
+    assert _loaded_after(imports, ("transformers.modeling_utils", "torch._dynamo", "scipy")) == "[]"
