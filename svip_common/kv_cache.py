@@ -9,14 +9,19 @@ sequence and frees its whole pages past the new end; closing it frees everything
 ``KVPool.forward`` runs one forward over a ragged batch: every sequence's new tokens flattened
 into one row [1, total] with their own positions (vLLM's way: no padding to the longest), the new
 keys and values written to each sequence's pages, and each sequence's queries attending to its own
-pages only, causally. What each layer needs is worked out once per forward (``_Ragged``): the
-write slots, each sequence's causal mask, and where its keys and values are read. Pages are
-placed so that each sequence holds one run of slots where the pool has room (``_FreePages``), and
-then its keys and values are a view of the pool, not a copy; those of a sequence whose pages are
-scattered are gathered in one ``index_select`` per layer for all such sequences. On
-a CPU there is no varlen attention kernel, so each sequence still gets its own SDPA call (a
-block-diagonal mask would cost the batch size times the work); its inputs are bitwise what a
-per-sequence gather gives (tests/unit/test_kv_cache.py compares logits with ``torch.equal``).
+pages only, causally. What each layer needs is worked out once per forward (``_Ragged``). The
+step's short items (decode and verify rows) are attended in one SDPA call per layer per group
+(``_Packed``): their keys gathered as [items, longest] in one ``index_select``, each item's own
+masked in, queries padded to the widest item; items go together while that padding stays within
+twice the keys they hold. Long items (prefill chunks), and a short one with nobody of its length,
+are attended on their own: a sequence's pages are placed as one run where the pool has room
+(``_FreePages``), and then its keys and values are a view of the pool, not a copy. There is no
+varlen attention kernel on a CPU; the packed call is what a GPU's varlen kernel would replace.
+
+Batched is not bitwise alone: a GEMM over 16 rows rounds differently from one over 1, and so does
+the padded attention, so a sequence's logits in a batch equal its logits alone to float rounding
+(tests/unit/test_kv_cache.py: allclose and the same argmax against a per-sequence gather; the
+sequences attended on their own are bitwise that gather).
 
 transformers reaches the pool through two hooks: a cache object whose
 ``update`` writes the new keys and values (the forward's ``cache=`` argument, so named since 5.24),
@@ -258,6 +263,8 @@ class _FreePages:
 
 @dataclass
 class _Item:
+    """A sequence attended on its own: a prefill chunk, or a step with one short item."""
+
     start: int  # where its new tokens begin in the flattened row
     length: int  # how many new tokens
     total: int  # how many tokens it holds after this forward (its keys and values)
@@ -267,22 +274,115 @@ class _Item:
 
 
 @dataclass
+class _Packed:
+    """The step's short items (decode and verify rows), attended in one SDPA call per layer: their
+    keys and values gathered into [items, longest] (padding masked out), their queries padded to
+    the most new tokens of any. On a CPU, where there is no varlen kernel, this replaces one call
+    per sequence and layer (each ~10 small ops around the kernel) by one; the padding costs at most
+    ``PACK_MAX_NEW`` query rows per item and the longest sequence's keys."""
+
+    slots: torch.Tensor  # [items * longest] pool slots, each item's own, padded with its first
+    queries: torch.Tensor | None  # [items * widest] rows of the flattened step (None: one each, in order)
+    mask: torch.Tensor | None  # [items, 1, widest, longest] may attend; None when nothing is masked
+    rows: torch.Tensor | None  # [their new tokens] the real rows of [items * widest] (None: all)
+    items: int
+    widest: int  # the most new tokens of any item
+    longest: int  # the most tokens any item holds
+
+    @staticmethod
+    def plan(items: list[tuple[torch.Tensor, int, int, int]], device: torch.device) -> _Packed:
+        """items: (slots, start, new tokens, total) in the step's order."""
+        count, widest, longest = len(items), max(n for _, _, n, _ in items), max(t for *_, t in items)
+        slots = torch.empty(count, longest, dtype=torch.long, device=device)
+        for row, (item_slots, _, _, total) in zip(slots, items):
+            row[:total] = item_slots
+            row[total:] = item_slots[0]  # any slot of its own: masked out
+        totals = torch.tensor([t for *_, t in items], device=device)
+        news = torch.tensor([n for _, _, n, _ in items], device=device)
+        in_order = widest == 1 and [s for _, s, _, _ in items] == list(range(count))  # the step's first rows
+        queries = rows = None
+        if not in_order:
+            offsets = torch.arange(widest, device=device)
+            starts = torch.tensor([s for _, s, _, _ in items], device=device)
+            queries = (starts[:, None] + torch.minimum(offsets[None, :], news[:, None] - 1)).reshape(-1)
+            rows = (torch.arange(count, device=device)[:, None] * widest + offsets[None, :])[
+                offsets[None, :] < news[:, None]]
+        mask = None
+        if widest > 1 or min(t for *_, t in items) != longest:
+            # query i of an item holding T tokens, n of them new, sees keys up to T - n + i (its
+            # padded rows see all of its keys: finite, and dropped)
+            seen = torch.minimum(totals[:, None] - news[:, None] + torch.arange(widest, device=device) + 1,
+                                 totals[:, None])
+            mask = (torch.arange(longest, device=device)[None, None, :] < seen[:, :, None]).unsqueeze(1)
+        return _Packed(slots.reshape(-1), queries, mask, rows, count, widest, longest)
+
+    def attend(self, query, keys, values, scaling) -> torch.Tensor:
+        """query [1, heads, total, d] -> this group's rows [their new tokens, heads, d], in its order."""
+        heads, d = query.shape[1], query.shape[-1]
+        slots = self.slots.to(keys.device)  # a no-op unless the model spans devices
+        k = keys.index_select(0, slots).view(self.items, self.longest, *keys.shape[1:]).transpose(1, 2)
+        v = values.index_select(0, slots).view(self.items, self.longest, *values.shape[1:]).transpose(1, 2)
+        if self.queries is None:  # one new token each, the step's first rows in order
+            q = query[0, :, : self.items].transpose(0, 1).unsqueeze(2)  # [items, heads, 1, d]
+        else:
+            q = query[0].index_select(1, self.queries.to(query.device)).view(heads, self.items, self.widest, d)
+            q = q.transpose(0, 1)
+        mask = None if self.mask is None else self.mask.to(q.device)
+        o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        o = o.transpose(1, 2).reshape(self.items * self.widest, heads, d)
+        return o if self.rows is None else o.index_select(0, self.rows.to(o.device))
+
+
+# Items with at most this many new tokens are attended together (decode and verify rows); longer
+# ones (prefill chunks) alone, so one long item does not pad every other's queries to its length.
+PACK_MAX_NEW = 32
+# A packed call's keys are gathered as [items, longest]: items go together only while that is at
+# most twice the keys they hold and at most this many slots (the copy's size, per layer).
+PACK_MAX_SLOTS = 1 << 18
+
+
+def _pack_groups(short: list[tuple]) -> tuple[list[list[tuple]], list[tuple]]:
+    """short: (sequence, slots, start, new, total) of the step's short items. Groups of at least
+    two (longest first; each in the step's order) and the items left on their own."""
+    groups, alone, rest = [], [], sorted(short, key=lambda item: -item[4])
+    while rest:
+        longest = rest[0][4]
+        fits = max(1, min(PACK_MAX_SLOTS // longest, len(rest)))
+        group = [item for item in rest[:fits] if 2 * item[4] >= longest]
+        rest = rest[len(group):]
+        if len(group) > 1:
+            groups.append(sorted(group, key=lambda item: item[2]))
+        else:
+            alone += group
+    return groups, alone
+
+
+@dataclass
 class _Ragged:
     """What every layer of one forward needs, worked out once."""
 
     pool: KVPool
-    items: list[_Item]
+    packs: list[_Packed]  # attended a group at a time
+    items: list[_Item]  # attended one by one
     write: torch.Tensor  # [total new tokens] the slot each new token's keys and values go to
-    gather: torch.Tensor | None  # the slots of every sequence not held in one run, in item order
+    gather: torch.Tensor | None  # the slots of every single item not held in one run, in item order
+    order: torch.Tensor | None  # rows of [packs' rows; single items' rows] in the step's order (None: as is)
 
     @staticmethod
     def plan(pool: KVPool, steps: Sequence[tuple[PagedSequence, int]]) -> _Ragged:
         """steps: (sequence, new tokens) after each sequence has grown its pages for them."""
-        items, writes, gathers, start, gathered = [], [], [], 0, 0
+        writes, start, short, long_ = [], 0, [], []
         for seq, n in steps:
             total = len(seq) + n
             slots = seq._slots_upto(total)
             writes.append(slots[-n:])
+            (short if n <= PACK_MAX_NEW else long_).append((seq, slots, start, n, total))
+            start += n
+        groups, alone = _pack_groups(short)
+        singles = sorted(alone + long_, key=lambda item: item[2])
+        packs = [_Packed.plan([item[1:] for item in group], pool.device) for group in groups]
+        items, gathers, gathered = [], [], 0
+        for seq, slots, start, n, total in singles:
             mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool, device=slots.device).tril(total - n)
             if seq._run is not None:
                 items.append(_Item(start, n, total, seq._run, True, mask))
@@ -290,9 +390,14 @@ class _Ragged:
                 items.append(_Item(start, n, total, gathered, False, mask))
                 gathers.append(slots)
                 gathered += total
-            start += n
         gather = torch.cat(gathers) if gathers else None
-        return _Ragged(pool, items, torch.cat(writes), gather)
+        flat = [i for _, _, s, n, _ in [it for group in groups for it in group] + singles for i in range(s, s + n)]
+        order = None
+        if flat != list(range(len(flat))):
+            order = torch.empty(len(flat), dtype=torch.long)
+            order[torch.tensor(flat)] = torch.arange(len(flat))
+            order = order.to(pool.device)
+        return _Ragged(pool, packs, items, torch.cat(writes), gather, order)
 
 
 class _PoolWriter:
@@ -315,18 +420,22 @@ def _ragged_attention_forward(module, query, key, value, attention_mask, scaling
     values in the pool (those before, and its new ones causally); returns [1, total, heads, head_dim]."""
     meta: _Ragged = kwargs["svip_ragged"]
     keys, values = meta.pool.keys[module.layer_idx], meta.pool.values[module.layer_idx]
-    if meta.gather is not None:  # one gather per layer for every sequence not held in one run
+    outs = [pack.attend(query, keys, values, scaling) for pack in meta.packs]
+    if meta.gather is not None:  # one gather per layer for every single item not held in one run
         gather = meta.gather.to(keys.device)  # a no-op unless the model spans devices
         gathered_keys, gathered_values = keys.index_select(0, gather), values.index_select(0, gather)
-    outs = []
     for item in meta.items:
         q = query[:, :, item.start : item.start + item.length]  # [1, heads, n, d]
         k_src, v_src = (keys, values) if item.run else (gathered_keys, gathered_values)
         k = k_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
         v = v_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)
         mask = None if item.mask is None else item.mask.to(q.device)
-        outs.append(scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True))
-    return torch.cat(outs, dim=2).transpose(1, 2).contiguous(), None
+        o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        outs.append(o[0].transpose(0, 1))  # [n, heads, d]
+    out = outs[0] if len(outs) == 1 else torch.cat(outs)
+    if meta.order is not None:
+        out = out.index_select(0, meta.order.to(out.device))
+    return out.unsqueeze(0).contiguous(), None
 
 
 AttentionInterface.register(ATTENTION, _ragged_attention_forward)

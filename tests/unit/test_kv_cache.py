@@ -177,20 +177,22 @@ from transformers import AttentionInterface  # noqa: E402
 from svip_common import kv_cache  # noqa: E402
 
 
-def _per_sequence_gather(sequences):
+def _per_sequence_gather(steps):
     """The attention as first written, the reference: per layer and per sequence, a gather of its
     every key and value by its page table and a causal mask built there."""
 
     def attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
         meta = kwargs["svip_ragged"]
         keys, values = meta.pool.keys[module.layer_idx], meta.pool.values[module.layer_idx]
-        outs = []
-        for item, seq in zip(meta.items, sequences, strict=True):
-            q = query[:, :, item.start : item.start + item.length]
-            slots = seq._slots_upto(item.total)
+        outs, start = [], 0
+        for seq, new, _ in steps:
+            n = len(new)
+            q = query[:, :, start : start + n]
+            start += n
+            slots = seq._slots_upto(len(seq) + n)
             k = keys[slots].permute(1, 0, 2).unsqueeze(0)
             v = values[slots].permute(1, 0, 2).unsqueeze(0)
-            n, total = item.length, slots.shape[0]
+            total = slots.shape[0]
             mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool).tril(total - n)
             outs.append(torch.nn.functional.scaled_dot_product_attention(
                 q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True))
@@ -205,7 +207,7 @@ def _forward_twice(pool, steps):
     planned = pool.forward(steps)
     for (seq, _, _), n in zip(steps, lengths):
         seq.rollback(n)
-    AttentionInterface.register(kv_cache.ATTENTION, _per_sequence_gather([seq for seq, _, _ in steps]))
+    AttentionInterface.register(kv_cache.ATTENTION, _per_sequence_gather(steps))
     try:
         reference = pool.forward(steps)
     finally:
@@ -213,10 +215,9 @@ def _forward_twice(pool, steps):
     return planned, reference
 
 
-@torch.inference_mode()
-def test_planned_attention_is_bitwise_a_per_sequence_gather(model):
-    """Views of one run, rows of the step's single gather, masks made once: the logits equal,
-    bit for bit, those of the per-sequence gathers they replace, for decode and verify rows."""
+def _mixed_pool(model):
+    """A pool holding one run, two scattered sequences (one rolled back mid-page) and room for a
+    new run; returns the pool and those three sequences."""
     pool = KVPool(model, tokens=128, page_size=4)  # 32 pages
     alone = pool.sequence()
     alone.forward(TOKENS + [3, 4, 5], 1)  # one run of pages
@@ -231,14 +232,57 @@ def test_planned_attention_is_bitwise_a_per_sequence_gather(model):
     pool.forward([(a, [1, 2, 3, 4], 1)])
     for f in fillers[1::3] + fillers[2::3]:
         f.close()  # room again: a new sequence is one run
-    steps = [(alone, [7], 1), (a, [8, 9, 10, 11], 4), (b, [12], 1), (pool.sequence(), TOKENS, 3)]
+    return pool, alone, a, b
+
+
+def _plan(pool, steps):
     for seq, new, _ in steps:  # pages grown ahead (the forward would), so the plan can be read here
         seq._grow(len(new))
-    planned_meta = kv_cache._Ragged.plan(pool, [(seq, len(new)) for seq, new, _ in steps])
-    assert [it.run for it in planned_meta.items] == [True, False, False, True]
+    return kv_cache._Ragged.plan(pool, [(seq, len(new)) for seq, new, _ in steps])
+
+
+@torch.inference_mode()
+def test_planned_attention_is_bitwise_a_per_sequence_gather(model, monkeypatch):
+    """Sequences attended one by one (views of one run, rows of the step's single gather, masks
+    made once): the logits equal, bit for bit, those of the per-sequence gathers they replace,
+    for decode and verify rows."""
+    monkeypatch.setattr(kv_cache, "PACK_MAX_NEW", 0)  # nothing packed: every item on its own
+    pool, alone, a, b = _mixed_pool(model)
+    steps = [(alone, [7], 1), (a, [8, 9, 10, 11], 4), (b, [12], 1), (pool.sequence(), TOKENS, 3)]
+    planned_meta = _plan(pool, steps)
+    assert not planned_meta.packs and [it.run for it in planned_meta.items] == [True, False, False, True]
     planned, reference = _forward_twice(pool, steps)
     for p, r in zip(planned, reference, strict=True):
         assert torch.equal(p, r)
+
+
+@pytest.mark.parametrize("shape", ["decode", "verify", "with-a-prefill-chunk-first", "equal-lengths"])
+@torch.inference_mode()
+def test_packed_attention_equals_a_per_sequence_gather(model, monkeypatch, shape):
+    """The step's short items in one padded SDPA call per layer (keys gathered and masked to each
+    item's own, queries padded to the widest): the logits those items get attended one by one,
+    to float32 rounding, with the same argmax; a long item (a prefill chunk) stays on its own."""
+    monkeypatch.setattr(kv_cache, "PACK_MAX_NEW", 4)
+    pool, alone, a, b = _mixed_pool(model)
+    if shape == "decode":
+        steps = [(alone, [7], 1), (a, [8], 1), (b, [12], 1)]
+    elif shape == "verify":
+        # the second, 3 tokens beside 13, too short to pad to the others: on its own
+        steps = [(alone, [7, 8], 2), (pool.sequence(), [3, 4, 5], 3), (a, [8, 9, 10, 11], 4), (b, [12], 1)]
+    elif shape == "with-a-prefill-chunk-first":
+        steps = [(pool.sequence(), TOKENS, 0), (alone, [7], 1), (a, [8, 9, 10], 3), (b, [12], 1)]
+    else:
+        b.rollback(len(a))
+        steps = [(a, [8], 1), (b, [9], 1)]
+    meta = _plan(pool, steps)
+    assert len(meta.packs) == 1 and meta.packs[0].items + len(meta.items) == len(steps)
+    assert (meta.packs[0].mask is None) == (shape == "equal-lengths")
+    assert (meta.order is None) == (shape in ("decode", "equal-lengths"))
+    planned, reference = _forward_twice(pool, steps)
+    for p, r in zip(planned, reference, strict=True):
+        assert p.shape == r.shape
+        assert torch.allclose(p, r, atol=1e-4)
+        assert torch.equal(p.argmax(-1), r.argmax(-1))
 
 
 @torch.inference_mode()
@@ -258,3 +302,22 @@ def test_sequences_growing_side_by_side_stay_runs_while_the_pool_has_room(model)
     late = pool.sequence()
     late.forward([5] * (pool.free_pages * 4), 1)  # every page left, wherever they are
     assert pool.free_pages == 0 and len(late.pages) * 4 == len(late)
+
+
+def test_packs_bound_their_padding():
+    """Short items are packed while the gathered [items, longest] is at most twice the keys they
+    hold and PACK_MAX_SLOTS; each group keeps the step's order; a group of one goes alone."""
+    def item(start, total):
+        return (None, None, start, 1, total)
+
+    def starts(groups):
+        return [[it[2] for it in g] for g in groups]
+
+    groups, alone = kv_cache._pack_groups([item(0, 100), item(1, 40), item(2, 60), item(3, 50), item(4, 200)])
+    assert starts(groups) == [[0, 4], [1, 2, 3]] and alone == []
+    groups, alone = kv_cache._pack_groups([item(0, 100), item(1, 20), item(2, 60), item(3, 50), item(4, 200)])
+    assert starts(groups) == [[0, 4], [2, 3]] and [it[2] for it in alone] == [1]
+    groups, alone = kv_cache._pack_groups([item(0, 10), item(1, 1000)])
+    assert groups == [] and sorted(it[2] for it in alone) == [0, 1]
+    groups, alone = kv_cache._pack_groups([item(i, kv_cache.PACK_MAX_SLOTS // 4) for i in range(10)])
+    assert starts(groups) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and alone == []
