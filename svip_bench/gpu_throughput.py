@@ -2,7 +2,9 @@
 Qwen2.5-7B (target) and Qwen2.5-0.5B (draft), random weights, bf16, built from their configs
 (nothing is downloaded). Random weights accept almost nothing, so the figures are the costs, not
 a speedup: a target step by batch size and tokens (what load-aware speculation fits), a draft
-step, and the batched engine's aggregate tokens/s with the target alone at batch 1 and 16.
+step, the draft/target cost ratio c, one forward's device kernels and aten operators with the
+attention kernel SDPA chose (batch 1 and 16), and the batched engine's aggregate tokens/s with
+the target alone at batch 1 and 16.
 Writes gpu_throughput.json and .md under --out. (--device cpu with the tiny shapes checks the
 script itself where there is no GPU; CI does.)"""
 
@@ -82,6 +84,57 @@ def step_costs(model, batches, tokens_per_seq, prompt: int, repeats: int) -> lis
     return rows
 
 
+# The kernel each SDPA backend runs, as the profiler names it.
+SDPA_KERNELS = {
+    "aten::_scaled_dot_product_flash_attention": "flash",
+    "aten::_scaled_dot_product_flash_attention_for_cpu": "flash (cpu)",
+    "aten::_scaled_dot_product_efficient_attention": "efficient",
+    "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+    "aten::_scaled_dot_product_attention_math": "math",
+}
+
+
+def forward_profile(model, batch: int, k: int, prompt: int) -> dict:
+    """One forward of ``batch`` sequences of ragged lengths adding k tokens each, under the
+    profiler: the device kernels it launches (CUDA; 0 on a CPU), its aten operators, and the
+    attention kernels SDPA chose (by backend: calls)."""
+    from collections import Counter
+
+    from torch.profiler import ProfilerActivity, profile
+
+    from svip_common.kv_cache import KVPool
+
+    pool = KVPool(model.model, (batch + 1) * (prompt + k + 16))
+    seqs = [pool.sequence() for _ in range(batch)]
+    lengths = [prompt - (i % 8) for i in range(batch)]  # ragged: the masks are real
+    pool.forward([(s, list(range(10, 10 + n)), 1) for s, n in zip(seqs, lengths)])
+
+    def step():
+        pool.forward([(s, list(range(20, 20 + k)), k) for s in seqs])
+        synchronize()
+        for s, n in zip(seqs, lengths):
+            s.rollback(n)
+
+    step()  # warm-up
+    cuda = next(model.model.parameters()).device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        step()
+    events = prof.events()
+    return {
+        "batch": batch, "tokens_per_seq": k,
+        "device_kernels": sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
+        "aten_ops": sum(1 for e in events if e.name.startswith("aten::")),
+        "sdpa": dict(Counter(SDPA_KERNELS[e.name] for e in events if e.name in SDPA_KERNELS)),
+    }
+
+
+def cost_ratios(target_rows: list[dict], draft_rows: list[dict]) -> list[dict]:
+    """c, the draft's step over the target's, one new token per sequence, at each batch both have."""
+    target = {r["batch"]: r["ms"] for r in target_rows if r["tokens_per_seq"] == 1}
+    draft = {r["batch"]: r["ms"] for r in draft_rows if r["tokens_per_seq"] == 1}
+    return [{"batch": b, "c": draft[b] / target[b]} for b in sorted(target.keys() & draft.keys())]
+
+
 def engine_tps(target, draft, batch: int, policy: str, new_tokens: int, prompt: int) -> dict:
     from coordinator.engine import SpeculativeEngine
     from svip_common.contracts import GenerationRequest, PolicyConfig
@@ -127,10 +180,13 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{where}, {platform.machine()}, torch {torch.__version__}",
         "target_step": step_costs(target, (1, 4, 16, 64), (1, 5, 9), args.prompt, args.repeats),
         "draft_step": step_costs(draft, (1, 16, 64), (1,), args.prompt, args.repeats),
+        "profile": [dict(forward_profile(m, b, k, args.prompt), model=name)
+                    for name, m, k in (("target", target, 5), ("draft", draft, 1)) for b in (1, 16)],
         "engine": [
             engine_tps(target, draft, b, p, args.new_tokens, args.prompt) for b in (1, 16) for p in ("none", "svip")
         ],
     }
+    doc["cost_ratio"] = cost_ratios(doc["target_step"], doc["draft_step"])
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu_throughput.json").write_text(json.dumps(doc, indent=1))
@@ -148,6 +204,15 @@ def main(argv: list[str] | None = None) -> int:
     lines += [
         f"| draft {args.draft_shape} | {r['batch']} | {r['tokens_per_seq']} | {r['ms']:.2f} |"
         for r in doc["draft_step"]
+    ]
+    lines += ["", "| draft / target step (c), one token each | batch | c |", "|---|---|---|"]
+    lines += [f"| {args.draft_shape} / {args.target_shape} | {r['batch']} | {r['c']:.3f} |" for r in doc["cost_ratio"]]
+    lines += ["", "| one forward | batch | tokens / sequence | device kernels | aten operators | SDPA kernels |",
+              "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {r['model']} | {r['batch']} | {r['tokens_per_seq']} | {r['device_kernels']} | {r['aten_ops']} | "
+        + (", ".join(f"{name} x{n}" for name, n in sorted(r["sdpa"].items())) or "none") + " |"
+        for r in doc["profile"]
     ]
     lines += ["", "| batch | policy | tokens/s | drafted tokens | pauses |", "|---|---|---|---|---|"]
     lines += [

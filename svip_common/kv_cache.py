@@ -37,6 +37,7 @@ A release of transformers that moves this API changes this file alone
 from __future__ import annotations
 
 import contextlib
+import time
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -108,6 +109,16 @@ class KVPool:
 
     def _give(self, pages: list[int]) -> None:
         self._free.give(pages)
+
+    def timed_forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]]
+                      ) -> tuple[list[torch.Tensor], float]:
+        """``forward`` and its seconds on the device: the clock stops once the device has finished
+        the step (on a GPU the call returns when the kernels are queued; load-aware speculation
+        must see what the step costs, not what it takes to launch)."""
+        started = time.perf_counter()
+        rows = self.forward(steps)
+        wait_for_device(self.device)
+        return rows, time.perf_counter() - started
 
     @torch.inference_mode()
     def forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]]) -> list[torch.Tensor]:
@@ -439,6 +450,14 @@ def _ragged_attention_forward(module, query, key, value, attention_mask, scaling
 
 
 AttentionInterface.register(ATTENTION, _ragged_attention_forward)
+
+
+def wait_for_device(device: torch.device) -> None:
+    """Block until the device has run what was queued on it (a no-op on a CPU, which runs eagerly)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    elif device.type == "mps":
+        torch.mps.synchronize()
 
 
 def _layer_devices(model: PreTrainedModel, layers: int) -> list[torch.device]:

@@ -10,7 +10,6 @@ session with its own prefix and its own block length.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -77,9 +76,7 @@ class Verifier:
                 owners.append(i)
                 room -= tokens
         self.last_step_tokens = sum(len(new) for _, new, _ in steps)
-        started = time.perf_counter()
-        rows = self.pool.forward(steps) if steps else []
-        elapsed = time.perf_counter() - started
+        rows, elapsed = self.pool.timed_forward(steps) if steps else ([], 0.0)
         if steps:
             self.cost.observe(self.last_step_tokens, elapsed)
             self._sessions_per_step.update(len(jobs))

@@ -96,3 +96,46 @@ def test_a_target_spread_over_two_gpus_is_exact(model_dirs, prompt_ids):
     assert [r.token_ids for r in engine.generate_many(requests, 5)] == target_alone(
         load_model(model_dirs.target), requests
     )
+
+
+def test_a_steps_time_is_the_devices_not_the_launch():
+    """Load-aware speculation fits step costs from ``KVPool.timed_forward``: on a GPU the clock
+    must stop when the kernels have run, not when they were queued. CUDA events around the same
+    call bound it from below."""
+    from svip_assets import default_pair
+    from svip_common.kv_cache import KVPool
+
+    target = load_model(default_pair()[0], "bfloat16", "cuda")
+    pool = KVPool(target.model, 16 * 1024)
+    seqs = [pool.sequence() for _ in range(16)]
+    pool.forward([(s, list(range(10, 10 + 512)), 1) for s in seqs])
+    begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(3):
+        begin.record()
+        _, seconds = pool.timed_forward([(s, list(range(20, 29)), 9) for s in seqs])
+        end.record()
+        end.synchronize()
+        for s in seqs:
+            s.rollback(512)
+    assert seconds * 1e3 >= 0.9 * begin.elapsed_time(end)
+
+
+def test_packed_attention_on_cuda_equals_each_sequence_alone():
+    """A step's short items in one SDPA call per layer (keys gathered and masked to each item's
+    own): in float32 on the GPU, each item's logits those it gets alone, with the same argmax."""
+    from svip_assets import default_pair
+    from svip_common.kv_cache import KVPool
+
+    target = load_model(default_pair()[0], "float32", "cuda")
+    pool = KVPool(target.model, 8192)
+    prompts = [list(range(30 + i, 30 + 40 + 7 * i)) for i in range(6)]
+    seqs = [pool.sequence() for _ in prompts]
+    pool.forward([(s, p, 1) for s, p in zip(seqs, prompts)])
+    news = [[5 + i] * (1 + i % 4) for i in range(6)]
+    batched = pool.forward([(s, n, len(n)) for s, n in zip(seqs, news)])
+    for p, n, rows in zip(prompts, news, batched):
+        alone = pool.sequence()
+        alone.forward(p, 1)
+        own = alone.forward(n, len(n))
+        alone.close()
+        assert torch.allclose(rows, own, atol=1e-3) and torch.equal(rows.argmax(-1), own.argmax(-1))
