@@ -1,6 +1,6 @@
 """One pooled forward, timed and counted: what the engine step costs at a batch size and a context.
 
-    python -m svip_bench.forward_step [--batches 1,16] [--context 200] [--repeats 30]
+    python -m svip_bench.forward_step [--batches 1,16] [--context 200] [--repeats 30] [--packing]
 
 For each model of the pair (the embedded one unless --target / --draft), each batch size and each
 step shape (decode: one new token per session, as a draft step; verify: five, as a target step):
@@ -10,7 +10,9 @@ followed by a rollback, so the context stays put). Prints its command, the machi
 and p90 of the forward's wall time, the number of aten operators one forward runs
 (torch.profiler) and how many sessions hold one run of pages. Nothing here changes the engine: it
 reads ``KVPool.forward`` as the workers call it, so two commits are compared by running this file
-against each (``PYTHONPATH=<checkout>``), alternately.
+against each (``PYTHONPATH=<checkout>``), alternately. --packing instead compares, in one process
+on the same sessions, packed attention (the step's short items in one SDPA call per layer) with one
+call per session, alternating step by step.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from svip_assets import default_pair
 from svip_bench.overhead import machine
+from svip_common import kv_cache
 from svip_common.kv_cache import KVPool
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import load_model
@@ -79,6 +82,37 @@ def measure(model, batch: int, context: int, repeats: int) -> list[dict]:
     return rows
 
 
+def measure_packing(model, batch: int, context: int, repeats: int) -> list[dict]:
+    """Packed attention (a step's short items in one SDPA call per layer) against one call per
+    session, in one process on the same sessions, alternating step by step (the machine's drift
+    falls on both alike)."""
+    pool = KVPool(model.model, tokens=max(DEFAULT_KV_TOKENS, batch * (context + 64)))
+    seqs = sessions(pool, batch, context, model.token_limit)
+    packed = kv_cache.PACK_MAX_NEW
+    rows = []
+    try:
+        for shape, new in SHAPES.items():
+            times, ops = {0: [], packed: []}, {}
+            for r in range(3 + repeats):
+                for limit in ((0, packed) if r % 2 else (packed, 0)):
+                    kv_cache.PACK_MAX_NEW = limit
+                    elapsed = step(pool, seqs, new)
+                    if r >= 3:  # after a warm-up
+                        times[limit].append(elapsed)
+            for limit in (0, packed):
+                kv_cache.PACK_MAX_NEW = limit
+                ops[limit] = aten_ops(pool, seqs, new)
+            alone, together = statistics.median(times[0]), statistics.median(times[packed])
+            rows.append({
+                "batch": batch, "shape": shape, "new_tokens": new, "context": context,
+                "per_session_ms": 1e3 * alone, "packed_ms": 1e3 * together, "speedup": alone / together,
+                "per_session_ops": ops[0], "packed_ops": ops[packed],
+            })
+    finally:
+        kv_cache.PACK_MAX_NEW = packed
+    return rows
+
+
 def add_pair_args(parser: argparse.ArgumentParser) -> None:
     """--target / --draft (both, or neither: the embedded pair) and --batches, as these benches take them."""
     parser.add_argument("--target", help="model directory (with --draft; default: the embedded pair)")
@@ -105,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--packing", action="store_true",
+                        help="packed attention against one SDPA call per session, alternating in one process")
     parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
     args = parser.parse_args(argv)
     if args.context < 2 or args.repeats < 1:
@@ -114,15 +150,24 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print("command: python -m svip_bench.forward_step " + " ".join(argv if argv is not None else sys.argv[1:]))
         print(f"machine: {machine()}")
-        print("| model | batch | step | median ms | p90 ms | aten ops | sessions held as one run |")
-        print("|---|---|---|---|---|---|---|")
+        if args.packing:
+            print("| model | batch | step | one call per session, median ms | packed, median ms | speedup "
+                  "| aten ops, per session | packed |")
+            print("|---|---|---|---|---|---|---|---|")
+        else:
+            print("| model | batch | step | median ms | p90 ms | aten ops | sessions held as one run |")
+            print("|---|---|---|---|---|---|---|")
     for name, path in (("target", target_dir), ("draft", draft_dir)):
         model = load_model(path)
         for batch in batches:
-            for row in measure(model, batch, args.context, args.repeats):
+            run = measure_packing if args.packing else measure
+            for row in run(model, batch, args.context, args.repeats):
                 row["model"] = name
                 if args.json:
                     print(json.dumps(row), flush=True)
+                elif args.packing:
+                    print(f"| {name} | {batch} | {row['shape']} | {row['per_session_ms']:.2f} | {row['packed_ms']:.2f} "
+                          f"| {row['speedup']:.2f}x | {row['per_session_ops']} | {row['packed_ops']} |", flush=True)
                 else:
                     print(f"| {name} | {batch} | {row['shape']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} "
                           f"| {row['aten_ops']} | {row['runs']} of {batch} |", flush=True)

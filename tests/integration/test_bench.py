@@ -309,3 +309,18 @@ def test_the_batched_bench_runs_each_policy_at_each_batch_size_exactly(tmp_path,
     with pytest.raises(SystemExit):
         batched.main([*pair[:2], *args])  # a target without its draft
     assert "--target and --draft together" in capsys.readouterr().err
+
+
+def test_forward_step_compares_packed_attention_with_one_call_per_session(capsys):
+    """`python -m svip_bench.forward_step --packing`: for each model, batch and step shape, both
+    attentions' medians from one process and their operator counts; the packed one runs fewer
+    operators at batch 4 and the same path at batch 1 (a lone item is attended on its own)."""
+    from svip_bench import forward_step
+
+    assert forward_step.main(["--packing", "--batches", "1,4", "--context", "8", "--repeats", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(r["model"], r["batch"], r["shape"]) for r in rows} == {
+        (m, b, s) for m in ("target", "draft") for b in (1, 4) for s in ("decode", "verify")}
+    for r in rows:
+        assert r["per_session_ms"] > 0 and r["packed_ms"] > 0
+        assert (r["packed_ops"] < r["per_session_ops"]) == (r["batch"] == 4), r
