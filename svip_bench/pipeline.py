@@ -1,5 +1,6 @@
-"""`svip bench --mode pipeline`: in-process vs distributed sync vs distributed async on the same
-prompts, interleaved; each mode's round broken down (draft and target forwards on the critical
+"""`svip bench --mode pipeline`: the target alone and the in-process engine against distributed
+sync and distributed async, on the same prompts, interleaved (every output must equal the target
+alone's); each distributed mode's round broken down (draft and target forwards on the critical
 path, block and feedback transit, queueing, overhead), where async's blocks came from (ready at
 the verdict or drafted after it) and the bound async could reach (sync's rounds with the draft
 and the round trip hidden after every full acceptance); 1 vs 8 concurrent sessions; one async
@@ -10,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import dataclasses
 import json
 import random
 import statistics
@@ -23,7 +25,9 @@ from coordinator.distributed import DistributedEngine
 from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import ROUND_PARTS, GenerationRequest, GenerationStats, PolicyConfig
 
-MODES = ("inprocess", "sync", "async")
+MODES = ("alone", "inprocess", "sync", "async")  # alone: the target alone, in process
+MODE_NAMES = {"alone": "target alone (in process)", "inprocess": "in-process", "sync": "distributed sync",
+              "async": "distributed async"}
 
 
 def run(engine, prompts, args, header: dict) -> int:
@@ -78,6 +82,9 @@ def run(engine, prompts, args, header: dict) -> int:
 
 
 def _modes(engine, remote, loop, requests, repeats):
+    from coordinator.engine import SpeculativeEngine
+
+    alone = SpeculativeEngine(engine.target, None)
     per_mode = {m: [] for m in MODES}
     stats: dict[str, list[GenerationStats]] = {m: [] for m in ("sync", "async")}
     violations = []
@@ -88,7 +95,9 @@ def _modes(engine, remote, loop, requests, repeats):
         for request in requests:
             outputs = {}
             for mode in rng.sample(MODES, len(MODES)):
-                if mode == "inprocess":
+                if mode == "alone":
+                    result = alone.generate(dataclasses.replace(request, policy=PolicyConfig(name="none")))
+                elif mode == "inprocess":
                     result = engine.generate(request)
                 else:
                     result = loop.run_until_complete(remote[mode].generate(request))
@@ -97,7 +106,7 @@ def _modes(engine, remote, loop, requests, repeats):
                 wall[mode] += result.stats.wall_s
                 outputs[mode] = result.token_ids
                 progress.update(1)
-            if not outputs["inprocess"] == outputs["sync"] == outputs["async"]:
+            if not outputs["alone"] == outputs["inprocess"] == outputs["sync"] == outputs["async"]:
                 violations.append(f"repeat {rep}, prompt {request.prompt_ids[:8]}")
         for m in MODES:
             per_mode[m].append(tokens[m] / wall[m])
@@ -105,10 +114,14 @@ def _modes(engine, remote, loop, requests, repeats):
 
 
 def _ratios(per_mode: dict[str, list[float]], base: str) -> dict:
-    """Median tokens/s per mode and the median of the per-repeat ratios to `base` and to sync."""
+    """Median tokens/s per mode and the median of the per-repeat ratios to `base`, to sync and
+    (when it ran) to the target alone."""
+    def ratio(v, to):
+        return statistics.median([a / b for a, b in zip(v, per_mode[to])])
+
     return {m: {"median": statistics.median(v), "min": min(v), "max": max(v),
-                "ratio_to_base": statistics.median([a / b for a, b in zip(v, per_mode[base])]),
-                "ratio_to_sync": statistics.median([a / b for a, b in zip(v, per_mode["sync"])])}
+                "ratio_to_base": ratio(v, base), "ratio_to_sync": ratio(v, "sync"),
+                **({"ratio_to_alone": ratio(v, "alone")} if "alone" in per_mode else {})}
             for m, v in per_mode.items()}
 
 
@@ -254,13 +267,13 @@ def _markdown(doc: dict) -> str:
         f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
         f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}",
         "",
-        "| mode | tokens/s (min–max) | vs in-process | vs distributed sync |",
-        "|---|---|---|---|",
+        "| mode | tokens/s (min–max) | vs the target alone | vs in-process | vs distributed sync |",
+        "|---|---|---|---|---|",
     ]
     for mode, v in doc["tokens_per_s"].items():
         lines.append(
-            f"| {mode} | {v['median']:.1f} ({v['min']:.1f}–{v['max']:.1f}) | {v['ratio_to_base']:.2f}x "
-            f"| {v['ratio_to_sync']:.2f}x |"
+            f"| {MODE_NAMES[mode]} | {v['median']:.1f} ({v['min']:.1f}–{v['max']:.1f}) | {v['ratio_to_alone']:.2f}x "
+            f"| {v['ratio_to_base']:.2f}x | {v['ratio_to_sync']:.2f}x |"
         )
     b = doc["async_bound"]
     lines += [

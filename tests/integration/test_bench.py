@@ -124,7 +124,8 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
     assert code == 0, capsys.readouterr().err[-2000:]
     doc = json.loads((out / "pipeline.json").read_text())
     assert doc["exactness_violations"] == []
-    assert set(doc["tokens_per_s"]) == {"inprocess", "sync", "async"}
+    assert set(doc["tokens_per_s"]) == {"alone", "inprocess", "sync", "async"}  # every output the target alone's
+    assert all(v["ratio_to_alone"] > 0 for v in doc["tokens_per_s"].values())
     for mode in ("sync", "async"):
         parts = doc["breakdown"][mode]
         assert parts["round_s"]["median_ms"] > 0 and "overhead_s" in parts and "block_transit_s" in parts
@@ -133,7 +134,7 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
     assert doc["concurrency"]["8"] > 0 and doc["timeline"]
     assert (out / "timeline.png").stat().st_size > 1000
     md = (out / "pipeline.md").read_text()
-    assert "Per round, median (mean) in ms" in md and "| overhead |" in md
+    assert "Per round, median (mean) in ms" in md and "| overhead |" in md and "| target alone (in process) |" in md
     if two_nodes:
         (row,) = doc["two_nodes"]
         assert row["latency_ms"] == 0 and row["link"] == "direct" and row["violations"] == []
