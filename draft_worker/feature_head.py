@@ -135,20 +135,27 @@ class _Attention(nn.Module):
         self.v_proj = nn.Linear(inputs, c.num_key_value_heads * c.head_dim, bias=False)
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
+    def project(self, x: torch.Tensor, positions: torch.Tensor):
+        """x [B, T, 2h] at positions [T] -> q [B, heads, T, d], k and v [B, kv_heads, T, d] (q, k rotated)."""
+        c, (b, t) = self.c, x.shape[:2]
+        q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = _rotary(positions, c.head_dim, c.rope_theta, x.dtype)
+        return _rotate(q, cos, sin), _rotate(k, cos, sin), v
+
+    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+        """[B, heads, T, d] queries over [B, kv_heads, L, d] keys -> [B, T, h]."""
+        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
+
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache) -> torch.Tensor:
         """x [T, 2h] for positions [T] after the ones ``cache`` holds; attends causally."""
-        c, t = self.c, x.shape[0]
-        q = self.q_proj(x).view(t, c.num_attention_heads, c.head_dim).transpose(0, 1)
-        k = self.k_proj(x).view(t, c.num_key_value_heads, c.head_dim).transpose(0, 1)
-        v = self.v_proj(x).view(t, c.num_key_value_heads, c.head_dim).transpose(0, 1)
-        cos, sin = _rotary(positions, c.head_dim, c.rope_theta, x.dtype)
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-        k, v = cache.extend(k, v)  # [kv_heads, L, d], the new ones last
-        total = k.shape[1]
+        q, k, v = self.project(x.unsqueeze(0), positions)
+        k, v = cache.extend(k, v)  # [1, kv_heads, L, d], the new ones last
+        t, total = x.shape[0], k.shape[2]
         mask = None if t == 1 else torch.ones(t, total, dtype=torch.bool, device=x.device).tril(total - t)
-        out = scaled_dot_product_attention(q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask,
-                                           enable_gqa=True)[0]
-        return self.o_proj(out.transpose(0, 1).reshape(t, -1))
+        return self.attend(q, k, v, mask)[0]
 
 
 class _MLP(nn.Module):
@@ -171,31 +178,55 @@ class _MidLayer(nn.Module):
         self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.mlp = _MLP(c)
 
-    def forward(self, embeds, features, positions, cache):
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
-        h = features + self.self_attn(x, positions, cache)
+    def _inputs(self, embeds, features):
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(features)], dim=-1)
+
+    def _after_attention(self, features, attended):
+        h = features + attended
         return h + self.mlp(self.post_attention_layernorm(h))
+
+    def forward(self, embeds, features, positions, cache):
+        return self._after_attention(features, self.self_attn(self._inputs(embeds, features), positions, cache))
+
+    def two_steps(self, embeds, features, next_embeds):
+        """Training: [B, T, h] pairs (target feature at j, embedding of token j + 1) for positions
+        0..T-1 give the first pass's hidden states h1 [B, T, h]; then, at positions 1..T-1, the
+        head's own h1 at j with the embedding of token j + 2 (``next_embeds`` [B, T-1, h]) give h2
+        [B, T-1, h], each attending to the first pass's keys before its position and to itself:
+        what drafting a second token sees (the committed pairs cached, its own pair last)."""
+        t, device = embeds.shape[1], embeds.device
+        attn = self.self_attn
+        q1, k1, v1 = attn.project(self._inputs(embeds, features), torch.arange(t, device=device))
+        h1 = self._after_attention(features, attn.attend(q1, k1, v1, torch.ones(t, t, dtype=torch.bool,
+                                                                                 device=device).tril()))
+        own = h1[:, :-1]
+        q2, k2, v2 = attn.project(self._inputs(next_embeds, own), torch.arange(1, t, device=device))
+        rows = torch.arange(t - 1, device=device)
+        seen = torch.cat([torch.arange(t, device=device)[None, :] <= rows[:, None],  # first-pass keys 0..p-1
+                          rows[None, :] == rows[:, None]], dim=1)  # and its own
+        h2 = self._after_attention(own, attn.attend(q2, torch.cat([k1, k2], 2), torch.cat([v1, v2], 2), seen))
+        return h1, h2
 
 
 class HeadCache:
     """One sequence's keys and values in the head's layer (positions 0 .. len-1)."""
 
     def __init__(self):
-        self.keys: torch.Tensor | None = None  # [kv_heads, L, d]
+        self.keys: torch.Tensor | None = None  # [1, kv_heads, L, d]
         self.values: torch.Tensor | None = None
 
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[1]
+        return 0 if self.keys is None else self.keys.shape[2]
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=1)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=1)
+        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
+        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
         return self.keys, self.values
 
     def rollback(self, length: int) -> None:
         """Forget every position from ``length`` on."""
-        if self.keys is not None and length < self.keys.shape[1]:
-            self.keys, self.values = self.keys[:, :length], self.values[:, :length]
+        if self.keys is not None and length < self.keys.shape[2]:
+            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
 
 
 class FeatureHead(nn.Module):
@@ -220,6 +251,11 @@ class FeatureHead(nn.Module):
         start = len(cache)
         positions = torch.arange(start, start + embeds.shape[0], device=embeds.device)
         return self.midlayer(embeds, features, positions, cache)
+
+    def two_steps(self, embeds: torch.Tensor, features: torch.Tensor, next_embeds: torch.Tensor):
+        """Training (batched, no cache): the first and second drafting steps over whole windows;
+        see ``_MidLayer.two_steps``."""
+        return self.midlayer.two_steps(embeds, features, next_embeds)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Over the head's vocabulary [T, draft_vocab]; ``target_ids`` maps its indices."""

@@ -1,5 +1,6 @@
 """Training the embedded pair (train_pair.py, distill.py, accelerated.py on a GPU) and writing its
-model card. Run by hand as scripts (`python -m training.accelerated ...`), never by the serving
-system.
+model card; training a feature-level draft head for its target (feature_head.py). Run by hand as
+scripts (`python -m training.accelerated ...`), never by the serving system.
 
-May import: svip_common, coordinator (the engine, to measure the pair), svip_assets."""
+May import: svip_common, draft_worker (the feature head), coordinator (the engine, to measure the
+pair), svip_assets."""

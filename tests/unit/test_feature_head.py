@@ -168,3 +168,24 @@ def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, case, message
     with pytest.raises(ModelLoadError) as err:
         load_head(directory, target)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_training_two_steps_is_what_drafting_sees():
+    """The training pass's second step at position p (the head's own output at p - 1 beside the
+    embedding two tokens on) equals drafting it: the committed pairs 0..p-1 cached, then the
+    head's own pair at p; the first step equals the plain forward."""
+    torch.manual_seed(1)
+    head = FeatureHead(small_config()).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+        embeds, feats, nxt = torch.randn(2, 7, 32), torch.randn(2, 7, 32), torch.randn(2, 6, 32)
+        h1, h2 = head.two_steps(embeds, feats, nxt)
+        assert h1.shape == (2, 7, 32) and h2.shape == (2, 6, 32)
+        for b in range(2):
+            assert torch.allclose(h1[b], head(embeds[b], feats[b], HeadCache()), atol=1e-5)
+            for p in (1, 3, 6):
+                cache = HeadCache()
+                head(embeds[b, :p], feats[b, :p], cache)  # the committed pairs 0..p-1
+                drafted = head(nxt[b, p - 1 : p], h1[b, p - 1 : p], cache)  # its own pair at p
+                assert torch.allclose(h2[b, p - 1], drafted[0], atol=1e-5), (b, p)
