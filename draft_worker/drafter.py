@@ -60,7 +60,7 @@ class Drafter:
             drafting.append(d)
             d._prefilling = len(pending) > PREFILL_TOKENS
             room -= len(pending)
-        rows, elapsed = self.pool.timed_forward(steps)
+        rows, _, elapsed = self.pool.timed_forward(steps)
         share = elapsed / len(steps)  # each block's part of the forward
         rows = [row for row, (_, _, k) in zip(rows, steps) if k]
         groups: dict[tuple, list[int]] = {}  # blocks whose q is warped alike: one batched pass each

@@ -205,6 +205,10 @@ class Verdict:
     token: int
     epoch: int = 0
     p_row: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    # a feature draft's input (the verifier's feature_layers): the target's hidden states at
+    # positions features_from.. that this verdict leaves committed, [n, layers x hidden]
+    features: torch.Tensor | None = field(default=None, compare=False, repr=False)
+    features_from: int = -1
 
 
 ROUND_PARTS = ("draft_forward_s", "target_forward_s", "block_transit_s", "target_queue_s", "feedback_transit_s",

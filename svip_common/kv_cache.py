@@ -110,22 +110,29 @@ class KVPool:
     def _give(self, pages: list[int]) -> None:
         self._free.give(pages)
 
-    def timed_forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]]
-                      ) -> tuple[list[torch.Tensor], float]:
-        """``forward`` and its seconds on the device: the clock stops once the device has finished
-        the step (on a GPU the call returns when the kernels are queued; load-aware speculation
-        must see what the step costs, not what it takes to launch)."""
+    def timed_forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]], layers: Sequence[int] = ()
+                      ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
+        """``forward_features`` and its seconds on the device: the clock stops once the device has
+        finished the step (on a GPU the call returns when the kernels are queued; load-aware
+        speculation must see what the step costs, not what it takes to launch)."""
         started = time.perf_counter()
-        rows = self.forward(steps)
+        rows, features = self.forward_features(steps, layers)
         wait_for_device(self.device)
-        return rows, time.perf_counter() - started
+        return rows, features, time.perf_counter() - started
 
-    @torch.inference_mode()
     def forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]]) -> list[torch.Tensor]:
         """One forward over a ragged batch. steps: (sequence, new token ids, k): each sequence's
         new tokens go after the ones it holds; returns, per step, the logits of its last k new
         tokens, [k, vocab] (k = 0: a prefill chunk, no logits). Raises PoolFull (nothing
         changed) when the pages do not fit."""
+        return self.forward_features(steps)[0]
+
+    @torch.inference_mode()
+    def forward_features(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]],
+                         layers: Sequence[int] = ()) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """``forward``, and with ``layers`` (indices into the model's hidden states: 0 the
+        embeddings, i the output of layer i) each step's hidden states there at every new token,
+        side by side: [new tokens, len(layers) x hidden] per step (a feature draft's input)."""
         forward_delay()
         need = sum(max(0, s.pages_needed(len(ids))) for s, ids, _ in steps)
         if need > len(self._free):
@@ -151,6 +158,7 @@ class KVPool:
                 cache=_PoolWriter(meta),
                 use_cache=True,
                 logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                output_hidden_states=bool(layers),
                 svip_ragged=meta,
             )
         for seq, new, _ in steps:
@@ -159,7 +167,10 @@ class KVPool:
         for _, _, k in steps:
             rows.append(logits[:k])
             logits = logits[k:]
-        return rows
+        if not layers:
+            return rows, []
+        hidden = torch.cat([out.hidden_states[i][0].to(device) for i in layers], dim=-1)  # [total, layers x h]
+        return rows, list(hidden.split([len(new) for _, new, _ in steps]))
 
 
 class PagedSequence:

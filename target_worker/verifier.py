@@ -10,6 +10,7 @@ session with its own prefix and its own block length.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -28,8 +29,12 @@ from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 class Verifier:
     """The target model and its KV pool, shared by the sessions it opens."""
 
-    def __init__(self, target: LoadedModel, token_limit: int | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS):
+    def __init__(self, target: LoadedModel, token_limit: int | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
+                 feature_layers: tuple[int, ...] = ()):
+        """feature_layers: the target's hidden states a feature draft reads (indices into them);
+        each verdict then carries them at the positions it commits (``Verdict.features``)."""
         self.target = target
+        self.feature_layers = tuple(feature_layers)
         self.token_limit = target.token_limit if token_limit is None else token_limit  # ids it may emit
         self.pool = KVPool(target.model, kv_cache_tokens)
         self.tokens_verified = 0  # drafted tokens, every session
@@ -76,7 +81,11 @@ class Verifier:
                 owners.append(i)
                 room -= tokens
         self.last_step_tokens = sum(len(new) for _, new, _ in steps)
-        rows, elapsed = self.pool.timed_forward(steps) if steps else ([], 0.0)
+        rows, features, elapsed = self.pool.timed_forward(steps, self.feature_layers) if steps else ([], [], 0.0)
+        if features:  # a feature draft's input, per session
+            by_sequence = {id(job[0]._seq): job[0] for job in jobs}
+            for (seq, new, _), feats in zip(steps, features):
+                by_sequence[id(seq)]._computed(len(seq) - len(new), feats)
         if steps:
             self.cost.observe(self.last_step_tokens, elapsed)
             self._sessions_per_step.update(len(jobs))
@@ -96,6 +105,8 @@ class Verifier:
         for group in groups.values():
             for (i, *_), verdict in zip(group, _judge_sampled(group)):
                 verdicts[i] = verdict
+        if self.feature_layers:
+            verdicts = [v if v is None else session._hand_features(v) for (session, _, _), v in zip(jobs, verdicts)]
         return verdicts
 
     def _greedy_choices(self, jobs, plans: dict[int, _Plan], settled: dict) -> dict[int, list[int]]:
@@ -126,6 +137,8 @@ class TargetSession:
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
         self._pending_at = -1
         self._pending_choice: int | None = None  # greedy: the argmax of _pending, read with its step
+        self._features: torch.Tensor | None = None  # feature_layers at positions _features_from.. not yet handed over
+        self._features_from = 0
         self.forwards = 0
         self.forward_s = 0.0
 
@@ -167,6 +180,26 @@ class TargetSession:
             return Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p0)
         token = recover(p0, block.q_rows[0], uniform(self.sampling.seed, base, Purpose.RESOLVE))
         return Verdict(base=base, accepted=0, token=token, epoch=block.epoch)
+
+    def _computed(self, first: int, features: torch.Tensor) -> None:
+        """A forward's features from position ``first`` on (a prefill chunk's, or a block's): kept,
+        after those still kept before ``first`` (a chunk continued), until a verdict hands over
+        those of committed positions; what was kept from ``first`` on is stale (a rollback)."""
+        if self._features is not None:
+            before = first - self._features_from
+            if 0 < before <= self._features.shape[0]:
+                features, first = torch.cat([self._features[:before], features]), self._features_from
+        self._features, self._features_from = features, first
+
+    def _hand_features(self, verdict: Verdict) -> Verdict:
+        """The verdict with the features of the positions it leaves committed and computed: up to
+        the last accepted drafted token (the verdict's own token has none yet)."""
+        end = -1 if self._features is None else verdict.base + verdict.accepted - self._features_from
+        if end <= 0:
+            return verdict
+        handed, rest, at = self._features[:end], self._features[end:], self._features_from
+        self._features, self._features_from = (rest if rest.shape[0] else None), at + end
+        return dataclasses.replace(verdict, features=handed, features_from=at)
 
     def _holds(self, committed: Sequence[int]) -> bool:
         """The pool holds exactly ``committed`` and the row for the next place is stored (the

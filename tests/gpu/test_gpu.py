@@ -112,7 +112,7 @@ def test_a_steps_time_is_the_devices_not_the_launch():
     begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(3):
         begin.record()
-        _, seconds = pool.timed_forward([(s, list(range(20, 29)), 9) for s in seqs])
+        _, _, seconds = pool.timed_forward([(s, list(range(20, 29)), 9) for s in seqs])
         end.record()
         end.synchronize()
         for s in seqs:
