@@ -1,19 +1,23 @@
 """The in-process batched engine end to end: tokens/s at each batch size, target alone / svip / the defaults.
 
-    python -m svip_bench.batched [--requests 16] [--batches 1,16] [--max-new-tokens 64] [--json]
+    python -m svip_bench.batched [--requests 16] [--batches 1,16] [--max-new-tokens 64] [--repeats N]
+                                 [--packing] [--json]
 
 The embedded pair (unless --target / --draft), --requests Spec-Bench prompts (their last 200
 tokens), --max-new-tokens each with ignore_eos, greedy, through ``SpeculativeEngine.generate_many``
 at each batch size: the target alone, SVIP at its calibrated threshold 0.4, and the defaults (no
 policy: auto, with the load gate as `svip generate` runs it). Prints its command, the machine and
 one row per policy and batch size; every output must equal the target alone's (exit 1 otherwise).
-Two commits are compared by running this file against each (``PYTHONPATH=<checkout>``), alternately.
+Two commits are compared by running this file against each (``PYTHONPATH=<checkout>``), alternately;
+--packing compares, in one process, packed attention with one attention call per session, each
+row's runs alternating between the two.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import time
 
@@ -22,6 +26,7 @@ import torch
 from svip_bench.datasets import load_specbench, specbench_path
 from svip_bench.forward_step import add_pair_args, batch_sizes, pair_dirs
 from svip_bench.overhead import machine
+from svip_common import kv_cache
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.models import load_model
 
@@ -44,10 +49,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", help="spec-bench.jsonl (default: ../shared/specbench beside the checkout)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--packing", action="store_true",
+                        help="each row twice, alternating: one attention call per session, then packed attention")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per row (the median is printed)")
     parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
     args = parser.parse_args(argv)
-    if not 1 <= args.requests <= 1024 or not 1 <= args.max_new_tokens <= 4096:
-        parser.error("--requests takes 1..1024 and --max-new-tokens 1..4096")
+    if not 1 <= args.requests <= 1024 or not 1 <= args.max_new_tokens <= 4096 or not 1 <= args.repeats <= 100:
+        parser.error("--requests takes 1..1024, --max-new-tokens 1..4096 and --repeats 1..100")
     batches, (target_dir, draft_dir) = batch_sizes(parser, args.batches), pair_dirs(parser, args)
     torch.set_num_threads(1)
     target, draft = load_model(target_dir), load_model(draft_dir)
@@ -56,21 +64,41 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print("command: python -m svip_bench.batched " + " ".join(argv if argv is not None else sys.argv[1:]))
         print(f"machine: {machine()}")
-        print("| policy | batch | tokens/s |")
-        print("|---|---|---|")
+        if args.packing:
+            print("| policy | batch | one attention call per session, tokens/s | packed, tokens/s | speedup |")
+            print("|---|---|---|---|---|")
+        else:
+            print("| policy | batch | tokens/s |")
+            print("|---|---|---|")
     reference, failed = None, False
+    settings = (0, kv_cache.PACK_MAX_NEW) if args.packing else (kv_cache.PACK_MAX_NEW,)
+    packed = kv_cache.PACK_MAX_NEW
     for name, (engine, policy) in engines(target, draft).items():
         for size in batches:
             requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=policy) for ids in encoded]
-            started = time.perf_counter()
-            outputs = [list(r.token_ids) for r in engine.generate_many(requests, size)]
-            tps = sum(map(len, outputs)) / (time.perf_counter() - started)
-            reference = reference or outputs
-            failed |= outputs != reference
+            runs: dict[int, list[float]] = {limit: [] for limit in settings}
+            try:
+                for _ in range(args.repeats):
+                    for limit in settings:
+                        kv_cache.PACK_MAX_NEW = limit
+                        started = time.perf_counter()
+                        outputs = [list(r.token_ids) for r in engine.generate_many(requests, size)]
+                        runs[limit].append(sum(map(len, outputs)) / (time.perf_counter() - started))
+                        reference = reference or outputs
+                        failed |= outputs != reference
+            finally:
+                kv_cache.PACK_MAX_NEW = packed
+            tps = {limit: statistics.median(v) for limit, v in runs.items()}
             if args.json:
-                print(json.dumps({"policy": name, "batch": size, "tokens_per_s": tps, "exact": outputs == reference}))
+                row = {"policy": name, "batch": size, "tokens_per_s": tps[packed], "exact": not failed}
+                if args.packing:
+                    row["per_session_tokens_per_s"] = tps[0]
+                print(json.dumps(row))
+            elif args.packing:
+                speedup = tps[packed] / tps[0]
+                print(f"| {name} | {size} | {tps[0]:.1f} | {tps[packed]:.1f} | {speedup:.2f}x |", flush=True)
             else:
-                print(f"| {name} | {size} | {tps:.1f} |", flush=True)
+                print(f"| {name} | {size} | {tps[packed]:.1f} |", flush=True)
     if failed:
         print("an output differed from the target alone's", file=sys.stderr)
     return 1 if failed else 0

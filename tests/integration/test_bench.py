@@ -302,7 +302,11 @@ def test_the_batched_bench_runs_each_policy_at_each_batch_size_exactly(tmp_path,
         (p, b) for p in ("target alone", "svip (0.4)", "defaults") for b in (1, 4)
     }
     assert all(r["exact"] and r["tokens_per_s"] > 0 for r in rows)
+    assert batched.main([*pair, *args, "--batches", "4", "--packing", "--repeats", "2"]) == 0  # both attentions
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 3 and all(r["exact"] and r["per_session_tokens_per_s"] > 0 for r in rows)
     for bad, why in ((["--batches", "0"], "--batches"), (["--batches", "1,x"], "--batches"),
+                     (["--repeats", "0"], "--repeats"),
                      (["--batches", "99999"], "--batches")):
         with pytest.raises(SystemExit):
             batched.main([*pair, *args, *bad])
