@@ -321,3 +321,47 @@ def test_packs_bound_their_padding():
     assert groups == [] and sorted(it[2] for it in alone) == [0, 1]
     groups, alone = kv_cache._pack_groups([item(i, kv_cache.PACK_MAX_SLOTS // 4) for i in range(10)])
     assert starts(groups) == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9]] and alone == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+@torch.inference_mode()
+def test_random_ragged_steps_pack_to_what_each_sequence_gets_alone(model, monkeypatch, seed):
+    """Random steps over sequences of random lengths (some rolled back mid-page, new ones joining,
+    prefill chunks among decode and verify rows), with a slot cap that splits the packs into
+    several groups: every row's logits equal the per-sequence gather's to float rounding, with the
+    same argmax."""
+    monkeypatch.setattr(kv_cache, "PACK_MAX_SLOTS", 64)
+    plan, packs = kv_cache._Ragged.plan, []
+
+    def counted(pool, steps):
+        meta = plan(pool, steps)
+        packs.append(len(meta.packs))
+        return meta
+
+    monkeypatch.setattr(kv_cache._Ragged, "plan", staticmethod(counted))
+    g = torch.Generator().manual_seed(seed)
+
+    def rand(lo, hi):
+        return int(torch.randint(lo, hi, (1,), generator=g))
+
+    pool = KVPool(model, tokens=1024, page_size=4)
+    seqs = [pool.sequence() for _ in range(6)]
+    pool.forward([(s, [rand(1, 90) for _ in range(rand(1, 30))], 1) for s in seqs])
+    for _ in range(4):
+        for s in seqs:
+            if rand(0, 3) == 0 and len(s) > 2:
+                s.rollback(rand(1, len(s)))
+        if rand(0, 2) == 0:
+            seqs.append(pool.sequence())
+        steps = []
+        for s in seqs:
+            n = rand(1, 40) if len(s) == 0 or rand(0, 5) == 0 else rand(1, 6)
+            steps.append((s, [rand(1, 90) for _ in range(n)], rand(0, n + 1) if n > 1 else 1))
+        planned, reference = _forward_twice(pool, steps)
+        for p, r in zip(planned, reference, strict=True):
+            assert p.shape == r.shape
+            if p.numel():
+                assert torch.allclose(p, r, atol=1e-4) and torch.equal(p.argmax(-1), r.argmax(-1))
+        for s in seqs:  # one more token each, one at a time
+            s.forward([rand(1, 90)], 1)
+    assert max(packs) >= 2  # the slot cap split a step's short items into several packed calls
