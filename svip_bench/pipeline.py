@@ -84,7 +84,8 @@ def run(engine, prompts, args, header: dict) -> int:
 def _modes(engine, remote, loop, requests, repeats):
     from coordinator.engine import SpeculativeEngine
 
-    alone = SpeculativeEngine(engine.target, None)
+    longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
+    alone = SpeculativeEngine(engine.target, None, kv_cache_tokens=longest)  # one request at a time: a pool its size
     per_mode = {m: [] for m in MODES}
     stats: dict[str, list[GenerationStats]] = {m: [] for m in ("sync", "async")}
     violations = []
