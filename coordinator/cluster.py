@@ -26,9 +26,16 @@ WORKER_RESTARTS = 5  # Ray restarts a worker that died this many times over the 
 RECOVER_TIMEOUT_S = 120.0  # a replaced worker serves again within this (restart, load, serve)
 
 
+# Ray's dashboard agent always listens on this port (ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT;
+# ray.init cannot move it): a metrics port there makes Ray refuse to start.
+RAY_AGENT_PORT = 52365
+
+
 def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
     """Start (or join) a Ray instance on this machine whose every listener is on 127.0.0.1.
     metrics_port: where Ray's agent serves Prometheus metrics (None: a free port)."""
+    if metrics_port == RAY_AGENT_PORT:
+        raise InvalidRequest(f"--metrics-port {RAY_AGENT_PORT} is where Ray's dashboard agent listens; choose another")
     # Read by ray when it is first imported, and inherited by the processes Ray starts
     # (docs/architecture.md, Placement). Never set in a cluster deployment.
     os.environ.setdefault("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER", "0")

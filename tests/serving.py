@@ -13,11 +13,18 @@ import time
 import httpx
 import pytest
 
+RAY_AGENT_PORT = 52365  # Ray's dashboard agent's fixed port (coordinator/cluster.py): never handed out
+
 
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A free loopback port, never Ray's agent's (the system's ephemeral range includes it: a
+    metrics port drawn there once made the local Ray refuse to start)."""
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        if port != RAY_AGENT_PORT:
+            return port
 
 
 @contextlib.contextmanager

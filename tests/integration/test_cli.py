@@ -266,6 +266,7 @@ def test_pipeline_needs_distributed_mode(capsys, model_dirs):
     [
         (["--replicas", "0"], 2, "num_replicas must be an integer >= 1"),
         (["--port", "70000"], 2, "--port must be in 1..65535"),
+        (["--metrics-port", "52365"], 2, "--metrics-port 52365 is where Ray's dashboard agent listens"),
         (["--max-in-flight", "0"], 2, "max_in_flight must be an integer >= 1"),
         (["--policy", "fastest"], 2, "policy must be one of"),
         (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),

@@ -177,3 +177,14 @@ def test_processes_that_host_no_model_load_no_modeling_stack():
     imports = ("import svip_serve.app, svip_serve.server, svip_serve.local, svip_serve.metrics\n"
                "import coordinator.cluster, coordinator.distributed, coordinator.client")
     assert _loaded_after(imports, ("transformers.modeling_utils", "torch._dynamo", "scipy")) == "[]"
+
+
+def test_the_port_ray_keeps_for_its_agent_is_rays():
+    """The metrics port that svip serve refuses, and that the tests never draw, is the one Ray's
+    dashboard agent takes whatever ray.init is told."""
+    from ray._private.ray_constants import DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+
+    from coordinator.cluster import RAY_AGENT_PORT
+    from tests.serving import RAY_AGENT_PORT as TESTS_AVOID
+
+    assert RAY_AGENT_PORT == TESTS_AVOID == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
