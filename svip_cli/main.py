@@ -284,7 +284,6 @@ def _add_serve_parser(sub) -> None:
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from coordinator.cluster import RAY_AGENT_PORT
     from svip_serve.auth import keys_from_env, named_digest
     from svip_serve.local import serve_forever
     from svip_serve.settings import ServeSettings
@@ -292,8 +291,6 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if not 0 < port < 65536:
             raise InvalidRequest(f"{flag} must be in 1..65535, got {port}")
-    if args.metrics_port == RAY_AGENT_PORT:
-        raise InvalidRequest(f"--metrics-port {RAY_AGENT_PORT} is where Ray's dashboard agent listens; choose another")
     settings = ServeSettings.from_args(
         {
             "target": args.target,
