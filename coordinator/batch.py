@@ -109,7 +109,8 @@ class BatchEngine:
         return self.engine.verifier.pool.pages_for(len(request.prompt_ids) + request.max_new_tokens)
 
     def _capacity(self) -> int:
-        pools = [self.engine.verifier.pool] + ([self.engine.drafter.pool] if self.engine.drafter else [])
+        drafter = self.engine.drafter
+        pools = [self.engine.verifier.pool] + ([drafter.pool] if drafter is not None and drafter.pool else [])
         return min(p.pages for p in pools)
 
     def _check_fits(self, request: GenerationRequest) -> None:

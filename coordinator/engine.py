@@ -14,6 +14,7 @@ from collections.abc import Callable
 from coordinator.batch import BatchEngine
 from coordinator.calibration import Calibration, auto_prior, calibrate
 from draft_worker.drafter import Drafter, NullDraftSession
+from draft_worker.feature_draft import FeatureDrafter, LoadedHead
 from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.auto_prior import estimate_from, stored_prior
 from svip_common.auto_settings import AutoSettings
@@ -38,8 +39,9 @@ OnRound = Callable[[Block, Verdict, list[int]], None]
 
 
 class SpeculativeEngine:
-    def __init__(self, target: LoadedModel, draft: LoadedModel | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
-                 max_batched_tokens: int | None = None, load_aware: str = "off", auto: AutoSettings = AutoSettings()):
+    def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None = None,
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None,
+                 load_aware: str = "off", auto: AutoSettings = AutoSettings()):
         """kv_cache_tokens: each model's KV pool, in tokens (every session in flight shares it);
         max_batched_tokens: generate_many's cap on the tokens of one forward; load_aware: whose
         blocks hold no more tokens than pay at the target's measured load, "off" / "greedy" /
@@ -49,15 +51,23 @@ class SpeculativeEngine:
         self.max_batched_tokens = max_batched_tokens
         self.auto_settings = auto.check()
         self.load_aware = check_load_aware(load_aware)
-        if draft is not None:
-            check_same_vocabulary(target, draft)
+        head = draft if isinstance(draft, LoadedHead) else None
+        model = None if head is not None else draft  # a token draft: a model of its own
+        if model is not None:
+            check_same_vocabulary(target, model)
         if kv_cache_tokens < 1:
             raise InvalidRequest(f"the KV cache must hold at least one token, got {kv_cache_tokens}")
         self.target = target
-        self.verifier = Verifier(target, pair_limits(target, draft).tokens, kv_cache_tokens)
-        self.limits = pair_limits(target, draft, kv_tokens=self.verifier.pool.tokens)
-        self.drafter = (Drafter(draft, target.vocab_size, self.limits.tokens, kv_cache_tokens, max_batched_tokens)
-                        if draft is not None else None)
+        layers = head.head.config.target_layers if head is not None else ()
+        self.verifier = Verifier(target, pair_limits(target, model).tokens, kv_cache_tokens, feature_layers=layers)
+        self.limits = pair_limits(target, model, kv_tokens=self.verifier.pool.tokens)
+        if head is not None:
+            self.drafter = FeatureDrafter(head, target.model.get_input_embeddings(), target.vocab_size,
+                                          self.limits.tokens)
+        elif model is not None:
+            self.drafter = Drafter(model, target.vocab_size, self.limits.tokens, kv_cache_tokens, max_batched_tokens)
+        else:
+            self.drafter = None
         self._calibration: Calibration | None = None
         self._auto: AutoEstimate | None = None
 
@@ -65,8 +75,16 @@ class SpeculativeEngine:
     def draft_path(self) -> str | None:
         return None if self.drafter is None else self.drafter.draft.path
 
+    @property
+    def feature_draft(self) -> bool:
+        """Whether the draft is a feature head (it drafts from the target's hidden states)."""
+        return isinstance(self.drafter, FeatureDrafter)
+
     def calibration(self) -> Calibration:
         """The pair's learnt SVIP threshold, measured on first use (a few seconds)."""
+        if self.feature_draft:
+            raise InvalidRequest("threshold 'auto' is calibrated for a draft model, not a feature head: "
+                                 "give the svip threshold as a number")
         if self._calibration is None:
             self._calibration = calibrate(self.target, self.drafter.draft)
         return self._calibration
@@ -76,8 +94,10 @@ class SpeculativeEngine:
         measured here (about two seconds on a CPU)."""
         if self._auto is None:
             prior = stored_prior(self.drafter.draft.path)
-            self._auto = (estimate_from(prior, self.auto_settings) if prior is not None
-                          else auto_prior(self.target, self.drafter.draft, self.auto_settings))
+            if prior is not None or self.feature_draft:  # a head without a stored prior: the generic one
+                self._auto = estimate_from(prior, self.auto_settings)
+            else:
+                self._auto = auto_prior(self.target, self.drafter.draft, self.auto_settings)
         return self._auto
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
@@ -175,6 +195,7 @@ class EngineSession:
 
     def settle(self, block: Block, verdict: Verdict) -> list[int]:
         self.draft.feedback(len(block), verdict.accepted)
+        self.draft.take_features(verdict)
         drafting_s = self.draft.compute_s - self.draft.prefill_s - self._draft_mark  # its forwards and work, no prefill
         if self.gate is not None:
             self.gate.record(len(block), verdict.accepted, drafting_s)

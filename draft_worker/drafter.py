@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from draft_worker.policies import LengthPolicy, make_policy
-from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
+from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState, Verdict
 from svip_common.kv_cache import KVPool
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
@@ -61,8 +61,12 @@ class Drafter:
             d._prefilling = len(pending) > PREFILL_TOKENS
             room -= len(pending)
         rows, _, elapsed = self.pool.timed_forward(steps)
-        share = elapsed / len(steps)  # each block's part of the forward
         rows = [row for row, (_, _, k) in zip(rows, steps) if k]
+        self._absorb_rows(drafting, rows, elapsed / len(steps))  # each block's part of the forward
+
+    def _absorb_rows(self, drafting: list[BlockDraft], rows: list[torch.Tensor], share: float) -> None:
+        """Each drafting block's next token from its row of logits [1, draft_vocab], chosen in
+        one batched pass per warp."""
         groups: dict[tuple, list[int]] = {}  # blocks whose q is warped alike: one batched pass each
         for i, d in enumerate(drafting):
             groups.setdefault(d._session.sampling.warp_key, []).append(i)
@@ -71,13 +75,17 @@ class Drafter:
             for draft, chosen in zip(blocks, self._choose(blocks, torch.cat([rows[i] for i in indices]))):
                 draft._absorb(share, *chosen)
 
+    def _widen(self, logits: torch.Tensor) -> torch.Tensor:
+        """The draft's logits [B, draft_vocab] laid over the target's vocabulary [B, width]."""
+        return _to_width(logits, self.width)
+
     def _choose(self, blocks: list[BlockDraft], logits: torch.Tensor) -> list[tuple]:
         """Each block's next token from its row of logits [B, draft_vocab], the blocks sharing one
         warp: (token, q(token), the entropy of q, the most likely tokens with their q, q when
         sampled), worked out for all of them at once and read to the host in one copy. A sampled
         token is drawn with the uniform keyed by its session's seed and its position."""
         sampling = blocks[0]._session.sampling
-        q = warp_probs(mask_padding(_to_width(logits, self.width), self.token_limit), sampling)  # [B, vocab]
+        q = warp_probs(mask_padding(self._widen(logits), self.token_limit), sampling)  # [B, vocab]
         if sampling.greedy:
             tokens = torch.argmax(q, dim=-1, keepdim=True)  # [B, 1]
         else:
@@ -144,6 +152,15 @@ class DraftSession:
     def feedback(self, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
 
+    def take_features(self, verdict: Verdict) -> None:
+        """A token draft reads no target features."""
+
+    def _resume(self, committed: Sequence[int]) -> list[int]:
+        """Roll the cache back to what ``committed`` still shares (all but its last token at
+        most, whose logits the block's first forward gives): the tokens the first forward takes in."""
+        kept = self._seq.rollback_to_prefix_of(committed, limit=len(committed) - 1)
+        return list(committed[kept:])
+
     @torch.inference_mode()
     def resolve_correction(self, block: Block, accepted: int, p_row: torch.Tensor) -> int:
         """After a sampled rejection whose q stayed here: draw the correction for position
@@ -174,10 +191,8 @@ class BlockDraft:
         self._prefilling = False
         self._limit = min(session.policy.max_length(), budget)
         self._q_rows: list[torch.Tensor] = []
-        self.done = self._limit <= 0
-        if not self.done:
-            kept = session._seq.rollback_to_prefix_of(committed, limit=base - 1)
-            self._pending = list(committed[kept:])
+        self._pending = session._resume(committed) if self._limit > 0 else None
+        self.done = self._pending is None  # nothing to draft from: the block stays empty
 
     def step(self) -> bool:
         """Draft one token (a forward of its own); returns ``done``."""
@@ -231,6 +246,9 @@ class NullDraftSession:
         pass
 
     def feedback(self, drafted: int, accepted: int) -> None:
+        pass
+
+    def take_features(self, verdict: Verdict) -> None:
         pass
 
 

@@ -209,24 +209,42 @@ class _MidLayer(nn.Module):
 
 
 class HeadCache:
-    """One sequence's keys and values in the head's layer (positions 0 .. len-1)."""
+    """One sequence's keys and values in the head's layer (positions 0 .. len-1), in buffers that
+    grow by doubling, so a drafted token appends in place instead of copying the whole history."""
 
     def __init__(self):
-        self.keys: torch.Tensor | None = None  # [1, kv_heads, L, d]
-        self.values: torch.Tensor | None = None
+        self._keys: torch.Tensor | None = None  # [1, kv_heads, capacity, d]
+        self._values: torch.Tensor | None = None
+        self._length = 0
 
     def __len__(self) -> int:
-        return 0 if self.keys is None else self.keys.shape[2]
+        return self._length
+
+    @property
+    def keys(self) -> torch.Tensor | None:
+        return None if self._keys is None else self._keys[:, :, : self._length]
+
+    @property
+    def values(self) -> torch.Tensor | None:
+        return None if self._values is None else self._values[:, :, : self._length]
 
     def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self.keys = k if self.keys is None else torch.cat([self.keys, k], dim=2)
-        self.values = v if self.values is None else torch.cat([self.values, v], dim=2)
+        """Append [1, kv_heads, T, d] keys and values; all of them so far, the new ones last."""
+        start, end = self._length, self._length + k.shape[2]
+        if self._keys is None or end > self._keys.shape[2]:
+            capacity = max(end, 2 * (0 if self._keys is None else self._keys.shape[2]), 64)
+            keys = k.new_empty((*k.shape[:2], capacity, k.shape[3]))
+            values = v.new_empty((*v.shape[:2], capacity, v.shape[3]))
+            if start:
+                keys[:, :, :start], values[:, :, :start] = self._keys[:, :, :start], self._values[:, :, :start]
+            self._keys, self._values = keys, values
+        self._keys[:, :, start:end], self._values[:, :, start:end] = k, v
+        self._length = end
         return self.keys, self.values
 
     def rollback(self, length: int) -> None:
         """Forget every position from ``length`` on."""
-        if self.keys is not None and length < self.keys.shape[2]:
-            self.keys, self.values = self.keys[:, :, :length], self.values[:, :, :length]
+        self._length = max(0, min(length, self._length))
 
 
 class FeatureHead(nn.Module):

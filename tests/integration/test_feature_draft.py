@@ -1,0 +1,192 @@
+"""The feature draft in process (draft_worker/feature_draft.py): greedy output equals the target
+alone for every length policy, one request at a time and batched, with heads over the target's
+whole vocabulary and over a part of it, on a target with padding ids; sampled output follows the
+target's distribution; the head's cache, carried across rounds, drafts what a fresh one would.
+
+The random heads here agree with their target on little, so nearly every block ends in a
+rejection; the embedded pair's trained head (svip_assets/head) is where blocks are accepted in
+full and in part, and those paths are checked there."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from coordinator.engine import SpeculativeEngine
+from draft_worker.feature_draft import FeatureDrafter, is_feature_head, load_feature_draft
+from draft_worker.feature_head import FeatureHead, HeadConfig, save_head
+from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
+from svip_common.models import load_model
+from target_worker.verifier import Verifier
+from tests.integration.test_sampling_exact import SAMPLES, assert_first_tokens_follow_the_target
+
+POLICIES = {
+    "svip": PolicyConfig(name="svip", threshold=0.9),
+    "svip-default": PolicyConfig(name="svip"),
+    "constant": PolicyConfig(name="constant", draft_length=4),
+    "heuristic": PolicyConfig(name="heuristic", draft_length=3),
+    "confidence": PolicyConfig(name="confidence", confidence=0.05),
+    "auto": PolicyConfig(name="auto"),
+    "none": PolicyConfig(name="none"),
+}
+MAX_NEW = 40
+
+
+def random_head(target, seed: int, sharpness: float = 4.0, reduced: bool = False) -> FeatureHead:
+    """A random head for ``target``; sharpness scales its LM head (lower entropy, longer SVIP
+    blocks); reduced: its vocabulary is every other target id (d2t maps it, as EAGLE-3's does)."""
+    config = HeadConfig.for_target(target.model.config)
+    vocab = config.vocab_size
+    if reduced:
+        config = dataclasses.replace(config, draft_vocab_size=(vocab + 1) // 2)
+    torch.manual_seed(seed)
+    head = FeatureHead(config)
+    with torch.no_grad():
+        for p in head.parameters():
+            if p.dim() == 2:
+                p.normal_(0.0, 0.3)
+        head.lm_head.weight.mul_(sharpness)
+        if reduced:
+            draft_ids = torch.arange(config.draft_vocab_size)
+            head.d2t.copy_(draft_ids)  # draft id i -> target id 2i
+            head.t2d.copy_(torch.arange(vocab) % 2 == 0)
+    return head.eval()
+
+
+@pytest.fixture(scope="module")
+def heads(models, tmp_path_factory):
+    """Heads saved in the published layout and loaded back as the engine loads them."""
+    root = tmp_path_factory.mktemp("heads")
+    out = {}
+    for name, reduced, sharpness in (("full", False, 4.0), ("reduced", True, 4.0), ("flat", False, 0.05)):
+        path = save_head(random_head(models["target"], seed=7, sharpness=sharpness, reduced=reduced), root / name)
+        out[name] = load_feature_draft(str(path), models["target"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference(models, prompt_ids):
+    """The target alone, through Hugging Face's own greedy generate."""
+    out = {}
+    for name, ids in prompt_ids.items():
+        with torch.inference_mode():
+            full = models["target"].model.generate(torch.tensor([ids]), max_new_tokens=MAX_NEW, do_sample=False,
+                                                   eos_token_id=None)
+        out[name] = full[0, len(ids):].tolist()
+    return out
+
+
+@pytest.mark.parametrize("head", ["full", "reduced"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+def test_greedy_equals_target_alone(models, heads, prompt_ids, reference, head, policy):
+    engine = SpeculativeEngine(models["target"], heads[head])
+    assert engine.feature_draft and isinstance(engine.drafter, FeatureDrafter)
+    drafted = 0
+    for name, ids in prompt_ids.items():
+        result = engine.generate(GenerationRequest(ids, MAX_NEW, policy=POLICIES[policy]))
+        assert result.token_ids == reference[name], (policy, head, name)
+        assert result.stats.target_forwards == result.stats.rounds
+        if policy != "none":
+            assert result.stats.draft_lengths[0] == 0  # the first round brings the prompt's features
+        drafted += result.stats.draft_tokens
+    assert (drafted > 0) == (policy != "none")
+
+
+@pytest.mark.parametrize("head", ["full", "reduced"])
+def test_batched_equals_one_at_a_time(models, heads, prompt_ids, head):
+    """Greedy and sampled sessions (each its own seed and warp) in one batch, through several
+    policies, equal the same requests one at a time, token for token and block for block."""
+    engine = SpeculativeEngine(models["target"], heads[head])
+    requests = []
+    for i, (policy, ids) in enumerate(zip(["svip", "constant", "heuristic", "confidence"] * 3,
+                                          list(prompt_ids.values()) * 4)):
+        sampling = SamplingParams() if i % 2 else SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)
+        requests.append(GenerationRequest(ids, 24, sampling=sampling, policy=POLICIES[policy]))
+    batched = engine.generate_many(requests, 5)
+    for request, result in zip(requests, batched):
+        alone = engine.generate(request)
+        assert result.token_ids == alone.token_ids
+        assert result.stats.draft_lengths == alone.stats.draft_lengths
+
+
+def test_padding_ids_of_a_wide_target_are_never_drafted(wide_pair):
+    """A target whose logits run past its tokenizer: a head over its whole width never drafts those
+    ids (the padding columns are masked before the choice) and greedy output is the target's."""
+    target = load_model(wide_pair.target)
+    head = random_head(target, seed=3, sharpness=8.0)
+    with torch.no_grad():
+        head.lm_head.weight[wide_pair.tokens:] *= 100.0  # the padding rows would win if not masked
+    engine = SpeculativeEngine(target, _as_loaded(head, target))
+    alone = SpeculativeEngine(target, None)
+    ids = list(target.tokenizer("The quick brown fox")["input_ids"])
+    seen = []
+    result = engine.generate(GenerationRequest(ids, 24, policy=POLICIES["constant"]),
+                             on_round=lambda block, verdict, settled: seen.extend(block.tokens))
+    assert seen and max(seen) < wide_pair.tokens
+    assert result.token_ids == alone.generate(GenerationRequest(ids, 24)).token_ids
+
+
+def _as_loaded(head, target):
+    from draft_worker.feature_draft import LoadedHead
+
+    return LoadedHead("memory", head.to(target.model.dtype))
+
+
+@torch.inference_mode()
+def test_a_session_carried_across_rounds_drafts_what_a_fresh_one_would(models, heads, prompt_ids):
+    """After rounds of rejections, the head's cache (its target pairs kept, its own dropped) gives
+    the block a fresh session gives from the same committed sequence and the same features."""
+    target, head = models["target"], heads["full"]
+    layers = head.head.config.target_layers
+    engine = SpeculativeEngine(target, head)
+    policy = POLICIES["constant"]
+    session = engine.open(GenerationRequest(prompt_ids["long"], MAX_NEW, policy=policy))
+    for _ in range(6):  # rounds: empty first, then blocks and verdicts
+        block = session.propose()
+        session.settle(block, session.target.verify(session.committed, block))
+    carried = session.propose()
+    fresh_verifier = Verifier(target, kv_cache_tokens=4096, feature_layers=layers)
+    fresh_target = fresh_verifier.open(SamplingParams())
+    fresh = engine.drafter.open(SamplingParams(), policy, ())
+    committed = session.committed[:-1]  # the target runs over all but the last; its verdict adds it
+    verdict = fresh_target.verify(committed, Block(base=len(committed), tokens=[], probs=[], entropies=[]))
+    assert verdict.token == session.committed[-1]
+    fresh.take_features(verdict)
+    again = fresh.propose(session.committed, MAX_NEW)
+    assert again.tokens == carried.tokens
+    assert again.probs == pytest.approx(carried.probs, rel=1e-4, abs=1e-6)
+    session.close()
+
+
+def test_threshold_auto_is_refused_with_a_head(models, heads, prompt_ids):
+    engine = SpeculativeEngine(models["target"], heads["full"])
+    request = GenerationRequest(prompt_ids["short"], 8, policy=PolicyConfig(name="svip", threshold="auto"))
+    with pytest.raises(InvalidRequest, match="threshold 'auto'.*feature head"):
+        engine.generate(request)
+
+
+def test_a_head_directory_is_told_from_a_model_directory(models, heads, model_dirs):
+    assert is_feature_head(heads["full"].path)
+    assert not is_feature_head(model_dirs.target)
+    assert not is_feature_head(None)
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_target(models, heads, prompt_ids):
+    """The first two tokens' marginals fit the target's: the first from the target alone (the
+    round that brings the prompt's features), the second through the head's block (its draws
+    rejected and corrected often, accepted often too: a random head, nearly uniform)."""
+    sampling = SamplingParams(temperature=1.0)
+    prompt = prompt_ids["medium"]
+    engine = SpeculativeEngine(models["target"], heads["flat"])
+    requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=seed), ignore_eos=True,
+                                  policy=PolicyConfig(name="constant", draft_length=2)) for seed in range(SAMPLES)]
+    results = engine.generate_many(requests, 50)
+    second = [r for r in results if len(r.stats.draft_lengths) > 1]
+    assert len(second) == SAMPLES  # every request drafted its second token
+    assert sum(r.stats.accepted_lengths[1] < r.stats.draft_lengths[1] for r in second) > SAMPLES // 10
+    assert sum(r.stats.accepted_lengths[1] > 0 for r in second) > SAMPLES // 50
+    assert_first_tokens_follow_the_target(models, prompt, sampling, results)
