@@ -43,6 +43,11 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--confidences", default="", help="also the confidence stop at these c, e.g. 0.3,0.5 (confidence-C rows)"
     )
+    bench.add_argument(
+        "--head",
+        help="policies: also draft with a feature head (its directory, or 'eagle': the embedded target's own), "
+        "every policy and the oracle as eagle-* rows beside the small draft's",
+    )
     bench.add_argument("--no-hf", action="store_true", help="skip Hugging Face's assisted generation")
     bench.add_argument("--quick", action="store_true", help="2 prompts per category, 1 repeat, 64 tokens, k in 2,4,6")
     bench.add_argument(
@@ -74,7 +79,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace, load_engine) -> int:
     import torch
 
-    from svip_bench.methods import build_methods
+    from svip_bench.methods import build_head_methods, build_methods
     from svip_bench.report import aggregate, write_all
     from svip_bench.runner import Progress, machine_description, run_all
 
@@ -110,6 +115,8 @@ def run(args: argparse.Namespace, load_engine) -> int:
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
     }
+    if args.head is not None and (args.long or args.mode != "policies"):
+        raise InvalidRequest("--head applies to --mode policies (without --long)")
     if args.long:
         from svip_bench import long
 
@@ -123,6 +130,9 @@ def run(args: argparse.Namespace, load_engine) -> int:
 
         return serve.run(engine, prompts, args, header)
     calibration = engine.calibration()
+    head_engine = _head_engine(engine, args.head) if args.head is not None else None
+    if head_engine is not None:
+        header["head"] = head_engine.draft_path
     methods = build_methods(
         ks,
         0.3,
@@ -131,6 +141,8 @@ def run(args: argparse.Namespace, load_engine) -> int:
         thresholds=_parse_floats(args.thresholds, "--thresholds"),
         confidences=_parse_floats(args.confidences, "--confidences"),
     )
+    if head_engine is not None:
+        methods += build_head_methods(ks, 0.3, _parse_floats(args.thresholds, "--thresholds"))
     print(
         f"bench: {len(prompts)} prompts x {len(methods)} methods x {args.repeats} repeats; "
         f"svip-auto threshold {calibration.threshold} (cost ratio {calibration.cost_ratio:.3f})",
@@ -138,7 +150,8 @@ def run(args: argparse.Namespace, load_engine) -> int:
     )
     progress = Progress(len(prompts) * len(methods) * args.repeats)
     runs, violations = run_all(
-        engine, methods, prompts, args.max_new_tokens, args.repeats, args.max_prompt_tokens, progress=progress
+        engine, methods, prompts, args.max_new_tokens, args.repeats, args.max_prompt_tokens, progress=progress,
+        head_engine=head_engine,
     )
     header["auto_calibration"] = calibration.to_dict()
     table = aggregate(runs, methods)
@@ -150,6 +163,20 @@ def run(args: argparse.Namespace, load_engine) -> int:
         print(f"EXACTNESS VIOLATIONS ({len(violations)}): " + "; ".join(violations[:10]), file=sys.stderr)
         return 1
     return 0
+
+
+def _head_engine(engine, head: str):
+    """The bench's target with a feature head as its draft ('eagle': the embedded target's own)."""
+    from coordinator.engine import SpeculativeEngine
+    from draft_worker.feature_draft import is_feature_head, load_feature_draft
+
+    if head == "eagle":
+        from svip_assets import default_head
+
+        head = default_head()
+    if not is_feature_head(head):
+        raise InvalidRequest(f"--head: {head!r} holds no feature head (a config.json naming an EAGLE architecture)")
+    return SpeculativeEngine(engine.target, load_feature_draft(head, engine.target))
 
 
 def _parse_ks(spec: str) -> list[int]:

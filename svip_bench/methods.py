@@ -23,6 +23,10 @@ class Method:
     hf: dict | None = None  # Hugging Face generate(assistant_model=...) settings
     k: int | None = None
     load_aware: str = "off"  # the engine's load-aware mode for this method's runs (bench methods: off)
+    head: bool = False  # drafted by the feature head (rows named eagle-*), not the small draft
+
+
+HEAD_PREFIX = "eagle-"  # the feature draft's rows: eagle-constant-K, eagle-svip, ...
 
 
 @dataclass
@@ -93,6 +97,24 @@ def build_methods(
                 ),
             )
         )
+    return methods
+
+
+def build_head_methods(ks: list[int], svip_threshold: float, thresholds: tuple[float, ...] = ()) -> list[Method]:
+    """The feature draft's rows: every policy on the head (the threshold is not calibrated for a
+    head: SVIP runs at the given one and at the --thresholds grid), the oracle ceiling on it."""
+    def row(name: str, family: str, policy: PolicyConfig, k: int | None = None) -> Method:
+        return Method(HEAD_PREFIX + name, family, policy, k=k, head=True)
+
+    methods = [row(f"constant-{k}", "constant", PolicyConfig(name="constant", draft_length=k), k) for k in ks]
+    methods += [
+        row("heuristic", "heuristic", PolicyConfig(name="heuristic", draft_length=5)),
+        row("confidence", "confidence", PolicyConfig(name="confidence")),
+        row("svip", "svip", PolicyConfig(name="svip", threshold=svip_threshold)),
+        row("auto", "auto", PolicyConfig(name="auto")),
+        row("oracle", "oracle", PolicyConfig(name="oracle", oracle_tokens=(0,))),
+    ]
+    methods += [row(f"svip-{t:g}", "svip", PolicyConfig(name="svip", threshold=t)) for t in thresholds]
     return methods
 
 

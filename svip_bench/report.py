@@ -8,7 +8,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
-from svip_bench.methods import Method, Run
+from svip_bench.methods import HEAD_PREFIX, Method, Run
 
 ALL = "all"
 COST_RATIOS = (0.02, 0.05, 0.1, 0.2)
@@ -76,11 +76,11 @@ def best_constant(table: dict, family_prefix: str = "constant-") -> str | None:
     return max(names, key=lambda n: overall[n]["speedup"]["median"]) if names else None
 
 
-def entropy_acceptance(runs: list[Run]) -> list[dict]:
+def entropy_acceptance(runs: list[Run], head: bool = False) -> list[dict]:
     """Acceptance rate of drafted tokens by the draft's entropy band (tokens whose prefix the
-    target had accepted, from the project's own runs)."""
+    target had accepted, from the project's own runs): the small draft's, or the feature head's."""
     bands = []
-    pairs = [p for r in runs for p in r.entropy_acceptance]
+    pairs = [p for r in runs if r.method.startswith(HEAD_PREFIX) == head for p in r.entropy_acceptance]
     for lo, hi in zip(ENTROPY_BANDS, ENTROPY_BANDS[1:]):
         inside = [ok for h, ok in pairs if lo <= h < hi]
         bands.append({"band": f"[{lo}, {hi if hi < 99 else 'inf'})", "low": lo, "high": hi,
@@ -89,16 +89,48 @@ def entropy_acceptance(runs: list[Run]) -> list[dict]:
 
 
 KEY_METHODS = ("target", "heuristic", "confidence", "svip", "svip-auto", "auto", "defaults", "oracle", "hf-heuristic")
+HEAD_METHODS = tuple(HEAD_PREFIX + m for m in ("heuristic", "confidence", "svip", "auto", "oracle"))
+
+
+def head_summary(table: dict) -> dict | None:
+    """The feature draft against the small draft, and SVIP on it against its best constant depth
+    and the heuristic (the paper's "SVIP on EAGLE" comparison), overall medians; None: no head rows."""
+    overall = table[ALL]
+    best_head = best_constant(table, HEAD_PREFIX + "constant-")
+    if best_head is None:
+        return None
+
+    def speedup(name):
+        return overall[name]["speedup"]["median"] if name in overall else None
+
+    def best(names):
+        names = [n for n in names if n in overall and n not in ("target", "oracle", HEAD_PREFIX + "oracle")]
+        return max(names, key=speedup) if names else None
+
+    small = best([n for n in overall if not n.startswith((HEAD_PREFIX, "hf-"))])
+    head = best([n for n in overall if n.startswith(HEAD_PREFIX)])
+    svip = speedup(HEAD_PREFIX + "svip")
+    return {
+        "best_small_draft": small, "best_small_draft_speedup": speedup(small),
+        "best_head": head, "best_head_speedup": speedup(head),
+        "head_over_small_draft": speedup(head) / speedup(small) if small and head else None,
+        "best_head_constant": best_head, "head_svip_over_best_constant": svip / speedup(best_head) if svip else None,
+        "head_svip_over_heuristic": (svip / speedup(HEAD_PREFIX + "heuristic")
+                                     if svip and speedup(HEAD_PREFIX + "heuristic") else None),
+    }
 
 
 def markdown(table: dict, header: dict) -> str:
     best = best_constant(table)
     best_hf = f"hf-constant-{best.split('-')[1]}" if best else None
     grid = [n for n in table[ALL] if n.startswith(("svip-", "confidence-")) and n != "svip-auto"]
-    shown = [m for m in ("target", best, *KEY_METHODS[1:], *grid, best_hf) if m]
+    best_head = best_constant(table, HEAD_PREFIX + "constant-")
+    head_grid = [n for n in table[ALL] if n.startswith(HEAD_PREFIX + "svip-")]
+    shown = [m for m in ("target", best, *KEY_METHODS[1:], *grid, best_hf, best_head, *HEAD_METHODS, *head_grid) if m]
     lines = [f"Command: `{header['command']}`", f"Machine: {header['machine']}",
              f"Models: target {header['target']}, draft {header['draft']}; {header['prompts']} prompts, "
-             f"{header['repeats']} repeats, {header['max_new_tokens']} new tokens, greedy", ""]
+             f"{header['repeats']} repeats, {header['max_new_tokens']} new tokens, greedy"
+             + (f"; feature head {header['head']} (rows {HEAD_PREFIX}*)" if header.get("head") else ""), ""]
     lines.append(
         "| category | method | tokens/s (min–max) | speedup (min–max) | mean acc. len | acc. rate | target fwd/token "
         "| draft tok/token |"
@@ -125,6 +157,13 @@ def markdown(table: dict, header: dict) -> str:
             lines.append(
                 f"| {name} | " + " | ".join(f"{m['projected_speedup'][str(c)]:.2f}x" for c in COST_RATIOS) + " |"
             )
+    summary = head_summary(table)
+    if summary is not None:
+        lines += ["", f"Feature draft: best policy {summary['best_head']} {summary['best_head_speedup']:.2f}x vs the "
+                  f"small draft's best {summary['best_small_draft']} {summary['best_small_draft_speedup']:.2f}x "
+                  f"(ratio {_fmt(summary['head_over_small_draft'])}); SVIP on the head over its best constant depth "
+                  f"({summary['best_head_constant']}) {_fmt(summary['head_svip_over_best_constant'])}, over the "
+                  f"heuristic {_fmt(summary['head_svip_over_heuristic'])}."]
     return "\n".join(lines) + "\n"
 
 
@@ -225,6 +264,8 @@ def write_all(
         "header": header,
         "results": table,
         "entropy_acceptance": entropy_acceptance(runs),
+        "head_entropy_acceptance": entropy_acceptance(runs, head=True),
+        "head_summary": head_summary(table),
         "exactness_violations": violations,
         "best_constant": best_constant(table),
     }

@@ -49,8 +49,10 @@ def run_all(
     max_prompt_tokens: int,
     seed: int = 0,
     progress=None,
+    head_engine: SpeculativeEngine | None = None,
 ) -> tuple[list[Run], list[str]]:
-    """All runs, and a list of exactness violations (method, prompt) — empty when all is well."""
+    """All runs, and a list of exactness violations (method, prompt) — empty when all is well.
+    head_engine: the same target with the feature head, for the methods that draft with it."""
     encoded = encode_prompts(engine, prompts, max_prompt_tokens)
     refs = reference_outputs(engine, encoded, max_new)
     counters = None
@@ -66,7 +68,7 @@ def run_all(
                 if method.hf:
                     fields = run_hf(engine, counters, method, ids, max_new)
                 else:
-                    fields = run_engine(engine, method, ids, max_new, ref)
+                    fields = run_engine(head_engine if method.head else engine, method, ids, max_new, ref)
                 run = Run(
                     method=method.name, category=prompt.category, prompt_id=prompt.prompt_id, repeat=repeat, **fields
                 )

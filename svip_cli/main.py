@@ -54,7 +54,9 @@ def build_parser() -> argparse.ArgumentParser:
     models = gen.add_argument_group("models")
     models.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
     models.add_argument(
-        "--draft", help="draft model directory or hub id; 'none' = target alone (default: the embedded pair)"
+        "--draft",
+        help="draft model directory or hub id; a feature head's directory (EAGLE-3 layout), or 'eagle' for the "
+        "embedded target's own; 'none' = target alone (default: the embedded pair)",
     )
     models.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64, auto")
     models.add_argument("--device", default="cpu", help="torch device (default cpu)")
@@ -466,7 +468,10 @@ def _load_engine(args: argparse.Namespace):
     from svip_common.models import load_model
 
     draft_path = None if draft_path == "none" else draft_path
+    head = _head_path(draft_path, args.target)
     if getattr(args, "mode", "inprocess") == "distributed":
+        if head is not None:
+            raise InvalidRequest("a feature head drafts in process only for now: use --mode inprocess")
         from coordinator.local import LocalDistributed
         from svip_runtime.tls import TlsFiles
 
@@ -490,7 +495,12 @@ def _load_engine(args: argparse.Namespace):
             auto=_auto_settings(args),
         )
     target = load_model(target_path, args.dtype, args.device)
-    draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
+    if head is not None:
+        from draft_worker.feature_draft import load_feature_draft
+
+        draft = load_feature_draft(head, target)
+    else:
+        draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
     return SpeculativeEngine(
         target,
         draft,
@@ -499,6 +509,19 @@ def _load_engine(args: argparse.Namespace):
         getattr(args, "load_aware", "off"),
         _auto_settings(args),
     )
+
+
+def _head_path(draft: str | None, target: str | None) -> str | None:
+    """The feature head's directory when the draft is one ('eagle': the embedded target's own)."""
+    from draft_worker.feature_draft import is_feature_head
+
+    if draft == "eagle":
+        if target is not None:
+            raise InvalidRequest("--draft eagle is the embedded target's head; with --target give the head's directory")
+        from svip_assets import default_head
+
+        return default_head()
+    return draft if is_feature_head(draft) else None
 
 
 def _result_json(args, engine, request, result, text: str) -> dict:

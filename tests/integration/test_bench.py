@@ -47,6 +47,38 @@ def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
     assert "bench [" in captured.err  # progress bar
 
 
+def test_bench_runs_the_feature_draft_rows_beside_the_small_drafts(tmp_path, model_dirs, models, capsys):
+    """--head: every policy and the oracle on the feature head as eagle-* rows, exact like the
+    others, their own entropy bands, and the head-against-draft summary."""
+    from draft_worker.feature_head import save_head
+    from tests.integration.test_feature_draft import random_head
+
+    head = save_head(random_head(models["target"], seed=7), tmp_path / "head")
+    out = tmp_path / "out"
+    code = main([
+        "bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--head", str(head),
+        "--categories", "code", "--prompts-per-category", "2", "--repeats", "1", "--max-new-tokens", "16",
+        "--ks", "2,3", "--thresholds", "0.5", "--no-hf", "--out", str(out),
+    ])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads((out / "results.json").read_text())
+    assert doc["exactness_violations"] == []
+    eagle = {m for m in doc["results"]["all"] if m.startswith("eagle-")}
+    assert eagle == {"eagle-constant-2", "eagle-constant-3", "eagle-heuristic", "eagle-confidence", "eagle-svip",
+                     "eagle-auto", "eagle-oracle", "eagle-svip-0.5"}
+    assert doc["header"]["head"] == str(head)
+    assert any(b["tokens"] for b in doc["head_entropy_acceptance"])
+    assert doc["head_summary"]["best_head_constant"] in ("eagle-constant-2", "eagle-constant-3")
+    assert "| all | eagle-svip |" in (out / "results.md").read_text()
+    assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--head",
+                 model_dirs.target, "--categories", "code"]) == 2
+    assert "holds no feature head" in capsys.readouterr().err
+    assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--head", str(head),
+                 "--mode", "pipeline"]) == 2
+    assert "--head applies to --mode policies" in capsys.readouterr().err
+
+
 def test_bench_rejects_bad_arguments(capsys, model_dirs, tmp_path):
     assert (
         main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--categories", "poetry"]) == 2

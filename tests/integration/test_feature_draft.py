@@ -190,3 +190,27 @@ def test_sampled_tokens_follow_the_target(models, heads, prompt_ids):
     assert sum(r.stats.accepted_lengths[1] < r.stats.draft_lengths[1] for r in second) > SAMPLES // 10
     assert sum(r.stats.accepted_lengths[1] > 0 for r in second) > SAMPLES // 50
     assert_first_tokens_follow_the_target(models, prompt, sampling, results)
+
+
+def test_the_cli_drafts_with_a_head_directory(models, heads, model_dirs, prompt_ids, capsys):
+    """`svip generate --draft HEAD_DIR` loads the head (told from a model by its config) and prints
+    what the target alone prints; a head is refused in one line where it cannot run yet."""
+    import json
+
+    from svip_cli.main import main
+
+    ids = ",".join(map(str, prompt_ids["medium"]))
+    common = ["generate", "--target", model_dirs.target, "--prompt-ids", ids, "--max-new-tokens", "12", "--json"]
+    assert main([*common, "--draft", heads["full"].path, "--policy", "svip"]) == 0
+    drafted = json.loads(capsys.readouterr().out)
+    assert main([*common, "--draft", "none"]) == 0
+    alone = json.loads(capsys.readouterr().out)
+    assert drafted["token_ids"] == alone["token_ids"]
+    assert drafted["stats"]["config"]["draft"] == heads["full"].path
+    assert drafted["stats"]["draft_tokens"] > 0
+    assert main([*common, "--draft", heads["full"].path, "--mode", "distributed"]) == 2
+    assert "feature head drafts in process only" in capsys.readouterr().err
+    assert main([*common, "--draft", "eagle"]) == 2
+    assert "--draft eagle is the embedded target's head" in capsys.readouterr().err
+    assert main([*common, "--draft", heads["full"].path, "--policy", "svip", "--threshold", "auto"]) == 2
+    assert "threshold 'auto'" in capsys.readouterr().err
