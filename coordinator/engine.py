@@ -195,7 +195,7 @@ class EngineSession:
 
     def settle(self, block: Block, verdict: Verdict) -> list[int]:
         self.draft.feedback(len(block), verdict.accepted)
-        self.draft.take_features(verdict)
+        self.draft.take_features(verdict.features, verdict.features_from)
         drafting_s = self.draft.compute_s - self.draft.prefill_s - self._draft_mark  # its forwards and work, no prefill
         if self.gate is not None:
             self.gate.record(len(block), verdict.accepted, drafting_s)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from draft_worker.policies import LengthPolicy, make_policy
-from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState, Verdict
+from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
 from svip_common.kv_cache import KVPool
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
@@ -152,7 +152,7 @@ class DraftSession:
     def feedback(self, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
 
-    def take_features(self, verdict: Verdict) -> None:
+    def take_features(self, features: torch.Tensor | None, first: int) -> None:
         """A token draft reads no target features."""
 
     def _resume(self, committed: Sequence[int]) -> list[int]:
@@ -248,7 +248,7 @@ class NullDraftSession:
     def feedback(self, drafted: int, accepted: int) -> None:
         pass
 
-    def take_features(self, verdict: Verdict) -> None:
+    def take_features(self, features: torch.Tensor | None, first: int) -> None:
         pass
 
 

@@ -30,7 +30,7 @@ import torch
 from draft_worker.drafter import PREFILL_TOKENS, BlockDraft, Drafter, DraftSession
 from draft_worker.feature_head import FeatureHead, HeadCache, load_head
 from draft_worker.policies import make_policy
-from svip_common.contracts import PolicyConfig, SamplingParams, Verdict
+from svip_common.contracts import PolicyConfig, SamplingParams
 from svip_common.kv_cache import wait_for_device
 from svip_common.models import LoadedModel
 
@@ -105,7 +105,15 @@ class FeatureDrafter(Drafter):
 
 
 class FeatureDraftSession(DraftSession):
-    """One request's head cache and the target features it has not yet taken in."""
+    """One request's head cache, the pairs it holds, and the target features not yet taken in.
+
+    Cache position j holds the pair (feature at j, e(x_{j+1})) and its output a_{j+1}, the head's
+    stand-in for the target's feature at j + 1. The first ``_true`` positions were fed the
+    target's own features; the rest, the head's outputs (its drafted tokens, and in the
+    distributed pipeline blocks drafted ahead of their verdicts). A block's first forward keeps
+    the cached pairs whose tokens the committed sequence still has, but re-feeds the target's
+    features where they have arrived in place of the head's own, and builds the missing pairs
+    from the target's features where known, else from the head's kept outputs."""
 
     def __init__(self, drafter: FeatureDrafter, sampling: SamplingParams, policy, stop_token_ids: Sequence[int]):
         self.sampling = sampling
@@ -113,10 +121,11 @@ class FeatureDraftSession(DraftSession):
         self.stop_token_ids = frozenset(stop_token_ids)
         self._drafter = drafter
         self._cache = HeadCache()
-        self._tokens: list[int] = []  # committed tokens x_0 .. x_t whose pairs at 0 .. t-1 the cache holds
+        self._fed: list[int] = []  # per cache position j: the token x_{j+1} of its pair
+        self._outputs: torch.Tensor | None = None  # [capacity, h]: the output at each cache position
+        self._true = 0  # leading cache positions fed the target's features
         self._stash: torch.Tensor | None = None  # the target's features [n, layers x h] at positions _stash_from..
         self._stash_from = 0
-        self._own: torch.Tensor | None = None  # the head's last output row [1, h]: the next pair's feature
         self.forwards = 0
         self.forward_s = 0.0
         self.prefill_s = 0.0
@@ -127,13 +136,11 @@ class FeatureDraftSession(DraftSession):
         return len(self._cache)
 
     def close(self) -> None:
-        self._cache, self._stash, self._own, self._tokens = HeadCache(), None, None, []
+        self._cache, self._fed, self._outputs, self._true, self._stash = HeadCache(), [], None, 0, None
 
-    def take_features(self, verdict: Verdict) -> None:
-        """Keep the target's features a verdict hands over (positions features_from..); ones
-        handed again from an earlier position (the target recomputed them) replace what was kept
-        from there."""
-        features, first = verdict.features, verdict.features_from
+    def take_features(self, features: torch.Tensor | None, first: int) -> None:
+        """Keep the target's features at positions first.. (a verdict's); ones handed again from an
+        earlier position (the target recomputed them) replace what was kept from there."""
         if features is None or features.shape[0] == 0:
             return
         if self._stash is not None and self._stash_from <= first <= self._stash_from + self._stash.shape[0]:
@@ -141,36 +148,74 @@ class FeatureDraftSession(DraftSession):
             first = self._stash_from
         self._stash, self._stash_from = features, first
 
+    @property
+    def _known(self) -> int:
+        """Positions 0 .. _known - 1 have the target's features (kept, or already fed)."""
+        return self._stash_from + self._stash.shape[0] if self._stash is not None else self._true
+
     def _resume(self, committed: Sequence[int]):
-        """The block's first forward: the pairs (target features, next tokens) at the positions the
-        cache lacks, up to L - 2 for ``committed`` of length L; None when the target's features do
-        not reach that far yet (the first round: the block stays empty)."""
-        end = len(committed) - 1  # pairs at positions keep .. end - 1
-        keep = min(len(self._tokens) - 1, end - 1)  # cached target pairs that stay (one re-fed at least)
-        if keep > 0 and self._tokens[: keep + 1] != list(committed[: keep + 1]):
-            keep = _common_prefix(self._tokens, committed) - 1
-        keep = max(keep, 0)
-        if end < 1 or self._stash is None:
+        """The block's first forward, for ``committed`` of length L: the pairs at the positions
+        from the first one the cache cannot keep up to L - 2, whose output gives the first drafted
+        token. None when there is nothing to build them from (no target features yet: the first
+        round, whose block stays empty)."""
+        last = len(committed) - 2
+        if last < 0:
             return None
-        have = self._stash_from + self._stash.shape[0]
-        if self._stash_from > keep or have < end:
-            return None  # the features for these positions are not here (yet)
-        raw = self._stash[keep - self._stash_from : end - self._stash_from]
-        return _Pairs(keep, raw, list(committed[keep + 1 : end + 1]), list(committed[: end + 1]))
+        valid = _common_prefix(self._fed, committed[1:])  # cached pairs whose tokens still hold
+        keep = min(valid, last)  # the last pair is always fed again: its output is the first token's
+        known = self._known
+        if known > self._true:
+            keep = min(keep, self._true)  # the target's features replace the head's own
+        true_end = min(known, last + 1)
+        if keep < true_end and (self._stash is None or self._stash_from > keep):
+            return None  # the features for these positions are gone
+        own_from = max(keep, true_end)  # pairs from here on are built on the head's outputs
+        if last >= own_from and own_from < 1:
+            return None  # no target feature to start from
+        own_end = max(own_from, min(last, valid) + 1)  # where the kept outputs run out: a chain after
+        raw = self._stash[keep - self._stash_from : true_end - self._stash_from] if keep < true_end else None
+        own = self._outputs[own_from - 1 : own_end - 1].clone() if own_end > own_from else None
+        return _Pairs(keep, raw, own, list(committed[keep + 1 : own_end + 1]), list(committed[own_end + 1 : last + 2]))
 
     def _advance(self, pending) -> torch.Tensor:
         """The head's forward for a block's next token: its last output row [1, h]."""
+        if not isinstance(pending, _Pairs):  # the token just drafted, beside the head's own last output
+            return self._feed(self._outputs[len(self._cache) - 1 : len(self._cache)], pending)
+        self._rollback(pending.first)
+        if pending.ids:
+            parts = [self._drafter.head.fc(pending.raw)] if pending.raw is not None else []
+            out = self._feed(torch.cat(parts + ([pending.own] if pending.own is not None else [])), pending.ids)
+            if pending.raw is not None:
+                self._true = pending.first + pending.raw.shape[0]
+                self._trim(self._true - 1)
+        for token in pending.chain:  # one pair at a time: each reads the output before it
+            out = self._feed(self._outputs[len(self._cache) - 1 : len(self._cache)], [token])
+        return out
+
+    def _feed(self, features: torch.Tensor, ids: list[int]) -> torch.Tensor:
+        """Pairs (features [n, h], e(ids)) after what the cache holds: their last output [1, h]."""
         drafter = self._drafter
-        if isinstance(pending, _Pairs):
-            self._cache.rollback(pending.first)
-            features, ids = drafter.head.fc(pending.raw), pending.ids
-            self._tokens = pending.tokens
-            self._trim(pending.first + len(ids) - 1)
-        else:  # the token just drafted, beside the head's own last output
-            features, ids = self._own, pending
         embeds = drafter.embedding(torch.tensor(ids, dtype=torch.long, device=features.device))
-        self._own = drafter.head(embeds, features, self._cache)[-1:]
-        return self._own
+        start = len(self._cache)
+        outputs = drafter.head(embeds, features, self._cache)
+        self._keep_outputs(start, outputs)
+        self._fed += ids
+        return outputs[-1:]
+
+    def _rollback(self, length: int) -> None:
+        self._cache.rollback(length)
+        del self._fed[length:]
+        self._true = min(self._true, length)
+
+    def _keep_outputs(self, start: int, rows: torch.Tensor) -> None:
+        end = start + rows.shape[0]
+        if self._outputs is None or end > self._outputs.shape[0]:
+            grown = rows.new_empty((max(end, 2 * (0 if self._outputs is None else self._outputs.shape[0]), 64),
+                                    rows.shape[1]))
+            if start:
+                grown[:start] = self._outputs[:start]
+            self._outputs = grown
+        self._outputs[start:end] = rows
 
     def _trim(self, first: int) -> None:
         """Drop kept features before position ``first`` (the last taken in stays, to be re-fed)."""
@@ -181,16 +226,18 @@ class FeatureDraftSession(DraftSession):
 
 @dataclass
 class _Pairs:
-    """A block's first forward: pairs at positions first .. first + len(ids) - 1."""
+    """A block's first forward: pairs at positions first .. first + len(ids) - 1, their features the
+    target's (``raw``) then the head's own kept outputs (``own``)."""
 
     first: int
-    raw: torch.Tensor  # the target's features there [n, layers x h]
-    ids: list[int]  # the tokens after each: x_{first+1} ..
-    tokens: list[int]  # committed up to the last of them
+    raw: torch.Tensor | None  # the target's features [n, layers x h] at first ..
+    own: torch.Tensor | None  # then the head's kept outputs [m, h] for the positions after those
+    ids: list[int]  # the tokens after each of those positions: x_{first+1} ..
+    chain: list[int]  # then positions whose feature is the output just before: fed one at a time
 
 
 def _pairs(pending) -> int:
-    return len(pending.ids) if isinstance(pending, _Pairs) else len(pending)
+    return len(pending.ids) + len(pending.chain) if isinstance(pending, _Pairs) else len(pending)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

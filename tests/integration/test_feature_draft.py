@@ -16,7 +16,7 @@ import torch
 
 from coordinator.engine import SpeculativeEngine
 from draft_worker.feature_draft import FeatureDrafter, is_feature_head, load_feature_draft
-from draft_worker.feature_head import FeatureHead, HeadConfig, save_head
+from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, save_head
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.models import load_model
@@ -154,7 +154,7 @@ def test_a_session_carried_across_rounds_drafts_what_a_fresh_one_would(models, h
     committed = session.committed[:-1]  # the target runs over all but the last; its verdict adds it
     verdict = fresh_target.verify(committed, Block(base=len(committed), tokens=[], probs=[], entropies=[]))
     assert verdict.token == session.committed[-1]
-    fresh.take_features(verdict)
+    fresh.take_features(verdict.features, verdict.features_from)
     again = fresh.propose(session.committed, MAX_NEW)
     assert again.tokens == carried.tokens
     assert again.probs == pytest.approx(carried.probs, rel=1e-4, abs=1e-6)
@@ -214,3 +214,52 @@ def test_the_cli_drafts_with_a_head_directory(models, heads, model_dirs, prompt_
     assert "--draft eagle is the embedded target's head" in capsys.readouterr().err
     assert main([*common, "--draft", heads["full"].path, "--policy", "svip", "--threshold", "auto"]) == 2
     assert "threshold 'auto'" in capsys.readouterr().err
+
+
+def _ready(models, head, k: int, committed):
+    """A feature draft session (constant k, no stop ids) holding the target's features for
+    ``committed``, as after a verdict that committed it."""
+    drafter = SpeculativeEngine(models["target"], head).drafter
+    session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=k), ())
+    session.take_features(verdict_features(models, head, committed), 0)
+    return drafter, session
+
+
+@torch.inference_mode()
+def test_blocks_drafted_ahead_of_their_verdict_continue_from_the_heads_own_outputs(models, heads, prompt_ids):
+    """The distributed pipeline drafts before the target's features arrive: a follow-up (the block
+    assumed accepted) continues exactly as a longer block would; a prepared continuation (an
+    alternative token in the block) reads the head's output before it; the main line drafted
+    again after that rebuilds the outputs it dropped, one pair at a time, to the same tokens."""
+    committed = list(prompt_ids["long"])
+    _, longer = _ready(models, heads["full"], 6, committed)
+    reference = longer.propose(committed, 6)
+    drafter, session = _ready(models, heads["full"], 3, committed)
+    first = session.propose(committed, 3)
+    follow = session.propose(committed + first.tokens, 3)
+    assert first.tokens + follow.tokens == reference.tokens
+    assert first.probs + follow.probs == reference.probs  # bitwise: the same pairs, the same shapes
+
+    alternative = next(t for t in range(5, 300) if t != first.tokens[1])
+    prepared = session.propose(committed + first.tokens[:1] + [alternative], 1)
+    head, embed = drafter.head, drafter.embedding
+    features = verdict_features(models, heads["full"], committed)
+    out = head(embed(torch.tensor(committed[1:])), head.fc(features), cache := HeadCache())
+    out = head(embed(torch.tensor([first.tokens[0]])), out[-1:], cache)
+    out = head(embed(torch.tensor([alternative])), out[-1:], cache)
+    q = torch.softmax(drafter._widen(head.logits(out[-1:])), dim=-1)[0]
+    assert prepared.tokens == [int(q.argmax())]
+    assert prepared.probs[0] == pytest.approx(float(q.max()), rel=1e-5)
+
+    again = session.propose(committed + first.tokens, 3)
+    assert again.tokens == follow.tokens
+    assert again.probs == pytest.approx(follow.probs, rel=1e-5)
+
+
+def verdict_features(models, head, committed):
+    """The target's features at positions 0 .. len(committed) - 2, as a verdict that committed
+    ``committed`` hands them over."""
+    verifier = Verifier(models["target"], kv_cache_tokens=4096, feature_layers=head.head.config.target_layers)
+    before = list(committed[:-1])
+    return verifier.open(SamplingParams()).verify(before, Block(base=len(before), tokens=[], probs=[],
+                                                                 entropies=[])).features
