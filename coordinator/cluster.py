@@ -14,7 +14,7 @@ from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS, whole_pages
-from svip_common.models import ModelInfo, check_same_vocabulary, load_model_info, pair_limits
+from svip_common.models import ModelInfo, check_same_vocabulary, is_feature_head, load_model_info, pair_limits
 from svip_runtime.actor import serving_address
 from svip_runtime.tls import TlsFiles
 
@@ -145,10 +145,13 @@ class WorkerPair:
 
         from coordinator.session.actor import TargetActor
         from draft_worker.actor import DraftActor
+        from draft_worker.feature_draft import head_layers
 
         self.target_info: ModelInfo = load_model_info(target_path)
-        draft_info = None
-        if draft_path is not None:
+        draft_info, feature_layers = None, ()
+        if draft_path is not None and is_feature_head(draft_path):  # the target hands its features over
+            feature_layers = head_layers(draft_path)
+        elif draft_path is not None:
             draft_info = load_model_info(draft_path)
             check_same_vocabulary(self.target_info, draft_info)
         # a pool holds whole pages: its capacity, rounded up to them
@@ -189,6 +192,7 @@ class WorkerPair:
                 recovery=recovery,
                 auto=auto.check(),
                 auto_prior=stored_prior(draft_path),
+                feature_layers=feature_layers,
                 **common,
             )
         )
@@ -202,6 +206,7 @@ class WorkerPair:
                     self.limits,
                     target_vocab_size=self.target_info.vocab_size,
                     max_batched_tokens=max_batched_tokens,
+                    target_path=target_path,
                     **common,
                 )
             )

@@ -1,9 +1,15 @@
-"""The draft model as a Ray actor serving DraftWorker over gRPC."""
+"""The draft model as a Ray actor serving DraftWorker over gRPC: a small model of its own, or a
+feature head (EAGLE-3 layout) beside the target's embedding table, reading the target's features
+from each feedback."""
 
 from __future__ import annotations
 
+import torch
+
 from draft_worker.drafter import Drafter
+from draft_worker.feature_draft import FeatureDrafter, LoadedHead, load_head_beside
 from draft_worker.service import DraftService
+from svip_common.models import is_feature_head
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.actor import ModelActor
 
@@ -12,18 +18,34 @@ class DraftActor(ModelActor):
     service_name = "svip.v1.DraftWorker"
 
     def __init__(
-        self, model_path: str, limits, target_vocab_size: int, max_batched_tokens: int | None = None, **kwargs
+        self, model_path: str, limits, target_vocab_size: int, max_batched_tokens: int | None = None,
+        target_path: str | None = None, **kwargs
     ):
         """max_batched_tokens: at most this many tokens in one draft forward (a prompt is
-        prefilled in chunks under it, as on the target)."""
+        prefilled in chunks under it, as on the target); target_path: the target's checkpoint (a
+        feature head reads its embedding table)."""
         super().__init__(model_path, limits, **kwargs)
         self.target_vocab_size = target_vocab_size
         self.max_batched_tokens = max_batched_tokens
+        self.target_path = target_path
+
+    def load(self) -> None:
+        model_path, dtype, device = self._load_args
+        if not is_feature_head(model_path):
+            return super().load()
+        if self.model is None:
+            if device == "auto":
+                device = "cuda" if torch.cuda.is_available() else "cpu"
+            self.model = load_head_beside(model_path, self.target_path, dtype, device)
 
     def make_service(self):
-        drafter = Drafter(
-            self.model, self.target_vocab_size, self.limits.tokens, self.kv_cache_tokens, self.max_batched_tokens
-        )
+        if isinstance(self.model, LoadedHead):
+            drafter = FeatureDrafter(self.model, self.model.embedding, self.target_vocab_size, self.limits.tokens,
+                                     self.kv_cache_tokens)
+        else:
+            drafter = Drafter(
+                self.model, self.target_vocab_size, self.limits.tokens, self.kv_cache_tokens, self.max_batched_tokens
+            )
         return DraftService(drafter, self.limits)
 
     def register(self, server, service) -> None:

@@ -194,6 +194,12 @@ class BlockDraft:
         self._pending = session._resume(committed) if self._limit > 0 else None
         self.done = self._pending is None  # nothing to draft from: the block stays empty
 
+    @property
+    def pending_tokens(self) -> int:
+        """What the block's next forward takes in (tokens, or a feature draft's pairs)."""
+        pending = self._pending
+        return 0 if pending is None else len(pending)
+
     def step(self) -> bool:
         """Draft one token (a forward of its own); returns ``done``."""
         self._session._drafter.step([self])

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import time
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,33 +29,36 @@ from pathlib import Path
 import torch
 
 from draft_worker.drafter import PREFILL_TOKENS, BlockDraft, Drafter, DraftSession
-from draft_worker.feature_head import FeatureHead, HeadCache, load_head
+from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, load_head
 from draft_worker.policies import make_policy
 from svip_common.contracts import PolicyConfig, SamplingParams
+from svip_common.errors import ModelLoadError
 from svip_common.kv_cache import wait_for_device
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
-
-HEAD_ARCHITECTURE = "Eagle"  # in config.json's architectures: a directory holding a feature head
 
 
 @dataclass
 class LoadedHead:
-    """A feature head loaded for a target."""
+    """A feature head loaded for a target; in the draft worker, with the target's embedding table
+    beside it (in process the drafter reads the target model's own)."""
 
     path: str
     head: FeatureHead
+    embedding: torch.nn.Embedding | None = None
+
+    @property
+    def model(self) -> torch.nn.Module:
+        return self.head
 
 
-def is_feature_head(path: str | None) -> bool:
-    """Whether a draft directory holds a feature head (its config.json names an EAGLE architecture)."""
-    if path is None:
-        return False
+def head_layers(path: str) -> tuple[int, ...]:
+    """The target layers a head directory's config fuses (what the target worker hands over)."""
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
-    except (OSError, ValueError):
-        return False
-    architectures = raw.get("architectures") if isinstance(raw, dict) else None
-    return isinstance(architectures, list) and any(HEAD_ARCHITECTURE in str(a) for a in architectures)
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read config.json ({exc})") from None
+    return HeadConfig.from_dict(raw, path).target_layers
 
 
 def load_feature_draft(path: str, target: LoadedModel) -> LoadedHead:
@@ -64,10 +68,55 @@ def load_feature_draft(path: str, target: LoadedModel) -> LoadedHead:
     return LoadedHead(path, load_head(path, model.config.get_text_config(decoder=True), model.dtype, model.device))
 
 
+def load_head_beside(path: str, target_path: str, dtype: str = "float32", device: str = "cpu") -> LoadedHead:
+    """A head for a target that lives in another process: the target's config and its embedding
+    table only (read from its safetensors, not the whole model), the head checked against them."""
+    from safetensors import safe_open
+    from transformers import AutoConfig
+
+    from svip_common.models import DTYPES
+
+    torch_dtype = DTYPES.get(dtype)
+    if torch_dtype is None or torch_dtype == "auto":
+        raise ModelLoadError(f"a feature head needs an explicit dtype, got {dtype!r}")
+    try:
+        config = AutoConfig.from_pretrained(target_path).get_text_config(decoder=True)
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelLoadError(f"cannot read the target's config at {target_path!r}: {exc}") from None
+    name, file = _embedding_file(Path(target_path))
+    with safe_open(str(file), framework="pt", device="cpu") as f:
+        table = f.get_tensor(name)
+    if tuple(table.shape) != (config.vocab_size, config.hidden_size):
+        raise ModelLoadError(f"{target_path}: {name} has shape {list(table.shape)}, the config says "
+                             f"[{config.vocab_size}, {config.hidden_size}]")
+    embedding = torch.nn.Embedding.from_pretrained(table.to(torch_dtype), freeze=True).to(device)
+    return LoadedHead(path, load_head(path, config, torch_dtype, device), embedding)
+
+
+def _embedding_file(target: Path) -> tuple[str, Path]:
+    """The target checkpoint's input embedding: its tensor name and the safetensors file holding it."""
+    index = target / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+    elif (target / "model.safetensors").is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(target / "model.safetensors"), framework="pt", device="cpu") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}
+    else:
+        raise ModelLoadError(f"{target}: no safetensors checkpoint to read the target's embedding from")
+    names = sorted(k for k in weight_map if k.endswith("embed_tokens.weight"))
+    if not names:
+        raise ModelLoadError(f"{target}: the checkpoint has no embed_tokens.weight")
+    return names[0], target / weight_map[names[0]]
+
+
 class FeatureDrafter(Drafter):
     """A feature head beside the target's embedding table, shared by the sessions it opens."""
 
-    def __init__(self, head: LoadedHead, embedding: torch.nn.Embedding, target_vocab_size: int, token_limit: int):
+    def __init__(self, head: LoadedHead, embedding: torch.nn.Embedding, target_vocab_size: int, token_limit: int,
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS):
+        """kv_cache_tokens: what the head caches are reported against (they grow with their sessions)."""
         self.draft = head  # .path: where the head came from
         self.head = head.head
         self.embedding = embedding  # the target's: the head has none of its own
@@ -75,6 +124,8 @@ class FeatureDrafter(Drafter):
         self.token_limit = token_limit
         self.max_batched_tokens = None  # a block's first forward is one layer over its new pairs
         self.pool = None  # no KV pool: each session's head cache grows as it drafts
+        self.kv_cache_tokens = kv_cache_tokens
+        self._sessions: weakref.WeakSet[FeatureDraftSession] = weakref.WeakSet()
         c = self.head.config
         self._columns = self.head.target_ids(torch.arange(c.draft_vocab_size, device=self.head.d2t.device))
 
@@ -88,7 +139,7 @@ class FeatureDrafter(Drafter):
         started = time.perf_counter()
         hidden = []
         for d in live:
-            d._prefilling = _pairs(d._pending) > PREFILL_TOKENS
+            d._prefilling = len(d._pending) > PREFILL_TOKENS
             hidden.append(d._session._advance(d._pending))
         rows = self.head.logits(torch.cat(hidden))  # [B, draft_vocab]
         wait_for_device(rows.device)
@@ -101,7 +152,12 @@ class FeatureDrafter(Drafter):
 
     def open(self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
              ) -> FeatureDraftSession:
-        return FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids)
+        session = FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids)
+        self._sessions.add(session)
+        return session
+
+    def cache_use(self) -> CacheUse:
+        return CacheUse(self.kv_cache_tokens, sum(len(s._cache) for s in list(self._sessions)))
 
 
 class FeatureDraftSession(DraftSession):
@@ -225,6 +281,20 @@ class FeatureDraftSession(DraftSession):
 
 
 @dataclass
+class CacheUse:
+    """The head caches' size, in the terms a KV pool reports (a page per token): what the draft
+    worker's stats and metrics show."""
+
+    pages: int
+    used_pages: int
+    page_size: int = 1
+
+    @property
+    def free_pages(self) -> int:
+        return max(0, self.pages - self.used_pages)
+
+
+@dataclass
 class _Pairs:
     """A block's first forward: pairs at positions first .. first + len(ids) - 1, their features the
     target's (``raw``) then the head's own kept outputs (``own``)."""
@@ -235,9 +305,8 @@ class _Pairs:
     ids: list[int]  # the tokens after each of those positions: x_{first+1} ..
     chain: list[int]  # then positions whose feature is the output just before: fed one at a time
 
-
-def _pairs(pending) -> int:
-    return len(pending.ids) + len(pending.chain) if isinstance(pending, _Pairs) else len(pending)
+    def __len__(self) -> int:
+        return len(self.ids) + len(self.chain)
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -123,8 +123,10 @@ class PipelinedDraft:
         return self._next_block(NO_TOKEN, received_at)
 
     def on_feedback(self, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
-                    prepared_used: bool, received_at: float, load_cap: int | None = None) -> list[DraftedBlock]:
-        """Apply the verdict on the oldest outstanding block (checked at once)."""
+                    prepared_used: bool, received_at: float, load_cap: int | None = None,
+                    features=None, features_from: int = 0) -> list[DraftedBlock]:
+        """Apply the verdict on the oldest outstanding block (checked at once). features: the
+        target's at positions features_from.. (a feature draft's input)."""
         if load_cap is not None:
             self.load_cap = load_cap
         if not self.outstanding or self.outstanding[0].block.base != base or len(self.outstanding[0].block) != drafted:
@@ -135,6 +137,7 @@ class PipelinedDraft:
         answered = self.outstanding.pop(0)
         block = answered.block
         self.session.feedback(drafted, accepted)
+        self.session.take_features(features, features_from)
         self._learn_wait(answered, received_at)
         if self.load_cap == 0 and (token == NO_TOKEN or prepared_used):
             raise InvalidRequest("a pause (load_cap 0) must settle its token at the target")

@@ -39,7 +39,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
 
     @property
     def pool(self):
-        return self.drafter.pool
+        return self.drafter.pool if self.drafter.pool is not None else self.drafter.cache_use()
 
     async def Session(self, request_iterator, context):
         async for event in self._serve_stream(request_iterator):
@@ -87,9 +87,30 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
         if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
             raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
+        features = self._features(msg) if msg.HasField("features") else None
         _tune(session, _stop_rule(msg))
         return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
-                                   msg.prepared_used, received_at, msg.load_cap if msg.HasField("load_cap") else None)
+                                   msg.prepared_used, received_at, msg.load_cap if msg.HasField("load_cap") else None,
+                                   features, msg.features_from)
+
+    def _features(self, msg: pb.Feedback):
+        """A feedback's target features, checked against the head that reads them: its dtype, its
+        width, and exactly the positions the verdict leaves committed (INVALID_ARGUMENT otherwise)."""
+        head = getattr(self.drafter, "head", None)
+        if head is None:
+            raise InvalidRequest("target features sent to a draft that reads none (a token draft)")
+        features = convert.tensor_from_proto(msg.features)
+        width = len(head.config.target_layers) * head.config.hidden_size
+        dtype = head.fc.weight.dtype
+        if features.dtype != dtype or features.dim() != 2 or features.shape[1] != width or not features.shape[0]:
+            raise InvalidRequest(f"target features of dtype {str(features.dtype).removeprefix('torch.')} and shape "
+                                 f"{tuple(features.shape)}; this head reads {str(dtype).removeprefix('torch.')} "
+                                 f"[n >= 1, {width}]")
+        end = msg.features_from + features.shape[0]
+        if end != msg.base + msg.accepted:
+            raise InvalidRequest(f"target features for positions {msg.features_from}..{end - 1}; the verdict "
+                                 f"commits up to {msg.base + msg.accepted - 1}")
+        return features.to(head.fc.weight.device)
 
     def idle(self) -> bool:
         """One batched step: a single draft forward advances every session that has a block to
@@ -110,11 +131,11 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             return True
         if not batch:
             return True
-        tokens = sum(len(draft._pending) for _, _, draft in batch)
+        tokens = sum(draft.pending_tokens for _, _, draft in batch)
         elapsed = time.perf_counter() - started
         for session_id, session, _ in batch:
             self._send(session_id, session, session.after_step(elapsed))
-        self.step_metrics.record(len(batch), tokens, self.drafter.pool)
+        self.step_metrics.record(len(batch), tokens, self.pool)
         return True
 
     def _step_within_pool(self, batch: list) -> list:

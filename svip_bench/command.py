@@ -168,7 +168,8 @@ def run(args: argparse.Namespace, load_engine) -> int:
 def _head_engine(engine, head: str):
     """The bench's target with a feature head as its draft ('eagle': the embedded target's own)."""
     from coordinator.engine import SpeculativeEngine
-    from draft_worker.feature_draft import is_feature_head, load_feature_draft
+    from draft_worker.feature_draft import load_feature_draft
+    from svip_common.models import is_feature_head
 
     if head == "eagle":
         from svip_assets import default_head

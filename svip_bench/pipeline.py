@@ -30,9 +30,16 @@ MODE_NAMES = {"alone": "target alone (in process)", "inprocess": "in-process", "
               "async": "distributed async"}
 
 
+# SVIP's threshold with a feature head as the draft (the paper's: calibration is the small draft's)
+HEAD_THRESHOLD = 0.3
+
+
 def run(engine, prompts, args, header: dict) -> int:
-    """engine: the in-process engine (its calibration gives the shared SVIP threshold)."""
-    policy = PolicyConfig(name="svip", threshold=engine.calibration().threshold)
+    """engine: the in-process engine (its calibration gives the shared SVIP threshold; with a
+    feature head as its draft, the paper's)."""
+    threshold = HEAD_THRESHOLD if engine.feature_draft else engine.calibration().threshold
+    policy = PolicyConfig(name="svip", threshold=threshold)
+    header["svip_threshold"] = threshold
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     requests = [GenerationRequest(ids, args.max_new_tokens, policy=policy, ignore_eos=True) for ids in encoded]
     init_local_ray()  # before ray is imported here: the local cluster stays on 127.0.0.1

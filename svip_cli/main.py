@@ -189,7 +189,8 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--port", type=int, default=8000, help="HTTP port (default 8000)")
     srv.add_argument("--metrics-port", type=int, default=8080, help="Prometheus metrics on 127.0.0.1 (default 8080)")
     srv.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
-    srv.add_argument("--draft", help="draft model directory or hub id; 'none' = target alone")
+    srv.add_argument("--draft", help="draft model directory or hub id, or a feature head's directory (EAGLE-3 "
+                     "layout; 'eagle': the embedded target's own); 'none' = target alone")
     srv.add_argument(
         "--model-name", help="the model id clients send (default: the target directory's name or hub id, or svip-pair)"
     )
@@ -470,8 +471,7 @@ def _load_engine(args: argparse.Namespace):
     draft_path = None if draft_path == "none" else draft_path
     head = _head_path(draft_path, args.target)
     if getattr(args, "mode", "inprocess") == "distributed":
-        if head is not None:
-            raise InvalidRequest("a feature head drafts in process only for now: use --mode inprocess")
+        draft_path = head if head is not None else draft_path
         from coordinator.local import LocalDistributed
         from svip_runtime.tls import TlsFiles
 
@@ -513,7 +513,7 @@ def _load_engine(args: argparse.Namespace):
 
 def _head_path(draft: str | None, target: str | None) -> str | None:
     """The feature head's directory when the draft is one ('eagle': the embedded target's own)."""
-    from draft_worker.feature_draft import is_feature_head
+    from svip_common.models import is_feature_head
 
     if draft == "eagle":
         if target is not None:

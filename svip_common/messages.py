@@ -60,6 +60,9 @@ class Feedback:
     p_row: torch.Tensor | None = field(default=None, repr=False)  # sampled rejection: the target's p there
     sent_at: float = 0.0  # the target's wall clock when the feedback left
     then: Feedback | None = None
+    # a feature draft's input: the target's hidden states at positions features_from.. (the verdict's)
+    features: torch.Tensor | None = field(default=None, repr=False)
+    features_from: int = 0
 
     def chain(self) -> list[Feedback]:
         out, item = [], self

@@ -6,8 +6,10 @@ dynamo, scipy) loads only when weights do: a process that needs a model's tokeni
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -162,3 +164,18 @@ def encode(tokenizer, prompt: str | list[int]) -> tuple[int, ...]:
     if not ids:
         raise InvalidRequest("prompt encodes to no tokens")
     return tuple(ids)
+
+
+HEAD_ARCHITECTURE = "Eagle"  # in config.json's architectures: a directory holding a feature head
+
+
+def is_feature_head(path: str | None) -> bool:
+    """Whether a draft directory holds a feature head (its config.json names an EAGLE architecture)."""
+    if path is None:
+        return False
+    try:
+        raw = json.loads((Path(path) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    architectures = raw.get("architectures") if isinstance(raw, dict) else None
+    return isinstance(architectures, list) and any(HEAD_ARCHITECTURE in str(a) for a in architectures)

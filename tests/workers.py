@@ -35,13 +35,16 @@ def in_process_workers(
     draft_kv_tokens: int = DEFAULT_KV_TOKENS,
     target_kv_tokens: int = DEFAULT_KV_TOKENS,
     positions: int = 512,
+    drafter=None,
+    feature_layers: tuple[int, ...] = (),
     **host_options,
 ):
-    """The tiny target behind a session host, the close draft behind a draft service (KV pools of
+    """The tiny target behind a session host, the close draft (or ``drafter``: a feature draft,
+    whose target hands over ``feature_layers``) behind a draft service (KV pools of
     target_kv_tokens and draft_kv_tokens); host_options go to SessionHost. On exit the host closes first, so its link
     goes and the draft frees that stream's sessions, then both servers stop."""
     limits = Limits(tokens=models["target"].token_limit, positions=positions)
-    drafter = Drafter(
+    drafter = drafter or Drafter(
         models["close_draft"],
         models["target"].vocab_size,
         limits.tokens,
@@ -58,7 +61,8 @@ def in_process_workers(
 
     draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
     host = SessionHost(
-        Verifier(models["target"], limits.tokens, target_kv_tokens), limits, draft_address, **host_options
+        Verifier(models["target"], limits.tokens, target_kv_tokens, feature_layers), limits, draft_address,
+        **host_options,
     )
     loop.run_until_complete(host.start())
     target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)

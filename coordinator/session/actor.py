@@ -17,10 +17,12 @@ class TargetActor(ModelActor):
 
     def __init__(self, model_path: str, limits, max_batched_tokens: int | None = None, load_aware: str = "greedy",
                  recovery: dict | None = None, auto: AutoSettings = AutoSettings(), auto_prior: dict | None = None,
-                 **kwargs):
+                 feature_layers: tuple[int, ...] = (), **kwargs):
         """recovery: SessionHost's draft_stall_s / sampled_hold_s / draft_recover_s; auto: the
-        `auto` policy's settings; auto_prior: the pair's stored prior (None: the generic one)."""
+        `auto` policy's settings; auto_prior: the pair's stored prior (None: the generic one);
+        feature_layers: the hidden states a feature draft reads, sent with each feedback."""
         super().__init__(model_path, limits, **kwargs)
+        self.feature_layers = tuple(feature_layers)
         self.max_batched_tokens, self.load_aware = max_batched_tokens, load_aware
         self.recovery = recovery or {}
         self.auto = estimate_from(auto_prior, auto.check())
@@ -28,7 +30,7 @@ class TargetActor(ModelActor):
     def make_service(self, draft_address: str | None = None, draft=None):
         """draft_address: the draft worker's; draft: its Ray actor (asked for the address, and
         for a replacement's after a loss)."""
-        verifier = Verifier(self.model, self.limits.tokens, self.kv_cache_tokens)
+        verifier = Verifier(self.model, self.limits.tokens, self.kv_cache_tokens, self.feature_layers)
         return SessionHost(verifier, self.limits, draft_address, self.tls, self.max_batched_tokens, self.load_aware,
                            draft_actor=draft, auto=self.auto, **self.recovery)
 

@@ -35,6 +35,8 @@ class FeedbackChain:
             load_cap=cap,
             stop_rule=stop_rule,
             p_row=verdict.p_row,
+            features=verdict.features,
+            features_from=max(verdict.features_from, 0),
         )
         self.correction_due = token == NO_TOKEN and not deferred
         self._queued.append(feedback)

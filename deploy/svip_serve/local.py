@@ -42,11 +42,11 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, me
 
 def check_models(settings: ServeSettings) -> None:
     """The models' configs and tokenizers load and fit together: a clear error before Ray starts."""
-    from svip_common.models import check_same_vocabulary, load_model_info
+    from svip_common.models import check_same_vocabulary, is_feature_head, load_model_info
 
     target, draft = settings.model_paths()
     info = load_model_info(target)
-    if draft is not None:
+    if draft is not None and not is_feature_head(draft):  # a head is checked against the target as it loads
         check_same_vocabulary(info, load_model_info(draft))
 
 

@@ -75,8 +75,12 @@ class ServeSettings:
     def validate(self) -> None:
         if self.device not in ("cpu", "cuda"):
             raise InvalidRequest(f"device must be 'cpu' or 'cuda', got {self.device!r}")
-        if self.target is None and self.draft not in (None, "none"):
-            raise InvalidRequest("a draft was given without a target; give both, or neither for the embedded pair")
+        if self.target is None and self.draft not in (None, "none", "eagle"):
+            raise InvalidRequest("a draft was given without a target; give both, or neither for the embedded pair "
+                                 "(its draft 'eagle': the embedded target's feature head)")
+        if self.target is not None and self.draft == "eagle":
+            raise InvalidRequest("draft 'eagle' is the embedded target's feature head; with a target give its "
+                                 "head's directory")
         if self.target is not None and self.draft is None:
             raise InvalidRequest("a target needs a draft: a model directory or hub id, or 'none' for the target alone")
         if self.pipeline not in ("sync", "async"):
@@ -162,6 +166,10 @@ class ServeSettings:
             from svip_assets import default_pair
 
             target, draft = default_pair()
+            if self.draft == "eagle":
+                from svip_assets import default_head
+
+                return target, default_head()
             return target, None if self.draft == "none" else draft
         return self.target, None if self.draft == "none" else self.draft
 

@@ -164,6 +164,9 @@ def feedback_to_proto(feedback: Feedback) -> pb.Feedback:
             msg.stop_rule.CopyFrom(stop_rule_to_proto(item.stop_rule))
         if item.p_row is not None:
             msg.p_row.CopyFrom(tensor_to_proto(item.p_row.float()))
+        if item.features is not None:  # raw, in the target's dtype
+            msg.features.CopyFrom(tensor_to_proto(item.features))
+            msg.features_from = item.features_from
         if head is not None:
             msg.then.CopyFrom(head)
         head = msg

@@ -271,6 +271,7 @@ def test_pipeline_needs_distributed_mode(capsys, model_dirs):
         (["--policy", "fastest"], 2, "policy must be one of"),
         (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),
         (["--draft", "/somewhere"], 2, "a draft was given without a target"),
+        (["--target", "/somewhere", "--draft", "eagle"], 2, "draft 'eagle' is the embedded target's feature head"),
     ],
 )
 def test_serve_refuses_bad_settings_before_starting(capsys, args, code, message):
@@ -283,6 +284,17 @@ def test_serve_refuses_bad_settings_before_starting(capsys, args, code, message)
     got, out, err = run_cli(capsys, "serve", *ports, *args)
     assert got == code and message in err and "Traceback" not in err, err
     assert err.count("\n") == 1
+
+
+def test_serve_takes_the_embedded_targets_feature_head():
+    """`svip serve --draft eagle`: the embedded target with its feature head, checked before Ray starts."""
+    from svip_assets import default_head, default_pair
+    from svip_serve.local import check_models
+    from svip_serve.settings import ServeSettings
+
+    settings = ServeSettings.from_args({"draft": "eagle"})
+    assert settings.model_paths() == (default_pair()[0], default_head())
+    check_models(settings)  # the head is no model: no vocabulary check against it, and no error
 
 
 def test_serve_refuses_a_port_in_use(capsys):

@@ -1,0 +1,154 @@
+"""The feature draft across workers: the target hands its features over with each feedback, the
+draft worker drafts from them (and, in async mode, ahead of them from the head's own outputs).
+Greedy output equals the target alone in sync and async mode for every policy, on real gRPC
+(workers hosted in this process) with the embedded pair's trained head, so blocks are accepted in
+full, in part and not at all; features the head cannot read give the draft up, never the session;
+and the real Ray actors load a head beside the target's checkpoint."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+import torch
+
+from coordinator.distributed import DistributedEngine
+from coordinator.engine import SpeculativeEngine
+from draft_worker.feature_draft import FeatureDrafter, load_feature_draft
+from svip_assets import default_head, default_pair
+from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.errors import InvalidRequest
+from svip_common.models import load_model, load_model_info
+from svip_proto import convert
+from svip_proto import svip_pb2 as pb
+from tests.integration.test_feature_draft import _as_loaded, random_head
+from tests.workers import in_process_workers
+
+POLICIES = {
+    "svip": PolicyConfig(name="svip", threshold=0.4),
+    "constant": PolicyConfig(name="constant", draft_length=4),
+    "heuristic": PolicyConfig(name="heuristic", draft_length=3),
+    "confidence": PolicyConfig(name="confidence", confidence=0.3),
+    "auto": PolicyConfig(name="auto"),
+}
+PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def __init__(self):\n", "import os\n\nfor root, dirs")
+MAX_NEW = 40
+
+
+@pytest.fixture(scope="module")
+def embedded():
+    target = load_model(default_pair()[0])
+    return target, load_feature_draft(default_head(), target)
+
+
+def drafter_for(target, head, limits) -> FeatureDrafter:
+    return FeatureDrafter(head, target.model.get_input_embeddings(), target.vocab_size, limits.tokens)
+
+
+def run(loop, workers, target_path, mode, requests):
+    engine = DistributedEngine(load_model_info(target_path), workers.limits, workers.target_address,
+                               workers.draft_address, mode)
+
+    async def go():
+        await engine.connect()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+        finally:
+            await engine.close()
+
+    return loop.run_until_complete(go())
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_greedy_equals_target_alone_across_workers(embedded, loop, mode):
+    target, head = embedded
+    ids = [tuple(target.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    requests = [GenerationRequest(i, MAX_NEW, policy=policy, ignore_eos=True)
+                for policy in POLICIES.values() for i in ids]
+    alone = SpeculativeEngine(target, None)
+    models = {"target": target}
+    with in_process_workers(loop, models, positions=target.max_positions or 512,
+                            drafter=drafter_for(target, head, _limits(target)),
+                            feature_layers=head.head.config.target_layers, load_aware="off") as w:
+        results = run(loop, w, default_pair()[0], mode, requests)
+    for request, result in zip(requests, results):
+        assert result.token_ids == alone.generate(request).token_ids, (mode, request.policy.name)
+        assert result.stats.detached == 0
+    drafted = sum(r.stats.draft_tokens for r in results)
+    accepted = sum(r.stats.accepted_tokens for r in results)
+    assert 0 < accepted < drafted  # rejections and acceptances both
+    assert any(a == d > 0 for r in results for a, d in zip(r.stats.accepted_lengths, r.stats.draft_lengths))
+    assert all(r.stats.wire_bytes > 0 for r in results)
+
+
+def _limits(target):
+    from svip_common.contracts import Limits
+
+    return Limits(tokens=target.token_limit, positions=target.max_positions or 512)
+
+
+def test_features_the_head_cannot_read_give_the_draft_up_not_the_session(models, model_dirs, prompt_ids, loop):
+    """The target hands over two layers where the head fuses three: the draft refuses the first
+    feedback that carries them, the session goes on with the target alone, exact."""
+    target = models["target"]
+    head = _as_loaded(random_head(target, seed=7), target)
+    requests = [GenerationRequest(ids, 24, policy=POLICIES["constant"], ignore_eos=True) for ids in prompt_ids.values()]
+    with in_process_workers(loop, models, drafter=drafter_for(target, head, _limits(target)),
+                            feature_layers=(0, 1), load_aware="off") as w:
+        results = run(loop, w, model_dirs.target, "async", requests)
+    alone = SpeculativeEngine(target, None)
+    assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests]
+    assert all(r.stats.detached == 1 and r.stats.draft_tokens == 0 for r in results)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda f: f.double(), "dtype float64"),
+    (lambda f: f[:, :-1], "shape"),
+    (lambda f: f[:-1], "positions"),
+])
+def test_a_feedback_with_bad_features_is_invalid_argument(models, loop, change, message):
+    """The draft service's check, message by message: the head's dtype, its width, and exactly the
+    positions the verdict commits."""
+    from draft_worker.service import DraftService
+
+    target = models["target"]
+    head = _as_loaded(random_head(target, seed=7), target)
+    service = DraftService(drafter_for(target, head, _limits(target)), _limits(target))
+    width = 3 * target.model.config.hidden_size
+    good = torch.zeros(6, width)
+    msg = pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5, features_from=0,
+                      features=convert.tensor_to_proto(good))
+    assert service._features(msg).shape == (6, width)
+    bad = pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5, features_from=0,
+                      features=convert.tensor_to_proto(change(good)))
+    with pytest.raises(InvalidRequest, match=message):
+        service._features(bad)
+
+
+def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
+    """The real actors: the draft worker reads the target's embedding table from its safetensors
+    and the head, the target worker hands its features over; sync and async equal the target alone."""
+    import ray
+
+    from coordinator.cluster import WorkerPair, init_local_ray
+
+    target_path = default_pair()[0]
+    init_local_ray()
+    pair = WorkerPair(target_path, default_head(), load_aware="off")
+    try:
+        target = load_model(target_path)
+        alone = SpeculativeEngine(target, None)
+        ids = tuple(target.tokenizer(PROMPTS[0])["input_ids"])
+        request = GenerationRequest(ids, 32, policy=POLICIES["svip"], ignore_eos=True)
+        for mode in ("sync", "async"):
+            engine = DistributedEngine(pair.target_info, pair.limits, pair.target_address, pair.draft_address, mode)
+            loop.run_until_complete(engine.connect())
+            try:
+                result = loop.run_until_complete(engine.generate(request))
+            finally:
+                loop.run_until_complete(engine.close())
+            assert result.token_ids == alone.generate(request).token_ids
+            assert result.stats.accepted_tokens > 0 and result.stats.detached == 0
+    finally:
+        pair.shutdown()
+        ray.shutdown()
