@@ -152,3 +152,32 @@ def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
     finally:
         pair.shutdown()
         ray.shutdown()
+
+
+@pytest.mark.slow
+def test_sampled_tokens_follow_the_target_through_the_async_pipeline(models, model_dirs, prompt_ids, loop):
+    """The head's draws across workers: the draft keeps q and draws each correction from the p row
+    the target sends. The first two tokens' marginals fit the target's (the first from the target
+    alone, the round that brings the prompt's features; the second through the head's block)."""
+    from svip_common.contracts import SamplingParams
+    from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
+
+    target = models["target"]
+    head = _as_loaded(random_head(target, seed=7, sharpness=0.05), target)
+    prompt = prompt_ids["medium"]
+    requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=s), ignore_eos=True,
+                                  policy=PolicyConfig(name="constant", draft_length=2)) for s in range(1500)]
+    with in_process_workers(loop, models, drafter=drafter_for(target, head, _limits(target)),
+                            feature_layers=head.head.config.target_layers, load_aware="off") as w:
+        results = []
+        for i in range(0, len(requests), 100):
+            results += run(loop, w, model_dirs.target, "async", requests[i : i + 100])
+    assert all(r.stats.detached == 0 for r in results)
+    second = [r for r in results if len(r.stats.draft_lengths) > 1 and r.stats.draft_lengths[1]]
+    assert sum(r.stats.accepted_lengths[1] == 0 for r in second) > len(results) // 10  # corrections drawn
+    assert sum(r.stats.accepted_lengths[1] > 0 for r in second) > len(results) // 50  # and acceptances
+    p1, p2 = exact_marginals(target.model, prompt, SamplingParams(temperature=1.0))
+    assert chi_square_pvalue([r.token_ids[0] for r in results], p1) > ALPHA
+    assert chi_square_pvalue([r.token_ids[1] for r in results], p2) > ALPHA
+    _, q2 = exact_marginals(models["close_draft"].model, prompt, SamplingParams(temperature=1.0))
+    assert chi_square_pvalue([r.token_ids[1] for r in results], q2) < ALPHA
