@@ -8,8 +8,9 @@ own token at L - 1 has none yet), the block's first forward takes in the pairs n
 (g_{L-2}, e(x_{L-1})), and its last output row gives the first drafted token. Each further token is
 drafted from the pair (the head's own last output, e(the token just drafted)): the head feeds back
 its own state where the target's feature is not known. The head's cache keeps the pairs built from
-the target's features (they never change: they are at committed positions) and drops the ones built
-from its own when the next block begins.
+the target's features (they never change: they are at committed positions); pairs built on its own
+outputs stay while the target's features for them have not arrived (the distributed pipeline drafts
+ahead of its verdicts) and are replaced by the target's once they have.
 
 A session has nothing to draft from until the target has run over its prompt: its first block is
 empty (that round is the target alone, and its verdict brings the prompt's features). The head's

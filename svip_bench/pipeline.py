@@ -63,10 +63,12 @@ def run(engine, prompts, args, header: dict) -> int:
         loop.close()
         pair.shutdown()
         ray.shutdown()
-    doc = {"header": {**header, "policy": f"svip, threshold {policy.threshold} (auto)"}, "tokens_per_s": tps,
+    source = "the paper's: a feature head" if engine.feature_draft else "auto"
+    doc = {"header": {**header, "policy": f"svip, threshold {policy.threshold} ({source})"}, "tokens_per_s": tps,
            "breakdown": {m: breakdown(s) for m, s in stats.items()}, "sources": sources(stats["async"]),
            "prepared_continuations": prepared_continuations(stats["async"]),
            "async_bound": async_bound(stats["sync"], tps["sync"]["median"]),
+           "wire_bytes_per_round": {m: wire_bytes(s) for m, s in stats.items()},
            "concurrency": concurrency, "exactness_violations": violations,
            "timeline": timeline.timeline, "timeline_stats": {k: getattr(timeline, k) for k in (
                "wall_s", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s",
@@ -140,6 +142,15 @@ def breakdown(stats: list[GenerationStats]) -> dict:
         values = [x for s in stats for x in getattr(s, key)]
         out[key] = {"median_ms": 1e3 * statistics.median(values), "mean_ms": 1e3 * statistics.mean(values)}
     return out
+
+
+def wire_bytes(stats: list[GenerationStats]) -> dict:
+    """Bytes on the draft link per round (both directions: blocks, feedback, and a feature draft's
+    features), each request's mean: median and p95 over the requests."""
+    values = sorted(s.wire_bytes_per_round for s in stats if s.rounds)
+    if not values:
+        return {"median": 0.0, "p95": 0.0}
+    return {"median": statistics.median(values), "p95": values[min(len(values) - 1, int(0.95 * len(values)))]}
 
 
 def sources(stats: list[GenerationStats]) -> dict:
@@ -316,6 +327,10 @@ def _markdown(doc: dict) -> str:
         f"Prepared continuations: {prepared['sent']} reached the target in time, {prepared['used']} verified "
         f"with no round trip, {prepared['used_late']} sent again by the draft after the verdict.",
     ]
+    w = doc.get("wire_bytes_per_round", {})
+    if w:
+        lines += ["", "Wire bytes per round (each request's mean; median and p95 over requests): "
+                  + ", ".join(f"{m} {v['median']:.0f} / {v['p95']:.0f}" for m, v in w.items()) + "."]
     c = doc["concurrency"]
     lines += [
         "",

@@ -163,6 +163,8 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
         assert parts["round_s"]["median_ms"] > 0 and "overhead_s" in parts and "block_transit_s" in parts
     assert "first" in doc["sources"] and set(doc["prepared_continuations"]) == {"sent", "used", "used_late"}
     assert doc["async_bound"]["speedup_over_sync"] >= 1.0
+    wire = doc["wire_bytes_per_round"]
+    assert all(wire[m]["p95"] >= wire[m]["median"] > 0 for m in ("sync", "async"))
     assert doc["concurrency"]["8"] > 0 and doc["timeline"]
     assert (out / "timeline.png").stat().st_size > 1000
     md = (out / "pipeline.md").read_text()

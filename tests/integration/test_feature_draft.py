@@ -262,3 +262,33 @@ def verdict_features(models, head, committed):
     before = list(committed[:-1])
     return verifier.open(SamplingParams()).verify(before, Block(base=len(before), tokens=[], probs=[],
                                                                  entropies=[])).features
+
+
+def test_a_head_beside_a_sharded_target_reads_only_its_embedding(models, heads, model_dirs, tmp_path):
+    """The draft worker's loader: the target's config and, from a sharded checkpoint, the one
+    shard holding embed_tokens.weight; the same table as the model's own. A target with no
+    safetensors checkpoint is a one-line error."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from draft_worker.feature_draft import load_head_beside
+    from svip_common.errors import ModelLoadError
+
+    target = models["target"]
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    shutil.copy(f"{model_dirs.target}/config.json", sharded / "config.json")
+    state = {k: v.contiguous() for k, v in target.model.state_dict().items()}
+    embed = "model.embed_tokens.weight"
+    save_file({embed: state[embed]}, str(sharded / "shard-1.safetensors"))
+    save_file({k: v for k, v in state.items() if k != embed}, str(sharded / "shard-2.safetensors"))
+    weight_map = {k: ("shard-1.safetensors" if k == embed else "shard-2.safetensors") for k in state}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    loaded = load_head_beside(heads["full"].path, str(sharded))
+    assert torch.equal(loaded.embedding.weight, target.model.get_input_embeddings().weight)
+    assert loaded.head.config == heads["full"].head.config
+    (sharded / "model.safetensors.index.json").unlink()
+    with pytest.raises(ModelLoadError, match="no safetensors checkpoint"):
+        load_head_beside(heads["full"].path, str(sharded))
