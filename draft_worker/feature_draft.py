@@ -165,7 +165,8 @@ class FeatureDraftSession(DraftSession):
     """One request's head cache, the pairs it holds, and the target features not yet taken in.
 
     Cache position j holds the pair (feature at j, e(x_{j+1})) and its output a_{j+1}, the head's
-    stand-in for the target's feature at j + 1. The first ``_true`` positions were fed the
+    stand-in for the target's feature at j + 1 (j counted from ``_offset``: 0 unless the head had to
+    start afresh). The first ``_true`` positions were fed the
     target's own features; the rest, the head's outputs (its drafted tokens, and in the
     distributed pipeline blocks drafted ahead of their verdicts). A block's first forward keeps
     the cached pairs whose tokens the committed sequence still has, but re-feeds the target's
@@ -181,6 +182,7 @@ class FeatureDraftSession(DraftSession):
         self._fed: list[int] = []  # per cache position j: the token x_{j+1} of its pair
         self._outputs: torch.Tensor | None = None  # [capacity, h]: the output at each cache position
         self._true = 0  # leading cache positions fed the target's features
+        self._offset = 0  # the sequence position of cache position 0 (> 0 after a fresh start)
         self._stash: torch.Tensor | None = None  # the target's features [n, layers x h] at positions _stash_from..
         self._stash_from = 0
         self.forwards = 0
@@ -194,6 +196,7 @@ class FeatureDraftSession(DraftSession):
 
     def close(self) -> None:
         self._cache, self._fed, self._outputs, self._true, self._stash = HeadCache(), [], None, 0, None
+        self._offset = 0
 
     def take_features(self, features: torch.Tensor | None, first: int) -> None:
         """Keep the target's features at positions first.. (a verdict's); ones handed again from an
@@ -207,44 +210,63 @@ class FeatureDraftSession(DraftSession):
 
     @property
     def _known(self) -> int:
-        """Positions 0 .. _known - 1 have the target's features (kept, or already fed)."""
-        return self._stash_from + self._stash.shape[0] if self._stash is not None else self._true
+        """Positions .. _known - 1 have the target's features (kept, or already fed)."""
+        return self._stash_from + self._stash.shape[0] if self._stash is not None else self._offset + self._true
 
     def _resume(self, committed: Sequence[int]):
         """The block's first forward, for ``committed`` of length L: the pairs at the positions
         from the first one the cache cannot keep up to L - 2, whose output gives the first drafted
         token. None when there is nothing to build them from (no target features yet: the first
-        round, whose block stays empty)."""
+        round, whose block stays empty). When the target's features for positions the cache lacks
+        never came (the target settled tokens alone during a load-aware pause, or a re-attached
+        session), the head starts afresh from the first feature it has: it attends to what comes
+        after only, a shorter context, never a wrong one."""
         last = len(committed) - 2
         if last < 0:
             return None
-        valid = _common_prefix(self._fed, committed[1:])  # cached pairs whose tokens still hold
+        pairs = self._plan(committed, last, self._offset, fresh=False)
+        if pairs is None and self._stash is not None and self._offset < self._stash_from <= last:
+            pairs = self._plan(committed, last, self._stash_from, fresh=True)
+        return pairs
+
+    def _plan(self, committed: Sequence[int], last: int, offset: int, fresh: bool):
+        """The first forward's pairs up to position ``last``, for a cache whose position 0 is the
+        sequence's position ``offset`` (fresh: an empty one there)."""
+        fed, true = ([], 0) if fresh else (self._fed, self._true)
+        last -= offset  # positions from here on count from the cache's first
+        if last < 0:
+            return None
+        valid = _common_prefix(fed, committed[offset + 1 :])  # cached pairs whose tokens still hold
         keep = min(valid, last)  # the last pair is always fed again: its output is the first token's
-        known = self._known
-        if known > self._true:
-            keep = min(keep, self._true)  # the target's features replace the head's own
+        known = self._known - offset
+        if known > true:
+            keep = min(keep, true)  # the target's features replace the head's own
         true_end = min(known, last + 1)
-        if keep < true_end and (self._stash is None or self._stash_from > keep):
+        if keep < true_end and (self._stash is None or self._stash_from - offset > keep):
             return None  # the features for these positions are gone
         own_from = max(keep, true_end)  # pairs from here on are built on the head's outputs
         if last >= own_from and own_from < 1:
             return None  # no target feature to start from
         own_end = max(own_from, min(last, valid) + 1)  # where the kept outputs run out: a chain after
-        raw = self._stash[keep - self._stash_from : true_end - self._stash_from] if keep < true_end else None
+        at = offset - self._stash_from
+        raw = self._stash[at + keep : at + true_end] if keep < true_end else None
         own = self._outputs[own_from - 1 : own_end - 1].clone() if own_end > own_from else None
-        return _Pairs(keep, raw, own, list(committed[keep + 1 : own_end + 1]), list(committed[own_end + 1 : last + 2]))
+        return _Pairs(offset, keep, raw, own, list(committed[offset + keep + 1 : offset + own_end + 1]),
+                      list(committed[offset + own_end + 1 : offset + last + 2]))
 
     def _advance(self, pending) -> torch.Tensor:
         """The head's forward for a block's next token: its last output row [1, h]."""
         if not isinstance(pending, _Pairs):  # the token just drafted, beside the head's own last output
             return self._feed(self._outputs[len(self._cache) - 1 : len(self._cache)], pending)
+        if pending.offset != self._offset:  # afresh from the first feature there is
+            self._cache, self._fed, self._true, self._offset = HeadCache(), [], 0, pending.offset
         self._rollback(pending.first)
         if pending.ids:
             parts = [self._drafter.head.fc(pending.raw)] if pending.raw is not None else []
             out = self._feed(torch.cat(parts + ([pending.own] if pending.own is not None else [])), pending.ids)
             if pending.raw is not None:
                 self._true = pending.first + pending.raw.shape[0]
-                self._trim(self._true - 1)
+                self._trim(self._offset + self._true - 1)
         for token in pending.chain:  # one pair at a time: each reads the output before it
             out = self._feed(self._outputs[len(self._cache) - 1 : len(self._cache)], [token])
         return out
@@ -300,7 +322,8 @@ class _Pairs:
     """A block's first forward: pairs at positions first .. first + len(ids) - 1, their features the
     target's (``raw``) then the head's own kept outputs (``own``)."""
 
-    first: int
+    offset: int  # the sequence position of the cache's first (another than the session's: start afresh)
+    first: int  # the first pair's cache position
     raw: torch.Tensor | None  # the target's features [n, layers x h] at first ..
     own: torch.Tensor | None  # then the head's kept outputs [m, h] for the positions after those
     ids: list[int]  # the tokens after each of those positions: x_{first+1} ..

@@ -292,3 +292,23 @@ def test_a_head_beside_a_sharded_target_reads_only_its_embedding(models, heads, 
     (sharded / "model.safetensors.index.json").unlink()
     with pytest.raises(ModelLoadError, match="no safetensors checkpoint"):
         load_head_beside(heads["full"].path, str(sharded))
+
+
+@torch.inference_mode()
+def test_after_features_that_never_came_the_head_starts_afresh(models, heads, prompt_ids):
+    """Positions whose features the draft never got (tokens the target settled alone during a
+    pause): the head drafts again from the first feature it has, exactly as a session that never
+    had the earlier ones, never from a wrong context and never stuck on an empty block."""
+    committed = list(prompt_ids["long"])
+    more = committed + [5, 17, 42, 8, 99, 23]
+    features = verdict_features(models, heads["full"], more)
+    _, carried = _ready(models, heads["full"], 3, committed)
+    carried.propose(committed, 3)
+    gap = len(committed) + 2  # positions len(committed) - 1 .. gap - 1 never arrive
+    carried.take_features(features[gap:], gap)
+    again = carried.propose(more, 3)
+    drafter = SpeculativeEngine(models["target"], heads["full"]).drafter
+    fresh = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=3), ())
+    fresh.take_features(features[gap:], gap)
+    reference = fresh.propose(more, 3)
+    assert len(again) == 3 and again.tokens == reference.tokens and again.probs == reference.probs

@@ -181,3 +181,43 @@ def test_sampled_tokens_follow_the_target_through_the_async_pipeline(models, mod
     assert chi_square_pvalue([r.token_ids[1] for r in results], p2) > ALPHA
     _, q2 = exact_marginals(models["close_draft"].model, prompt, SamplingParams(temperature=1.0))
     assert chi_square_pvalue([r.token_ids[1] for r in results], q2) < ALPHA
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_drafting_resumes_after_load_aware_pauses(models, model_dirs, prompt_ids, loop, mode):
+    """Scripted caps pause sessions (the target settles tokens alone, their features go nowhere)
+    and resume them: output equals the target alone, and the head drafts again after a pause."""
+    from tests.integration.test_load_aware import requests as load_requests
+    from tests.integration.test_load_aware import schedule
+
+    target = models["target"]
+    head = _as_loaded(random_head(target, seed=7), target)
+    caps = {}
+    reqs = load_requests(prompt_ids)
+    with in_process_workers(loop, models, drafter=drafter_for(target, head, _limits(target)),
+                            feature_layers=head.head.config.target_layers, load_aware="all") as w:
+        w.host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(len(caps))))
+        results = run(loop, w, model_dirs.target, mode, reqs)
+    alone = SpeculativeEngine(target, None)
+    assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in reqs]
+    resumed = [drafts_again for r in results for drafts_again in _after_pauses(r.stats)]
+    assert sum(r.stats.pauses for r in results) > 0 and len(resumed) >= 3
+    assert sum(resumed) >= 0.8 * len(resumed)  # before the fix: none (the head waited for features for ever)
+
+
+def _after_pauses(stats) -> list[bool]:
+    """For each run of paused rounds after the session's first drafted token and followed by at
+    least two drafted rounds: whether one of those drafted a token."""
+    rounds = list(zip(stats.round_sources, stats.draft_lengths))
+    out, drafted_before = [], False
+    for i, (source, length) in enumerate(rounds):
+        drafted_before = drafted_before or length > 0
+        if source == "paused" and drafted_before and i + 1 < len(rounds) and rounds[i + 1][0] != "paused":
+            after = []
+            for later_source, later_length in rounds[i + 1 :]:
+                if later_source == "paused":
+                    break
+                after.append(later_length)
+            if len(after) >= 2:
+                out.append(any(after))
+    return out
