@@ -126,6 +126,7 @@ class FeatureDrafter(Drafter):
         self.max_batched_tokens = None  # a block's first forward is one layer over its new pairs
         self.pool = None  # no KV pool: each session's head cache grows as it drafts
         self.kv_cache_tokens = kv_cache_tokens
+        self.fresh_starts = 0  # sessions that lost the target's features for some positions and started afresh
         self._sessions: weakref.WeakSet[FeatureDraftSession] = weakref.WeakSet()
         c = self.head.config
         self._columns = self.head.target_ids(torch.arange(c.draft_vocab_size, device=self.head.d2t.device))
@@ -260,6 +261,7 @@ class FeatureDraftSession(DraftSession):
             return self._feed(self._outputs[len(self._cache) - 1 : len(self._cache)], pending)
         if pending.offset != self._offset:  # afresh from the first feature there is
             self._cache, self._fed, self._true, self._offset = HeadCache(), [], 0, pending.offset
+            self._drafter.fresh_starts += 1
         self._rollback(pending.first)
         if pending.ids:
             parts = [self._drafter.head.fc(pending.raw)] if pending.raw is not None else []

@@ -106,10 +106,11 @@ class PipelinedDraft:
         return self._next_block(NO_TOKEN, now)
 
     def on_resume(
-        self, epoch: int, base: int, tokens: list[int], load_cap: int, received_at: float
+        self, epoch: int, base: int, tokens: list[int], load_cap: int, received_at: float, features=None,
+        features_from: int = 0,
     ) -> list[DraftedBlock]:
-        """Drafting pays again: take the tokens the target settled alone since the pause, then
-        draft the next block (checked at once)."""
+        """Drafting pays again: take the tokens the target settled alone since the pause (and a
+        feature draft's features for them), then draft the next block (checked at once)."""
         if not self.paused:
             raise InvalidRequest("resume for a session that is not paused")
         if base != len(self.known):
@@ -119,6 +120,7 @@ class PipelinedDraft:
         if load_cap < 1:
             raise InvalidRequest("resume with load_cap 0")
         self.known += tokens
+        self.session.take_features(features, features_from)
         self.epoch, self.load_cap, self.paused = epoch, load_cap, False
         return self._next_block(NO_TOKEN, received_at)
 

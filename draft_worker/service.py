@@ -73,9 +73,10 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             msg = request.resume
             session = self.session(msg.session_id, stream)
             check_token_ids(msg.tokens, self.limits.tokens, "resumed token id")
+            features = self._features(msg, msg.base + len(msg.tokens) - 1) if msg.HasField("features") else None
             _tune(session, _stop_rule(msg))
             self._send(msg.session_id, session, session.on_resume(msg.epoch, msg.base, list(msg.tokens), msg.load_cap,
-                                                                  received_at))
+                                                                  received_at, features, msg.features_from))
         else:  # cancel
             self.session(request.cancel.session_id, stream)
             self.close_session(request.cancel.session_id, stream)
@@ -87,15 +88,16 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
         if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
             raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
-        features = self._features(msg) if msg.HasField("features") else None
+        features = self._features(msg, msg.base + msg.accepted) if msg.HasField("features") else None
         _tune(session, _stop_rule(msg))
         return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
                                    msg.prepared_used, received_at, msg.load_cap if msg.HasField("load_cap") else None,
                                    features, msg.features_from)
 
-    def _features(self, msg: pb.Feedback):
-        """A feedback's target features, checked against the head that reads them: its dtype, its
-        width, and exactly the positions the verdict leaves committed (INVALID_ARGUMENT otherwise)."""
+    def _features(self, msg: pb.Feedback | pb.Resume, end: int):
+        """A feedback's (or a resume's) target features, checked against the head that reads them:
+        its dtype, its width, and exactly the positions up to ``end`` - 1 that the verdicts leave
+        committed (INVALID_ARGUMENT otherwise)."""
         head = getattr(self.drafter, "head", None)
         if head is None:
             raise InvalidRequest("target features sent to a draft that reads none (a token draft)")
@@ -106,10 +108,10 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             raise InvalidRequest(f"target features of dtype {str(features.dtype).removeprefix('torch.')} and shape "
                                  f"{tuple(features.shape)}; this head reads {str(dtype).removeprefix('torch.')} "
                                  f"[n >= 1, {width}]")
-        end = msg.features_from + features.shape[0]
-        if end != msg.base + msg.accepted:
-            raise InvalidRequest(f"target features for positions {msg.features_from}..{end - 1}; the verdict "
-                                 f"commits up to {msg.base + msg.accepted - 1}")
+        last = msg.features_from + features.shape[0] - 1
+        if last != end - 1:
+            raise InvalidRequest(f"target features for positions {msg.features_from}..{last}; the verdicts "
+                                 f"commit up to {end - 1}")
         return features.to(head.fc.weight.device)
 
     def idle(self) -> bool:

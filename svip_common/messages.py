@@ -82,6 +82,9 @@ class Resume:
     tokens: tuple[int, ...]
     load_cap: int
     stop_rule: StopRule | None = None
+    # a feature draft's: the target's features at positions features_from.. that those tokens' verdicts handed over
+    features: torch.Tensor | None = field(default=None, repr=False)
+    features_from: int = 0
 
 
 @dataclass(frozen=True)

@@ -422,7 +422,7 @@ class SessionPipeline:
         if pause:
             self._pause()
         if not self.done:
-            self._next_round(was_paused, cap, settled, ready, deferred)
+            self._next_round(was_paused, cap, settled, ready, deferred, verdict)
         self._flush_feedback()
         waiting = not self.done and self.verifying is None and not self.paused and self.draft is not None
         self.waiting_since = decided if waiting else None
@@ -464,14 +464,15 @@ class SessionPipeline:
         self.ahead.drop_followup()
 
     def _next_round(
-        self, was_paused: bool, cap: int | None, settled: list[int], ready: Waiting | None, deferred: bool
+        self, was_paused: bool, cap: int | None, settled: list[int], ready: Waiting | None, deferred: bool,
+        verdict: Verdict,
     ) -> None:
         """After a decided verdict: what is verified next, if it is already known (the target's
         own step while paused or without a draft, a prepared continuation, the follow-up); else
         the session waits for the draft's block. ready: the prepared continuation the verdict
         chose; deferred: the follow-up settles the next place."""
         if was_paused:
-            self.pausing.settle(settled)
+            self.pausing.settle(settled, verdict.features, verdict.features_from)
         if was_paused and cap > 0:
             self._resume(cap)  # the draft's block comes next
         elif self.paused:

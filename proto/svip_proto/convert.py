@@ -178,6 +178,9 @@ def resume_to_proto(resume: Resume) -> pb.Resume:
                     load_cap=resume.load_cap)
     if resume.stop_rule is not None:
         msg.stop_rule.CopyFrom(stop_rule_to_proto(resume.stop_rule))
+    if resume.features is not None:
+        msg.features.CopyFrom(tensor_to_proto(resume.features))
+        msg.features_from = resume.features_from
     return msg
 
 

@@ -161,20 +161,24 @@ class Feedback(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class Resume(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "tokens", "load_cap", "stop_rule")
+    __slots__ = ("session_id", "epoch", "base", "tokens", "load_cap", "stop_rule", "features", "features_from")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
     STOP_RULE_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
     tokens: _containers.RepeatedScalarFieldContainer[int]
     load_cap: int
     stop_rule: StopRule
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ...) -> None: ...
+    features: Tensor
+    features_from: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ...) -> None: ...
 
 class Cancel(_message.Message):
     __slots__ = ("session_id",)

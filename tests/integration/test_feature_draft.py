@@ -307,6 +307,7 @@ def test_after_features_that_never_came_the_head_starts_afresh(models, heads, pr
     gap = len(committed) + 2  # positions len(committed) - 1 .. gap - 1 never arrive
     carried.take_features(features[gap:], gap)
     again = carried.propose(more, 3)
+    assert carried._drafter.fresh_starts == 1
     drafter = SpeculativeEngine(models["target"], heads["full"]).drafter
     fresh = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=3), ())
     fresh.take_features(features[gap:], gap)

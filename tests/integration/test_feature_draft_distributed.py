@@ -118,11 +118,11 @@ def test_a_feedback_with_bad_features_is_invalid_argument(models, loop, change, 
     good = torch.zeros(6, width)
     msg = pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5, features_from=0,
                       features=convert.tensor_to_proto(good))
-    assert service._features(msg).shape == (6, width)
+    assert service._features(msg, msg.base + msg.accepted).shape == (6, width)
     bad = pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5, features_from=0,
                       features=convert.tensor_to_proto(change(good)))
     with pytest.raises(InvalidRequest, match=message):
-        service._features(bad)
+        service._features(bad, bad.base + bad.accepted)
 
 
 def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
@@ -185,8 +185,9 @@ def test_sampled_tokens_follow_the_target_through_the_async_pipeline(models, mod
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_drafting_resumes_after_load_aware_pauses(models, model_dirs, prompt_ids, loop, mode):
-    """Scripted caps pause sessions (the target settles tokens alone, their features go nowhere)
-    and resume them: output equals the target alone, and the head drafts again after a pause."""
+    """Scripted caps pause sessions (the target settles tokens alone) and resume them: the Resume
+    brings the features of the tokens settled meanwhile, so the head drafts on after a pause with
+    its whole context (it never starts afresh); output equals the target alone."""
     from tests.integration.test_load_aware import requests as load_requests
     from tests.integration.test_load_aware import schedule
 
@@ -194,10 +195,12 @@ def test_drafting_resumes_after_load_aware_pauses(models, model_dirs, prompt_ids
     head = _as_loaded(random_head(target, seed=7), target)
     caps = {}
     reqs = load_requests(prompt_ids)
-    with in_process_workers(loop, models, drafter=drafter_for(target, head, _limits(target)),
-                            feature_layers=head.head.config.target_layers, load_aware="all") as w:
+    drafter = drafter_for(target, head, _limits(target))
+    with in_process_workers(loop, models, drafter=drafter, feature_layers=head.head.config.target_layers,
+                            load_aware="all") as w:
         w.host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(len(caps))))
         results = run(loop, w, model_dirs.target, mode, reqs)
+    assert drafter.fresh_starts == 0
     alone = SpeculativeEngine(target, None)
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in reqs]
     resumed = [drafts_again for r in results for drafts_again in _after_pauses(r.stats)]
@@ -221,3 +224,17 @@ def _after_pauses(stats) -> list[bool]:
             if len(after) >= 2:
                 out.append(any(after))
     return out
+
+
+def test_a_resume_with_features_past_its_tokens_is_invalid_argument(models):
+    """A Resume's features cover exactly the positions its tokens leave committed, but the last."""
+    from draft_worker.service import DraftService
+
+    target = models["target"]
+    head = _as_loaded(random_head(target, seed=7), target)
+    service = DraftService(drafter_for(target, head, _limits(target)), _limits(target))
+    features = convert.tensor_to_proto(torch.zeros(4, 3 * target.model.config.hidden_size))
+    msg = pb.Resume(session_id="s", base=10, tokens=[5, 6, 7], load_cap=4, features_from=8, features=features)
+    assert service._features(msg, msg.base + len(msg.tokens) - 1).shape[0] == 4
+    with pytest.raises(InvalidRequest, match="commit up to 10"):
+        service._features(msg, msg.base + len(msg.tokens) - 2)

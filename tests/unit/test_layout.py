@@ -29,7 +29,7 @@ ALLOWED = {  # package -> the packages it may import (besides itself)
     "svip_assets": {"svip_common"},
     "svip_serve": {"svip_common", "svip_proto", "svip_runtime", "coordinator", "svip_assets"},
     "training": {"svip_common", "svip_proto", "svip_runtime", "draft_worker", "target_worker", "coordinator",
-                 "svip_assets"},
+                 "svip_assets", "svip_bench"},
     "svip_bench": {"svip_common", "svip_proto", "svip_runtime", "draft_worker", "target_worker", "coordinator",
                    "svip_serve", "svip_assets"},
     "svip_cli": set(PACKAGES) - {"svip_cli"},

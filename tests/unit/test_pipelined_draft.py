@@ -63,6 +63,7 @@ class ScriptedSession:
         self.begun: list[tuple[tuple[int, ...], int]] = []
         self.closed = False
         self.cached_tokens = 0
+        self.features: list = []  # (features, first) as a feature draft takes them in
 
     def begin(self, seq, budget: int, alternatives: bool = False) -> ScriptedBlock:
         self.begun.append((tuple(seq), budget))
@@ -70,6 +71,9 @@ class ScriptedSession:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         self.verdicts.append((drafted, accepted))
+
+    def take_features(self, features, first: int) -> None:
+        self.features.append((features, first))
 
     def close(self) -> None:
         self.closed = True
