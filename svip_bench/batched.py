@@ -1,12 +1,13 @@
 """The in-process batched engine end to end: tokens/s at each batch size, target alone / svip / the defaults.
 
     python -m svip_bench.batched [--requests 16] [--batches 1,16] [--max-new-tokens 64] [--repeats N]
-                                 [--packing] [--json]
+                                 [--packing] [--json] [--head DIR|eagle]
 
 The embedded pair (unless --target / --draft), --requests Spec-Bench prompts (their last 200
 tokens), --max-new-tokens each with ignore_eos, greedy, through ``SpeculativeEngine.generate_many``
 at each batch size: the target alone, SVIP at its calibrated threshold 0.4, and the defaults (no
-policy: auto, with the load gate as `svip generate` runs it). Prints its command, the machine and
+policy: auto, with the load gate as `svip generate` runs it); with --head, a feature head at SVIP 0.3 and
+the confidence stop. Prints its command, the machine and
 one row per policy and batch size; every output must equal the target alone's (exit 1 otherwise).
 Two commits are compared by running this file against each (``PYTHONPATH=<checkout>``), alternately;
 --packing compares, in one process, packed attention with one attention call per session, each
@@ -33,14 +34,20 @@ from svip_common.models import load_model
 PROMPT_TOKENS = 200  # each prompt's last tokens
 
 
-def engines(target, draft) -> dict:
+def engines(target, draft, head=None) -> dict:
+    """head: a feature head loaded for the target (its rows: SVIP at the paper's 0.3, confidence)."""
     from coordinator.engine import SpeculativeEngine
 
-    return {
+    rows = {
         "target alone": (SpeculativeEngine(target, None), PolicyConfig(name="none")),
         "svip (0.4)": (SpeculativeEngine(target, draft), PolicyConfig(name="svip", threshold=0.4)),
         "defaults": (SpeculativeEngine(target, draft, load_aware="greedy"), PolicyConfig()),
     }
+    if head is not None:
+        with_head = SpeculativeEngine(target, head)
+        rows["head: svip (0.3)"] = (with_head, PolicyConfig(name="svip", threshold=0.3))
+        rows["head: confidence (0.4)"] = (with_head, PolicyConfig(name="confidence"))
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -53,12 +60,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="each row twice, alternating: one attention call per session, then packed attention")
     parser.add_argument("--repeats", type=int, default=1, help="runs per row (the median is printed)")
     parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
+    parser.add_argument("--head", help="also a feature head: its directory, or 'eagle' (the embedded target's own)")
     args = parser.parse_args(argv)
     if not 1 <= args.requests <= 1024 or not 1 <= args.max_new_tokens <= 4096 or not 1 <= args.repeats <= 100:
         parser.error("--requests takes 1..1024, --max-new-tokens 1..4096 and --repeats 1..100")
     batches, (target_dir, draft_dir) = batch_sizes(parser, args.batches), pair_dirs(parser, args)
     torch.set_num_threads(1)
     target, draft = load_model(target_dir), load_model(draft_dir)
+    head = _head(parser, args.head, target) if args.head else None
     prompts = load_specbench(specbench_path(args.dataset), -(-args.requests // 7))[: args.requests]
     encoded = [tuple(target.tokenizer(p.text)["input_ids"])[-PROMPT_TOKENS:] for p in prompts]
     if not args.json:
@@ -73,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     reference, failed = None, False
     settings = (0, kv_cache.PACK_MAX_NEW) if args.packing else (kv_cache.PACK_MAX_NEW,)
     packed = kv_cache.PACK_MAX_NEW
-    for name, (engine, policy) in engines(target, draft).items():
+    for name, (engine, policy) in engines(target, draft, head).items():
         for size in batches:
             requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=policy) for ids in encoded]
             runs: dict[int, list[float]] = {limit: [] for limit in settings}
@@ -102,6 +111,23 @@ def main(argv: list[str] | None = None) -> int:
     if failed:
         print("an output differed from the target alone's", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _head(parser, path: str, target):
+    from draft_worker.feature_draft import load_feature_draft
+    from svip_common.errors import ModelLoadError
+    from svip_common.models import is_feature_head
+
+    if path == "eagle":
+        from svip_assets import default_head
+
+        path = default_head()
+    if not is_feature_head(path):
+        parser.error(f"--head: {path!r} holds no feature head")
+    try:
+        return load_feature_draft(path, target)
+    except ModelLoadError as exc:
+        parser.error(f"--head: {exc}")
 
 
 if __name__ == "__main__":

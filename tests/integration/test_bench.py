@@ -350,6 +350,26 @@ def test_the_batched_bench_runs_each_policy_at_each_batch_size_exactly(tmp_path,
     assert "--target and --draft together" in capsys.readouterr().err
 
 
+def test_the_batched_bench_runs_a_feature_head_beside_the_draft(tmp_path, model_dirs, models, capsys):
+    from draft_worker.feature_head import save_head
+    from svip_bench import batched
+    from tests.integration.test_feature_draft import random_head
+
+    head = save_head(random_head(models["target"], seed=7), tmp_path / "head")
+    data = tmp_path / "spec-bench.jsonl"
+    data.write_text("".join(json.dumps({"question_id": i, "category": "qa", "prompt": f"def f{i}(x):"}) + "\n"
+                            for i in range(3)))
+    pair = ["--target", model_dirs.target, "--draft", model_dirs.close_draft]
+    args = ["--dataset", str(data), "--requests", "3", "--max-new-tokens", "6", "--json", "--batches", "3"]
+    assert batched.main([*pair, *args, "--head", str(head)]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {r["policy"] for r in rows} >= {"head: svip (0.3)", "head: confidence (0.4)"}
+    assert all(r["exact"] for r in rows)
+    with pytest.raises(SystemExit):
+        batched.main([*pair, *args, "--head", model_dirs.target])
+    assert "holds no feature head" in capsys.readouterr().err
+
+
 def test_forward_step_compares_packed_attention_with_one_call_per_session(capsys):
     """`python -m svip_bench.forward_step --packing`: for each model, batch and step shape, both
     attentions' medians from one process and their operator counts; the packed one runs fewer
