@@ -88,6 +88,8 @@ def run(args: argparse.Namespace, load_engine) -> int:
             setattr(args, key, value)
     if args.prompts_per_category < 1 or args.repeats < 1 or args.max_new_tokens < 1:
         raise InvalidRequest("--prompts-per-category, --repeats and --max-new-tokens must be >= 1")
+    if args.head is not None and (args.long or args.mode != "policies"):
+        raise InvalidRequest("--head applies to --mode policies (without --long)")
     ks = _parse_ks(args.ks)
     categories = _parse_categories(args.categories)
     torch.set_num_threads(args.threads)
@@ -115,8 +117,6 @@ def run(args: argparse.Namespace, load_engine) -> int:
         "repeats": args.repeats,
         "max_new_tokens": args.max_new_tokens,
     }
-    if args.head is not None and (args.long or args.mode != "policies"):
-        raise InvalidRequest("--head applies to --mode policies (without --long)")
     if args.long:
         from svip_bench import long
 
