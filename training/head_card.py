@@ -8,6 +8,8 @@ agreement with the target, teacher-forced (its first and second drafted token) b
 draft's, on test windows; acceptance by the head's entropy band in real generation (constant
 depth 8, so every band is reached; each drafted token whose prefix the target accepted); and the
 cost of a draft step, head and small draft, over one target decode step, timed on this machine.
+Also stores the head's `auto` prior beside it (svip_auto_prior.json, as `svip calibrate` does for a
+small draft), fit on its own blocks.
 """
 
 from __future__ import annotations
@@ -21,11 +23,14 @@ from pathlib import Path
 
 import torch
 
+from coordinator.calibration import CALIBRATION_PROMPTS, PRIOR_TOKENS, forward_time
 from coordinator.engine import SpeculativeEngine
 from draft_worker.feature_draft import load_feature_draft
 from draft_worker.feature_head import load_head, save_head
 from svip_assets import SPLIT_FILE, default_pair
 from svip_bench.datasets import load_code_prompts
+from svip_common.acceptance import PRIOR_WEIGHTS, AutoEstimate, features, fit_logistic
+from svip_common.auto_prior import save_prior
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.models import load_model
 from training.feature_head import agreement, corpus
@@ -87,6 +92,30 @@ def step_costs(head_engine: SpeculativeEngine, draft_engine: SpeculativeEngine, 
     return {"target_step_ms": target_s * 1e3, "head_step_ms": head_s * 1e3,
             "small_draft_step_ms": small_s * 1e3, "head_cost_ratio": head_s / target_s,
             "small_draft_cost_ratio": small_s / target_s}
+
+
+def head_prior(engine: SpeculativeEngine, costs: dict, new_tokens: int = PRIOR_TOKENS) -> AutoEstimate:
+    """The `auto` policy's prior for the head, as `svip calibrate` stores one for a small draft:
+    constant-depth-8 blocks on the calibration prompts, each drafted token whose prefix the target
+    accepted labelled by its acceptance, a logistic fit on the head's entropy, q and place (past
+    its second token the head degrades), and the cost of a drafted token (a head step and the
+    target's verify slope, in target steps)."""
+    rows, labels = [], []
+
+    def on_round(block, verdict, settled):
+        for i, (h, q) in enumerate(zip(block.entropies[: verdict.accepted + 1], block.probs)):
+            rows.append(features(h, q, i + 1))
+            labels.append(1.0 if i < verdict.accepted else 0.0)
+
+    for prompt in CALIBRATION_PROMPTS:
+        ids = tuple(engine.target.tokenizer(prompt)["input_ids"])
+        engine.generate(GenerationRequest(ids, new_tokens, policy=PolicyConfig(name="constant", draft_length=8),
+                                          ignore_eos=True), on_round=on_round)
+    weights = fit_logistic(torch.tensor(rows, dtype=torch.float64), torch.tensor(labels, dtype=torch.float64),
+                           torch.tensor(PRIOR_WEIGHTS, dtype=torch.float64))
+    one, many = forward_time(engine.target.model), forward_time(engine.target.model, tokens=9)
+    cost = costs["head_cost_ratio"] + max(0.0, (many - one) / 8 / one)
+    return AutoEstimate(tuple(float(w) for w in weights), cost)
 
 
 def write_card(out: Path, training: dict, test: dict, bands: list[dict], costs: dict, machine: str) -> None:
@@ -194,6 +223,7 @@ def main(argv: list[str] | None = None) -> int:
     from svip_bench.runner import machine_description
 
     write_card(head_dir / "MODEL_CARD.md", training, test, bands, costs, machine_description())
+    save_prior(head_prior(head_engine, costs), str(head_dir))
     print(json.dumps({"test": test, "bands": bands, "costs": costs}, indent=1, default=float))
     return 0
 

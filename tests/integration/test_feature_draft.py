@@ -313,3 +313,19 @@ def test_after_features_that_never_came_the_head_starts_afresh(models, heads, pr
     fresh.take_features(features[gap:], gap)
     reference = fresh.propose(more, 3)
     assert len(again) == 3 and again.tokens == reference.tokens and again.probs == reference.probs
+
+
+def test_the_embedded_head_starts_auto_from_its_stored_prior():
+    """`--draft eagle` with policy auto: the estimate starts from the prior stored beside the head
+    (training/head_card.py fits it on the head's own blocks), not the generic one."""
+    import json
+    from pathlib import Path
+
+    from svip_assets import default_head, default_pair
+
+    target = load_model(default_pair()[0])
+    engine = SpeculativeEngine(target, load_feature_draft(default_head(), target))
+    stored = json.loads((Path(default_head()) / "svip_auto_prior.json").read_text())
+    estimate = engine.auto_estimate()
+    assert estimate.prior_cost == pytest.approx(stored["cost"])
+    assert stored["weights"][-1] < 0  # the head's later places are accepted less: the fit says so
