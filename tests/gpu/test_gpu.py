@@ -1,7 +1,8 @@
 """On a CUDA machine (deploy/gpu-check.sh runs these with `pytest -m gpu`): the batched path on
-the GPU, bf16, each worker on a GPU of its own through Ray's num_gpus, and a target spread over
-two GPUs (its KV pool's layers where the model's layers are). Skipped where CUDA is absent, as
-in CI; a test that needs more GPUs than the machine has says how many."""
+the GPU, bf16 (the pair, and the target with its feature head), each worker on a GPU of its own
+through Ray's num_gpus, and a target spread over two GPUs (its KV pool's layers where the model's
+layers are). Skipped where CUDA is absent, as in CI; a test that needs more GPUs than the machine
+has says how many."""
 
 from __future__ import annotations
 
@@ -63,6 +64,26 @@ def test_bf16_on_cuda_svip_equals_the_target_alone():
     alone = engine.generate(GenerationRequest(ids, 48, policy=PolicyConfig(name="none"))).token_ids
     assert engine.generate(GenerationRequest(ids, 48, policy=PolicyConfig(threshold=0.4))).token_ids == alone
     batched = engine.generate_many([GenerationRequest(ids, 48, policy=PolicyConfig(threshold=0.4))] * 4, 4)
+    assert all(r.token_ids == alone for r in batched)
+
+
+def test_bf16_on_cuda_the_feature_head_equals_the_target_alone():
+    """The embedded target with its feature head, both in bf16 on the GPU: every policy, one at a
+    time and batched, equals the target alone; the head's cache and the features stay on the GPU."""
+    from draft_worker.feature_draft import load_feature_draft
+    from svip_assets import default_head, default_pair
+
+    target = load_model(default_pair()[0], "bfloat16", "cuda")
+    head = load_feature_draft(default_head(), target)
+    assert head.head.fc.weight.device.type == "cuda" and head.head.fc.weight.dtype == torch.bfloat16
+    ids = tuple(target.tokenizer("def fibonacci(n):")["input_ids"])
+    engine = SpeculativeEngine(target, head)
+    alone = engine.generate(GenerationRequest(ids, 48, policy=PolicyConfig(name="none"))).token_ids
+    for policy in (PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="constant", draft_length=4),
+                   PolicyConfig(name="confidence"), PolicyConfig(name="auto")):
+        result = engine.generate(GenerationRequest(ids, 48, policy=policy))
+        assert result.token_ids == alone and result.stats.draft_tokens > 0, policy.name
+    batched = engine.generate_many([GenerationRequest(ids, 48, policy=PolicyConfig(name="svip", threshold=0.6))] * 4, 4)
     assert all(r.token_ids == alone for r in batched)
 
 
