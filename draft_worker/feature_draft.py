@@ -237,7 +237,7 @@ class FeatureDraftSession(DraftSession):
         last -= offset  # positions from here on count from the cache's first
         if last < 0:
             return None
-        valid = _common_prefix(fed, committed[offset + 1 :])  # cached pairs whose tokens still hold
+        valid = _common_prefix(fed, list(committed[offset + 1 :]))  # cached pairs whose tokens still hold
         keep = min(valid, last)  # the last pair is always fed again: its output is the first token's
         known = self._known - offset
         if known > true:
@@ -335,10 +335,10 @@ class _Pairs:
         return len(self.ids) + len(self.chain)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """How many leading items two token lists share: one list comparison (in C) when all do (every
+    block but one after a rejection), a walk from the start only when they differ."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)
