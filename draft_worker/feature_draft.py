@@ -123,7 +123,6 @@ class FeatureDrafter(Drafter):
         self.embedding = embedding  # the target's: the head has none of its own
         self.width = target_vocab_size
         self.token_limit = token_limit
-        self.max_batched_tokens = None  # a block's first forward is one layer over its new pairs
         self.pool = None  # no KV pool: each session's head cache grows as it drafts
         self.kv_cache_tokens = kv_cache_tokens
         self.fresh_starts = 0  # sessions that lost the target's features for some positions and started afresh

@@ -29,3 +29,13 @@ def default_head() -> str:
     if not (HEAD_DIR / "config.json").is_file():
         raise ModelLoadError(f"the embedded feature head is missing from {str(HEAD_DIR)!r}; pass --draft DIR")
     return str(HEAD_DIR)
+
+
+def head_path(draft: str | None) -> str | None:
+    """The feature head's directory when a draft names one: 'eagle' (the embedded target's own), or
+    a directory whose config.json names an EAGLE architecture; None for a draft model (or none)."""
+    if draft == "eagle":
+        return default_head()
+    from svip_common.models import is_feature_head
+
+    return draft if is_feature_head(draft) else None

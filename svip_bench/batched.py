@@ -113,17 +113,14 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _head(parser, path: str, target):
+def _head(parser, head: str, target):
     from draft_worker.feature_draft import load_feature_draft
+    from svip_assets import head_path
     from svip_common.errors import ModelLoadError
-    from svip_common.models import is_feature_head
 
-    if path == "eagle":
-        from svip_assets import default_head
-
-        path = default_head()
-    if not is_feature_head(path):
-        parser.error(f"--head: {path!r} holds no feature head")
+    path = head_path(head)
+    if path is None:
+        parser.error(f"--head: {head!r} holds no feature head")
     try:
         return load_feature_draft(path, target)
     except ModelLoadError as exc:

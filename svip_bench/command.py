@@ -169,15 +169,12 @@ def _head_engine(engine, head: str):
     """The bench's target with a feature head as its draft ('eagle': the embedded target's own)."""
     from coordinator.engine import SpeculativeEngine
     from draft_worker.feature_draft import load_feature_draft
-    from svip_common.models import is_feature_head
+    from svip_assets import head_path
 
-    if head == "eagle":
-        from svip_assets import default_head
-
-        head = default_head()
-    if not is_feature_head(head):
+    path = head_path(head)
+    if path is None:
         raise InvalidRequest(f"--head: {head!r} holds no feature head (a config.json naming an EAGLE architecture)")
-    return SpeculativeEngine(engine.target, load_feature_draft(head, engine.target))
+    return SpeculativeEngine(engine.target, load_feature_draft(path, engine.target))
 
 
 def _parse_ks(spec: str) -> list[int]:

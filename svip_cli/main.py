@@ -513,15 +513,11 @@ def _load_engine(args: argparse.Namespace):
 
 def _head_path(draft: str | None, target: str | None) -> str | None:
     """The feature head's directory when the draft is one ('eagle': the embedded target's own)."""
-    from svip_common.models import is_feature_head
+    from svip_assets import head_path
 
-    if draft == "eagle":
-        if target is not None:
-            raise InvalidRequest("--draft eagle is the embedded target's head; with --target give the head's directory")
-        from svip_assets import default_head
-
-        return default_head()
-    return draft if is_feature_head(draft) else None
+    if draft == "eagle" and target is not None:
+        raise InvalidRequest("--draft eagle is the embedded target's head; with --target give the head's directory")
+    return head_path(draft)
 
 
 def _result_json(args, engine, request, result, text: str) -> dict:

@@ -167,9 +167,9 @@ class ServeSettings:
 
             target, draft = default_pair()
             if self.draft == "eagle":
-                from svip_assets import default_head
+                from svip_assets import head_path
 
-                return target, default_head()
+                return target, head_path(self.draft)
             return target, None if self.draft == "none" else draft
         return self.target, None if self.draft == "none" else self.draft
 
