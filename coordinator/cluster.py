@@ -150,7 +150,7 @@ class WorkerPair:
         self.target_info: ModelInfo = load_model_info(target_path)
         draft_info, feature_layers = None, ()
         if draft_path is not None and is_feature_head(draft_path):  # the target hands its features over
-            feature_layers = head_layers(draft_path)
+            feature_layers = head_layers(draft_path, self.target_info.num_layers)
         elif draft_path is not None:
             draft_info = load_model_info(draft_path)
             check_same_vocabulary(self.target_info, draft_info)

@@ -53,13 +53,14 @@ class LoadedHead:
         return self.head
 
 
-def head_layers(path: str) -> tuple[int, ...]:
-    """The target layers a head directory's config fuses (what the target worker hands over)."""
+def head_layers(path: str, target_layer_count: int | None = None) -> tuple[int, ...]:
+    """The target layers a head directory's config fuses (what the target worker hands over);
+    EAGLE-3's default for the target's depth where the config names none."""
     try:
         raw = json.loads((Path(path) / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"{path}: cannot read config.json ({exc})") from None
-    return HeadConfig.from_dict(raw, path).target_layers
+    return HeadConfig.from_dict(raw, path, target_layer_count).target_layers
 
 
 def load_feature_draft(path: str, target: LoadedModel) -> LoadedHead:
@@ -84,7 +85,7 @@ def load_head_beside(path: str, target_path: str, dtype: str = "float32", device
         config = AutoConfig.from_pretrained(target_path).get_text_config(decoder=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read the target's config at {target_path!r}: {exc}") from None
-    name, file = _embedding_file(Path(target_path))
+    name, file = _embedding_file(target_path)
     with safe_open(str(file), framework="pt", device="cpu") as f:
         table = f.get_tensor(name)
     if tuple(table.shape) != (config.vocab_size, config.hidden_size):
@@ -94,22 +95,28 @@ def load_head_beside(path: str, target_path: str, dtype: str = "float32", device
     return LoadedHead(path, load_head(path, config, torch_dtype, device), embedding)
 
 
-def _embedding_file(target: Path) -> tuple[str, Path]:
-    """The target checkpoint's input embedding: its tensor name and the safetensors file holding it."""
-    index = target / "model.safetensors.index.json"
-    if index.is_file():
+def _embedding_file(target: str) -> tuple[str, Path]:
+    """The target checkpoint's input embedding: its tensor name and the safetensors file holding it
+    (for a hub id, only the index and that one file are fetched)."""
+    from svip_common.hub import local_file
+
+    index = local_file(target, "model.safetensors.index.json")
+    if index is not None:
         weight_map = json.loads(index.read_text()).get("weight_map", {})
-    elif (target / "model.safetensors").is_file():
+    elif (single := local_file(target, "model.safetensors")) is not None:
         from safetensors import safe_open
 
-        with safe_open(str(target / "model.safetensors"), framework="pt", device="cpu") as f:
+        with safe_open(str(single), framework="pt", device="cpu") as f:
             weight_map = {k: "model.safetensors" for k in f.keys()}
     else:
         raise ModelLoadError(f"{target}: no safetensors checkpoint to read the target's embedding from")
     names = sorted(k for k in weight_map if k.endswith("embed_tokens.weight"))
     if not names:
         raise ModelLoadError(f"{target}: the checkpoint has no embed_tokens.weight")
-    return names[0], target / weight_map[names[0]]
+    file = local_file(target, weight_map[names[0]])
+    if file is None:
+        raise ModelLoadError(f"{target}: {weight_map[names[0]]} (named by the index for {names[0]}) is missing")
+    return names[0], file
 
 
 class FeatureDrafter(Drafter):

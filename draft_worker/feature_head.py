@@ -39,6 +39,13 @@ WEIGHTS = "model.safetensors"
 LEGACY_WEIGHTS = "pytorch_model.bin"
 
 
+def eagle3_default_layers(target_layer_count: int) -> tuple[int, int, int]:
+    """The fused layers EAGLE-3 (and vLLM, SGLang) take when a head's config names none: the inputs
+    of the target's third layer, its middle one and its third from last (hidden_states indices)."""
+    n = target_layer_count
+    return (2, n // 2, n - 3)
+
+
 @dataclass(frozen=True)
 class HeadConfig:
     hidden_size: int
@@ -75,10 +82,14 @@ class HeadConfig:
         )
 
     @staticmethod
-    def from_dict(raw: dict, where: str) -> HeadConfig:
+    def from_dict(raw: dict, where: str, target_layer_count: int | None = None) -> HeadConfig:
+        """target_layer_count: the target's decoder layers, for a config that names no fused layers
+        (SafeAILab's published heads): EAGLE-3's own choice, eagle3_default_layers."""
         try:
             heads = int(raw["num_attention_heads"])
-            layers = raw.get("eagle_config", {}).get("eagle_aux_hidden_state_layer_ids")
+            layers = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            if layers is None and target_layer_count is not None:
+                layers = eagle3_default_layers(target_layer_count)
             if layers is None or len(layers) != 3:
                 raise ModelLoadError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must name three "
                                      f"target layers (low, middle, high), got {layers!r}")
@@ -335,7 +346,8 @@ def load_head(directory: str | Path, target_config=None, dtype: torch.dtype = to
         raise ModelLoadError(f"{where}: cannot read config.json ({exc.strerror})") from None
     except json.JSONDecodeError as exc:
         raise ModelLoadError(f"{where}: config.json is not JSON ({exc.msg}, line {exc.lineno})") from None
-    head = FeatureHead(HeadConfig.from_dict(raw, where))
+    count = None if target_config is None else target_config.num_hidden_layers
+    head = FeatureHead(HeadConfig.from_dict(raw, where, count))
     state = _read_weights(path, where)
     expected = head.state_dict()
     missing = sorted(set(expected) - set(state))

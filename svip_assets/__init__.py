@@ -31,11 +31,30 @@ def default_head() -> str:
     return str(HEAD_DIR)
 
 
-def head_path(draft: str | None) -> str | None:
-    """The feature head's directory when a draft names one: 'eagle' (the embedded target's own), or
-    a directory whose config.json names an EAGLE architecture; None for a draft model (or none)."""
+DRAFT_KINDS = ("model", "eagle")  # what a draft reference names: a draft model, or a feature head
+
+
+def head_path(draft: str | None, kind: str | None = None) -> str | None:
+    """The feature head's directory when a draft names one, else None (a draft model, or none).
+    'eagle' is the embedded target's own. kind 'model' (or None): a directory whose config.json
+    names an EAGLE architecture is a head, anything else a draft model; kind 'eagle': the draft
+    must be a head, a directory or a hub id (fetched into the hub cache)."""
+    if kind is not None and kind not in DRAFT_KINDS:
+        raise ModelLoadError(f"a draft kind is one of {', '.join(DRAFT_KINDS)}, got {kind!r}")
     if draft == "eagle":
+        if kind == "model":
+            raise ModelLoadError("draft 'eagle' is a feature head: its kind is 'eagle', not 'model'")
         return default_head()
     from svip_common.models import is_feature_head
 
-    return draft if is_feature_head(draft) else None
+    if draft is None or draft == "none":
+        return None
+    if kind != "eagle":
+        return draft if is_feature_head(draft) else None
+    from svip_common.hub import local_dir
+
+    path = str(local_dir(draft))
+    if not is_feature_head(path):
+        raise ModelLoadError(f"{draft!r} is not a feature head: its config.json names no EAGLE architecture "
+                             "(a draft model is draft kind 'model')")
+    return path

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="draft model directory or hub id; a feature head's directory (EAGLE-3 layout), or 'eagle' for the "
         "embedded target's own; 'none' = target alone (default: the embedded pair)",
     )
+    models.add_argument(
+        "--draft-kind",
+        choices=["model", "eagle"],
+        help="eagle: --draft is a feature head, a directory or a hub id (fetched into the hub cache); model "
+        "(default): a draft model (a directory holding a head is still told by its config.json)",
+    )
     models.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, float64, auto")
     models.add_argument("--device", default="cpu", help="torch device (default cpu)")
     models.add_argument(
@@ -191,6 +197,8 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--target", help="target model directory or hub id (default: the embedded pair)")
     srv.add_argument("--draft", help="draft model directory or hub id, or a feature head's directory (EAGLE-3 "
                      "layout; 'eagle': the embedded target's own); 'none' = target alone")
+    srv.add_argument("--draft-kind", choices=["model", "eagle"],
+                     help="eagle: --draft is a feature head, a directory or a hub id (fetched into the hub cache)")
     srv.add_argument(
         "--model-name", help="the model id clients send (default: the target directory's name or hub id, or svip-pair)"
     )
@@ -298,6 +306,7 @@ def _serve(args: argparse.Namespace) -> int:
         {
             "target": args.target,
             "draft": args.draft,
+            "draft_kind": args.draft_kind,
             "model_name": args.model_name,
             "dtype": args.dtype,
             "device": args.device,
@@ -452,6 +461,8 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
 
 def _load_engine(args: argparse.Namespace):
     target_path, draft_path = args.target, args.draft
+    if getattr(args, "draft_kind", None) == "eagle" and draft_path in (None, "none"):
+        raise InvalidRequest("--draft-kind eagle needs --draft: a feature head's directory or hub id, or 'eagle'")
     if target_path is None:
         from svip_assets import default_pair
 
@@ -469,7 +480,7 @@ def _load_engine(args: argparse.Namespace):
     from svip_common.models import load_model
 
     draft_path = None if draft_path == "none" else draft_path
-    head = _head_path(draft_path, args.target)
+    head = _head_path(draft_path, args.target, getattr(args, "draft_kind", None))
     if getattr(args, "mode", "inprocess") == "distributed":
         draft_path = head if head is not None else draft_path
         from coordinator.local import LocalDistributed
@@ -511,13 +522,14 @@ def _load_engine(args: argparse.Namespace):
     )
 
 
-def _head_path(draft: str | None, target: str | None) -> str | None:
-    """The feature head's directory when the draft is one ('eagle': the embedded target's own)."""
+def _head_path(draft: str | None, target: str | None, kind: str | None) -> str | None:
+    """The feature head's directory when the draft is one ('eagle': the embedded target's own; with
+    --draft-kind eagle a directory or hub id, fetched into the hub cache)."""
     from svip_assets import head_path
 
     if draft == "eagle" and target is not None:
         raise InvalidRequest("--draft eagle is the embedded target's head; with --target give the head's directory")
-    return head_path(draft)
+    return head_path(draft, kind)
 
 
 def _result_json(args, engine, request, result, text: str) -> dict:

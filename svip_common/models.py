@@ -17,6 +17,7 @@ from transformers import AutoTokenizer
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, Limits
 from svip_common.errors import InvalidRequest, ModelLoadError
+from svip_common.hub import looks_like_local_path
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -83,6 +84,7 @@ class ModelInfo:
     max_positions: int | None
     eos_token_ids: tuple[int, ...]
     token_limit: int = 0  # ids below it are real tokens the model embeds (padding columns excluded)
+    num_layers: int | None = None  # decoder layers (a feature head without layer ids fuses EAGLE-3's default)
 
 
 def pair_limits(target: LoadedModel | ModelInfo, draft: LoadedModel | ModelInfo | None = None,
@@ -112,7 +114,8 @@ def load_model_info(path: str) -> ModelInfo:
         eos = tokenizer.eos_token_id
     eos_ids = () if eos is None else tuple(eos) if isinstance(eos, (list, tuple)) else (int(eos),)
     return ModelInfo(path, tokenizer, config.vocab_size, getattr(config, "max_position_embeddings", None), eos_ids,
-                     token_limit=min(len(tokenizer), config.vocab_size))
+                     token_limit=min(len(tokenizer), config.vocab_size),
+                     num_layers=getattr(config, "num_hidden_layers", None))
 
 
 def _first_line(exc: Exception) -> str:
@@ -121,15 +124,10 @@ def _first_line(exc: Exception) -> str:
 
 
 def _check_local_path(path: str) -> None:
-    if _looks_like_local_path(path) and not os.path.isdir(path):
+    if looks_like_local_path(path) and not os.path.isdir(path):
         raise ModelLoadError(f"no model directory at {path!r}")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         raise ModelLoadError(f"{path!r} is not a Hugging Face model directory (no config.json)")
-
-
-def _looks_like_local_path(path: str) -> bool:
-    """Hub ids are 'name' or 'org/name'; anything else is meant as a directory."""
-    return os.path.isabs(path) or path.startswith(".") or path.count("/") > 1 or os.path.exists(path)
 
 
 def _eos_ids(model: PreTrainedModel, tokenizer) -> tuple[int, ...]:

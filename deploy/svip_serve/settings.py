@@ -8,6 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
+from svip_assets import DRAFT_KINDS
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
@@ -24,6 +25,8 @@ TARGET_BUNDLE, DRAFT_BUNDLE = 1, 2  # bundle 0 holds the replica
 class ServeSettings:
     target: str | None = None  # model directory or hub id; None: the embedded pair
     draft: str | None = None  # None with the embedded target: its draft; "none": the target alone
+    draft_kind: str | None = None  # "eagle": the draft is a feature head, a directory or hub id; "model" or
+    # None: a draft model (a directory whose config.json names an EAGLE architecture is still a head)
     model_name: str | None = None  # the id clients pass as `model` (default: the target directory's name, or hub id)
     dtype: str = "float32"
     device: str = "cpu"  # "cpu", or "cuda": the workers take GPUs from the replica's placement group
@@ -81,6 +84,12 @@ class ServeSettings:
         if self.target is not None and self.draft == "eagle":
             raise InvalidRequest("draft 'eagle' is the embedded target's feature head; with a target give its "
                                  "head's directory")
+        if self.draft_kind not in (None, *DRAFT_KINDS):
+            raise InvalidRequest(f"draft_kind must be one of {', '.join(DRAFT_KINDS)}, got {self.draft_kind!r}")
+        if self.draft_kind == "eagle" and self.draft in (None, "none"):
+            raise InvalidRequest("draft_kind 'eagle' needs a draft: a feature head's directory or hub id")
+        if self.draft_kind == "model" and self.draft == "eagle":
+            raise InvalidRequest("draft 'eagle' is a feature head: its draft_kind is 'eagle', not 'model'")
         if self.target is not None and self.draft is None:
             raise InvalidRequest("a target needs a draft: a model directory or hub id, or 'none' for the target alone")
         if self.pipeline not in ("sync", "async"):
@@ -171,6 +180,10 @@ class ServeSettings:
 
                 return target, head_path(self.draft)
             return target, None if self.draft == "none" else draft
+        if self.draft_kind == "eagle":
+            from svip_assets import head_path
+
+            return self.target, head_path(self.draft, self.draft_kind)  # a hub id: fetched into the hub cache
         return self.target, None if self.draft == "none" else self.draft
 
     @property

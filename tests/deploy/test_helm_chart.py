@@ -79,6 +79,15 @@ VARIANTS = {
         "grafana": {"dashboard": {"enabled": True}},
         "tests": {"image": "registry.example.com/python:3.12-slim"},
     },
+    "eagle-head": {
+        "model": {
+            "target": "meta-llama/Llama-3.1-8B-Instruct",
+            "draft": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
+            "draftKind": "eagle",
+        },
+        "hfToken": {"secretName": "hf-token"},
+        "modelCache": {"enabled": True},
+    },
     "target-alone-autoscaling": {
         "model": {"draft": "none"},
         "workers": {"minReplicas": 1, "maxReplicas": 3, "gpusPerWorker": 1},
@@ -214,6 +223,20 @@ def test_example_values_are_the_qwen_pair():
     ][0]["args"]
     assert args["target"] == "Qwen/Qwen2.5-7B-Instruct" and args["draft"] == "Qwen/Qwen2.5-0.5B-Instruct"
     assert args["num_replicas"] == 2 and args["model_name"] == "qwen2.5-7b-svip"
+
+
+def test_a_feature_head_by_hub_id_reaches_the_app_as_draft_kind_eagle():
+    """draftKind eagle: the app resolves the head (a hub id) into the model cache every Ray pod
+    mounts, on the draft's GPU; the default stays a draft model."""
+    def app_args(values):
+        service = by_kind(render(values), "RayService")[0]
+        return yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+
+    args = app_args(VARIANTS["eagle-head"])
+    assert args["draft"] == "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B" and args["draft_kind"] == "eagle"
+    settings = ServeSettings.from_args(args)
+    assert [b.get("GPU") for b in settings.bundles()[1:]] == [1.0, 1.0]  # target, head
+    assert app_args(None)["draft_kind"] == "model"
 
 
 def test_service_is_cluster_ip_by_default_and_ingress_is_optional():
@@ -492,6 +515,7 @@ def test_the_charts_smoke_script_is_the_packages():
         ({"decoding": {"auto": {"learn": "yes"}}}, "learn"),
         ({"service": {"type": "ExternalName"}}, "type"),
         ({"modle": {"target": "x"}}, "modle"),
+        ({"model": {"draftKind": "medusa"}}, "draftKind"),
     ],
 )
 def test_values_schema_refuses_bad_values(values, words):
@@ -505,6 +529,7 @@ def test_values_schema_refuses_bad_values(values, words):
         ({"workers": {"gpusPerWorker": 1}}, "cannot hold one pipeline"),
         ({"serve": {"replicas": 3}}, "need more GPU workers"),
         ({"workers": {"minReplicas": 2, "maxReplicas": 1}}, "minReplicas"),
+        ({"model": {"draftKind": "eagle", "draft": "none"}}, "draftKind eagle needs model.draft"),
     ],
 )
 def test_values_no_cluster_could_run_fail_with_the_reason(values, words):

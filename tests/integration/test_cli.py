@@ -272,6 +272,9 @@ def test_pipeline_needs_distributed_mode(capsys, model_dirs):
         (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),
         (["--draft", "/somewhere"], 2, "a draft was given without a target"),
         (["--target", "/somewhere", "--draft", "eagle"], 2, "draft 'eagle' is the embedded target's feature head"),
+        (["--draft", "none", "--draft-kind", "eagle"], 2, "draft_kind 'eagle' needs a draft"),
+        (["--draft", "eagle", "--draft-kind", "model"], 2, "its draft_kind is 'eagle', not 'model'"),
+        (["--target", "/t", "--draft", "/no/head", "--draft-kind", "eagle"], 1, "'/no/head': no such directory"),
     ],
 )
 def test_serve_refuses_bad_settings_before_starting(capsys, args, code, message):

@@ -136,7 +136,7 @@ def test_a_head_for_the_embedded_target_fits_it(tmp_path, target_config):
     ("missing", "the checkpoint lacks midlayer.mlp.up_proj.weight"),
     ("shape", "fc.weight has shape [32, 64], the config says [32, 96]"),
     ("d2t", "d2t maps a draft id outside the target's vocabulary of 64"),
-    ("no-layers", "eagle_config.eagle_aux_hidden_state_layer_ids must name three target layers"),
+    ("two-layers", "eagle_config.eagle_aux_hidden_state_layer_ids must name three target layers"),
     ("no-hidden", "config.json has no 'hidden_size'"),
     ("no-weights", "no model.safetensors or pytorch_model.bin there"),
 ])
@@ -156,9 +156,9 @@ def test_a_head_that_does_not_fit_is_refused_in_one_line(tmp_path, case, message
         tensors["fc.weight"] = torch.zeros(32, 64)
     elif case == "d2t":
         tensors["d2t"] = tensors["d2t"] + 100
-    elif case == "no-layers":
+    elif case == "two-layers":  # (none at all is EAGLE-3's default: tests/integration/test_hub_heads.py)
         def edit(raw):
-            del raw["eagle_config"]
+            raw["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [1, 2]
     elif case == "no-hidden":
         def edit(raw):
             del raw["hidden_size"]

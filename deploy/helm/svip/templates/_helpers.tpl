@@ -48,6 +48,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- $args := dict
   "target" $v.model.target
   "draft" $v.model.draft
+  "draft_kind" $v.model.draftKind
   "model_name" (include "svip.modelName" .)
   "dtype" $v.model.dtype
   "device" "cuda"
@@ -189,6 +190,9 @@ prometheus.io/port: {{ .Values.metrics.port | quote }}
 
 {{/* Fail early, with the reason, on values no cluster could run. */}}
 {{- define "svip.checks" -}}
+{{- if and (eq .Values.model.draftKind "eagle") (eq .Values.model.draft "none") -}}
+{{- fail "model.draftKind eagle needs model.draft: a feature head's hub id or path (or draftKind model with draft none for the target alone)" -}}
+{{- end -}}
 {{- $perPipeline := add (int .Values.model.targetGpus) (ternary 0 (int .Values.model.draftGpus) (eq .Values.model.draft "none")) -}}
 {{- if lt (int .Values.workers.gpusPerWorker) (int $perPipeline) -}}
 {{- fail (printf "workers.gpusPerWorker (%d) cannot hold one pipeline: model.targetGpus + model.draftGpus = %d GPUs, packed on one node" (int .Values.workers.gpusPerWorker) (int $perPipeline)) -}}

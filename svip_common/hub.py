@@ -1,0 +1,86 @@
+"""Where a model reference lives on this machine: a local directory as it is, a Hugging Face hub id
+fetched into the hub cache (HF_HOME; HF_TOKEN for gated or private repositories; HF_HUB_OFFLINE=1
+reads the cache alone). The one home for hub downloads that do not go through transformers'
+from_pretrained: a feature head's checkpoint, and the target's embedding table that a draft
+worker reads without loading the target. Runs in the process that loads the weights (a Serve
+replica resolves a head once; the draft worker the target's files)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from svip_common.errors import ModelLoadError
+
+HEAD_FILES = ("config.json", "*.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+              "svip_auto_prior.json", "*.md")
+
+
+def is_local(ref: str) -> bool:
+    return Path(ref).exists()
+
+
+def local_dir(ref: str, patterns: tuple[str, ...] = HEAD_FILES) -> Path:
+    """A directory holding ``ref``'s files that match ``patterns`` (a local path as is)."""
+    if is_local(ref):
+        return Path(ref)
+    _check_hub_id(ref)
+    from huggingface_hub import snapshot_download
+
+    return Path(_from_hub(ref, lambda: snapshot_download(ref, allow_patterns=list(patterns))))
+
+
+def local_file(ref: str, name: str) -> Path | None:
+    """``name`` inside ``ref`` on this machine (downloaded from the hub for a hub id); None when
+    the checkpoint has no such file."""
+    if is_local(ref):
+        path = Path(ref) / name
+        return path if path.is_file() else None
+    _check_hub_id(ref)
+    from huggingface_hub import hf_hub_download
+    from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
+
+    try:
+        return Path(_from_hub(ref, lambda: hf_hub_download(ref, name)))
+    except ModelLoadError as exc:
+        if isinstance(exc.__cause__, EntryNotFoundError) or (
+            isinstance(exc.__cause__, LocalEntryNotFoundError) and _cached_repo(ref)
+        ):
+            return None  # the repository is there; the file is not
+        raise
+
+
+def looks_like_local_path(ref: str) -> bool:
+    """Hub ids are 'name' or 'owner/name'; anything else is meant as a directory."""
+    return os.path.isabs(ref) or ref.startswith((".", "~")) or ref.count("/") > 1 or os.path.exists(ref)
+
+
+def _check_hub_id(ref: str) -> None:
+    """A reference that can only be a path and is missing: one line."""
+    if looks_like_local_path(ref):
+        raise ModelLoadError(f"{ref!r}: no such directory (a hub id has the form owner/name)")
+
+
+def _from_hub(ref: str, fetch):
+    """Run a hub fetch; its failures become one line naming the reference."""
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        return fetch()
+    except RepositoryNotFoundError as exc:
+        raise ModelLoadError(f"{ref!r}: no such directory, and no such hub repository (or no access to it: "
+                             "set HF_TOKEN for a gated or private one)") from exc
+    except LocalEntryNotFoundError as exc:
+        raise ModelLoadError(f"{ref!r}: no such directory, and not in the hub cache (offline, or the hub "
+                             "cannot be reached)") from exc
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise ModelLoadError(f"{ref!r}: cannot fetch it from the hub ({first})") from exc
+
+
+def _cached_repo(ref: str) -> bool:
+    """Whether the hub cache holds a snapshot of ``ref`` (offline: a missing file is then missing)."""
+    from huggingface_hub import constants
+
+    folder = Path(constants.HF_HUB_CACHE) / f"models--{ref.replace('/', '--')}" / "snapshots"
+    return folder.is_dir() and any(folder.iterdir())
