@@ -139,19 +139,39 @@ class FeatureDrafter(Drafter):
 
     @torch.inference_mode()
     def step(self, drafts: Sequence[BlockDraft]) -> None:
-        """Advance every unfinished block by one token: the head's layer per session, then the
-        LM head and the choice for all of them at once."""
+        """Advance every unfinished block by one token: the head's layer once for every session
+        that feeds the token it just drafted (each attends its own cache), a block's first forward
+        (its pairs) per session; then the LM head and the choice for all of them at once."""
         live = [d for d in drafts if not d.done]
         if not live:
             return
         started = time.perf_counter()
-        hidden = []
-        for d in live:
-            d._prefilling = len(d._pending) > PREFILL_TOKENS
-            hidden.append(d._session._advance(d._pending))
+        hidden: list[torch.Tensor | None] = [None] * len(live)
+        together = [i for i, d in enumerate(live) if not isinstance(d._pending, _Pairs)]  # a drafted token each
+        if len(together) < 2:
+            together = []
+        for i in sorted(set(range(len(live))) - set(together)):
+            live[i]._prefilling = len(live[i]._pending) > PREFILL_TOKENS
+            hidden[i] = live[i]._session._advance(live[i]._pending)
+        if together:
+            rows = self._advance_tokens([live[i]._session for i in together], [live[i]._pending[0] for i in together])
+            for i, row in zip(together, rows.split(1)):
+                live[i]._prefilling, hidden[i] = False, row
         rows = self.head.logits(torch.cat(hidden))  # [B, draft_vocab]
         wait_for_device(rows.device)
         self._absorb_rows(live, list(rows.split(1)), (time.perf_counter() - started) / len(live))
+
+    def _advance_tokens(self, sessions: list[FeatureDraftSession], tokens: list[int]) -> torch.Tensor:
+        """Each session's token just drafted, beside its head's last output, through the head's
+        layer together: their outputs [B, h] (each kept by its session as ``_advance`` keeps it)."""
+        features = torch.cat([s._last_output() for s in sessions])
+        embeds = self.embedding(torch.tensor(tokens, dtype=torch.long, device=features.device))
+        starts = [len(s._cache) for s in sessions]
+        outputs = self.head.decode_rows(embeds, features, [s._cache for s in sessions])
+        for session, start, token, row in zip(sessions, starts, tokens, outputs.split(1)):
+            session._keep_outputs(start, row)
+            session._fed.append(token)
+        return outputs
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The head's logits over its own vocabulary, placed at the target ids d2t maps them to."""
@@ -264,7 +284,7 @@ class FeatureDraftSession(DraftSession):
     def _advance(self, pending) -> torch.Tensor:
         """The head's forward for a block's next token: its last output row [1, h]."""
         if not isinstance(pending, _Pairs):  # the token just drafted, beside the head's own last output
-            return self._feed(self._outputs[len(self._cache) - 1 : len(self._cache)], pending)
+            return self._feed(self._last_output(), pending)
         if pending.offset != self._offset:  # afresh from the first feature there is
             self._cache, self._fed, self._true, self._offset = HeadCache(), [], 0, pending.offset
             self._drafter.fresh_starts += 1
@@ -276,8 +296,12 @@ class FeatureDraftSession(DraftSession):
                 self._true = pending.first + pending.raw.shape[0]
                 self._trim(self._offset + self._true - 1)
         for token in pending.chain:  # one pair at a time: each reads the output before it
-            out = self._feed(self._outputs[len(self._cache) - 1 : len(self._cache)], [token])
+            out = self._feed(self._last_output(), [token])
         return out
+
+    def _last_output(self) -> torch.Tensor:
+        """The head's output at the cache's last position [1, h]: the feature of the next pair."""
+        return self._outputs[len(self._cache) - 1 : len(self._cache)]
 
     def _feed(self, features: torch.Tensor, ids: list[int]) -> torch.Tensor:
         """Pairs (features [n, h], e(ids)) after what the cache holds: their last output [1, h]."""

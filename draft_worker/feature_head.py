@@ -169,6 +169,23 @@ class _Attention(nn.Module):
         return self.attend(q, k, v, mask)[0]
 
 
+    def decode_rows(self, x: torch.Tensor, positions: torch.Tensor, caches: list[HeadCache]) -> torch.Tensor:
+        """One new position per sequence: x [B, 2h] at positions [B], each after what its own cache
+        holds -> [B, h]. The projections for all at once; each sequence attends its own keys."""
+        c, b = self.c, x.shape[0]
+        q = self.q_proj(x).view(b, 1, c.num_attention_heads, c.head_dim).transpose(1, 2)
+        k = self.k_proj(x).view(b, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        v = self.v_proj(x).view(b, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
+        cos, sin = _rotary(positions, c.head_dim, c.rope_theta, x.dtype)
+        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
+        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        out = torch.cat([
+            scaled_dot_product_attention(q[i : i + 1], *cache.extend(k[i : i + 1], v[i : i + 1]), enable_gqa=True)
+            for i, cache in enumerate(caches)
+        ])  # [B, heads, 1, d]
+        return self.o_proj(out.reshape(b, -1))
+
+
 class _MLP(nn.Module):
     def __init__(self, c: HeadConfig):
         super().__init__()
@@ -198,6 +215,10 @@ class _MidLayer(nn.Module):
 
     def forward(self, embeds, features, positions, cache):
         return self._after_attention(features, self.self_attn(self._inputs(embeds, features), positions, cache))
+
+    def decode_rows(self, embeds, features, positions, caches):
+        return self._after_attention(features, self.self_attn.decode_rows(self._inputs(embeds, features), positions,
+                                                                          caches))
 
     def two_steps(self, embeds, features, next_embeds):
         """Training: [B, T, h] pairs (target feature at j, embedding of token j + 1) for positions
@@ -280,6 +301,13 @@ class FeatureHead(nn.Module):
         start = len(cache)
         positions = torch.arange(start, start + embeds.shape[0], device=embeds.device)
         return self.midlayer(embeds, features, positions, cache)
+
+    def decode_rows(self, embeds: torch.Tensor, features: torch.Tensor, caches: list[HeadCache]) -> torch.Tensor:
+        """Drafting one token in each of B sequences at once: embeds and features [B, h], row i
+        after what ``caches[i]`` holds (each cache takes its new position) -> hidden states [B, h];
+        row i is what ``forward`` gives that sequence alone."""
+        positions = torch.tensor([len(cache) for cache in caches], device=embeds.device)
+        return self.midlayer.decode_rows(embeds, features, positions, caches)
 
     def two_steps(self, embeds: torch.Tensor, features: torch.Tensor, next_embeds: torch.Tensor):
         """Training (batched, no cache): the first and second drafting steps over whole windows;

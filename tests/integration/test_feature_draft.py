@@ -96,20 +96,28 @@ def test_greedy_equals_target_alone(models, heads, prompt_ids, reference, head, 
 
 
 @pytest.mark.parametrize("head", ["full", "reduced"])
-def test_batched_equals_one_at_a_time(models, heads, prompt_ids, head):
+def test_batched_equals_one_at_a_time(models, heads, prompt_ids, head, monkeypatch):
     """Greedy and sampled sessions (each its own seed and warp) in one batch, through several
-    policies, equal the same requests one at a time, token for token and block for block."""
+    policies, equal the same requests one at a time, token for token and block for block; the
+    batch's drafted tokens went through the head's layer together."""
     engine = SpeculativeEngine(models["target"], heads[head])
+    widths = []
+    decode_rows = type(heads[head].head).decode_rows
+    monkeypatch.setattr(type(heads[head].head), "decode_rows",
+                        lambda self, e, f, caches: widths.append(len(caches)) or decode_rows(self, e, f, caches))
     requests = []
     for i, (policy, ids) in enumerate(zip(["svip", "constant", "heuristic", "confidence"] * 3,
                                           list(prompt_ids.values()) * 4)):
         sampling = SamplingParams() if i % 2 else SamplingParams(temperature=0.9, top_p=0.95, seed=100 + i)
         requests.append(GenerationRequest(ids, 24, sampling=sampling, policy=POLICIES[policy]))
     batched = engine.generate_many(requests, 5)
+    assert widths and max(widths) > 1
+    widths.clear()
     for request, result in zip(requests, batched):
         alone = engine.generate(request)
         assert result.token_ids == alone.token_ids
         assert result.stats.draft_lengths == alone.stats.draft_lengths
+    assert not widths  # one at a time: the per-session path
 
 
 def test_padding_ids_of_a_wide_target_are_never_drafted(wide_pair):

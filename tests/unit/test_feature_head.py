@@ -122,6 +122,32 @@ def test_the_cached_forward_equals_a_full_one():
         assert len(cache) == 8 and torch.allclose(again, reference, atol=1e-5)
 
 
+def test_one_token_in_many_sequences_at_once_is_each_alone():
+    """decode_rows (the batched draft step): row i, and the keys its cache takes, are what the
+    cached forward gives that sequence alone, for caches of different lengths (one empty)."""
+    torch.manual_seed(1)
+    head = FeatureHead(small_config()).eval()
+    lengths = [0, 1, 5, 12, 3]
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+        alone, together = [], []
+        for n in lengths:
+            history = torch.randn(n, 32), torch.randn(n, 32)
+            a, b = HeadCache(), HeadCache()
+            if n:
+                head(*history, a), head(*history, b)
+            alone.append(a), together.append(b)
+        embeds, feats = torch.randn(len(lengths), 32), torch.randn(len(lengths), 32)
+        one_by_one = torch.cat([head(embeds[i : i + 1], feats[i : i + 1], c) for i, c in enumerate(alone)])
+        rows = head.decode_rows(embeds, feats, together)
+    assert rows.shape == one_by_one.shape and torch.allclose(rows, one_by_one, atol=1e-5)
+    assert torch.equal(head.logits(rows).argmax(-1), head.logits(one_by_one).argmax(-1))
+    for a, b, n in zip(alone, together, lengths):
+        assert len(a) == len(b) == n + 1 and torch.allclose(a.keys, b.keys, atol=1e-5)
+        assert torch.allclose(a.values, b.values, atol=1e-5)
+
+
 def test_a_head_for_the_embedded_target_fits_it(tmp_path, target_config):
     c = HeadConfig.for_target(target_config)
     assert c.hidden_size == target_config.hidden_size and c.vocab_size == target_config.vocab_size
