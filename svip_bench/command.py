@@ -60,6 +60,13 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         "namespaces, root) at these round-trip latencies on the link, e.g. 0,1,5",
     )
     bench.add_argument(
+        "--load-aware",
+        choices=["off", "greedy"],
+        default="off",
+        help="pipeline: load-aware speculation in every mode that drafts, in process and on the workers "
+        "(off: the same blocks in each mode, so they compare round for round)",
+    )
+    bench.add_argument(
         "--serve-policies",
         default="defaults,svip,none",
         help="serve: the policies compared (defaults, svip, auto, confidence, constant-K, none)",

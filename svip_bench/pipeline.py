@@ -45,7 +45,11 @@ def run(engine, prompts, args, header: dict) -> int:
     init_local_ray()  # before ray is imported here: the local cluster stays on 127.0.0.1
     import ray
 
-    pair = WorkerPair(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device)
+    load_aware = getattr(args, "load_aware", "off")
+    header["load_aware"] = load_aware
+    engine.load_aware = load_aware
+    pair = WorkerPair(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device,
+                      load_aware=load_aware)
     loop = asyncio.new_event_loop()
     remote = {m: DistributedEngine.for_pair(pair, m) for m in ("sync", "async")}
     for e in remote.values():
@@ -65,7 +69,8 @@ def run(engine, prompts, args, header: dict) -> int:
         ray.shutdown()
     source = "the paper's: a feature head" if engine.feature_draft else "auto"
     doc = {"header": {**header, "policy": f"svip, threshold {policy.threshold} ({source})"}, "tokens_per_s": tps,
-           "breakdown": {m: breakdown(s) for m, s in stats.items()}, "sources": sources(stats["async"]),
+           "breakdown": {m: breakdown(s) for m, s in stats.items()},
+           "sources": {m: sources(s) for m, s in stats.items()},
            "prepared_continuations": prepared_continuations(stats["async"]),
            "async_bound": async_bound(stats["sync"], tps["sync"]["median"]),
            "wire_bytes_per_round": {m: wire_bytes(s) for m, s in stats.items()},
@@ -154,7 +159,7 @@ def wire_bytes(stats: list[GenerationStats]) -> dict:
 
 
 def sources(stats: list[GenerationStats]) -> dict:
-    """Async rounds by where their block came from: count, mean wall and overhead (ms)."""
+    """A mode's rounds by where their block came from: count, mean wall and overhead (ms)."""
     rows = collections.defaultdict(list)
     for s in stats:
         for i, source in enumerate(s.round_sources):
@@ -284,7 +289,7 @@ def _markdown(doc: dict) -> str:
         f"Command: `{h['command']}`",
         f"Machine: {h['machine']}",
         f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
-        f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}",
+        f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}, load-aware {h.get('load_aware', 'greedy')}",
         "",
         "| mode | tokens/s (min–max) | vs the target alone | vs in-process | vs distributed sync |",
         "|---|---|---|---|---|",
@@ -311,16 +316,18 @@ def _markdown(doc: dict) -> str:
         lines.append(f"| {part.removesuffix('_s').replace('_', ' ')} | " + " | ".join(cells) + " |")
     lines += [
         "",
-        "Async rounds by where the block came from (followup, prepared: ready at the verdict, no round trip):",
+        "Rounds by where the block came from (async's followup, prepared: ready at the verdict, no round trip; "
+        "paused: the target alone while load-aware speculation pauses the draft):",
         "",
-        "| source | rounds | share | wall ms | target ms | overhead ms |",
-        "|---|---|---|---|---|---|",
+        "| mode | source | rounds | share | wall ms | target ms | overhead ms |",
+        "|---|---|---|---|---|---|---|",
     ]
-    for name, v in doc["sources"].items():
-        lines.append(
-            f"| {name} | {v['rounds']} | {v['share']:.0%} | {v['wall_ms']:.2f} | {v['target_ms']:.2f} "
-            f"| {v['overhead_ms']:.2f} |"
-        )
+    for mode, rows in doc["sources"].items():
+        for name, v in rows.items():
+            lines.append(
+                f"| {mode} | {name} | {v['rounds']} | {v['share']:.0%} | {v['wall_ms']:.2f} | {v['target_ms']:.2f} "
+                f"| {v['overhead_ms']:.2f} |"
+            )
     prepared = doc["prepared_continuations"]
     lines += [
         "",

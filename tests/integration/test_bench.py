@@ -150,6 +150,8 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
             "12",
             "--out",
             str(out),
+            "--load-aware",
+            "greedy",
             *(["--latencies", "0"] if two_nodes else []),
         ]
     )
@@ -161,7 +163,9 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
     for mode in ("sync", "async"):
         parts = doc["breakdown"][mode]
         assert parts["round_s"]["median_ms"] > 0 and "overhead_s" in parts and "block_transit_s" in parts
-    assert "first" in doc["sources"] and set(doc["prepared_continuations"]) == {"sent", "used", "used_late"}
+    assert "first" in doc["sources"]["async"] and set(doc["sources"]) == {"sync", "async"}
+    assert set(doc["prepared_continuations"]) == {"sent", "used", "used_late"}
+    assert doc["header"]["load_aware"] == "greedy"  # as asked: every mode that drafts gates the same way
     assert doc["async_bound"]["speedup_over_sync"] >= 1.0
     wire = doc["wire_bytes_per_round"]
     assert all(wire[m]["p95"] >= wire[m]["median"] > 0 for m in ("sync", "async"))
@@ -169,6 +173,7 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
     assert (out / "timeline.png").stat().st_size > 1000
     md = (out / "pipeline.md").read_text()
     assert "Per round, median (mean) in ms" in md and "| overhead |" in md and "| target alone (in process) |" in md
+    assert "load-aware greedy" in md and "| sync | first |" in md
     if two_nodes:
         (row,) = doc["two_nodes"]
         assert row["latency_ms"] == 0 and row["link"] == "direct" and row["violations"] == []
