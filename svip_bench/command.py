@@ -60,6 +60,12 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         "namespaces, root) at these round-trip latencies on the link, e.g. 0,1,5",
     )
     bench.add_argument(
+        "--svip-threshold",
+        type=float,
+        help="pipeline: SVIP's threshold in every mode (default: calibrated for a draft model, the paper's 0.3 "
+        "for a feature head)",
+    )
+    bench.add_argument(
         "--load-aware",
         choices=["off", "greedy"],
         default="off",

@@ -37,8 +37,15 @@ HEAD_THRESHOLD = 0.3
 def run(engine, prompts, args, header: dict) -> int:
     """engine: the in-process engine (its calibration gives the shared SVIP threshold; with a
     feature head as its draft, the paper's)."""
-    threshold = HEAD_THRESHOLD if engine.feature_draft else engine.calibration().threshold
+    given = getattr(args, "svip_threshold", None)
+    if given is not None:
+        threshold, source = given, "given"
+    elif engine.feature_draft:
+        threshold, source = HEAD_THRESHOLD, "the paper's: a feature head"
+    else:
+        threshold, source = engine.calibration().threshold, "auto"
     policy = PolicyConfig(name="svip", threshold=threshold)
+    policy.validate()
     header["svip_threshold"] = threshold
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     requests = [GenerationRequest(ids, args.max_new_tokens, policy=policy, ignore_eos=True) for ids in encoded]
@@ -67,7 +74,6 @@ def run(engine, prompts, args, header: dict) -> int:
         loop.close()
         pair.shutdown()
         ray.shutdown()
-    source = "the paper's: a feature head" if engine.feature_draft else "auto"
     doc = {"header": {**header, "policy": f"svip, threshold {policy.threshold} ({source})"}, "tokens_per_s": tps,
            "breakdown": {m: breakdown(s) for m, s in stats.items()},
            "sources": {m: sources(s) for m, s in stats.items()},
@@ -163,7 +169,8 @@ def sources(stats: list[GenerationStats]) -> dict:
     rows = collections.defaultdict(list)
     for s in stats:
         for i, source in enumerate(s.round_sources):
-            rows[source].append((s.round_s[i], s.overhead_s[i], s.target_forward_s[i]))
+            rows[source].append((s.round_s[i], s.overhead_s[i], s.target_forward_s[i], s.draft_lengths[i],
+                                 s.accepted_lengths[i]))
     total = sum(len(v) for v in rows.values())
     out = {
         k: {
@@ -172,6 +179,8 @@ def sources(stats: list[GenerationStats]) -> dict:
             "wall_ms": 1e3 * statistics.mean(r[0] for r in v),
             "overhead_ms": 1e3 * statistics.mean(r[1] for r in v),
             "target_ms": 1e3 * statistics.mean(r[2] for r in v),
+            "drafted": statistics.mean(r[3] for r in v),
+            "accepted": statistics.mean(r[4] for r in v),
         }
         for k, v in sorted(rows.items())
     }
@@ -319,14 +328,14 @@ def _markdown(doc: dict) -> str:
         "Rounds by where the block came from (async's followup, prepared: ready at the verdict, no round trip; "
         "paused: the target alone while load-aware speculation pauses the draft):",
         "",
-        "| mode | source | rounds | share | wall ms | target ms | overhead ms |",
-        "|---|---|---|---|---|---|---|",
+        "| mode | source | rounds | share | drafted | accepted | wall ms | target ms | overhead ms |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     for mode, rows in doc["sources"].items():
         for name, v in rows.items():
             lines.append(
-                f"| {mode} | {name} | {v['rounds']} | {v['share']:.0%} | {v['wall_ms']:.2f} | {v['target_ms']:.2f} "
-                f"| {v['overhead_ms']:.2f} |"
+                f"| {mode} | {name} | {v['rounds']} | {v['share']:.0%} | {v['drafted']:.2f} | {v['accepted']:.2f} "
+                f"| {v['wall_ms']:.2f} | {v['target_ms']:.2f} | {v['overhead_ms']:.2f} |"
             )
     prepared = doc["prepared_continuations"]
     lines += [

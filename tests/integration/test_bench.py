@@ -102,6 +102,9 @@ def test_bench_rejects_bad_arguments(capsys, model_dirs, tmp_path):
         == 2
     )
     assert "cannot read Spec-Bench prompts" in capsys.readouterr().err
+    assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--mode", "pipeline",
+                 "--categories", "code", "--svip-threshold", "-1"]) == 2
+    assert "threshold must be a number >= 0" in capsys.readouterr().err
 
 
 def _run(method, repeat, tokens, wall, target_fwd, draft_fwd, **kw):
