@@ -155,9 +155,10 @@ def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
 
 
 @pytest.mark.slow
-def test_sampled_tokens_follow_the_target_through_the_async_pipeline(models, model_dirs, prompt_ids, loop):
-    """The head's draws across workers: the draft keeps q and draws each correction from the p row
-    the target sends. The first two tokens' marginals fit the target's (the first from the target
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_sampled_tokens_follow_the_target_across_workers(models, model_dirs, prompt_ids, loop, mode):
+    """The head's draws across workers, each pipeline: the draft keeps q and draws each correction
+    from the p row the target sends. The first two tokens' marginals fit the target's (the first from the target
     alone, the round that brings the prompt's features; the second through the head's block)."""
     from svip_common.contracts import SamplingParams
     from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
@@ -171,7 +172,7 @@ def test_sampled_tokens_follow_the_target_through_the_async_pipeline(models, mod
                             feature_layers=head.head.config.target_layers, load_aware="off") as w:
         results = []
         for i in range(0, len(requests), 100):
-            results += run(loop, w, model_dirs.target, "async", requests[i : i + 100])
+            results += run(loop, w, model_dirs.target, mode, requests[i : i + 100])
     assert all(r.stats.detached == 0 for r in results)
     second = [r for r in results if len(r.stats.draft_lengths) > 1 and r.stats.draft_lengths[1]]
     assert sum(r.stats.accepted_lengths[1] == 0 for r in second) > len(results) // 10  # corrections drawn
