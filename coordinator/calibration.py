@@ -48,8 +48,19 @@ THRESHOLD_GRID = tuple(round(0.02 * i, 2) for i in range(1, 101))  # 0.02 .. 2.0
 
 @dataclass
 class Trajectory:
+    """A draft model's teacher-forced pass over the target's continuation: a block drafted at any
+    place sees the target's tokens before it, so it is a slice of this one pass."""
+
     entropies: list[float]  # draft entropy at each position of the target's continuation
     matches: list[bool]  # draft argmax == target token there
+
+    def __len__(self) -> int:
+        return len(self.matches)
+
+    def block(self, start: int, cap: int) -> tuple[list[float], list[bool], int]:
+        """A block drafted at ``start``: its entropies and matches, and its length if nothing stops it."""
+        entropies, matches = self.entropies[start : start + cap], self.matches[start : start + cap]
+        return entropies, matches, len(matches)
 
 
 @dataclass(frozen=True)
@@ -112,25 +123,29 @@ def record_trajectory(target: LoadedModel, draft: LoadedModel, prompt_ids: list[
     )
 
 
-def replay_svip(traj: Trajectory, threshold: float, scale: float, cap: int, cost: CostModel) -> tuple[float, int]:
-    """Modelled (cost in target forwards, emitted tokens) of SVIP along one trajectory."""
-    n, start, total, emitted = len(traj.matches), 0, 0.0, 0
+def replay_svip(traj, threshold: float, scale: float, cap: int, cost: CostModel) -> tuple[float, int]:
+    """Modelled (cost in target forwards, emitted tokens) of SVIP along one trajectory (a
+    Trajectory, or a feature head's chains: coordinator/head_calibration.py)."""
+    n, start, total, emitted = len(traj), 0, 0.0, 0
     while start < n:
+        entropies, matches, unstopped = traj.block(start, cap)
         drafted = accepted = 0
-        rejected = False
-        for i in range(start, min(n, start + cap)):
+        rejected = stopped = False
+        for h, match in zip(entropies, matches):
             drafted += 1
-            rejected = rejected or not traj.matches[i]
+            rejected = rejected or not match
             accepted += not rejected
-            if svip_stops(traj.entropies[i], scale, threshold):
+            if svip_stops(h, scale, threshold):
+                stopped = True
                 break
+        drafted = drafted if stopped else unstopped
         total += cost.round_cost(drafted)
         emitted += accepted + 1
         start += accepted + 1
     return total, emitted
 
 
-def choose_threshold(trajs: list[Trajectory], scale: float, cap: int, cost: CostModel) -> tuple[float, dict]:
+def choose_threshold(trajs: list, scale: float, cap: int, cost: CostModel) -> tuple[float, dict]:
     table = {}
     for threshold in THRESHOLD_GRID:
         totals = [replay_svip(t, threshold, scale, cap, cost) for t in trajs]

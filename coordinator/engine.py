@@ -13,6 +13,7 @@ from collections.abc import Callable
 
 from coordinator.batch import BatchEngine
 from coordinator.calibration import Calibration, auto_prior, calibrate
+from coordinator.head_calibration import calibrate_head
 from draft_worker.drafter import Drafter, NullDraftSession
 from draft_worker.feature_draft import FeatureDrafter, LoadedHead
 from svip_common.acceptance import AutoEstimate, SessionStop
@@ -81,12 +82,13 @@ class SpeculativeEngine:
         return isinstance(self.drafter, FeatureDrafter)
 
     def calibration(self) -> Calibration:
-        """The pair's learnt SVIP threshold, measured on first use (a few seconds)."""
-        if self.feature_draft:
-            raise InvalidRequest("threshold 'auto' is calibrated for a draft model, not a feature head: "
-                                 "give the svip threshold as a number")
+        """The pair's learnt SVIP threshold, measured on first use (a few seconds; a feature head's
+        by drafting its own blocks, coordinator/head_calibration.py)."""
         if self._calibration is None:
-            self._calibration = calibrate(self.target, self.drafter.draft)
+            if self.feature_draft:
+                self._calibration = calibrate_head(self.target, self.drafter.head)
+            else:
+                self._calibration = calibrate(self.target, self.drafter.draft)
         return self._calibration
 
     def auto_estimate(self) -> AutoEstimate:

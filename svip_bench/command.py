@@ -155,7 +155,10 @@ def run(args: argparse.Namespace, load_engine) -> int:
         confidences=_parse_floats(args.confidences, "--confidences"),
     )
     if head_engine is not None:
-        methods += build_head_methods(ks, 0.3, _parse_floats(args.thresholds, "--thresholds"))
+        head_calibration = head_engine.calibration()
+        header["head_auto_calibration"] = head_calibration.to_dict()
+        methods += build_head_methods(ks, 0.3, _parse_floats(args.thresholds, "--thresholds"),
+                                      head_calibration.threshold)
     print(
         f"bench: {len(prompts)} prompts x {len(methods)} methods x {args.repeats} repeats; "
         f"svip-auto threshold {calibration.threshold} (cost ratio {calibration.cost_ratio:.3f})",

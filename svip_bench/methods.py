@@ -100,9 +100,11 @@ def build_methods(
     return methods
 
 
-def build_head_methods(ks: list[int], svip_threshold: float, thresholds: tuple[float, ...] = ()) -> list[Method]:
-    """The feature draft's rows: every policy on the head (the threshold is not calibrated for a
-    head: SVIP runs at the given one and at the --thresholds grid), the oracle ceiling on it."""
+def build_head_methods(ks: list[int], svip_threshold: float, thresholds: tuple[float, ...] = (),
+                       auto_threshold: float | None = None) -> list[Method]:
+    """The feature draft's rows: every policy on the head (SVIP at the given threshold, at the
+    head's calibrated one, coordinator/head_calibration.py, and at the --thresholds grid), the
+    oracle ceiling on it."""
     def row(name: str, family: str, policy: PolicyConfig, k: int | None = None) -> Method:
         return Method(HEAD_PREFIX + name, family, policy, k=k, head=True)
 
@@ -111,6 +113,8 @@ def build_head_methods(ks: list[int], svip_threshold: float, thresholds: tuple[f
         row("heuristic", "heuristic", PolicyConfig(name="heuristic", draft_length=5)),
         row("confidence", "confidence", PolicyConfig(name="confidence")),
         row("svip", "svip", PolicyConfig(name="svip", threshold=svip_threshold)),
+        *([row("svip-auto", "svip-auto", PolicyConfig(name="svip", threshold=auto_threshold))]
+          if auto_threshold is not None else []),
         row("auto", "auto", PolicyConfig(name="auto")),
         row("oracle", "oracle", PolicyConfig(name="oracle", oracle_tokens=(0,))),
     ]

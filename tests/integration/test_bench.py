@@ -66,7 +66,8 @@ def test_bench_runs_the_feature_draft_rows_beside_the_small_drafts(tmp_path, mod
     assert doc["exactness_violations"] == []
     eagle = {m for m in doc["results"]["all"] if m.startswith("eagle-")}
     assert eagle == {"eagle-constant-2", "eagle-constant-3", "eagle-heuristic", "eagle-confidence", "eagle-svip",
-                     "eagle-auto", "eagle-oracle", "eagle-svip-0.5"}
+                     "eagle-svip-auto", "eagle-auto", "eagle-oracle", "eagle-svip-0.5"}
+    assert doc["header"]["head_auto_calibration"]["tokens"] > 0  # the head's own blocks, drafted
     assert doc["header"]["head"] == str(head)
     assert any(b["tokens"] for b in doc["head_entropy_acceptance"])
     assert doc["head_summary"]["best_head_constant"] in ("eagle-constant-2", "eagle-constant-3")

@@ -18,7 +18,6 @@ from coordinator.engine import SpeculativeEngine
 from draft_worker.feature_draft import FeatureDrafter, load_feature_draft
 from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, save_head
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
-from svip_common.errors import InvalidRequest
 from svip_common.models import is_feature_head, load_model
 from target_worker.verifier import Verifier
 from tests.integration.test_sampling_exact import SAMPLES, assert_first_tokens_follow_the_target
@@ -169,11 +168,32 @@ def test_a_session_carried_across_rounds_drafts_what_a_fresh_one_would(models, h
     session.close()
 
 
-def test_threshold_auto_is_refused_with_a_head(models, heads, prompt_ids):
+def test_threshold_auto_is_calibrated_on_the_heads_own_blocks(models, heads, prompt_ids, reference):
+    """`--threshold auto` with a head: the threshold comes from blocks the head drafts on its own
+    outputs at every place of the target's continuation (not a teacher-forced slice), and SVIP at
+    it stays exact."""
+    from coordinator.calibration import THRESHOLD_GRID
+    from coordinator.head_calibration import CHAIN_DEPTH, record_chains
+
     engine = SpeculativeEngine(models["target"], heads["full"])
-    request = GenerationRequest(prompt_ids["short"], 8, policy=PolicyConfig(name="svip", threshold="auto"))
-    with pytest.raises(InvalidRequest, match="threshold 'auto'.*feature head"):
-        engine.generate(request)
+    request = GenerationRequest(prompt_ids["short"], MAX_NEW, policy=PolicyConfig(name="svip", threshold="auto"))
+    assert engine.generate(request).token_ids == reference["short"]
+    calibration = engine.calibration()
+    assert calibration.threshold in THRESHOLD_GRID and calibration.tokens > 0 and calibration.cost_ratio > 0
+    target, head = models["target"], heads["full"].head
+    chains = record_chains(target, head, list(prompt_ids["short"]), 12)
+    assert len(chains) == 12 and all(0 < len(m) <= CHAIN_DEPTH for m in chains.matches)
+    assert [len(m) for m in chains.matches[-3:]] == [3, 2, 1]  # a block drafts no further than the target went
+    # each block's first token reads the target's features: the head's teacher-forced guess there
+    prompt = list(prompt_ids["short"])
+    sequence = torch.tensor([prompt + reference["short"][:12]])
+    with torch.inference_mode():
+        hidden = target.model(input_ids=sequence, output_hidden_states=True).hidden_states
+        embeds = target.model.get_input_embeddings()(sequence[0, 1:])
+        outputs = head(embeds, head.fuse(tuple(h[0, :-1] for h in hidden)), HeadCache())
+        guesses = head.target_ids(head.logits(outputs).argmax(-1))  # at position j: the token at j + 2
+    first = [bool(guesses[len(prompt) + i - 2] == sequence[0, len(prompt) + i]) for i in range(12)]
+    assert [m[0] for m in chains.matches] == first
 
 
 def test_a_head_directory_is_told_from_a_model_directory(models, heads, model_dirs):
@@ -202,8 +222,8 @@ def test_sampled_tokens_follow_the_target(models, heads, prompt_ids):
 
 def test_the_cli_drafts_with_a_head_directory(models, heads, model_dirs, prompt_ids, capsys):
     """`svip generate --draft HEAD_DIR` loads the head (told from a model by its config) and prints
-    what the target alone prints; 'eagle' beside another target, and threshold auto, are refused
-    in one line."""
+    what the target alone prints, at a threshold given or calibrated for the head; 'eagle' beside
+    another target is refused in one line."""
     import json
 
     from svip_cli.main import main
@@ -219,8 +239,10 @@ def test_the_cli_drafts_with_a_head_directory(models, heads, model_dirs, prompt_
     assert drafted["stats"]["draft_tokens"] > 0
     assert main([*common, "--draft", "eagle"]) == 2
     assert "--draft eagle is the embedded target's head" in capsys.readouterr().err
-    assert main([*common, "--draft", heads["full"].path, "--policy", "svip", "--threshold", "auto"]) == 2
-    assert "threshold 'auto'" in capsys.readouterr().err
+    assert main([*common, "--draft", heads["full"].path, "--policy", "svip", "--threshold", "auto"]) == 0
+    calibrated = json.loads(capsys.readouterr().out)
+    assert calibrated["token_ids"] == alone["token_ids"]
+    assert calibrated["stats"]["config"]["threshold_auto"]["tokens"] > 0  # calibrated on the head's own blocks
 
 
 def _ready(models, head, k: int, committed):
