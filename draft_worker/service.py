@@ -21,8 +21,9 @@ from svip_common.messages import DraftedBlock
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
-from svip_runtime.grpc_server import SessionService, SessionStream
+from svip_runtime.grpc_server import Refused, SessionService, SessionStream
 from svip_runtime.step_metrics import StepMetrics
+from svip_runtime.wire_batch import BadBatch, pack_events, unpack
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.prepare = prepare  # prepared continuations per block (async sessions)
         self.step_metrics = StepMetrics("draft")
         self.shed = 0  # sessions given up because the KV pool was full
+        self.sent_batches = 0  # messages that carried more than one event (one step's, for several sessions)
 
     @property
     def pool(self):
@@ -44,6 +46,18 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     async def Session(self, request_iterator, context):
         async for event in self._serve_stream(request_iterator):
             yield event
+
+    def pack(self, events: list[pb.DraftEvent]) -> list[pb.DraftEvent]:
+        """A step's events for the target worker as one message (svip_runtime/wire_batch.py)."""
+        if len(events) > 1:
+            self.sent_batches += 1
+        return [pack_events(events)]
+
+    def unpack(self, request: pb.DraftRequest) -> list[pb.DraftRequest]:
+        try:
+            return [item for item, _ in unpack(request, pb.DraftRequest)]
+        except BadBatch as exc:
+            raise Refused(str(exc)) from None
 
     # --- on the compute thread -------------------------------------------------------------------
     def handle(self, request: pb.DraftRequest, stream: SessionStream, received_at: float) -> None:

@@ -20,6 +20,7 @@ from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.compute_loop import ComputeLoop, Outlet
 from svip_runtime.tls import TlsFiles
+from svip_runtime.wire_batch import take_burst
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a full-vocabulary float32 row is ~600 KB at 152k tokens
 GRPC_OPTIONS = [
@@ -111,8 +112,12 @@ class SessionStream:
         out = self.outlet.queue
         try:
             while (event := await out.get()) is not _END:
+                burst, ended = take_burst(out, event, _END)
                 self._check_room()
-                yield event
+                for message in self._service.pack(burst):
+                    yield message
+                if ended:
+                    break
         finally:
             reader.cancel()
             self.outlet.close()
@@ -252,7 +257,25 @@ class SessionService:
         raise NotImplementedError
 
     # --- on the compute thread -----------------------------------------------------------------
-    def receive(self, stream: SessionStream, request, received_at: float) -> None:
+    def pack(self, events: list) -> list:
+        """The messages that carry a burst of events (the stream's own kind; no batching here)."""
+        return events
+
+    def unpack(self, request) -> list:
+        """The requests one received message carries (itself here)."""
+        return [request]
+
+    def receive(self, stream: SessionStream, message, received_at: float) -> None:
+        """One received message: each request it carries handled, or answered with an error event."""
+        try:
+            requests = self.unpack(message)
+        except Refused as exc:
+            stream.emit(self.error_event("", grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
+            return
+        for request in requests:
+            self._receive_one(stream, request, received_at)
+
+    def _receive_one(self, stream: SessionStream, request, received_at: float) -> None:
         """One request of a stream: handled, or answered with an error event for its session."""
         session_id = ""
         try:

@@ -4,7 +4,8 @@ event loop. Runs in the target worker's process (coordinator/session/draft_port.
 
 The stream carries serialised messages both ways: what is sent is serialised by the sender
 (DraftPort, on the compute thread) and what is read arrives with its length, so the sessions'
-wire-byte statistics cost no second serialisation."""
+wire-byte statistics cost no second serialisation. What a step sends together goes as one
+message each way (svip_runtime/wire_batch.py)."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from svip_proto import svip_pb2 as pb
 from svip_runtime.compute_loop import Outlet
 from svip_runtime.grpc_server import open_channel
 from svip_runtime.tls import TlsFiles
+from svip_runtime.wire_batch import BadBatch, pack_requests, take_burst, unpack
 
 log = logging.getLogger(__name__)
 _SERVICE = pb.DESCRIPTOR.services_by_name["DraftWorker"]
@@ -45,6 +47,7 @@ class DraftLink:
         self.address, self._tls = address, tls
         self._on_event, self._on_broken = on_event, on_broken
         self.broken: str | None = None
+        self.sent_batches = 0  # messages that carried more than one request (one step's, to several sessions)
 
     async def open(self) -> None:
         self._channel = await open_channel(self.role, self.address, self._tls)
@@ -59,14 +62,24 @@ class DraftLink:
         self._outlet.send(request)
 
     async def _requests(self):
-        while (request := await self._outlet.queue.get()) is not None:
-            yield request
+        """What the compute thread sent, a burst (one step's, for every session) as one message."""
+        queue = self._outlet.queue
+        while (request := await queue.get()) is not None:
+            burst, ended = take_burst(queue, request, None)
+            self.sent_batches += len(burst) > 1
+            yield pack_requests(burst)
+            if ended:
+                return
 
     async def _read(self) -> None:
         try:
-            async for event, size in self._call:
-                self._on_event(event, time.time(), size)
+            async for message, size in self._call:
+                received_at = time.time()
+                for event, event_size in unpack(message, pb.DraftEvent, size):
+                    self._on_event(event, received_at, event_size)
             reason = f"draft worker at {self.address} closed the stream"
+        except BadBatch as exc:
+            reason = f"draft worker at {self.address} sent a malformed batch ({exc})"
         except grpc.aio.AioRpcError as exc:
             reason = f"draft worker at {self.address} is unavailable ({exc.code().name}: {exc.details()})"
         except asyncio.CancelledError:

@@ -205,26 +205,30 @@ class Error(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("start", "feedback", "cancel", "resume")
+    __slots__ = ("start", "feedback", "cancel", "resume", "batch")
     START_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     start: StartSession
     feedback: Feedback
     cancel: Cancel
     resume: Resume
-    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ...) -> None: ...
+    batch: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., batch: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DraftEvent(_message.Message):
-    __slots__ = ("block", "closed", "error")
+    __slots__ = ("block", "closed", "error", "batch")
     BLOCK_FIELD_NUMBER: _ClassVar[int]
     CLOSED_FIELD_NUMBER: _ClassVar[int]
     ERROR_FIELD_NUMBER: _ClassVar[int]
+    BATCH_FIELD_NUMBER: _ClassVar[int]
     block: Block
     closed: Closed
     error: Error
-    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ...) -> None: ...
+    batch: _containers.RepeatedScalarFieldContainer[bytes]
+    def __init__(self, block: _Optional[_Union[Block, _Mapping]] = ..., closed: _Optional[_Union[Closed, _Mapping]] = ..., error: _Optional[_Union[Error, _Mapping]] = ..., batch: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("start", "cancel")

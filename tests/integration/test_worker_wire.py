@@ -32,16 +32,19 @@ def limits(models):
 
 class FakeDraft(pb_grpc.DraftWorkerServicer):
     """A draft worker of the real interface that sends what a test scripts: nothing (a session that
-    stays open), or crafted blocks a real draft never would."""
+    stays open), crafted blocks a real draft never would, or crafted messages as they are."""
 
     def __init__(self):
         self.script: dict[str, list[pb.Block]] = {}
+        self.raw: dict[str, list[pb.DraftEvent]] = {}
 
     async def Session(self, request_iterator, context):
         async for request in request_iterator:
             if request.WhichOneof("kind") == "start":
                 for block in self.script.get(request.start.session_id, []):
                     yield pb.DraftEvent(block=block)
+                for event in self.raw.get(request.start.session_id, []):
+                    yield event
 
 
 @pytest.fixture(scope="module")
@@ -298,3 +301,119 @@ def test_a_peer_that_stops_reading_stops_the_worker_producing(loop):
 
     made = loop.run_until_complete(scenario())
     assert made <= 10 * MAX_QUEUED_EVENTS  # of the 10,000 the requests ask for (10 events a request)
+
+
+def events_of(message: pb.DraftEvent) -> list[pb.DraftEvent]:
+    """The events one message from the draft worker carries (a step's batch, or itself)."""
+    return [pb.DraftEvent.FromString(raw) for raw in message.batch] if message.batch else [message]
+
+
+def test_a_batch_is_handled_request_by_request_and_a_bad_one_is_invalid_argument(services, loop):
+    """One message carrying a step's requests (svip_runtime/wire_batch.py) is handled as if each had
+    come alone, in order; a batch that cannot be taken apart is refused whole, in one error, and the
+    stream goes on."""
+    from svip_runtime.wire_batch import MAX_BATCH
+
+    def batch(*items: bytes) -> pb.DraftRequest:
+        return pb.DraftRequest(batch=list(items))
+
+    first, second = (pb.DraftRequest(start=start(f"batched-{i}")).SerializeToString() for i in range(2))
+    bad = [
+        (pb.DraftRequest(cancel=pb.Cancel(session_id="x"), batch=[first]), "a batch sets no kind"),
+        (batch(batch(first).SerializeToString()), "a batch inside a batch"),
+        (batch(b"\xff\xff\xff"), "a batch item is not a DraftRequest"),
+        (batch(*[first] * (MAX_BATCH + 1)), f"a batch holds at most {MAX_BATCH} messages"),
+    ]
+
+    async def scenario():
+        stream = Stream(services["draft"].address, "draft")
+        stream.send(batch(first, second))
+        blocks = []
+        while len(blocks) < 2:
+            blocks += [e for e in events_of(await stream.read()) if e.WhichOneof("kind") == "block"]
+        refusals = []
+        for message, _ in bad:
+            stream.send(message)
+            refusals.append(events_of(await stream.read()))
+        stream.send(request("draft", start=start("after-bad-batches")))
+        after = events_of(await stream.read())
+        await stream.close()
+        return blocks, refusals, after
+
+    blocks, refusals, after = loop.run_until_complete(scenario())
+    assert sorted(b.block.session_id for b in blocks) == ["batched-0", "batched-1"]
+    for (_, words), events in zip(bad, refusals):
+        assert len(events) == 1 and events[0].error.code == INVALID and words in events[0].error.message, events
+    assert after[0].block.session_id == "after-bad-batches"
+
+
+def test_a_steps_messages_travel_as_one_each_way(models, prompt_ids, loop):
+    """Eight concurrent async sessions: the target's feedback for a step's sessions goes to the draft
+    as one message, the draft's blocks for a step's sessions come back as one, and every output is
+    the target alone's."""
+    from coordinator.distributed import DistributedEngine
+    from coordinator.engine import SpeculativeEngine
+    from svip_common.contracts import GenerationRequest, PolicyConfig
+    from svip_common.models import ModelInfo
+    from tests.workers import in_process_workers
+
+    target = models["target"]
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)] + (i,), 24, ignore_eos=True,
+                                  policy=PolicyConfig(name="constant", draft_length=3)) for i in range(8)]
+    alone = SpeculativeEngine(target, None)
+    expected = [alone.generate(r).token_ids for r in requests]
+    info = ModelInfo(target.path, target.tokenizer, target.vocab_size, target.max_positions, target.eos_token_ids,
+                     target.token_limit)
+    with in_process_workers(loop, models, load_aware="off") as w:
+        engine = DistributedEngine(info, w.limits, w.target_address, w.draft_address, "async")
+
+        async def go():
+            await engine.connect()
+            try:
+                return await asyncio.gather(*(engine.generate(r) for r in requests))
+            finally:
+                await engine.close()
+
+        results = loop.run_until_complete(go())
+        to_draft, from_draft = w.host.draft.link.sent_batches, w.draft.sent_batches
+    assert [r.token_ids for r in results] == expected
+    assert to_draft > 0 and from_draft > 0, (to_draft, from_draft)
+
+
+def test_a_malformed_batch_from_the_draft_loses_the_draft_not_the_session(models, limits, loop, caplog):
+    """The target worker cannot take a draft's batch apart: the link counts as broken (the draft is
+    lost, as a crashed one), and the session goes on with the target alone, its output exact."""
+    from coordinator.engine import SpeculativeEngine
+    from coordinator.session.host import SessionHost
+    from svip_common.contracts import GenerationRequest, PolicyConfig
+
+    fake = FakeDraft()
+    fake.raw["bad-batch"] = [pb.DraftEvent(batch=[b"\xff\xff\xff"])]
+    server, port = loop.run_until_complete(
+        start_server(lambda s: pb_grpc.add_DraftWorkerServicer_to_server(fake, s), "svip.v1.Test"))
+    host = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}", load_aware="off")
+    loop.run_until_complete(host.start())
+    target_server, target_port = loop.run_until_complete(
+        start_server(lambda s: pb_grpc.add_TargetWorkerServicer_to_server(host, s), "svip.v1.Test"))
+
+    async def scenario():
+        stream = Stream(f"127.0.0.1:{target_port}", "target")
+        stream.send(request("target", start=start("bad-batch", max_new_tokens=6)))
+        tokens = []
+        while (event := await stream.read()).WhichOneof("kind") == "settled":
+            tokens += event.settled.tokens
+        await stream.close()
+        return tokens, event
+
+    try:
+        with caplog.at_level(logging.WARNING):
+            tokens, last = loop.run_until_complete(scenario())
+    finally:
+        loop.run_until_complete(host.close())
+        for s in (target_server, server):
+            loop.run_until_complete(s.stop(None))
+    alone = SpeculativeEngine(models["target"], None).generate(
+        GenerationRequest((5, 6, 7), 6, policy=PolicyConfig(name="none"))).token_ids
+    assert last.WhichOneof("kind") == "finished" and tokens == list(alone)
+    assert "sent a malformed batch (a batch item is not a DraftEvent)" in caplog.text

@@ -1,0 +1,65 @@
+"""One message per step on the draft link, each way: what a worker's step sends to the other at
+once (the target's feedback for every session it verified, the draft's blocks for every session
+it drafted) travels as one batch, a DraftRequest or DraftEvent whose ``batch`` holds the
+serialised messages in order, instead of one gRPC message (a write, a frame, a wake-up on each
+side) per session. A lone message travels as itself. Runs in both workers' event loops (sending)
+and on the draft worker's compute thread and the target worker's event loop (receiving)."""
+
+from __future__ import annotations
+
+import asyncio
+
+from google.protobuf.message import DecodeError
+
+from svip_common.errors import InvalidRequest
+from svip_proto import svip_pb2 as pb
+
+MAX_BATCH = 256  # messages in one batch: a sender packs at most this many, a receiver refuses more
+
+
+class BadBatch(InvalidRequest):
+    """A batch that cannot be taken apart: a kind beside it, too many messages, one that is not a
+    message of its type, or a batch inside it."""
+
+
+def take_burst(queue: asyncio.Queue, first, end) -> tuple[list, bool]:
+    """``first`` and whatever else already waits in ``queue`` (at most MAX_BATCH in all), and
+    whether ``end`` (the stream's last item, not returned) was among them."""
+    burst = [first]
+    while len(burst) < MAX_BATCH and not queue.empty():
+        item = queue.get_nowait()
+        if item is end:
+            return burst, True
+        burst.append(item)
+    return burst, False
+
+
+def pack_requests(serialised: list[bytes]) -> bytes:
+    """Serialised DraftRequests as one serialised message (a lone one as itself)."""
+    return serialised[0] if len(serialised) == 1 else pb.DraftRequest(batch=serialised).SerializeToString()
+
+
+def pack_events(events: list[pb.DraftEvent]) -> pb.DraftEvent:
+    """DraftEvents as one message (a lone one as itself)."""
+    return events[0] if len(events) == 1 else pb.DraftEvent(batch=[e.SerializeToString() for e in events])
+
+
+def unpack(message, kind: type, size: int = 0) -> list[tuple[object, int]]:
+    """The messages a received one (of ``size`` bytes) carries, each with its size on the wire:
+    itself, or a batch's."""
+    if not message.batch:
+        return [(message, size)]
+    if message.WhichOneof("kind") is not None:
+        raise BadBatch(f"a batch sets no kind, this one sets {message.WhichOneof('kind')!r}")
+    if len(message.batch) > MAX_BATCH:
+        raise BadBatch(f"a batch holds at most {MAX_BATCH} messages, this one {len(message.batch)}")
+    out = []
+    for raw in message.batch:
+        try:
+            item = kind.FromString(raw)
+        except DecodeError:
+            raise BadBatch(f"a batch item is not a {kind.__name__}") from None
+        if item.batch:
+            raise BadBatch("a batch inside a batch")
+        out.append((item, len(raw)))
+    return out
