@@ -62,8 +62,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--svip-threshold",
         type=float,
-        help="pipeline: SVIP's threshold in every mode (default: calibrated for a draft model, the paper's 0.3 "
-        "for a feature head)",
+        help="pipeline: SVIP's threshold in every mode (default: calibrated for the pair, as --threshold auto)",
     )
     bench.add_argument(
         "--load-aware",

@@ -30,18 +30,13 @@ MODE_NAMES = {"alone": "target alone (in process)", "inprocess": "in-process", "
               "async": "distributed async"}
 
 
-# SVIP's threshold with a feature head as the draft (the paper's: calibration is the small draft's)
-HEAD_THRESHOLD = 0.3
-
 
 def run(engine, prompts, args, header: dict) -> int:
-    """engine: the in-process engine (its calibration gives the shared SVIP threshold; with a
-    feature head as its draft, the paper's)."""
+    """engine: the in-process engine (its calibration gives the shared SVIP threshold, a feature
+    head's drafted on its own blocks, unless --svip-threshold gives one)."""
     given = getattr(args, "svip_threshold", None)
     if given is not None:
         threshold, source = given, "given"
-    elif engine.feature_draft:
-        threshold, source = HEAD_THRESHOLD, "the paper's: a feature head"
     else:
         threshold, source = engine.calibration().threshold, "auto"
     policy = PolicyConfig(name="svip", threshold=threshold)
