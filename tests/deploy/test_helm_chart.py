@@ -23,6 +23,7 @@ from svip_serve.settings import ServeSettings
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "svip"
 EXAMPLE = REPO / "deploy" / "helm" / "examples" / "qwen2.5-7b-with-0.5b-draft.yaml"
+EAGLE_EXAMPLE = REPO / "deploy" / "helm" / "examples" / "llama3.1-8b-with-eagle3-head.yaml"
 SCHEMA_IN_SHARED = Path("shared") / "kuberay" / "rayservice-v1.schema.json"  # ../shared beside the checkout
 KUBE_VERSION = "1.30"
 
@@ -79,15 +80,7 @@ VARIANTS = {
         "grafana": {"dashboard": {"enabled": True}},
         "tests": {"image": "registry.example.com/python:3.12-slim"},
     },
-    "eagle-head": {
-        "model": {
-            "target": "meta-llama/Llama-3.1-8B-Instruct",
-            "draft": "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B",
-            "draftKind": "eagle",
-        },
-        "hfToken": {"secretName": "hf-token"},
-        "modelCache": {"enabled": True},
-    },
+    "eagle-head": yaml.safe_load(EAGLE_EXAMPLE.read_text()),
     "target-alone-autoscaling": {
         "model": {"draft": "none"},
         "workers": {"minReplicas": 1, "maxReplicas": 3, "gpusPerWorker": 1},
@@ -142,7 +135,8 @@ def rayservice_schema() -> dict:
 
 
 @pytest.mark.parametrize(
-    "values", [None, VARIANTS["example"], VARIANTS["every-option"]], ids=["defaults", "example", "every-option"]
+    "values", [None, VARIANTS["example"], VARIANTS["eagle-head"], VARIANTS["every-option"]],
+    ids=["defaults", "example", "eagle-example", "every-option"],
 )
 def test_lint_is_clean(values):
     report = helm.lint(CHART, merged(REQUIRED, values), strict=True)

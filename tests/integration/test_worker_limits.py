@@ -21,6 +21,7 @@ from svip_common.models import load_model_info
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import MAX_SESSIONS_PER_STREAM, check_bind, start_server
+from svip_runtime.wire_batch import unpack
 from tests.gates import async_wait_until
 from tests.tls_certs import make_tls_dir
 from tests.workers import in_process_workers
@@ -102,9 +103,10 @@ def test_a_peer_that_opens_ten_thousand_sessions_is_refused_past_the_cap(workers
                 outgoing.put_nowait(pb.DraftRequest(start=start))
             refused = []
             while len(refused) < PEER_SESSIONS - MAX_SESSIONS_PER_STREAM:
-                event = await asyncio.wait_for(call.read(), 120)
-                if event.WhichOneof("kind") == "error":
-                    refused.append(event.error)
+                message = await asyncio.wait_for(call.read(), 120)
+                for event, _ in unpack(message, pb.DraftEvent):  # a step's events come as one message
+                    if event.WhichOneof("kind") == "error":
+                        refused.append(event.error)
             held = len(draft.sessions)
             results = await asyncio.gather(*(engine.generate(r) for r in requests))  # another stream's sessions
             outgoing.put_nowait(None)

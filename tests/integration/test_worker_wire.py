@@ -305,7 +305,9 @@ def test_a_peer_that_stops_reading_stops_the_worker_producing(loop):
 
 def events_of(message: pb.DraftEvent) -> list[pb.DraftEvent]:
     """The events one message from the draft worker carries (a step's batch, or itself)."""
-    return [pb.DraftEvent.FromString(raw) for raw in message.batch] if message.batch else [message]
+    from svip_runtime.wire_batch import unpack
+
+    return [event for event, _ in unpack(message, pb.DraftEvent)]
 
 
 def test_a_batch_is_handled_request_by_request_and_a_bad_one_is_invalid_argument(services, loop):
