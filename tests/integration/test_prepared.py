@@ -21,6 +21,7 @@ from svip_common.contracts import NO_TOKEN, Limits, PolicyConfig, SamplingParams
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import start_server
+from svip_runtime.wire_batch import unpack
 from target_worker.verifier import Verifier
 
 PROMPT = (5, 6, 7)
@@ -35,21 +36,26 @@ class ScriptedDraft(pb_grpc.DraftWorkerServicer):
         self.feedback: dict[str, list[pb.Feedback]] = {}
 
     async def Session(self, request_iterator, context):
-        async for request in request_iterator:
-            kind = request.WhichOneof("kind")
-            if kind == "start":
-                for block in self.script[request.start.session_id]:
-                    yield pb.DraftEvent(block=block)
-            elif kind == "feedback":
-                fb = request.feedback
-                while True:
-                    self.feedback.setdefault(fb.session_id, []).append(fb)
-                    if not fb.HasField("then"):
-                        break
-                    fb = fb.then
-                if not fb.prepared_used and fb.token != NO_TOKEN:
-                    yield pb.DraftEvent(block=pb.Block(session_id=fb.session_id, epoch=fb.epoch,
-                                                       base=fb.base + fb.accepted + 1))
+        async for message in request_iterator:
+            for request, _ in unpack(message, pb.DraftRequest):  # a step's requests may come as one message
+                for event in self._answer(request):
+                    yield event
+
+    def _answer(self, request: pb.DraftRequest) -> list[pb.DraftEvent]:
+        kind = request.WhichOneof("kind")
+        if kind == "start":
+            return [pb.DraftEvent(block=block) for block in self.script[request.start.session_id]]
+        if kind != "feedback":
+            return []
+        fb = request.feedback
+        while True:
+            self.feedback.setdefault(fb.session_id, []).append(fb)
+            if not fb.HasField("then"):
+                break
+            fb = fb.then
+        if fb.prepared_used or fb.token == NO_TOKEN:
+            return []
+        return [pb.DraftEvent(block=pb.Block(session_id=fb.session_id, epoch=fb.epoch, base=fb.base + fb.accepted + 1))]
 
 
 @pytest.fixture(scope="module")

@@ -39,12 +39,15 @@ class FakeDraft(pb_grpc.DraftWorkerServicer):
         self.raw: dict[str, list[pb.DraftEvent]] = {}
 
     async def Session(self, request_iterator, context):
-        async for request in request_iterator:
-            if request.WhichOneof("kind") == "start":
-                for block in self.script.get(request.start.session_id, []):
-                    yield pb.DraftEvent(block=block)
-                for event in self.raw.get(request.start.session_id, []):
-                    yield event
+        from svip_runtime.wire_batch import unpack
+
+        async for message in request_iterator:
+            for request, _ in unpack(message, pb.DraftRequest):  # a step's requests may come as one message
+                if request.WhichOneof("kind") == "start":
+                    for block in self.script.get(request.start.session_id, []):
+                        yield pb.DraftEvent(block=block)
+                    for event in self.raw.get(request.start.session_id, []):
+                        yield event
 
 
 @pytest.fixture(scope="module")
