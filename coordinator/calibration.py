@@ -103,7 +103,8 @@ class Calibration:
 
 
 @torch.inference_mode()
-def record_trajectory(target: LoadedModel, draft: LoadedModel, prompt_ids: list[int], new_tokens: int) -> Trajectory:
+def greedy_continuation(target: LoadedModel, prompt_ids: list[int], new_tokens: int) -> list[int]:
+    """The target's own greedy continuation of the prompt (up to its first stop id)."""
     cache = KVCache(target.model)
     logits = cache.forward(prompt_ids, logits_to_keep=1)
     continuation = []
@@ -113,6 +114,12 @@ def record_trajectory(target: LoadedModel, draft: LoadedModel, prompt_ids: list[
         if token in target.eos_token_ids:
             break
         logits = cache.forward([token], logits_to_keep=1)
+    return continuation
+
+
+@torch.inference_mode()
+def record_trajectory(target: LoadedModel, draft: LoadedModel, prompt_ids: list[int], new_tokens: int) -> Trajectory:
+    continuation = greedy_continuation(target, prompt_ids, new_tokens)
     sequence = torch.tensor([prompt_ids + continuation])  # [1, n]
     draft_logits = draft.model(input_ids=sequence).logits[0, len(prompt_ids) - 1 : -1]  # [m, vocab]
     draft_logits = draft_logits[:, : target.vocab_size].float()
@@ -209,10 +216,15 @@ def measure_cost_ratio(target: LoadedModel, draft: LoadedModel) -> float:
 
 
 def measure_costs(target: LoadedModel, draft: LoadedModel, block: int = 8, repeats: int = 15) -> CostModel:
+    return costs_beside(target, forward_time(draft.model, repeats=repeats), block, repeats)
+
+
+def costs_beside(target: LoadedModel, draft_step_s: float, block: int = 8, repeats: int = 15) -> CostModel:
+    """The cost model for a draft whose one-token step takes draft_step_s, timed beside the target's
+    one-token forward and its (block + 1)-token one."""
     one = forward_time(target.model, repeats=repeats)
     many = forward_time(target.model, tokens=block + 1, repeats=repeats)
-    return CostModel(draft_ratio=forward_time(draft.model, repeats=repeats) / one,
-                     verify_slope=max(0.0, (many - one) / block / one))
+    return CostModel(draft_ratio=draft_step_s / one, verify_slope=max(0.0, (many - one) / block / one))
 
 
 def _sync(model) -> None:
@@ -231,9 +243,13 @@ def calibrate(
     trajs = [
         record_trajectory(target, draft, list(target.tokenizer(p)["input_ids"]), new_tokens) for p in prompts
     ]
-    cost = measure_costs(target, draft)
+    return fit_threshold(trajs, measure_costs(target, draft), entropy_scale, cap)
+
+
+def fit_threshold(trajs: list, cost: CostModel, entropy_scale: float, cap: int) -> Calibration:
+    """The threshold with the least modelled time per token over these trajectories (or a head's chains)."""
     threshold, table = choose_threshold(trajs, entropy_scale, cap, cost)
     return Calibration(
         threshold=threshold, entropy_scale=entropy_scale, cost_ratio=cost.draft_ratio,
-        tokens=sum(len(t.matches) for t in trajs), verify_slope=cost.verify_slope, time_per_token=table,
+        tokens=sum(len(t) for t in trajs), verify_slope=cost.verify_slope, time_per_token=table,
     )

@@ -26,11 +26,12 @@ from coordinator.calibration import (
     CALIBRATION_PROMPTS,
     Calibration,
     CostModel,
-    choose_threshold,
-    forward_time,
+    costs_beside,
+    fit_threshold,
+    greedy_continuation,
 )
 from draft_worker.feature_head import FeatureHead, HeadCache
-from svip_common.kv_cache import KVCache, wait_for_device
+from svip_common.kv_cache import wait_for_device
 from svip_common.models import LoadedModel
 from svip_common.sampling import entropy
 
@@ -57,16 +58,7 @@ class Chains:
 def record_chains(target: LoadedModel, head: FeatureHead, prompt_ids: list[int], new_tokens: int,
                   depth: int = CHAIN_DEPTH) -> Chains:
     """The target's greedy continuation of the prompt, then the head's block at each place of it."""
-    cache = KVCache(target.model)
-    logits = cache.forward(prompt_ids, logits_to_keep=1)
-    continuation = []
-    for _ in range(new_tokens):
-        token = int(torch.argmax(logits[-1, : target.vocab_size]))
-        continuation.append(token)
-        if token in target.eos_token_ids:
-            break
-        logits = cache.forward([token], logits_to_keep=1)
-    sequence = prompt_ids + continuation
+    sequence = prompt_ids + greedy_continuation(target, prompt_ids, new_tokens)
     ids = torch.tensor([sequence], device=target.model.device)
     hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
     features = head.fuse(tuple(h[0].to(head.fc.weight.dtype) for h in hidden))  # [n, h]: the fused layers
@@ -116,19 +108,12 @@ def head_step_time(head: FeatureHead, embedding: torch.nn.Module, context: int =
     return statistics.median(times)
 
 
-def head_costs(target: LoadedModel, head: FeatureHead, block: int = 8, repeats: int = 15) -> CostModel:
-    one = forward_time(target.model, repeats=repeats)
-    many = forward_time(target.model, tokens=block + 1, repeats=repeats)
-    step = head_step_time(head, target.model.get_input_embeddings(), repeats=repeats)
-    return CostModel(draft_ratio=step / one, verify_slope=max(0.0, (many - one) / block / one))
+def head_costs(target: LoadedModel, head: FeatureHead, repeats: int = 15) -> CostModel:
+    return costs_beside(target, head_step_time(head, target.model.get_input_embeddings(), repeats=repeats),
+                        repeats=repeats)
 
 
 def calibrate_head(target: LoadedModel, head: FeatureHead, prompts: tuple[str, ...] = CALIBRATION_PROMPTS,
                    new_tokens: int = 96, entropy_scale: float = 0.15, cap: int = 40) -> Calibration:
     chains = [record_chains(target, head, list(target.tokenizer(p)["input_ids"]), new_tokens) for p in prompts]
-    cost = head_costs(target, head)
-    threshold, table = choose_threshold(chains, entropy_scale, cap, cost)
-    return Calibration(
-        threshold=threshold, entropy_scale=entropy_scale, cost_ratio=cost.draft_ratio,
-        tokens=sum(len(c) for c in chains), verify_slope=cost.verify_slope, time_per_token=table,
-    )
+    return fit_threshold(chains, head_costs(target, head), entropy_scale, cap)

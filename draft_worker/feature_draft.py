@@ -147,16 +147,16 @@ class FeatureDrafter(Drafter):
             return
         started = time.perf_counter()
         hidden: list[torch.Tensor | None] = [None] * len(live)
+        for d in live:
+            d._prefilling = len(d._pending) > PREFILL_TOKENS
         together = [i for i, d in enumerate(live) if not isinstance(d._pending, _Pairs)]  # a drafted token each
-        if len(together) < 2:
-            together = []
-        for i in sorted(set(range(len(live))) - set(together)):
-            live[i]._prefilling = len(live[i]._pending) > PREFILL_TOKENS
-            hidden[i] = live[i]._session._advance(live[i]._pending)
-        if together:
+        if len(together) > 1:
             rows = self._advance_tokens([live[i]._session for i in together], [live[i]._pending[0] for i in together])
             for i, row in zip(together, rows.split(1)):
-                live[i]._prefilling, hidden[i] = False, row
+                hidden[i] = row
+        for i, d in enumerate(live):  # blocks' first forwards (their pairs), and a lone drafted token
+            if hidden[i] is None:
+                hidden[i] = d._session._advance(d._pending)
         rows = self.head.logits(torch.cat(hidden))  # [B, draft_vocab]
         wait_for_device(rows.device)
         self._absorb_rows(live, list(rows.split(1)), (time.perf_counter() - started) / len(live))

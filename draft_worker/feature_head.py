@@ -147,12 +147,15 @@ class _Attention(nn.Module):
         self.o_proj = nn.Linear(c.num_attention_heads * c.head_dim, c.hidden_size, bias=False)
 
     def project(self, x: torch.Tensor, positions: torch.Tensor):
-        """x [B, T, 2h] at positions [T] -> q [B, heads, T, d], k and v [B, kv_heads, T, d] (q, k rotated)."""
+        """x [B, T, 2h] at positions [T] (shared) or [B, T] (per sequence) -> q [B, heads, T, d], k
+        and v [B, kv_heads, T, d] (q, k rotated)."""
         c, (b, t) = self.c, x.shape[:2]
         q = self.q_proj(x).view(b, t, c.num_attention_heads, c.head_dim).transpose(1, 2)
         k = self.k_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         v = self.v_proj(x).view(b, t, c.num_key_value_heads, c.head_dim).transpose(1, 2)
         cos, sin = _rotary(positions, c.head_dim, c.rope_theta, x.dtype)
+        if positions.dim() == 2:  # [B, T, d] -> [B, 1, T, d]: each sequence its own positions
+            cos, sin = cos[:, None], sin[:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
     def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
@@ -168,22 +171,15 @@ class _Attention(nn.Module):
         mask = None if t == 1 else torch.ones(t, total, dtype=torch.bool, device=x.device).tril(total - t)
         return self.attend(q, k, v, mask)[0]
 
-
     def decode_rows(self, x: torch.Tensor, positions: torch.Tensor, caches: list[HeadCache]) -> torch.Tensor:
         """One new position per sequence: x [B, 2h] at positions [B], each after what its own cache
         holds -> [B, h]. The projections for all at once; each sequence attends its own keys."""
-        c, b = self.c, x.shape[0]
-        q = self.q_proj(x).view(b, 1, c.num_attention_heads, c.head_dim).transpose(1, 2)
-        k = self.k_proj(x).view(b, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        v = self.v_proj(x).view(b, 1, c.num_key_value_heads, c.head_dim).transpose(1, 2)
-        cos, sin = _rotary(positions, c.head_dim, c.rope_theta, x.dtype)
-        cos, sin = cos[:, None, None, :], sin[:, None, None, :]
-        q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
+        q, k, v = self.project(x[:, None], positions[:, None])
         out = torch.cat([
             scaled_dot_product_attention(q[i : i + 1], *cache.extend(k[i : i + 1], v[i : i + 1]), enable_gqa=True)
             for i, cache in enumerate(caches)
         ])  # [B, heads, 1, d]
-        return self.o_proj(out.reshape(b, -1))
+        return self.o_proj(out.reshape(x.shape[0], -1))
 
 
 class _MLP(nn.Module):
@@ -340,7 +336,7 @@ class FeatureHead(nn.Module):
 
 def _rotary(positions: torch.Tensor, dim: int, theta: float, dtype: torch.dtype):
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim))
-    angles = positions.float()[:, None] * inv[None, :]
+    angles = positions.float()[..., None] * inv  # [..., d / 2]
     emb = torch.cat([angles, angles], dim=-1)
     return emb.cos().to(dtype), emb.sin().to(dtype)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from svip_common.errors import ModelLoadError
+from svip_common.errors import InvalidRequest, ModelLoadError
 
 PAIR_DIR = Path(__file__).resolve().parent / "pair"
 HEAD_DIR = Path(__file__).resolve().parent / "head"  # the embedded target's feature head (`--draft eagle`)
@@ -34,16 +34,23 @@ def default_head() -> str:
 DRAFT_KINDS = ("model", "eagle")  # what a draft reference names: a draft model, or a feature head
 
 
+def check_draft_kind(draft: str | None, kind: str | None) -> None:
+    """What a draft kind allows (the serve settings and head_path check it the same way)."""
+    if kind not in (None, *DRAFT_KINDS):
+        raise InvalidRequest(f"draft_kind must be one of {', '.join(DRAFT_KINDS)}, got {kind!r}")
+    if kind == "eagle" and draft in (None, "none"):
+        raise InvalidRequest("draft_kind 'eagle' needs a draft: a feature head's directory or hub id")
+    if kind == "model" and draft == "eagle":
+        raise InvalidRequest("draft 'eagle' is a feature head: its draft_kind is 'eagle', not 'model'")
+
+
 def head_path(draft: str | None, kind: str | None = None) -> str | None:
     """The feature head's directory when a draft names one, else None (a draft model, or none).
     'eagle' is the embedded target's own. kind 'model' (or None): a directory whose config.json
     names an EAGLE architecture is a head, anything else a draft model; kind 'eagle': the draft
     must be a head, a directory or a hub id (fetched into the hub cache)."""
-    if kind is not None and kind not in DRAFT_KINDS:
-        raise ModelLoadError(f"a draft kind is one of {', '.join(DRAFT_KINDS)}, got {kind!r}")
+    check_draft_kind(draft, kind)
     if draft == "eagle":
-        if kind == "model":
-            raise ModelLoadError("draft 'eagle' is a feature head: its kind is 'eagle', not 'model'")
         return default_head()
     from svip_common.models import is_feature_head
 

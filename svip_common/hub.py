@@ -40,14 +40,18 @@ def local_file(ref: str, name: str) -> Path | None:
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
-    try:
-        return Path(_from_hub(ref, lambda: hf_hub_download(ref, name)))
-    except ModelLoadError as exc:
-        if isinstance(exc.__cause__, EntryNotFoundError) or (
-            isinstance(exc.__cause__, LocalEntryNotFoundError) and _cached_repo(ref)
-        ):
+    def fetch():
+        try:
+            return hf_hub_download(ref, name)
+        except EntryNotFoundError:
             return None  # the repository is there; the file is not
-        raise
+        except LocalEntryNotFoundError:
+            if _cached_repo(ref):  # offline, the cache holds the repository but not this file
+                return None
+            raise
+
+    found = _from_hub(ref, fetch)
+    return None if found is None else Path(found)
 
 
 def looks_like_local_path(ref: str) -> bool:

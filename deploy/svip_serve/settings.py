@@ -8,7 +8,7 @@ import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 
-from svip_assets import DRAFT_KINDS
+from svip_assets import check_draft_kind
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
@@ -84,12 +84,7 @@ class ServeSettings:
         if self.target is not None and self.draft == "eagle":
             raise InvalidRequest("draft 'eagle' is the embedded target's feature head; with a target give its "
                                  "head's directory")
-        if self.draft_kind not in (None, *DRAFT_KINDS):
-            raise InvalidRequest(f"draft_kind must be one of {', '.join(DRAFT_KINDS)}, got {self.draft_kind!r}")
-        if self.draft_kind == "eagle" and self.draft in (None, "none"):
-            raise InvalidRequest("draft_kind 'eagle' needs a draft: a feature head's directory or hub id")
-        if self.draft_kind == "model" and self.draft == "eagle":
-            raise InvalidRequest("draft 'eagle' is a feature head: its draft_kind is 'eagle', not 'model'")
+        check_draft_kind(self.draft, self.draft_kind)
         if self.target is not None and self.draft is None:
             raise InvalidRequest("a target needs a draft: a model directory or hub id, or 'none' for the target alone")
         if self.pipeline not in ("sync", "async"):
