@@ -9,11 +9,13 @@ import contextlib
 import dataclasses
 import time
 
+from coordinator.distributed import DistributedEngine
 from coordinator.session.host import SessionHost
 from draft_worker.drafter import Drafter
 from draft_worker.service import DraftService
 from svip_common.contracts import Limits
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
+from svip_common.models import load_model_info
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import start_server
 from target_worker.verifier import Verifier
@@ -75,3 +77,18 @@ def in_process_workers(
             loop.run_until_complete(asyncio.sleep(0.05))
         for server in servers:
             loop.run_until_complete(server.stop(None))
+
+
+def generate_through(loop, workers: InProcessWorkers, target_path: str, pipeline: str, requests) -> list:
+    """The requests at once through the caller's end (coordinator/distributed.py) to these workers."""
+    engine = DistributedEngine(load_model_info(target_path), workers.limits, workers.target_address,
+                               workers.draft_address, pipeline)
+
+    async def run_all():
+        await engine.connect()
+        try:
+            return await asyncio.gather(*(engine.generate(r) for r in requests))
+        finally:
+            await engine.close()
+
+    return loop.run_until_complete(run_all())

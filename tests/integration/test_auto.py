@@ -6,20 +6,16 @@ rule sent to a session of another policy is INVALID_ARGUMENT."""
 
 from __future__ import annotations
 
-import asyncio
-
 import grpc
 import pytest
 
 from coordinator.batch import BatchEngine
-from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
-from svip_common.models import load_model_info
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
-from tests.workers import in_process_workers
+from tests.workers import generate_through, in_process_workers
 
 AUTO = PolicyConfig(name="auto")
 MAX_NEW = 40
@@ -79,18 +75,7 @@ def workers(models, loop):
 
 
 def _run_distributed(w, model_dirs, loop, requests, pipeline):
-    engine = DistributedEngine(
-        load_model_info(model_dirs.target), w.limits, w.target_address, w.draft_address, pipeline
-    )
-
-    async def run_all():
-        await engine.connect()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in requests))
-        finally:
-            await engine.close()
-
-    return loop.run_until_complete(run_all())
+    return generate_through(loop, w, model_dirs.target, pipeline, requests)
 
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])

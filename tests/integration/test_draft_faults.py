@@ -6,22 +6,19 @@ the caller's error); a re-attach after a stall waits out a backoff that doubles.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from types import SimpleNamespace
 
 import pytest
 
-from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from coordinator.session.draft_port import DraftPort
 from coordinator.session.pipeline import SessionPipeline
 from coordinator.session.reattach import REATTACH_BACKOFF_S
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.messages import DraftedBlock
-from svip_common.models import load_model_info
 from target_worker.verifier import Verifier
-from tests.workers import in_process_workers
+from tests.workers import generate_through, in_process_workers
 
 POLICIES = [PolicyConfig(name="constant", draft_length=4), PolicyConfig(name="svip", threshold=0.6)]
 
@@ -35,17 +32,7 @@ def requests(prompt_ids) -> list[GenerationRequest]:
 
 
 def run(loop, workers, model_dirs, reqs):
-    engine = DistributedEngine(load_model_info(model_dirs.target), workers.limits, workers.target_address,
-                               workers.draft_address, "async")
-
-    async def go():
-        await engine.connect()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in reqs))
-        finally:
-            await engine.close()
-
-    return loop.run_until_complete(go())
+    return generate_through(loop, workers, model_dirs.target, "async", reqs)
 
 
 def test_a_draft_whose_step_always_raises_sheds_each_session_once(models, model_dirs, prompt_ids, loop, caplog):

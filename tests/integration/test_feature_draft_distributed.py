@@ -7,8 +7,6 @@ and the real Ray actors load a head beside the target's checkpoint."""
 
 from __future__ import annotations
 
-import asyncio
-
 import pytest
 import torch
 
@@ -18,11 +16,11 @@ from draft_worker.feature_draft import FeatureDrafter, load_feature_draft
 from svip_assets import default_head, default_pair
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest
-from svip_common.models import load_model, load_model_info
+from svip_common.models import load_model
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from tests.integration.test_feature_draft import _as_loaded, random_head
-from tests.workers import in_process_workers
+from tests.workers import generate_through, in_process_workers
 
 POLICIES = {
     "svip": PolicyConfig(name="svip", threshold=0.4),
@@ -45,20 +43,6 @@ def drafter_for(target, head, limits) -> FeatureDrafter:
     return FeatureDrafter(head, target.model.get_input_embeddings(), target.vocab_size, limits.tokens)
 
 
-def run(loop, workers, target_path, mode, requests):
-    engine = DistributedEngine(load_model_info(target_path), workers.limits, workers.target_address,
-                               workers.draft_address, mode)
-
-    async def go():
-        await engine.connect()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in requests))
-        finally:
-            await engine.close()
-
-    return loop.run_until_complete(go())
-
-
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_greedy_equals_target_alone_across_workers(embedded, loop, mode):
     target, head = embedded
@@ -70,7 +54,7 @@ def test_greedy_equals_target_alone_across_workers(embedded, loop, mode):
     with in_process_workers(loop, models, positions=target.max_positions or 512,
                             drafter=drafter_for(target, head, _limits(target)),
                             feature_layers=head.head.config.target_layers, load_aware="off") as w:
-        results = run(loop, w, default_pair()[0], mode, requests)
+        results = generate_through(loop, w, default_pair()[0], mode, requests)
     for request, result in zip(requests, results):
         assert result.token_ids == alone.generate(request).token_ids, (mode, request.policy.name)
         assert result.stats.detached == 0
@@ -95,7 +79,7 @@ def test_features_the_head_cannot_read_give_the_draft_up_not_the_session(models,
     requests = [GenerationRequest(ids, 24, policy=POLICIES["constant"], ignore_eos=True) for ids in prompt_ids.values()]
     with in_process_workers(loop, models, drafter=drafter_for(target, head, _limits(target)),
                             feature_layers=(0, 1), load_aware="off") as w:
-        results = run(loop, w, model_dirs.target, "async", requests)
+        results = generate_through(loop, w, model_dirs.target, "async", requests)
     alone = SpeculativeEngine(target, None)
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests]
     assert all(r.stats.detached == 1 and r.stats.draft_tokens == 0 for r in results)
@@ -172,7 +156,7 @@ def test_sampled_tokens_follow_the_target_across_workers(models, model_dirs, pro
                             feature_layers=head.head.config.target_layers, load_aware="off") as w:
         results = []
         for i in range(0, len(requests), 100):
-            results += run(loop, w, model_dirs.target, mode, requests[i : i + 100])
+            results += generate_through(loop, w, model_dirs.target, mode, requests[i : i + 100])
     assert all(r.stats.detached == 0 for r in results)
     second = [r for r in results if len(r.stats.draft_lengths) > 1 and r.stats.draft_lengths[1]]
     assert sum(r.stats.accepted_lengths[1] == 0 for r in second) > len(results) // 10  # corrections drawn
@@ -200,7 +184,7 @@ def test_drafting_resumes_after_load_aware_pauses(models, model_dirs, prompt_ids
     with in_process_workers(loop, models, drafter=drafter, feature_layers=head.head.config.target_layers,
                             load_aware="all") as w:
         w.host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(len(caps))))
-        results = run(loop, w, model_dirs.target, mode, reqs)
+        results = generate_through(loop, w, model_dirs.target, mode, reqs)
     assert drafter.fresh_starts == 0
     alone = SpeculativeEngine(target, None)
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in reqs]

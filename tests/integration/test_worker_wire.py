@@ -356,11 +356,9 @@ def test_a_steps_messages_travel_as_one_each_way(models, prompt_ids, loop):
     """Eight concurrent async sessions: the target's feedback for a step's sessions goes to the draft
     as one message, the draft's blocks for a step's sessions come back as one, and every output is
     the target alone's."""
-    from coordinator.distributed import DistributedEngine
     from coordinator.engine import SpeculativeEngine
     from svip_common.contracts import GenerationRequest, PolicyConfig
-    from svip_common.models import ModelInfo
-    from tests.workers import in_process_workers
+    from tests.workers import generate_through, in_process_workers
 
     target = models["target"]
     prompts = list(prompt_ids.values())
@@ -368,19 +366,8 @@ def test_a_steps_messages_travel_as_one_each_way(models, prompt_ids, loop):
                                   policy=PolicyConfig(name="constant", draft_length=3)) for i in range(8)]
     alone = SpeculativeEngine(target, None)
     expected = [alone.generate(r).token_ids for r in requests]
-    info = ModelInfo(target.path, target.tokenizer, target.vocab_size, target.max_positions, target.eos_token_ids,
-                     target.token_limit)
     with in_process_workers(loop, models, load_aware="off") as w:
-        engine = DistributedEngine(info, w.limits, w.target_address, w.draft_address, "async")
-
-        async def go():
-            await engine.connect()
-            try:
-                return await asyncio.gather(*(engine.generate(r) for r in requests))
-            finally:
-                await engine.close()
-
-        results = loop.run_until_complete(go())
+        results = generate_through(loop, w, target.path, "async", requests)
         to_draft, from_draft = w.host.draft.link.sent_batches, w.draft.sent_batches
     assert [r.token_ids for r in results] == expected
     assert to_draft > 0 and from_draft > 0, (to_draft, from_draft)
