@@ -21,7 +21,7 @@ from svip_common.kv_cache import KVPool, PagedSequence
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
-from svip_common.rejection import accept_greedy, accept_sampled, recover, residual
+from svip_common.rejection import accept_greedy, accept_sampled, residual
 from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 
@@ -58,7 +58,7 @@ class Verifier:
         not fit is prefilled by a chunk and answers None (verify it again in a later step), so a
         long prompt never stalls the others and no forward, the first job's included, holds more
         than the budget (but a lone block that only fits past it); the first job always advances."""
-        verdicts: list[Verdict | None] = [session.judge_first(committed, block) for session, committed, block in jobs]
+        verdicts = self.judge_first(jobs)
         room = budget if budget is not None else float("inf")
         plans, steps, owners = {}, [], []  # owners[j]: the job step j settles (None: a prefill chunk)
         for i, (session, committed, block) in enumerate(jobs):
@@ -109,6 +109,35 @@ class Verifier:
             verdicts = [v if v is None else session._hand_features(v) for (session, _, _), v in zip(jobs, verdicts)]
         return verdicts
 
+    @torch.inference_mode()
+    def judge_first(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]]) -> list[Verdict | None]:
+        """Each job's early verdict: a block that continues a fully accepted one has its first
+        token judged against the row already stored for that place, before any forward, by the
+        same rule and the same keyed coin as the full pass. A rejection is the verdict at once (no
+        forward for the tokens after it, which would all be discarded); None: the block needs its
+        forward. Greedy sessions read nothing (the stored row's argmax came with its step);
+        sampled ones are judged a warp group at a time: p at every first token in one host read,
+        the corrections drawn together in a second. A block judged once and kept is not judged
+        again (the pipeline judges on arrival, then verifies in a batch)."""
+        verdicts: list[Verdict | None] = [None] * len(jobs)
+        judged, groups = [], {}
+        for i, (session, committed, block) in enumerate(jobs):
+            if not block.tokens or session._cleared(block, committed) or not session._holds(committed):
+                continue
+            judged.append(i)
+            if session.sampling.greedy:
+                verdicts[i] = session._first_greedy(len(committed), block)
+            else:
+                groups.setdefault(session.sampling.warp_key, []).append(i)
+        for indices in groups.values():
+            for i, verdict in zip(indices, _first_sampled([jobs[i] for i in indices])):
+                verdicts[i] = verdict
+        for i in judged:
+            if verdicts[i] is None:
+                session, committed, block = jobs[i]
+                session._passed = (block, len(committed))
+        return verdicts
+
     def _greedy_choices(self, jobs, plans: dict[int, _Plan], settled: dict) -> dict[int, list[int]]:
         """The target's choice at every row the step computed for a greedy session, read to the
         host in one copy for the whole step (not one per session): job index -> its rows' argmax."""
@@ -137,6 +166,7 @@ class TargetSession:
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
         self._pending_at = -1
         self._pending_choice: int | None = None  # greedy: the argmax of _pending, read with its step
+        self._passed: tuple[Block, int] | None = None  # a block and its base whose first token passed judge_first
         self._features: torch.Tensor | None = None  # feature_layers at positions _features_from.. not yet handed over
         self._features_from = 0
         self.forwards = 0
@@ -149,7 +179,7 @@ class TargetSession:
     def close(self) -> None:
         """Give the session's pages back to the pool."""
         self._seq.close()
-        self._pending, self._pending_at, self._pending_choice = None, -1, None
+        self._pending, self._pending_at, self._pending_choice, self._passed = None, -1, None, None
 
     def verify(self, committed: Sequence[int], block: Block) -> Verdict:
         """Settle the block. When the block's q rows live on the draft side (distributed
@@ -157,29 +187,16 @@ class TargetSession:
         correction from norm(max(0, p_row - q))."""
         return self._verifier.verify_batch([(self, committed, block)])[0]
 
-    @torch.inference_mode()
     def judge_first(self, committed: Sequence[int], block: Block) -> Verdict | None:
-        """A block that continues a fully accepted one: its first token judged against the row
-        already stored for that place, before any forward, by the same rule and the same keyed
-        coin as the full pass. A rejection is the verdict at once (no forward for the tokens
-        after it, which would all be discarded); None: the block needs its forward."""
-        if not block.tokens or not self._holds(committed):
-            return None
-        base, d0 = len(committed), block.tokens[0]
-        if self.sampling.greedy:
-            target = self._pending_choice
-            if target == d0:
-                return None
-            self._verifier.tokens_verified += len(block)
-            return Verdict(base=base, accepted=0, token=target, epoch=block.epoch)
-        p0 = warp_probs(self._pending, self.sampling)[0]  # [vocab]
-        if accept_sampled([float(p0[d0])], block.probs[:1], [uniform(self.sampling.seed, base, Purpose.ACCEPT)]):
+        """This block's early verdict, or None: it needs its forward (``Verifier.judge_first``)."""
+        return self._verifier.judge_first([(self, committed, block)])[0]
+
+    def _first_greedy(self, base: int, block: Block) -> Verdict | None:
+        """The stored row's argmax (read with its step) against the block's first token."""
+        if self._pending_choice == block.tokens[0]:
             return None
         self._verifier.tokens_verified += len(block)
-        if block.q_rows is None:
-            return Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p0)
-        token = recover(p0, block.q_rows[0], uniform(self.sampling.seed, base, Purpose.RESOLVE))
-        return Verdict(base=base, accepted=0, token=token, epoch=block.epoch)
+        return Verdict(base=base, accepted=0, token=self._pending_choice, epoch=block.epoch)
 
     def _computed(self, first: int, features: torch.Tensor) -> None:
         """A forward's features from position ``first`` on (a prefill chunk's, or a block's): kept,
@@ -200,6 +217,10 @@ class TargetSession:
         handed, rest, at = self._features[:end], self._features[end:], self._features_from
         self._features, self._features_from = (rest if rest.shape[0] else None), at + end
         return dataclasses.replace(verdict, features=handed, features_from=at)
+
+    def _cleared(self, block: Block, committed: Sequence[int]) -> bool:
+        """This very block's first token already passed judge_first against the row stored now."""
+        return self._passed is not None and self._passed[0] is block and self._passed[1] == len(committed)
 
     def _holds(self, committed: Sequence[int]) -> bool:
         """The pool holds exactly ``committed`` and the row for the next place is stored (the
@@ -236,7 +257,7 @@ class TargetSession:
             logits = torch.cat([self._pending, rows]) if plan.reuse else rows  # [k + 1, vocab]
             self.forwards += 1
             self.forward_s += elapsed
-        self._pending, self._pending_at = logits[-1:], len(self._seq)
+        self._pending, self._pending_at, self._passed = logits[-1:], len(self._seq), None
         self._verifier.tokens_verified += len(block)
         return logits
 
@@ -284,3 +305,33 @@ def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tenso
                 epoch=block.epoch, p_row=p_row)
         for base, block, accepted, p_row in outcomes
     ]
+
+
+def _first_sampled(group: list[tuple[TargetSession, Sequence[int], Block]]) -> list[Verdict | None]:
+    """``Verifier.judge_first`` for sampled sessions that warp alike, each holding its committed
+    tokens and the row for the next place: p for every stored row at once, p at every first
+    token in one host read, every correction drawn at once in a second (none when q stayed with
+    the draft: that verdict carries the p row instead)."""
+    p = warp_probs(torch.cat([session._pending for session, _, _ in group]), group[0][0].sampling)  # [G, vocab]
+    firsts = torch.tensor([block.tokens[0] for _, _, block in group], dtype=torch.long, device=p.device)
+    p_first = p[torch.arange(len(group), device=p.device), firsts].tolist()
+    verdicts: list[Verdict | None] = []
+    draws, keyed, drawn = [], [], []  # the corrections drawn here: residual rows, their uniforms, verdict places
+    for g, ((session, committed, block), p_d) in enumerate(zip(group, p_first)):
+        base, seed = len(committed), session.sampling.seed
+        if accept_sampled([p_d], block.probs[:1], [uniform(seed, base, Purpose.ACCEPT)]):
+            verdicts.append(None)
+            continue
+        session._verifier.tokens_verified += len(block)
+        if block.q_rows is None:
+            verdicts.append(Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p[g]))
+            continue
+        draws.append(residual(p[g], block.q_rows[0]))
+        keyed.append(uniform(seed, base, Purpose.RESOLVE))
+        drawn.append(len(verdicts))
+        verdicts.append(Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch))
+    if draws:
+        tokens = sample_indices(torch.stack(draws), torch.tensor(keyed, dtype=torch.float64, device=p.device)).tolist()
+        for at, token in zip(drawn, tokens):
+            verdicts[at] = dataclasses.replace(verdicts[at], token=token)
+    return verdicts

@@ -10,11 +10,13 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from coordinator.batch import BatchEngine
 from coordinator.engine import SpeculativeEngine
-from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
+from target_worker.verifier import Verifier
 
 POLICIES = [
     PolicyConfig(name="svip", threshold=0.6),
@@ -111,3 +113,36 @@ def test_a_full_pool_makes_requests_wait_not_fail(models, prompt_ids):
     batch = BatchEngine(engine, 12)
     assert [r.token_ids for r in batch.generate_all(requests)] == alone
     assert max(batch.batch_sizes) <= 3 and engine.verifier.pool.used_pages == 0
+
+
+def test_first_tokens_judged_together_equal_each_judged_alone(models):
+    """Verifier.judge_first over a step's follow-ups (greedy, and sampled in two warps, q here
+    and q with the draft) gives each block the verdict it gets judged alone."""
+    target, prompt = models["target"], [5, 17, 42, 8, 99, 23, 61, 7]
+    vocab = target.model.config.vocab_size
+    warps = [SamplingParams(), SamplingParams(temperature=0.8, top_k=20, top_p=0.9), SamplingParams(temperature=1.3)]
+
+    def follow_ups(verifier):
+        jobs = []
+        for i in range(12):
+            session = verifier.open(dataclasses.replace(warps[i % 3], seed=i))
+            q = torch.softmax(torch.randn(2, vocab, generator=torch.Generator().manual_seed(i)), -1) if i % 2 else None
+            first = Block(base=3 + i % 5, tokens=[1, 2], probs=[0.3, 0.3], entropies=[0.0, 0.0], q_rows=q)
+            verifier.verify_batch([(session, prompt[: 3 + i % 5], first)])
+            choice = int(torch.argmax(session._pending))
+            block = Block(base=5 + i % 5, tokens=[choice if i % 4 > 1 else (choice + 1) % vocab, 3], probs=[0.2, 0.3],
+                          entropies=[0.0, 0.0], q_rows=q)
+            jobs.append((session, [*prompt[: 3 + i % 5], 1, 2], block))
+        return jobs
+
+    verifier = Verifier(target, kv_cache_tokens=4096)
+    together = verifier.judge_first(follow_ups(verifier))
+    jobs = follow_ups(Verifier(target, kv_cache_tokens=4096))
+    alone = [session.judge_first(committed, block) for session, committed, block in jobs]
+    assert [v is None for v in together] == [v is None for v in alone]
+    assert any(v is None for v in alone) and any(v is not None and v.token != -1 for v in alone[1::2])
+    for a, b in zip(together, alone):
+        if a is not None:
+            assert (a.base, a.accepted, a.token) == (b.base, b.accepted, b.token)
+            assert (a.p_row is None) == (b.p_row is None)
+            assert a.p_row is None or torch.equal(a.p_row, b.p_row)

@@ -60,6 +60,36 @@ def verify_step_reads(models, batch: int, sampling: SamplingParams = SamplingPar
     return host_reads(lambda: verifier.verify_batch(jobs))  # the same blocks again: a verify step
 
 
+def followup_step_reads(models, batch: int, sampling: SamplingParams = SamplingParams(), q_rows: bool = False,
+                        on_arrival: bool = False) -> int:
+    """A step of follow-ups: each block continues one the target accepted whole, so its first
+    token is judged against the stored row before the forward (Verifier.judge_first), then the
+    blocks that pass are verified. Half of the sessions' first tokens are the target's own choice.
+    on_arrival: as the distributed pipeline does, each block is judged when it arrives and only
+    those that pass go to the step, which does not judge them again."""
+    target = models["target"]
+    verifier = Verifier(target, kv_cache_tokens=4096)
+    sessions = [verifier.open(dataclasses.replace(sampling, seed=i)) for i in range(batch)]
+    vocab = target.model.config.vocab_size
+    q = torch.full((3, vocab), 1.0 / vocab) if q_rows else None
+    firsts = [Block(base=3 + i, tokens=[1, 2], probs=[0.3] * 2, entropies=[0.0] * 2, q_rows=q) for i in range(batch)]
+    verifier.verify_batch([(s, PROMPT[: 3 + i], b) for i, (s, b) in enumerate(zip(sessions, firsts))])
+    stored = [int(torch.argmax(s._pending)) for s in sessions]
+    jobs = [(s, [*PROMPT[: 3 + i], 1, 2],
+             Block(base=5 + i, tokens=[stored[i] if i % 2 else 7, 3], probs=[0.3] * 2, entropies=[0.0] * 2, q_rows=q))
+            for i, s in enumerate(sessions)]
+    if on_arrival:
+        jobs = [job for job in jobs if job[0].judge_first(job[1], job[2]) is None]
+        if not jobs:
+            return 0
+    forwards = [s.forwards for s in sessions]
+    reads = host_reads(lambda: verifier.verify_batch(jobs))
+    decided_early = [s.forwards == f for s, f in zip(sessions, forwards)]
+    if not on_arrival:
+        assert decided_early[0] and (batch == 1 or not all(decided_early))  # token 7: not the target's choice
+    return reads
+
+
 SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
 
 
@@ -69,7 +99,12 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     (verify_step_reads, 1),
     (lambda models, batch: verify_step_reads(models, batch, SAMPLED), 2),  # p at the drafted tokens, the draws
     (lambda models, batch: verify_step_reads(models, batch, SAMPLED, q_rows=True), 2),
-], ids=["draft-greedy", "draft-sampled", "verify-greedy", "verify-sampled", "verify-sampled-q-here"])
+    (followup_step_reads, 1),
+    (lambda models, batch: followup_step_reads(models, batch, SAMPLED), 4),  # first tokens, their draws, then as above
+    (lambda models, batch: followup_step_reads(models, batch, SAMPLED, q_rows=True), 4),
+    (lambda models, batch: followup_step_reads(models, batch, SAMPLED, q_rows=True, on_arrival=True), 2),
+], ids=["draft-greedy", "draft-sampled", "verify-greedy", "verify-sampled", "verify-sampled-q-here",
+        "follow-up-greedy", "follow-up-sampled", "follow-up-sampled-q-here", "follow-up-judged-on-arrival"])
 def test_host_reads_do_not_grow_with_the_batch(models, count, most):
     one, many = count(models, 1), count(models, 8)
     assert many <= most and one <= most, f"{one} host reads at batch 1, {many} at batch 8"
