@@ -74,6 +74,7 @@ class KVPool:
         self.values = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
         self.device = devices[0]  # where page tables live
         self._free = _FreePages(self.pages)
+        self.staging = StepBuffer(self.device)  # a forward's index inputs, in one copy
         self.max_forward_tokens = 0  # the most tokens any forward has held (max_batched_tokens bounds it)
 
     @property
@@ -149,15 +150,15 @@ class KVPool:
             ids += new
             positions += range(start, start + len(new))
         self.max_forward_tokens = max(self.max_forward_tokens, len(ids))
-        device = self.model.device
-        meta = _Ragged.plan(self, [(seq, len(new)) for seq, new, _ in steps])
+        meta = _Ragged.plan(self, [(seq, len(new)) for seq, new, _ in steps], inputs=(ids, positions, keep))
+        ids_, positions_, keep_ = meta.inputs
         with _ragged_attention(self.model):
             out = self.model(
-                input_ids=torch.tensor([ids], device=device),
-                position_ids=torch.tensor([positions], device=device),
+                input_ids=ids_[None].to(self.model.device),
+                position_ids=positions_[None].to(self.model.device),
                 cache=_PoolWriter(meta),
                 use_cache=True,
-                logits_to_keep=torch.tensor(keep, dtype=torch.long, device=device),
+                logits_to_keep=keep_.to(self.model.device),
                 output_hidden_states=bool(layers),
                 svip_ragged=meta,
             )
@@ -169,6 +170,7 @@ class KVPool:
             logits = logits[k:]
         if not layers:
             return rows, []
+        device = self.model.device
         hidden = torch.cat([out.hidden_states[i][0].to(device) for i in layers], dim=-1)  # [total, layers x h]
         return rows, list(hidden.split([len(new) for _, new, _ in steps]))
 
@@ -235,9 +237,10 @@ class PagedSequence:
             self._slots = None
 
     def _slots_upto(self, length: int) -> torch.Tensor:
+        """Its first ``length`` slots, on the host (a step's plan is built there and staged)."""
         if self._slots is None:
-            pages = torch.tensor(self.pages, dtype=torch.long, device=self.pool.device)
-            offsets = torch.arange(self.pool.page_size, device=pages.device)
+            pages = torch.tensor(self.pages, dtype=torch.long)
+            offsets = torch.arange(self.pool.page_size)
             self._slots = (pages[:, None] * self.pool.page_size + offsets).reshape(-1)
             self._run = self.pages[0] * self.pool.page_size if self.pages and self.one_run else None
         return self._slots[:length]
@@ -292,7 +295,7 @@ class _Item:
     total: int  # how many tokens it holds after this forward (its keys and values)
     read: int  # where its keys begin: a slot of the pool (run) or a row of the step's gather
     run: bool  # its keys are one run of the pool's slots (a view), else rows of the gather
-    mask: torch.Tensor | None  # [length, total] causal, lower right; None for one new token
+    mask: torch.Tensor | None = None  # [length, total] causal, lower right; None for one new token (made when staged)
 
 
 @dataclass
@@ -301,42 +304,47 @@ class _Packed:
     keys and values gathered into [items, longest] (padding masked out), their queries padded to
     the most new tokens of any. On a CPU, where there is no varlen kernel, this replaces one call
     per sequence and layer (each ~10 small ops around the kernel) by one; the padding costs at most
-    ``PACK_MAX_NEW`` query rows per item and the longest sequence's keys."""
+    ``PACK_MAX_NEW`` query rows per item and the longest sequence's keys. Planned on the host;
+    its index tensors reach the device with the step's others (``StepBuffer``)."""
 
     slots: torch.Tensor  # [items * longest] pool slots, each item's own, padded with its first
     queries: torch.Tensor | None  # [items * widest] rows of the flattened step (None: one each, in order)
-    mask: torch.Tensor | None  # [items, 1, widest, longest] may attend; None when nothing is masked
+    seen: torch.Tensor | None  # [items, widest] how many keys each query may see; None when nothing is masked
     rows: torch.Tensor | None  # [their new tokens] the real rows of [items * widest] (None: all)
     items: int
     widest: int  # the most new tokens of any item
     longest: int  # the most tokens any item holds
+    mask: torch.Tensor | None = None  # [items, 1, widest, longest] may attend (made from seen when staged)
 
     @staticmethod
-    def plan(items: list[tuple[torch.Tensor, int, int, int]], device: torch.device) -> _Packed:
-        """items: (slots, start, new tokens, total) in the step's order."""
+    def plan(items: list[tuple[torch.Tensor, int, int, int]]) -> _Packed:
+        """items: (host slots, start, new tokens, total) in the step's order."""
         count, widest, longest = len(items), max(n for _, _, n, _ in items), max(t for *_, t in items)
-        slots = torch.empty(count, longest, dtype=torch.long, device=device)
-        for row, (item_slots, _, _, total) in zip(slots, items):
-            row[:total] = item_slots
-            row[total:] = item_slots[0]  # any slot of its own: masked out
-        totals = torch.tensor([t for *_, t in items], device=device)
-        news = torch.tensor([n for _, _, n, _ in items], device=device)
+        totals = torch.tensor([t for *_, t in items])
+        news = torch.tensor([n for _, _, n, _ in items])
+        firsts = totals.cumsum(0) - totals  # where each item's slots begin in their concatenation
+        columns = torch.arange(longest)[None, :]
+        slots = torch.cat([item_slots for item_slots, *_ in items])[
+            firsts[:, None] + torch.where(columns < totals[:, None], columns, 0)]  # padded with its first
         in_order = widest == 1 and [s for _, s, _, _ in items] == list(range(count))  # the step's first rows
         queries = rows = None
         if not in_order:
-            offsets = torch.arange(widest, device=device)
-            starts = torch.tensor([s for _, s, _, _ in items], device=device)
+            offsets = torch.arange(widest)
+            starts = torch.tensor([s for _, s, _, _ in items])
             queries = (starts[:, None] + torch.minimum(offsets[None, :], news[:, None] - 1)).reshape(-1)
-            rows = (torch.arange(count, device=device)[:, None] * widest + offsets[None, :])[
-                offsets[None, :] < news[:, None]]
-        mask = None
+            rows = (torch.arange(count)[:, None] * widest + offsets[None, :])[offsets[None, :] < news[:, None]]
+        seen = None
         if widest > 1 or min(t for *_, t in items) != longest:
             # query i of an item holding T tokens, n of them new, sees keys up to T - n + i (its
             # padded rows see all of its keys: finite, and dropped)
-            seen = torch.minimum(totals[:, None] - news[:, None] + torch.arange(widest, device=device) + 1,
-                                 totals[:, None])
-            mask = (torch.arange(longest, device=device)[None, None, :] < seen[:, :, None]).unsqueeze(1)
-        return _Packed(slots.reshape(-1), queries, mask, rows, count, widest, longest)
+            seen = torch.minimum(totals[:, None] - news[:, None] + torch.arange(widest) + 1, totals[:, None])
+        return _Packed(slots.reshape(-1), queries, seen, rows, count, widest, longest)
+
+    def make_mask(self) -> None:
+        """The mask, on the device its bounds were staged to (one comparison, no host copy)."""
+        if self.seen is not None:
+            keys = torch.arange(self.longest, device=self.seen.device)
+            self.mask = (keys[None, None, :] < self.seen[:, :, None]).unsqueeze(1)
 
     def attend(self, query, keys, values, scaling) -> torch.Tensor:
         """query [1, heads, total, d] -> this group's rows [their new tokens, heads, d], in its order."""
@@ -381,7 +389,8 @@ def _pack_groups(short: list[tuple]) -> tuple[list[list[tuple]], list[tuple]]:
 
 @dataclass
 class _Ragged:
-    """What every layer of one forward needs, worked out once."""
+    """What every layer of one forward needs, worked out once: planned on the host, every index
+    tensor then staged to the device in one copy (``StepBuffer``), the masks made there."""
 
     pool: KVPool
     packs: list[_Packed]  # attended a group at a time
@@ -389,10 +398,13 @@ class _Ragged:
     write: torch.Tensor  # [total new tokens] the slot each new token's keys and values go to
     gather: torch.Tensor | None  # the slots of every single item not held in one run, in item order
     order: torch.Tensor | None  # rows of [packs' rows; single items' rows] in the step's order (None: as is)
+    inputs: list[torch.Tensor]  # the forward's own index inputs (ids, positions, kept rows), staged alongside
 
     @staticmethod
-    def plan(pool: KVPool, steps: Sequence[tuple[PagedSequence, int]]) -> _Ragged:
-        """steps: (sequence, new tokens) after each sequence has grown its pages for them."""
+    def plan(pool: KVPool, steps: Sequence[tuple[PagedSequence, int]], inputs: Sequence[Sequence[int]] = ()
+             ) -> _Ragged:
+        """steps: (sequence, new tokens) after each sequence has grown its pages for them;
+        inputs: integer lists the forward takes as tensors, staged in the same copy."""
         writes, start, short, long_ = [], 0, [], []
         for seq, n in steps:
             total = len(seq) + n
@@ -402,14 +414,13 @@ class _Ragged:
             start += n
         groups, alone = _pack_groups(short)
         singles = sorted(alone + long_, key=lambda item: item[2])
-        packs = [_Packed.plan([item[1:] for item in group], pool.device) for group in groups]
+        packs = [_Packed.plan([item[1:] for item in group]) for group in groups]
         items, gathers, gathered = [], [], 0
         for seq, slots, start, n, total in singles:
-            mask = None if n == 1 else torch.ones(n, total, dtype=torch.bool, device=slots.device).tril(total - n)
             if seq._run is not None:
-                items.append(_Item(start, n, total, seq._run, True, mask))
+                items.append(_Item(start, n, total, seq._run, True))
             else:
-                items.append(_Item(start, n, total, gathered, False, mask))
+                items.append(_Item(start, n, total, gathered, False))
                 gathers.append(slots)
                 gathered += total
         gather = torch.cat(gathers) if gathers else None
@@ -418,8 +429,71 @@ class _Ragged:
         if flat != list(range(len(flat))):
             order = torch.empty(len(flat), dtype=torch.long)
             order[torch.tensor(flat)] = torch.arange(len(flat))
-            order = order.to(pool.device)
-        return _Ragged(pool, packs, items, torch.cat(writes), gather, order)
+        inputs = [torch.tensor(values, dtype=torch.long) for values in inputs]
+        meta = _Ragged(pool, packs, items, torch.cat(writes), gather, order, inputs)
+        meta._stage()
+        return meta
+
+    def _stage(self) -> None:
+        """Every index tensor to the device in one copy; then the masks, made there."""
+        fields = [(self, "write"), (self, "gather"), (self, "order")]
+        fields += [(pack, name) for pack in self.packs for name in ("slots", "queries", "seen", "rows")]
+        fields = [(owner, name) for owner, name in fields if getattr(owner, name) is not None]
+        staged = self.pool.staging.upload(self.inputs + [getattr(owner, name) for owner, name in fields])
+        self.inputs = staged[: len(self.inputs)]
+        for (owner, name), tensor in zip(fields, staged[len(self.inputs):]):
+            setattr(owner, name, tensor)
+        for pack in self.packs:
+            pack.make_mask()
+        device = self.pool.device
+        for item in self.items:
+            if item.length > 1:  # query i sees keys up to total - length + i (causal, lower right)
+                keys = torch.arange(item.total, device=device)
+                last = torch.arange(item.total - item.length, item.total, device=device)
+                item.mask = keys[None, :] <= last[:, None]
+
+
+class StepBuffer:
+    """A pool's persistent staging for one forward's index tensors (ids, positions, kept rows,
+    write slots, gathers, packed layouts, mask bounds), planned on the host: on a device, written
+    into one host buffer and copied over in one transfer (from pinned memory, asynchronously, on
+    CUDA) into one device buffer, of which each tensor is a view, instead of a synchronous copy
+    and a few small kernels per tensor. Both buffers live as long as the pool and grow by
+    doubling; the step's shapes are whatever its plan asks (no buckets). On a CPU the host tensors
+    are where the model reads them: nothing is staged (``through_buffer`` stages anyway, to check
+    the path on a host)."""
+
+    def __init__(self, device: torch.device, through_buffer: bool | None = None):
+        self.device = device
+        self.through_buffer = device.type != "cpu" if through_buffer is None else through_buffer
+        self.copies = 0  # transfers made (one per forward)
+        self._pinned = device.type == "cuda"
+        self._host = torch.empty(0, dtype=torch.long)
+        self._device = self._host
+        self._copied = None  # CUDA event: the last copy out of the host buffer has run
+
+    @torch.inference_mode()
+    def upload(self, parts: list[torch.Tensor]) -> list[torch.Tensor]:
+        """parts (host int64 tensors) on the device, as views of its buffer, in one copy. The
+        views hold until the next upload (the forward that uses them is queued before it)."""
+        if not self.through_buffer:
+            return parts
+        sizes = [part.numel() for part in parts]
+        total = sum(sizes)
+        if total > self._host.numel():
+            size = max(total, 2 * self._host.numel(), 1024)
+            self._host = torch.empty(size, dtype=torch.long, pin_memory=self._pinned)
+            self._device = torch.empty(size, dtype=torch.long, device=self.device)
+        elif self._copied is not None:
+            self._copied.synchronize()  # the last step's copy has read the host buffer
+        torch.cat([part.reshape(-1) for part in parts], out=self._host[:total])
+        staged = self._device[:total]
+        staged.copy_(self._host[:total], non_blocking=self._pinned)
+        self.copies += 1
+        if self._pinned:
+            self._copied = torch.cuda.Event()
+            self._copied.record()
+        return [view.view(part.shape) for view, part in zip(staged.split(sizes), parts)]
 
 
 class _PoolWriter:

@@ -160,3 +160,25 @@ def test_packed_attention_on_cuda_equals_each_sequence_alone():
         own = alone.forward(n, len(n))
         alone.close()
         assert torch.allclose(rows, own, atol=1e-3) and torch.equal(rows.argmax(-1), own.argmax(-1))
+
+
+def test_a_steps_inputs_reach_the_gpu_in_one_copy_with_their_values():
+    """The pool's staging buffer on CUDA: one pinned host-to-device copy per upload, each view
+    holding its part's values, a second upload into the same buffers not overwriting the first
+    before its copy ran; and a pool's forwards make one copy each."""
+    from svip_assets import default_pair
+    from svip_common.kv_cache import KVPool, StepBuffer
+
+    staging = StepBuffer(torch.device("cuda"))
+    first = staging.upload([torch.arange(700), torch.arange(6).view(2, 3)])
+    first_values = [t.cpu() for t in first]
+    second = staging.upload([torch.arange(700, 0, -1), torch.zeros(2, 3, dtype=torch.long)])
+    assert staging.copies == 2 and staging._host.is_pinned()
+    assert torch.equal(first_values[0], torch.arange(700)) and torch.equal(first_values[1], torch.arange(6).view(2, 3))
+    assert torch.equal(second[0].cpu(), torch.arange(700, 0, -1)) and not second[1].cpu().any()
+
+    pool = KVPool(load_model(default_pair()[0], "float32", "cuda").model, 4096)
+    seqs = [pool.sequence() for _ in range(4)]
+    pool.forward([(s, list(range(10, 30 + i)), 1) for i, s in enumerate(seqs)])
+    pool.forward([(s, [5, 6], 2) for s in seqs])
+    assert pool.staging.copies == 2

@@ -333,8 +333,8 @@ def test_random_ragged_steps_pack_to_what_each_sequence_gets_alone(model, monkey
     monkeypatch.setattr(kv_cache, "PACK_MAX_SLOTS", 64)
     plan, packs = kv_cache._Ragged.plan, []
 
-    def counted(pool, steps):
-        meta = plan(pool, steps)
+    def counted(pool, steps, inputs=()):
+        meta = plan(pool, steps, inputs)
         packs.append(len(meta.packs))
         return meta
 
@@ -365,3 +365,56 @@ def test_random_ragged_steps_pack_to_what_each_sequence_gets_alone(model, monkey
         for s in seqs:  # one more token each, one at a time
             s.forward([rand(1, 90)], 1)
     assert max(packs) >= 2  # the slot cap split a step's short items into several packed calls
+
+
+# --- a step's index inputs in one persistent buffer, one copy to the device -------------------------
+
+
+@torch.inference_mode()
+def test_a_steps_index_tensors_are_views_of_one_buffer_that_persists(model, monkeypatch):
+    """Every index tensor a forward's plan hands the model and its attention (ids, positions,
+    kept rows, write slots, the gather, the order, the packs' layouts) is a view of the pool's one
+    staging buffer, holding the values it was planned with; the buffer is the same from step to
+    step and grows only when a step needs more. (Staged on the host here, as on a device: on a
+    CPU the pool skips it, there being nothing to copy; the logits are the same either way.)"""
+    monkeypatch.setattr(kv_cache, "PACK_MAX_NEW", 2)  # the two decode rows packed, the others alone
+    pool, alone, a, b = _mixed_pool(model)
+    pool.staging = kv_cache.StepBuffer(pool.device, through_buffer=True)
+    steps = [(alone, [7], 1), (a, [8, 9, 10, 11], 4), (b, [12], 1), (pool.sequence(), TOKENS, 3)]
+    for seq, new, _ in steps:
+        seq._grow(len(new))
+    ids = [t for _, new, _ in steps for t in new]
+    meta = kv_cache._Ragged.plan(pool, [(seq, len(new)) for seq, new, _ in steps], inputs=(ids, [3, 4]))
+    staged = [*meta.inputs, meta.write, meta.gather, meta.order]
+    staged += [t for p in meta.packs for t in (p.slots, p.queries, p.seen, p.rows) if t is not None]
+    buffer = pool.staging._device.untyped_storage().data_ptr()
+    assert meta.packs and meta.gather is not None and meta.order is not None
+    assert all(t.untyped_storage().data_ptr() == buffer for t in staged)
+    assert meta.inputs[0].tolist() == ids and meta.inputs[1].tolist() == [3, 4]
+    writes = [seq._slots_upto(len(seq) + len(new))[-len(new):] for seq, new, _ in steps]
+    assert meta.write.tolist() == torch.cat(writes).tolist()
+    size = pool.staging._host.numel()
+    kv_cache._Ragged.plan(pool, [(alone, 1)], inputs=([7], [0]))
+    assert pool.staging._device.untyped_storage().data_ptr() == buffer  # a smaller step: the same buffer
+    kv_cache._Ragged.plan(pool, [(alone, 1)], inputs=(list(range(3 * size)),))
+    assert pool.staging._device.numel() >= 3 * size and pool.staging.copies == 3  # a larger one: grown
+    staged = pool.forward(steps)  # through the buffer, then as a CPU pool runs it: the same logits
+    for seq, new, _ in steps:
+        seq.rollback(len(seq) - len(new))
+    pool.staging = kv_cache.StepBuffer(pool.device)
+    for s, h in zip(staged, pool.forward(steps), strict=True):
+        assert torch.equal(s, h)
+
+
+def test_a_step_reaches_another_device_in_one_copy():
+    """Off the host, the staged parts go over in one transfer into one device buffer, each a view
+    of it with its own shape (run on the meta device here: it has no values, but the same code
+    path; tests/gpu checks the values on CUDA)."""
+    staging = kv_cache.StepBuffer(torch.device("meta"))
+    parts = [torch.arange(5), torch.arange(6).view(2, 3), torch.tensor([9])]
+    staged = staging.upload(parts)
+    assert staging.copies == 1
+    assert [t.device.type for t in staged] == ["meta"] * 3 and [t.shape for t in staged] == [p.shape for p in parts]
+    assert len({t.untyped_storage().data_ptr() for t in staged}) == 1
+    staging.upload(parts)
+    assert staging.copies == 2
