@@ -72,6 +72,12 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         "(off: the same blocks in each mode, so they compare round for round)",
     )
     bench.add_argument(
+        "--one-core-each",
+        action="store_true",
+        help="pipeline: each model on a core of its own as its device: the target alone and the in-process "
+        "engine on core 0, the target worker on core 0 and the draft worker on core 1",
+    )
+    bench.add_argument(
         "--serve-policies",
         default="defaults,svip,none",
         help="serve: the policies compared (defaults, svip, auto, confidence, constant-K, none)",

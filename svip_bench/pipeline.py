@@ -5,14 +5,19 @@ path, block and feedback transit, queueing, overhead), where async's blocks came
 the verdict or drafted after it) and the bound async could reach (sync's rounds with the draft
 and the round trip hidden after every full acceptance); 1 vs 8 concurrent sessions; one async
 request's timeline; and, with --latencies, sync vs async across two nodes with that round-trip
-latency on the link between them (svip_bench/two_nodes.py)."""
+latency on the link between them (svip_bench/two_nodes.py). --one-core-each gives each model a
+core of its own as its device (Linux CPU affinity): the target alone and the in-process engine run
+on core 0, the distributed target on core 0 and its draft on core 1, so the distributed pipeline
+is measured as two devices against one."""
 
 from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import dataclasses
 import json
+import os
 import random
 import statistics
 import sys
@@ -52,6 +57,9 @@ def run(engine, prompts, args, header: dict) -> int:
     engine.load_aware = load_aware
     pair = WorkerPair(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device,
                       load_aware=load_aware)
+    cores = one_core_each(pair) if getattr(args, "one_core_each", False) else None
+    if cores is not None:
+        header["cores"] = "target alone and in-process on core 0; target worker on core 0, draft worker on core 1"
     loop = asyncio.new_event_loop()
     remote = {m: DistributedEngine.for_pair(pair, m) for m in ("sync", "async")}
     for e in remote.values():
@@ -60,7 +68,7 @@ def run(engine, prompts, args, header: dict) -> int:
         for r in requests[:2]:  # warm-up
             for e in remote.values():
                 loop.run_until_complete(e.generate(r))
-        tps, stats, violations = _modes(engine, remote, loop, requests, args.repeats)
+        tps, stats, violations = _modes(engine, remote, loop, requests, args.repeats, cores)
         concurrency = _concurrency(remote["async"], loop, requests)
         timeline = loop.run_until_complete(remote["async"].generate(requests[0])).stats
     finally:
@@ -96,7 +104,41 @@ def run(engine, prompts, args, header: dict) -> int:
     return 0
 
 
-def _modes(engine, remote, loop, requests, repeats):
+def one_core_each(pair: WorkerPair) -> dict[str, set[int]]:
+    """Pin the target worker's threads to core 0 and the draft worker's to core 1 (threads they
+    start later inherit it); returns the cores this process runs each mode on."""
+    available = os.sched_getaffinity(0)
+    if not {0, 1} <= available:
+        raise SystemExit(f"--one-core-each needs cores 0 and 1; this process may run on {sorted(available)}")
+    for role, pid in pair.pids().items():
+        _pin_process(pid, {0} if role == "target" else {1})
+    return {"alone": {0}, "inprocess": {0}, "sync": available, "async": available}
+
+
+def _pin_process(pid: int, cores: set[int]) -> None:
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), cores)
+        except ProcessLookupError:  # a thread that ended meanwhile
+            pass
+
+
+@contextlib.contextmanager
+def _on_cores(cores: set[int] | None):
+    """This thread (it runs the in-process forwards) on these cores for the block (None: as it is)."""
+    if cores is None:
+        yield
+        return
+    before = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        yield
+    finally:
+        os.sched_setaffinity(0, before)
+
+
+def _modes(engine, remote, loop, requests, repeats, cores: dict[str, set[int]] | None = None):
+    """cores: per mode, where this process's compute runs (None: wherever the OS puts it)."""
     from coordinator.engine import SpeculativeEngine
 
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
@@ -111,13 +153,14 @@ def _modes(engine, remote, loop, requests, repeats):
         for request in requests:
             outputs = {}
             for mode in rng.sample(MODES, len(MODES)):
-                if mode == "alone":
-                    result = alone.generate(dataclasses.replace(request, policy=PolicyConfig(name="none")))
-                elif mode == "inprocess":
-                    result = engine.generate(request)
-                else:
-                    result = loop.run_until_complete(remote[mode].generate(request))
-                    stats[mode].append(result.stats)
+                with _on_cores(None if cores is None else cores[mode]):
+                    if mode == "alone":
+                        result = alone.generate(dataclasses.replace(request, policy=PolicyConfig(name="none")))
+                    elif mode == "inprocess":
+                        result = engine.generate(request)
+                    else:
+                        result = loop.run_until_complete(remote[mode].generate(request))
+                        stats[mode].append(result.stats)
                 tokens[mode] += len(result.token_ids)
                 wall[mode] += result.stats.wall_s
                 outputs[mode] = result.token_ids
@@ -291,7 +334,7 @@ def _markdown(doc: dict) -> str:
     h = doc["header"]
     lines = [
         f"Command: `{h['command']}`",
-        f"Machine: {h['machine']}",
+        f"Machine: {h['machine']}" + (f"; one core each: {h['cores']}" if "cores" in h else ""),
         f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
         f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}, load-aware {h.get('load_aware', 'greedy')}",
         "",

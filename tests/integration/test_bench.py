@@ -5,6 +5,9 @@ written. Speed is not asserted here: that is what the benchmark reports."""
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 
@@ -126,6 +129,21 @@ def test_summary_arithmetic():
     assert abs(s["projected_speedup"]["0.1"] - 300 / (120 + 0.1 * 360)) < 1e-12
 
 
+def test_a_process_is_pinned_thread_by_thread():
+    """--one-core-each pins every thread of a worker process, as the OS reports it."""
+    from svip_bench.pipeline import _pin_process
+
+    child = subprocess.Popen([sys.executable, "-c", "import sys, threading; t = threading.Thread(target="
+                              "sys.stdin.read); t.start(); print('started', flush=True); t.join()"],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert child.stdout.readline() == b"started\n"  # its second thread runs
+        _pin_process(child.pid, {1})
+        assert all(os.sched_getaffinity(int(t)) == {1} for t in os.listdir(f"/proc/{child.pid}/task"))
+    finally:
+        child.communicate(b"")
+
+
 def test_pipeline_bench(tmp_path, model_dirs, capsys):
     """`--mode pipeline`: in-process, distributed sync and async agree token for token (the bench
     fails otherwise); the throughput table, the per-round breakdown, async's block sources and
@@ -135,6 +153,7 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
 
     out = tmp_path / "pipe"
     two_nodes = unavailable() is None
+    cores_before = os.sched_getaffinity(0)
     code = main(
         [
             "bench",
@@ -156,11 +175,14 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
             str(out),
             "--load-aware",
             "greedy",
+            "--one-core-each",
             *(["--latencies", "0"] if two_nodes else []),
         ]
     )
     assert code == 0, capsys.readouterr().err[-2000:]
+    assert os.sched_getaffinity(0) == cores_before  # this process is where it was
     doc = json.loads((out / "pipeline.json").read_text())
+    assert "core 1" in doc["header"]["cores"]
     assert doc["exactness_violations"] == []
     assert set(doc["tokens_per_s"]) == {"alone", "inprocess", "sync", "async"}  # every output the target alone's
     assert all(v["ratio_to_alone"] > 0 for v in doc["tokens_per_s"].values())
