@@ -15,6 +15,7 @@ from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS, whole_pages
 from svip_common.models import ModelInfo, check_same_vocabulary, is_feature_head, load_model_info, pair_limits
+from svip_common.step_cost import check_idle_prefill
 from svip_runtime.actor import serving_address
 from svip_runtime.tls import TlsFiles
 
@@ -134,13 +135,15 @@ class WorkerPair:
                  start_timeout_s: float = START_TIMEOUT_S, placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None,
                  load_aware: str = "greedy", max_restarts: int = WORKER_RESTARTS, recovery: dict | None = None,
-                 packed: bool = False, insecure_workers: bool = False, auto: AutoSettings = AutoSettings()):
+                 packed: bool = False, insecure_workers: bool = False, auto: AutoSettings = AutoSettings(),
+                 idle_prefill: str = "auto"):
         """max_restarts: how many times Ray restarts each worker that dies (a session outlives it:
         coordinator/session/draft_port.py, coordinator/distributed.py); recovery: the target host's
         draft_stall_s / sampled_hold_s / draft_recover_s. packed: the placement puts both workers
         on one node (Serve's STRICT_PACK group; layout "pack" says so itself), so they listen on
         loopback; insecure_workers: serve plaintext on a node address (refused otherwise); auto: the
-        `auto` policy's settings (its estimate starts from the prior stored beside the draft)."""
+        `auto` policy's settings (its estimate starts from the prior stored beside the draft);
+        idle_prefill: what the target does while no block is ready (coordinator/session/host.py)."""
         import ray
 
         from coordinator.session.actor import TargetActor
@@ -193,6 +196,7 @@ class WorkerPair:
                 auto=auto.check(),
                 auto_prior=stored_prior(draft_path),
                 feature_layers=feature_layers,
+                idle_prefill=check_idle_prefill(idle_prefill),
                 **common,
             )
         )

@@ -72,6 +72,13 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         "(off: the same blocks in each mode, so they compare round for round)",
     )
     bench.add_argument(
+        "--idle-prefill",
+        choices=["auto", "always", "off"],
+        default="auto",
+        help="pipeline: what the distributed target does while no block is ready: take in what waiting "
+        "sessions need first where it pays (auto), always, or wait (off)",
+    )
+    bench.add_argument(
         "--one-core-each",
         action="store_true",
         help="pipeline: each model on a core of its own as its device: the target alone and the in-process "

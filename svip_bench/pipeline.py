@@ -55,8 +55,10 @@ def run(engine, prompts, args, header: dict) -> int:
     load_aware = getattr(args, "load_aware", "off")
     header["load_aware"] = load_aware
     engine.load_aware = load_aware
+    idle_prefill = getattr(args, "idle_prefill", "auto")
+    header["idle_prefill"] = idle_prefill
     pair = WorkerPair(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device,
-                      load_aware=load_aware)
+                      load_aware=load_aware, idle_prefill=idle_prefill)
     cores = one_core_each(pair) if getattr(args, "one_core_each", False) else None
     if cores is not None:
         header["cores"] = "target alone and in-process on core 0; target worker on core 0, draft worker on core 1"
@@ -336,7 +338,8 @@ def _markdown(doc: dict) -> str:
         f"Command: `{h['command']}`",
         f"Machine: {h['machine']}" + (f"; one core each: {h['cores']}" if "cores" in h else ""),
         f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
-        f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}, load-aware {h.get('load_aware', 'greedy')}",
+        f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}, load-aware {h.get('load_aware', 'greedy')}, "
+        f"idle prefill {h.get('idle_prefill', 'off')}",
         "",
         "| mode | tokens/s (min–max) | vs the target alone | vs in-process | vs distributed sync |",
         "|---|---|---|---|---|",

@@ -51,6 +51,15 @@ def check_load_aware(mode: str) -> str:
     return mode
 
 
+IDLE_PREFILL_MODES = ("auto", "always", "off")  # the target, idle, takes in what waiting sessions need first
+
+
+def check_idle_prefill(mode: str) -> str:
+    if mode not in IDLE_PREFILL_MODES:
+        raise InvalidRequest(f"idle prefill must be one of {', '.join(IDLE_PREFILL_MODES)}, got {mode!r}")
+    return mode
+
+
 def load_aware_for(mode: str, greedy: bool) -> bool:
     """Whether a request (greedy or sampled) drafts no more than pays at the load, under ``mode``."""
     return mode == "all" or (mode == "greedy" and greedy)
@@ -271,3 +280,20 @@ class SessionGate:
             self.paused, self._paused_rounds = True, 0
             self.pauses += 1
         return cap
+
+
+def prefill_pays(gate: SessionGate, verify: StepCost) -> bool:
+    """Whether the target, idle while a session waits on its draft, should take the last verdict's
+    token into its cache now (``Verifier.prefill_next``) rather than with the block. With W the
+    wait for the block (the session's round trip plus its drafting), F(n) the target's forward of
+    n tokens, k the tokens a block holds and r the chance its first token is rejected: waiting
+    costs W + F(k + 1); prefilling costs max(W, F(1)) and then F(k) unless the stored row
+    rejects the first token at once. It pays when max(0, F(1) - W) < r·F(k) + F(k + 1) - F(k):
+    always when the block takes longer than a one-token forward (a CPU's drafts), rarely when it
+    comes at once (a GPU's fast draft, where the forward would hold the block up)."""
+    if not verify.observed:
+        return False
+    k = max(1.0, gate.acceptance.drafted_per_block)
+    wait = gate.round_s + gate.draft_token_s * k
+    rejected_first = 1.0 - gate.acceptance.value
+    return max(0.0, verify.time(1) - wait) < rejected_first * verify.time(k) + verify.per_item

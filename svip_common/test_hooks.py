@@ -33,6 +33,11 @@ class StepGate:
         self.grant = ""  # the file's text then: a new text is a new grant
         self.told = False  # whether .holding says this grant is used up
 
+    def idle_allowed(self) -> bool:
+        """Whether optional work (a prefill while idle) may run: only while no test holds or
+        counts this worker's steps (such work would change what the test counts)."""
+        return self.path is None or not self.path.exists()
+
     def open(self) -> bool:
         if self.path is None:
             return True

@@ -110,6 +110,47 @@ class Verifier:
         return verdicts
 
     @torch.inference_mode()
+    def prefill_next(self, jobs: Sequence[tuple[TargetSession, Sequence[int]]], budget: int | None = None) -> int:
+        """While the target would idle, waiting on blocks: each session's committed tokens that its
+        cache lacks (the last verdict's token; a new session's prompt) go through the target in
+        one forward, and the row for the next place is stored. The block drafted meanwhile then
+        has its first token judged before any forward (``judge_first``: a rejection needs none)
+        and its forward holds its drafted tokens only. The same rows a verification would compute
+        (nothing is decided here). budget: at most this many tokens (a long prompt goes a chunk
+        at a time). Returns how many sessions it advanced."""
+        room = budget if budget is not None else float("inf")
+        steps, owners = [], []
+        for session, committed in jobs:
+            plan = session._plan(committed, Block(base=len(committed), tokens=[], probs=[], entropies=[]))
+            if plan.step is None or room < 1:
+                continue
+            seq, new, _ = plan.step
+            if len(new) > room:  # a chunk of the prompt, its row later
+                steps.append((seq, new[: int(room)], 0))
+                room = 0
+                continue
+            steps.append(plan.step)
+            owners.append(session)
+            room -= len(new)
+        if not steps:
+            return 0
+        rows, features, elapsed = self.pool.timed_forward(steps, self.feature_layers)
+        self.cost.observe(sum(len(new) for _, new, _ in steps), elapsed)
+        by_sequence = {id(session._seq): session for session, _ in jobs}
+        for (seq, new, _), feats in zip(steps, features):
+            by_sequence[id(seq)]._computed(len(seq) - len(new), feats)
+        rows = [mask_padding(row, self.token_limit) for row, (_, _, k) in zip(rows, steps) if k]
+        greedy = [i for i, session in enumerate(owners) if session.sampling.greedy]
+        choices = torch.argmax(torch.cat([rows[i] for i in greedy]), dim=-1).tolist() if greedy else []
+        for session, row in zip(owners, rows):
+            session._pending, session._pending_at, session._passed = row, len(session._seq), None
+            session.forwards += 1
+            session.forward_s += elapsed
+        for i, choice in zip(greedy, choices):
+            owners[i]._pending_choice = choice
+        return len(steps)
+
+    @torch.inference_mode()
     def judge_first(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]]) -> list[Verdict | None]:
         """Each job's early verdict: a block that continues a fully accepted one has its first
         token judged against the row already stored for that place, before any forward, by the
@@ -217,6 +258,11 @@ class TargetSession:
         handed, rest, at = self._features[:end], self._features[end:], self._features_from
         self._features, self._features_from = (rest if rest.shape[0] else None), at + end
         return dataclasses.replace(verdict, features=handed, features_from=at)
+
+    def lacks_next_row(self, committed: Sequence[int]) -> bool:
+        """The row for the place after ``committed`` is not stored (by the place alone: a cheap
+        test, for deciding whether ``Verifier.prefill_next`` has work; the prefill checks the tokens)."""
+        return self._pending is None or self._pending_at != len(committed)
 
     def _cleared(self, block: Block, committed: Sequence[int]) -> bool:
         """This very block's first token already passed judge_first against the row stored now."""

@@ -24,7 +24,7 @@ from svip_common.contracts import GenerationRequest, GenerationStats, PolicyConf
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
 from svip_common.kv_sizes import whole_pages
 from svip_common.messages import DraftedBlock
-from svip_common.step_cost import SessionGate, check_load_aware, load_aware_for
+from svip_common.step_cost import SessionGate, check_idle_prefill, check_load_aware, load_aware_for
 from svip_common.test_hooks import StepGate
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -60,7 +60,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def __init__(self, verifier: Verifier, limits, draft_address: str | None = None, tls: TlsFiles | None = None,
                  max_batched_tokens: int | None = None, load_aware: str = "greedy", draft_actor=None,
                  draft_stall_s: float = DEFAULT_STALL_S, sampled_hold_s: float = DEFAULT_HOLD_S,
-                 draft_recover_s: float = DEFAULT_RECOVER_S, auto: AutoEstimate | None = None):
+                 draft_recover_s: float = DEFAULT_RECOVER_S, auto: AutoEstimate | None = None,
+                 idle_prefill: str = "auto"):
         """max_batched_tokens: at most this many tokens in one target forward (a long prompt is
         prefilled in chunks under it); None: no limit. load_aware: whose blocks hold no more tokens
         than pay at the load measured here (none when verification is compute-bound): "off",
@@ -69,13 +70,16 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         draft_stall_s: the least a session waits on its draft before it goes on without it;
         sampled_hold_s: how long a sampled session waits for a lost draft to come back; auto: the
         pair's `auto` estimate (svip_common/acceptance.py), kept here beside the verifier, where
-        every verdict is seen (None: from the generic prior)."""
+        every verdict is seen (None: from the generic prior); idle_prefill: while no block is
+        ready, take in what waiting sessions need first: "auto" (where it pays), "always", "off"."""
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
         self._ready: list[tuple[str, SessionPipeline, DraftedBlock, object, tuple[float, str]]] = []  # to verify
         # KV admission: each open session holds room for its prompt and max_new_tokens, in whole
         # pages, so a batched step never runs out of pages (which would fail every session in it)
         self._reserved: dict[str, int] = {}  # session id -> tokens held
+        self.idle_prefill = check_idle_prefill(idle_prefill)
+        self.prefills = 0  # sessions advanced by a prefill while idle
         super().__init__(limits)
         self.verifier = verifier
         self.max_batched_tokens = max_batched_tokens
@@ -222,7 +226,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         ready = [job for job in self._ready if self.sessions.get(job[0]) is job[1] and not job[1].done]
         if not ready:
             self._ready.clear()
-            return False
+            return self._prefill_waiting()
         if not self._gate.open():  # a test holds this worker (svip_common/test_hooks.py): look again soon,
             self._ready = ready  # answering every message meanwhile
             time.sleep(GATE_POLL_S)
@@ -243,6 +247,29 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             elif verdict is not None:
                 self._step(session_id, session.verified, block, verdict, received_at, source, started, ended)
         return True
+
+    def _prefill_waiting(self) -> bool:
+        """Nothing to verify: the target takes in, in one forward, what the sessions waiting on
+        their drafts will need first (the last verdict's token, a new prompt) where that pays
+        (SessionPipeline.wants_prefill), instead of idling. Returns whether it ran a forward."""
+        if self.idle_prefill == "off" or not self._gate.idle_allowed():
+            return False
+        always = self.idle_prefill == "always"
+        waiting = [s for s in self.sessions.values() if s.wants_prefill(self.verifier.cost, always)]
+        if not waiting:
+            return False
+        started = time.time()
+        try:
+            advanced = self.verifier.prefill_next([(s.target, s.committed) for s in waiting], self.max_batched_tokens)
+        except Exception as exc:  # the verification that follows meets the failure and ends the sessions
+            exit_on_device_failure(exc)
+            log.exception("prefill while idle failed")
+            return False
+        ended = time.time()
+        for session in waiting:
+            session.log.busy("target", started, ended)
+        self.prefills += advanced
+        return advanced > 0
 
     def check_sessions(self) -> None:
         """A session that waited on its draft past the stall deadline goes on without it; a

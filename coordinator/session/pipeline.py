@@ -67,7 +67,7 @@ from svip_common.messages import (
     DraftRequest,
     SessionStart,
 )
-from svip_common.step_cost import SessionGate, TargetLoad
+from svip_common.step_cost import SessionGate, StepCost, TargetLoad, prefill_pays
 from target_worker.verifier import TargetSession
 
 log = logging.getLogger(__name__)
@@ -268,6 +268,17 @@ class SessionPipeline:
             and self.verifying is None
             and now - self.waiting_since > deadline_s
         )
+
+    def wants_prefill(self, verify: StepCost, always: bool = False) -> bool:
+        """The session waits on its draft's block, and the target's cache lacks the row for the
+        next place (the last verdict's token, or the prompt, not yet taken in), which it knows (not
+        a sampled correction the draft draws). always: whether or not it pays (prefill_pays).
+        A prompt not yet taken in is always worth it: that forward is owed anyway."""
+        if self.done or self.verifying is not None or self.waiting_since is None or self.mode is not DraftMode.DRAFTING:
+            return False
+        if self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
+            return False
+        return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify)
 
     def _go_alone(self) -> None:
         if self.reattach.hold_until is None:

@@ -39,8 +39,10 @@ def pair(model_dirs):
 
     init_local_ray()
     # these tests check the pipeline's drafting mechanics, so every block is drafted as the
-    # policy says; load-aware caps and pauses are tested in test_load_aware.py
-    pair = WorkerPair(model_dirs.target, model_dirs.close_draft, load_aware="off")
+    # policy says; load-aware caps and pauses are tested in test_load_aware.py. The target takes in
+    # what a waiting session needs first whenever it idles (not only where that pays), so every
+    # check here also runs through blocks judged against rows computed ahead of them
+    pair = WorkerPair(model_dirs.target, model_dirs.close_draft, load_aware="off", idle_prefill="always")
     yield pair
     pair.shutdown()
     ray.shutdown()

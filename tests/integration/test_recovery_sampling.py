@@ -30,8 +30,10 @@ AT_ONCE = 250
 @pytest.fixture(scope="module")
 def workers(models, loop):
     """The draft keeps every session it was sent (its link is not really lost here, so nothing frees
-    them until the host closes): its pool has room for all of them."""
-    with in_process_workers(loop, models, draft_kv_tokens=100_000, load_aware="off") as w:
+    them until the host closes): its pool has room for all of them. The target takes nothing in
+    while idle: a prompt prefilled ahead lets the stored row reject a first block on arrival, a
+    verdict never in flight, and this test is about the one in flight."""
+    with in_process_workers(loop, models, draft_kv_tokens=100_000, load_aware="off", idle_prefill="off") as w:
         yield w.host, w.limits, w.target_address, w.draft_address
 
 

@@ -1,0 +1,128 @@
+"""The target never waits idle for what it will need first: while no block is ready, it takes in
+the last verdict's token (or a new prompt) of the sessions waiting on their drafts and stores the
+row for the next place (``Verifier.prefill_next``, ``SessionHost(idle_prefill=...)``). A block
+that arrives then has its first token judged at once and its forward holds its drafted tokens
+only. Nothing is decided ahead: the rows are the ones the verification would compute, so the
+output is the target's, token for token (greedy) and verdict for verdict (sampled, same seeds).
+
+Verifier level: a block verified after a prefill gets the verdict it gets without one. Pipeline
+level: real gRPC on loopback, the session host and a real draft service in this process, every
+idle moment prefilled ("always"), never ("off"); the distributed tests run their Ray workers
+with "always" too (tests/integration/test_distributed.py). When it pays: prefill_pays."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+import torch
+
+from coordinator.distributed import DistributedEngine
+from coordinator.engine import SpeculativeEngine
+from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
+from svip_common.models import load_model_info
+from svip_common.step_cost import SessionGate, StepCost, check_idle_prefill, prefill_pays
+from target_worker.verifier import Verifier
+from tests.workers import in_process_workers
+
+PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
+
+
+def _verdicts(models, sampling: SamplingParams, prefill: bool) -> list:
+    """Three rounds of blocks for four sessions (rejections, full acceptances, a bonus), each
+    round's blocks verified together; with prefill, every session's committed tokens that the
+    cache lacks are taken in before each round, as an idle target would."""
+    verifier = Verifier(models["target"], kv_cache_tokens=4096)
+    sessions = [verifier.open(dataclasses.replace(sampling, seed=i)) for i in range(4)]
+    committed = [list(PROMPT[: 4 + i]) for i in range(4)]
+    vocab = models["target"].model.config.vocab_size
+    q = None if sampling.greedy else torch.full((3, vocab), 1.0 / vocab)  # q here: the target draws corrections
+    out = []
+    for r in range(3):
+        if prefill:
+            assert verifier.prefill_next(list(zip(sessions, committed))) == 4
+            assert not any(s.lacks_next_row(c) for s, c in zip(sessions, committed))
+        jobs = [(s, c, Block(base=len(c), tokens=[(7 * i + r) % 50 + 1, 3, 9], probs=[0.4, 0.3, 0.5],
+                             entropies=[0.1] * 3, q_rows=q)) for i, (s, c) in enumerate(zip(sessions, committed))]
+        verdicts = verifier.verify_batch(jobs)
+        for (_, c, block), v in zip(jobs, verdicts):
+            assert v.token >= 0
+            c += [*block.tokens[: v.accepted], v.token]
+        out.append([(v.base, v.accepted, v.token) for v in verdicts])
+    return out
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=30)],
+                         ids=["greedy", "sampled"])
+def test_a_block_after_a_prefill_gets_the_verdict_it_gets_without_one(models, sampling):
+    assert _verdicts(models, sampling, prefill=True) == _verdicts(models, sampling, prefill=False)
+
+
+def test_a_prefill_takes_in_only_what_the_cache_lacks_and_then_nothing(models):
+    verifier = Verifier(models["target"], kv_cache_tokens=4096)
+    session = verifier.open(SamplingParams())
+    committed = list(PROMPT)
+    assert verifier.prefill_next([(session, committed)]) == 1 and verifier.pool.max_forward_tokens == len(PROMPT)
+    assert verifier.prefill_next([(session, committed)]) == 0  # the row is stored: no forward
+    verdict = session.verify(committed, Block(base=len(committed), tokens=[1, 2], probs=[0.5, 0.5], entropies=[0, 0]))
+    committed += [1, 2][: verdict.accepted] + [verdict.token]
+    forwards = session.forwards
+    assert verifier.prefill_next([(session, committed)]) == 1 and session.forwards == forwards + 1
+    assert verifier.last_step_tokens <= 2  # the verify step's, not the prefill's: unchanged
+
+
+def test_a_long_prompt_is_prefilled_a_chunk_at_a_time_under_the_budget(models):
+    verifier = Verifier(models["target"], kv_cache_tokens=4096)
+    session = verifier.open(SamplingParams())
+    prompt = list(range(3, 40))
+    steps = 0
+    while session.lacks_next_row(prompt):
+        assert verifier.prefill_next([(session, prompt)], budget=10) == 1
+        steps += 1
+    assert steps == 4 and verifier.pool.max_forward_tokens == 10 and session.cached_tokens == len(prompt)
+
+
+def test_when_a_prefill_pays():
+    """It pays where the block takes longer to come than a one-token forward (a CPU's drafting),
+    or nearly so with rejections common; not where the draft answers at once (a GPU's)."""
+    cpu, gpu = StepCost(), StepCost()
+    for tokens in (1, 3, 5) * 10:
+        cpu.observe(tokens, 0.008 + 0.0005 * tokens)
+        gpu.observe(tokens, 0.007 + 0.00005 * tokens)
+    slow_draft, fast_draft = SessionGate(), SessionGate()
+    for gate, draft_s, round_s in ((slow_draft, 0.0026, 0.003), (fast_draft, 0.0001, 0.0003)):
+        for _ in range(20):
+            gate.record(3, 2, draft_s * 3)
+            gate.record_round_trip(round_s)
+    assert prefill_pays(slow_draft, cpu) and not prefill_pays(fast_draft, gpu)
+    assert not prefill_pays(slow_draft, StepCost())  # nothing measured yet
+    with pytest.raises(InvalidRequest, match="idle prefill must be one of"):
+        check_idle_prefill("sometimes")
+
+
+@pytest.mark.parametrize("idle_prefill", ["always", "off"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_the_pipeline_through_idle_prefills_equals_the_target_alone(models, model_dirs, prompt_ids, loop,
+                                                                     idle_prefill, mode):
+    svip = PolicyConfig(name="svip", threshold=0.4)
+    requests = [GenerationRequest(ids, 32, policy=svip) for ids in prompt_ids.values()]
+    requests += [GenerationRequest(prompt_ids["medium"], 24, policy=PolicyConfig(name="constant", draft_length=4))]
+    alone = SpeculativeEngine(models["target"], None)
+    with in_process_workers(loop, models, load_aware="off", idle_prefill=idle_prefill) as w:
+        engine = DistributedEngine(load_model_info(model_dirs.target), w.limits, w.target_address, w.draft_address,
+                                   mode)
+
+        async def all_at_once():
+            await engine.connect()
+            try:
+                return await asyncio.gather(*(engine.generate(r) for r in requests))
+            finally:
+                await engine.close()
+
+        results = loop.run_until_complete(all_at_once())
+        prefills = w.host.prefills
+    for request, result in zip(requests, results):
+        assert result.token_ids == alone.generate(request).token_ids
+    assert (prefills > len(requests)) if idle_prefill == "always" else prefills == 0  # more than the prompts
