@@ -25,7 +25,7 @@ from svip_common.contracts import (
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.randomness import sample_seed
-from svip_common.step_cost import LOAD_AWARE_MODES
+from svip_common.step_cost import IDLE_PREFILL_MODES, LOAD_AWARE_MODES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -227,6 +227,13 @@ def _add_serve_parser(sub) -> None:
         default="greedy",
         help="whose blocks hold no more tokens than pay at the target's load: greedy (default), all, off",
     )
+    srv.add_argument(
+        "--idle-prefill",
+        choices=IDLE_PREFILL_MODES,
+        default="auto",
+        help="while no block is ready, the target takes in what waiting sessions need first (the last "
+        "verdict's token, a new prompt): where it pays (auto, default), always, or off",
+    )
     srv.add_argument("--policy", default="auto", help=f"default length policy (auto): {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     _add_auto_arguments(srv)
@@ -326,6 +333,7 @@ def _serve(args: argparse.Namespace) -> int:
             "kv_cache_tokens": args.kv_cache_tokens,
             "max_batched_tokens": args.max_batched_tokens,
             "load_aware": args.load_aware,
+            "idle_prefill": args.idle_prefill,
             "worker_restarts": args.worker_restarts,
             "draft_stall_s": args.draft_stall_s,
             "sampled_hold_s": args.sampled_hold_s,

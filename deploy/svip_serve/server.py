@@ -177,6 +177,7 @@ class SVIPServer:
             kv_cache_tokens=settings.kv_cache_tokens,
             max_batched_tokens=settings.max_batched_tokens,
             load_aware=settings.load_aware,
+            idle_prefill=settings.idle_prefill,
             auto=settings.auto(),
             max_restarts=settings.worker_restarts,
             recovery=settings.recovery(),

@@ -13,7 +13,7 @@ from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
-from svip_common.step_cost import check_load_aware
+from svip_common.step_cost import check_idle_prefill, check_load_aware
 from svip_serve.auth import split_name
 
 EMBEDDED_MODEL_NAME = "svip-pair"
@@ -39,6 +39,7 @@ class ServeSettings:
     kv_cache_tokens: int = DEFAULT_KV_TOKENS  # each worker's KV pool; admission counts prompt + max_tokens against it
     max_batched_tokens: int = 512  # at most this many tokens in one target forward; longer prompts prefill in chunks
     load_aware: str = "greedy"  # whose blocks follow the target's load: off, greedy, all (svip_common/step_cost.py)
+    idle_prefill: str = "auto"  # the target, idle, takes in what waiting sessions need first: auto, always, off
     max_waiting: int = 32  # requests a replica holds for a free slot; past it: 429
     max_wait_s: float = 30.0  # a request that waited this long for a place gets 429
     max_requests_per_key: int = 0  # requests one API key may have running or waiting on a replica (0: no limit)
@@ -106,6 +107,7 @@ class ServeSettings:
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         check_load_aware(self.load_aware)
+        check_idle_prefill(self.idle_prefill)
         if self.worker_cpus <= 0:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if not isinstance(self.allow_ignore_eos, bool):

@@ -320,6 +320,14 @@ def test_the_auto_policy_and_its_settings_reach_the_app():
     assert "auto_cost" not in defaults and defaults["auto_learn"] is True and defaults["auto_window"] == 4096
 
 
+def test_the_targets_idle_prefill_reaches_the_app():
+    """decoding.idlePrefill: auto by default, as the operator sets it otherwise."""
+    for values, expected in (({}, "auto"), ({"decoding": {"idlePrefill": "off"}}, "off")):
+        service = by_kind(render(values), "RayService")[0]
+        args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert ServeSettings.from_args(args).idle_prefill == expected
+
+
 def test_a_model_path_is_never_the_served_model_id():
     args = yaml.safe_load(
         by_kind(
@@ -510,6 +518,7 @@ def test_the_charts_smoke_script_is_the_packages():
         ({"service": {"type": "ExternalName"}}, "type"),
         ({"modle": {"target": "x"}}, "modle"),
         ({"model": {"draftKind": "medusa"}}, "draftKind"),
+        ({"decoding": {"idlePrefill": "sometimes"}}, "idlePrefill"),
     ],
 )
 def test_values_schema_refuses_bad_values(values, words):

@@ -144,6 +144,7 @@ def test_admission_refuses_past_in_flight_plus_waiting():
     ({"body_read_timeout_s": -1}, "body_read_timeout_s"),
     ({"max_requests_per_key": -1}, "max_requests_per_key"),
     ({"allow_ignore_eos": "yes"}, "allow_ignore_eos"),
+    ({"idle_prefill": "sometimes"}, "idle prefill must be one of"),
     ({"health_check_period_s": 0}, "health_check_period_s"),
     ({"api_key_sha256": ["short-key"]}, "SHA-256 digests"),
 ])

@@ -67,6 +67,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "kv_cache_tokens" (int $v.serve.kvCacheTokens)
   "max_batched_tokens" (int $v.serve.maxBatchedTokens)
   "load_aware" $v.decoding.loadAware
+  "idle_prefill" $v.decoding.idlePrefill
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
   "auto_learn" $v.decoding.auto.learn
