@@ -75,8 +75,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         "--idle-prefill",
         choices=["auto", "always", "off"],
         default="auto",
-        help="pipeline: what the distributed target does while no block is ready: take in what waiting "
-        "sessions need first where it pays (auto), always, or wait (off)",
+        help="pipeline, serve: what the distributed target does while no block is ready: take in what "
+        "waiting sessions need first where it pays (auto), always, or wait (off)",
     )
     bench.add_argument(
         "--one-core-each",

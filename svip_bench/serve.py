@@ -54,7 +54,9 @@ def run(engine, prompts, args, header: dict) -> int:
         max_in_flight=max(levels),
         max_waiting=max(levels),
         allow_ignore_eos=True,
+        idle_prefill=getattr(args, "idle_prefill", "auto"),
     )
+    header["idle_prefill"] = settings.idle_prefill
     base = local.start(settings, port=port)
     client = httpx.Client(timeout=600)
     try:
@@ -285,7 +287,7 @@ def _markdown(doc: dict) -> str:
         f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
         f"{h['max_new_tokens']} new tokens, greedy, streamed over HTTP (SSE) through Ray Serve; svip threshold "
         f"{h['threshold']} (calibrated), defaults = no policy in the request (the server's), none = the "
-        "target alone on the same pipeline.",
+        f"target alone on the same pipeline; the target's prefill while idle: {h.get('idle_prefill', 'off')}.",
         f"In-process engine, one stream, the defaults: {doc['inprocess_tokens_per_s']:.1f} tokens/s.",
         "",
         "| clients | policy | tokens/s (min–max) | over none | TTFT p50 | TTFT p95 | latency p50 |",
