@@ -251,8 +251,13 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def _prefill_waiting(self) -> bool:
         """Nothing to verify: the target takes in, in one forward, what the sessions waiting on
         their drafts will need first (the last verdict's token, a new prompt) where that pays
-        (SessionPipeline.wants_prefill), instead of idling. Returns whether it ran a forward."""
+        (SessionPipeline.wants_prefill), instead of idling. Returns whether it ran a forward.
+        auto does it for a lone session only: with several in flight, blocks arrive one after
+        another and a prefill holds up the next one's step (measured: 8 concurrent sessions
+        made 5-6% fewer tokens/s with it, one session 5-8% more; docs/benchmarks.md)."""
         if self.idle_prefill == "off" or not self._gate.idle_allowed():
+            return False
+        if self.idle_prefill == "auto" and len(self.sessions) != 1:
             return False
         always = self.idle_prefill == "always"
         waiting = [s for s in self.sessions.values() if s.wants_prefill(self.verifier.cost, always)]

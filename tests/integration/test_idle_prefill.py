@@ -126,3 +126,24 @@ def test_the_pipeline_through_idle_prefills_equals_the_target_alone(models, mode
     for request, result in zip(requests, results):
         assert result.token_ids == alone.generate(request).token_ids
     assert (prefills > len(requests)) if idle_prefill == "always" else prefills == 0  # more than the prompts
+
+
+def test_auto_prefills_a_lone_sessions_prompt_and_equals_the_target_alone(models, model_dirs, prompt_ids, loop):
+    """auto, one session on the host: its prompt goes in while the draft prefills its own (the
+    tokens after it where the measured costs say it pays); the output is the target's."""
+    request = GenerationRequest(prompt_ids["long"], 32, policy=PolicyConfig(name="svip", threshold=0.4))
+    with in_process_workers(loop, models, load_aware="off") as w:
+        assert w.host.idle_prefill == "auto"
+        engine = DistributedEngine(load_model_info(model_dirs.target), w.limits, w.target_address, w.draft_address,
+                                   "sync")
+
+        async def one():
+            await engine.connect()
+            try:
+                return await engine.generate(request)
+            finally:
+                await engine.close()
+
+        result = loop.run_until_complete(one())
+        assert w.host.prefills >= 1
+    assert result.token_ids == SpeculativeEngine(models["target"], None).generate(request).token_ids
