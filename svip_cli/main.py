@@ -232,7 +232,7 @@ def _add_serve_parser(sub) -> None:
         choices=IDLE_PREFILL_MODES,
         default="auto",
         help="while no block is ready, the target takes in what waiting sessions need first (the last "
-        "verdict's token, a new prompt): where it pays (auto, default), always, or off",
+        "verdict's token, a new prompt): for a lone session where it pays (auto, default), always, or off",
     )
     srv.add_argument("--policy", default="auto", help=f"default length policy (auto): {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
