@@ -12,20 +12,17 @@ with "always" too (tests/integration/test_distributed.py). When it pays: prefill
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
 import torch
 
-from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
-from svip_common.models import load_model_info
 from svip_common.step_cost import SessionGate, StepCost, check_idle_prefill, prefill_pays
 from target_worker.verifier import Verifier
-from tests.workers import in_process_workers
+from tests.workers import generate_through, in_process_workers
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
 
@@ -111,17 +108,7 @@ def test_the_pipeline_through_idle_prefills_equals_the_target_alone(models, mode
     requests += [GenerationRequest(prompt_ids["medium"], 24, policy=PolicyConfig(name="constant", draft_length=4))]
     alone = SpeculativeEngine(models["target"], None)
     with in_process_workers(loop, models, load_aware="off", idle_prefill=idle_prefill) as w:
-        engine = DistributedEngine(load_model_info(model_dirs.target), w.limits, w.target_address, w.draft_address,
-                                   mode)
-
-        async def all_at_once():
-            await engine.connect()
-            try:
-                return await asyncio.gather(*(engine.generate(r) for r in requests))
-            finally:
-                await engine.close()
-
-        results = loop.run_until_complete(all_at_once())
+        results = generate_through(loop, w, model_dirs.target, mode, requests)
         prefills = w.host.prefills
     for request, result in zip(requests, results):
         assert result.token_ids == alone.generate(request).token_ids
@@ -134,16 +121,6 @@ def test_auto_prefills_a_lone_sessions_prompt_and_equals_the_target_alone(models
     request = GenerationRequest(prompt_ids["long"], 32, policy=PolicyConfig(name="svip", threshold=0.4))
     with in_process_workers(loop, models, load_aware="off") as w:
         assert w.host.idle_prefill == "auto"
-        engine = DistributedEngine(load_model_info(model_dirs.target), w.limits, w.target_address, w.draft_address,
-                                   "sync")
-
-        async def one():
-            await engine.connect()
-            try:
-                return await engine.generate(request)
-            finally:
-                await engine.close()
-
-        result = loop.run_until_complete(one())
+        [result] = generate_through(loop, w, model_dirs.target, "sync", [request])
         assert w.host.prefills >= 1
     assert result.token_ids == SpeculativeEngine(models["target"], None).generate(request).token_ids

@@ -16,16 +16,14 @@ from types import SimpleNamespace
 
 import pytest
 
-from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
 from svip_common.contracts import NO_TOKEN, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
-from svip_common.models import load_model_info
 from svip_common.step_cost import PROBE_FIRST, PROBE_TOKENS, TargetLoad
 from target_worker.verifier import Verifier
-from tests.workers import in_process_workers
+from tests.workers import generate_through, in_process_workers
 
 HEAVY = TargetLoad(plain_rate=1000.0, verify_token_s=0.01)  # τ = 10: no token pays
 LIGHT = TargetLoad(plain_rate=100.0, verify_token_s=0.0001)  # τ = 0.01: the policy decides
@@ -111,28 +109,13 @@ def workers(models, loop):
     """A real draft service and a real session host on loopback; the host's cap per round comes
     from the scripted schedule of the session's own seed."""
     with in_process_workers(loop, models, load_aware="all") as w:
-        yield w.host, w.draft, w.limits, w.target_address, w.draft_address
-
-
-def run_distributed(workers, model_dirs, loop, reqs, pipeline: str):
-    """The requests at once through the caller's end (coordinator/distributed.py) to the host."""
-    _, _, limits, target_address, draft_address = workers
-    engine = DistributedEngine(load_model_info(model_dirs.target), limits, target_address, draft_address, pipeline)
-
-    async def run_all():
-        await engine.connect()
-        try:
-            return await asyncio.gather(*(engine.generate(r) for r in reqs))
-        finally:
-            await engine.close()
-
-    return loop.run_until_complete(run_all())
+        yield w
 
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models, model_dirs, prompt_ids, loop,
                                                                pipeline):
-    host, draft = workers[:2]
+    host, draft = workers.host, workers.draft
     caps = {}
 
     def scripted(gate):
@@ -140,7 +123,7 @@ def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models,
 
     host.load_cap = scripted
     reqs = requests(prompt_ids)
-    results = run_distributed(workers, model_dirs, loop, reqs, pipeline)
+    results = generate_through(loop, workers, model_dirs.target, pipeline, reqs)
     assert [r.token_ids for r in results] == target_alone(models, reqs)
     stats = [r.stats for r in results]
     assert sum(s.pauses for s in stats) > 0 and sum(s.round_sources.count("paused") for s in stats) > 0
@@ -150,10 +133,10 @@ def test_distributed_output_is_exact_through_pauses_and_resumes(workers, models,
 
 
 def test_a_session_that_starts_paused_runs_as_the_target_alone(workers, models, model_dirs, prompt_ids, loop):
-    host, draft = workers[:2]
+    host = workers.host
     host.load_cap = lambda gate: 0
     reqs = requests(prompt_ids, 2)
-    results = run_distributed(workers, model_dirs, loop, reqs, "async")
+    results = generate_through(loop, workers, model_dirs.target, "async", reqs)
     assert [r.token_ids for r in results] == target_alone(models, reqs)
     assert all(r.stats.draft_tokens == 0 and set(r.stats.round_sources) == {"paused"} for r in results)
 
@@ -186,7 +169,7 @@ def test_the_draft_checks_a_resume(models):
 def test_sampled_sessions_pause_and_resume_without_a_protocol_error(workers, model_dirs, prompt_ids, loop):
     """Sampled: a rejection's correction may be drawn at the draft (its q stays there), so a pause
     waits for a verdict whose token the target settles; the session completes either way."""
-    host, draft = workers[:2]
+    host, draft = workers.host, workers.draft
     caps = {}
     host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(100 + len(caps))))
     reqs = [
@@ -195,7 +178,7 @@ def test_sampled_sessions_pause_and_resume_without_a_protocol_error(workers, mod
         )
         for i, r in enumerate(requests(prompt_ids))
     ]
-    results = run_distributed(workers, model_dirs, loop, reqs, "async")
+    results = generate_through(loop, workers, model_dirs.target, "async", reqs)
     assert [len(r.token_ids) for r in results] == [r.max_new_tokens for r in reqs]
     assert sum(r.stats.pauses for r in results) > 0 and sum(r.stats.draft_tokens for r in results) > 0
     assert_all_freed(host, draft, loop)
