@@ -445,12 +445,10 @@ class _Ragged:
             setattr(owner, name, tensor)
         for pack in self.packs:
             pack.make_mask()
-        device = self.pool.device
         for item in self.items:
-            if item.length > 1:  # query i sees keys up to total - length + i (causal, lower right)
-                keys = torch.arange(item.total, device=device)
-                last = torch.arange(item.total - item.length, item.total, device=device)
-                item.mask = keys[None, :] <= last[:, None]
+            if item.length > 1:  # causal, lower right
+                n, total = item.length, item.total
+                item.mask = torch.ones(n, total, dtype=torch.bool, device=self.pool.device).tril(total - n)
 
 
 class StepBuffer:
