@@ -71,7 +71,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         sampled_hold_s: how long a sampled session waits for a lost draft to come back; auto: the
         pair's `auto` estimate (svip_common/acceptance.py), kept here beside the verifier, where
         every verdict is seen (None: from the generic prior); idle_prefill: while no block is
-        ready, take in what waiting sessions need first: "auto" (where it pays), "always", "off"."""
+        ready, take in what waiting sessions need first: "auto" (a lone session, where it pays),
+        "always", "off"."""
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
         self._ready: list[tuple[str, SessionPipeline, DraftedBlock, object, tuple[float, str]]] = []  # to verify
@@ -254,7 +255,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         (SessionPipeline.wants_prefill), instead of idling. Returns whether it ran a forward.
         auto does it for a lone session only: with several in flight, blocks arrive one after
         another and a prefill holds up the next one's step (measured: 8 concurrent sessions
-        made 5-6% fewer tokens/s with it, one session 5-8% more; docs/benchmarks.md)."""
+        made 5-6% fewer tokens/s with it, one session 3-8% more; docs/benchmarks.md)."""
         if self.idle_prefill == "off" or not self._gate.idle_allowed():
             return False
         if self.idle_prefill == "auto" and len(self.sessions) != 1:
