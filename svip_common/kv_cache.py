@@ -23,7 +23,10 @@ the padded attention, so a sequence's logits in a batch equal its logits alone t
 (tests/unit/test_kv_cache.py: allclose and the same argmax against a per-sequence gather; the
 sequences attended on their own are bitwise that gather).
 
-transformers reaches the pool through two hooks: a cache object whose
+A model of a layout ``PoolDecoder`` knows (Llama, Mistral, Qwen2; svip_common/pool_decoder.py)
+is run by it, layer by layer over the step's plan (``_Ragged.write``, ``_Ragged.attend``), in a
+third of the operators and bitwise the same logits; any other model runs through its own
+modules, and transformers reaches the pool through two hooks: a cache object whose
 ``update`` writes the new keys and values (the forward's ``cache=`` argument, so named since 5.24),
 and an attention function registered under ``ATTENTION`` that the model's config names for the
 duration of the forward. Why not transformers' own ``PagedAttentionCache``: it is built for its
@@ -48,6 +51,7 @@ from transformers import AttentionInterface, PreTrainedModel
 
 from svip_common.errors import ModelLoadError, SvipError
 from svip_common.kv_sizes import PAGE_SIZE
+from svip_common.pool_decoder import PoolDecoder
 from svip_common.test_hooks import forward_delay
 
 ATTENTION = "svip_ragged"
@@ -58,7 +62,9 @@ class PoolFull(SvipError):
 
 
 class KVPool:
-    def __init__(self, model: PreTrainedModel, tokens: int, page_size: int = PAGE_SIZE):
+    def __init__(self, model: PreTrainedModel, tokens: int, page_size: int = PAGE_SIZE, flat: bool = True):
+        """flat: run a model whose layout ``PoolDecoder`` knows through it (False: always through
+        transformers' modules and the hooks below; the same logits, bitwise on a CPU)."""
         config = model.config.get_text_config(decoder=True)
         if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
             raise ModelLoadError(f"{config.model_type}: sliding-window attention is not supported by the paged KV pool")
@@ -76,6 +82,7 @@ class KVPool:
         self._free = _FreePages(self.pages)
         self.staging = StepBuffer(self.device)  # a forward's index inputs, in one copy
         self.max_forward_tokens = 0  # the most tokens any forward has held (max_batched_tokens bounds it)
+        self.decoder = PoolDecoder.of(model) if flat else None
 
     @property
     def tokens(self) -> int:
@@ -152,28 +159,35 @@ class KVPool:
         self.max_forward_tokens = max(self.max_forward_tokens, len(ids))
         meta = _Ragged.plan(self, [(seq, len(new)) for seq, new, _ in steps], inputs=(ids, positions, keep))
         ids_, positions_, keep_ = meta.inputs
-        with _ragged_attention(self.model):
-            out = self.model(
-                input_ids=ids_[None].to(self.model.device),
-                position_ids=positions_[None].to(self.model.device),
-                cache=_PoolWriter(meta),
-                use_cache=True,
-                logits_to_keep=keep_.to(self.model.device),
-                output_hidden_states=bool(layers),
-                svip_ragged=meta,
-            )
+        if self.decoder is not None:
+            logits, hidden = self.decoder.run(ids_, positions_, keep_, meta, tuple(layers))
+        else:
+            logits, hidden = self._through_modules(ids_, positions_, keep_, meta, layers)
         for seq, new, _ in steps:
             seq.tokens.extend(new)
-        logits, rows = out.logits[0], []  # [sum of k, vocab]
+        rows = []  # logits: [sum of k, vocab]
         for _, _, k in steps:
             rows.append(logits[:k])
             logits = logits[k:]
         if not layers:
             return rows, []
-        device = self.model.device
-        hidden = torch.cat([out.hidden_states[i][0].to(device) for i in layers], dim=-1)  # [total, layers x h]
-        return rows, list(hidden.split([len(new) for _, new, _ in steps]))
+        features = torch.cat([hidden[i].to(self.model.device) for i in layers], dim=-1)  # [total, layers x h]
+        return rows, list(features.split([len(new) for _, new, _ in steps]))
 
+    def _through_modules(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta: _Ragged,
+                         layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """The forward through transformers' own modules, the pool reached through its hooks."""
+        with _ragged_attention(self.model):
+            out = self.model(
+                input_ids=ids[None].to(self.model.device),
+                position_ids=positions[None].to(self.model.device),
+                cache=_PoolWriter(meta),
+                use_cache=True,
+                logits_to_keep=keep.to(self.model.device),
+                output_hidden_states=bool(layers),
+                svip_ragged=meta,
+            )
+        return out.logits[0], {i: out.hidden_states[i][0] for i in layers}
 
 class PagedSequence:
     """One sequence's pages in a pool and the tokens they hold. Rolling back is one call:
@@ -395,7 +409,7 @@ class _Ragged:
     pool: KVPool
     packs: list[_Packed]  # attended a group at a time
     items: list[_Item]  # attended one by one
-    write: torch.Tensor  # [total new tokens] the slot each new token's keys and values go to
+    write_slots: torch.Tensor  # [total new tokens] the slot each new token's keys and values go to
     gather: torch.Tensor | None  # the slots of every single item not held in one run, in item order
     order: torch.Tensor | None  # rows of [packs' rows; single items' rows] in the step's order (None: as is)
     inputs: list[torch.Tensor]  # the forward's own index inputs (ids, positions, kept rows), staged alongside
@@ -436,7 +450,7 @@ class _Ragged:
 
     def _stage(self) -> None:
         """Every index tensor to the device in one copy; then the masks, made there."""
-        fields = [(self, "write"), (self, "gather"), (self, "order")]
+        fields = [(self, "write_slots"), (self, "gather"), (self, "order")]
         fields += [(pack, name) for pack in self.packs for name in ("slots", "queries", "seen", "rows")]
         fields = [(owner, name) for owner, name in fields if getattr(owner, name) is not None]
         staged = self.pool.staging.upload(self.inputs + [getattr(owner, name) for owner, name in fields])
@@ -450,6 +464,34 @@ class _Ragged:
                 n, total = item.length, item.total
                 item.mask = torch.ones(n, total, dtype=torch.bool, device=self.pool.device).tril(total - n)
 
+
+    def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        """A layer's new keys and values [1, kv_heads, total, head_dim] into their slots of the pool."""
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        write = self.write_slots.to(keys.device)  # a no-op unless the model spans devices
+        keys.index_copy_(0, write, key_states[0].transpose(0, 1))  # [total, kv_heads, head_dim]
+        values.index_copy_(0, write, value_states[0].transpose(0, 1))
+
+    def attend(self, layer: int, query: torch.Tensor, scaling: float | None) -> torch.Tensor:
+        """query [1, heads, total, head_dim]: each sequence's queries attend to its own keys and
+        values in the pool (those before, and its new ones causally); returns [1, total, heads, head_dim]."""
+        keys, values = self.pool.keys[layer], self.pool.values[layer]
+        outs = [pack.attend(query, keys, values, scaling) for pack in self.packs]
+        if self.gather is not None:  # one gather per layer for every single item not held in one run
+            gather = self.gather.to(keys.device)  # a no-op unless the model spans devices
+            gathered_keys, gathered_values = keys.index_select(0, gather), values.index_select(0, gather)
+        for item in self.items:
+            q = query[:, :, item.start : item.start + item.length]  # [1, heads, n, d]
+            k_src, v_src = (keys, values) if item.run else (gathered_keys, gathered_values)
+            k = k_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
+            v = v_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)
+            mask = None if item.mask is None else item.mask.to(q.device)
+            o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            outs.append(o[0].transpose(0, 1))  # [n, heads, d]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs)
+        if self.order is not None:
+            out = out.index_select(0, self.order.to(out.device))
+        return out.unsqueeze(0).contiguous()
 
 class StepBuffer:
     """A pool's persistent staging for one forward's index tensors (ids, positions, kept rows,
@@ -501,35 +543,15 @@ class _PoolWriter:
         self.meta = meta
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, kwargs=None, **_):
-        pool, write = self.meta.pool, self.meta.write
-        keys, values = pool.keys[layer_idx], pool.values[layer_idx]
-        write = write.to(keys.device)  # a no-op unless the model spans devices
-        keys.index_copy_(0, write, key_states[0].transpose(0, 1))  # [total, kv_heads, head_dim]
-        values.index_copy_(0, write, value_states[0].transpose(0, 1))
+        self.meta.write(layer_idx, key_states, value_states)
         return key_states, value_states
 
 
 def _ragged_attention_forward(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    """query [1, heads, total, head_dim]: each sequence's queries attend to its own keys and
-    values in the pool (those before, and its new ones causally); returns [1, total, heads, head_dim]."""
+    """transformers' attention hook: the pool's attention for the forward's plan (keys and values
+    were written by the cache's ``update``)."""
     meta: _Ragged = kwargs["svip_ragged"]
-    keys, values = meta.pool.keys[module.layer_idx], meta.pool.values[module.layer_idx]
-    outs = [pack.attend(query, keys, values, scaling) for pack in meta.packs]
-    if meta.gather is not None:  # one gather per layer for every single item not held in one run
-        gather = meta.gather.to(keys.device)  # a no-op unless the model spans devices
-        gathered_keys, gathered_values = keys.index_select(0, gather), values.index_select(0, gather)
-    for item in meta.items:
-        q = query[:, :, item.start : item.start + item.length]  # [1, heads, n, d]
-        k_src, v_src = (keys, values) if item.run else (gathered_keys, gathered_values)
-        k = k_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
-        v = v_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)
-        mask = None if item.mask is None else item.mask.to(q.device)
-        o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
-        outs.append(o[0].transpose(0, 1))  # [n, heads, d]
-    out = outs[0] if len(outs) == 1 else torch.cat(outs)
-    if meta.order is not None:
-        out = out.index_select(0, meta.order.to(out.device))
-    return out.unsqueeze(0).contiguous(), None
+    return meta.attend(module.layer_idx, query, scaling), None
 
 
 AttentionInterface.register(ATTENTION, _ragged_attention_forward)

@@ -202,16 +202,20 @@ def _per_sequence_gather(steps):
 
 
 def _forward_twice(pool, steps):
-    """The step's logits with the pool's attention and with the reference, from the same cache."""
+    """The step's logits with the pool's attention (through its flat decoder) and with the
+    reference (through the model's own modules), from the same cache."""
     lengths = [len(seq) for seq, _, _ in steps]
+    assert pool.decoder is not None  # the test model's layout is one the decoder knows
     planned = pool.forward(steps)
     for (seq, _, _), n in zip(steps, lengths):
         seq.rollback(n)
+    decoder, pool.decoder = pool.decoder, None  # the modules, which reach the registered attention
     AttentionInterface.register(kv_cache.ATTENTION, _per_sequence_gather(steps))
     try:
         reference = pool.forward(steps)
     finally:
         AttentionInterface.register(kv_cache.ATTENTION, kv_cache._ragged_attention_forward)
+        pool.decoder = decoder
     return planned, reference
 
 
@@ -385,14 +389,14 @@ def test_a_steps_index_tensors_are_views_of_one_buffer_that_persists(model, monk
         seq._grow(len(new))
     ids = [t for _, new, _ in steps for t in new]
     meta = kv_cache._Ragged.plan(pool, [(seq, len(new)) for seq, new, _ in steps], inputs=(ids, [3, 4]))
-    staged = [*meta.inputs, meta.write, meta.gather, meta.order]
+    staged = [*meta.inputs, meta.write_slots, meta.gather, meta.order]
     staged += [t for p in meta.packs for t in (p.slots, p.queries, p.seen, p.rows) if t is not None]
     buffer = pool.staging._device.untyped_storage().data_ptr()
     assert meta.packs and meta.gather is not None and meta.order is not None
     assert all(t.untyped_storage().data_ptr() == buffer for t in staged)
     assert meta.inputs[0].tolist() == ids and meta.inputs[1].tolist() == [3, 4]
     writes = [seq._slots_upto(len(seq) + len(new))[-len(new):] for seq, new, _ in steps]
-    assert meta.write.tolist() == torch.cat(writes).tolist()
+    assert meta.write_slots.tolist() == torch.cat(writes).tolist()
     size = pool.staging._host.numel()
     kv_cache._Ragged.plan(pool, [(alone, 1)], inputs=([7], [0]))
     assert pool.staging._device.untyped_storage().data_ptr() == buffer  # a smaller step: the same buffer
