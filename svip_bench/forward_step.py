@@ -1,6 +1,6 @@
 """One pooled forward, timed and counted: what the engine step costs at a batch size and a context.
 
-    python -m svip_bench.forward_step [--batches 1,16] [--context 200] [--repeats 30] [--packing]
+    python -m svip_bench.forward_step [--batches 1,16] [--context 200] [--repeats 30] [--packing | --decoder]
 
 For each model of the pair (the embedded one unless --target / --draft), each batch size and each
 step shape (decode: one new token per session, as a draft step; verify: five, as a target step):
@@ -12,7 +12,8 @@ and p90 of the forward's wall time, the number of aten operators one forward run
 reads ``KVPool.forward`` as the workers call it, so two commits are compared by running this file
 against each (``PYTHONPATH=<checkout>``), alternately. --packing instead compares, in one process
 on the same sessions, packed attention (the step's short items in one SDPA call per layer) with one
-call per session, alternating step by step.
+call per session, alternating step by step; --decoder compares the pool's flat decoder
+(svip_common/pool_decoder.py) with the model's own modules the same way.
 """
 
 from __future__ import annotations
@@ -82,6 +83,50 @@ def measure(model, batch: int, context: int, repeats: int) -> list[dict]:
     return rows
 
 
+def alternate(pool: KVPool, seqs: list, new: int, repeats: int, ways: dict) -> dict:
+    """Median seconds and aten operators of one step under each way (name -> a function that
+    sets the pool up for it), alternating step by step after a warm-up of three each."""
+    times = {name: [] for name in ways}
+    names = list(ways)
+    for r in range(3 + repeats):
+        for name in (names if r % 2 else names[::-1]):
+            ways[name]()
+            elapsed = step(pool, seqs, new)
+            if r >= 3:
+                times[name].append(elapsed)
+    ops = {}
+    for name, setup in ways.items():
+        setup()
+        ops[name] = aten_ops(pool, seqs, new)
+    return {name: (statistics.median(times[name]), ops[name]) for name in ways}
+
+
+def measure_decoder(model, batch: int, context: int, repeats: int) -> list[dict]:
+    """The pool's flat decoder against the model's own modules, in one process on the same
+    sessions, alternating step by step."""
+    pool = KVPool(model.model, tokens=max(DEFAULT_KV_TOKENS, batch * (context + 64)))
+    seqs = sessions(pool, batch, context, model.token_limit)
+    decoder, rows = pool.decoder, []
+    if decoder is None:
+        raise SystemExit(f"{model.path}: the flat decoder does not know this model's layout")
+
+    def through(d):
+        return lambda: setattr(pool, "decoder", d)
+
+    try:
+        for shape, new in SHAPES.items():
+            got = alternate(pool, seqs, new, repeats, {"modules": through(None), "flat": through(decoder)})
+            (modules, modules_ops), (flat, flat_ops) = got["modules"], got["flat"]
+            rows.append({
+                "batch": batch, "shape": shape, "new_tokens": new, "context": context,
+                "modules_ms": 1e3 * modules, "flat_ms": 1e3 * flat, "speedup": modules / flat,
+                "modules_ops": modules_ops, "flat_ops": flat_ops,
+            })
+    finally:
+        pool.decoder = decoder
+    return rows
+
+
 def measure_packing(model, batch: int, context: int, repeats: int) -> list[dict]:
     """Packed attention (a step's short items in one SDPA call per layer) against one call per
     session, in one process on the same sessions, alternating step by step (the machine's drift
@@ -90,23 +135,18 @@ def measure_packing(model, batch: int, context: int, repeats: int) -> list[dict]
     seqs = sessions(pool, batch, context, model.token_limit)
     packed = kv_cache.PACK_MAX_NEW
     rows = []
+
+    def limit(value):
+        return lambda: setattr(kv_cache, "PACK_MAX_NEW", value)
+
     try:
         for shape, new in SHAPES.items():
-            times, ops = {0: [], packed: []}, {}
-            for r in range(3 + repeats):
-                for limit in ((0, packed) if r % 2 else (packed, 0)):
-                    kv_cache.PACK_MAX_NEW = limit
-                    elapsed = step(pool, seqs, new)
-                    if r >= 3:  # after a warm-up
-                        times[limit].append(elapsed)
-            for limit in (0, packed):
-                kv_cache.PACK_MAX_NEW = limit
-                ops[limit] = aten_ops(pool, seqs, new)
-            alone, together = statistics.median(times[0]), statistics.median(times[packed])
+            got = alternate(pool, seqs, new, repeats, {"alone": limit(0), "packed": limit(packed)})
+            (alone, alone_ops), (together, packed_ops) = got["alone"], got["packed"]
             rows.append({
                 "batch": batch, "shape": shape, "new_tokens": new, "context": context,
                 "per_session_ms": 1e3 * alone, "packed_ms": 1e3 * together, "speedup": alone / together,
-                "per_session_ops": ops[0], "packed_ops": ops[packed],
+                "per_session_ops": alone_ops, "packed_ops": packed_ops,
             })
     finally:
         kv_cache.PACK_MAX_NEW = packed
@@ -139,8 +179,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--context", type=int, default=200)
     parser.add_argument("--repeats", type=int, default=30)
     parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--packing", action="store_true",
-                        help="packed attention against one SDPA call per session, alternating in one process")
+    way = parser.add_mutually_exclusive_group()
+    way.add_argument("--packing", action="store_true",
+                     help="packed attention against one SDPA call per session, alternating in one process")
+    way.add_argument("--decoder", action="store_true",
+                     help="the pool's flat decoder against the model's own modules, alternating in one process")
     parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
     args = parser.parse_args(argv)
     if args.context < 2 or args.repeats < 1:
@@ -154,13 +197,17 @@ def main(argv: list[str] | None = None) -> int:
             print("| model | batch | step | one call per session, median ms | packed, median ms | speedup "
                   "| aten ops, per session | packed |")
             print("|---|---|---|---|---|---|---|---|")
+        elif args.decoder:
+            print("| model | batch | step | modules, median ms | flat decoder, median ms | speedup "
+                  "| aten ops, modules | flat decoder |")
+            print("|---|---|---|---|---|---|---|---|")
         else:
             print("| model | batch | step | median ms | p90 ms | aten ops | sessions held as one run |")
             print("|---|---|---|---|---|---|---|")
     for name, path in (("target", target_dir), ("draft", draft_dir)):
         model = load_model(path)
         for batch in batches:
-            run = measure_packing if args.packing else measure
+            run = measure_packing if args.packing else measure_decoder if args.decoder else measure
             for row in run(model, batch, args.context, args.repeats):
                 row["model"] = name
                 if args.json:
@@ -168,6 +215,9 @@ def main(argv: list[str] | None = None) -> int:
                 elif args.packing:
                     print(f"| {name} | {batch} | {row['shape']} | {row['per_session_ms']:.2f} | {row['packed_ms']:.2f} "
                           f"| {row['speedup']:.2f}x | {row['per_session_ops']} | {row['packed_ops']} |", flush=True)
+                elif args.decoder:
+                    print(f"| {name} | {batch} | {row['shape']} | {row['modules_ms']:.2f} | {row['flat_ms']:.2f} "
+                          f"| {row['speedup']:.2f}x | {row['modules_ops']} | {row['flat_ops']} |", flush=True)
                 else:
                     print(f"| {name} | {batch} | {row['shape']} | {row['median_ms']:.2f} | {row['p90_ms']:.2f} "
                           f"| {row['aten_ops']} | {row['runs']} of {batch} |", flush=True)

@@ -24,8 +24,8 @@ the padded attention, so a sequence's logits in a batch equal its logits alone t
 sequences attended on their own are bitwise that gather).
 
 A model of a layout ``PoolDecoder`` knows (Llama, Mistral, Qwen2; svip_common/pool_decoder.py)
-is run by it, layer by layer over the step's plan (``_Ragged.write``, ``_Ragged.attend``), in a
-third of the operators and bitwise the same logits; any other model runs through its own
+is run by it, layer by layer over the step's plan (``_Ragged.write``, ``_Ragged.attend``), without
+the modules' machinery and bitwise the same logits; any other model runs through its own
 modules, and transformers reaches the pool through two hooks: a cache object whose
 ``update`` writes the new keys and values (the forward's ``cache=`` argument, so named since 5.24),
 and an attention function registered under ``ATTENTION`` that the model's config names for the

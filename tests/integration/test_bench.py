@@ -414,3 +414,20 @@ def test_forward_step_compares_packed_attention_with_one_call_per_session(capsys
     for r in rows:
         assert r["per_session_ms"] > 0 and r["packed_ms"] > 0
         assert (r["packed_ops"] < r["per_session_ops"]) == (r["batch"] == 4), r
+
+
+def test_forward_step_compares_the_flat_decoder_with_the_models_modules(capsys):
+    """`python -m svip_bench.forward_step --decoder`: for each model, batch and step shape, both
+    paths' medians from one process and their operator counts; the decoder runs fewer operators
+    everywhere. With --packing too it is refused (one comparison per run)."""
+    from svip_bench import forward_step
+
+    assert forward_step.main(["--decoder", "--batches", "1,4", "--context", "8", "--repeats", "2", "--json"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert {(r["model"], r["batch"], r["shape"]) for r in rows} == {
+        (m, b, s) for m in ("target", "draft") for b in (1, 4) for s in ("decode", "verify")}
+    for r in rows:
+        assert r["modules_ms"] > 0 and r["flat_ms"] > 0 and r["flat_ops"] < r["modules_ops"], r
+    with pytest.raises(SystemExit):
+        forward_step.main(["--decoder", "--packing"])
+    assert "not allowed with argument" in capsys.readouterr().err
