@@ -19,8 +19,8 @@ blocks (views), so the weights are held once, and the model's own forward, its `
 an in-place change to a weight see the same values. A model moved to another device after its
 pool was built needs a new pool (as its keys and values do).
 
-Only the layouts this file knows run here (``PoolDecoder.of``: Llama, Mistral and Qwen2 decoder
-layers: RMSNorm, a gate/up/down MLP, no per-head norms, no sliding window); anything else, or a
+Only the layouts this file knows run here (``PoolDecoder.of``: Llama, Mistral, Qwen2 and Qwen3
+decoder layers: RMSNorm, a gate/up/down MLP, Qwen3's per-head q/k norms, no sliding window); anything else, or a
 model spread over several devices, goes through transformers' modules and the pool's hooks.
 Imports: torch only (the pool's plan is passed in; svip_common.kv_cache imports this module).
 """
@@ -33,8 +33,10 @@ import torch
 
 # decoder layer classes whose forward is Llama's: norm, attention (q/k/v/o, rotary), residual,
 # norm, gate/up/down MLP, residual
-KNOWN_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer"}
-KNOWN_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm"}
+KNOWN_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer", "Qwen3DecoderLayer"}
+KNOWN_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
+# Qwen3's attention norms each head's q and k (over head_dim) before the rotation
+HEAD_NORMS = {"Qwen3DecoderLayer"}
 
 
 @dataclass
@@ -54,6 +56,8 @@ class _Layer:
     down_bias: torch.Tensor | None
     act: torch.nn.Module
     scaling: float
+    q_norm: tuple[torch.Tensor, float] | None = None  # (weight, eps) where heads are normed (Qwen3)
+    k_norm: tuple[torch.Tensor, float] | None = None
 
 
 class PoolDecoder:
@@ -114,12 +118,17 @@ def _known(layer) -> bool:
         return False
     projections = [getattr(attn, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
     projections += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-    extras = ("q_norm", "k_norm", "sliding_window")  # Qwen3-style norms, windowed layers: not Llama's forward
+    head_norms = [getattr(attn, name, None) for name in ("q_norm", "k_norm")]
+    if type(layer).__name__ in HEAD_NORMS:
+        if any(type(norm).__name__ not in KNOWN_NORMS for norm in head_norms):
+            return False
+    elif any(norm is not None for norm in head_norms):
+        return False
     if not all(isinstance(p, torch.nn.Linear) for p in projections) or not hasattr(mlp, "act_fn"):
         return False
     biased = [[p.bias is not None for p in group] for group in (projections[:3], projections[4:6])]
     return (all(len(set(group)) == 1 for group in biased)  # fused pairs and triples: all biased or none
-            and not any(getattr(attn, name, None) is not None for name in extras))
+            and getattr(attn, "sliding_window", None) is None)  # a windowed layer is not the pool's attention
 
 
 def _fused(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -173,7 +182,12 @@ def _layer(layer) -> _Layer:
         gate_up=gate_up, gate_up_bias=gate_up_bias,
         down=mlp.down_proj.weight.t(), down_bias=mlp.down_proj.bias,
         act=mlp.act_fn, scaling=attn.scaling,
+        q_norm=_norm(getattr(attn, "q_norm", None)), k_norm=_norm(getattr(attn, "k_norm", None)),
     )
+
+
+def _norm(module) -> tuple[torch.Tensor, float] | None:
+    return None if module is None else (module.weight, module.variance_epsilon)
 
 
 def _block(layer: _Layer, index: int, hidden: torch.Tensor, tokens: int, head_dim: int,
@@ -183,8 +197,12 @@ def _block(layer: _Layer, index: int, hidden: torch.Tensor, tokens: int, head_di
     qkv = _linear(x, layer.qkv, layer.qkv_bias)  # [tokens, q + k + v]
     q_width, k_width, _ = layer.split
     # q and k rotated together (elementwise: each value as the module computes it), then apart
-    qk = _rotary(qkv[:, : q_width + k_width].view(1, tokens, -1, head_dim), cos, sin)
-    q, k = qk.split((q_width // head_dim, k_width // head_dim), dim=2)
+    qk = qkv[:, : q_width + k_width].view(1, tokens, -1, head_dim)
+    if layer.q_norm is None:
+        q, k = _rotary(qk, cos, sin).split((q_width // head_dim, k_width // head_dim), dim=2)
+    else:  # each head normed first, q and k with their own weights
+        q, k = qk.split((q_width // head_dim, k_width // head_dim), dim=2)
+        q, k = _rotary(_rms_norm(q, *layer.q_norm), cos, sin), _rotary(_rms_norm(k, *layer.k_norm), cos, sin)
     q, k = q.transpose(1, 2), k.transpose(1, 2)  # [1, heads, tokens, head_dim], as the module's
     v = qkv[:, q_width + k_width :].view(1, tokens, -1, head_dim).transpose(1, 2)
     plan.write(index, k, v)

@@ -9,7 +9,16 @@ import random
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+from transformers import (
+    GemmaConfig,
+    GemmaForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
 
 from svip_common.kv_cache import KVPool
 from svip_common.pool_decoder import PoolDecoder
@@ -108,9 +117,21 @@ def test_a_half_precision_model_is_bitwise_its_modules():
 
 
 @torch.inference_mode()
-def test_a_layout_the_decoder_does_not_know_goes_through_the_modules():
-    """Qwen3's per-head q/k norms are not Llama's forward: the pool runs the model's own modules."""
+def test_per_head_norms_qwen3_are_bitwise_its_modules():
     model = _small(Qwen3Config, Qwen3ForCausalLM, head_dim=16)
+    assert model.model.layers[0].self_attn.q_norm is not None
+    with torch.no_grad():  # the norms' weights away from one, so a dropped or swapped norm shows
+        for layer in model.model.layers:
+            layer.self_attn.q_norm.weight.normal_(1, 0.5)
+            layer.self_attn.k_norm.weight.normal_(1, 0.5)
+    _replay(model, 5, layers=(1, 3))
+
+
+@torch.inference_mode()
+def test_a_layout_the_decoder_does_not_know_goes_through_the_modules():
+    """Gemma scales its embeddings and norms by (1 + weight): not Llama's forward, so the pool
+    runs the model's own modules."""
+    model = _small(GemmaConfig, GemmaForCausalLM, head_dim=16)
     assert PoolDecoder.of(model) is None
     pool = KVPool(model, tokens=256)
     assert pool.decoder is None
