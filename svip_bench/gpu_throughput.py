@@ -2,8 +2,9 @@
 Qwen2.5-7B (target) and Qwen2.5-0.5B (draft), random weights, bf16, built from their configs
 (nothing is downloaded). Random weights accept almost nothing, so the figures are the costs, not
 a speedup: a target step by batch size and tokens (what load-aware speculation fits), a draft
-step, the draft/target cost ratio c, one forward's device kernels and aten operators with the
-attention kernel SDPA chose (batch 1 and 16), and the batched engine's aggregate tokens/s with
+step, the draft/target cost ratio c, one forward's time, device kernels and aten operators with
+the attention kernel SDPA chose (batch 1 and 16, through the pool's flat decoder and through the
+model's own modules), and the batched engine's aggregate tokens/s with
 the target alone at batch 1 and 16.
 Writes gpu_throughput.json and .md under --out. (--device cpu with the tiny shapes checks the
 script itself where there is no GPU; CI does.)"""
@@ -94,9 +95,10 @@ SDPA_KERNELS = {
 }
 
 
-def forward_profile(model, batch: int, k: int, prompt: int) -> dict:
-    """One forward of ``batch`` sequences of ragged lengths adding k tokens each, under the
-    profiler: the device kernels it launches (CUDA; 0 on a CPU), its aten operators, and the
+def forward_profile(model, batch: int, k: int, prompt: int, flat: bool = True, repeats: int = 5) -> dict:
+    """One forward of ``batch`` sequences of ragged lengths adding k tokens each, through the
+    pool's flat decoder (flat) or the model's own modules: its median time, and under the
+    profiler the device kernels it launches (CUDA; 0 on a CPU), its aten operators, and the
     attention kernels SDPA chose (by backend: calls)."""
     from collections import Counter
 
@@ -104,7 +106,7 @@ def forward_profile(model, batch: int, k: int, prompt: int) -> dict:
 
     from svip_common.kv_cache import KVPool
 
-    pool = KVPool(model.model, (batch + 1) * (prompt + k + 16))
+    pool = KVPool(model.model, (batch + 1) * (prompt + k + 16), flat=flat)
     seqs = [pool.sequence() for _ in range(batch)]
     lengths = [prompt - (i % 8) for i in range(batch)]  # ragged: the masks are real
     pool.forward([(s, list(range(10, 10 + n)), 1) for s, n in zip(seqs, lengths)])
@@ -115,13 +117,13 @@ def forward_profile(model, batch: int, k: int, prompt: int) -> dict:
         for s, n in zip(seqs, lengths):
             s.rollback(n)
 
-    step()  # warm-up
+    ms = 1e3 * timed(step, repeats)  # after a warm-up
     cuda = next(model.model.parameters()).device.type == "cuda"
     with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
         step()
     events = prof.events()
     return {
-        "batch": batch, "tokens_per_seq": k,
+        "batch": batch, "tokens_per_seq": k, "path": "flat decoder" if flat else "modules", "ms": ms,
         "device_kernels": sum(1 for e in events if e.device_type == torch.autograd.DeviceType.CUDA),
         "aten_ops": sum(1 for e in events if e.name.startswith("aten::")),
         "sdpa": dict(Counter(SDPA_KERNELS[e.name] for e in events if e.name in SDPA_KERNELS)),
@@ -180,8 +182,9 @@ def main(argv: list[str] | None = None) -> int:
         "machine": f"{where}, {platform.machine()}, torch {torch.__version__}",
         "target_step": step_costs(target, (1, 4, 16, 64), (1, 5, 9), args.prompt, args.repeats),
         "draft_step": step_costs(draft, (1, 16, 64), (1,), args.prompt, args.repeats),
-        "profile": [dict(forward_profile(m, b, k, args.prompt), model=name)
-                    for name, m, k in (("target", target, 5), ("draft", draft, 1)) for b in (1, 16)],
+        "profile": [dict(forward_profile(m, b, k, args.prompt, flat, args.repeats), model=name)
+                    for name, m, k in (("target", target, 5), ("draft", draft, 1)) for b in (1, 16)
+                    for flat in (True, False)],
         "engine": [
             engine_tps(target, draft, b, p, args.new_tokens, args.prompt) for b in (1, 16) for p in ("none", "svip")
         ],
@@ -207,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     ]
     lines += ["", "| draft / target step (c), one token each | batch | c |", "|---|---|---|"]
     lines += [f"| {args.draft_shape} / {args.target_shape} | {r['batch']} | {r['c']:.3f} |" for r in doc["cost_ratio"]]
-    lines += ["", "| one forward | batch | tokens / sequence | device kernels | aten operators | SDPA kernels |",
-              "|---|---|---|---|---|---|"]
+    lines += ["", "| one forward | batch | tokens / sequence | path | ms | device kernels | aten operators "
+              "| SDPA kernels |", "|---|---|---|---|---|---|---|---|"]
     lines += [
-        f"| {r['model']} | {r['batch']} | {r['tokens_per_seq']} | {r['device_kernels']} | {r['aten_ops']} | "
+        f"| {r['model']} | {r['batch']} | {r['tokens_per_seq']} | {r['path']} | {r['ms']:.2f} | {r['device_kernels']} "
+        f"| {r['aten_ops']} | "
         + (", ".join(f"{name} x{n}" for name, n in sorted(r["sdpa"].items())) or "none") + " |"
         for r in doc["profile"]
     ]

@@ -182,3 +182,24 @@ def test_a_steps_inputs_reach_the_gpu_in_one_copy_with_their_values():
     pool.forward([(s, list(range(10, 30 + i)), 1) for i, s in enumerate(seqs)])
     pool.forward([(s, [5, 6], 2) for s in seqs])
     assert pool.staging.copies == 2
+
+
+def test_the_flat_decoder_on_cuda_equals_the_models_modules():
+    """The pool's flat decoder on the GPU (bf16, the embedded target): every step's logits those
+    the model's own modules give from the same cache, to bf16 rounding, with the same argmax
+    (cuBLAS may pick another kernel for the fused q/k/v product's width, so not bitwise here)."""
+    from svip_assets import default_pair
+    from svip_common.kv_cache import KVPool
+
+    model = load_model(default_pair()[0], "bfloat16", "cuda").model
+    pools = [KVPool(model, 4096), KVPool(model, 4096, flat=False)]
+    assert pools[0].decoder is not None and pools[1].decoder is None
+    seqs = [[pool.sequence() for _ in range(4)] for pool in pools]
+    prompts = [list(range(30 + i, 70 + 9 * i)) for i in range(4)]
+    steps = [prompts] + [[[5 + i + j] * (1 + (i + j) % 4) for i in range(4)] for j in range(3)]
+    for news in steps:
+        flat, modules = (pool.forward([(s, n, min(len(n), 4)) for s, n in zip(ss, news)])
+                         for pool, ss in zip(pools, seqs))
+        for a, b in zip(flat, modules):
+            assert torch.allclose(a.float(), b.float(), atol=0.1, rtol=0.02)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))

@@ -288,11 +288,17 @@ def test_the_gpu_throughput_script_runs_where_there_is_no_gpu(tmp_path):
     assert {(r["batch"], r["policy"]) for r in doc["engine"]} == {(b, p) for b in (1, 16) for p in ("none", "svip")}
     assert all(r["tokens_per_s"] > 0 for r in doc["engine"])
     assert [r["batch"] for r in doc["cost_ratio"]] == [1, 16, 64] and all(r["c"] > 0 for r in doc["cost_ratio"])
-    profiles = {(r["model"], r["batch"]): r for r in doc["profile"]}
-    assert set(profiles) == {(m, b) for m in ("target", "draft") for b in (1, 16)}
-    # one attention call per layer at batch 16 (the packed short items), as at batch 1
-    assert profiles[("target", 16)]["sdpa"] == profiles[("target", 1)]["sdpa"] == {"flash (cpu)": 2}
-    assert profiles[("target", 16)]["aten_ops"] < 2 * profiles[("target", 1)]["aten_ops"]
+    profiles = {(r["model"], r["batch"], r["path"]): r for r in doc["profile"]}
+    paths = ("flat decoder", "modules")
+    assert set(profiles) == {(m, b, p) for m in ("target", "draft") for b in (1, 16) for p in paths}
+    for path in paths:
+        # one attention call per layer at batch 16 (the packed short items), as at batch 1
+        assert profiles[("target", 16, path)]["sdpa"] == profiles[("target", 1, path)]["sdpa"] == {"flash (cpu)": 2}
+        assert profiles[("target", 16, path)]["aten_ops"] < 2 * profiles[("target", 1, path)]["aten_ops"]
+    for model in ("target", "draft"):
+        for batch in (1, 16):
+            flat, modules = (profiles[(model, batch, p)] for p in paths)
+            assert flat["aten_ops"] < modules["aten_ops"] and flat["ms"] > 0 and modules["ms"] > 0
     if not __import__("torch").cuda.is_available():
         assert gpu_throughput.main(["--out", str(out)]) == 2
 
