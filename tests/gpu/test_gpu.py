@@ -185,13 +185,13 @@ def test_a_steps_inputs_reach_the_gpu_in_one_copy_with_their_values():
 
 
 def test_the_flat_decoder_on_cuda_equals_the_models_modules():
-    """The pool's flat decoder on the GPU (bf16, the embedded target): every step's logits those
-    the model's own modules give from the same cache, to bf16 rounding, with the same argmax
-    (cuBLAS may pick another kernel for the fused q/k/v product's width, so not bitwise here)."""
+    """The pool's flat decoder on the GPU (float32, the embedded target): every step's logits
+    those the model's own modules give from the same cache, to float rounding, with the same
+    argmax (cuBLAS may pick another kernel for the fused q/k/v product's width, so not bitwise)."""
     from svip_assets import default_pair
     from svip_common.kv_cache import KVPool
 
-    model = load_model(default_pair()[0], "bfloat16", "cuda").model
+    model = load_model(default_pair()[0], "float32", "cuda").model
     pools = [KVPool(model, 4096), KVPool(model, 4096, flat=False)]
     assert pools[0].decoder is not None and pools[1].decoder is None
     seqs = [[pool.sequence() for _ in range(4)] for pool in pools]
@@ -201,5 +201,4 @@ def test_the_flat_decoder_on_cuda_equals_the_models_modules():
         flat, modules = (pool.forward([(s, n, min(len(n), 4)) for s, n in zip(ss, news)])
                          for pool, ss in zip(pools, seqs))
         for a, b in zip(flat, modules):
-            assert torch.allclose(a.float(), b.float(), atol=0.1, rtol=0.02)
-            assert torch.equal(a.argmax(-1), b.argmax(-1))
+            assert torch.allclose(a, b, atol=1e-3) and torch.equal(a.argmax(-1), b.argmax(-1))
