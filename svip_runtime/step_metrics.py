@@ -29,6 +29,7 @@ class StepMetrics:
         )
         self.kv_used = m.Gauge("svip_kv_cache_pages_used", "KV pool pages held by sessions.", tag_keys=keys)
         self.kv_free = m.Gauge("svip_kv_cache_pages_free", "KV pool pages free.", tag_keys=keys)
+        self._pages: tuple[int, int] | None = None  # the gauges' values as last set
         self._on = True
 
     def record(self, sessions: int, tokens: int, pool) -> None:
@@ -36,5 +37,8 @@ class StepMetrics:
             return
         self.batch.observe(sessions, self.tags)
         self.tokens.observe(tokens, self.tags)
-        self.kv_used.set(pool.used_pages, self.tags)
-        self.kv_free.set(pool.free_pages, self.tags)
+        pages = (pool.used_pages, pool.free_pages)
+        if pages != self._pages:  # a gauge holds its last value: set it when it changes (a page boundary)
+            self.kv_used.set(pages[0], self.tags)
+            self.kv_free.set(pages[1], self.tags)
+            self._pages = pages
