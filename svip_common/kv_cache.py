@@ -44,6 +44,7 @@ import time
 from bisect import bisect_left, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 from torch.nn.functional import scaled_dot_product_attention
@@ -438,11 +439,13 @@ class _Ragged:
                 gathers.append(slots)
                 gathered += total
         gather = torch.cat(gathers) if gathers else None
-        flat = [i for _, _, s, n, _ in [it for group in groups for it in group] + singles for i in range(s, s + n)]
+        segments = [(s, n) for _, _, s, n, _ in [it for group in groups for it in group] + singles]
+        starts = [0] + list(accumulate(n for _, n in segments))[:-1]  # where each would begin in step order
         order = None
-        if flat != list(range(len(flat))):
+        if [s for s, _ in segments] != starts:  # attended out of the step's order: put the rows back
+            flat = torch.cat([torch.arange(s, s + n) for s, n in segments])  # the rows as attended
             order = torch.empty(len(flat), dtype=torch.long)
-            order[torch.tensor(flat)] = torch.arange(len(flat))
+            order[flat] = torch.arange(len(flat))
         inputs = [torch.tensor(values, dtype=torch.long) for values in inputs]
         meta = _Ragged(pool, packs, items, torch.cat(writes), gather, order, inputs)
         meta._stage()
