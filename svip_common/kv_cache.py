@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from bisect import bisect_left, insort
+from bisect import bisect_left, bisect_right, insort
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import accumulate
@@ -271,6 +271,10 @@ class _FreePages:
 
     def __init__(self, pages: int):
         self._free = list(range(pages))
+        # the maximal runs of free pages: their starts, sorted, and each one's length (kept as
+        # pages are taken and given, so a new sequence's start is found without a scan of every page)
+        self._starts = [0] if pages else []
+        self._lengths = {0: pages} if pages else {}
 
     def __len__(self) -> int:
         return len(self._free)
@@ -280,6 +284,7 @@ class _FreePages:
         for _ in range(n):
             i = bisect_left(self._free, want)
             page = self._free.pop(i if i < len(self._free) and self._free[i] == want else 0)
+            self._out_of_run(page)
             taken.append(page)
             want = page + 1
         return taken
@@ -287,18 +292,42 @@ class _FreePages:
     def give(self, pages: Sequence[int]) -> None:
         for page in pages:
             insort(self._free, page)
+            self._into_run(page)
 
     def _roomiest(self) -> int:
-        """Where a new sequence starts: the middle of the longest free run (its start if it is the
-        pool's first page, before which no sequence can be growing)."""
-        best_start, best_len, start, prev = 0, 0, None, None
-        for page in self._free:
-            if prev is None or page != prev + 1:
-                start = page
-            prev = page
-            if page - start + 1 > best_len:
-                best_start, best_len = start, page - start + 1
+        """Where a new sequence starts: the middle of the longest free run (the first of the
+        longest; its start if it is the pool's first page, before which no sequence can be growing)."""
+        best_start, best_len = 0, 0
+        for start in self._starts:
+            if self._lengths[start] > best_len:
+                best_start, best_len = start, self._lengths[start]
         return best_start if best_start == 0 else best_start + best_len // 2
+
+    def _out_of_run(self, page: int) -> None:
+        """A free page was taken: its run splits into what lies before and after it."""
+        i = bisect_right(self._starts, page) - 1
+        start = self._starts.pop(i)
+        length = self._lengths.pop(start)
+        if page > start:
+            self._starts.insert(i, start)
+            self._lengths[start] = page - start
+        if page + 1 < start + length:
+            insort(self._starts, page + 1)
+            self._lengths[page + 1] = start + length - page - 1
+
+    def _into_run(self, page: int) -> None:
+        """A page came back: it joins the run ending before it and the run starting after it."""
+        i = bisect_right(self._starts, page) - 1
+        if i >= 0 and self._starts[i] + self._lengths[self._starts[i]] == page:
+            start = self._starts[i]
+            self._lengths[start] += 1
+        else:
+            start = page
+            self._starts.insert(i + 1, page)
+            self._lengths[page] = 1
+        if page + 1 in self._lengths:
+            self._lengths[start] += self._lengths.pop(page + 1)
+            del self._starts[bisect_left(self._starts, page + 1)]
 
 
 @dataclass

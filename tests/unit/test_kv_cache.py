@@ -422,3 +422,53 @@ def test_a_step_reaches_another_device_in_one_copy():
     assert len({t.untyped_storage().data_ptr() for t in staged}) == 1
     staging.upload(parts)
     assert staging.copies == 2
+
+
+def _runs_by_scan(free: list[int]) -> dict[int, int]:
+    """The maximal runs of a sorted page list, by a scan of every page (the reference)."""
+    runs, start, prev = {}, None, None
+    for page in free:
+        if prev is None or page != prev + 1:
+            start = page
+        runs[start] = page - start + 1
+        prev = page
+    return runs
+
+
+def _roomiest_by_scan(free: list[int]) -> int:
+    """Where a new sequence starts, as first written: a scan of every free page."""
+    best_start, best_len, start, prev = 0, 0, None, None
+    for page in free:
+        if prev is None or page != prev + 1:
+            start = page
+        prev = page
+        if page - start + 1 > best_len:
+            best_start, best_len = start, page - start + 1
+    return best_start if best_start == 0 else best_start + best_len // 2
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_free_runs_are_kept_as_pages_come_and_go(seed):
+    """The free list's runs, kept page by page as sequences take and give pages, are those a scan
+    of the free pages finds, and a new sequence starts where the scan would put it."""
+    import random
+
+    rng = random.Random(seed)
+    free = kv_cache._FreePages(97)
+    held: list[list[int]] = []
+    for _ in range(400):
+        if held and (rng.random() < 0.45 or len(free) < 8):
+            pages = held.pop(rng.randrange(len(held)))
+            cut = rng.randint(0, len(pages))  # a rollback gives back a tail; a close, everything
+            free.give(pages[cut:])
+            if cut:
+                held.append(pages[:cut])
+        elif held and rng.random() < 0.5:
+            seq = rng.choice(held)
+            seq += free.take(rng.randint(1, min(4, len(free))), seq[-1])
+        else:
+            assert free._roomiest() == _roomiest_by_scan(free._free)
+            held.append(free.take(rng.randint(1, min(6, len(free))), None))
+        assert free._free == sorted(set(range(97)) - {p for pages in held for p in pages})
+        assert dict(zip(free._starts, (free._lengths[s] for s in free._starts))) == _runs_by_scan(free._free)
+        assert free._starts == sorted(free._lengths)
