@@ -21,7 +21,7 @@ class LocalDistributed:
                  dtype: str = "float32", device: str = "cpu", target_gpus: int = 1, ray_address: str | None = None,
                  placement: str | None = None, tls: TlsFiles | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
                  max_batched_tokens: int | None = None, load_aware: str = "greedy", insecure_workers: bool = False,
-                 auto: AutoSettings = AutoSettings()):
+                 auto: AutoSettings = AutoSettings(), idle_prefill: str = "auto"):
         if ray_address is None:
             init_local_ray()
         else:
@@ -43,6 +43,7 @@ class LocalDistributed:
             load_aware=load_aware,
             insecure_workers=insecure_workers,
             auto=auto,
+            idle_prefill=idle_prefill,
         )
         self.target = self.pair.target_info
         self.draft_path = draft_path

@@ -76,6 +76,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--pipeline", choices=["sync", "async"], help="distributed: async (default) overlaps drafting with verification"
     )
     models.add_argument(
+        "--idle-prefill",
+        choices=IDLE_PREFILL_MODES,
+        help="distributed: while no block is ready, the target takes in what a waiting session needs "
+        "first (its last verdict's token, its prompt): for a lone session where it pays (auto, default), "
+        "always, or off",
+    )
+    models.add_argument(
         "--target-gpus",
         type=int,
         default=1,
@@ -371,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     prompts = _prompt_sources(args)
     base_request = _request_template(args)
-    for flag in ("pipeline", "ray_address", "placement", "grpc_tls_dir", "insecure_workers"):
+    for flag in ("pipeline", "idle_prefill", "ray_address", "placement", "grpc_tls_dir", "insecure_workers"):
         if args.mode == "inprocess" and getattr(args, flag) is not None:
             raise InvalidRequest(f"--{flag.replace('_', '-')} applies to --mode distributed")
     out = _results_stream() if args.mode == "distributed" else sys.stdout
@@ -512,6 +519,7 @@ def _load_engine(args: argparse.Namespace):
             getattr(args, "load_aware", "off"),
             insecure_workers=bool(getattr(args, "insecure_workers", False)),
             auto=_auto_settings(args),
+            idle_prefill=getattr(args, "idle_prefill", None) or "auto",
         )
     target = load_model(target_path, args.dtype, args.device)
     if head is not None:
@@ -545,6 +553,7 @@ def _result_json(args, engine, request, result, text: str) -> dict:
     stats["config"] = {
         "mode": args.mode,
         "pipeline": (args.pipeline or "async") if args.mode == "distributed" else None,
+        "idle_prefill": (args.idle_prefill or "auto") if args.mode == "distributed" else None,
         "target": engine.target.path,
         "draft": engine.draft_path,
         "dtype": args.dtype,

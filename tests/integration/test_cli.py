@@ -150,6 +150,7 @@ def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
         (["x", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["x", "--kv-cache-tokens", "16", "--max-new-tokens", "40"], "does not fit the KV cache of 16 tokens"),
         (["x", "--load-aware", "sometimes"], "invalid choice: 'sometimes'"),
+        (["x", "--mode", "distributed", "--idle-prefill", "eager"], "invalid choice: 'eager'"),
         (["x", "--mode", "distributed", "--target-gpus", "0"], "--target-gpus must be >= 1"),
         (["x", "--max-new-tokens", "600"], "exceeds the model's context of 512 tokens"),
         (["x", "--prompt-ids", "1"], "give exactly one prompt source"),
@@ -235,11 +236,13 @@ def test_console_script_non_utf8_argv_and_no_traceback(model_dirs):
 
 def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     """`--mode distributed` starts Ray and both worker actors on loopback, and prints the same
-    tokens as the in-process engine, with the pipeline's own stats."""
+    tokens as the in-process engine, with the pipeline's own stats (the target prefilling while
+    it waits, --idle-prefill always, changes no token)."""
     args = ["generate", "--prompt-ids", "5,6,7,8", *pair_args(model_dirs), "--max-new-tokens", "16", "--json"]
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run(
-        [sys.executable, "-m", "svip_cli", *args, "--mode", "distributed", "--pipeline", "async"],
+        [sys.executable, "-m", "svip_cli", *args, "--mode", "distributed", "--pipeline", "async",
+         "--idle-prefill", "always"],
         capture_output=True,
         env=env,
         cwd=REPO,
@@ -253,12 +256,14 @@ def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     assert distributed["token_ids"] == json.loads(out)["token_ids"]
     stats = distributed["stats"]
     assert stats["config"]["mode"] == "distributed" and stats["config"]["pipeline"] == "async"
+    assert stats["config"]["idle_prefill"] == "always" and json.loads(out)["stats"]["config"]["idle_prefill"] is None
     assert stats["wire_bytes"] > 0 and "discarded_tokens" in stats and stats["timeline"]
 
 
-def test_pipeline_needs_distributed_mode(capsys, model_dirs):
-    code, _, err = run_cli(capsys, "generate", "x", *pair_args(model_dirs), "--pipeline", "sync")
-    assert code == 2 and "--pipeline applies to --mode distributed" in err
+@pytest.mark.parametrize("flag, value", [("--pipeline", "sync"), ("--idle-prefill", "off")])
+def test_pipeline_settings_need_distributed_mode(capsys, model_dirs, flag, value):
+    code, _, err = run_cli(capsys, "generate", "x", *pair_args(model_dirs), flag, value)
+    assert code == 2 and f"{flag} applies to --mode distributed" in err
 
 
 @pytest.mark.parametrize(
