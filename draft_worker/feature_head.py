@@ -31,8 +31,9 @@ from pathlib import Path
 
 import torch
 from torch import nn
-from torch.nn.functional import scaled_dot_product_attention, silu
+from torch.nn.functional import silu
 
+from svip_common.attention import grouped_sdpa
 from svip_common.errors import ModelLoadError
 
 WEIGHTS = "model.safetensors"
@@ -160,7 +161,7 @@ class _Attention(nn.Module):
 
     def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
         """[B, heads, T, d] queries over [B, kv_heads, L, d] keys -> [B, T, h]."""
-        out = scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+        out = grouped_sdpa(q, k, v, mask)
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache) -> torch.Tensor:
@@ -176,7 +177,7 @@ class _Attention(nn.Module):
         holds -> [B, h]. The projections for all at once; each sequence attends its own keys."""
         q, k, v = self.project(x[:, None], positions[:, None])
         out = torch.cat([
-            scaled_dot_product_attention(q[i : i + 1], *cache.extend(k[i : i + 1], v[i : i + 1]), enable_gqa=True)
+            grouped_sdpa(q[i : i + 1], *cache.extend(k[i : i + 1], v[i : i + 1]))
             for i, cache in enumerate(caches)
         ])  # [B, heads, 1, d]
         return self.o_proj(out.reshape(x.shape[0], -1))

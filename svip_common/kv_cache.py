@@ -47,9 +47,9 @@ from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
-from torch.nn.functional import scaled_dot_product_attention
 from transformers import AttentionInterface, PreTrainedModel
 
+from svip_common.attention import grouped_sdpa
 from svip_common.errors import ModelLoadError, SvipError
 from svip_common.kv_sizes import PAGE_SIZE
 from svip_common.pool_decoder import PoolDecoder
@@ -402,7 +402,7 @@ class _Packed:
             q = query[0].index_select(1, self.queries.to(query.device)).view(heads, self.items, self.widest, d)
             q = q.transpose(0, 1)
         mask = None if self.mask is None else self.mask.to(q.device)
-        o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        o = grouped_sdpa(q, k, v, mask, scaling)
         o = o.transpose(1, 2).reshape(self.items * self.widest, heads, d)
         return o if self.rows is None else o.index_select(0, self.rows.to(o.device))
 
@@ -518,7 +518,7 @@ class _Ragged:
             k = k_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
             v = v_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)
             mask = None if item.mask is None else item.mask.to(q.device)
-            o = scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+            o = grouped_sdpa(q, k, v, mask, scaling)
             outs.append(o[0].transpose(0, 1))  # [n, heads, d]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.order is not None:

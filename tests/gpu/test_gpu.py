@@ -202,3 +202,23 @@ def test_the_flat_decoder_on_cuda_equals_the_models_modules():
                          for pool, ss in zip(pools, seqs))
         for a, b in zip(flat, modules):
             assert torch.allclose(a, b, atol=1e-3) and torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_a_verify_step_on_cuda_never_takes_sdpas_math_kernel(dtype):
+    """Masked, grouped-head attention (a packed verify step, a lone prefill): the keys and values
+    are expanded to every head on CUDA (svip_common/attention.py), so SDPA picks a fused kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from svip_assets import default_pair
+    from svip_bench.gpu_throughput import SDPA_KERNELS
+    from svip_common.kv_cache import KVPool
+
+    pool = KVPool(load_model(default_pair()[0], dtype, "cuda").model, 8192)
+    seqs = [pool.sequence() for _ in range(4)]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        pool.forward([(s, list(range(10, 50 + 7 * i)), 1) for i, s in enumerate(seqs)])  # prefills, alone
+        pool.forward([(s, [5, 6, 7, 8], 4) for s in seqs])  # one packed, masked call per layer
+        torch.cuda.synchronize()
+    kernels = {SDPA_KERNELS[e.name] for e in prof.events() if e.name in SDPA_KERNELS}
+    assert kernels and "math" not in kernels, kernels
