@@ -27,6 +27,7 @@ Imports: torch only (the pool's plan is passed in; svip_common.kv_cache imports 
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -37,6 +38,7 @@ KNOWN_LAYERS = {"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
 KNOWN_NORMS = {"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "Qwen3RMSNorm"}
 # Qwen3's attention norms each head's q and k (over head_dim) before the rotation
 HEAD_NORMS = {"Qwen3DecoderLayer"}
+_FUSING = threading.Lock()
 
 
 @dataclass
@@ -143,7 +145,13 @@ def _fused(*linears: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None
 
 
 def _one_tensor(params: list[torch.nn.Parameter]) -> torch.Tensor:
-    """A tensor whose row blocks are ``params``, which are made its views if they are not already."""
+    """A tensor whose row blocks are ``params``, which are made its views if they are not already
+    (under a lock: two pools built at once on one model fuse its weights once)."""
+    with _FUSING:
+        return _one_tensor_unlocked(params)
+
+
+def _one_tensor_unlocked(params: list[torch.nn.Parameter]) -> torch.Tensor:
     first, rows = params[0], sum(p.shape[0] for p in params)
     if _consecutive(params):
         return first.detach().as_strided((rows, *first.shape[1:]), first.stride(), first.storage_offset())
