@@ -40,8 +40,8 @@ def mask_padding(logits: torch.Tensor, limit: int) -> torch.Tensor:
 def _top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
     """Keep the smallest set of most likely tokens whose mass reaches top_p (at least one)."""
     sorted_logits, order = torch.sort(logits, dim=-1, descending=True)  # [n, vocab]
-    cum = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    drop_sorted = (cum - torch.softmax(sorted_logits, dim=-1)) >= top_p  # mass before this token
+    probs = torch.softmax(sorted_logits, dim=-1)
+    drop_sorted = (probs.cumsum(dim=-1) - probs) >= top_p  # mass before this token
     drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
     return logits.masked_fill(drop, float("-inf"))
 
