@@ -23,7 +23,7 @@ the padded attention, so a sequence's logits in a batch equal its logits alone t
 (tests/unit/test_kv_cache.py: allclose and the same argmax against a per-sequence gather; the
 sequences attended on their own are bitwise that gather).
 
-A model of a layout ``PoolDecoder`` knows (Llama, Mistral, Qwen2; svip_common/pool_decoder.py)
+A model of a layout ``PoolDecoder`` knows (Llama, Mistral, Qwen2, Qwen3; svip_common/pool_decoder.py)
 is run by it, layer by layer over the step's plan (``_Ragged.write``, ``_Ragged.attend``), without
 the modules' machinery and bitwise the same logits; any other model runs through its own
 modules, and transformers reaches the pool through two hooks: a cache object whose
@@ -189,6 +189,7 @@ class KVPool:
                 svip_ragged=meta,
             )
         return out.logits[0], {i: out.hidden_states[i][0] for i in layers}
+
 
 class PagedSequence:
     """One sequence's pages in a pool and the tokens they hold. Rolling back is one call:
@@ -495,7 +496,6 @@ class _Ragged:
             if item.length > 1:  # causal, lower right
                 n, total = item.length, item.total
                 item.mask = torch.ones(n, total, dtype=torch.bool, device=self.pool.device).tril(total - n)
-
 
     def write(self, layer: int, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         """A layer's new keys and values [1, kv_heads, total, head_dim] into their slots of the pool."""
