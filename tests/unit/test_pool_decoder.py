@@ -80,9 +80,10 @@ def test_hidden_states_are_bitwise_the_models_at_every_index(models):
     assert features and all(f.shape[-1] == len(layers) * model.config.hidden_size for f in features)
 
 
-def test_the_fused_weights_are_the_models_own_not_a_copy():
+def test_the_fused_weights_are_the_models_own_not_a_copy(tmp_path):
     """q/k/v and gate/up are made blocks of one tensor once: a second pool finds them so, the
-    model's own forward still gives what it gave, and a change to a module's weight reaches the pool."""
+    model's own forward still gives what it gave, the model saves and reloads as it was, and a
+    change to a module's weight reaches the pool."""
     model = _small(LlamaConfig, LlamaForCausalLM, seed=5)
     ids = torch.tensor([[5, 6, 7, 8]])
     with torch.inference_mode():
@@ -95,8 +96,10 @@ def test_the_fused_weights_are_the_models_own_not_a_copy():
     assert fused.untyped_storage().data_ptr() == storage
     assert KVPool(model, tokens=64).decoder.layers[1].qkv.data_ptr() == fused.data_ptr()  # found, not made again
     assert not torch.is_inference(attn.q_proj.weight) and attn.q_proj.weight.requires_grad
+    model.save_pretrained(tmp_path)  # parameters sharing one storage still save, one tensor each
     with torch.inference_mode():
         assert torch.equal(model(input_ids=ids).logits[0], before)
+        assert torch.equal(LlamaForCausalLM.from_pretrained(tmp_path).eval()(input_ids=ids).logits[0], before)
         with torch.no_grad():
             attn.v_proj.weight.mul_(2.0)
         seq = pool.sequence()
