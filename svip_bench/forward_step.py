@@ -49,6 +49,12 @@ def sessions(pool: KVPool, batch: int, context: int, vocab: int) -> list:
     return seqs
 
 
+def worker_pool(model, batch: int, context: int) -> tuple[KVPool, list]:
+    """A pool of a worker's default size (or more, for the batch) and its B prefilled sessions."""
+    pool = KVPool(model.model, tokens=max(DEFAULT_KV_TOKENS, batch * (context + 64)))
+    return pool, sessions(pool, batch, context, model.token_limit)
+
+
 def step(pool: KVPool, seqs: list, new: int) -> float:
     steps = [(s, list(range(7, 7 + new)), new) for s in seqs]
     lengths = [len(s) for s in seqs]
@@ -67,8 +73,7 @@ def aten_ops(pool: KVPool, seqs: list, new: int) -> int:
 
 
 def measure(model, batch: int, context: int, repeats: int) -> list[dict]:
-    pool = KVPool(model.model, tokens=max(DEFAULT_KV_TOKENS, batch * (context + 64)))  # a worker's default pool
-    seqs = sessions(pool, batch, context, model.token_limit)
+    pool, seqs = worker_pool(model, batch, context)
     rows = []
     for shape, new in SHAPES.items():
         for _ in range(3):
@@ -101,12 +106,27 @@ def alternate(pool: KVPool, seqs: list, new: int, repeats: int, ways: dict) -> d
     return {name: (statistics.median(times[name]), ops[name]) for name in ways}
 
 
+def compared(pool: KVPool, seqs: list, batch: int, context: int, repeats: int, ways: dict) -> list[dict]:
+    """One row per step shape for two ways (before, after: name -> setup), alternated: each one's
+    median ms and aten operators, and the speedup of the second over the first."""
+    (before, _), (after, _) = ways.items()
+    rows = []
+    for shape, new in SHAPES.items():
+        got = alternate(pool, seqs, new, repeats, ways)
+        (slow, slow_ops), (fast, fast_ops) = got[before], got[after]
+        rows.append({
+            "batch": batch, "shape": shape, "new_tokens": new, "context": context,
+            f"{before}_ms": 1e3 * slow, f"{after}_ms": 1e3 * fast, "speedup": slow / fast,
+            f"{before}_ops": slow_ops, f"{after}_ops": fast_ops,
+        })
+    return rows
+
+
 def measure_decoder(model, batch: int, context: int, repeats: int) -> list[dict]:
     """The pool's flat decoder against the model's own modules, in one process on the same
     sessions, alternating step by step."""
-    pool = KVPool(model.model, tokens=max(DEFAULT_KV_TOKENS, batch * (context + 64)))
-    seqs = sessions(pool, batch, context, model.token_limit)
-    decoder, rows = pool.decoder, []
+    pool, seqs = worker_pool(model, batch, context)
+    decoder = pool.decoder
     if decoder is None:
         raise SystemExit(f"{model.path}: the flat decoder does not know this model's layout")
 
@@ -114,43 +134,25 @@ def measure_decoder(model, batch: int, context: int, repeats: int) -> list[dict]
         return lambda: setattr(pool, "decoder", d)
 
     try:
-        for shape, new in SHAPES.items():
-            got = alternate(pool, seqs, new, repeats, {"modules": through(None), "flat": through(decoder)})
-            (modules, modules_ops), (flat, flat_ops) = got["modules"], got["flat"]
-            rows.append({
-                "batch": batch, "shape": shape, "new_tokens": new, "context": context,
-                "modules_ms": 1e3 * modules, "flat_ms": 1e3 * flat, "speedup": modules / flat,
-                "modules_ops": modules_ops, "flat_ops": flat_ops,
-            })
+        return compared(pool, seqs, batch, context, repeats, {"modules": through(None), "flat": through(decoder)})
     finally:
         pool.decoder = decoder
-    return rows
 
 
 def measure_packing(model, batch: int, context: int, repeats: int) -> list[dict]:
     """Packed attention (a step's short items in one SDPA call per layer) against one call per
     session, in one process on the same sessions, alternating step by step (the machine's drift
     falls on both alike)."""
-    pool = KVPool(model.model, tokens=max(DEFAULT_KV_TOKENS, batch * (context + 64)))
-    seqs = sessions(pool, batch, context, model.token_limit)
+    pool, seqs = worker_pool(model, batch, context)
     packed = kv_cache.PACK_MAX_NEW
-    rows = []
 
     def limit(value):
         return lambda: setattr(kv_cache, "PACK_MAX_NEW", value)
 
     try:
-        for shape, new in SHAPES.items():
-            got = alternate(pool, seqs, new, repeats, {"alone": limit(0), "packed": limit(packed)})
-            (alone, alone_ops), (together, packed_ops) = got["alone"], got["packed"]
-            rows.append({
-                "batch": batch, "shape": shape, "new_tokens": new, "context": context,
-                "per_session_ms": 1e3 * alone, "packed_ms": 1e3 * together, "speedup": alone / together,
-                "per_session_ops": alone_ops, "packed_ops": packed_ops,
-            })
+        return compared(pool, seqs, batch, context, repeats, {"per_session": limit(0), "packed": limit(packed)})
     finally:
         kv_cache.PACK_MAX_NEW = packed
-    return rows
 
 
 def add_pair_args(parser: argparse.ArgumentParser) -> None:
