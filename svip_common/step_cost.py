@@ -282,10 +282,11 @@ class SessionGate:
         return cap
 
 
-def prefill_pays(gate: SessionGate, verify: StepCost) -> bool:
+def prefill_pays(gate: SessionGate, verify: StepCost, waited: float = 0.0) -> bool:
     """Whether the target, idle while a session waits on its draft, should take the last verdict's
     token into its cache now (``Verifier.prefill_next``) rather than with the block. With W the
-    wait for the block (the session's round trip plus its drafting), F(n) the target's forward of
+    wait for the block still to come (the session's round trip plus its drafting, less what it
+    has waited: ``waited`` seconds since the verdict), F(n) the target's forward of
     n tokens, k the tokens a block holds and r the chance its first token is rejected: waiting
     costs W + F(k + 1); prefilling costs max(W, F(1)) and then F(k) unless the stored row
     rejects the first token at once. It pays when max(0, F(1) - W) < r·F(k) + F(k + 1) - F(k):
@@ -294,6 +295,6 @@ def prefill_pays(gate: SessionGate, verify: StepCost) -> bool:
     if not verify.observed:
         return False
     k = max(1.0, gate.acceptance.drafted_per_block)
-    wait = gate.round_s + gate.draft_token_s * k
+    wait = max(0.0, gate.round_s + gate.draft_token_s * k - waited)
     rejected_first = 1.0 - gate.acceptance.value
     return max(0.0, verify.time(1) - wait) < rejected_first * verify.time(k) + verify.per_item

@@ -73,6 +73,7 @@ class Verifier:
                     seq, new, _ = plan.step
                     steps.append((seq, new[:chunk], 0))
                     owners.append(None)
+                    session._forget_row()
                     room -= chunk
                 continue
             plans[i] = plan
@@ -125,8 +126,9 @@ class Verifier:
             if plan.step is None or room < 1:
                 continue
             seq, new, _ = plan.step
-            if len(new) > room:  # a chunk of the prompt, its row later
+            if len(new) > room:  # a chunk of the prompt, its row later (a row stored before is not this one's)
                 steps.append((seq, new[: int(room)], 0))
+                session._forget_row()
                 room = 0
                 continue
             steps.append(plan.step)
@@ -220,6 +222,10 @@ class TargetSession:
     def close(self) -> None:
         """Give the session's pages back to the pool."""
         self._seq.close()
+        self._forget_row()
+
+    def _forget_row(self) -> None:
+        """No row is stored: the sequence it was computed on is changing (a prompt chunk) or gone."""
         self._pending, self._pending_at, self._pending_choice, self._passed = None, -1, None, None
 
     def verify(self, committed: Sequence[int], block: Block) -> Verdict:
@@ -258,6 +264,19 @@ class TargetSession:
         handed, rest, at = self._features[:end], self._features[end:], self._features_from
         self._features, self._features_from = (rest if rest.shape[0] else None), at + end
         return dataclasses.replace(verdict, features=handed, features_from=at)
+
+    def next_token(self, committed: Sequence[int]) -> int | None:
+        """Greedy: the target's own token for the place after ``committed``, read from the row
+        stored for exactly these tokens (a prefill's, or the last verification's), no forward;
+        None when no such row is stored (or the session samples)."""
+        if not self.sampling.greedy or self._pending_choice is None or not self._holds(committed):
+            return None
+        return self._pending_choice
+
+    def judged_alone(self, tokens: int) -> None:
+        """Drafted tokens judged against the target's own tokens, settled while it waited for them
+        (no forward): they count as verified, as those a verification judges."""
+        self._verifier.tokens_verified += tokens
 
     def lacks_next_row(self, committed: Sequence[int]) -> bool:
         """The row for the place after ``committed`` is not stored (by the place alone: a cheap

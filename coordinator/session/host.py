@@ -81,6 +81,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self._reserved: dict[str, int] = {}  # session id -> tokens held
         self.idle_prefill = check_idle_prefill(idle_prefill)
         self.prefills = 0  # sessions advanced by a prefill while idle
+        self.fills = 0  # tokens greedy sessions settled from the target alone while they waited on their drafts
         super().__init__(limits)
         self.verifier = verifier
         self.max_batched_tokens = max_batched_tokens
@@ -227,7 +228,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         ready = [job for job in self._ready if self.sessions.get(job[0]) is job[1] and not job[1].done]
         if not ready:
             self._ready.clear()
-            return self._prefill_waiting()
+            return self._work_while_idle()
         if not self._gate.open():  # a test holds this worker (svip_common/test_hooks.py): look again soon,
             self._ready = ready  # answering every message meanwhile
             time.sleep(GATE_POLL_S)
@@ -249,17 +250,41 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 self._step(session_id, session.verified, block, verdict, received_at, source, started, ended)
         return True
 
-    def _prefill_waiting(self) -> bool:
-        """Nothing to verify: the target takes in, in one forward, what the sessions waiting on
-        their drafts will need first (the last verdict's token, a new prompt) where that pays
-        (SessionPipeline.wants_prefill), instead of idling. Returns whether it ran a forward.
-        auto does it for a lone session only: with several in flight, blocks arrive one after
-        another and a prefill holds up the next one's step (measured: 8 concurrent sessions
-        made 5-6% fewer tokens/s with it, one session 3-8% more; docs/benchmarks.md)."""
+    def _work_while_idle(self) -> bool:
+        """Nothing to verify: instead of idling, the target works for the sessions waiting on
+        their drafts. A greedy one settles the target's own next token where its row is stored
+        (SessionPipeline.wants_fill: no forward), and one forward takes in what they need first
+        (the last verdict's or that token, a new prompt) where that pays
+        (SessionPipeline.wants_prefill), after which they settle the next. So a greedy session
+        whose block is late is decoded by the target alone meanwhile, and the block is checked
+        against those tokens when it comes. Returns whether it did anything. auto does it for a
+        lone session only: with several in flight, blocks arrive one after another and a prefill
+        holds up the next one's step (measured: 8 concurrent sessions made 5-6% fewer tokens/s
+        with it, one session 3-8% more; docs/benchmarks.md). Not with a feature draft, which
+        needs the target's features of every token, handed over with verdicts."""
         if self.idle_prefill == "off" or not self._gate.idle_allowed():
             return False
         if self.idle_prefill == "auto" and len(self.sessions) != 1:
             return False
+        fills = not self.verifier.feature_layers
+        now = time.time()
+        filled = fills and self._fill_waiting(now, now)
+        return self._prefill_waiting(fills) or filled
+
+    def _fill_waiting(self, started: float, ended: float) -> bool:
+        """Greedy sessions waiting on their drafts settle the target's own next token where its
+        row is stored; started, ended: the forward that stored them (equal: none now)."""
+        settled = []
+        for session_id, session in list(self.sessions.items()):
+            if session.wants_fill():
+                self._step(session_id, lambda s=session: settled.append(s.fill(started, ended)))
+        self.fills += sum(settled)
+        return any(settled)
+
+    def _prefill_waiting(self, fills: bool) -> bool:
+        """One forward that takes in what the sessions waiting on their drafts will need first,
+        where that pays; then (fills) greedy ones settle the token its rows give. Returns whether
+        it ran a forward."""
         always = self.idle_prefill == "always"
         waiting = [s for s in self.sessions.values() if s.wants_prefill(self.verifier.cost, always)]
         if not waiting:
@@ -275,6 +300,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         for session in waiting:
             session.log.busy("target", started, ended)
         self.prefills += advanced
+        if fills:
+            self._fill_waiting(started, ended)
         return advanced > 0
 
     def check_sessions(self) -> None:

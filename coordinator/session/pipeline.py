@@ -35,6 +35,7 @@ at the current epoch, and drafting goes on from there.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import logging
 import time
@@ -150,6 +151,10 @@ class SessionPipeline:
         self.auto, self._load = (auto if draft is not None else None), load
         self.mode = DraftMode.DRAFTING
         self.waiting_since: float | None = None  # since when the session waits on the draft (stall check)
+        # where the draft's next main-line block starts; committed tokens past it are the target's
+        # own, settled while it waited for that block (fill), which the block is checked against
+        self.draft_base = len(self.committed)
+        self.filled = 0  # tokens the target settled alone while the session waited (a round each)
 
     @property
     def paused(self) -> bool:
@@ -203,6 +208,7 @@ class SessionPipeline:
             load_cap=cap,
             stop_rule=self._stop_rule(),
         )
+        self.draft_base = len(self.committed)
         self._to_draft(start)
         if cap == 0:
             self._pause()
@@ -278,7 +284,37 @@ class SessionPipeline:
             return False
         if self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
             return False
-        return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify)
+        waited = time.time() - self.waiting_since
+        return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify, waited)
+
+    def wants_fill(self) -> bool:
+        """The target never idles for a block: a greedy session that waits on its draft settles
+        the target's own next token, from the row stored for exactly its committed tokens (a
+        prefill's, or the last verification's: ``TargetSession.next_token``), and the block that
+        comes later is checked against the tokens settled so meanwhile (``_verify``). Exact by
+        construction: every token is the target's own choice. Not for sampled sessions: whether
+        a place is drawn by the target alone or by a verdict would depend on timing, and a seeded
+        request must reproduce."""
+        return (
+            self.request.sampling.greedy
+            and not self.done
+            and self.mode is DraftMode.DRAFTING
+            and self.verifying is None
+            and self.waiting_since is not None
+        )
+
+    def fill(self, started: float, ended: float) -> bool:
+        """Settle the target's own token for the next place if its row is stored (wants_fill
+        said the session may); started, ended: the forward that stored it (a prefill while idle;
+        equal: none ran for it). Returns whether a token was settled."""
+        token = self.target.next_token(self.committed)
+        if token is None:
+            return False
+        now = time.time()
+        self.filled += 1
+        self.log.round(self._empty_block(), 0, (now, started, ended, "filled"), now)
+        self._commit(*self._clipped([token]))
+        return True
 
     def _go_alone(self) -> None:
         if self.reattach.hold_until is None:
@@ -294,10 +330,9 @@ class SessionPipeline:
             self.stats.discarded_tokens += len(block.tokens)
             settled = []
         else:
-            settled = list(block.tokens[: verdict.accepted]) + ([verdict.token] if verdict.token != NO_TOKEN else [])
+            settled = self._new_tokens(block, verdict.accepted, verdict.token)
             self.log.round(block, verdict.accepted, timing, decided)
-        settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
-        self._commit(settled, reason)
+        self._commit(*self._clipped(settled))
         if self.done:
             return
         if self.reattach.waiting is AttachWait.VERDICT:
@@ -365,7 +400,7 @@ class SessionPipeline:
             raise WorkerError("draft worker sent a block while the session is paused")
         if block.prepared_for is not None:
             parent = block.prepared_for[0]
-            undecided = self.verifying.base if self.verifying is not None else len(self.committed)
+            undecided = self.verifying.base if self.verifying is not None else self.draft_base
             check_prepared(parent, len(self.committed), len(self.ahead.prepared), self.limits)
             if parent >= undecided:  # its parent's verdict is still to come
                 self.ahead.keep_prepared(block.prepared_for, block, received_at)
@@ -375,12 +410,11 @@ class SessionPipeline:
         if block.reused:
             self.stats.prepared_used_late += 1
         if block.resolved_token != NO_TOKEN:
-            budget = self.request.max_new_tokens - len(self.generated)
-            self._commit(*clip_settled([self._checked_correction(block.resolved_token)], budget, self.stop_ids))
+            self._commit(*self._clipped([self._checked_correction(block.resolved_token)]))
             if self.done:
                 return
         if self.verifying is None:
-            self._verify(block, received_at, "drafted" if self.stats.rounds else "first")
+            self._verify(block, received_at, "drafted" if self.stats.rounds > self.filled else "first")
         else:
             self.ahead.hold_followup(block, received_at)  # verified next if the block before it is accepted whole
 
@@ -393,6 +427,17 @@ class SessionPipeline:
         before the forward."""
         checked = self._checked(block)
         self.verifying, self.waiting_since = block, None
+        own = self.committed[block.base:]  # the target's own tokens, settled while it waited (fill)
+        if own:
+            agreed = _common_prefix(block.tokens, own)
+            if agreed < len(own):  # the block parts from them: decided by them, no forward
+                self.target.judged_alone(len(block.tokens))
+                now = time.time()
+                self._decide(block, Verdict(block.base, agreed, own[agreed], epoch=block.epoch),
+                             (received_at, now, now, source))
+                return
+            self.target.judged_alone(agreed)
+            checked = _after(checked, agreed)  # the rest of the block is verified after them
         early = self.target.judge_first(self.committed, checked)
         if early is not None:
             now = time.time()
@@ -414,6 +459,7 @@ class SessionPipeline:
         the next block if it is already here; the caller's tokens and the stats after."""
         if self.done:
             return
+        verdict = _on_whole_block(block, verdict)
         if self.detached:
             self._decide_detached(block, verdict, timing)
             return
@@ -422,8 +468,8 @@ class SessionPipeline:
         self._record(block, verdict.accepted)
         cap, was_paused = self._cap(), self.paused
         token, ready, deferred, pause = self._resolve_ahead(block, verdict, cap, was_paused)
-        settled = list(block.tokens[: verdict.accepted]) + ([token] if token != NO_TOKEN else [])
-        settled, reason = clip_settled(settled, self.request.max_new_tokens - len(self.generated), self.stop_ids)
+        self.draft_base = block.base + verdict.accepted + (0 if deferred else 1)  # the draft's next block's
+        settled, reason = self._clipped(self._new_tokens(block, verdict.accepted, token))
         if reason is None and self.draft is not None and not was_paused:
             # a cap of 0 that cannot pause yet: the draft still writes the next block, of one token
             next_cap = cap if pause or cap is None else max(cap, 1)
@@ -437,6 +483,15 @@ class SessionPipeline:
         self._flush_feedback()
         waiting = not self.done and self.verifying is None and not self.paused and self.draft is not None
         self.waiting_since = decided if waiting else None
+
+    def _new_tokens(self, block: DraftedBlock, accepted: int, token: int) -> list[int]:
+        """What a verdict settles that is not committed yet: the accepted tokens and the next
+        place's token (NO_TOKEN: none here), less those the target settled alone while it waited."""
+        decided = list(block.tokens[:accepted]) + ([token] if token != NO_TOKEN else [])
+        return decided[len(self.committed) - block.base:]
+
+    def _clipped(self, tokens: list[int]) -> tuple[list[int], str | None]:
+        return clip_settled(tokens, self.request.max_new_tokens - len(self.generated), self.stop_ids)
 
     def _record(self, block: DraftedBlock, accepted: int) -> None:
         """The verdict on a drafted block, into load-aware speculation's estimate and auto's."""
@@ -519,11 +574,13 @@ class SessionPipeline:
         """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
         self.mode = DraftMode.PAUSED
         self.pausing.pause()
+        self.pausing.settle(self.committed[self.draft_base:])  # the draft learns its own tokens on resume
 
     def _resume(self, cap: int) -> None:
         """Drafting pays again: the draft gets the tokens settled since the pause and its cap."""
         self.mode = DraftMode.DRAFTING
         resume = self.pausing.resume(self.sid, self.epoch, len(self.committed), cap, self._stop_rule())
+        self.draft_base = len(self.committed)
         self._feedback_sent_at = time.time()
         self._to_draft(resume)
 
@@ -545,7 +602,9 @@ class SessionPipeline:
         self._to_draft(head)
 
     def _checked(self, block: DraftedBlock) -> Block:
-        return check_block(block, len(self.committed), self.request, self.limits)
+        """The block, checked; it starts where the draft's line does (the target's own tokens may follow)."""
+        drafting = self.mode is DraftMode.DRAFTING and self.draft is not None
+        return check_block(block, self.draft_base if drafting else len(self.committed), self.request, self.limits)
 
     def _checked_correction(self, token: int) -> int:
         return check_correction(token, self.feedback.take_correction_due(), self.limits)
@@ -581,3 +640,25 @@ class SessionPipeline:
             self.draft.answered(received_at - self._feedback_sent_at)
             self.log.feedback_answered(block, self._feedback_sent_at)
             self._feedback_sent_at = 0.0
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _after(block: Block, n: int) -> Block:
+    """The block's tokens after its first n (which the target settled alone), at their place."""
+    if n == 0:
+        return block
+    rows = block.q_rows[n:] if block.q_rows is not None else None
+    return Block(base=block.base + n, tokens=block.tokens[n:], probs=block.probs[n:], entropies=block.entropies[n:],
+                 q_rows=rows, epoch=block.epoch)
+
+
+def _on_whole_block(block: DraftedBlock, verdict: Verdict) -> Verdict:
+    """A verdict on what followed the target's own tokens (verified after them), as the verdict on
+    the whole block: those tokens count as accepted (the draft proposed them, and the feedback
+    speaks of the block it sent)."""
+    if verdict.base == block.base:
+        return verdict
+    return dataclasses.replace(verdict, base=block.base, accepted=verdict.accepted + verdict.base - block.base)

@@ -16,11 +16,13 @@ from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
+from svip_common.models import load_model_info
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from tests.gates import async_wait_until
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
 from tests.loopback import assert_loopback_listeners
+from tests.workers import in_process_workers
 
 POLICIES = {
     "svip": PolicyConfig(name="svip", threshold=0.6),
@@ -96,14 +98,21 @@ def test_eight_concurrent_sessions_each_equal_their_run_alone(engines, inprocess
         assert result.token_ids == inprocess.generate(request).token_ids
 
 
-def test_async_discards_stale_blocks_without_verifying_them(engines, pair, prompt_ids, loop):
-    engine = engines["async"]
-    before = loop.run_until_complete(engine.worker_stats())
+def test_async_discards_stale_blocks_without_verifying_them(models, model_dirs, prompt_ids, loop):
+    """On workers whose target waits while no block is ready (idle_prefill "off"): where it
+    settles its own tokens meanwhile, a block is mostly judged against them as it comes, before
+    the follow-up is drafted (test_idle_prefill.py counts the tokens judged so)."""
     request = GenerationRequest(prompt_ids["long"], 60, policy=POLICIES["constant"])
-    stats = loop.run_until_complete(engine.generate(request)).stats
-    after = loop.run_until_complete(engine.worker_stats())
-    verified = after["target"].tokens_processed - before["target"].tokens_processed
-    drafted = after["draft"].tokens_processed - before["draft"].tokens_processed
+    with in_process_workers(loop, models, load_aware="off", idle_prefill="off") as w:
+        engine = DistributedEngine(load_model_info(model_dirs.target), w.limits, w.target_address, w.draft_address,
+                                   "async")
+        loop.run_until_complete(engine.connect())
+        try:
+            stats = loop.run_until_complete(engine.generate(request)).stats
+            after = loop.run_until_complete(engine.worker_stats())
+        finally:
+            loop.run_until_complete(engine.close())
+    verified, drafted = after["target"].tokens_processed, after["draft"].tokens_processed
     assert stats.discarded_tokens > 0  # rejections happened while the next block was drafted
     assert verified == sum(stats.draft_lengths)  # only current-epoch blocks reached the target
     assert drafted == sum(stats.draft_lengths) + stats.discarded_tokens

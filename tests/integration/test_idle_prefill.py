@@ -13,12 +13,15 @@ with "always" too (tests/integration/test_distributed.py). When it pays: prefill
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import pytest
 import torch
 
 from coordinator.engine import SpeculativeEngine
-from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
+from coordinator.session.pipeline import SessionPipeline
+from draft_worker.drafter import Drafter
+from svip_common.contracts import Block, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.step_cost import SessionGate, StepCost, check_idle_prefill, prefill_pays
 from target_worker.verifier import Verifier
@@ -55,6 +58,29 @@ def _verdicts(models, sampling: SamplingParams, prefill: bool) -> list:
                          ids=["greedy", "sampled"])
 def test_a_block_after_a_prefill_gets_the_verdict_it_gets_without_one(models, sampling):
     assert _verdicts(models, sampling, prefill=True) == _verdicts(models, sampling, prefill=False)
+
+
+def test_the_targets_own_next_token_comes_from_a_row_stored_for_exactly_the_committed_tokens(models):
+    """What a waiting greedy session settles alone (SessionPipeline.fill): the argmax of the row
+    stored for exactly its committed tokens; nothing where the stored row is another sequence's
+    (a block rejected at its last token leaves a row at the same place, on the drafted token)."""
+    alone = SpeculativeEngine(models["target"], None).generate(GenerationRequest(PROMPT, 4)).token_ids
+    verifier = Verifier(models["target"], kv_cache_tokens=4096)
+    session = verifier.open(SamplingParams())
+    committed = list(PROMPT)
+    assert session.next_token(committed) is None  # no row stored yet
+    verifier.prefill_next([(session, committed)])
+    assert session.next_token(committed) == alone[0]
+    wrong = (alone[1] + 1) % 50
+    verdict = session.verify(committed, Block(base=len(committed), tokens=[alone[0], wrong], probs=[1, 1],
+                                              entropies=[0, 0]))
+    committed += [alone[0], verdict.token]
+    assert (verdict.accepted, verdict.token) == (1, alone[1]) and session.next_token(committed) is None
+    verifier.prefill_next([(session, committed)])
+    assert session.next_token(committed) == alone[2]
+    sampled = verifier.open(SamplingParams(temperature=0.8, seed=3))
+    verifier.prefill_next([(sampled, list(PROMPT))])
+    assert sampled.next_token(list(PROMPT)) is None  # a sampled session never settles alone
 
 
 def test_a_prefill_takes_in_only_what_the_cache_lacks_and_then_nothing(models):
@@ -124,3 +150,52 @@ def test_auto_prefills_a_lone_sessions_prompt_and_equals_the_target_alone(models
         [result] = generate_through(loop, w, model_dirs.target, "sync", [request])
         assert w.host.prefills >= 1
     assert result.token_ids == SpeculativeEngine(models["target"], None).generate(request).token_ids
+
+
+class HeldDrafter(Drafter):
+    """A draft whose first forward waits until the target has settled a token of its own: a gate,
+    so every run has a block that comes after the target's own tokens (not a matter of speed)."""
+
+    def __init__(self, *args, released: threading.Event, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.released = released
+
+    def step(self, drafts) -> None:
+        if not self.released.wait(120):
+            raise RuntimeError("the target settled no token of its own while the draft waited")
+        super().step(drafts)
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_blocks_checked_against_the_targets_own_tokens_equal_the_target_alone(models, model_dirs, prompt_ids, loop,
+                                                                              monkeypatch, mode):
+    """The target never idles for a block: while a greedy session waits on its draft the target
+    settles its own next tokens (``idle_prefill`` "always": every idle moment), and each block is
+    checked against them when it comes, the rest verified after them. The draft's first forward
+    is held until the target has settled a token alone, so blocks come late by construction; the
+    output is the target's, token for token."""
+    released = threading.Event()
+    fill = SessionPipeline.fill
+
+    def releasing_fill(self, started, ended):
+        settled = fill(self, started, ended)
+        if settled:
+            released.set()
+        return settled
+
+    monkeypatch.setattr(SessionPipeline, "fill", releasing_fill)
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    drafter = HeldDrafter(models["close_draft"], models["target"].vocab_size, limits.tokens, released=released)
+    svip = PolicyConfig(name="svip", threshold=0.4)
+    requests = [GenerationRequest(ids, 32, policy=svip) for ids in prompt_ids.values()]
+    alone = SpeculativeEngine(models["target"], None)
+    with in_process_workers(loop, models, drafter=drafter, load_aware="off", idle_prefill="always") as w:
+        results = generate_through(loop, w, model_dirs.target, mode, requests)
+        fills, verified = w.host.fills, w.host.verifier.tokens_verified
+    for request, result in zip(requests, results):
+        assert result.token_ids == alone.generate(request).token_ids
+    sources = [source for result in results for source in result.stats.round_sources]
+    assert fills >= 1 and sources.count("filled") == fills
+    # every drafted token of a current block is judged once: by the verifier, or against the target's own
+    assert verified == sum(sum(result.stats.draft_lengths) for result in results)
+    assert sum(result.stats.accepted_tokens for result in results) > 0  # the draft's blocks still count

@@ -65,8 +65,10 @@ def host(models, loop):
     server, port = loop.run_until_complete(
         start_server(lambda s: pb_grpc.add_DraftWorkerServicer_to_server(draft, s), "d")
     )
-    # the scripted blocks must reach the verifier as sent: no load-aware pause (test_load_aware.py)
-    target = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}", load_aware="off")
+    # the scripted blocks must reach the verifier as sent: no load-aware pause (test_load_aware.py), and
+    # no tokens of the target's own settled while it waits for them (test_idle_prefill.py)
+    target = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}", load_aware="off",
+                         idle_prefill="off")
     loop.run_until_complete(target.start())
     yield target, draft
     loop.run_until_complete(target.close())

@@ -65,8 +65,11 @@ def services(models, limits, loop):
 
     draft.address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
     fake_address = serve(fake, pb_grpc.add_DraftWorkerServicer_to_server)
-    # crafted blocks must meet the checks they target, not a load-aware pause (test_load_aware.py)
-    target = SessionHost(Verifier(models["target"], limits.tokens), limits, fake_address, load_aware="off")
+    # crafted blocks must meet the checks they target, not a load-aware pause (test_load_aware.py) nor
+    # tokens the target settled alone while it waited for them; a session the fake draft leaves
+    # waiting stays open (test_idle_prefill.py)
+    target = SessionHost(Verifier(models["target"], limits.tokens), limits, fake_address, load_aware="off",
+                         idle_prefill="off")
     loop.run_until_complete(target.start())
     target.address = serve(target, pb_grpc.add_TargetWorkerServicer_to_server)
     yield {"target": target, "draft": draft, "fake": fake}

@@ -64,34 +64,50 @@ class Draft:
 
 
 class Target:
-    """A TargetSession stand-in: the test gives every verdict (no early judgement from a stored row)."""
+    """A TargetSession stand-in: the test gives every verdict (no early judgement from a stored
+    row), and the target's own token at a place where the test stores one (``own``)."""
 
     cached_tokens = 0
     closed = False
 
+    def __init__(self):
+        self.own: dict[int, int] = {}  # place -> the target's token there, from a stored row
+        self.judged = 0  # drafted tokens judged against the target's own tokens
+
     def judge_first(self, committed, block):
         return None
+
+    def judged_alone(self, tokens: int) -> None:
+        self.judged += tokens
+
+    def next_token(self, committed):
+        return self.own.get(len(committed))
 
     def close(self) -> None:
         self.closed = True
 
 
 class Harness:
-    def __init__(self, pipeline: str = "sync", max_new_tokens: int = 20, draft: bool = True, load_cap=None):
-        self.draft, self.events, self.queue = Draft(), [], []
+    def __init__(self, pipeline: str = "sync", max_new_tokens: int = 20, draft: bool = True, load_cap=None,
+                 sampling: SamplingParams | None = None):
+        self.draft, self.events, self.queue, self.checked, self.target = Draft(), [], [], [], Target()
         self.session = SessionPipeline(
-            "s", GenerationRequest(PROMPT, max_new_tokens, SamplingParams(), PolicyConfig(name="svip")),
-            frozenset({STOP}), LIMITS, Target(), self.draft if draft else None, pipeline,
+            "s", GenerationRequest(PROMPT, max_new_tokens, sampling or SamplingParams(), PolicyConfig(name="svip")),
+            frozenset({STOP}), LIMITS, self.target, self.draft if draft else None, pipeline,
             caller=self,
             schedule=lambda fn, *args: fn(*args),
-            enqueue=lambda session, block, checked, info: self.queue.append((block, info)),
+            enqueue=self._enqueue,
             load_cap=load_cap,
         )
+
+    def _enqueue(self, session, block: DraftedBlock, checked: Block, info) -> None:
+        self.queue.append((block, info))
+        self.checked.append(checked)  # what the verifier is asked: the block, or its tokens after the target's own
 
     def block(self, tokens: list[int], base: int | None = None, epoch: int | None = None, **fields) -> DraftedBlock:
         s = self.session
         fields = {"started_at": 1.0, "finished_at": 1.0, "draft_s": 0.001, **fields}
-        block = Block(base=len(s.committed) if base is None else base, tokens=tokens, probs=[],
+        block = Block(base=s.draft_base if base is None else base, tokens=tokens, probs=[],
                       entropies=[0.3] * len(tokens), epoch=s.epoch if epoch is None else epoch)
         return DraftedBlock(block, **fields)
 
@@ -99,10 +115,19 @@ class Harness:
         self.session.on_draft_event(block, time.time(), 100)
 
     def verify(self, accepted: int, token: int) -> DraftedBlock:
+        """The verifier's verdict on what was queued (accepted of its tokens, then token)."""
         block, (received_at, source) = self.queue.pop(0)
+        checked = self.checked.pop(0)
         now = time.time()
-        self.session.verified(block, Verdict(block.base, accepted, token), received_at, source, now, now)
+        self.session.verified(block, Verdict(checked.base, accepted, token), received_at, source, now, now)
         return block
+
+    def fill(self, *tokens: int) -> None:
+        """The target, idle while the session waits, settles its own tokens one by one."""
+        for token in tokens:
+            assert self.session.wants_fill()
+            self.target.own[len(self.session.committed)] = token
+            assert self.session.fill(1.0, 1.0)
 
     def settled(self, tokens: list[int]) -> None:  # the session's caller (CallerPort)
         self.events.append(("settled", list(tokens)))
@@ -292,3 +317,106 @@ def test_a_paused_session_detaches_from_the_pause_and_pauses_again_on_re_attach(
     h.verify(0, 17)  # drafting pays again: a Resume with the tokens settled since the pause
     resume = h.draft.last("resume")
     assert h.session.mode is DraftMode.DRAFTING and list(resume.tokens) == [17] and resume.load_cap == 4
+
+
+# --- the target never idles for a block: its own tokens while it waits (fill) ----------------------
+
+
+def test_a_waiting_session_settles_the_targets_own_tokens_and_the_block_is_verified_after_them():
+    h = Harness()
+    h.session.start()
+    h.fill(11, 12)
+    assert h.tokens == [11, 12] and h.draft.count("feedback") == 0 and h.session.draft_base == 3
+    assert h.session.stats.round_sources == ["filled", "filled"]
+    h.deliver(h.block([11, 12, 13, 14]))  # drafted on the prompt: its first two are the target's own
+    (block, _), = h.queue
+    checked = h.checked[0]
+    assert block.base == 3 and (checked.base, list(checked.tokens)) == (5, [13, 14])
+    assert h.target.judged == 2  # the two the target settled alone; the verifier counts the rest
+    h.verify(1, 20)  # of what followed the target's own tokens: 13 accepted, 20 settles the next place
+    fb = h.draft.last("feedback")
+    assert (fb.base, fb.drafted, fb.accepted, fb.token, fb.epoch) == (3, 4, 3, 20, 1)  # on the block it sent
+    assert h.tokens == [11, 12, 13, 20] and h.session.draft_base == 7 and h.session.stats.accepted_lengths[-1] == 3
+
+
+def test_a_block_that_parts_from_the_targets_own_tokens_is_decided_by_them_with_no_forward():
+    h = Harness()
+    h.session.start()
+    h.fill(11, 12, 13)
+    h.deliver(h.block([11, 30, 31]))
+    assert h.queue == [] and h.tokens == [11, 12, 13] and h.target.judged == 3  # nothing settled twice
+    fb = h.draft.last("feedback")
+    assert (fb.base, fb.drafted, fb.accepted, fb.token, fb.epoch) == (3, 3, 1, 12, 1)  # as a verification says
+    assert h.session.draft_base == 5 and h.session.waiting_since is not None
+    h.deliver(h.block([13, 40]))  # the draft's next block, from its correction: checked against 13
+    assert (h.checked[0].base, list(h.checked[0].tokens)) == (6, [40])
+    h.verify(1, 41)
+    assert h.tokens == [11, 12, 13, 40, 41]
+
+
+def test_a_block_within_the_targets_own_tokens_is_accepted_whole_and_settles_nothing_new():
+    h = Harness()
+    h.session.start()
+    h.fill(11, 12, 13)
+    h.deliver(h.block([11, 12]))
+    fb = h.draft.last("feedback")
+    assert h.queue == [] and (fb.accepted, fb.token) == (2, 13) and h.tokens == [11, 12, 13]
+    h.deliver(h.block([]))  # the draft has nothing to draft: the empty block asks for the next place
+    (block, (_, source)), = h.queue
+    assert h.checked[0].base == 6 and len(h.checked[0].tokens) == 0
+    h.verify(0, 14)
+    assert h.tokens == [11, 12, 13, 14] and h.draft.last("feedback").token == 14
+
+
+def test_a_follow_up_is_checked_against_the_targets_own_tokens_too():
+    """Async: a full acceptance defers the next place to the follow-up; while that is late the
+    target settles it from the row the verification stored, and the follow-up is checked against it."""
+    h = Harness(pipeline="async")
+    h.session.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.verify(2, NO_TOKEN)
+    assert h.draft.last("feedback").token == NO_TOKEN and h.session.draft_base == 5
+    h.fill(13, 14)  # the follow-up is late
+    h.deliver(h.block([13, 45, 46], base=5))
+    fb = h.draft.last("feedback")
+    assert h.queue == [] and (fb.base, fb.accepted, fb.token) == (5, 1, 14) and h.tokens == [11, 12, 13, 14]
+
+
+def test_a_block_at_the_targets_own_place_and_not_the_drafts_is_a_bad_block(caplog):
+    h = Harness()
+    h.session.start()
+    h.fill(11)
+    h.deliver(h.block([12, 13], base=4))  # the draft never learnt 11: it cannot draft after it
+    assert h.session.mode is DraftMode.GIVEN_UP and "base 4, committed 3" in caplog.text
+    assert h.tokens == [11]
+
+
+def test_a_pause_hands_the_targets_own_tokens_to_the_draft_with_the_resume():
+    cap = [4]
+    h = Harness(load_cap=lambda gate: cap[0])
+    h.session.start()
+    h.fill(11, 12, 13)
+    cap[0] = 0
+    h.deliver(h.block([11, 30]))  # decided by the target's own tokens: 12 is the correction; and it pauses
+    assert h.session.mode is DraftMode.PAUSED and h.draft.last("feedback").load_cap == 0
+    (block, (_, source)), = h.queue
+    assert source == "paused" and block.base == 6
+    cap[0] = 4
+    h.verify(0, 14)
+    resume = h.draft.last("resume")
+    assert (resume.base, list(resume.tokens)) == (5, [13, 14]) and h.session.draft_base == 7
+
+
+def test_only_a_greedy_session_waiting_on_its_draft_fills():
+    sampled = Harness(sampling=SamplingParams(temperature=0.8, seed=1))
+    sampled.session.start()
+    assert not sampled.session.wants_fill()
+    h = Harness()
+    h.session.start()
+    assert h.session.wants_fill() and not h.session.fill(1.0, 1.0)  # no row stored: nothing settled
+    h.deliver(h.block([11]))
+    assert not h.session.wants_fill()  # verifying
+    h.verify(1, 12)
+    assert h.session.wants_fill()
+    h.fill(STOP)  # the target's own stop token ends the output like any other
+    assert h.finish_reason == "stop" and not h.session.wants_fill() and h.draft.count("cancel") == 1
