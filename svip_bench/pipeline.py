@@ -367,7 +367,8 @@ def _markdown(doc: dict) -> str:
     lines += [
         "",
         "Rounds by where the block came from (async's followup, prepared: ready at the verdict, no round trip; "
-        "paused: the target alone while load-aware speculation pauses the draft):",
+        "paused: the target alone while load-aware speculation pauses the draft; filled: the target's own token "
+        "while the session waited on its block):",
         "",
         "| mode | source | rounds | share | drafted | accepted | wall ms | target ms | overhead ms |",
         "|---|---|---|---|---|---|---|---|---|",

@@ -238,7 +238,8 @@ class GenerationStats:
     overhead_s: list[float] = field(default_factory=list)  # round_s minus the forwards on its critical path
     round_sources: list[str] = field(default_factory=list)  # "first", "followup" / "prepared" (ready at the
     # verdict before it: no round trip), "drafted" (after that verdict's feedback), "none" (target alone),
-    # "paused" (load-aware: the target alone while drafting does not pay)
+    # "paused" (load-aware: the target alone while drafting does not pay), "filled" (the target's own token
+    # while the session waited on its draft's block)
     discarded_tokens: int = 0  # pre-drafted tokens never verified (stale, or prepared and not used)
     prepared_sent: int = 0  # prepared continuations that reached the target in time
     prepared_used: int = 0  # of them, verified with no round trip

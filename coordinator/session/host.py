@@ -71,8 +71,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         sampled_hold_s: how long a sampled session waits for a lost draft to come back; auto: the
         pair's `auto` estimate (svip_common/acceptance.py), kept here beside the verifier, where
         every verdict is seen (None: from the generic prior); idle_prefill: while no block is
-        ready, take in what waiting sessions need first: "auto" (a lone session, where it pays),
-        "always", "off"."""
+        ready, take in what waiting sessions need first and settle greedy ones' next tokens
+        (_work_while_idle): "auto" (a lone session, where it pays), "always", "off"."""
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
         self._ready: list[tuple[str, SessionPipeline, DraftedBlock, object, tuple[float, str]]] = []  # to verify
