@@ -70,7 +70,7 @@ def run(engine, prompts, args, header: dict) -> int:
         for r in requests[:2]:  # warm-up
             for e in remote.values():
                 loop.run_until_complete(e.generate(r))
-        tps, stats, violations = _modes(engine, remote, loop, requests, args.repeats, cores)
+        tps, stats, violations, ttft = _modes(engine, remote, loop, requests, args.repeats, cores)
         concurrency = _concurrency(remote["async"], loop, requests)
         timeline = loop.run_until_complete(remote["async"].generate(requests[0])).stats
     finally:
@@ -80,7 +80,7 @@ def run(engine, prompts, args, header: dict) -> int:
         pair.shutdown()
         ray.shutdown()
     doc = {"header": {**header, "policy": f"svip, threshold {policy.threshold} ({source})"}, "tokens_per_s": tps,
-           "breakdown": {m: breakdown(s) for m, s in stats.items()},
+           "breakdown": {m: breakdown(s) for m, s in stats.items()}, "ttft_ms": ttft,
            "sources": {m: sources(s) for m, s in stats.items()},
            "prepared_continuations": prepared_continuations(stats["async"]),
            "async_bound": async_bound(stats["sync"], tps["sync"]["median"]),
@@ -147,6 +147,7 @@ def _modes(engine, remote, loop, requests, repeats, cores: dict[str, set[int]] |
     alone = SpeculativeEngine(engine.target, None, kv_cache_tokens=longest)  # one request at a time: a pool its size
     per_mode = {m: [] for m in MODES}
     stats: dict[str, list[GenerationStats]] = {m: [] for m in ("sync", "async")}
+    first_ms: dict[str, list[float]] = {m: [] for m in ("sync", "async")}  # time to the first settled token
     violations = []
     rng = random.Random(0)
     progress = Progress(len(requests) * repeats * len(MODES))
@@ -161,8 +162,9 @@ def _modes(engine, remote, loop, requests, repeats, cores: dict[str, set[int]] |
                     elif mode == "inprocess":
                         result = engine.generate(request)
                     else:
-                        result = loop.run_until_complete(remote[mode].generate(request))
+                        result, ms = _streamed(loop, remote[mode], request)
                         stats[mode].append(result.stats)
+                        first_ms[mode].append(ms)
                 tokens[mode] += len(result.token_ids)
                 wall[mode] += result.stats.wall_s
                 outputs[mode] = result.token_ids
@@ -171,7 +173,25 @@ def _modes(engine, remote, loop, requests, repeats, cores: dict[str, set[int]] |
                 violations.append(f"repeat {rep}, prompt {request.prompt_ids[:8]}")
         for m in MODES:
             per_mode[m].append(tokens[m] / wall[m])
-    return _ratios(per_mode, "inprocess"), stats, violations
+    ttft = {m: {"median_ms": statistics.median(v), "p95_ms": _p95(v)} for m, v in first_ms.items()}
+    return _ratios(per_mode, "inprocess"), stats, violations, ttft
+
+
+def _streamed(loop, engine, request: GenerationRequest) -> tuple:
+    """The request through a distributed engine, and the time to its first settled token (ms)."""
+    first: list[float] = []
+
+    def arrived(tokens: list[int]) -> bool:
+        first.append(time.perf_counter())
+        return False  # never a stop here
+
+    started = time.perf_counter()
+    result = loop.run_until_complete(engine.generate(request, arrived))
+    return result, 1e3 * (first[0] - started) if first else float("nan")
+
+
+def _p95(values: list[float]) -> float:
+    return sorted(values)[min(len(values) - 1, int(0.95 * len(values)))]
 
 
 def _ratios(per_mode: dict[str, list[float]], base: str) -> dict:
@@ -389,6 +409,10 @@ def _markdown(doc: dict) -> str:
     if w:
         lines += ["", "Wire bytes per round (each request's mean; median and p95 over requests): "
                   + ", ".join(f"{m} {v['median']:.0f} / {v['p95']:.0f}" for m, v in w.items()) + "."]
+    f = doc.get("ttft_ms", {})
+    if f:
+        lines += ["", "Time to the first token streamed (one request at a time; median / p95 ms): "
+                  + ", ".join(f"{m} {v['median_ms']:.1f} / {v['p95_ms']:.1f}" for m, v in f.items()) + "."]
     c = doc["concurrency"]
     lines += [
         "",

@@ -195,11 +195,12 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
     assert doc["async_bound"]["speedup_over_sync"] >= 1.0
     wire = doc["wire_bytes_per_round"]
     assert all(wire[m]["p95"] >= wire[m]["median"] > 0 for m in ("sync", "async"))
+    assert all(doc["ttft_ms"][m]["p95_ms"] >= doc["ttft_ms"][m]["median_ms"] > 0 for m in ("sync", "async"))
     assert doc["concurrency"]["8"] > 0 and doc["timeline"]
     assert (out / "timeline.png").stat().st_size > 1000
     md = (out / "pipeline.md").read_text()
     assert "Per round, median (mean) in ms" in md and "| overhead |" in md and "| target alone (in process) |" in md
-    assert "load-aware greedy" in md and "| sync | first |" in md
+    assert "load-aware greedy" in md and "| sync | first |" in md and "Time to the first token streamed" in md
     if two_nodes:
         (row,) = doc["two_nodes"]
         assert row["latency_ms"] == 0 and row["link"] == "direct" and row["violations"] == []
