@@ -58,6 +58,7 @@ class BatchEngine:
                     pages = self._pages(request)
                     active.append(_Slot(index, self.engine.open(request), pages))
                     reserved += pages
+                self.engine.in_step = len(active)  # what the load the sessions' gates see is priced at
                 self._draft(active)
                 self._verify(active)
                 for slot in [s for s in active if s.session.done]:

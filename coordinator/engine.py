@@ -31,7 +31,7 @@ from svip_common.contracts import (
 from svip_common.errors import InvalidRequest
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
-from svip_common.step_cost import UNLIMITED, SessionGate, check_load_aware, load_aware_for
+from svip_common.step_cost import UNLIMITED, Ewma, SessionGate, check_load_aware, load_aware_for
 from target_worker.verifier import Verifier
 
 # Called after each round with the block, its verdict and the tokens it settled (streaming,
@@ -71,6 +71,8 @@ class SpeculativeEngine:
             self.drafter = None
         self._calibration: Calibration | None = None
         self._auto: AutoEstimate | None = None
+        self.draft_token_s = Ewma(0.2)  # what a drafted token cost recent sessions (a new session's gate starts there)
+        self.in_step = 1  # sessions the next target step verifies (generate_many's batch sets it each step)
 
     @property
     def draft_path(self) -> str | None:
@@ -122,6 +124,7 @@ class SpeculativeEngine:
 
     def generate(self, request: GenerationRequest, on_round: OnRound | None = None) -> GenerationResult:
         session = self.open(request)
+        self.in_step = 1
         try:
             while not session.done:
                 round_start = time.perf_counter()
@@ -161,7 +164,7 @@ class EngineSession:
         auto = drafts and request.policy.name == "auto"
         # load-aware: the gate pauses drafting that does not pay (and cuts blocks, but not auto's)
         self.gated = drafts and load_aware_for(engine.load_aware, request.sampling.greedy)
-        self.gate = SessionGate(cuts=not auto) if self.gated else None
+        self.gate = SessionGate(cuts=not auto, shared_draft_token_s=engine.draft_token_s) if self.gated else None
         self.stop = SessionStop(engine.auto_estimate(), request.sampling.greedy) if auto else None
         self._draft_mark = 0.0
 
@@ -187,7 +190,8 @@ class EngineSession:
         """The most tokens this round's block may hold: the verdict's own token fills the last
         place, and at load no more than pay (0: this round runs as the target alone)."""
         cap = UNLIMITED
-        load = self._engine.verifier.load() if self.gated or self.stop is not None else None
+        engine = self._engine
+        load = engine.verifier.load(engine.in_step) if self.gated or self.stop is not None else None
         if self.gated:
             cap = self.gate.cap(load)
         if self.stop is not None:

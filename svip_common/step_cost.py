@@ -136,13 +136,25 @@ class TargetLoad:
         return round_overhead_s * self.plain_rate / max(self.batch, 1.0)
 
 
-def target_load(verify: StepCost, sessions_per_step: float) -> TargetLoad | None:
-    """The target's load from its verification cost fit and its recent sessions per step."""
+def target_load(verify: StepCost, sessions_per_step: float, plain: StepCost | None = None) -> TargetLoad | None:
+    """The target's load from its verification cost fit (decode-shaped steps) and its recent
+    sessions per step. plain: the fit of plain steps alone (one token per session). With it, a
+    plain step's time is the measured one, and a drafted token costs at least what the recent
+    steps' drafted rows added on average over a plain step of their batch: a forward's time is
+    not a line in its tokens (on a CPU the first row past one per session pads every session's
+    attention: measured at batch 16, 13.4 ms plain, 15.9 ms with one drafted row, then ~0.3 ms a
+    row), and the line fitted through such steps would price a drafted row at its slope alone."""
     if not verify.observed:
         return None
     batch = max(sessions_per_step, 1.0)
     step = verify.time(batch)  # a plain step: one token per session
-    return TargetLoad(batch / step if step > 0 else 0.0, verify.per_item, batch)
+    per_token = verify.per_item
+    if plain is not None and plain.observed:
+        step = plain.time(batch)
+        extra = verify.items - batch  # drafted rows a recent step verified, beyond one per session
+        if extra >= 1.0:
+            per_token = max(per_token, (verify.time(verify.items) - step) / extra)
+    return TargetLoad(batch / step if step > 0 else 0.0, per_token, batch)
 
 
 def token_cost(load: TargetLoad, draft_token_s: float) -> float:
@@ -224,16 +236,25 @@ class SessionGate:
     worthwhile length; 0 pauses drafting, which resumes once at least RESUME_CAP tokens pay.
 
     A paused session keeps probing: every ``probe_every`` paused rounds (PROBE_FIRST, doubling up
-    to PROBE_MAX) it drafts one block of PROBE_TOKENS, so its acceptance and drafting cost are
-    measured again rather than frozen at the values that paused it. A probe costs at most
-    PROBE_TOKENS drafted tokens per PROBE_FIRST rounds, and less the longer the pause holds."""
+    to PROBE_MAX), times the sessions per target step, it drafts one block of PROBE_TOKENS, so its
+    acceptance and drafting cost are measured again rather than frozen at the values that paused
+    it. A probe costs at most PROBE_TOKENS drafted tokens per PROBE_FIRST rounds, and less the
+    longer the pause holds; at a batch of B sessions each probes B times less often, since a probe
+    holds up every session of its step (its draft forwards, and on a CPU the padding of the
+    step's attention), so the batch as a whole probes as often as one session alone. A paused
+    session also resumes without a probe once the load falls (its cap is worked out every round)."""
 
-    def __init__(self, cuts: bool = True):
+    def __init__(self, cuts: bool = True, shared_draft_token_s: Ewma | None = None):
         """cuts False: the policy itself stops a block where one more token stops paying at this
-        τ (auto), so a block that pays is not cut here; only the pause (and its probes) is decided."""
+        τ (auto), so a block that pays is not cut here; only the pause (and its probes) is decided.
+        shared_draft_token_s: what a drafted token cost the sessions before this one (their engine's
+        or worker's, updated by every gate that shares it): a new session's estimate until its own
+        blocks measure it, so that it does not start as if drafting were free (at a batch where it
+        does not pay, it then pauses before its draft takes its prompt in)."""
         self.cuts = cuts
         self.acceptance = AcceptanceRate()
         self._draft_token_s = Ewma(0.2)
+        self._shared_draft_token_s = shared_draft_token_s
         self._round_s = Ewma(0.2)  # a drafting round's extra round trip (across workers; 0 in one process)
         self.paused = False
         self.pauses = 0
@@ -245,6 +266,8 @@ class SessionGate:
         self.acceptance.update(drafted, accepted)
         if draft_s is not None and drafted and math.isfinite(draft_s) and draft_s >= 0:
             self._draft_token_s.update(draft_s / drafted)
+            if self._shared_draft_token_s is not None:
+                self._shared_draft_token_s.update(draft_s / drafted)
 
     def record_round_trip(self, seconds: float) -> None:
         """What a drafting round spent beyond its forwards (wire, hand-offs), across workers."""
@@ -253,6 +276,8 @@ class SessionGate:
 
     @property
     def draft_token_s(self) -> float:
+        if not self._draft_token_s.samples and self._shared_draft_token_s is not None:
+            return self._shared_draft_token_s.value
         return self._draft_token_s.value
 
     @property
@@ -271,7 +296,9 @@ class SessionGate:
                 self.paused, self._probe_every = False, PROBE_FIRST
                 return cap
             self._paused_rounds += 1
-            if self._paused_rounds >= self._probe_every:  # look again: the evidence may be stale
+            # look again (the evidence may be stale), as often as one session alone would across
+            # the batch: a probe's block holds up every session of its step
+            if self._paused_rounds >= self._probe_every * (load.batch if load is not None else 1.0):
                 self._paused_rounds, self._probe_every = 0, min(2 * self._probe_every, PROBE_MAX)
                 self.probes += 1
                 return PROBE_TOKENS

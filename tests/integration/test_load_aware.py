@@ -19,7 +19,7 @@ import pytest
 from coordinator.engine import SpeculativeEngine
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
-from svip_common.contracts import NO_TOKEN, GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.step_cost import PROBE_FIRST, PROBE_TOKENS, TargetLoad
 from target_worker.verifier import Verifier
@@ -54,7 +54,7 @@ def target_alone(models, reqs) -> list[list[int]]:
 def test_in_process_output_is_exact_through_pauses_and_caps(models, prompt_ids):
     engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="all")
     loads = iter(HEAVY if i % 5 in (1, 2) else LIGHT for i in range(10**6))
-    engine.verifier.load = lambda: next(loads)
+    engine.verifier.load = lambda sessions=None: next(loads)
     reqs = requests(prompt_ids)
     alone = target_alone(models, reqs)
     results = engine.generate_many(reqs, batch_size=4)
@@ -66,7 +66,7 @@ def test_in_process_output_is_exact_through_pauses_and_caps(models, prompt_ids):
 
 def test_a_heavily_loaded_batch_runs_as_the_target_alone(models, prompt_ids):
     engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="all")
-    engine.verifier.load = lambda: HEAVY
+    engine.verifier.load = lambda sessions=None: HEAVY
     reqs = requests(prompt_ids, 4)
     results = engine.generate_many(reqs, batch_size=4)
     assert [r.token_ids for r in results] == target_alone(models, reqs)
@@ -98,7 +98,7 @@ def test_greedy_mode_leaves_sampled_requests_as_their_policy_drafts_them(models,
     sampled = GenerationRequest(sampled.prompt_ids, sampled.max_new_tokens, SamplingParams(temperature=0.8, seed=11),
                                 sampled.policy, ignore_eos=True)
     light = engine.generate(sampled).token_ids
-    engine.verifier.load = lambda: HEAVY
+    engine.verifier.load = lambda sessions=None: HEAVY
     g, s = engine.generate_many([greedy, sampled], 2)
     assert probes_only(g.stats) and g.stats.pauses == 1 and g.token_ids == target_alone(models, [greedy])[0]
     assert s.stats.draft_tokens > 0 and s.stats.pauses == 0 and s.token_ids == light
@@ -237,3 +237,41 @@ def test_the_target_refuses_a_block_while_the_session_is_paused(models):
     session.on_draft_event(block, 0.0, 0)  # a protocol error of the draft's: it is given up, the session goes on
     assert session.draft_given_up and session.detached and not session.done
     session.close()
+
+
+def test_the_load_is_priced_on_decode_steps_and_the_batch_the_next_step_verifies(models, prompt_ids):
+    """What the gate reads (Verifier.load): a prompt's prefill never enters the cost fit (its
+    hundreds of tokens, each cheaper, would set the slope a drafted row is priced at); steps of
+    one token per session enter the plain fit too; the in-process batch prices the load at the
+    sessions its next step verifies, not at the average of steps before (a batch of 16 right
+    after single requests would otherwise draft as if alone)."""
+    verifier = Verifier(models["target"], kv_cache_tokens=4096)
+    session, committed = verifier.open(SamplingParams()), list(prompt_ids["long"])
+    verifier.prefill_next([(session, committed)])  # the prompt, while idle
+    assert verifier.cost.steps == 0 and verifier.load() is None
+
+    def settle(drafted: list[int]) -> None:
+        block = Block(base=len(committed), tokens=drafted, probs=[1.0] * len(drafted), entropies=[0.0] * len(drafted))
+        verdict = session.verify(committed, block)
+        committed.extend([*drafted[: verdict.accepted], verdict.token])
+
+    settle([])  # the row the prefill stored settles it: no forward
+    assert verifier.cost.steps == 0
+    settle([])  # one token: a plain step
+    assert (verifier.cost.steps, verifier.plain_cost.steps) == (1, 1)
+    settle([5, 6])  # drafted rows: decode-shaped, not plain
+    assert (verifier.cost.steps, verifier.plain_cost.steps) == (2, 1)
+    other = verifier.open(SamplingParams())
+    verifier.verify_batch([(other, list(prompt_ids["short"]), Block(base=len(prompt_ids["short"]), tokens=[],
+                                                                   probs=[], entropies=[]))])
+    assert verifier.cost.steps == 2  # a prompt in the step: not in the fit
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="greedy")
+    seen, load = [], engine.verifier.load
+    engine.verifier.load = lambda sessions=None: seen.append(sessions) or load(sessions)
+    reqs = requests(prompt_ids, 4)
+    engine.generate(reqs[0])
+    assert set(seen) == {1}
+    seen.clear()
+    results = engine.generate_many(reqs, batch_size=4)
+    assert 4 in seen and set(seen) <= {1, 2, 3, 4}  # the lockstep batch, as sessions finish
+    assert [r.token_ids for r in results] == target_alone(models, reqs)

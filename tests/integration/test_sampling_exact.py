@@ -118,7 +118,7 @@ def test_sampled_tokens_follow_the_target_through_load_aware_pauses(models, prom
     prompt = prompt_ids["medium"]
     engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="all")
     calls = iter(range(10**9))
-    engine.verifier.load = lambda: HEAVY if next(calls) % 4 < 2 else LIGHT
+    engine.verifier.load = lambda sessions=None: HEAVY if next(calls) % 4 < 2 else LIGHT
     policy = PolicyConfig(name="constant", draft_length=3)
     requests = [
         GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)

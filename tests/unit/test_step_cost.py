@@ -198,3 +198,69 @@ def test_ewma_takes_its_first_sample_then_weights_each_new_one():
     assert avg.update(8.0) == 8.0  # the first sample as it is, not weighted against the empty value
     assert avg.update(4.0) == pytest.approx(0.75 * 8.0 + 0.25 * 4.0)
     assert avg.update(0.0) == pytest.approx(0.75 * 7.0) and avg.samples == 3
+
+
+def test_a_drafted_row_costs_what_drafted_rows_added_over_a_plain_step():
+    """A forward's time is not a line in its tokens: on a CPU the first row past one per session
+    pads every session's attention (measured at batch 16: 13.4 ms plain, 15.9 ms with one drafted
+    row, ~0.3 ms a row after). The line through the drafting steps prices a row at its slope; with
+    the plain steps' own fit a drafted row costs what the rows added over a plain step on average,
+    and a plain step is what it measured."""
+    verify, plain = StepCost(), StepCost()
+    for _ in range(20):
+        verify.observe(16, 0.0134)
+        plain.observe(16, 0.0134)
+        for rows in (17, 20, 24):
+            verify.observe(rows, 0.0134 + 0.0022 + 0.0003 * (rows - 16))
+    line = target_load(verify, 16)
+    measured = target_load(verify, 16, plain)
+    assert line.verify_token_s == pytest.approx(verify.per_item) and line.verify_token_s < 0.0005
+    assert measured.plain_rate == pytest.approx(16 / 0.0134)
+    extra = verify.items - 16
+    assert measured.verify_token_s == pytest.approx((verify.time(verify.items) - 0.0134) / extra)
+    assert measured.verify_token_s > 0.0007  # the padding counted: about 0.8 ms a row here
+    # speculation that the line would let through pauses: a good draft, its token at 0.1 ms
+    assert speculation_cap(line, 0.0001, 0.8, block_rate=0.8) == UNLIMITED
+    assert speculation_cap(measured, 0.0001, 0.8, block_rate=0.8) == 0
+    for _ in range(200):  # every session paused: plain steps only; the slope is what remains
+        verify.observe(16, 0.0134)
+        plain.observe(16, 0.0134)
+    assert target_load(verify, 16, plain).verify_token_s == pytest.approx(verify.per_item)
+
+
+def test_a_new_session_starts_from_what_drafting_cost_the_sessions_before_it():
+    """The engine's (or worker's) shared estimate: a fresh gate that would take drafting as free
+    drafts at a load where it does not pay (and its draft takes its prompt in for nothing)."""
+    from svip_common.step_cost import SessionGate
+
+    shared = Ewma(0.2)
+    load = TargetLoad(plain_rate=1200.0, verify_token_s=0.0004, batch=16)  # τ = 0.48 + 1200 · d
+    first = SessionGate(shared_draft_token_s=shared)
+    assert first.draft_token_s == 0.0 and first.cap(load) == UNLIMITED  # nothing known yet
+    first.record(2, 1, draft_s=0.0008)  # 0.4 ms a drafted token
+    assert shared.value == pytest.approx(0.0004)
+    fresh, alone = SessionGate(shared_draft_token_s=shared), SessionGate()
+    assert fresh.draft_token_s == pytest.approx(0.0004) and alone.draft_token_s == 0.0
+    assert fresh.cap(load) == 0 and fresh.paused  # τ = 0.96: nothing pays
+    assert alone.cap(load) == UNLIMITED  # τ = 0.48 against the prior's 0.8
+    fresh.record(1, 1, draft_s=0.0001)
+    assert fresh.draft_token_s == pytest.approx(0.0001)  # its own, once it has one
+
+
+def test_in_a_batch_each_paused_session_probes_as_much_less_often():
+    """A probe's block holds up every session of its step: at 16 sessions a step, each probes 16
+    times less often, so the batch probes as often as one session alone."""
+    from svip_common.step_cost import PROBE_FIRST, PROBE_TOKENS, SessionGate
+
+    def first_probe(batch: float) -> int:
+        gate = SessionGate()
+        for _ in range(20):
+            gate.record(4, 0)
+        load = TargetLoad(plain_rate=100.0, verify_token_s=0.002, batch=batch)
+        assert gate.cap(load) == 0
+        rounds = 1
+        while gate.cap(load) != PROBE_TOKENS:
+            rounds += 1
+        return rounds
+
+    assert first_probe(1) == PROBE_FIRST and first_probe(16) == 16 * PROBE_FIRST
