@@ -39,9 +39,10 @@ class Verifier:
         self.pool = KVPool(target.model, kv_cache_tokens)
         self.tokens_verified = 0  # drafted tokens, every session
         self.last_step_tokens = 0  # tokens in the last batched forward
-        # a forward's time by its tokens, fitted on decode-shaped steps only (load-aware speculation),
-        # and on plain ones (one token per session) alone
-        self.cost, self.plain_cost = StepCost(), StepCost()
+        # a forward's time by its tokens (load-aware speculation): over every step (cost), over
+        # decode-shaped steps only (decode_cost: no prompt in them), over plain ones alone
+        # (plain_cost: one token per session)
+        self.cost, self.decode_cost, self.plain_cost = StepCost(), StepCost(), StepCost()
         self._sessions_per_step = Ewma(0.1)  # recent sessions per verification step
 
     def open(self, sampling: SamplingParams) -> TargetSession:
@@ -49,10 +50,18 @@ class Verifier:
 
     def load(self, sessions: int | None = None) -> TargetLoad | None:
         """The target's current load, as load-aware speculation sees it (None: nothing measured
-        yet). sessions: how many sessions its next step verifies, where the caller knows (the
-        in-process engine's lockstep batch); else the recent steps' average."""
-        batch = sessions if sessions is not None else self._sessions_per_step.value
-        return target_load(self.cost, batch, self.plain_cost)
+        yet). sessions: how many sessions its next step verifies, where the caller knows: the
+        in-process engine, whose draft and target forwards run in lockstep on one device, so a
+        drafted row holds up every session of its step; there it is priced on decode-shaped
+        steps, a plain step as measured and a row at what rows added over it (``target_load``:
+        measured at batch 16, the defaults went from 0.74-0.80x to 1.01-1.06x the target
+        alone). Else (the distributed target, its draft on another device) the recent steps'
+        average batch and the fit over every step, as before: priced the new way there, the
+        cut rule shortened blocks (1.7-1.9 drafted tokens a block against 1.9-2.2) and cost
+        5-15% through Serve; its round's cost needs modelling first (docs/benchmarks.md)."""
+        if sessions is None:
+            return target_load(self.cost, self._sessions_per_step.value)
+        return target_load(self.decode_cost, sessions, self.plain_cost)
 
     @torch.inference_mode()
     def verify_batch(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
@@ -118,13 +127,14 @@ class Verifier:
         return verdicts
 
     def _observe(self, tokens: int, seconds: float, prefilling: bool, items: int) -> None:
-        """A forward's time into the cost fit, unless a prompt went through it: what load-aware
-        speculation prices is a decode step and the drafted rows it verifies, and a prompt's
-        hundreds of tokens (cheaper each) would set the fit's slope, so that a drafted row looked
-        cheaper than it is (measured at batch 16 on a CPU: a fit of 0.24 ms a row against 0.3-0.5
-        ms between decode-shaped steps, and the first drafted row in a step ~2 ms)."""
+        """A forward's time into the cost fits; the decode-shaped ones leave out a step a prompt
+        went through: a prompt's hundreds of tokens (cheaper each) would set the slope, so that a
+        drafted row looked cheaper than it is (measured at batch 16 on a CPU: a fit of 0.24 ms a
+        row against 0.3-0.5 ms between decode-shaped steps, and the first drafted row in a step
+        ~2 ms)."""
+        self.cost.observe(tokens, seconds)
         if not prefilling:
-            self.cost.observe(tokens, seconds)
+            self.decode_cost.observe(tokens, seconds)
             if tokens == items:  # one token each: a plain step
                 self.plain_cost.observe(tokens, seconds)
 

@@ -240,15 +240,17 @@ def test_the_target_refuses_a_block_while_the_session_is_paused(models):
 
 
 def test_the_load_is_priced_on_decode_steps_and_the_batch_the_next_step_verifies(models, prompt_ids):
-    """What the gate reads (Verifier.load): a prompt's prefill never enters the cost fit (its
-    hundreds of tokens, each cheaper, would set the slope a drafted row is priced at); steps of
-    one token per session enter the plain fit too; the in-process batch prices the load at the
-    sessions its next step verifies, not at the average of steps before (a batch of 16 right
-    after single requests would otherwise draft as if alone)."""
+    """What the gate reads (Verifier.load): in process, a prompt's prefill never enters the fit
+    the load is priced on (its hundreds of tokens, each cheaper, would set the slope a drafted
+    row is priced at); steps of one token per session enter the plain fit too; the batch prices
+    the load at the sessions its next step verifies, not at the average of steps before (a batch
+    of 16 right after single requests would otherwise draft as if alone). Without a batch given
+    (the distributed target) the fit over every step prices it, as before."""
     verifier = Verifier(models["target"], kv_cache_tokens=4096)
     session, committed = verifier.open(SamplingParams()), list(prompt_ids["long"])
     verifier.prefill_next([(session, committed)])  # the prompt, while idle
-    assert verifier.cost.steps == 0 and verifier.load() is None
+    assert verifier.decode_cost.steps == 0 and verifier.load(1) is None
+    assert verifier.cost.steps == 1  # the fit over every step (the distributed target's price) has it
 
     def settle(drafted: list[int]) -> None:
         block = Block(base=len(committed), tokens=drafted, probs=[1.0] * len(drafted), entropies=[0.0] * len(drafted))
@@ -256,15 +258,15 @@ def test_the_load_is_priced_on_decode_steps_and_the_batch_the_next_step_verifies
         committed.extend([*drafted[: verdict.accepted], verdict.token])
 
     settle([])  # the row the prefill stored settles it: no forward
-    assert verifier.cost.steps == 0
+    assert verifier.decode_cost.steps == 0
     settle([])  # one token: a plain step
-    assert (verifier.cost.steps, verifier.plain_cost.steps) == (1, 1)
+    assert (verifier.decode_cost.steps, verifier.plain_cost.steps) == (1, 1)
     settle([5, 6])  # drafted rows: decode-shaped, not plain
-    assert (verifier.cost.steps, verifier.plain_cost.steps) == (2, 1)
+    assert (verifier.decode_cost.steps, verifier.plain_cost.steps) == (2, 1)
     other = verifier.open(SamplingParams())
     verifier.verify_batch([(other, list(prompt_ids["short"]), Block(base=len(prompt_ids["short"]), tokens=[],
                                                                    probs=[], entropies=[]))])
-    assert verifier.cost.steps == 2  # a prompt in the step: not in the fit
+    assert verifier.decode_cost.steps == 2 and verifier.cost.steps == 4  # a prompt in the step: not decode-shaped
     engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="greedy")
     seen, load = [], engine.verifier.load
     engine.verifier.load = lambda sessions=None: seen.append(sessions) or load(sessions)
@@ -275,3 +277,4 @@ def test_the_load_is_priced_on_decode_steps_and_the_batch_the_next_step_verifies
     results = engine.generate_many(reqs, batch_size=4)
     assert 4 in seen and set(seen) <= {1, 2, 3, 4}  # the lockstep batch, as sessions finish
     assert [r.token_ids for r in results] == target_alone(models, reqs)
+
