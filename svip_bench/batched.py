@@ -1,7 +1,7 @@
 """The in-process batched engine end to end: tokens/s at each batch size, target alone / svip / the defaults.
 
     python -m svip_bench.batched [--requests 16] [--batches 1,16] [--max-new-tokens 64] [--repeats N]
-                                 [--packing] [--json] [--head DIR|eagle]
+                                 [--packing | --alternate] [--json] [--head DIR|eagle]
 
 The embedded pair (unless --target / --draft), --requests Spec-Bench prompts (their last 200
 tokens), --max-new-tokens each with ignore_eos, greedy, through ``SpeculativeEngine.generate_many``
@@ -11,7 +11,11 @@ the confidence stop. Prints its command, the machine and
 one row per policy and batch size; every output must equal the target alone's (exit 1 otherwise).
 Two commits are compared by running this file against each (``PYTHONPATH=<checkout>``), alternately;
 --packing compares, in one process, packed attention with one attention call per session, each
-row's runs alternating between the two.
+row's runs alternating between the two. --alternate reads each policy against the target alone as
+a server that has run at the batch size sees it: every engine first runs one untimed pass at that
+size (its load-aware estimates learn it), then the target alone and each policy alternate run by
+run, --repeats rounds; a row's ratio is the median of its rounds' ratios to the target alone's run
+beside it (the machine's drift cancels).
 """
 
 from __future__ import annotations
@@ -56,8 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dataset", help="spec-bench.jsonl (default: ../shared/specbench beside the checkout)")
     parser.add_argument("--requests", type=int, default=16)
     parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--packing", action="store_true",
-                        help="each row twice, alternating: one attention call per session, then packed attention")
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--packing", action="store_true",
+                      help="each row twice, alternating: one attention call per session, then packed attention")
+    mode.add_argument("--alternate", action="store_true",
+                      help="warm engines, the target alone and each policy alternating run by run: ratios to it")
     parser.add_argument("--repeats", type=int, default=1, help="runs per row (the median is printed)")
     parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
     parser.add_argument("--head", help="also a feature head: its directory, or 'eagle' (the embedded target's own)")
@@ -76,9 +83,14 @@ def main(argv: list[str] | None = None) -> int:
         if args.packing:
             print("| policy | batch | one attention call per session, tokens/s | packed, tokens/s | speedup |")
             print("|---|---|---|---|---|")
+        elif args.alternate:
+            print("| policy | batch | tokens/s (median) | over the target alone (median of the rounds) |")
+            print("|---|---|---|---|")
         else:
             print("| policy | batch | tokens/s |")
             print("|---|---|---|")
+    if args.alternate:
+        return _alternated(engines(target, draft, head), encoded, batches, args)
     reference, failed = None, False
     settings = (0, kv_cache.PACK_MAX_NEW) if args.packing else (kv_cache.PACK_MAX_NEW,)
     packed = kv_cache.PACK_MAX_NEW
@@ -108,6 +120,41 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"| {name} | {size} | {tps[0]:.1f} | {tps[packed]:.1f} | {speedup:.2f}x |", flush=True)
             else:
                 print(f"| {name} | {size} | {tps[packed]:.1f} |", flush=True)
+    if failed:
+        print("an output differed from the target alone's", file=sys.stderr)
+    return 1 if failed else 0
+
+
+def _alternated(rows: dict, encoded, batches: list[int], args) -> int:
+    """--alternate: per batch size, every engine warmed at it, then rounds of one run each (the
+    target alone first or last, alternately); every output checked against the target alone's."""
+    failed = False
+    for size in batches:
+        def run(name):
+            engine, policy = rows[name]
+            requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=policy) for ids in encoded]
+            started = time.perf_counter()
+            outputs = [list(r.token_ids) for r in engine.generate_many(requests, size)]
+            return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
+
+        for name in rows:
+            run(name)  # untimed: the engine's estimates learn this batch size
+        tps = {name: [] for name in rows}
+        ratios = {name: [] for name in rows}
+        for r in range(args.repeats):
+            got = {name: run(name) for name in (list(rows) if r % 2 else list(rows)[::-1])}
+            alone_tps, reference = got["target alone"]
+            for name, (value, outputs) in got.items():
+                tps[name].append(value)
+                ratios[name].append(value / alone_tps)
+                failed |= outputs != reference
+        for name in rows:
+            row = {"policy": name, "batch": size, "tokens_per_s": statistics.median(tps[name]),
+                   "over_alone": statistics.median(ratios[name]), "exact": not failed}
+            if args.json:
+                print(json.dumps(row))
+            else:
+                print(f"| {name} | {size} | {row['tokens_per_s']:.1f} | {row['over_alone']:.2f}x |", flush=True)
     if failed:
         print("an output differed from the target alone's", file=sys.stderr)
     return 1 if failed else 0
