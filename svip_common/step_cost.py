@@ -137,8 +137,8 @@ class TargetLoad:
 
 
 def target_load(verify: StepCost, sessions_per_step: float, plain: StepCost | None = None) -> TargetLoad | None:
-    """The target's load from its verification cost fit (decode-shaped steps) and its recent
-    sessions per step. plain: the fit of plain steps alone (one token per session). With it, a
+    """The target's load from a fit of its forwards' time (``verify``) at a batch of
+    ``sessions_per_step``. plain: the fit of plain steps alone (one token per session). With it, a
     plain step's time is the measured one, and a drafted token costs at least what the recent
     steps' drafted rows added on average over a plain step of their batch: a forward's time is
     not a line in its tokens (on a CPU the first row past one per session pads every session's

@@ -54,7 +54,7 @@ class Verifier:
         in-process engine, whose draft and target forwards run in lockstep on one device, so a
         drafted row holds up every session of its step; there it is priced on decode-shaped
         steps, a plain step as measured and a row at what rows added over it (``target_load``:
-        measured at batch 16, the defaults went from 0.74-0.80x to 1.01-1.06x the target
+        measured at batch 16, the defaults went from 0.74-0.85x to 0.92-1.06x the target
         alone). Else (the distributed target, its draft on another device) the recent steps'
         average batch and the fit over every step, as before: priced the new way there, the
         cut rule shortened blocks (1.7-1.9 drafted tokens a block against 1.9-2.2) and cost
