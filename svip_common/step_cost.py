@@ -247,8 +247,8 @@ class SessionGate:
     def __init__(self, cuts: bool = True, shared_draft_token_s: Ewma | None = None):
         """cuts False: the policy itself stops a block where one more token stops paying at this
         τ (auto), so a block that pays is not cut here; only the pause (and its probes) is decided.
-        shared_draft_token_s: what a drafted token cost the sessions before this one (their engine's
-        or worker's, updated by every gate that shares it): a new session's estimate until its own
+        shared_draft_token_s: what a drafted token cost the sessions before this one (the in-process
+        engine's, updated by every gate that shares it): a new session's estimate until its own
         blocks measure it, so that it does not start as if drafting were free (at a batch where it
         does not pay, it then pauses before its draft takes its prompt in)."""
         self.cuts = cuts

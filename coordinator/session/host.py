@@ -24,7 +24,7 @@ from svip_common.contracts import GenerationRequest, GenerationStats, PolicyConf
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
 from svip_common.kv_sizes import whole_pages
 from svip_common.messages import DraftedBlock
-from svip_common.step_cost import Ewma, SessionGate, check_idle_prefill, check_load_aware, load_aware_for
+from svip_common.step_cost import SessionGate, check_idle_prefill, check_load_aware, load_aware_for
 from svip_common.test_hooks import StepGate
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -89,7 +89,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.sampled_hold_s = sampled_hold_s
         self.auto = auto if auto is not None else AutoEstimate()
         self.step_metrics = StepMetrics("target")
-        self.draft_token_s = Ewma(0.2)  # what a drafted token cost recent sessions (a new session's gate starts there)
         self.draft: DraftPort | None = None
         if draft_address is not None or draft_actor is not None:
             self.draft = DraftPort(draft_address, draft_actor, self._draft_event, self._draft_lost, self._draft_back,
@@ -170,7 +169,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 hold_s=self.sampled_hold_s,
                 auto=SessionStop(self.auto, sampling.greedy) if policy.name == "auto" else None,
                 load=self.verifier.load,
-                draft_token_s=self.draft_token_s,
             )
             self.new_session(sid, session, stream)
             self._reserved[sid] = tokens

@@ -68,7 +68,7 @@ from svip_common.messages import (
     DraftRequest,
     SessionStart,
 )
-from svip_common.step_cost import Ewma, SessionGate, StepCost, TargetLoad, prefill_pays
+from svip_common.step_cost import SessionGate, StepCost, TargetLoad, prefill_pays
 from target_worker.verifier import TargetSession
 
 log = logging.getLogger(__name__)
@@ -124,7 +124,6 @@ class SessionPipeline:
         hold_s: float = 0.0,
         auto: SessionStop | None = None,
         load: Callable[[], TargetLoad | None] = lambda: None,
-        draft_token_s: Ewma | None = None,
     ):
         """caller: where settled tokens and the finish go; schedule(fn, *args): runs fn later on the compute
         thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
@@ -132,8 +131,7 @@ class SessionPipeline:
         speculation (None: the policy drafts as configured at any load); hold_s: how long a sampled
         session waits for a lost draft before the target goes on alone; auto: the session's learnt
         stop (policy auto; svip_common/acceptance.py), its rule sent with each start, feedback and
-        resume; load: the target's load now (what a drafted token costs, for auto's tau);
-        draft_token_s: what a drafted token cost the host's sessions so far (the gate's start)."""
+        resume; load: the target's load now (what a drafted token costs, for auto's tau)."""
         self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
         self.target, self.draft, self.pipeline = target, draft, pipeline
         self.caller, self.schedule, self.enqueue = caller, schedule, enqueue
@@ -148,8 +146,7 @@ class SessionPipeline:
         self.reattach = Reattach(hold_s)  # recovery: when a detached session may take a draft up again
         self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
         self.feedback = FeedbackChain(session_id)  # verdicts' feedback not yet sent, a correction owed
-        # load-aware speculation's estimate for this session
-        self.gate = SessionGate(cuts=auto is None, shared_draft_token_s=draft_token_s)
+        self.gate = SessionGate(cuts=auto is None)  # load-aware speculation's estimate for this session
         self.pausing = LoadPause(load_cap, self.gate, self.stats)  # its cap, and the tokens settled while paused
         self.auto, self._load = (auto if draft is not None else None), load
         self.mode = DraftMode.DRAFTING
