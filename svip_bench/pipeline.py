@@ -27,7 +27,7 @@ from pathlib import Path
 
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
-from svip_bench.runner import Progress, encode_prompts
+from svip_bench.runner import Progress, encode_prompts, nearest_rank
 from svip_common.contracts import ROUND_PARTS, GenerationRequest, GenerationStats, PolicyConfig
 
 MODES = ("alone", "inprocess", "sync", "async")  # alone: the target alone, in process
@@ -173,7 +173,7 @@ def _modes(engine, remote, loop, requests, repeats, cores: dict[str, set[int]] |
                 violations.append(f"repeat {rep}, prompt {request.prompt_ids[:8]}")
         for m in MODES:
             per_mode[m].append(tokens[m] / wall[m])
-    ttft = {m: {"median_ms": statistics.median(v), "p95_ms": _p95(v)} for m, v in first_ms.items()}
+    ttft = {m: {"median_ms": statistics.median(v), "p95_ms": nearest_rank(v, 0.95)} for m, v in first_ms.items()}
     return _ratios(per_mode, "inprocess"), stats, violations, ttft
 
 
@@ -188,10 +188,6 @@ def _streamed(loop, engine, request: GenerationRequest) -> tuple:
     started = time.perf_counter()
     result = loop.run_until_complete(engine.generate(request, arrived))
     return result, 1e3 * (first[0] - started) if first else float("nan")
-
-
-def _p95(values: list[float]) -> float:
-    return sorted(values)[min(len(values) - 1, int(0.95 * len(values)))]
 
 
 def _ratios(per_mode: dict[str, list[float]], base: str) -> dict:
@@ -218,10 +214,10 @@ def breakdown(stats: list[GenerationStats]) -> dict:
 def wire_bytes(stats: list[GenerationStats]) -> dict:
     """Bytes on the draft link per round (both directions: blocks, feedback, and a feature draft's
     features), each request's mean: median and p95 over the requests."""
-    values = sorted(s.wire_bytes_per_round for s in stats if s.rounds)
+    values = [s.wire_bytes_per_round for s in stats if s.rounds]
     if not values:
         return {"median": 0.0, "p95": 0.0}
-    return {"median": statistics.median(values), "p95": values[min(len(values) - 1, int(0.95 * len(values)))]}
+    return {"median": statistics.median(values), "p95": nearest_rank(values, 0.95)}
 
 
 def sources(stats: list[GenerationStats]) -> dict:

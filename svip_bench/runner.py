@@ -3,6 +3,7 @@ method alike, with the target-alone output of each prompt as the exactness refer
 
 from __future__ import annotations
 
+import math
 import platform
 import random
 import sys
@@ -13,6 +14,12 @@ from coordinator.engine import SpeculativeEngine
 from svip_bench.datasets import Prompt
 from svip_bench.methods import ForwardCounter, Method, Run, run_engine, run_hf
 from svip_common.contracts import GenerationRequest, PolicyConfig
+
+
+def nearest_rank(values, q: float) -> float:
+    """The q-quantile of values by the nearest-rank rule (p95: q = 0.95); values need not be sorted."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def machine_description() -> str:

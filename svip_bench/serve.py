@@ -11,7 +11,6 @@ a time, svip and the target alone, interleaved."""
 from __future__ import annotations
 
 import json
-import math
 import random
 import socket
 import statistics
@@ -20,7 +19,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from svip_bench.runner import Progress, encode_prompts
+from svip_bench.runner import Progress, encode_prompts, nearest_rank
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest
 
@@ -268,15 +267,11 @@ def _levels(client, base, encoded, texts, args, threshold, policies, levels):
                     "tokens_per_s_max": max(tps),
                     "over_none": statistics.median([a["tps"] / b["tps"] for a, b in zip(reps, runs[(n, "none")])]),
                     "ttft_p50": statistics.median(ttft),
-                    "ttft_p95": _nearest_rank(ttft, 0.95),
+                    "ttft_p95": nearest_rank(ttft, 0.95),
                     "latency_p50": statistics.median(t for r in reps for t in r["latency"]),
                 }
             )
     return results, violations
-
-
-def _nearest_rank(sorted_values: list[float], q: float) -> float:
-    return sorted_values[max(0, math.ceil(q * len(sorted_values)) - 1)]
 
 
 def _markdown(doc: dict) -> str:
