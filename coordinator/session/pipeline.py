@@ -280,9 +280,7 @@ class SessionPipeline:
         next place (the last verdict's token, or the prompt, not yet taken in), which it knows (not
         a sampled correction the draft draws). always: whether or not it pays (prefill_pays).
         A prompt not yet taken in is always worth it: that forward is owed anyway."""
-        if self.done or self.verifying is not None or self.waiting_since is None or self.mode is not DraftMode.DRAFTING:
-            return False
-        if self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
+        if not self._waits_on_draft or self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
             return False
         waited = time.time() - self.waiting_since
         return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify, waited)
@@ -295,11 +293,13 @@ class SessionPipeline:
         construction: every token is the target's own choice. Not for sampled sessions: whether
         a place is drawn by the target alone or by a verdict would depend on timing, and a seeded
         request must reproduce."""
+        return self.request.sampling.greedy and self._waits_on_draft
+
+    @property
+    def _waits_on_draft(self) -> bool:
+        """The session waits for its draft's next block, with nothing being verified."""
         return (
-            self.request.sampling.greedy
-            and not self.done
-            and self.mode is DraftMode.DRAFTING
-            and self.verifying is None
+            not self.done and self.mode is DraftMode.DRAFTING and self.verifying is None
             and self.waiting_since is not None
         )
 
