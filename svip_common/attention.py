@@ -20,16 +20,20 @@ HALF = (torch.float16, torch.bfloat16)
 
 
 def grouped_sdpa(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None = None,
-                 scale: float | None = None, expand: bool | None = None) -> torch.Tensor:
+                 scale: float | None = None, expand: bool | None = None, causal: bool = False) -> torch.Tensor:
     """query [..., heads, n, d] over key and value [..., kv_heads, L, d] (heads a multiple of
-    kv_heads). expand: heads expanded before the call (None: where the device needs it, see above)."""
+    kv_heads). expand: heads expanded before the call (None: where the device needs it, see above).
+    causal: query i sees keys 0..i, with n == L and no mask (a prefill from nothing)."""
+    if causal and (mask is not None or query.shape[-2] != key.shape[-2]):
+        raise ValueError("a causal call takes no mask and as many queries as keys")
     if expand is None:
         expand = expands(query, mask)
     groups = query.shape[-3] // key.shape[-3]
     if not expand or groups == 1:
-        return scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+        return scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, is_causal=causal,
+                                            enable_gqa=groups > 1)
     key, value = key.repeat_interleave(groups, dim=-3), value.repeat_interleave(groups, dim=-3)
-    return scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale)
+    return scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scale, is_causal=causal)
 
 
 def expands(query: torch.Tensor, mask: torch.Tensor | None) -> bool:

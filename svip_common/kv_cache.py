@@ -340,7 +340,13 @@ class _Item:
     total: int  # how many tokens it holds after this forward (its keys and values)
     read: int  # where its keys begin: a slot of the pool (run) or a row of the step's gather
     run: bool  # its keys are one run of the pool's slots (a view), else rows of the gather
-    mask: torch.Tensor | None = None  # [length, total] causal, lower right; None for one new token (made when staged)
+    mask: torch.Tensor | None = None  # [length, total] causal, lower right, when it follows cached keys (made when staged)
+
+    @property
+    def causal(self) -> bool:
+        """A prefill from nothing (several new tokens, no keys before them): attended with
+        ``is_causal``, no mask."""
+        return 1 < self.length == self.total
 
 
 @dataclass
@@ -493,7 +499,7 @@ class _Ragged:
         for pack in self.packs:
             pack.make_mask()
         for item in self.items:
-            if item.length > 1:  # causal, lower right
+            if item.length > 1 and not item.causal:  # causal, lower right, after cached keys
                 n, total = item.length, item.total
                 item.mask = torch.ones(n, total, dtype=torch.bool, device=self.pool.device).tril(total - n)
 
@@ -518,7 +524,7 @@ class _Ragged:
             k = k_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)  # [1, kv_heads, L, d]
             v = v_src.narrow(0, item.read, item.total).permute(1, 0, 2).unsqueeze(0)
             mask = None if item.mask is None else item.mask.to(q.device)
-            o = grouped_sdpa(q, k, v, mask, scaling)
+            o = grouped_sdpa(q, k, v, mask, scaling, causal=item.causal)
             outs.append(o[0].transpose(0, 1))  # [n, heads, d]
         out = outs[0] if len(outs) == 1 else torch.cat(outs)
         if self.order is not None:

@@ -222,3 +222,36 @@ def test_a_verify_step_on_cuda_never_takes_sdpas_math_kernel(dtype):
         torch.cuda.synchronize()
     kernels = {SDPA_KERNELS[e.name] for e in prof.events() if e.name in SDPA_KERNELS}
     assert kernels and "math" not in kernels, kernels
+
+
+def test_a_prefill_from_nothing_on_cuda_takes_flash_with_grouped_heads():
+    """A prompt prefilled from nothing is attended with is_causal, no mask (svip_common/attention.py):
+    in bf16 SDPA runs its flash kernel on the grouped heads, nothing expanded; its logits equal
+    the masked call's within bf16 rounding, with the same argmax."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from svip_assets import default_pair
+    from svip_bench.gpu_throughput import SDPA_KERNELS
+    from svip_common import kv_cache
+    from svip_common.kv_cache import KVPool
+
+    pool = KVPool(load_model(default_pair()[0], "bfloat16", "cuda").model, 8192)
+    prompts = [list(range(10, 60 + 9 * i)) for i in range(3)]  # longer than a packed item: alone
+    seqs = [pool.sequence() for _ in prompts]
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        causal = pool.forward([(s, p, 1) for s, p in zip(seqs, prompts)])
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events()]
+    assert {SDPA_KERNELS[n] for n in names if n in SDPA_KERNELS} == {"flash"}
+    assert not any("repeat_interleave" in n for n in names)
+    for s in seqs:
+        s.rollback(0)
+    masked_item = property(lambda self: False)  # the lower-right mask instead, as before is_causal
+    original = kv_cache._Item.causal
+    kv_cache._Item.causal = masked_item
+    try:
+        masked = pool.forward([(s, p, 1) for s, p in zip(seqs, prompts)])
+    finally:
+        kv_cache._Item.causal = original
+    for a, b in zip(causal, masked):
+        assert torch.allclose(a.float(), b.float(), atol=5e-2) and torch.equal(a.argmax(-1), b.argmax(-1))

@@ -38,3 +38,22 @@ def test_a_cpu_keeps_enable_gqa_and_a_gpu_call_expands_where_it_would_hit_the_ma
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         grouped_sdpa(q, torch.zeros(1, 2, 4, 16), torch.zeros(1, 2, 4, 16), torch.ones(1, 1, 2, 4, dtype=torch.bool))
     assert not any("repeat_interleave" in e.name for e in prof.events())  # nothing copied on a CPU
+
+
+@pytest.mark.parametrize("n", [2, 7, 33, 200])
+@pytest.mark.parametrize("kv_heads", [2, 8])
+def test_a_causal_call_is_bitwise_the_masked_one_on_a_cpu(n, kv_heads):
+    """A prefill from nothing takes is_causal instead of a lower-triangular mask: the same bits."""
+    g = torch.Generator().manual_seed(n)
+    q = torch.randn(1, 8, n, 16, generator=g)
+    k, v = (torch.randn(1, kv_heads, n, 16, generator=g) for _ in range(2))
+    masked = grouped_sdpa(q, k, v, torch.ones(n, n, dtype=torch.bool).tril(), 0.25)
+    assert torch.equal(grouped_sdpa(q, k, v, None, 0.25, causal=True), masked)
+
+
+def test_a_causal_call_takes_no_mask_and_as_many_queries_as_keys():
+    q, kv = torch.zeros(1, 8, 3, 16), torch.zeros(1, 2, 5, 16)
+    with pytest.raises(ValueError, match="as many queries as keys"):
+        grouped_sdpa(q, kv, kv, causal=True)  # queries after cached keys need the lower-right mask
+    with pytest.raises(ValueError, match="no mask"):
+        grouped_sdpa(q[:, :, :3], kv[:, :, :3], kv[:, :, :3], torch.ones(3, 3, dtype=torch.bool), causal=True)

@@ -248,13 +248,14 @@ def _plan(pool, steps):
 @torch.inference_mode()
 def test_planned_attention_is_bitwise_a_per_sequence_gather(model, monkeypatch):
     """Sequences attended one by one (views of one run, rows of the step's single gather, masks
-    made once): the logits equal, bit for bit, those of the per-sequence gathers they replace,
-    for decode and verify rows."""
+    made once, a prefill from nothing by is_causal): the logits equal, bit for bit, those of the
+    per-sequence gathers they replace, for decode and verify rows and the prefill."""
     monkeypatch.setattr(kv_cache, "PACK_MAX_NEW", 0)  # nothing packed: every item on its own
     pool, alone, a, b = _mixed_pool(model)
     steps = [(alone, [7], 1), (a, [8, 9, 10, 11], 4), (b, [12], 1), (pool.sequence(), TOKENS, 3)]
     planned_meta = _plan(pool, steps)
     assert not planned_meta.packs and [it.run for it in planned_meta.items] == [True, False, False, True]
+    assert [it.causal for it in planned_meta.items] == [False, False, False, True]  # the prefill: is_causal
     planned, reference = _forward_twice(pool, steps)
     for p, r in zip(planned, reference, strict=True):
         assert torch.equal(p, r)
