@@ -3,8 +3,9 @@ sync and distributed async, on the same prompts, interleaved (every output must 
 alone's); each distributed mode's round broken down (draft and target forwards on the critical
 path, block and feedback transit, queueing, overhead), where async's blocks came from (ready at
 the verdict or drafted after it) and the bound async could reach (sync's rounds with the draft
-and the round trip hidden after every full acceptance); 1 vs 8 concurrent sessions; one async
-request's timeline; and, with --latencies, sync vs async across two nodes with that round-trip
+and the round trip hidden after every full acceptance); 1, 8 and 16 sessions in flight, async
+SVIP and the target alone through the same workers (the Serve bench's ratio without HTTP and
+Serve); one async request's timeline; and, with --latencies, sync vs async across two nodes with that round-trip
 latency on the link between them (svip_bench/two_nodes.py). --one-core-each gives each model a
 core of its own as its device (Linux CPU affinity): the target alone and the in-process engine run
 on core 0, the distributed target on core 0 and its draft on core 1, so the distributed pipeline
@@ -71,7 +72,8 @@ def run(engine, prompts, args, header: dict) -> int:
             for e in remote.values():
                 loop.run_until_complete(e.generate(r))
         tps, stats, violations, ttft = _modes(engine, remote, loop, requests, args.repeats, cores)
-        concurrency = _concurrency(remote["async"], loop, requests)
+        concurrency, crowd_violations = _concurrency(remote["async"], loop, requests)
+        violations += crowd_violations
         timeline = loop.run_until_complete(remote["async"].generate(requests[0])).stats
     finally:
         for e in remote.values():
@@ -266,25 +268,38 @@ def async_bound(sync: list[GenerationStats], sync_tps: float) -> dict:
     return {"speedup_over_sync": speedup, "tokens_per_s": sync_tps * speedup}
 
 
-def _concurrency(engine: DistributedEngine, loop, requests, levels=(1, 8)) -> dict:
-    out = {}
+CONCURRENCY = (1, 8, 16)  # sessions in flight at once (the Serve bench's client levels)
+
+
+def _concurrency(engine: DistributedEngine, loop, requests, levels=CONCURRENCY) -> tuple[dict, list[str]]:
+    """Aggregate tokens/s with n sessions in flight (at least every prompt once), async SVIP and
+    the target alone through the same workers (policy none), alternately: the Serve bench's
+    ratio without HTTP and Serve, so a loss there can be placed. Every output checked against the
+    target alone's."""
+    out: dict = {"svip": {}, "none": {}}
+    violations = []
     for n in levels:
         batch = [requests[i % len(requests)] for i in range(max(n, len(requests)))]
+        outputs = {}
+        for policy in ("svip", "none") if n % 2 else ("none", "svip"):
+            runs = batch if policy == "svip" else [dataclasses.replace(r, policy=PolicyConfig(name="none")) for r in batch]
+            out[policy][str(n)], outputs[policy] = loop.run_until_complete(_crowd(engine, runs, n))
+        violations += [f"concurrency {n}, prompt {r.prompt_ids[:8]}" for r, a, b in
+                       zip(batch, outputs["svip"], outputs["none"]) if a != b]
+    return out, violations
 
-        async def go():
-            sem = asyncio.Semaphore(n)
 
-            async def one(r):
-                async with sem:
-                    return await engine.generate(r)
+async def _crowd(engine: DistributedEngine, requests, n: int) -> tuple[float, list[list[int]]]:
+    """The requests with at most n in flight: aggregate tokens/s and each one's tokens."""
+    sem = asyncio.Semaphore(n)
 
-            start = time.perf_counter()
-            results = await asyncio.gather(*(one(r) for r in batch))
-            return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start)
+    async def one(r):
+        async with sem:
+            return await engine.generate(r)
 
-        out[str(n)] = loop.run_until_complete(go())
-    out["ratio"] = out[str(levels[-1])] / out[str(levels[0])]
-    return out
+    start = time.perf_counter()
+    results = await asyncio.gather(*(one(r) for r in requests))
+    return sum(len(r.token_ids) for r in results) / (time.perf_counter() - start), [r.token_ids for r in results]
 
 
 def two_nodes(engine, requests: list[GenerationRequest], latencies: list[float], repeats: int) -> list[dict]:
@@ -410,10 +425,15 @@ def _markdown(doc: dict) -> str:
         lines += ["", "Time to the first token streamed (one request at a time; median / p95 ms): "
                   + ", ".join(f"{m} {v['median_ms']:.1f} / {v['p95_ms']:.1f}" for m, v in f.items()) + "."]
     c = doc["concurrency"]
-    lines += [
-        "",
-        f"Async, aggregate tokens/s: 1 session {c['1']:.1f}, 8 concurrent sessions {c['8']:.1f} ({c['ratio']:.2f}x).",
-    ]
+    first = min(c["svip"], key=int)
+    lines += ["", "Sessions in flight at once, aggregate tokens/s through the workers (async; the target alone is "
+              "policy none on the same workers):", "",
+              "| sessions | SVIP | over 1 session | the target alone | over 1 session | SVIP / alone |",
+              "|---|---|---|---|---|---|"]
+    for n in c["svip"]:
+        svip, alone = c["svip"][n], c["none"][n]
+        lines.append(f"| {n} | {svip:.1f} | {svip / c['svip'][first]:.2f}x | {alone:.1f} "
+                     f"| {alone / c['none'][first]:.2f}x | {svip / alone:.2f}x |")
     t = doc["timeline_stats"]
     lines += [
         "",

@@ -147,7 +147,7 @@ def test_a_process_is_pinned_thread_by_thread():
 def test_pipeline_bench(tmp_path, model_dirs, capsys):
     """`--mode pipeline`: in-process, distributed sync and async agree token for token (the bench
     fails otherwise); the throughput table, the per-round breakdown, async's block sources and
-    bound, the concurrency figure and the timeline are written; where namespaces can be made,
+    bound, SVIP and the target alone at 1, 8 and 16 sessions in flight and the timeline are written; where namespaces can be made,
     the two-node run too."""
     from svip_bench.two_nodes import unavailable
 
@@ -196,7 +196,10 @@ def test_pipeline_bench(tmp_path, model_dirs, capsys):
     wire = doc["wire_bytes_per_round"]
     assert all(wire[m]["p95"] >= wire[m]["median"] > 0 for m in ("sync", "async"))
     assert all(doc["ttft_ms"][m]["p95_ms"] >= doc["ttft_ms"][m]["median_ms"] > 0 for m in ("sync", "async"))
-    assert doc["concurrency"]["8"] > 0 and doc["timeline"]
+    crowd = doc["concurrency"]  # SVIP and the target alone through the workers, 1 / 8 / 16 in flight
+    assert {p: set(v) for p, v in crowd.items()} == {p: {"1", "8", "16"} for p in ("svip", "none")}
+    assert all(tps > 0 for v in crowd.values() for tps in v.values()) and doc["timeline"]
+    assert "| 16 |" in (out / "pipeline.md").read_text()
     assert (out / "timeline.png").stat().st_size > 1000
     md = (out / "pipeline.md").read_text()
     assert "Per round, median (mean) in ms" in md and "| overhead |" in md and "| target alone (in process) |" in md
