@@ -72,7 +72,7 @@ def run(engine, prompts, args, header: dict) -> int:
             for e in remote.values():
                 loop.run_until_complete(e.generate(r))
         tps, stats, violations, ttft = _modes(engine, remote, loop, requests, args.repeats, cores)
-        concurrency, crowd_violations = _concurrency(remote["async"], loop, requests)
+        concurrency, crowd_violations = _concurrency(remote["async"], loop, requests, args.repeats)
         violations += crowd_violations
         timeline = loop.run_until_complete(remote["async"].generate(requests[0])).stats
     finally:
@@ -271,22 +271,25 @@ def async_bound(sync: list[GenerationStats], sync_tps: float) -> dict:
 CONCURRENCY = (1, 8, 16)  # sessions in flight at once (the Serve bench's client levels)
 
 
-def _concurrency(engine: DistributedEngine, loop, requests, levels=CONCURRENCY) -> tuple[dict, list[str]]:
+def _concurrency(engine: DistributedEngine, loop, requests, repeats: int = 1,
+                 levels=CONCURRENCY) -> tuple[dict, list[str]]:
     """Aggregate tokens/s with n sessions in flight (at least every prompt once), async SVIP and
-    the target alone through the same workers (policy none), alternately: the Serve bench's
-    ratio without HTTP and Serve, so a loss there can be placed. Every output checked against the
-    target alone's."""
-    out: dict = {"svip": {}, "none": {}}
+    the target alone through the same workers (policy none), alternating which goes first, the
+    median of ``repeats`` runs each: the Serve bench's ratio without HTTP and Serve, so a loss
+    there can be placed. Every output checked against the target alone's."""
+    runs: dict = {"svip": {}, "none": {}}
     violations = []
     for n in levels:
         batch = [requests[i % len(requests)] for i in range(max(n, len(requests)))]
-        outputs = {}
-        for policy in ("svip", "none") if n % 2 else ("none", "svip"):
-            runs = batch if policy == "svip" else [dataclasses.replace(r, policy=PolicyConfig(name="none")) for r in batch]
-            out[policy][str(n)], outputs[policy] = loop.run_until_complete(_crowd(engine, runs, n))
-        violations += [f"concurrency {n}, prompt {r.prompt_ids[:8]}" for r, a, b in
-                       zip(batch, outputs["svip"], outputs["none"]) if a != b]
-    return out, violations
+        alone = [dataclasses.replace(r, policy=PolicyConfig(name="none")) for r in batch]
+        for rep in range(repeats):
+            outputs = {}
+            for policy in ("svip", "none") if rep % 2 else ("none", "svip"):
+                tps, outputs[policy] = loop.run_until_complete(_crowd(engine, batch if policy == "svip" else alone, n))
+                runs[policy].setdefault(str(n), []).append(tps)
+            violations += [f"concurrency {n}, repeat {rep}, prompt {r.prompt_ids[:8]}" for r, a, b in
+                           zip(batch, outputs["svip"], outputs["none"]) if a != b]
+    return {p: {n: statistics.median(v) for n, v in by_n.items()} for p, by_n in runs.items()}, violations
 
 
 async def _crowd(engine: DistributedEngine, requests, n: int) -> tuple[float, list[list[int]]]:
@@ -427,7 +430,7 @@ def _markdown(doc: dict) -> str:
     c = doc["concurrency"]
     first = min(c["svip"], key=int)
     lines += ["", "Sessions in flight at once, aggregate tokens/s through the workers (async; the target alone is "
-              "policy none on the same workers):", "",
+              "policy none on the same workers; medians of the repeats, alternating):", "",
               "| sessions | SVIP | over 1 session | the target alone | over 1 session | SVIP / alone |",
               "|---|---|---|---|---|---|"]
     for n in c["svip"]:

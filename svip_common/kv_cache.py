@@ -340,7 +340,7 @@ class _Item:
     total: int  # how many tokens it holds after this forward (its keys and values)
     read: int  # where its keys begin: a slot of the pool (run) or a row of the step's gather
     run: bool  # its keys are one run of the pool's slots (a view), else rows of the gather
-    mask: torch.Tensor | None = None  # [length, total] causal, lower right, when it follows cached keys (made when staged)
+    mask: torch.Tensor | None = None  # [length, total] causal, lower right, after cached keys (made when staged)
 
     @property
     def causal(self) -> bool:

@@ -147,8 +147,8 @@ def test_a_process_is_pinned_thread_by_thread():
 def test_pipeline_bench(tmp_path, model_dirs, capsys):
     """`--mode pipeline`: in-process, distributed sync and async agree token for token (the bench
     fails otherwise); the throughput table, the per-round breakdown, async's block sources and
-    bound, SVIP and the target alone at 1, 8 and 16 sessions in flight and the timeline are written; where namespaces can be made,
-    the two-node run too."""
+    bound, SVIP and the target alone at 1, 8 and 16 sessions in flight and the timeline are
+    written; where namespaces can be made, the two-node run too."""
     from svip_bench.two_nodes import unavailable
 
     out = tmp_path / "pipe"
