@@ -224,7 +224,7 @@ def test_a_verify_step_on_cuda_never_takes_sdpas_math_kernel(dtype):
     assert kernels and "math" not in kernels, kernels
 
 
-def test_a_prefill_from_nothing_on_cuda_takes_flash_with_grouped_heads():
+def test_a_prefill_from_nothing_on_cuda_takes_flash_with_grouped_heads(monkeypatch):
     """A prompt prefilled from nothing is attended with is_causal, no mask (svip_common/attention.py):
     in bf16 SDPA runs its flash kernel on the grouped heads, nothing expanded; its logits equal
     the masked call's within bf16 rounding, with the same argmax."""
@@ -246,12 +246,7 @@ def test_a_prefill_from_nothing_on_cuda_takes_flash_with_grouped_heads():
     assert not any("repeat_interleave" in n for n in names)
     for s in seqs:
         s.rollback(0)
-    masked_item = property(lambda self: False)  # the lower-right mask instead, as before is_causal
-    original = kv_cache._Item.causal
-    kv_cache._Item.causal = masked_item
-    try:
-        masked = pool.forward([(s, p, 1) for s, p in zip(seqs, prompts)])
-    finally:
-        kv_cache._Item.causal = original
+    monkeypatch.setattr(kv_cache._Item, "causal", property(lambda self: False))  # the lower-right mask, as before
+    masked = pool.forward([(s, p, 1) for s, p in zip(seqs, prompts)])
     for a, b in zip(causal, masked):
         assert torch.allclose(a.float(), b.float(), atol=5e-2) and torch.equal(a.argmax(-1), b.argmax(-1))
