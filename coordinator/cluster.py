@@ -30,6 +30,9 @@ RECOVER_TIMEOUT_S = 120.0  # a replaced worker serves again within this (restart
 # Ray's dashboard agent always listens on this port (ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT;
 # ray.init cannot move it): a metrics port there makes Ray refuse to start.
 RAY_AGENT_PORT = 52365
+# ray.init's message when its raylet missed Ray's fixed startup wait; init_local_ray starts again.
+RAY_SLOW_START = "timed out during startup"
+RAY_START_ATTEMPTS = 2
 
 
 def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
@@ -49,7 +52,7 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
 
     if ray.is_initialized():
         return
-    ray.init(
+    options = dict(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         num_cpus=max(3 * pairs, os.cpu_count() or 2),  # a logical CPU per worker actor, and per Serve replica
@@ -58,6 +61,41 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
         configure_logging=False,
         _metrics_export_port=metrics_port,
     )
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        started_before = _child_pids()
+        try:
+            ray.init(**options)
+            return
+        except Exception as error:
+            if RAY_SLOW_START not in str(error) or attempt == RAY_START_ATTEMPTS:
+                raise
+            # Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py, not
+            # configurable); a busy machine once missed it. The processes that attempt started
+            # are this process's children and nobody else's: stop them, then start afresh.
+            stopped = _stop_children(_child_pids() - started_before)
+            log.warning("Ray did not start (%s): stopped the %d processes it left, starting again", error, stopped)
+
+
+def _child_pids() -> set[int]:
+    import psutil  # Ray's own (ray/thirdparty_files), on the path once ray is imported
+
+    return {child.pid for child in psutil.Process().children(recursive=True)}
+
+
+def _stop_children(pids: set[int]) -> int:
+    """Kill these processes (children of this one) and wait for them; how many were still alive."""
+    import psutil
+
+    alive = []
+    for pid in pids:
+        try:
+            process = psutil.Process(pid)
+            process.kill()
+            alive.append(process)
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=30)  # a bound on a failure only: SIGKILL ends them at once
+    return len(alive)
 
 
 def _ray_stays_on_loopback() -> None:

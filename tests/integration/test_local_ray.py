@@ -33,3 +33,41 @@ def test_a_process_that_imported_ray_first_still_gets_a_loopback_cluster():
     finally:
         out, err = proc.communicate("\n", timeout=300)
     assert proc.returncode == 0, err[-2000:]
+
+
+# The first ray.init finds its raylet late past Ray's fixed 30 s wait (ray/_private/node.py), as a
+# busy machine once made it: the first registration check fails and node.py's clock reads 31 s on.
+FIRST_START_MISSES_THE_WAIT = (
+    "import logging, time, types\n"
+    "logging.basicConfig()\n"
+    "import ray, ray._private.node as node, ray._private.services as services, psutil\n"
+    "from coordinator.cluster import init_local_ray\n"
+    "real_get_node, late = services.get_node, {'checks': 0, 's': 0.0}\n"
+    "def get_node(*args, **kwargs):\n"
+    "    late['checks'] += 1\n"
+    "    if late['checks'] == 1:\n"
+    "        late['s'] = 31.0\n"
+    "        raise RuntimeError('the raylet has not registered yet')\n"
+    "    return real_get_node(*args, **kwargs)\n"
+    "services.get_node = get_node\n"
+    "node.time = types.SimpleNamespace(sleep=time.sleep, monotonic=lambda: time.monotonic() + late['s'])\n"
+    "init_local_ray()\n"
+    "assert ray.get(ray.remote(lambda: 'ok').remote()) == 'ok'\n"
+    "names = [p.name() for p in psutil.Process().children(recursive=True)]\n"
+    "print(names.count('gcs_server'), names.count('raylet'), flush=True)\n"
+    "input()\n"
+    "ray.shutdown()\n"
+)
+
+
+def test_a_raylet_that_misses_rays_startup_wait_is_started_again_and_the_first_attempt_leaves_nothing():
+    proc = subprocess.Popen([sys.executable, "-c", FIRST_START_MISSES_THE_WAIT], cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        counts = proc.stdout.readline().split()
+        assert counts == ["1", "1"], proc.stderr.read()[-3000:] if not counts else counts  # one GCS, one raylet
+        assert_loopback_listeners()
+    finally:
+        out, err = proc.communicate("\n", timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Ray did not start" in err and "timed out during startup" in err, err[-3000:]
