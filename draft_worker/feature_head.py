@@ -159,17 +159,20 @@ class _Attention(nn.Module):
             cos, sin = cos[:, None], sin[:, None]
         return _rotate(q, cos, sin), _rotate(k, cos, sin), v
 
-    def attend(self, q, k, v, mask: torch.Tensor | None) -> torch.Tensor:
+    def attend(self, q, k, v, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
         """[B, heads, T, d] queries over [B, kv_heads, L, d] keys -> [B, T, h]."""
-        out = grouped_sdpa(q, k, v, mask)
+        out = grouped_sdpa(q, k, v, mask, causal=causal)
         return self.o_proj(out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, cache: HeadCache) -> torch.Tensor:
-        """x [T, 2h] for positions [T] after the ones ``cache`` holds; attends causally."""
+        """x [T, 2h] for positions [T] after the ones ``cache`` holds; attends causally: from
+        nothing cached, with is_causal and no mask (flash on CUDA); after cached keys, lower-right."""
         q, k, v = self.project(x.unsqueeze(0), positions)
         k, v = cache.extend(k, v)  # [1, kv_heads, L, d], the new ones last
         t, total = x.shape[0], k.shape[2]
-        mask = None if t == 1 else torch.ones(t, total, dtype=torch.bool, device=x.device).tril(total - t)
+        if t == 1 or t == total:
+            return self.attend(q, k, v, None, causal=t > 1)[0]
+        mask = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(total - t)
         return self.attend(q, k, v, mask)[0]
 
     def decode_rows(self, x: torch.Tensor, positions: torch.Tensor, caches: list[HeadCache]) -> torch.Tensor:
@@ -226,8 +229,7 @@ class _MidLayer(nn.Module):
         t, device = embeds.shape[1], embeds.device
         attn = self.self_attn
         q1, k1, v1 = attn.project(self._inputs(embeds, features), torch.arange(t, device=device))
-        h1 = self._after_attention(features, attn.attend(q1, k1, v1, torch.ones(t, t, dtype=torch.bool,
-                                                                                 device=device).tril()))
+        h1 = self._after_attention(features, attn.attend(q1, k1, v1, None, causal=True))
         own = h1[:, :-1]
         q2, k2, v2 = attn.project(self._inputs(next_embeds, own), torch.arange(1, t, device=device))
         rows = torch.arange(t - 1, device=device)

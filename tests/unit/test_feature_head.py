@@ -215,3 +215,39 @@ def test_training_two_steps_is_what_drafting_sees():
                 head(embeds[b, :p], feats[b, :p], cache)  # the committed pairs 0..p-1
                 drafted = head(nxt[b, p - 1 : p], h1[b, p - 1 : p], cache)  # its own pair at p
                 assert torch.allclose(h2[b, p - 1], drafted[0], atol=1e-5), (b, p)
+
+
+def test_a_prefill_from_nothing_attends_by_is_causal_bit_for_bit_as_the_mask_did(monkeypatch):
+    """Several positions with nothing cached (a session's first pass, training's first step) go to
+    SDPA with is_causal and no mask (flash on CUDA); after cached keys, a lower-right mask as
+    before. On the CPU the hidden states equal, bit for bit, those of the mask it replaced."""
+    from draft_worker import feature_head
+
+    torch.manual_seed(2)
+    head = FeatureHead(small_config()).eval()
+    real, calls = feature_head.grouped_sdpa, []
+
+    def recorded(q, k, v, mask=None, causal=False, **kw):
+        calls.append("causal" if causal else "mask" if mask is not None else "none")
+        return real(q, k, v, mask, causal=causal, **kw)
+
+    def masked(q, k, v, mask=None, causal=False, **kw):  # what the head did before
+        if causal:
+            mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
+        return real(q, k, v, mask, **kw)
+
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+        embeds, feats, nxt = torch.randn(2, 12, 32), torch.randn(2, 12, 32), torch.randn(2, 11, 32)
+        monkeypatch.setattr(feature_head, "grouped_sdpa", recorded)
+        cache = HeadCache()
+        prefill = head(embeds[0, :9], feats[0, :9], cache)
+        head(embeds[0, 9:11], feats[0, 9:11], cache)
+        head(embeds[0, 11:], feats[0, 11:], cache)
+        steps = head.two_steps(embeds, feats, nxt)
+        assert calls == ["causal", "mask", "none", "causal", "mask"]
+        monkeypatch.setattr(feature_head, "grouped_sdpa", masked)
+        assert torch.equal(prefill, head(embeds[0, :9], feats[0, :9], HeadCache()))
+        for new, old in zip(steps, head.two_steps(embeds, feats, nxt)):
+            assert torch.equal(new, old)
