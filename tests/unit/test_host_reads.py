@@ -13,7 +13,9 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from draft_worker.drafter import Drafter
+from svip_common import sampling
 from svip_common.contracts import Block, PolicyConfig, SamplingParams
+from svip_common.sampling import warp_probs
 from target_worker.verifier import Verifier
 
 PROMPT = [5, 17, 42, 8, 99, 23, 61, 7]
@@ -105,6 +107,18 @@ SAMPLED = SamplingParams(temperature=0.8, top_k=20, top_p=0.9)
     (lambda models, batch: followup_step_reads(models, batch, SAMPLED, q_rows=True, on_arrival=True), 2),
 ], ids=["draft-greedy", "draft-sampled", "verify-greedy", "verify-sampled", "verify-sampled-q-here",
         "follow-up-greedy", "follow-up-sampled", "follow-up-sampled-q-here", "follow-up-judged-on-arrival"])
-def test_host_reads_do_not_grow_with_the_batch(models, count, most):
+def test_host_reads_do_not_grow_with_the_batch(models, count, most, monkeypatch):
+    # counted as on a GPU, where a read waits for the device: top-p by one sort, no read (on a CPU
+    # the filter reads how far each nucleus reaches, which waits on nothing; counted below)
+    monkeypatch.setattr(sampling, "HOST_DEVICES", ())
     one, many = count(models, 1), count(models, 8)
     assert many <= most and one <= most, f"{one} host reads at batch 1, {many} at batch 8"
+
+
+@pytest.mark.parametrize("rows", [1, 16])
+def test_top_p_reads_on_a_cpu_are_a_few_a_warp_whatever_its_rows_and_none_elsewhere(rows, monkeypatch):
+    flat = torch.randn(rows, 8192) * 0.05  # nuclei past every candidate count: the most reads
+    params = SamplingParams(temperature=1.0, top_p=0.9)
+    assert host_reads(lambda: warp_probs(flat, params)) == len(sampling.TOP_P_CANDIDATES)
+    monkeypatch.setattr(sampling, "HOST_DEVICES", ())
+    assert host_reads(lambda: warp_probs(flat, params)) == 0

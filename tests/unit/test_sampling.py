@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from svip_common import sampling
 from svip_common.contracts import SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.randomness import Purpose, sample_seed, uniform
@@ -106,3 +107,46 @@ def test_sample_indices_draws_each_row_as_the_inverse_cdf_does():
         while row[expect] <= 0 and expect > 0:
             expect -= 1
         assert d == expect and row[d] > 0
+
+
+def _nucleus_by_full_sort(logits: torch.Tensor, top_p: float) -> torch.Tensor:
+    """The definition, one row at a time in float64: the most likely ids, in order, until the mass
+    before the next reaches top_p."""
+    keep = torch.zeros_like(logits, dtype=torch.bool)
+    for i, row in enumerate(logits.double()):
+        values, order = torch.sort(row, descending=True)
+        probs = torch.softmax(values, dim=-1)
+        keep[i, order[(probs.cumsum(-1) - probs) < top_p]] = True
+    return keep
+
+
+@pytest.mark.parametrize("top_p", [0.5, 0.9, 0.97])
+def test_top_p_from_the_most_likely_candidates_is_the_full_sorts_nucleus_for_every_size(top_p):
+    """Rows from peaked to flat over 16384 ids, so that nuclei end inside the first 64 candidates,
+    the next 512, 4096, and past them (a full sort); some after top-k. Each row's kept set is the
+    definition's, and the same whether the row is warped among the others or alone."""
+    g = torch.Generator().manual_seed(7)
+    scales = torch.logspace(1.2, -1.5, 24)  # 16 down to 0.03
+    logits = torch.randn(len(scales), 16384, generator=g) * scales[:, None]
+    params = SamplingParams(temperature=1.0, top_p=top_p)
+    probs = warp_probs(logits, params)
+    expected = _nucleus_by_full_sort(logits, top_p)
+    assert torch.equal(probs > 0, expected)
+    sizes = expected.sum(-1)
+    assert sizes.min() <= 64 and ((sizes > 64) & (sizes <= 512)).any() and (sizes > 4096).any(), sizes
+    for i in range(len(scales)):
+        assert torch.equal(warp_probs(logits[i : i + 1], params)[0], probs[i])
+    with pytest.MonkeyPatch.context() as patch:  # off a CPU: one sort, no host read; the same bits
+        patch.setattr(sampling, "HOST_DEVICES", ())
+        assert torch.equal(warp_probs(logits, params), probs)
+    after_top_k = warp_probs(logits, SamplingParams(temperature=1.0, top_k=100, top_p=top_p))
+    cut = torch.full_like(logits, float("-inf"))
+    top = torch.topk(logits, 100, dim=-1)
+    cut.scatter_(-1, top.indices, top.values)
+    assert torch.equal(after_top_k > 0, _nucleus_by_full_sort(cut, top_p))
+
+
+def test_top_p_keeps_every_token_tied_with_the_least_likely_one_it_keeps():
+    logits = torch.tensor([[5.0, 3.0, 3.0, 3.0, 0.0, -1.0]])
+    out = warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))[0]  # mass 0.8 reached at a 3.0
+    assert (out > 0).tolist() == [True, True, True, True, False, False]
