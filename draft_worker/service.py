@@ -99,9 +99,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     def _apply(self, session: PipelinedDraft, msg: pb.Feedback, received_at: float) -> list[DraftedBlock]:
         if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
             check_token_ids([msg.token], self.limits.tokens, "feedback token id")
-        p_row = convert.tensor_from_proto(msg.p_row) if msg.HasField("p_row") else None
-        if p_row is not None and tuple(p_row.shape) != (self.drafter.width,):
-            raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({self.drafter.width},)")
+        p_row = convert.p_row_from_proto(msg, self.drafter.width)
         features = self._features(msg, msg.base + msg.accepted) if msg.HasField("features") else None
         _tune(session, _stop_rule(msg))
         return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,

@@ -163,7 +163,7 @@ def feedback_to_proto(feedback: Feedback) -> pb.Feedback:
         if item.stop_rule is not None:
             msg.stop_rule.CopyFrom(stop_rule_to_proto(item.stop_rule))
         if item.p_row is not None:
-            msg.p_row.CopyFrom(tensor_to_proto(item.p_row.float()))
+            p_row_to_proto(msg, item.p_row)
         if item.features is not None:  # raw, in the target's dtype
             msg.features.CopyFrom(tensor_to_proto(item.features))
             msg.features_from = item.features_from
@@ -171,6 +171,47 @@ def feedback_to_proto(feedback: Feedback) -> pb.Feedback:
             msg.then.CopyFrom(head)
         head = msg
     return head
+
+
+def p_row_to_proto(msg: pb.Feedback, p_row: torch.Tensor) -> None:
+    """A sampled rejection's p row (float32 on the wire): by its ids with mass (p_nonzero) where
+    that is smaller, as after top-k or top-p (8 bytes an id against 4 for every id of the row)."""
+    p = p_row.detach().float().reshape(-1)
+    ids = torch.nonzero(p)[:, 0]
+    if 2 * len(ids) < len(p):
+        msg.p_nonzero.ids.CopyFrom(tensor_to_proto(ids.to(torch.int32)))
+        msg.p_nonzero.values.CopyFrom(tensor_to_proto(p[ids]))
+    else:
+        msg.p_row.CopyFrom(tensor_to_proto(p))
+
+
+def p_row_from_proto(msg: pb.Feedback, width: int) -> torch.Tensor | None:
+    """The feedback's p row [width] float32, from p_row or p_nonzero (None: it carries neither);
+    one that is not a row of this width is an InvalidRequest naming what is wrong."""
+    if msg.HasField("p_row") and msg.HasField("p_nonzero"):
+        raise InvalidRequest("a feedback carries p_row or p_nonzero, not both")
+    if msg.HasField("p_row"):
+        p_row = tensor_from_proto(msg.p_row)
+        if tuple(p_row.shape) != (width,):
+            raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({width},)")
+        return p_row
+    if not msg.HasField("p_nonzero"):
+        return None
+    ids, values = tensor_from_proto(msg.p_nonzero.ids), tensor_from_proto(msg.p_nonzero.values)
+    if ids.dtype != torch.int32 or values.dtype != torch.float32 or ids.dim() != 1 or ids.shape != values.shape:
+        raise InvalidRequest(f"p_nonzero needs int32 ids and float32 values of one length [n]; got {_described(ids)} "
+                             f"and {_described(values)}")
+    if not 1 <= len(ids) <= width:
+        raise InvalidRequest(f"p_nonzero has {len(ids)} ids; a row of {width} has 1 to {width}")
+    if int(ids[0]) < 0 or int(ids[-1]) >= width or (len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all())):
+        raise InvalidRequest(f"p_nonzero ids must be ascending, each in [0, {width})")
+    if not bool((torch.isfinite(values) & (values > 0)).all()):
+        raise InvalidRequest("p_nonzero values must be finite and above 0")
+    return torch.zeros(width, dtype=torch.float32).index_put_((ids.long(),), values)
+
+
+def _described(t: torch.Tensor) -> str:
+    return f"{str(t.dtype).removeprefix('torch.')} {list(t.shape)}"
 
 
 def resume_to_proto(resume: Resume) -> pb.Resume:

@@ -129,7 +129,7 @@ class Block(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -144,6 +144,7 @@ class Feedback(_message.Message):
     STOP_RULE_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
+    P_NONZERO_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -158,7 +159,16 @@ class Feedback(_message.Message):
     stop_rule: StopRule
     features: Tensor
     features_from: int
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ...) -> None: ...
+    p_nonzero: SparseRow
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ...) -> None: ...
+
+class SparseRow(_message.Message):
+    __slots__ = ("ids", "values")
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    VALUES_FIELD_NUMBER: _ClassVar[int]
+    ids: Tensor
+    values: Tensor
+    def __init__(self, ids: _Optional[_Union[Tensor, _Mapping]] = ..., values: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
 
 class Resume(_message.Message):
     __slots__ = ("session_id", "epoch", "base", "tokens", "load_cap", "stop_rule", "features", "features_from")

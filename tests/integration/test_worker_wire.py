@@ -12,6 +12,7 @@ import logging
 
 import grpc
 import pytest
+import torch
 
 from draft_worker.drafter import Drafter
 from draft_worker.service import DraftService
@@ -412,3 +413,68 @@ def test_a_malformed_batch_from_the_draft_loses_the_draft_not_the_session(models
         GenerationRequest((5, 6, 7), 6, policy=PolicyConfig(name="none"))).token_ids
     assert last.WhichOneof("kind") == "finished" and tokens == list(alone)
     assert "sent a malformed batch (a batch item is not a DraftEvent)" in caplog.text
+
+
+def test_a_sampled_rejection_by_its_ids_with_mass_draws_what_the_full_row_draws_and_a_bad_one_is_refused(
+        services, loop, limits):
+    """Two sessions alike (prompt, seed) get the same rejection: one with the target's p row whole,
+    one by its ids with mass (p_nonzero, as a top-p row travels); the draft draws the same
+    correction and drafts the same next block. A malformed sparse row is INVALID_ARGUMENT, and the
+    stream goes on."""
+    from svip_proto import convert
+
+    width = services["draft"].drafter.width
+    p = torch.zeros(width)
+    p[[3, 10, 20, 50]] = torch.tensor([0.4, 0.3, 0.2, 0.1])
+
+    def sampled(session_id: str) -> pb.DraftRequest:
+        msg = start(session_id)
+        msg.sampling.CopyFrom(pb.SamplingParams(temperature=1.0, top_p=0.9, seed=11))
+        return pb.DraftRequest(start=msg)
+
+    def rejection(session_id: str, block: pb.Block) -> pb.Feedback:
+        return pb.Feedback(session_id=session_id, epoch=1, base=block.base, drafted=len(block.tokens), accepted=0,
+                           token=-1)
+
+    async def next_block(stream) -> pb.Block:
+        while True:
+            for event in events_of(await stream.read()):
+                if event.WhichOneof("kind") == "block":
+                    return event.block
+                assert event.WhichOneof("kind") != "error", event
+
+    async def scenario():
+        stream = Stream(services["draft"].address, "draft")
+        firsts = {}
+        for session_id in ("whole-row", "ids-with-mass"):
+            stream.send(sampled(session_id))
+            firsts[session_id] = await next_block(stream)
+        dense = rejection("whole-row", firsts["whole-row"])
+        dense.p_row.CopyFrom(convert.tensor_to_proto(p))
+        sparse = rejection("ids-with-mass", firsts["ids-with-mass"])
+        convert.p_row_to_proto(sparse, p)
+        nexts = {}
+        for session_id, feedback in (("whole-row", dense), ("ids-with-mass", sparse)):
+            stream.send(pb.DraftRequest(feedback=feedback))
+            nexts[session_id] = await next_block(stream)
+        stream.send(sampled("bad-row"))
+        bad = rejection("bad-row", await next_block(stream))
+        bad.p_nonzero.ids.CopyFrom(convert.tensor_to_proto(torch.tensor([3, width], dtype=torch.int32)))
+        bad.p_nonzero.values.CopyFrom(convert.tensor_to_proto(torch.tensor([0.5, 0.5])))
+        stream.send(pb.DraftRequest(feedback=bad))
+        refusal = events_of(await stream.read())
+        stream.send(request("draft", start=start("after-a-bad-row")))
+        after = await next_block(stream)
+        await stream.close()
+        return firsts, sparse, nexts, refusal, after
+
+    firsts, sparse, nexts, refusal, after = loop.run_until_complete(scenario())
+    assert sparse.HasField("p_nonzero") and not sparse.HasField("p_row")
+    assert list(firsts["whole-row"].tokens) == list(firsts["ids-with-mass"].tokens)
+    whole, by_ids = nexts["whole-row"], nexts["ids-with-mass"]
+    assert whole.HasField("resolved_token") and whole.resolved_token in (3, 10, 20, 50)
+    assert (whole.resolved_token, whole.base, list(whole.tokens)) == (by_ids.resolved_token, by_ids.base,
+                                                                     list(by_ids.tokens))
+    assert len(refusal) == 1 and refusal[0].error.code == INVALID
+    assert f"p_nonzero ids must be ascending, each in [0, {width})" in refusal[0].error.message
+    assert after.session_id == "after-a-bad-row"

@@ -197,6 +197,57 @@ def test_a_feedback_chain_travels_as_one_message_earliest_first():
     assert convert.stop_rule_from_proto(then.stop_rule) == rule
 
 
+def test_a_p_row_with_few_ids_with_mass_travels_by_them_and_comes_back_the_same_bits():
+    from svip_common.sampling import warp_probs
+
+    logits = torch.randn(1, 4096, generator=torch.Generator().manual_seed(3)) * 4
+    nucleus = warp_probs(logits, SamplingParams(temperature=0.7, top_p=0.9, seed=1))[0]  # a few ids with mass
+    everywhere = torch.softmax(logits[0], dim=-1)  # every id with mass
+    for row, sparse in ((nucleus, True), (everywhere, False), (nucleus.double(), True)):
+        msg = convert.draft_request_to_proto(Feedback("s", 1, 10, 4, 2, -1, p_row=row)).feedback
+        assert msg.HasField("p_nonzero") == sparse and msg.HasField("p_row") != sparse
+        assert torch.equal(convert.p_row_from_proto(msg, 4096), row.float())
+    small = convert.draft_request_to_proto(Feedback("s", 1, 10, 4, 2, -1, p_row=nucleus)).feedback
+    assert small.ByteSize() < 4096 * 4 / 10
+    assert convert.p_row_from_proto(pb.Feedback(session_id="s"), 4096) is None
+
+
+def _sparse(ids, values, ids_dtype=torch.int32, values_dtype=torch.float32) -> pb.Feedback:
+    msg = pb.Feedback(session_id="s")
+    msg.p_nonzero.ids.CopyFrom(convert.tensor_to_proto(torch.tensor(ids, dtype=ids_dtype)))
+    msg.p_nonzero.values.CopyFrom(convert.tensor_to_proto(torch.tensor(values, dtype=values_dtype)))
+    return msg
+
+
+def _both() -> pb.Feedback:
+    msg = _sparse([1], [1.0])
+    msg.p_row.CopyFrom(convert.tensor_to_proto(torch.ones(8)))
+    return msg
+
+
+@pytest.mark.parametrize("msg, words", [
+    (_both(), "p_row or p_nonzero, not both"),
+    (_sparse([1, 2], [0.5, 0.5], ids_dtype=torch.int64), "int32 ids and float32 values"),
+    (_sparse([1, 2], [0.5, 0.5], values_dtype=torch.float64), "int32 ids and float32 values"),
+    (_sparse([1, 2], [0.5]), "of one length"),
+    (_sparse([], []), "has 0 ids"),
+    (_sparse(list(range(9)), [0.1] * 9), "has 9 ids; a row of 8 has 1 to 8"),
+    (_sparse([3, 2], [0.5, 0.5]), "ascending"),
+    (_sparse([2, 2], [0.5, 0.5]), "ascending"),
+    (_sparse([-1, 2], [0.5, 0.5]), "ascending, each in [0, 8)"),
+    (_sparse([2, 8], [0.5, 0.5]), "ascending, each in [0, 8)"),
+    (_sparse([1, 2], [0.5, float("nan")]), "finite and above 0"),
+    (_sparse([1, 2], [0.5, float("inf")]), "finite and above 0"),
+    (_sparse([1, 2], [0.5, 0.0]), "finite and above 0"),
+    (_sparse([1, 2], [0.5, -0.5]), "finite and above 0"),
+], ids=["both", "int64-ids", "float64-values", "lengths", "empty", "too-many", "descending", "duplicate",
+        "negative-id", "id-past-width", "nan", "inf", "zero", "negative"])
+def test_a_bad_sparse_p_row_is_refused_in_one_line(msg, words):
+    with pytest.raises(InvalidRequest) as err:
+        convert.p_row_from_proto(msg, 8)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
 def test_resume_and_cancel_on_the_wire():
     msg = convert.draft_request_to_proto(Resume("s", 3, 40, (8, 9), 4, StopRule(PRIOR_WEIGHTS, 0.2)))
     r = msg.resume
