@@ -250,3 +250,28 @@ def test_a_prefill_from_nothing_on_cuda_takes_flash_with_grouped_heads(monkeypat
     masked = pool.forward([(s, p, 1) for s, p in zip(seqs, prompts)])
     for a, b in zip(causal, masked):
         assert torch.allclose(a.float(), b.float(), atol=5e-2) and torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_top_p_on_cuda_sorts_once_reads_nothing_and_keeps_the_cpus_nucleus():
+    """Off a CPU the top-p filter sorts once and never reads the host (svip_common/sampling.py: a
+    read would wait for the device); its kept ids are those the CPU's candidate search keeps."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from svip_common.contracts import SamplingParams
+    from svip_common.sampling import warp_probs
+
+    scales = torch.logspace(1.2, -1.5, 16)
+    logits = torch.randn(16, 32000, generator=torch.Generator().manual_seed(5)) * scales[:, None]
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=1)
+    on_cpu = warp_probs(logits, params)
+    warp_probs(logits.cuda(), params)  # warm
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        on_gpu = warp_probs(logits.cuda(), params)
+    assert not any(e.name == "aten::_local_scalar_dense" for e in prof.events())
+    on_gpu = on_gpu.cpu()
+    differ = ((on_gpu > 0) != (on_cpu > 0)).sum(-1)
+    assert int(differ.max()) <= 1, differ  # a parallel cumsum may round one boundary id the other way
+    same = differ == 0
+    assert int(same.sum()) >= len(same) - 2, differ
+    assert torch.allclose(on_gpu[same], on_cpu[same], rtol=1e-4, atol=1e-7)
