@@ -2,6 +2,7 @@
 
     python -m svip_bench.batched [--requests 16] [--batches 1,16] [--max-new-tokens 64] [--repeats N]
                                  [--packing | --alternate] [--json] [--head DIR|eagle]
+                                 [--temperature T --top-p P]
 
 The embedded pair (unless --target / --draft), --requests Spec-Bench prompts (their last 200
 tokens), --max-new-tokens each with ignore_eos, greedy, through ``SpeculativeEngine.generate_many``
@@ -15,7 +16,9 @@ row's runs alternating between the two. --alternate reads each policy against th
 a server that has run at the batch size sees it: every engine first runs one untimed pass at that
 size (its load-aware estimates learn it), then the target alone and each policy alternate run by
 run, --repeats rounds; a row's ratio is the median of its rounds' ratios to the target alone's run
-beside it (the machine's drift cancels).
+beside it (the machine's drift cancels). --temperature (with --top-p) samples instead, request i
+seeded with i: the outputs are draws, so they are not compared (tests/integration/test_sampling_exact.py
+checks their distribution), and a row's "exact" is null.
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from svip_bench.datasets import load_specbench, specbench_path
 from svip_bench.forward_step import add_pair_args, batch_sizes, pair_dirs
 from svip_bench.overhead import machine
 from svip_common import kv_cache
-from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
 from svip_common.models import load_model
 
 PROMPT_TOKENS = 200  # each prompt's last tokens
@@ -68,7 +72,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=1, help="runs per row (the median is printed)")
     parser.add_argument("--json", action="store_true", help="one JSON line per row instead of a table")
     parser.add_argument("--head", help="also a feature head: its directory, or 'eagle' (the embedded target's own)")
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampled, seeded")
+    parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus kept")
     args = parser.parse_args(argv)
+    try:
+        SamplingParams(args.temperature, 0, args.top_p).validate()
+    except InvalidRequest as exc:
+        parser.error(str(exc))
     if not 1 <= args.requests <= 1024 or not 1 <= args.max_new_tokens <= 4096 or not 1 <= args.repeats <= 100:
         parser.error("--requests takes 1..1024, --max-new-tokens 1..4096 and --repeats 1..100")
     batches, (target_dir, draft_dir) = batch_sizes(parser, args.batches), pair_dirs(parser, args)
@@ -91,12 +101,16 @@ def main(argv: list[str] | None = None) -> int:
             print("|---|---|---|")
     if args.alternate:
         return _alternated(engines(target, draft, head), encoded, batches, args)
+    greedy = SamplingParams(args.temperature, 0, args.top_p).greedy
+    if not greedy and not args.json:
+        print(f"sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, request i seeded with i): "
+              "draws, not compared with the target alone's")
     reference, failed = None, False
     settings = (0, kv_cache.PACK_MAX_NEW) if args.packing else (kv_cache.PACK_MAX_NEW,)
     packed = kv_cache.PACK_MAX_NEW
     for name, (engine, policy) in engines(target, draft, head).items():
         for size in batches:
-            requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=policy) for ids in encoded]
+            requests = _requests(encoded, args, policy)
             runs: dict[int, list[float]] = {limit: [] for limit in settings}
             try:
                 for _ in range(args.repeats):
@@ -106,12 +120,13 @@ def main(argv: list[str] | None = None) -> int:
                         outputs = [list(r.token_ids) for r in engine.generate_many(requests, size)]
                         runs[limit].append(sum(map(len, outputs)) / (time.perf_counter() - started))
                         reference = reference or outputs
-                        failed |= outputs != reference
+                        failed |= greedy and outputs != reference
             finally:
                 kv_cache.PACK_MAX_NEW = packed
             tps = {limit: statistics.median(v) for limit, v in runs.items()}
             if args.json:
-                row = {"policy": name, "batch": size, "tokens_per_s": tps[packed], "exact": not failed}
+                row = {"policy": name, "batch": size, "tokens_per_s": tps[packed],
+                       "exact": not failed if greedy else None}
                 if args.packing:
                     row["per_session_tokens_per_s"] = tps[0]
                 print(json.dumps(row))
@@ -128,11 +143,11 @@ def main(argv: list[str] | None = None) -> int:
 def _alternated(rows: dict, encoded, batches: list[int], args) -> int:
     """--alternate: per batch size, every engine warmed at it, then rounds of one run each (the
     target alone first or last, alternately); every output checked against the target alone's."""
-    failed = False
+    failed, greedy = False, SamplingParams(args.temperature, 0, args.top_p).greedy
     for size in batches:
         def run(name):
             engine, policy = rows[name]
-            requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=policy) for ids in encoded]
+            requests = _requests(encoded, args, policy)
             started = time.perf_counter()
             outputs = [list(r.token_ids) for r in engine.generate_many(requests, size)]
             return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
@@ -147,10 +162,10 @@ def _alternated(rows: dict, encoded, batches: list[int], args) -> int:
             for name, (value, outputs) in got.items():
                 tps[name].append(value)
                 ratios[name].append(value / alone_tps)
-                failed |= outputs != reference
+                failed |= greedy and outputs != reference
         for name in rows:
             row = {"policy": name, "batch": size, "tokens_per_s": statistics.median(tps[name]),
-                   "over_alone": statistics.median(ratios[name]), "exact": not failed}
+                   "over_alone": statistics.median(ratios[name]), "exact": not failed if greedy else None}
             if args.json:
                 print(json.dumps(row))
             else:
@@ -158,6 +173,12 @@ def _alternated(rows: dict, encoded, batches: list[int], args) -> int:
     if failed:
         print("an output differed from the target alone's", file=sys.stderr)
     return 1 if failed else 0
+
+
+def _requests(encoded, args, policy: PolicyConfig) -> list[GenerationRequest]:
+    """One request a prompt, as the row's policy runs it: greedy, or sampled with request i seeded with i."""
+    return [GenerationRequest(ids, args.max_new_tokens, SamplingParams(args.temperature, 0, args.top_p, seed=i),
+                              policy, ignore_eos=True) for i, ids in enumerate(encoded)]
 
 
 def _head(parser, head: str, target):

@@ -396,6 +396,15 @@ def test_the_batched_bench_runs_each_policy_at_each_batch_size_exactly(tmp_path,
     with pytest.raises(SystemExit):
         batched.main([*pair[:2], *args])  # a target without its draft
     assert "--target and --draft together" in capsys.readouterr().err
+    sampled = ["--temperature", "0.7", "--top-p", "0.9"]
+    assert batched.main([*pair, *args, *sampled, "--batches", "1,2", "--alternate"]) == 0  # draws: not compared
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert len(rows) == 6 and all(r["exact"] is None and r["tokens_per_s"] > 0 for r in rows)
+    for bad, why in ((["--temperature", "-1"], "temperature must be a number >= 0"),
+                     (["--temperature", "0.7", "--top-p", "0"], "top_p must be in (0, 1]")):
+        with pytest.raises(SystemExit):
+            batched.main([*pair, *args, *bad])
+        assert why in capsys.readouterr().err
 
 
 def test_the_batched_bench_runs_a_feature_head_beside_the_draft(tmp_path, model_dirs, models, capsys):
