@@ -176,7 +176,7 @@ def feedback_to_proto(feedback: Feedback) -> pb.Feedback:
 def p_row_to_proto(msg: pb.Feedback, p_row: torch.Tensor) -> None:
     """A sampled rejection's p row (float32 on the wire): by its ids with mass (p_nonzero) where
     that is smaller, as after top-k or top-p (8 bytes an id against 4 for every id of the row)."""
-    p = p_row.detach().float().reshape(-1)
+    p = p_row.detach().to("cpu", torch.float32).reshape(-1)  # one copy off the device, then the ids here
     ids = torch.nonzero(p)[:, 0]
     if 2 * len(ids) < len(p):
         msg.p_nonzero.ids.CopyFrom(tensor_to_proto(ids.to(torch.int32)))
