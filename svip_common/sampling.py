@@ -104,10 +104,14 @@ def sample_index(probs: torch.Tensor, u: float) -> int:
 def sample_indices(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """One inverse-CDF draw per row of probs [n, vocab] (rows need not be normalised), row i with
     the uniform u[i] in [0, 1) (float64): [n] ids, with no host read. u * a row's total landing on
-    the right edge of a stretch of zeros steps back to the last id before it with mass."""
+    the right edge of a stretch of zeros steps back to the last id before it with mass.
+
+    The first id whose cumulative mass passes the target always has mass (adding a zero leaves
+    a float64 sum where it was), so the step back is only ever needed past the last id: there the
+    draw is the row's last id with mass (one reduction, not a running maximum over the row)."""
     cdf = probs.double().cumsum(dim=-1)  # [n, vocab]
     target = u.to(cdf.dtype)[:, None] * cdf[:, -1:]  # [n, 1]
-    index = torch.searchsorted(cdf, target, right=True).clamp_max(probs.shape[-1] - 1)  # [n, 1]
+    index = torch.searchsorted(cdf, target, right=True)[:, 0]  # [n]; vocab: past the last id
     ids = torch.arange(probs.shape[-1], device=probs.device)
-    with_mass = torch.where(probs > 0, ids, 0).cummax(dim=-1).values  # the last id at or before with mass
-    return with_mass.gather(-1, index)[:, 0]
+    last = torch.where(probs > 0, ids, 0).amax(dim=-1)  # [n] the last id with mass (0 if none)
+    return torch.where(index < probs.shape[-1], index, last)

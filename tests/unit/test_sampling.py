@@ -100,6 +100,8 @@ def test_sample_indices_draws_each_row_as_the_inverse_cdf_does():
     probs[1, -1] = 3.0  # the last id only, unnormalised
     u = torch.rand(64, generator=g, dtype=torch.float64)
     u[2], u[3] = 0.0, 1.0 - 1e-12
+    probs[4, -5:] = 0.0
+    u[4] = 1.0  # past every id's cumulative mass (as u * total rounded up to the total would be): the last with mass
     drawn = sample_indices(probs, u).tolist()
     for row, x, d in zip(probs, u.tolist(), drawn):
         cdf = row.double().cumsum(0).tolist()
