@@ -73,16 +73,12 @@ def _floor_among_candidates(logits: torch.Tensor, total: torch.Tensor, top_p: fl
     """_floor over each row's TOP_P_CANDIDATES most likely logits (topk), again over more of
     them for the rows whose set may reach past those, and over a sort of the rest at last."""
     vocab = logits.shape[-1]
-    floor = torch.empty_like(total)
-    rows = None  # the rows still looking (None: all)
+    floor, rows = None, None  # each row's floor as found so far; the rows still looking (None: all)
     for k in (*(c for c in TOP_P_CANDIDATES if c < vocab), vocab):
         part = logits if rows is None else logits[rows]
         values = torch.topk(part, k, dim=-1).values if k < vocab else torch.sort(part, dim=-1, descending=True).values
         found, kept = _floor(values, total if rows is None else total[rows], top_p)
-        if rows is None:
-            floor = found
-        else:
-            floor[rows] = found
+        floor = found if rows is None else floor.index_put_((rows,), found)
         beyond = kept[:, 0] == k  # the set may go on past these candidates
         if k == vocab or not bool(beyond.any()):
             return floor
