@@ -4,7 +4,8 @@ Qwen2.5-7B (target) and Qwen2.5-0.5B (draft), random weights, bf16, built from t
 a speedup: a target step by batch size and tokens (what load-aware speculation fits), a draft
 step, the draft/target cost ratio c, one forward's time, device kernels and aten operators with
 the attention kernel SDPA chose (batch 1 and 16, through the pool's flat decoder and through the
-model's own modules), and the batched engine's aggregate tokens/s with
+model's own modules), what a step's sampling costs at the target's vocabulary (the warp greedy, at a
+temperature and with top-p, and the draw), and the batched engine's aggregate tokens/s with
 the target alone at batch 1 and 16.
 Writes gpu_throughput.json and .md under --out. (--device cpu with the tiny shapes checks the
 script itself where there is no GPU; CI does.)"""
@@ -137,6 +138,26 @@ def cost_ratios(target_rows: list[dict], draft_rows: list[dict]) -> list[dict]:
     return [{"batch": b, "c": draft[b] / target[b]} for b in sorted(target.keys() & draft.keys())]
 
 
+def sampling_costs(vocab: int, device: str, repeats: int) -> list[dict]:
+    """A step's sampling at this vocabulary, by rows: warp_probs greedy, at T=0.7, at T=0.7 with
+    top-p 0.9 (off a CPU one sort, no host read), and sample_indices; ms each. The logits are
+    random, peaked like a model's (a nucleus of tens of ids)."""
+    from svip_common.contracts import SamplingParams
+    from svip_common.sampling import sample_indices, warp_probs
+
+    warps = {"greedy": SamplingParams(), "temperature 0.7": SamplingParams(temperature=0.7),
+             "top-p 0.9": SamplingParams(temperature=0.7, top_p=0.9)}
+    rows = []
+    for n in (1, 16, 64):
+        logits = torch.randn(n, vocab, generator=torch.Generator().manual_seed(n)).to(device) * 6
+        row = {"rows": n, **{name: timed(lambda p=params: warp_probs(logits, p), repeats) * 1e3
+                             for name, params in warps.items()}}
+        probs, u = warp_probs(logits, warps["top-p 0.9"]), torch.rand(n, dtype=torch.float64, device=device)
+        row["draw"] = timed(lambda: sample_indices(probs, u), repeats) * 1e3
+        rows.append(row)
+    return rows
+
+
 def engine_tps(target, draft, batch: int, policy: str, new_tokens: int, prompt: int) -> dict:
     from coordinator.engine import SpeculativeEngine
     from svip_common.contracts import GenerationRequest, PolicyConfig
@@ -185,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
         "profile": [dict(forward_profile(m, b, k, args.prompt, flat, args.repeats), model=name)
                     for name, m, k in (("target", target, 5), ("draft", draft, 1)) for b in (1, 16)
                     for flat in (True, False)],
+        "sampling": sampling_costs(target.vocab_size, args.device, args.repeats),
         "engine": [
             engine_tps(target, draft, b, p, args.new_tokens, args.prompt) for b in (1, 16) for p in ("none", "svip")
         ],
@@ -217,6 +239,13 @@ def main(argv: list[str] | None = None) -> int:
         f"| {r['aten_ops']} | "
         + (", ".join(f"{name} x{n}" for name, n in sorted(r["sdpa"].items())) or "none") + " |"
         for r in doc["profile"]
+    ]
+    lines += ["", "| sampling: vocabulary | rows | warp greedy ms | warp T=0.7 ms | warp top-p 0.9 ms | draw ms |",
+              "|---|---|---|---|---|---|"]
+    lines += [
+        f"| {target.vocab_size} | {r['rows']} | {r['greedy']:.3f} | {r['temperature 0.7']:.3f} | {r['top-p 0.9']:.3f} "
+        f"| {r['draw']:.3f} |"
+        for r in doc["sampling"]
     ]
     lines += ["", "| batch | policy | tokens/s | drafted tokens | pauses |", "|---|---|---|---|---|"]
     lines += [

@@ -292,6 +292,8 @@ def test_the_gpu_throughput_script_runs_where_there_is_no_gpu(tmp_path):
     assert {(r["batch"], r["policy"]) for r in doc["engine"]} == {(b, p) for b in (1, 16) for p in ("none", "svip")}
     assert all(r["tokens_per_s"] > 0 for r in doc["engine"])
     assert [r["batch"] for r in doc["cost_ratio"]] == [1, 16, 64] and all(r["c"] > 0 for r in doc["cost_ratio"])
+    assert [r["rows"] for r in doc["sampling"]] == [1, 16, 64]
+    assert all(r[k] > 0 for r in doc["sampling"] for k in ("greedy", "temperature 0.7", "top-p 0.9", "draw"))
     profiles = {(r["model"], r["batch"], r["path"]): r for r in doc["profile"]}
     paths = ("flat decoder", "modules")
     assert set(profiles) == {(m, b, p) for m in ("target", "draft") for b in (1, 16) for p in paths}
