@@ -192,8 +192,10 @@ def p_row_from_proto(msg: pb.Feedback, width: int) -> torch.Tensor | None:
         raise InvalidRequest("a feedback carries p_row or p_nonzero, not both")
     if msg.HasField("p_row"):
         p_row = tensor_from_proto(msg.p_row)
-        if tuple(p_row.shape) != (width,):
-            raise InvalidRequest(f"p_row has shape {tuple(p_row.shape)}, expected ({width},)")
+        if p_row.dtype != torch.float32 or tuple(p_row.shape) != (width,):
+            raise InvalidRequest(f"p_row is {_described(p_row)}, expected float32 [{width}]")
+        if not bool((torch.isfinite(p_row) & (p_row >= 0)).all()) or not bool((p_row > 0).any()):
+            raise InvalidRequest("p_row values must be finite, at least 0, and some above 0")
         return p_row
     if not msg.HasField("p_nonzero"):
         return None

@@ -219,6 +219,12 @@ def _sparse(ids, values, ids_dtype=torch.int32, values_dtype=torch.float32) -> p
     return msg
 
 
+def _dense(values, dtype=torch.float32) -> pb.Feedback:
+    msg = pb.Feedback(session_id="s")
+    msg.p_row.CopyFrom(convert.tensor_to_proto(torch.tensor(values, dtype=dtype)))
+    return msg
+
+
 def _both() -> pb.Feedback:
     msg = _sparse([1], [1.0])
     msg.p_row.CopyFrom(convert.tensor_to_proto(torch.ones(8)))
@@ -240,9 +246,15 @@ def _both() -> pb.Feedback:
     (_sparse([1, 2], [0.5, float("inf")]), "finite and above 0"),
     (_sparse([1, 2], [0.5, 0.0]), "finite and above 0"),
     (_sparse([1, 2], [0.5, -0.5]), "finite and above 0"),
+    (_dense([0.125] * 7), "p_row is float32 [7], expected float32 [8]"),
+    (_dense([0.125] * 8, dtype=torch.float64), "p_row is float64 [8], expected float32 [8]"),
+    (_dense([0.5, float("nan")] + [0.0] * 6), "finite, at least 0, and some above 0"),
+    (_dense([0.5, -0.5] + [0.0] * 6), "finite, at least 0, and some above 0"),
+    (_dense([0.0] * 8), "finite, at least 0, and some above 0"),
 ], ids=["both", "int64-ids", "float64-values", "lengths", "empty", "too-many", "descending", "duplicate",
-        "negative-id", "id-past-width", "nan", "inf", "zero", "negative"])
-def test_a_bad_sparse_p_row_is_refused_in_one_line(msg, words):
+        "negative-id", "id-past-width", "nan", "inf", "zero", "negative",
+        "dense-width", "dense-dtype", "dense-nan", "dense-negative", "dense-no-mass"])
+def test_a_bad_p_row_is_refused_in_one_line(msg, words):
     with pytest.raises(InvalidRequest) as err:
         convert.p_row_from_proto(msg, 8)
     assert words in str(err.value) and "\n" not in str(err.value)
