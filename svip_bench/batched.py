@@ -24,6 +24,7 @@ checks their distribution), and a row's "exact" is null.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import statistics
 import sys
@@ -75,8 +76,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampled, seeded")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus kept")
     args = parser.parse_args(argv)
+    sampling = SamplingParams(args.temperature, 0, args.top_p)
     try:
-        SamplingParams(args.temperature, 0, args.top_p).validate()
+        sampling.validate()
     except InvalidRequest as exc:
         parser.error(str(exc))
     if not 1 <= args.requests <= 1024 or not 1 <= args.max_new_tokens <= 4096 or not 1 <= args.repeats <= 100:
@@ -100,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
             print("| policy | batch | tokens/s |")
             print("|---|---|---|")
     if args.alternate:
-        return _alternated(engines(target, draft, head), encoded, batches, args)
-    greedy = SamplingParams(args.temperature, 0, args.top_p).greedy
+        return _alternated(engines(target, draft, head), encoded, batches, sampling, args)
+    greedy = sampling.greedy
     if not greedy and not args.json:
         print(f"sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, request i seeded with i): "
               "draws, not compared with the target alone's")
@@ -110,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     packed = kv_cache.PACK_MAX_NEW
     for name, (engine, policy) in engines(target, draft, head).items():
         for size in batches:
-            requests = _requests(encoded, args, policy)
+            requests = _requests(encoded, args.max_new_tokens, sampling, policy)
             runs: dict[int, list[float]] = {limit: [] for limit in settings}
             try:
                 for _ in range(args.repeats):
@@ -140,14 +142,14 @@ def main(argv: list[str] | None = None) -> int:
     return 1 if failed else 0
 
 
-def _alternated(rows: dict, encoded, batches: list[int], args) -> int:
+def _alternated(rows: dict, encoded, batches: list[int], sampling: SamplingParams, args) -> int:
     """--alternate: per batch size, every engine warmed at it, then rounds of one run each (the
     target alone first or last, alternately); every output checked against the target alone's."""
-    failed, greedy = False, SamplingParams(args.temperature, 0, args.top_p).greedy
+    failed, greedy = False, sampling.greedy
     for size in batches:
         def run(name):
             engine, policy = rows[name]
-            requests = _requests(encoded, args, policy)
+            requests = _requests(encoded, args.max_new_tokens, sampling, policy)
             started = time.perf_counter()
             outputs = [list(r.token_ids) for r in engine.generate_many(requests, size)]
             return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
@@ -175,10 +177,10 @@ def _alternated(rows: dict, encoded, batches: list[int], args) -> int:
     return 1 if failed else 0
 
 
-def _requests(encoded, args, policy: PolicyConfig) -> list[GenerationRequest]:
+def _requests(encoded, new_tokens: int, sampling: SamplingParams, policy: PolicyConfig) -> list[GenerationRequest]:
     """One request a prompt, as the row's policy runs it: greedy, or sampled with request i seeded with i."""
-    return [GenerationRequest(ids, args.max_new_tokens, SamplingParams(args.temperature, 0, args.top_p, seed=i),
-                              policy, ignore_eos=True) for i, ids in enumerate(encoded)]
+    return [GenerationRequest(ids, new_tokens, dataclasses.replace(sampling, seed=i), policy, ignore_eos=True)
+            for i, ids in enumerate(encoded)]
 
 
 def _head(parser, head: str, target):
