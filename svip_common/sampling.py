@@ -83,7 +83,7 @@ def _floor_among_candidates(logits: torch.Tensor, total: torch.Tensor, top_p: fl
         if k == vocab or not bool(beyond.any()):
             return floor
         rows = beyond.nonzero()[:, 0] if rows is None else rows[beyond]
-    return floor
+    raise AssertionError("unreachable: the last search is over the whole vocabulary")
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:
