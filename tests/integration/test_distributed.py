@@ -6,6 +6,7 @@ both caches; greedy wire bytes are ids and small headers (a killed worker: test_
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 
 import grpc
 import pytest
@@ -153,12 +154,14 @@ def test_sampled_rejections_ship_one_row_not_k(engines, prompt_ids, loop, models
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sampling_distribution_through_the_pipeline(engines, models, prompt_ids, loop, mode):
-    sampling = SamplingParams(temperature=1.0)
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0),
+                                      SamplingParams(temperature=0.8, top_k=40, top_p=0.9)], ids=["plain", "warped"])
+def test_sampling_distribution_through_the_pipeline(engines, models, prompt_ids, loop, mode, sampling):
+    """Warped, a rejection's p row has few ids with mass and crosses the wire by them (p_nonzero)."""
     prompt = prompt_ids["medium"]
     policy = PolicyConfig(name="constant", draft_length=3)
     requests = [
-        GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=s), policy=policy)
+        GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=s), policy=policy)
         for s in range(1500)
     ]
 
@@ -172,8 +175,15 @@ def test_sampling_distribution_through_the_pipeline(engines, models, prompt_ids,
     p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
     assert chi_square_pvalue([r.token_ids[0] for r in results], p1) > ALPHA
     assert chi_square_pvalue([r.token_ids[1] for r in results], p2) > ALPHA
-    q1, _ = exact_marginals(models["close_draft"].model, prompt, sampling)
-    assert chi_square_pvalue([r.token_ids[0] for r in results], q1) < ALPHA
+    q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
+    if sampling.top_p == 1.0:
+        assert chi_square_pvalue([r.token_ids[0] for r in results], q1) < ALPHA
+    else:  # the test tells the draft's distribution from the target's here too
+        assert (chi_square_pvalue([r.token_ids[0] for r in results], q1) < ALPHA
+                or chi_square_pvalue([r.token_ids[1] for r in results], q2) < ALPHA)
+        rejections = sum(a < d for r in results for a, d in zip(r.stats.accepted_lengths, r.stats.draft_lengths))
+        row = models["target"].vocab_size * 4  # a whole float32 p row
+        assert rejections > 0 and sum(r.stats.wire_bytes for r in results) < rejections * row / 2  # rows by ids
 
 
 def test_seeded_sampling_reproduces_across_runs(engines, prompt_ids, loop):
