@@ -65,7 +65,10 @@ def _floor(values: torch.Tensor, total: torch.Tensor, top_p: float) -> tuple[tor
     likely logit each row keeps [n, 1], and how many of the k it keeps [n, 1] (k: it may go on)."""
     mass = torch.exp(values - total).cumsum(dim=-1)  # non-decreasing, rounding and all
     before = torch.cat([torch.zeros_like(mass[:, :1]), mass[:, :-1]], dim=-1)  # the mass before each
-    kept = (before < top_p).sum(dim=-1, keepdim=True)  # a prefix: the first is always kept
+    # compared in float64: a top_p under float32's smallest subnormal (1e-46, say) would round to
+    # 0 against float32 masses and keep nothing; the first id's mass before it is 0 < top_p, and
+    # the clamp holds that whatever the rounding (a prefix: the first is always kept)
+    kept = (before.double() < top_p).sum(dim=-1, keepdim=True).clamp_min(1)
     return values.gather(-1, kept - 1), kept
 
 

@@ -152,3 +152,26 @@ def test_top_p_keeps_every_token_tied_with_the_least_likely_one_it_keeps():
     logits = torch.tensor([[5.0, 3.0, 3.0, 3.0, 0.0, -1.0]])
     out = warp_probs(logits, SamplingParams(temperature=1.0, top_p=0.8))[0]  # mass 0.8 reached at a 3.0
     assert (out > 0).tolist() == [True, True, True, True, False, False]
+
+
+@pytest.mark.parametrize("top_p", [5e-324, 1e-46, 1e-45, 1e-38, 1e-12, 1e-7])
+@pytest.mark.parametrize("vocab", [5, 4096])  # the whole row sorted; the candidates searched first
+def test_a_top_p_below_floats_resolution_keeps_the_most_likely_token(top_p, vocab):
+    """A nucleus smaller than any float32 mass is the most likely id (and its ties): never an
+    empty set (review N1: 1e-46 became 0 in float32, kept nothing and gathered index -1)."""
+    logits = torch.randn(3, vocab, generator=torch.Generator().manual_seed(vocab))
+    logits[1, 2] = logits[1].max() + 5.0  # one row with a clear favourite
+    out = warp_probs(logits, SamplingParams(temperature=1.0, top_p=top_p))
+    assert torch.isfinite(out).all()
+    assert torch.equal(out > 0, logits == logits.max(dim=-1, keepdim=True).values)
+    assert torch.allclose(out.sum(dim=-1), torch.ones(3))
+
+
+@pytest.mark.parametrize("device_search", [True, False])
+def test_both_top_p_searches_keep_the_top_id_at_the_smallest_top_p(monkeypatch, device_search):
+    """The sort path (off a CPU) and the candidates path (on one) agree at the extreme too."""
+    if device_search:
+        monkeypatch.setattr(sampling, "HOST_DEVICES", ())
+    logits = torch.randn(4, 600, generator=torch.Generator().manual_seed(1))
+    out = warp_probs(logits, SamplingParams(temperature=0.5, top_k=40, top_p=5e-324))
+    assert torch.equal(out > 0, logits == logits.max(dim=-1, keepdim=True).values)
