@@ -87,18 +87,26 @@ class BatchEngine:
         while live := [s.draft for s in drafting if not s.draft.done]:
             self.engine.drafter.step(live)
         for slot in drafting:
+            if slot.draft.error is not None:  # its own choice failed: it ends, the others go on
+                slot.session.fail(slot.draft.error)
             slot.block, slot.draft = slot.draft.block, None
 
     def _verify(self, active: list[_Slot]) -> None:
         """One target forward for every block (a long prompt prefilled in chunks under the budget)."""
+        active = [s for s in active if not s.session.done]  # not one that failed drafting
+        if not active:
+            return
         jobs = [(s.session.target, s.session.committed, s.block) for s in active]
-        verdicts = self.engine.verifier.verify_batch(jobs, self.max_batched_tokens)
+        verdicts = self.engine.verifier.verify_apart(jobs, self.max_batched_tokens)  # a failure, its own
         self.steps += 1
         self.batch_sizes.append(len(active))
         for slot, verdict in zip(active, verdicts):
             if verdict is None:  # only a chunk of its prompt this step
                 continue
             session = slot.session
+            if isinstance(verdict, Exception):  # failed on its own: the others go on
+                session.fail(verdict)
+                continue
             session.settle(slot.block, verdict)
             started, draft_s, target_s = slot.marks
             session.time_round(

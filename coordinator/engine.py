@@ -28,7 +28,7 @@ from svip_common.contracts import (
     Verdict,
     clip_settled,
 )
-from svip_common.errors import InvalidRequest
+from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
 from svip_common.step_cost import UNLIMITED, Ewma, SessionGate, check_load_aware, load_aware_for
@@ -157,6 +157,7 @@ class EngineSession:
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.finish_reason: str | None = None
+        self.error: str | None = None  # finish_reason "error": what failed
         self.stats = GenerationStats()
         self.started = time.perf_counter()
         self._engine = engine
@@ -214,6 +215,12 @@ class EngineSession:
         self.stats.record_round(len(block), verdict.accepted, block.entropies[-1] if block.entropies else None)
         return settled
 
+    def fail(self, exc: Exception) -> None:
+        """This session failed on its own in a batched step (the others went on): it ends with the
+        tokens settled so far and the error."""
+        self.finish_reason = "error"
+        self.error = str(exc) if isinstance(exc, SvipError) else f"{type(exc).__name__}: {exc}"
+
     def time_round(self, round_s: float, draft_s: float, target_s: float) -> None:
         self.stats.round_s.append(round_s)
         self.stats.draft_forward_s.append(draft_s)
@@ -224,7 +231,7 @@ class EngineSession:
         stats.wall_s = time.perf_counter() - self.started
         stats.draft_forwards, stats.target_forwards = self.draft.forwards, self.target.forwards
         stats.pauses = self.gate.pauses if self.gated else 0
-        return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats)
+        return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats, self.error)
 
     def close(self) -> None:
         """Both sessions' pages go back to their pools."""

@@ -16,6 +16,7 @@ import torch
 
 from draft_worker.policies import LengthPolicy, make_policy
 from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
+from svip_common.errors import exit_on_device_failure
 from svip_common.kv_cache import KVPool
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
@@ -72,8 +73,28 @@ class Drafter:
             groups.setdefault(d._session.sampling.warp_key, []).append(i)
         for indices in groups.values():
             blocks = [drafting[i] for i in indices]
-            for draft, chosen in zip(blocks, self._choose(blocks, torch.cat([rows[i] for i in indices]))):
-                draft._absorb(share, *chosen)
+            for draft, chosen in zip(blocks, self._choose_apart(blocks, [rows[i] for i in indices])):
+                if isinstance(chosen, Exception):
+                    draft._fail(chosen)
+                    continue
+                try:
+                    draft._absorb(share, *chosen)
+                except Exception as exc:  # its policy's own work (should_stop): this block alone
+                    exit_on_device_failure(exc)
+                    draft._fail(exc)
+
+    def _choose_apart(self, blocks: list[BlockDraft], rows: list[torch.Tensor]) -> list[tuple | Exception]:
+        """_choose over the blocks, a choice that raised narrowed to the blocks that fail on their
+        own (in halves, down to single blocks; the rows are computed already, so nothing runs
+        twice but the choice): a request's warp or draw that fails fails its block, not its step's."""
+        try:
+            return self._choose(blocks, torch.cat(rows))
+        except Exception as exc:
+            exit_on_device_failure(exc)
+            if len(blocks) == 1:
+                return [exc]
+            half = len(blocks) // 2
+            return self._choose_apart(blocks[:half], rows[:half]) + self._choose_apart(blocks[half:], rows[half:])
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits [B, draft_vocab] laid over the target's vocabulary [B, width]."""
@@ -193,6 +214,7 @@ class BlockDraft:
         self._q_rows: list[torch.Tensor] = []
         self._pending = session._resume(committed) if self._limit > 0 else None
         self.done = self._pending is None  # nothing to draft from: the block stays empty
+        self.error: Exception | None = None  # this block's own work failed in a batched step (``_fail``)
 
     @property
     def pending_tokens(self) -> int:
@@ -201,9 +223,18 @@ class BlockDraft:
         return 0 if pending is None else len(pending)
 
     def step(self) -> bool:
-        """Draft one token (a forward of its own); returns ``done``."""
+        """Draft one token (a forward of its own); returns ``done``. A block whose choice failed
+        raises its error here."""
         self._session._drafter.step([self])
+        if self.error is not None:
+            raise self.error
         return self.done
+
+    def _fail(self, exc: Exception) -> None:
+        """This block's own work failed in a batched step (its neighbours went on): it is done,
+        with the error for its owner to act on (the draft worker sheds the session, the in-process
+        engine ends it with the error)."""
+        self.error, self.done = exc, True
 
     def _absorb(self, forward_s: float, token: int, prob: float, h: float,
                 ranked: list[tuple[int, float]], q: torch.Tensor | None = None) -> None:

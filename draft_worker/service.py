@@ -143,6 +143,11 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             for session_id, _, _ in batch:
                 self._shed(session_id, f"the draft step failed: {type(exc).__name__}")
             return True
+        for session_id, _, draft in [item for item in batch if item[2].error is not None]:
+            log.error("draft session %s: its block failed on its own (%s: %s); the sessions beside it go on",
+                      session_id, type(draft.error).__name__, draft.error)
+            self._shed(session_id, f"its block failed: {type(draft.error).__name__}")
+        batch = [item for item in batch if item[2].error is None]
         if not batch:
             return True
         tokens = sum(draft.pending_tokens for _, _, draft in batch)

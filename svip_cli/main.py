@@ -384,11 +384,11 @@ def _generate(args: argparse.Namespace) -> int:
     out = _results_stream() if args.mode == "distributed" else sys.stdout
     engine = _load_engine(args)
     try:
-        _generate_all(args, engine, prompts, base_request, out)
+        succeeded = _generate_all(args, engine, prompts, base_request, out)
     finally:
         if args.mode == "distributed":
             engine.close()
-    return 0
+    return 0 if succeeded else 1
 
 
 def _results_stream():
@@ -401,9 +401,10 @@ def _results_stream():
     return results
 
 
-def _generate_all(args, engine, prompts, base_request, out) -> None:
+def _generate_all(args, engine, prompts, base_request, out) -> bool:
     """Every prompt's --n outputs, in input order: one at a time, or --batch-size at once (one
-    forward serves them all; each output is written when all are done)."""
+    forward serves them all; each output is written when all are done). Returns whether every
+    request succeeded (one of a batch can fail on its own: the others are still written)."""
     from svip_common.models import encode
 
     requests = []
@@ -414,20 +415,20 @@ def _generate_all(args, engine, prompts, base_request, out) -> None:
             requests.append(dataclasses.replace(base_request, prompt_ids=ids, sampling=sampling))
     if args.batch_size > 1:
         results = engine.generate_many(requests, args.batch_size)
-        for request, result in zip(requests, results):
-            _write_result(args, engine, request, result, out)
-        return
-    for request in requests:
-        _write_result(args, engine, request, engine.generate(request), out)
+        return all([_write_result(args, engine, request, result, out) for request, result in zip(requests, results)])
+    return all([_write_result(args, engine, request, engine.generate(request), out) for request in requests])
 
 
-def _write_result(args, engine, request, result, out) -> None:
+def _write_result(args, engine, request, result, out) -> bool:
     text = engine.target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
     if args.json:
         out.write(json.dumps(_result_json(args, engine, request, result, text)) + "\n")
     else:
         out.write(text + "\n")
     out.flush()
+    if result.error is not None:  # one of a batch failed on its own; the others were written
+        print(f"svip: error: a request failed on its own (the others went on): {result.error}", file=sys.stderr)
+    return result.error is None
 
 
 def _prompt_sources(args: argparse.Namespace) -> list[str | list[int]]:
@@ -569,6 +570,7 @@ def _result_json(args, engine, request, result, text: str) -> dict:
         "token_ids": result.token_ids,
         "prompt_token_ids": result.prompt_ids,
         "finish_reason": result.finish_reason,
+        **({"error": result.error} if result.error is not None else {}),
         "stats": stats,
     }
 

@@ -299,8 +299,9 @@ class GenerationStats:
 class GenerationResult:
     prompt_ids: list[int]
     token_ids: list[int]  # generated tokens only
-    finish_reason: str  # "stop" (EOS / stop id) or "length"
+    finish_reason: str  # "stop" (EOS / stop id), "length", or "error" (one of a batch failed on its own)
     stats: GenerationStats
+    error: str | None = None  # with finish_reason "error": what failed (the batch's other requests went on)
 
 
 def clip_settled(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:

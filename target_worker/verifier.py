@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
+from svip_common.errors import exit_on_device_failure
 from svip_common.kv_cache import KVPool, PagedSequence
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
@@ -125,6 +126,24 @@ class Verifier:
         if self.feature_layers:
             verdicts = [v if v is None else session._hand_features(v) for (session, _, _), v in zip(jobs, verdicts)]
         return verdicts
+
+    def verify_apart(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
+                     budget: int | None = None) -> list[Verdict | None | Exception]:
+        """verify_batch, with a step that raised narrowed to the jobs that fail on their own: the
+        step's jobs are verified again in halves (every stored row forgotten first, so each
+        recomputes from its committed tokens, exact by construction), down to the single jobs
+        that still raise, whose place in the answer is their exception. One bad job among n costs
+        about 2·log2(n) forwards, once; everyone else's verdict is the one it would have had."""
+        try:
+            return self.verify_batch(jobs, budget)
+        except Exception as exc:
+            exit_on_device_failure(exc)  # a broken device is no one request's fault: the worker goes
+            for session, _, _ in jobs:  # the failed step may have stored rows for some: recompute
+                session._forget_row()
+            if len(jobs) == 1:
+                return [exc]
+            half = len(jobs) // 2
+            return self.verify_apart(jobs[:half], budget) + self.verify_apart(jobs[half:], budget)
 
     def _observe(self, tokens: int, seconds: float, prefilling: bool, items: int) -> None:
         """A forward's time into the cost fits; the decode-shaped ones leave out a step a prompt

@@ -79,15 +79,18 @@ def in_process_workers(
             loop.run_until_complete(server.stop(None))
 
 
-def generate_through(loop, workers: InProcessWorkers, target_path: str, pipeline: str, requests) -> list:
-    """The requests at once through the caller's end (coordinator/distributed.py) to these workers."""
+def generate_through(loop, workers: InProcessWorkers, target_path: str, pipeline: str, requests,
+                     return_exceptions: bool = False) -> list:
+    """The requests at once through the caller's end (coordinator/distributed.py) to these workers;
+    return_exceptions: a request's error in its place instead of raised."""
     engine = DistributedEngine(load_model_info(target_path), workers.limits, workers.target_address,
                                workers.draft_address, pipeline)
 
     async def run_all():
         await engine.connect()
         try:
-            return await asyncio.gather(*(engine.generate(r) for r in requests))
+            return await asyncio.gather(*(engine.generate(r) for r in requests),
+                                        return_exceptions=return_exceptions)
         finally:
             await engine.close()
 

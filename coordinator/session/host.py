@@ -235,17 +235,13 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             return True
         jobs = [(session.target, session.committed, checked) for _, session, _, checked, _ in ready]
         started = time.time()
-        try:
-            verdicts = self.verifier.verify_batch(jobs, self.max_batched_tokens)
-        except Exception as exc:  # the batch failed: every session in it ends with the error
-            exit_on_device_failure(exc)
-            verdicts = [exc] * len(ready)
+        verdicts = self.verifier.verify_apart(jobs, self.max_batched_tokens)  # a session that fails, alone
         ended = time.time()
         self._ready = [job for job, verdict in zip(ready, verdicts) if verdict is None]  # prefilled a chunk
         self.step_metrics.record(len(ready), self.verifier.last_step_tokens, self.verifier.pool)
         for (session_id, session, block, _, (received_at, source)), verdict in zip(ready, verdicts):
             if isinstance(verdict, Exception):
-                self._step(session_id, _raise, verdict)
+                self._fail_alone(session_id, verdict)
             elif verdict is not None:
                 self._step(session_id, session.verified, block, verdict, received_at, source, started, ended)
         return True
@@ -335,6 +331,18 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             return
         self._reap(session_id)
 
+    def _fail_alone(self, session_id: str, exc: Exception) -> None:
+        """A session whose verification failed on its own (Verifier.verify_apart): it ends with an
+        error that says so; the sessions batched with it went on."""
+        if isinstance(exc, SvipError):
+            self._fail(session_id, status_of(exc), str(exc))
+            return
+        log.error("session %s: its verification failed on its own; the sessions beside it went on",
+                  session_id, exc_info=exc)
+        self._fail(session_id, grpc.StatusCode.INTERNAL,
+                   f"this request failed in the target's verification ({type(exc).__name__}; see the target "
+                   f"worker's log); the requests batched with it were not affected")
+
     def _reap(self, session_id: str) -> None:
         session = self.sessions.get(session_id)
         if session is not None and session.done:
@@ -348,6 +356,3 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.GenerateEvent:
         return pb.GenerateEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
 
-
-def _raise(exc: Exception) -> None:
-    raise exc

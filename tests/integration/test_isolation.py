@@ -1,0 +1,130 @@
+"""One request cannot fail its neighbours (issue 40; the security review's N1): a batched step
+whose work raises for one request's parameters is narrowed to that request, in process and on
+both workers, and everyone batched with it gets the output it would have had alone.
+
+The fault is injected where a request's own parameters act, the warp of its distribution
+(target_worker/verifier.py and draft_worker/drafter.py call svip_common.sampling.warp_probs), and
+raises only for a request that carries a marker top_k: a stand-in for any parameter a worker
+cannot serve (N1's top_p under float32's resolution was one, before its fix)."""
+
+from __future__ import annotations
+
+import pytest
+
+import draft_worker.drafter
+import target_worker.verifier
+from coordinator.engine import SpeculativeEngine
+from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import SvipError
+from tests.workers import generate_through, in_process_workers
+
+MARKER_TOP_K = 277  # a top_k no other test uses: the injected fault fires for it alone
+SIDES = {"target": target_worker.verifier, "draft": draft_worker.drafter}
+
+
+def inject_warp_fault(monkeypatch, side: str) -> list[int]:
+    """The side's warp raises for a row group whose parameters carry the marker; returns a
+    counter of the faults raised."""
+    module, raised = SIDES[side], [0]
+    real = module.warp_probs
+
+    def warp(logits, params):
+        if params.top_k == MARKER_TOP_K:
+            raised[0] += 1
+            raise RuntimeError("this request's parameters break the warp")
+        return real(logits, params)
+
+    monkeypatch.setattr(module, "warp_probs", warp)
+    return raised
+
+
+def mixed_requests(prompt_ids) -> list[GenerationRequest]:
+    """Greedy and sampled neighbours around the one that fails (sampled, so both sides warp it)."""
+    short, medium, long = prompt_ids["short"], prompt_ids["medium"], prompt_ids["long"]
+    constant, svip = PolicyConfig(name="constant", draft_length=4), PolicyConfig(name="svip", threshold=0.6)
+    return [
+        GenerationRequest(medium, 24, policy=constant, ignore_eos=True),
+        GenerationRequest(short, 24, SamplingParams(temperature=0.9, seed=3), svip, ignore_eos=True),
+        GenerationRequest(long, 24, SamplingParams(temperature=0.9, top_k=MARKER_TOP_K, seed=4), constant,
+                          ignore_eos=True),
+        GenerationRequest(short + (7,), 24, policy=svip, ignore_eos=True),
+    ]
+
+
+@pytest.mark.parametrize("side", sorted(SIDES))
+def test_in_process_a_failing_request_ends_alone_and_its_batch_is_unchanged(models, prompt_ids, monkeypatch, side):
+    reqs = mixed_requests(prompt_ids)
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
+    alone = [engine.generate(r) for i, r in enumerate(reqs) if i != 2]  # one at a time, nothing injected
+    raised = inject_warp_fault(monkeypatch, side)
+    results = engine.generate_many(reqs, batch_size=4)
+    assert raised[0] >= 1
+    bad = results.pop(2)
+    assert bad.finish_reason == "error" and "RuntimeError" in bad.error
+    assert [r.token_ids for r in results] == [r.token_ids for r in alone]  # greedy and seeded sampled alike
+    assert all(r.finish_reason == "length" and r.error is None for r in results)
+    assert engine.verifier.pool.free_pages == engine.verifier.pool.pages  # the failed session's pages came back
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_on_the_workers_a_failing_verification_fails_its_request_alone(models, model_dirs, prompt_ids, loop,
+                                                                       monkeypatch, pipeline):
+    """The target's batched step raised for every session in it before; now the failing one is
+    found (in halves) and only its caller gets an error, one that says so."""
+    reqs = mixed_requests(prompt_ids)
+    inject_warp_fault(monkeypatch, "target")
+    with in_process_workers(loop, models, load_aware="off") as w:
+        results = generate_through(loop, w, model_dirs.target, pipeline, reqs, return_exceptions=True)
+        assert not w.host.sessions  # every session ended, the failed one too
+    bad = results.pop(2)
+    assert isinstance(bad, SvipError) and "failed in the target's verification" in str(bad)
+    assert "not affected" in str(bad)
+    target_alone = SpeculativeEngine(models["target"], None)
+    greedy = [reqs[0], reqs[3]]
+    assert [results[0].token_ids, results[2].token_ids] == [target_alone.generate(r).token_ids for r in greedy]
+    assert results[1].finish_reason == "length" and len(results[1].token_ids) == 24
+
+
+def test_on_the_workers_a_failing_draft_block_sheds_its_session_alone(models, model_dirs, prompt_ids, loop,
+                                                                      monkeypatch):
+    """The draft's batched step shed every session in it when one block's choice raised; now only
+    that session is shed (its target goes on alone, exact), and the others keep their drafts."""
+    reqs = mixed_requests(prompt_ids)
+    raised = inject_warp_fault(monkeypatch, "draft")
+    with in_process_workers(loop, models, load_aware="off") as w:
+        results = generate_through(loop, w, model_dirs.target, "async", reqs)
+        shed = w.draft.shed
+    assert raised[0] >= 1 and shed == 1
+    assert results[2].stats.detached == 1 and results[2].stats.draft_tokens == 0  # it went on alone
+    assert all(r.stats.detached == 0 and r.stats.draft_tokens > 0 for i, r in enumerate(results) if i != 2)
+    target_alone = SpeculativeEngine(models["target"], None)
+    assert [results[0].token_ids, results[3].token_ids] == [target_alone.generate(r).token_ids
+                                                            for r in (reqs[0], reqs[3])]
+    assert all(len(r.token_ids) == 24 for r in results)
+
+
+def test_isolating_costs_forwards_in_halves_not_one_per_session(models, prompt_ids, monkeypatch):
+    """One bad job among eight: the step, then halves that hold it (2·log2(8) more verifications
+    at most), not one forward per session."""
+    engine = SpeculativeEngine(models["target"], None)
+    verifier = engine.verifier
+    calls = []
+    real = verifier.verify_batch
+
+    def counted(jobs, budget=None):
+        calls.append(len(jobs))
+        return real(jobs, budget)
+
+    monkeypatch.setattr(verifier, "verify_batch", counted)
+    inject_warp_fault(monkeypatch, "target")
+    sessions = []
+    for i in range(8):
+        sampling = SamplingParams(temperature=0.9, seed=i, top_k=MARKER_TOP_K if i == 5 else 0)
+        sessions.append((verifier.open(sampling), list(prompt_ids["short"]) + [i]))
+    jobs = [(s, committed, Block(base=len(committed), tokens=[], probs=[], entropies=[])) for s, committed in sessions]
+    verdicts = verifier.verify_apart(jobs)
+    assert [isinstance(v, Exception) for v in verdicts] == [i == 5 for i in range(8)]
+    assert len(calls) <= 1 + 2 * 3
+    for session, _ in sessions:
+        session.close()
+
