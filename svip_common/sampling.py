@@ -12,13 +12,17 @@ import torch
 
 from svip_common.contracts import SamplingParams
 
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """logits: [n, vocab] -> probabilities [n, vocab] (float32) after warping."""
     logits = logits.float()
     if params.greedy:
         return torch.softmax(logits, dim=-1)
-    logits = logits / params.temperature
+    # past float32's largest value a temperature becomes inf in the division, and -inf / inf (a
+    # padding or filtered column) is NaN: at this cap every finite logit is already ~0 (uniform)
+    logits = logits / min(params.temperature, FLOAT32_MAX)
     vocab = logits.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(logits, params.top_k, dim=-1).values[..., -1:]  # [n, 1]

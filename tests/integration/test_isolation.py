@@ -9,13 +9,17 @@ cannot serve (N1's top_p under float32's resolution was one, before its fix)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 import draft_worker.drafter
 import target_worker.verifier
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
-from svip_common.errors import SvipError
+from svip_common.errors import InvalidRequest, SvipError
+from tests.knob_extremes import served as served_extremes
+from tests.knob_extremes import top1
 from tests.workers import generate_through, in_process_workers
 
 MARKER_TOP_K = 277  # a top_k no other test uses: the injected fault fires for it alone
@@ -128,3 +132,53 @@ def test_isolating_costs_forwards_in_halves_not_one_per_session(models, prompt_i
     for session, _ in sessions:
         session.close()
 
+
+
+def extremes_with_neighbours(models, prompt_ids, limits) -> tuple[list, list[int]]:
+    """Every served extreme (tests/knob_extremes.py) and, after every fourth, a well-formed greedy
+    neighbour: the requests, and where the neighbours are."""
+    served = [request for _, request in served_extremes(prompt_ids["medium"], limits)]
+    neighbour = GenerationRequest(prompt_ids["short"], 12, policy=PolicyConfig(name="svip", threshold=0.6),
+                                  ignore_eos=True)
+    reqs, at = [], []
+    for i, request in enumerate(served):
+        if i % 4 == 0:
+            at.append(len(reqs))
+            reqs.append(neighbour)
+        reqs.append(request)
+    return reqs, at
+
+
+def check_extremes(results, reqs, at, models) -> None:
+    """Every request served to its length; the neighbours and every top-1 request equal to the
+    target decoding greedily alone."""
+    target_alone = SpeculativeEngine(models["target"], None)
+    greedy = {}
+    for i, (request, result) in enumerate(zip(reqs, results)):
+        if isinstance(result, InvalidRequest) and i not in at:  # refused by name (a 400 through Serve)
+            assert request.policy.threshold == "auto" and "in-process only" in str(result)
+            continue
+        assert not isinstance(result, Exception), (request, result)
+        assert result.finish_reason == "length" and len(result.token_ids) == request.max_new_tokens, request
+        if i in at or top1(request):
+            key = (request.prompt_ids, request.max_new_tokens)
+            if key not in greedy:
+                plain = dataclasses.replace(request, sampling=SamplingParams(), policy=PolicyConfig(name="none"))
+                greedy[key] = target_alone.generate(plain).token_ids
+            assert result.token_ids == greedy[key], request
+
+
+def test_in_process_every_extreme_is_served_and_its_neighbours_are_unchanged(models, prompt_ids):
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    reqs, at = extremes_with_neighbours(models, prompt_ids, engine.limits)
+    assert len(reqs) > 40
+    check_extremes(engine.generate_many(reqs, batch_size=8), reqs, at, models)
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_on_the_workers_every_extreme_is_served_and_its_neighbours_are_unchanged(models, model_dirs, prompt_ids,
+                                                                                 loop, pipeline):
+    with in_process_workers(loop, models) as w:
+        reqs, at = extremes_with_neighbours(models, prompt_ids, w.limits)
+        results = generate_through(loop, w, model_dirs.target, pipeline, reqs, return_exceptions=True)
+    check_extremes(results, reqs, at, models)
