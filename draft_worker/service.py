@@ -9,6 +9,7 @@ import logging
 import time
 
 import grpc
+import torch
 
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
@@ -26,6 +27,43 @@ from svip_runtime.step_metrics import StepMetrics
 from svip_runtime.wire_batch import BadBatch, pack_events, unpack
 
 log = logging.getLogger(__name__)
+FEATURE_ROWS_CAP = 1 << 20  # rows of features a session may hold ahead where no context length is known
+
+
+class FeatureChunks:
+    """Target features sent ahead in FeatureChunks, per session: consecutive positions, at most
+    ``rows`` of them (a context's worth), joined to the Feedback or Resume they lead."""
+
+    def __init__(self, rows: int):
+        self.rows = rows
+        self._held: dict[str, _Ahead] = {}
+
+    def add(self, session_id: str, first: int, features: torch.Tensor) -> None:
+        held = self._held.get(session_id)
+        if held is None:
+            self._held[session_id] = held = _Ahead(first, [])
+        if first != held.end:
+            raise InvalidRequest(f"a feature chunk for positions from {first}; the chunks before it end at "
+                                 f"{held.end - 1}")
+        if held.end + features.shape[0] - held.first > self.rows:
+            self._held.pop(session_id)
+            raise InvalidRequest(f"feature chunks for more than {self.rows} positions (the context)")
+        held.parts.append(features)
+        held.end += features.shape[0]
+
+    def take(self, session_id: str) -> _Ahead | None:
+        return self._held.pop(session_id, None)
+
+
+class _Ahead:
+    def __init__(self, first: int, parts: list[torch.Tensor]):
+        self.first, self.parts, self.end = first, parts, first
+
+    def joined(self, features: torch.Tensor, first: int) -> tuple[torch.Tensor, int]:
+        """These chunks and the rows that continue them (from ``first``), as one tensor and its first position."""
+        if first != self.end:
+            raise InvalidRequest(f"target features from position {first}; the chunks sent ahead end at {self.end - 1}")
+        return torch.cat([*self.parts, features]), self.first
 
 
 class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
@@ -38,6 +76,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.step_metrics = StepMetrics("draft")
         self.shed = 0  # sessions given up because the KV pool was full
         self.sent_batches = 0  # messages that carried more than one event (one step's, for several sessions)
+        # target features sent ahead in chunks, per session, until the message they lead arrives
+        self._chunks = FeatureChunks(limits.positions or FEATURE_ROWS_CAP)
 
     @property
     def pool(self):
@@ -87,10 +127,14 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             msg = request.resume
             session = self.session(msg.session_id, stream)
             check_token_ids(msg.tokens, self.limits.tokens, "resumed token id")
-            features = self._features(msg, msg.base + len(msg.tokens) - 1) if msg.HasField("features") else None
+            features, first = self._features(msg, msg.base + len(msg.tokens) - 1)
             _tune(session, _stop_rule(msg))
             self._send(msg.session_id, session, session.on_resume(msg.epoch, msg.base, list(msg.tokens), msg.load_cap,
-                                                                  received_at, features, msg.features_from))
+                                                                  received_at, features, first))
+        elif kind == "feature_chunk":  # a leading part of the next Feedback's or Resume's features
+            msg = request.feature_chunk
+            self.session(msg.session_id, stream)
+            self._chunks.add(msg.session_id, msg.features_from, self._checked_features(msg.features))
         else:  # cancel
             self.session(request.cancel.session_id, stream)
             self.close_session(request.cancel.session_id, stream)
@@ -100,31 +144,49 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
             check_token_ids([msg.token], self.limits.tokens, "feedback token id")
         p_row = convert.p_row_from_proto(msg, self.drafter.width)
-        features = self._features(msg, msg.base + msg.accepted) if msg.HasField("features") else None
+        features, first = self._features(msg, msg.base + msg.accepted)
         _tune(session, _stop_rule(msg))
         return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
                                    msg.prepared_used, received_at, msg.load_cap if msg.HasField("load_cap") else None,
-                                   features, msg.features_from)
+                                   features, first)
 
-    def _features(self, msg: pb.Feedback | pb.Resume, end: int):
-        """A feedback's (or a resume's) target features, checked against the head that reads them:
-        its dtype, its width, and exactly the positions up to ``end`` - 1 that the verdicts leave
-        committed (INVALID_ARGUMENT otherwise)."""
+    def _features(self, msg: pb.Feedback | pb.Resume, end: int) -> tuple[torch.Tensor | None, int]:
+        """A feedback's (or a resume's) target features, after the chunks of them that came ahead
+        (FeatureChunk), and the position of their first row: exactly the positions up to ``end`` - 1
+        that the verdicts leave committed (INVALID_ARGUMENT otherwise). (None, 0) when it has none."""
+        ahead = self._chunks.take(msg.session_id)
+        if not msg.HasField("features"):
+            if ahead is not None:
+                raise InvalidRequest("feature chunks sent ahead of a message that carries no features")
+            return None, 0
+        features, first = self._checked_features(msg.features), msg.features_from
+        if ahead is not None:
+            features, first = ahead.joined(features, first)
+        last = first + features.shape[0] - 1
+        if last != end - 1:
+            raise InvalidRequest(f"target features for positions {first}..{last}; the verdicts "
+                                 f"commit up to {end - 1}")
+        return features, first
+
+    def _checked_features(self, tensor: pb.Tensor) -> torch.Tensor:
+        """Target features as the head that reads them takes them: its dtype, its width, at least
+        one row (INVALID_ARGUMENT otherwise)."""
         head = getattr(self.drafter, "head", None)
         if head is None:
             raise InvalidRequest("target features sent to a draft that reads none (a token draft)")
-        features = convert.tensor_from_proto(msg.features)
+        features = convert.tensor_from_proto(tensor)
         width = len(head.config.target_layers) * head.config.hidden_size
         dtype = head.fc.weight.dtype
         if features.dtype != dtype or features.dim() != 2 or features.shape[1] != width or not features.shape[0]:
             raise InvalidRequest(f"target features of dtype {str(features.dtype).removeprefix('torch.')} and shape "
                                  f"{tuple(features.shape)}; this head reads {str(dtype).removeprefix('torch.')} "
                                  f"[n >= 1, {width}]")
-        last = msg.features_from + features.shape[0] - 1
-        if last != end - 1:
-            raise InvalidRequest(f"target features for positions {msg.features_from}..{last}; the verdicts "
-                                 f"commit up to {end - 1}")
         return features.to(head.fc.weight.device)
+
+    def close_session(self, session_id: str, owner: SessionStream) -> None:
+        super().close_session(session_id, owner)
+        if session_id not in self.sessions:
+            self._chunks.take(session_id)  # chunks of a session that ended go with it
 
     def idle(self) -> bool:
         """One batched step: a single draft forward advances every session that has a block to

@@ -15,6 +15,10 @@ from svip_common.errors import InvalidRequest
 from svip_proto import svip_pb2 as pb
 
 MAX_BATCH = 256  # messages in one batch: a sender packs at most this many, a receiver refuses more
+# a batch stops growing once it holds this many bytes: with every message bounded (target features
+# travel in chunks of a few MiB, proto/svip_proto/convert.py), a batch stays far under gRPC's limit
+# (svip_runtime/grpc_server.py MAX_MESSAGE_BYTES), however many sessions one step serves
+MAX_BURST_BYTES = 16 << 20
 
 
 class BadBatch(InvalidRequest):
@@ -23,15 +27,22 @@ class BadBatch(InvalidRequest):
 
 
 def take_burst(queue: asyncio.Queue, first, end) -> tuple[list, bool]:
-    """``first`` and whatever else already waits in ``queue`` (at most MAX_BATCH in all), and
-    whether ``end`` (the stream's last item, not returned) was among them."""
-    burst = [first]
-    while len(burst) < MAX_BATCH and not queue.empty():
+    """``first`` and whatever else already waits in ``queue`` (at most MAX_BATCH in all, and no
+    more once they hold MAX_BURST_BYTES), and whether ``end`` (the stream's last item, not
+    returned) was among them. Items are serialised messages (bytes) or protobuf messages."""
+    burst, size = [first], wire_size(first)
+    while len(burst) < MAX_BATCH and size < MAX_BURST_BYTES and not queue.empty():
         item = queue.get_nowait()
         if item is end:
             return burst, True
         burst.append(item)
+        size += wire_size(item)
     return burst, False
+
+
+def wire_size(item) -> int:
+    """A serialised message's bytes, or a protobuf message's serialised size."""
+    return len(item) if isinstance(item, bytes) else item.ByteSize()
 
 
 def pack_requests(serialised: list[bytes]) -> bytes:

@@ -89,9 +89,12 @@ class DraftPort:
         draft is connected (the sessions are detached: nothing to send)."""
         if not self.available:
             return 0
-        data = convert.draft_request_to_proto(request).SerializeToString()
-        self.link.send(session_id, data)
-        return len(data)
+        sent = 0
+        for message in convert.draft_request_to_wire(request):  # large features in chunks ahead of it
+            data = message.SerializeToString()
+            self.link.send(session_id, data)
+            sent += len(data)
+        return sent
 
     @property
     def available(self) -> bool:

@@ -5,6 +5,7 @@ Tensors travel as raw little-endian bytes + dtype + shape, never as repeated flo
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from array import array
 
@@ -153,8 +154,13 @@ def start_to_proto(start: SessionStart) -> pb.StartSession:
 
 def feedback_to_proto(feedback: Feedback) -> pb.Feedback:
     """A chain of verdicts as one message, each the next one's ``then``."""
+    return _chain_to_proto(feedback.chain())
+
+
+def _chain_to_proto(chain: list[Feedback]) -> pb.Feedback:
+    """These verdicts (earliest first; their own ``then`` is not read) as one message."""
     head = None
-    for item in reversed(feedback.chain()):
+    for item in reversed(chain):
         msg = pb.Feedback(session_id=item.session_id, epoch=item.epoch, base=item.base, drafted=item.drafted,
                           accepted=item.accepted, token=item.token, prepared_used=item.prepared_used,
                           sent_at=item.sent_at)
@@ -225,6 +231,55 @@ def resume_to_proto(resume: Resume) -> pb.Resume:
         msg.features.CopyFrom(tensor_to_proto(resume.features))
         msg.features_from = resume.features_from
     return msg
+
+
+# Target features past this many bytes leave ahead of their Feedback or Resume in FeatureChunks of
+# at most this size (a whole row where one row is larger): a 4k-token prompt's features at
+# Llama-3.1-8B's width (3 x 4096 bf16) are 100 MB, past gRPC's message limit in one piece.
+FEATURE_CHUNK_BYTES = 4 << 20
+
+
+def draft_request_to_wire(request: DraftRequest, chunk_bytes: int | None = None) -> list[pb.DraftRequest]:
+    """The messages a request travels as, in order: itself, but for target features over
+    chunk_bytes, whose leading rows go ahead as FeatureChunks (the request keeps the last chunk's
+    rows). A chain of verdicts is cut before each verdict whose features are chunked, so that its
+    chunks arrive right before it (the draft handles a chain's verdicts in order either way).
+    chunk_bytes: FEATURE_CHUNK_BYTES unless given."""
+    chunk_bytes = FEATURE_CHUNK_BYTES if chunk_bytes is None else chunk_bytes
+    if isinstance(request, Resume):
+        chunks, request = _features_ahead(request, chunk_bytes)
+        return [*chunks, pb.DraftRequest(resume=resume_to_proto(request))]
+    if not isinstance(request, Feedback):
+        return [draft_request_to_proto(request)]
+    out, group = [], []
+    for item in request.chain():
+        chunks, item = _features_ahead(item, chunk_bytes)
+        if chunks and group:
+            out.append(pb.DraftRequest(feedback=_chain_to_proto(group)))
+            group = []
+        out += chunks
+        group.append(item)
+    out.append(pb.DraftRequest(feedback=_chain_to_proto(group)))
+    return out
+
+
+def _features_ahead(item, chunk_bytes: int):
+    """A Feedback's or Resume's features over chunk_bytes as FeatureChunks of their leading rows,
+    and the item with the rest (at most one chunk's rows, at least one row)."""
+    features = item.features
+    if features is None or features.shape[0] == 0:
+        return [], item
+    rows = max(1, chunk_bytes // (features.shape[1] * features.element_size()))
+    tail = (features.shape[0] - 1) // rows * rows
+    if tail == 0:
+        return [], item
+    chunks = [
+        pb.DraftRequest(feature_chunk=pb.FeatureChunk(session_id=item.session_id,
+                                                      features_from=item.features_from + start,
+                                                      features=tensor_to_proto(features[start:start + rows])))
+        for start in range(0, tail, rows)
+    ]
+    return chunks, dataclasses.replace(item, features=features[tail:], features_from=item.features_from + tail)
 
 
 def draft_request_to_proto(request: DraftRequest) -> pb.DraftRequest:

@@ -196,6 +196,16 @@ class Cancel(_message.Message):
     session_id: str
     def __init__(self, session_id: _Optional[str] = ...) -> None: ...
 
+class FeatureChunk(_message.Message):
+    __slots__ = ("session_id", "features_from", "features")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    features_from: int
+    features: Tensor
+    def __init__(self, session_id: _Optional[str] = ..., features_from: _Optional[int] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ...) -> None: ...
+
 class Closed(_message.Message):
     __slots__ = ("session_id", "shed")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
@@ -215,18 +225,20 @@ class Error(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., code: _Optional[int] = ..., message: _Optional[str] = ...) -> None: ...
 
 class DraftRequest(_message.Message):
-    __slots__ = ("start", "feedback", "cancel", "resume", "batch")
+    __slots__ = ("start", "feedback", "cancel", "resume", "feature_chunk", "batch")
     START_FIELD_NUMBER: _ClassVar[int]
     FEEDBACK_FIELD_NUMBER: _ClassVar[int]
     CANCEL_FIELD_NUMBER: _ClassVar[int]
     RESUME_FIELD_NUMBER: _ClassVar[int]
+    FEATURE_CHUNK_FIELD_NUMBER: _ClassVar[int]
     BATCH_FIELD_NUMBER: _ClassVar[int]
     start: StartSession
     feedback: Feedback
     cancel: Cancel
     resume: Resume
+    feature_chunk: FeatureChunk
     batch: _containers.RepeatedScalarFieldContainer[bytes]
-    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., batch: _Optional[_Iterable[bytes]] = ...) -> None: ...
+    def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., feedback: _Optional[_Union[Feedback, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ..., resume: _Optional[_Union[Resume, _Mapping]] = ..., feature_chunk: _Optional[_Union[FeatureChunk, _Mapping]] = ..., batch: _Optional[_Iterable[bytes]] = ...) -> None: ...
 
 class DraftEvent(_message.Message):
     __slots__ = ("block", "closed", "error", "batch")

@@ -65,6 +65,36 @@ def test_greedy_equals_target_alone_across_workers(embedded, loop, mode):
     assert all(r.stats.wire_bytes > 0 for r in results)
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_features_sent_ahead_in_chunks_draft_what_one_piece_drafts(embedded, loop, monkeypatch, mode):
+    """With chunks of two rows (the embedded head's rows are 3 KB), every prompt's features and
+    most verdicts' go ahead in FeatureChunks, joined by the draft worker: output equal to the
+    target alone, nothing detached, and as many tokens drafted and accepted as in one piece."""
+    target, head = embedded
+    row = len(head.head.config.target_layers) * head.head.config.hidden_size * 4
+    ids = [tuple(target.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    requests = [GenerationRequest(i, MAX_NEW, policy=POLICIES["svip"], ignore_eos=True) for i in ids]
+
+    def run():
+        with in_process_workers(loop, {"target": target}, positions=target.max_positions or 512,
+                                drafter=drafter_for(target, head, _limits(target)),
+                                feature_layers=head.head.config.target_layers, load_aware="off") as w:
+            added = []
+            real_add = w.draft._chunks.add
+            w.draft._chunks.add = lambda sid, first, f: (added.append(f.shape[0]), real_add(sid, first, f))
+            return generate_through(loop, w, default_pair()[0], mode, requests), added
+
+    whole, none_added = run()
+    monkeypatch.setattr(convert, "FEATURE_CHUNK_BYTES", 2 * row)
+    chunked, added = run()
+    assert not none_added and len(added) >= len(requests) and set(added) == {2}
+    alone = SpeculativeEngine(target, None)
+    assert [r.token_ids for r in chunked] == [alone.generate(r).token_ids for r in requests]
+    assert all(r.stats.detached == 0 for r in chunked)
+    if mode == "sync":  # the same blocks: the chunks change how the features travel, not what they are
+        assert [r.stats.draft_lengths for r in chunked] == [r.stats.draft_lengths for r in whole]
+
+
 def _limits(target):
     from svip_common.contracts import Limits
 
@@ -102,7 +132,7 @@ def test_a_feedback_with_bad_features_is_invalid_argument(models, loop, change, 
     good = torch.zeros(6, width)
     msg = pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5, features_from=0,
                       features=convert.tensor_to_proto(good))
-    assert service._features(msg, msg.base + msg.accepted).shape == (6, width)
+    assert service._features(msg, msg.base + msg.accepted)[0].shape == (6, width)
     bad = pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5, features_from=0,
                       features=convert.tensor_to_proto(change(good)))
     with pytest.raises(InvalidRequest, match=message):
