@@ -296,6 +296,24 @@ def _add_serve_parser(sub) -> None:
         help="a chat request without max_tokens generates at most this many tokens (2048; the context caps it)",
     )
     srv.add_argument(
+        "--drain-timeout-s",
+        type=float,
+        default=60.0,
+        help="on SIGTERM or Ctrl-C: no new requests (503), and those in flight get this long to finish (60)",
+    )
+    srv.add_argument(
+        "--max-tokens-cap",
+        type=int,
+        default=4096,
+        help="a request's max_tokens past this is refused with 400 (4096; the context caps it too)",
+    )
+    srv.add_argument(
+        "--max-kv-tokens-per-key",
+        type=int,
+        default=0,
+        help="KV tokens (prompt + max_tokens) one API key may hold or wait for per pipeline (0: no limit)",
+    )
+    srv.add_argument(
         "--health-check-period-s",
         type=float,
         default=10.0,
@@ -347,6 +365,9 @@ def _serve(args: argparse.Namespace) -> int:
             "max_wait_s": args.max_wait_s,
             "max_requests_per_key": args.max_requests_per_key,
             "default_max_tokens": args.default_max_tokens,
+            "max_tokens_cap": args.max_tokens_cap,
+            "drain_timeout_s": args.drain_timeout_s,
+            "max_kv_tokens_per_key": args.max_kv_tokens_per_key,
             "allow_ignore_eos": args.allow_ignore_eos,
             "health_check_period_s": args.health_check_period_s,
             "api_key_sha256": tuple(sorted({named_digest(k) for k in args.api_key + keys_from_env()})),

@@ -2,10 +2,13 @@
 session slot is free (at most max_in_flight) and its prompt plus max_tokens fit the KV room left in
 the pipeline's pools. Until then it waits in line; whoever fits goes first, so small requests pass a
 large one at the head that does not fit yet (the large one keeps its place and is admitted as soon
-as the room is there). A request that would wait when max_waiting already do, that has waited
-max_wait_s, or whose key already has max_per_key requests running or waiting is refused with a 429.
-A request larger than the whole pool never gets here (the engine refuses it with a 400 naming the
-KV cache)."""
+as the room is there). A request that would wait when max_waiting already do, or that has waited
+max_wait_s, is refused with a 429. Per API key: a request is counted from the moment its key is
+checked (``enter``, before its body is read, parsed or tokenized), so one key cannot fill the
+replica's parse and tokenizer queue either; past max_per_key requests, or past max_kv_per_key KV
+tokens held or waited for, the key's next request is a 429 (a 400 where it alone needs more than
+the key may hold). A request larger than the whole pool never gets here (the engine refuses it
+with a 400 naming the KV cache)."""
 
 from __future__ import annotations
 
@@ -19,24 +22,44 @@ RETRY_AFTER_S = 1
 
 class Admission:
     def __init__(self, max_in_flight: int, max_waiting: int, kv_tokens: int | None = None,
-                 on_change=lambda running, waiting: None, max_wait_s: float | None = None, max_per_key: int = 0):
+                 on_change=lambda running, waiting: None, max_wait_s: float | None = None, max_per_key: int = 0,
+                 max_kv_per_key: int = 0):
         self.max_in_flight, self.max_waiting = max_in_flight, max_waiting
         self.kv_tokens = kv_tokens  # None: not counted
         self.max_wait_s = max_wait_s  # None: a waiter waits as long as it takes
         self.max_per_key = max_per_key  # 0: no limit per key
+        self.max_kv_per_key = max_kv_per_key  # 0: no limit per key
         self.kv_used = 0
         self.running = self.waiting = 0
-        self.per_key: Counter[str] = Counter()  # requests running or waiting, by API key id
+        self.per_key: Counter[str] = Counter()  # requests from their key's check to their end, by API key id
+        self.kv_per_key: Counter[str] = Counter()  # KV tokens held or waited for, by API key id
         self._line: list[Slot] = []
         self._on_change = on_change
 
-    def reserve(self, kv_tokens: int = 0, key: str | None = None) -> Slot:
-        """A place for a request that will hold kv_tokens: running at once when a slot and the
-        room are free, else in line; ApiError 429 when the line or the key's share is full."""
+    def enter(self, key: str | None) -> KeyTicket:
+        """A request of this key arrived (its key checked, nothing else done yet): counted until
+        the ticket is released; ApiError 429 when the key already has max_per_key requests."""
         if key is not None and self.max_per_key and self.per_key[key] >= self.max_per_key:
             raise self._busy(f"API key {key!r} already has {self.per_key[key]} requests on this replica "
                              f"(limit {self.max_per_key})")
-        slot = Slot(self, kv_tokens, key)
+        if key is not None:
+            self.per_key[key] += 1
+        return KeyTicket(self, key)
+
+    def reserve(self, kv_tokens: int = 0, ticket: KeyTicket | None = None) -> Slot:
+        """A place for a request that will hold kv_tokens: running at once when a slot and the
+        room are free, else in line; ApiError 429 when the line or the key's KV share is full.
+        The slot takes the ticket over: releasing the slot releases it."""
+        key = ticket.key if ticket is not None else None
+        if key is not None and self.max_kv_per_key:
+            if kv_tokens > self.max_kv_per_key:
+                raise ApiError(400, f"this request needs {kv_tokens} KV tokens (its prompt and max_tokens); an API "
+                               f"key may hold at most {self.max_kv_per_key} on this deployment: lower max_tokens",
+                               param="max_tokens")
+            if self.kv_per_key[key] + kv_tokens > self.max_kv_per_key:
+                raise self._busy(f"API key {key!r} already holds {self.kv_per_key[key]} KV tokens on this replica "
+                                 f"(limit {self.max_kv_per_key}; this request needs {kv_tokens})")
+        slot = Slot(self, kv_tokens, ticket)
         if self._fits(kv_tokens):
             self._start(slot)
         elif self.waiting >= self.max_waiting:
@@ -47,7 +70,7 @@ class Admission:
             self.waiting += 1
             self._line.append(slot)
         if key is not None:
-            self.per_key[key] += 1
+            self.kv_per_key[key] += kv_tokens
         self._changed()
         return slot
 
@@ -81,14 +104,35 @@ class Admission:
         self._on_change(self.running, self.waiting)
 
 
+class KeyTicket:
+    """A request's place in its key's count, from its key's check to its end; release() is idempotent."""
+
+    def __init__(self, admission: Admission, key: str | None):
+        self._adm, self.key, self._held = admission, key, True
+
+    def release(self) -> None:
+        if not self._held:
+            return
+        self._held = False
+        if self.key is not None:
+            _take(self._adm.per_key, self.key, 1)
+
+
+def _take(counter: Counter, key: str, amount: int) -> None:
+    counter[key] -= amount
+    if counter[key] <= 0:
+        del counter[key]
+
+
 class Slot:
     """`await slot.admitted()` (or `async with slot:`) waits until the request runs (a session slot
     and its KV room) and holds them; release() is idempotent, so a slot given up before it was
-    entered (client gone) frees its place too."""
+    entered (client gone) frees its place too, and its key's ticket."""
 
-    def __init__(self, admission: Admission, kv_tokens: int, key: str | None = None):
+    def __init__(self, admission: Admission, kv_tokens: int, ticket: KeyTicket | None = None):
         self._adm = admission
-        self.kv_tokens, self.key = kv_tokens, key
+        self.kv_tokens, self.ticket = kv_tokens, ticket
+        self.key = ticket.key if ticket is not None else None
         self._state = "waiting"
         self._admitted: asyncio.Future = asyncio.get_running_loop().create_future()
 
@@ -124,7 +168,7 @@ class Slot:
             return
         self._state = "released"
         if self.key is not None:
-            adm.per_key[self.key] -= 1
-            if not adm.per_key[self.key]:
-                del adm.per_key[self.key]
+            _take(adm.kv_per_key, self.key, self.kv_tokens)
+        if self.ticket is not None:
+            self.ticket.release()
         adm._dispatch()

@@ -36,4 +36,7 @@ def build_app(args: dict | None = None) -> Application:
         backpressure_config=BackpressureConfig(status_code=429, retry_after_s=RETRY_AFTER_S),
         health_check_period_s=settings.health_check_period_s,
         health_check_timeout_s=30,
+        # a replica Serve stops (a scale-down, a rollout, a pod KubeRay stops) lets its requests
+        # in flight finish for this long first
+        graceful_shutdown_timeout_s=settings.drain_timeout_s,
     ).bind(settings)

@@ -12,10 +12,15 @@ from svip_common.errors import SvipError
 from svip_serve.settings import ServeSettings
 
 APP_NAME = "svip"
+_BOARD = None  # the drain board this process made (svip_serve/draining.py)
 
 
-def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, metrics_port: int | None = None) -> str:
-    """Start Ray, Serve and the app; returns the API's base URL once the app is running."""
+def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, metrics_port: int | None = None,
+          on_stop_signal=None) -> str:
+    """Start Ray, Serve and the app; returns the API's base URL once the app is running.
+    on_stop_signal: called on SIGTERM or SIGINT from the moment Ray runs (ray.init installs a
+    handler of its own that dumps a stack and aborts; the app answers /health before serve.run
+    returns, so a signal can come while it still waits)."""
     check_free(host, port, "--port")
     if metrics_port is not None:
         check_free("127.0.0.1", metrics_port, "--metrics-port")
@@ -25,10 +30,16 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, me
     init_local_ray(
         pairs=settings.num_replicas, metrics_port=metrics_port
     )  # first: it sets Ray's loopback switch before ray is imported
+    if on_stop_signal is not None:
+        for stop_signal in (signal.SIGTERM, signal.SIGINT):  # what systemd, Docker, Kubernetes and Ctrl-C send
+            signal.signal(stop_signal, lambda *_: on_stop_signal())
     from ray import serve
 
     from svip_serve.app import build_app
+    from svip_serve.draining import make_board
 
+    global _BOARD
+    _BOARD = make_board()  # before the app: its replicas look for it (svip_serve/draining.py)
     try:
         serve.start(http_options={"host": host, "port": port})
         serve.run(build_app(_args(settings)), name=APP_NAME, route_prefix="/")
@@ -67,7 +78,8 @@ def stop() -> None:
 
 
 def serve_forever(settings: ServeSettings, host: str, port: int, metrics_port: int) -> int:
-    url = start(settings, host, port, metrics_port)
+    stopping = threading.Event()
+    url = start(settings, host, port, metrics_port, on_stop_signal=stopping.set)
     keys = f"{len(settings.api_key_sha256)} API key(s) required" if settings.api_key_sha256 else "no API key required"
     print(
         f"svip: serving {settings.served_name!r} at {url} ({keys}), Prometheus metrics at "
@@ -75,12 +87,16 @@ def serve_forever(settings: ServeSettings, host: str, port: int, metrics_port: i
         file=sys.stderr,
         flush=True,
     )
-    stopping = threading.Event()
-    signal.signal(signal.SIGTERM, lambda *_: stopping.set())
     try:
-        stopping.wait()
-    except KeyboardInterrupt:
-        pass
+        while not stopping.wait(3600):  # wait() with no timeout never returns to run the signal's handler
+            pass
+        print(f"svip: stopping: no new requests; waiting up to {settings.drain_timeout_s:g} s for those in flight",
+              file=sys.stderr, flush=True)
+        from svip_serve.draining import drain
+
+        drained = drain(_BOARD, settings.num_replicas, settings.drain_timeout_s)
+        print("svip: " + ("every request finished" if drained else "the grace period ended") + "; stopped",
+              file=sys.stderr, flush=True)
     finally:
         stop()
     return 0

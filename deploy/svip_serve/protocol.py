@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 from svip_common.contracts import INT32_MAX, POLICY_NAMES, PolicyConfig, SamplingParams
 
 MAX_STOP_STRINGS = 16
+MAX_MESSAGES = 1024  # a chat's messages: each costs the template's own tokens, content or not
+MESSAGE_CHARS = 16  # what a message counts for besides its strings (the template's tokens around it)
 MAX_STOP_CHARS = 256  # each stop string: the text matcher holds back at most this many characters
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -275,6 +277,24 @@ def parse_completion(body, defaults: PolicyConfig = PolicyConfig()) -> ApiReques
     return request
 
 
+def rendered_chars(messages: list[dict]) -> int:
+    """What a chat's messages put through the template, in characters: every string in them
+    (roles, names, contents, whatever else a template may render), and MESSAGE_CHARS a message
+    for the template's own text around it (20,000 empty messages once counted 0 and tokenized to
+    100,006 ids)."""
+    return sum(MESSAGE_CHARS + _string_chars(m) for m in messages)
+
+
+def _string_chars(value) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_string_chars(k) + _string_chars(v) for k, v in value.items())
+    if isinstance(value, list):
+        return sum(_string_chars(v) for v in value)
+    return 0
+
+
 def _prompt(value) -> str | list[int]:
     if isinstance(value, str):
         if not value:
@@ -296,6 +316,8 @@ def parse_chat(body, defaults: PolicyConfig = PolicyConfig()) -> ApiRequest:
         raise bad("'messages' is required", "messages")
     if not isinstance(messages, list) or not messages:
         raise bad("'messages' must be a non-empty array of {role, content} objects", "messages")
+    if len(messages) > MAX_MESSAGES:
+        raise bad(f"'messages' holds at most {MAX_MESSAGES} messages, got {len(messages)}", "messages")
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")

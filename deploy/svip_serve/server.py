@@ -19,8 +19,9 @@ from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
 from svip_common.kv_sizes import whole_pages
 from svip_serve import prompting
-from svip_serve.admission import Admission, Slot
+from svip_serve.admission import RETRY_AFTER_S, Admission, Slot
 from svip_serve.auth import ApiKeys
+from svip_serve.draining import DrainWatch
 from svip_serve.generation import Generation
 from svip_serve.metrics import auto_state
 from svip_serve.protocol import (
@@ -32,6 +33,7 @@ from svip_serve.protocol import (
     parse_chat,
     parse_completion,
     parse_json,
+    rendered_chars,
     response_body,
     usage,
     usage_chunk,
@@ -184,7 +186,10 @@ class SVIPServer:
             packed=True,  # the replica's group is STRICT_PACK: the workers talk over the node's loopback
         )
         self.api_keys = ApiKeys(settings.api_key_sha256)
-        # tokenizing a long prompt takes a while: never on the event loop that streams every session
+        # parsing a body and tokenizing a long prompt take a while: never on the event loop that
+        # streams every session, and each on a thread of its own, so that bodies queued for parsing
+        # never wait behind a long prompt's tokenizing (review M6)
+        self._parse_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.info = self.pair.target_info
         self.target_path, self.draft_path = target, draft
@@ -199,9 +204,15 @@ class SVIPServer:
             self.metrics.set_load,
             max_wait_s=settings.max_wait_s,
             max_per_key=settings.max_requests_per_key,
+            max_kv_per_key=settings.max_kv_tokens_per_key,
         )
         self.created = int(time.time())
         self.policy_defaults = settings.policy_defaults()
+        self._health: str | None = None  # the last health check's finding: ok, recovering, unavailable
+        self._health_lock = asyncio.Lock()
+        # `svip serve` given SIGTERM or SIGINT asks its replicas to drain (svip_serve/draining.py)
+        replica = serve.get_replica_context().replica_id.unique_id
+        self.drain = DrainWatch(replica, lambda: self.admission.running + self.admission.waiting)
 
     async def _engine(self):
         if not self._connected:
@@ -213,34 +224,57 @@ class SVIPServer:
 
     async def check_health(self) -> None:
         """Serve's replica health check: a lost worker fails it, and Serve replaces the replica
-        (its worker actors go with it)."""
+        (its worker actors go with it). What it finds is stored: /health answers from it."""
+        self.drain.ensure_started()
+        try:
+            self._health = await self._check_workers()
+        except BaseException:
+            self._health = "unavailable"
+            raise
+
+    async def _check_workers(self) -> str:
+        """The workers' state, "ok" or "recovering" (an exception: unavailable), and their gauges."""
         engine = await self._engine()
         if (why := await engine.unavailable()) is not None:  # a lost target's replacement runs in the background;
             raise RuntimeError(why)  # this: it could not be had
         if engine.recovering:
-            return  # healthy while a replacement target loads (its own deadline ends it either way)
+            return "recovering"  # healthy while a replacement target loads (its own deadline ends it either way)
         stats = await engine.worker_stats()
         self.metrics.set_workers(stats)  # the KV-cache gauges, every health period
         self.metrics.set_restarts({"target": engine.recoveries.restarts, "draft": stats["target"].draft_replacements})
         self.metrics.set_draft_lost(self.draft_path is not None and bool(stats["target"].draft_lost))
         self.metrics.set_auto(stats["target"])
+        return "ok"
+
+    async def _stored_health(self) -> str:
+        """The last health check's finding; before Serve's first check, one check (shared by the
+        calls that come meanwhile)."""
+        if self._health is None:
+            async with self._health_lock:
+                if self._health is None:
+                    try:
+                        await self.check_health()
+                    except Exception as exc:  # noqa: BLE001 - stored as unavailable; the reason goes to the log
+                        log.warning("health: %s", exc)
+        return self._health
 
     # --- endpoints ------------------------------------------------------------------------------
 
     @api.get("/health")
     async def health(self) -> JSONResponse:
-        """Open to anyone: the status and the load, never why (that is logged: it names workers)."""
-        try:
-            await self._engine()
-        except SvipError as exc:
-            log.warning("health: cannot connect to the workers: %s", exc)
+        """Open to anyone: the status and the load, never why (that is logged: it names workers).
+        The status is the last health check's (every health_check_period_s), so a call costs no
+        worker any work (review N4: each waited on the target's compute thread)."""
+        self.drain.ensure_started()
+        status = await self._stored_health()
+        if status == "unavailable":
             return JSONResponse({"status": "unavailable"}, status_code=503)
-        if (why := await self.engine.unavailable()) is not None:
-            log.warning("health: %s", why)
-            return JSONResponse({"status": "unavailable"}, status_code=503)
+        if self.drain.draining:  # a balancer stops routing here; the requests in flight go on
+            return JSONResponse({"status": "draining", "running": self.admission.running,
+                                 "waiting": self.admission.waiting}, status_code=503)
         return JSONResponse(
             {
-                "status": "recovering" if self.engine.recovering else "ok",
+                "status": status,
                 "model": self.settings.served_name,
                 "running": self.admission.running,
                 "waiting": self.admission.waiting,
@@ -298,24 +332,31 @@ class SVIPServer:
     async def _serve(self, http: Request, parse):
         arrived = time.monotonic()
         key = self.api_keys.check(http.headers.get("authorization"))
+        self.drain.ensure_started()
+        if self.drain.draining:
+            self.metrics.record_rejected("busy")
+            raise ApiError(503, "the server is shutting down: it takes no new requests; retry on another",
+                           type_="server_error", code="shutting_down", headers={"Retry-After": str(RETRY_AFTER_S)})
         try:
-            body = await _json_body(
-                http, self.settings.max_request_bytes, self.settings.body_read_timeout_s, self._tokenizer_pool
-            )
-            req = parse(body, self.policy_defaults)
-            self._check_model(req.model)
-            self._check_request(req)
-            loop = asyncio.get_running_loop()
-            request = await loop.run_in_executor(self._tokenizer_pool, self._generation_request, req)
-        except ApiError as exc:
-            self.metrics.record_rejected("invalid")
-            raise exc
+            ticket = self.admission.enter(key)  # counted from here: parsing and tokenizing count too
+        except ApiError:
+            self.metrics.record_rejected("busy")
+            raise
         try:
-            engine = await self._engine()
-        except SvipError as exc:
-            raise _api_error(exc, "connect") from None
+            req, request = await self._read_request(http, parse)
+            try:
+                engine = await self._engine()
+            except SvipError as exc:
+                raise _api_error(exc, "connect") from None
+            try:
+                slot = self.admission.reserve(whole_pages(len(request.prompt_ids) + request.max_new_tokens), ticket)
+            except ApiError:
+                self.metrics.record_rejected("busy")
+                raise
+        except BaseException:
+            ticket.release()
+            raise
         try:
-            slot = self.admission.reserve(whole_pages(len(request.prompt_ids) + request.max_new_tokens), key)
             await slot.admitted()  # a stream too: a 429 after waiting is a status, not an event
         except ApiError:
             self.metrics.record_rejected("busy")
@@ -342,15 +383,36 @@ class SVIPServer:
             )
         )
 
+    async def _read_request(self, http: Request, parse) -> tuple[ApiRequest, GenerationRequest]:
+        """The body read, parsed and checked, the prompt tokenized: the request as the client sent
+        it and as it runs. ApiError for whatever this deployment refuses."""
+        try:
+            body = await _json_body(
+                http, self.settings.max_request_bytes, self.settings.body_read_timeout_s, self._parse_pool
+            )
+            req = parse(body, self.policy_defaults)
+            self._check_model(req.model)
+            self._check_request(req)
+            loop = asyncio.get_running_loop()
+            request = await loop.run_in_executor(self._tokenizer_pool, self._generation_request, req)
+        except ApiError as exc:
+            self.metrics.record_rejected("invalid")
+            raise exc
+        return req, request
+
     def _check_request(self, req: ApiRequest) -> None:
-        """What this deployment allows, before any tokenizing: ignore_eos, and text so much longer
-        than the context that it cannot fit (tokenizing it would only hold the tokenizer thread)."""
+        """What this deployment allows, before any tokenizing: ignore_eos, max_tokens within its
+        cap, and text so much longer than the context that it cannot fit (tokenizing it would only
+        hold the tokenizer thread), every string the chat template renders counted."""
         if req.ignore_eos and not self.settings.allow_ignore_eos:
             raise bad("'ignore_eos' is not allowed on this deployment", "ignore_eos")
+        cap = self.settings.max_tokens_cap
+        if req.max_tokens is not None and req.max_tokens > cap:
+            raise bad(f"'max_tokens' must be at most {cap} on this deployment, got {req.max_tokens}", "max_tokens")
         ctx = self.engine.limits.positions
         if ctx is None:
             return
-        chars = len(req.prompt) if isinstance(req.prompt, str) else sum(len(m["content"]) for m in req.messages or ())
+        chars = len(req.prompt) if isinstance(req.prompt, str) else rendered_chars(req.messages or ())
         if chars > ctx * MAX_CHARS_PER_TOKEN:
             raise bad(
                 f"the prompt is {chars} characters, far more than fits the model's context of {ctx} tokens",
@@ -407,7 +469,7 @@ class SVIPServer:
     def _default_max_tokens(self, prompt_tokens: int) -> int:
         """What a chat without max_tokens may generate: the deployment's default, within the
         context and the KV pool (so that it is served, never refused for a number it did not send)."""
-        room = [self.settings.default_max_tokens]
+        room = [self.settings.default_max_tokens, self.settings.max_tokens_cap]
         for limit in (self.engine.limits.positions, self.pair.limits.kv_tokens):
             if limit is not None:
                 room.append(limit - prompt_tokens)

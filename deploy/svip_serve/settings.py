@@ -43,7 +43,9 @@ class ServeSettings:
     max_waiting: int = 32  # requests a replica holds for a free slot; past it: 429
     max_wait_s: float = 30.0  # a request that waited this long for a place gets 429
     max_requests_per_key: int = 0  # requests one API key may have running or waiting on a replica (0: no limit)
-    default_max_tokens: int = 2048  # a chat request without max_tokens generates at most this (and the context)
+    default_max_tokens: int = 2048  # a chat request without max_tokens generates at most this (the cap and context too)
+    max_tokens_cap: int = 4096  # a request's max_tokens past this is a 400 (the context caps it too)
+    max_kv_tokens_per_key: int = 0  # KV tokens (prompt + max_tokens) one API key may hold or wait for (0: no limit)
     allow_ignore_eos: bool = False  # whether a request may ask to generate past the end of its text
     body_read_timeout_s: float = 30.0  # a request body not read in full by then: 408
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
@@ -62,6 +64,7 @@ class ServeSettings:
     sampled_hold_s: float = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
     autoscaling: dict | None = None  # {min_replicas, max_replicas, target_ongoing_requests}: Serve scales the pipelines
     health_check_period_s: float = 10.0  # Serve checks each replica this often (three failures in a row replace it)
+    drain_timeout_s: float = 60.0  # on stop, requests in flight (streams too) get this long to finish
 
     @classmethod
     def from_args(cls, args: dict | None) -> ServeSettings:
@@ -100,10 +103,12 @@ class ServeSettings:
             "kv_cache_tokens",
             "max_batched_tokens",
             "default_max_tokens",
+            "max_tokens_cap",
         ):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 1:
                 raise InvalidRequest(f"{name} must be an integer >= 1, got {getattr(self, name)!r}")
-        for name in ("max_waiting", "max_queued_requests", "worker_restarts", "max_requests_per_key"):
+        for name in ("max_waiting", "max_queued_requests", "worker_restarts", "max_requests_per_key",
+                     "max_kv_tokens_per_key"):
             if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
                 raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         check_load_aware(self.load_aware)
@@ -118,6 +123,7 @@ class ServeSettings:
             "max_wait_s",
             "body_read_timeout_s",
             "health_check_period_s",
+            "drain_timeout_s",
         ):
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not 0 < value < 1e6:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 
 import httpx
@@ -30,7 +31,7 @@ def server(wide_pair):
     with svip_serve("--target", wide_pair.target, "--draft", wide_pair.draft, "--model-name", "wide",
                     "--api-key", f"alice:{KEYS[0]}", "--api-key", KEYS[1], "--draft-length-cap", "8",
                     "--max-request-bytes", str(BODY_LIMIT), "--max-in-flight", "1", "--max-waiting", "2",
-                    "--max-requests-per-key", "2") as srv:
+                    "--max-requests-per-key", "2", "--max-tokens-cap", "512", "--max-kv-tokens-per-key", "768") as srv:
         srv["auth"] = {"Authorization": f"Bearer {KEYS[1]}"}
         yield srv
 
@@ -247,6 +248,76 @@ def test_one_key_cannot_take_every_place(server, client, expected, target_gate):
 def test_request_content_that_would_buy_server_time_is_400(server, client, expected, patch, words):
     r = post(server, {"model": "wide", "prompt": PROMPT, "max_tokens": 4, **patch})
     assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert_exact_again(client, expected)
+
+
+@pytest.mark.parametrize(
+    "endpoint, patch, words",
+    [
+        ("completions", {"prompt": PROMPT, "max_tokens": 513}, "'max_tokens' must be at most 512 on this deployment"),
+        ("chat/completions", {"messages": [{"role": "user", "content": ""}] * 1025},
+         "'messages' holds at most 1024 messages, got 1025"),
+        ("chat/completions", {"messages": [{"role": "r" * 100_000, "content": "hi"}]}, "far more than fits"),
+        ("chat/completions", {"messages": [{"role": "user", "content": "", "name": ""}] * 600}, "far more than fits"),
+    ],
+)
+def test_what_a_request_renders_is_counted_and_capped_before_tokenizing(server, client, expected, endpoint, patch,
+                                                                        words):
+    """Review H1 and M6: an explicit max_tokens up to the context was accepted (and reserved whole);
+    20,000 empty messages or a 500,000-character role counted 0 characters and held the tokenizer
+    thread for seconds. Now the cap, the number of messages and every rendered string (roles,
+    names, and the template's text around each message) are checked before any tokenizing."""
+    r = post(server, {"model": "wide", **patch}, endpoint=endpoint)
+    assert r.status_code == 400 and words in r.json()["error"]["message"], r.text
+    assert_exact_again(client, expected)
+
+
+def test_a_keys_requests_count_from_its_key_check_before_its_body_is_read(server, client, expected, target_gate):
+    """Review M6: the count per key was taken at admission, after the body was read, parsed and
+    tokenized, so one key's bodies could queue minutes of parsing ahead of everyone. Now bob's
+    third request is a 429 while its body has not even been sent (a raw socket sends the headers
+    and the body's first bytes only)."""
+    health = lambda: httpx.get(server["base"] + "/health", timeout=120).json()  # noqa: E731
+    body = {"model": "wide", "prompt": PROMPT, "max_tokens": 4, "temperature": 0}
+    bob = {"Authorization": f"Bearer {KEYS[1]}"}
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(post(server, body, headers=bob, timeout=600)))
+               for _ in range(2)]
+    with target_gate.held():
+        for t in threads:
+            t.start()
+        wait_until(lambda: health()["running"] + health()["waiting"] == 2, what="bob's two in flight")
+        host, port = server["base"].removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=120) as sock:
+            sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEYS[1]}\r\n"
+                         f"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n".encode()
+                         + b'{"model": "wide", "prompt": ')
+            answer = sock.recv(65536).decode()
+    for t in threads:
+        t.join(120)
+    assert answer.startswith("HTTP/1.1 429") and "limit 2" in answer, answer
+    assert [r.status_code for r in results] == [200, 200]
+    assert_exact_again(client, expected)
+
+
+def test_a_keys_kv_tokens_in_flight_are_bounded(server, client, expected, target_gate):
+    """--max-kv-tokens-per-key 768: bob holds one 400-token request; his second (another 416 KV
+    tokens) is a 429 naming his KV share, while alice's of the same size is admitted."""
+    health = lambda: httpx.get(server["base"] + "/health", timeout=120).json()  # noqa: E731
+    long_body = {"model": "wide", "prompt": PROMPT, "max_tokens": 400, "temperature": 1.0, "seed": 3, "stream": True}
+    with target_gate.held():
+        with httpx.stream("POST", server["base"] + "/v1/completions", json=long_body,
+                          headers={"Authorization": f"Bearer {KEYS[1]}"}, timeout=600) as held:
+            assert held.status_code == 200
+            wait_until(lambda: health()["running"] == 1, what="bob's first running")
+            second = post(server, {**long_body, "stream": False}, headers={"Authorization": f"Bearer {KEYS[1]}"})
+            assert second.status_code == 429 and "already holds" in second.json()["error"]["message"], second.text
+            alice = threading.Thread(target=lambda: post(server, {**long_body, "stream": False, "max_tokens": 2},
+                                                         headers={"Authorization": f"Bearer {KEYS[0]}"}))
+            alice.start()
+            wait_until(lambda: health()["waiting"] == 1, what="alice in line (one slot: bob's)")
+    alice.join(300)
+    wait_until(lambda: health()["running"] + health()["waiting"] == 0, what="every place back")
     assert_exact_again(client, expected)
 
 

@@ -275,18 +275,46 @@ def test_a_waiter_past_the_deadline_gets_429_and_its_place_back():
 
 
 def test_a_key_past_its_share_is_refused_and_others_are_not():
+    """Counted from the key's check (enter), before the body is parsed: a key's third request is a
+    429 before it costs the replica any parsing or tokenizing (review M6)."""
     async def scenario():
         adm = Admission(max_in_flight=1, max_waiting=4, max_per_key=2)
-        first, second = adm.reserve(key="bob"), adm.reserve(key="bob")
+        first, second = adm.enter("bob"), adm.enter("bob")
         with pytest.raises(ApiError) as err:
-            adm.reserve(key="bob")
+            adm.enter("bob")
         assert err.value.status == 429 and "API key 'bob' already has 2 requests" in err.value.message
-        alice = adm.reserve(key="alice")
+        first_slot = adm.reserve(ticket=first)
+        second.release()  # its body failed to parse: its place goes back
+        second_slot = adm.reserve(ticket=adm.enter("bob"))
+        alice = adm.reserve(ticket=adm.enter("alice"))
         assert (adm.running, adm.waiting, dict(adm.per_key)) == (1, 2, {"bob": 2, "alice": 1})
-        first.release()
-        third = adm.reserve(key="bob")  # a place of bob's came back
-        for slot in (second, alice, third):
+        first_slot.release()
+        third = adm.reserve(ticket=adm.enter("bob"))  # a place of bob's came back with its slot
+        for slot in (second_slot, alice, third):
             slot.release()
-        assert (adm.running, adm.waiting, dict(adm.per_key)) == (0, 0, {})
+        assert (adm.running, adm.waiting, dict(adm.per_key), dict(adm.kv_per_key)) == (0, 0, {}, {})
+
+    asyncio.run(scenario())
+
+
+def test_a_keys_kv_tokens_in_flight_are_bounded_and_others_are_not():
+    """A key's requests hold at most max_kv_per_key KV tokens, running or waiting: past it a 429,
+    a request that alone needs more a 400 naming max_tokens; another key is served meanwhile."""
+    async def scenario():
+        adm = Admission(max_in_flight=8, max_waiting=8, kv_tokens=10_000, max_kv_per_key=1000)
+        big = adm.reserve(700, adm.enter("bob"))
+        with pytest.raises(ApiError) as err:
+            adm.reserve(400, adm.enter("bob"))
+        assert err.value.status == 429 and "already holds 700 KV tokens" in err.value.message
+        assert dict(adm.per_key) == {"bob": 2}  # the refused one's ticket is the server's to release
+        with pytest.raises(ApiError) as err:
+            adm.reserve(1001, adm.enter("alice"))
+        assert err.value.status == 400 and err.value.param == "max_tokens"
+        alice = adm.reserve(900, adm.enter("carol"))
+        small = adm.reserve(300, adm.enter("bob"))
+        assert dict(adm.kv_per_key) == {"bob": 1000, "carol": 900}
+        for slot in (big, alice, small):
+            slot.release()
+        assert dict(adm.kv_per_key) == {}
 
     asyncio.run(scenario())
