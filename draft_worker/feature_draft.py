@@ -34,6 +34,7 @@ from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, load_h
 from draft_worker.policies import make_policy
 from svip_common.contracts import PolicyConfig, SamplingParams
 from svip_common.errors import ModelLoadError
+from svip_common.hub import split_revision
 from svip_common.kv_cache import wait_for_device
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
@@ -82,7 +83,8 @@ def load_head_beside(path: str, target_path: str, dtype: str = "float32", device
     if torch_dtype is None or torch_dtype == "auto":
         raise ModelLoadError(f"a feature head needs an explicit dtype, got {dtype!r}")
     try:
-        config = AutoConfig.from_pretrained(target_path).get_text_config(decoder=True)
+        repo, revision = split_revision(target_path)  # owner/name@revision: pinned
+        config = AutoConfig.from_pretrained(repo, revision=revision).get_text_config(decoder=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot read the target's config at {target_path!r}: {exc}") from None
     name, file = _embedding_file(target_path)

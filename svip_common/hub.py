@@ -20,33 +20,50 @@ def is_local(ref: str) -> bool:
     return Path(ref).exists()
 
 
+def split_revision(ref: str) -> tuple[str, str | None]:
+    """A hub reference pinned to a revision, ``owner/name@revision`` (a commit, tag or branch),
+    as (repository, revision); a local path, or a hub id without ``@``, as (ref, None): the
+    default branch. Every hub fetch takes the revision, so every pod of a deployment loads the
+    same weights (review N6)."""
+    if is_local(ref) or "@" not in ref:
+        return ref, None
+    repo, revision = ref.rsplit("@", 1)
+    if not repo or not revision:
+        raise ModelLoadError(f"{ref!r}: a pinned hub reference is owner/name@revision")
+    return repo, revision
+
+
 def local_dir(ref: str, patterns: tuple[str, ...] = HEAD_FILES) -> Path:
     """A directory holding ``ref``'s files that match ``patterns`` (a local path as is)."""
     if is_local(ref):
         return Path(ref)
-    _check_hub_id(ref)
+    repo, revision = split_revision(ref)
+    _check_hub_id(repo)
     from huggingface_hub import snapshot_download
 
-    return Path(_from_hub(ref, lambda: snapshot_download(ref, allow_patterns=list(patterns))))
+    return Path(_from_hub(ref, lambda: snapshot_download(repo, revision=revision, allow_patterns=list(patterns))))
 
 
 def local_file(ref: str, name: str) -> Path | None:
     """``name`` inside ``ref`` on this machine (downloaded from the hub for a hub id); None when
     the checkpoint has no such file."""
+    if Path(name).is_absolute() or ".." in Path(name).parts:  # a name from an index file: never outside
+        raise ModelLoadError(f"{ref!r}: the file name {name!r} leaves the checkpoint")
     if is_local(ref):
         path = Path(ref) / name
         return path if path.is_file() else None
-    _check_hub_id(ref)
+    repo, revision = split_revision(ref)
+    _check_hub_id(repo)
     from huggingface_hub import hf_hub_download
     from huggingface_hub.errors import EntryNotFoundError, LocalEntryNotFoundError
 
     def fetch():
         try:
-            return hf_hub_download(ref, name)
+            return hf_hub_download(repo, name, revision=revision)
         except EntryNotFoundError:
             return None  # the repository is there; the file is not
         except LocalEntryNotFoundError:
-            if _cached_repo(ref):  # offline, the cache holds the repository but not this file
+            if _cached_repo(repo):  # offline, the cache holds the repository but not this file
                 return None
             raise
 

@@ -17,7 +17,7 @@ from transformers import AutoTokenizer
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, Limits
 from svip_common.errors import InvalidRequest, ModelLoadError
-from svip_common.hub import looks_like_local_path
+from svip_common.hub import looks_like_local_path, split_revision
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -50,10 +50,11 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: b
     _check_local_path(path)
     if dtype not in DTYPES:
         raise ModelLoadError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
+    repo, revision = split_revision(path)  # owner/name@revision: pinned
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = AutoTokenizer.from_pretrained(repo, revision=revision)
         placement = {"device_map": "balanced"} if spread else {}
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], **placement)
+        model = AutoModelForCausalLM.from_pretrained(repo, revision=revision, dtype=DTYPES[dtype], **placement)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path!r}: {_first_line(exc)}") from None
     try:
@@ -101,13 +102,14 @@ def load_model_info(path: str) -> ModelInfo:
     from transformers import AutoConfig, GenerationConfig
 
     _check_local_path(path)
+    repo, revision = split_revision(path)  # owner/name@revision: pinned
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
-        config = AutoConfig.from_pretrained(path).get_text_config(decoder=True)
+        tokenizer = AutoTokenizer.from_pretrained(repo, revision=revision)
+        config = AutoConfig.from_pretrained(repo, revision=revision).get_text_config(decoder=True)
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path!r}: {_first_line(exc)}") from None
     try:
-        eos = GenerationConfig.from_pretrained(path).eos_token_id
+        eos = GenerationConfig.from_pretrained(repo, revision=revision).eos_token_id
     except OSError:
         eos = None
     if eos is None:

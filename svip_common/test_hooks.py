@@ -11,16 +11,41 @@ dictionary lookup when off.
   ``release(dir, name)``; once the worker has used up the steps and holds one back it writes the
   grant it used up to ``DIR/name.holding``, which ``holding`` compares with the current grant.
 - ``SVIP_TEST_FORWARD_DELAY_S=S``: every KV-pool forward sleeps S seconds first (a slow machine).
+
+A production worker has neither. Both are read once, when a worker starts (``active``): a worker
+that finds one set logs it at CRITICAL and reports it in its Stats (``WorkerStats.test_hooks``),
+and a delay that is not a number fails the start, not every forward (review N5). The Helm chart's
+schema refuses their names.
 """
 
 from __future__ import annotations
 
+import functools
+import logging
 import os
 import time
 from pathlib import Path
 
 GATE_DIR_VAR = "SVIP_TEST_GATE_DIR"
 FORWARD_DELAY_VAR = "SVIP_TEST_FORWARD_DELAY_S"
+HOOKS = (GATE_DIR_VAR, FORWARD_DELAY_VAR)
+log = logging.getLogger(__name__)
+
+
+def active(environ=os.environ) -> list[str]:
+    """The hooks set in this environment, as NAME=value (none in production)."""
+    return [f"{name}={environ[name]}" for name in HOOKS if environ.get(name)]
+
+
+def announce(role: str, environ=os.environ) -> list[str]:
+    """At a worker's start: every hook set, logged at CRITICAL (a worker held or slowed by one stays
+    healthy otherwise), and the forward delay checked once. Returns them, for its Stats."""
+    hooks = active(environ)
+    for hook in hooks:
+        log.critical("the %s worker runs with the test hook %s: it holds or slows this worker; never set it in "
+                     "production", role, hook)
+    _delay_s(environ.get(FORWARD_DELAY_VAR) or "")
+    return hooks
 
 
 class StepGate:
@@ -85,6 +110,20 @@ def holding(root: str | Path, name: str) -> bool:
 
 def forward_delay(environ=os.environ) -> None:
     """Sleep as long as the test environment asks before a forward (not at all by default)."""
-    delay = environ.get(FORWARD_DELAY_VAR)
+    delay = _delay_s(environ.get(FORWARD_DELAY_VAR) or "")
     if delay:
-        time.sleep(float(delay))
+        time.sleep(delay)
+
+
+@functools.lru_cache(maxsize=4)
+def _delay_s(text: str) -> float:
+    """The forward delay a value asks for, parsed once per value (a bad one: a one-line error)."""
+    if not text:
+        return 0.0
+    try:
+        delay = float(text)
+    except ValueError:
+        raise ValueError(f"{FORWARD_DELAY_VAR}={text!r} is not a number of seconds") from None
+    if not 0 <= delay < 60:
+        raise ValueError(f"{FORWARD_DELAY_VAR}={text!r}: a delay in [0, 60) seconds")
+    return delay

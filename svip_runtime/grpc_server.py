@@ -14,6 +14,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1._async import HealthServicer
 
+from svip_common import test_hooks
 from svip_common.contracts import Limits, check_length, check_prompt_ids, check_token_ids
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
 from svip_proto import svip_pb2 as pb
@@ -198,6 +199,7 @@ class SessionService:
         self.compute_probe_s = COMPUTE_PROBE_S
         self.max_sessions_per_stream, self.max_sessions_per_worker = MAX_SESSIONS_PER_STREAM, MAX_SESSIONS_PER_WORKER
         self.compute = ComputeLoop(f"{self.role}-compute", idle=self.idle)
+        self.test_hooks = test_hooks.announce(self.role)  # none in production; loud when set
 
     async def close(self) -> None:
         """Stop the compute thread (the actor is shutting down)."""
@@ -221,7 +223,7 @@ class SessionService:
         stats = pb.WorkerStats(open_sessions=len(sessions), cached_tokens=sum(s.cached_tokens for s in sessions),
                                tokens_processed=self.processed_tokens(), unavailable=unavailable,
                                kv_pages_used=pool.used_pages, kv_pages_total=pool.pages, kv_page_tokens=pool.page_size,
-                               draft_replacements=replacements, draft_lost=lost)
+                               draft_replacements=replacements, draft_lost=lost, test_hooks=self.test_hooks)
         self.add_stats(stats)
         return stats
 

@@ -10,10 +10,11 @@ import shutil
 from pathlib import Path
 
 
-def add_repo(hf_home: Path, repo_id: str, source: Path) -> Path:
-    """Put ``source``'s files in the cache as ``repo_id`` at one revision; the snapshot's path."""
+def add_repo(hf_home: Path, repo_id: str, source: Path, revision: str | None = None) -> Path:
+    """Put ``source``'s files in the cache as ``repo_id`` at one revision (a commit hash; by
+    default one made of the id), which becomes its main branch; the snapshot's path."""
     repo = Path(hf_home) / "hub" / f"models--{repo_id.replace('/', '--')}"
-    revision = hashlib.sha1(repo_id.encode()).hexdigest()
+    revision = revision or hashlib.sha1(repo_id.encode()).hexdigest()
     snapshot = repo / "snapshots" / revision
     snapshot.mkdir(parents=True, exist_ok=True)
     for file in Path(source).iterdir():

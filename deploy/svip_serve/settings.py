@@ -12,6 +12,7 @@ from svip_assets import check_draft_kind
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
+from svip_common.hub import split_revision
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.step_cost import check_idle_prefill, check_load_aware
 from svip_serve.auth import split_name
@@ -197,7 +198,9 @@ class ServeSettings:
             return self.model_name
         if self.target is None:
             return EMBEDDED_MODEL_NAME
-        return Path(self.target).name if Path(self.target).expanduser().exists() else self.target
+        if Path(self.target).expanduser().exists():
+            return Path(self.target).name
+        return split_revision(self.target)[0]  # a hub id as it is, without a pinned revision
 
     @property
     def gpus(self) -> bool:

@@ -89,6 +89,7 @@ VARIANTS = {
         "rayAuth": {"enabled": False},
         "podDisruptionBudget": {"enabled": False},
         "service": {"type": "LoadBalancer"},
+        "apiKey": {"allowOpen": True},
     },
 }
 
@@ -392,7 +393,7 @@ def test_only_the_operators_pods_reach_the_dashboard_and_its_agent():
 def test_network_policy_admits_external_traffic_for_an_external_service(service_type):
     """LoadBalancer and NodePort traffic reaches the pods from node addresses, not from pods: a
     pods-only rule drops it. The API's port gets an ipBlock; Ray's and the dashboard's do not."""
-    rules = policy_rules({"service": {"type": service_type}})
+    rules = policy_rules({"service": {"type": service_type}, "apiKey": {"secretName": "svip-keys"}})
     assert {"ipBlock": {"cidr": "0.0.0.0/0"}} in rules[(8000,)]
     assert all("ipBlock" not in peer for key, peers in rules.items() if key != (8000,) for peer in peers)
 
@@ -403,6 +404,7 @@ def test_network_policy_api_sources_and_operator_namespace_are_settings():
         {
             "networkPolicy": {"apiFrom": peers, "operatorNamespace": "ray-system", "monitoringNamespace": "monitoring"},
             "service": {"type": "LoadBalancer"},
+            "apiKey": {"secretName": "svip-keys"},
         }
     )
     assert rules[(8000,)] == peers
@@ -431,6 +433,11 @@ def test_no_pdb_by_default_and_an_integer_min_available_when_asked():
         render({"podDisruptionBudget": {"enabled": True, "minAvailable": 1}})  # one worker: no drain could proceed
     with pytest.raises(helm.HelmError, match="minAvailable"):
         render({"podDisruptionBudget": {"enabled": True, "minAvailable": "50%"}})
+
+
+def serve_args(service: dict) -> dict:
+    """The app's arguments in a rendered RayService's serveConfigV2."""
+    return yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
 
 
 def pod_templates(service: dict) -> list[dict]:
@@ -541,20 +548,29 @@ def test_values_no_cluster_could_run_fail_with_the_reason(values, words):
 
 
 def test_operator_settings_reach_every_ray_pod():
-    service = by_kind(render(VARIANTS["every-option"]), "RayService")[0]
+    """Every pod: env, envFrom, extra volumes, runtime and priority classes, annotations. The GPU
+    workers alone: the keys, the model cache (and HF_HOME), workers.env and workers.envFrom (the
+    head runs Ray's Jobs API and loads no model: review N7)."""
+    values = merged(VARIANTS["every-option"], {"workers": {"env": [{"name": "WORKER_ONLY", "value": "1"}],
+                                                             "envFrom": [{"secretRef": {"name": "worker-env"}}]}})
+    service = by_kind(render(values), "RayService")[0]
     for template in pod_templates(service):
         spec, container = template["spec"], template["spec"]["containers"][0]
         env = {e["name"]: e for e in container["env"]}
         worker = template["metadata"]["labels"]["app.kubernetes.io/component"] == "ray-worker"
-        assert ("SVIP_API_KEY" in env) == worker  # the keys: on the GPU workers only
+        assert ("SVIP_API_KEY" in env) == worker == ("HF_HOME" in env) == ("WORKER_ONLY" in env)
         if worker:
             assert env["SVIP_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "svip-keys", "key": "keys"}
-        assert env["HF_HOME"]["value"] == "/home/ray/.cache/huggingface" and env["RAY_LOG_LEVEL"]["value"] == "info"
-        assert container["envFrom"] == [{"secretRef": {"name": "extra-env"}}]
+            assert env["HF_HOME"]["value"] == "/home/ray/.cache/huggingface"
+        assert env["RAY_LOG_LEVEL"]["value"] == "info"
+        assert container["envFrom"] == [{"secretRef": {"name": "extra-env"}}] + (
+            [{"secretRef": {"name": "worker-env"}}] if worker else [])
         mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
-        assert mounts["model-cache"] == "/home/ray/.cache/huggingface" and mounts["models"] == "/models"
+        assert mounts["models"] == "/models" and ("model-cache" in mounts) == worker
         volumes = {v["name"]: v for v in spec["volumes"]}
-        assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "svip-model-cache"
+        if worker:
+            assert mounts["model-cache"] == "/home/ray/.cache/huggingface"
+            assert volumes["model-cache"]["persistentVolumeClaim"]["claimName"] == "svip-model-cache"
         assert spec["runtimeClassName"] == "nvidia" and spec["priorityClassName"] == "serving"
         assert spec["securityContext"]["runAsNonRoot"] is True
         assert template["metadata"]["annotations"]["example.com/team"] == "llm"
@@ -568,6 +584,61 @@ def test_operator_settings_reach_every_ray_pod():
     assert not by_kind(existing, "PersistentVolumeClaim")
     worker = pod_templates(by_kind(existing, "RayService")[0])[1]["spec"]
     assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "weights"}} in worker["volumes"]
+
+
+@pytest.mark.parametrize("service_type", ["LoadBalancer", "NodePort"])
+def test_a_service_facing_outside_the_cluster_needs_a_key_unless_open_on_purpose(service_type):
+    """Review N3: only the Ingress was checked; a LoadBalancer or NodePort Service published an
+    open plain-HTTP API. The NOTES say that plain HTTP needs TLS in front."""
+    with pytest.raises(helm.HelmError, match=f"service.type {service_type} without apiKey.secretName"):
+        render({"service": {"type": service_type}})
+    assert by_kind(render({"service": {"type": service_type}, "apiKey": {"allowOpen": True}}), "RayService")
+    with helm.Chart.load(CHART) as chart:
+        notes = chart.render(values=merged(REQUIRED, {"service": {"type": service_type},
+                                                      "apiKey": {"secretName": "k"}}),
+                             name="svip", namespace="llm", is_install=True)
+    assert "plain HTTP" in next(text for path, text in notes.items() if path.endswith("NOTES.txt"))
+
+
+def test_pods_are_restricted_and_workers_hold_no_service_account_token():
+    """Review N7: the `restricted` Pod Security level asks for a seccomp profile; the model workers
+    never call the Kubernetes API, so they get no token; a stopped worker's requests get the drain
+    time (serve.drainTimeoutS reaches the app, and the pods' grace is longer)."""
+    service = by_kind(render(), "RayService")[0]
+    head, worker = pod_templates(service)
+    for template in (head, worker):
+        assert template["spec"]["securityContext"]["seccompProfile"] == {"type": "RuntimeDefault"}
+    assert worker["spec"]["automountServiceAccountToken"] is False
+    assert worker["spec"]["terminationGracePeriodSeconds"] == 90
+    assert serve_args(service)["drain_timeout_s"] == 60
+
+
+@pytest.mark.parametrize("name", ["SVIP_TEST_GATE_DIR", "SVIP_TEST_FORWARD_DELAY_S"])
+def test_the_test_hooks_are_refused_in_values(name):
+    """Review N5: a test hook copied from a CI setup would hold or slow the target while the health
+    check stays green: the schema refuses their names, on every pod and on the workers."""
+    for values in ({"env": [{"name": name, "value": "1"}]}, {"workers": {"env": [{"name": name, "value": "1"}]}}):
+        with pytest.raises(helm.HelmError, match="env"):
+            render(values)
+
+
+def test_hub_revisions_pin_what_every_pod_loads():
+    """Review N6: model.revision and model.draftRevision reach the app as owner/name@revision,
+    which every hub fetch takes; the served model id stays the bare target."""
+    args = serve_args(by_kind(render({"model": {"revision": "a" * 40, "draftRevision": "v1.0"}}), "RayService")[0])
+    assert args["target"] == "Qwen/Qwen2.5-7B-Instruct@" + "a" * 40
+    assert args["draft"] == "Qwen/Qwen2.5-0.5B-Instruct@v1.0" and args["model_name"] == "Qwen/Qwen2.5-7B-Instruct"
+    alone = serve_args(by_kind(render({"model": {"draft": "none", "draftRevision": "v1"}}), "RayService")[0])
+    assert alone["draft"] == "none"
+    assert ServeSettings.from_args(args).served_name == "Qwen/Qwen2.5-7B-Instruct"
+
+
+def test_per_key_limits_and_the_max_tokens_cap_are_on_by_default():
+    """Review H1: a per-key limit on by default, with a KV budget of half the pool and a cap on
+    max_tokens."""
+    args = serve_args(by_kind(render(), "RayService")[0])
+    assert (args["max_requests_per_key"], args["max_kv_tokens_per_key"], args["max_tokens_cap"]) == (8, 16384, 4096)
+    assert ServeSettings.from_args(args).max_kv_tokens_per_key == 16384
 
 
 def test_pods_run_as_non_root_by_default():

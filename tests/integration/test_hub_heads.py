@@ -140,3 +140,32 @@ def test_a_published_head_without_layer_ids_fuses_eagle3s_default_layers(tmp_pat
     request = GenerationRequest(tuple(range(10, 30)), 24, policy=PolicyConfig(name="constant", draft_length=3))
     result = engine.generate(request)
     assert result.token_ids == alone.generate(request).token_ids and result.stats.draft_tokens > 0
+
+
+def test_a_hub_reference_pinned_to_a_revision_loads_that_revision(hf_home):
+    """Review N6: hub fetches took the default branch, so a pod started later could load other
+    weights than its peers. `owner/name@revision` pins every fetch (config, tokenizer, weights,
+    single files): the cache holds two commits of one repository, main at the later one."""
+    target, draft = default_pair()
+    first, later = "1" * 40, "2" * 40
+    add_repo(hf_home, "svip-test/pinned", Path(target), revision=first)
+    add_repo(hf_home, "svip-test/pinned", Path(draft), revision=later)  # main moves on
+    script = textwrap.dedent(f"""
+        from svip_common.hub import local_file
+        from svip_common.models import load_model, load_model_info
+        from svip_assets import default_pair
+        pinned, main = load_model_info("svip-test/pinned@{first}"), load_model_info("svip-test/pinned")
+        want = [load_model_info(p).num_layers for p in default_pair()]
+        assert [pinned.num_layers, main.num_layers] == want, ([pinned.num_layers, main.num_layers], want)
+        assert load_model("svip-test/pinned@{first}").model.config.num_hidden_layers == want[0]
+        assert "/snapshots/{first}/" in str(local_file("svip-test/pinned@{first}", "config.json"))
+        try:
+            local_file("svip-test/pinned@{first}", "../../../etc/passwd")
+        except Exception as exc:
+            assert "leaves the checkpoint" in str(exc), exc
+        else:
+            raise AssertionError("a file name out of the checkpoint was fetched")
+        print("ok")
+    """)
+    done = child(hf_home, "-c", script)
+    assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]

@@ -40,3 +40,21 @@ def test_release_opens_and_clears(tmp_path):
     assert not gate.open()
     test_hooks.release(tmp_path, "target")
     assert gate.open() and not test_hooks.holding(tmp_path, "target")
+
+
+def test_the_hooks_are_read_once_logged_loudly_and_a_bad_delay_fails_the_start(caplog):
+    """Review N5: the hooks were read silently on every step and forward, and a delay that was not
+    a number made every forward raise. Now a worker announces them at its start (CRITICAL, and its
+    Stats), and a bad delay fails the start in one line."""
+    import logging
+
+    import pytest
+
+    env = {test_hooks.GATE_DIR_VAR: "/tmp/gates", test_hooks.FORWARD_DELAY_VAR: "0.002"}
+    with caplog.at_level(logging.CRITICAL):
+        hooks = test_hooks.announce("target", env)
+    assert hooks == ["SVIP_TEST_GATE_DIR=/tmp/gates", "SVIP_TEST_FORWARD_DELAY_S=0.002"]
+    assert caplog.text.count("never set it in production") == 2
+    assert test_hooks.announce("draft", {}) == []
+    with pytest.raises(ValueError, match="SVIP_TEST_FORWARD_DELAY_S='fast' is not a number of seconds"):
+        test_hooks.announce("target", {test_hooks.FORWARD_DELAY_VAR: "fast"})

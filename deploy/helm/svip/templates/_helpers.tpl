@@ -42,12 +42,19 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{ .Values.modelCache.existingClaim | default (printf "%s-model-cache" (include "svip.fullname" .)) }}
 {{- end -}}
 
+{{/* A model reference pinned to a hub revision, owner/name@revision (every hub fetch takes it);
+     as it is without one. Called with (list reference revision). */}}
+{{- define "svip.pinned" -}}
+{{- $ref := index . 0 -}}{{- $revision := index . 1 -}}
+{{- if $revision -}}{{ printf "%s@%s" $ref $revision }}{{- else -}}{{ $ref }}{{- end -}}
+{{- end -}}
+
 {{/* The Serve config (serveConfigV2): the app of deploy/serve-config.yaml, placed on GPUs. */}}
 {{- define "svip.serveConfig" -}}
 {{- $v := .Values -}}
 {{- $args := dict
-  "target" $v.model.target
-  "draft" $v.model.draft
+  "target" (include "svip.pinned" (list $v.model.target $v.model.revision))
+  "draft" (ternary $v.model.draft (include "svip.pinned" (list $v.model.draft $v.model.draftRevision)) (eq $v.model.draft "none"))
   "draft_kind" $v.model.draftKind
   "model_name" (include "svip.modelName" .)
   "dtype" $v.model.dtype
@@ -74,7 +81,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "auto_window" (int $v.decoding.auto.window)
   "max_wait_s" $v.serve.maxWaitS
   "max_requests_per_key" (int $v.serve.maxRequestsPerKey)
+  "max_kv_tokens_per_key" (int $v.serve.maxKvTokensPerKey)
+  "max_tokens_cap" (int $v.serve.maxTokensCap)
   "default_max_tokens" (int $v.serve.defaultMaxTokens)
+  "drain_timeout_s" $v.serve.drainTimeoutS
   "allow_ignore_eos" $v.serve.allowIgnoreEos
 -}}
 {{- if $v.grpcTls.secretName -}}
@@ -91,8 +101,9 @@ app.kubernetes.io/instance: {{ .Release.Name }}
 {{- toYaml $config -}}
 {{- end -}}
 
-{{/* Environment of the Ray containers: the weights cache and the operator's own variables; on
-     the GPU workers only (`secrets`), the hub token and the API keys from their Secrets. Called
+{{/* Environment of the Ray containers: the operator's variables of every pod; on the GPU workers
+     only (`secrets`), the hub token and the API keys from their Secrets, the weights cache and
+     workers.env (the head runs Ray's Jobs API: nothing secret, no model cache there). Called
      with (dict "root" . "secrets" bool). */}}
 {{- define "svip.env" -}}
 {{- $secrets := .secrets -}}
@@ -111,12 +122,17 @@ app.kubernetes.io/instance: {{ .Release.Name }}
       name: {{ .Values.apiKey.secretName }}
       key: {{ .Values.apiKey.secretKey }}
 {{- end }}
-{{- if .Values.modelCache.enabled }}
+{{- if and $secrets .Values.modelCache.enabled }}
 - name: HF_HOME
   value: {{ .Values.modelCache.mountPath | quote }}
 {{- end }}
 {{- with .Values.env }}
 {{ toYaml . }}
+{{- end }}
+{{- if $secrets }}
+{{- with .Values.workers.env }}
+{{ toYaml . }}
+{{- end }}
 {{- end }}
 {{- end -}}
 {{- end -}}
@@ -131,7 +147,8 @@ imagePullPolicy: {{ .Values.image.pullPolicy }}
 env:
   {{- . | nindent 2 }}
 {{- end }}
-{{- with .Values.envFrom }}
+{{- $envFrom := concat .Values.envFrom (ternary .Values.workers.envFrom (list) $secrets) }}
+{{- with $envFrom }}
 envFrom:
   {{- toYaml . | nindent 2 }}
 {{- end }}
@@ -142,23 +159,32 @@ securityContext:
 {{- end -}}
 {{- end -}}
 
+{{/* The containers' volume mounts: the model cache on the GPU workers alone. Called with
+     (dict "root" . "workers" bool). */}}
 {{- define "svip.volumeMounts" -}}
-{{- if .Values.modelCache.enabled }}
+{{- $workers := .workers -}}
+{{- with .root -}}
+{{- if and $workers .Values.modelCache.enabled }}
 - {name: model-cache, mountPath: {{ .Values.modelCache.mountPath | quote }}}
 {{- end }}
 {{- with .Values.extraVolumeMounts }}
 {{ toYaml . }}
 {{- end }}
 {{- end -}}
+{{- end -}}
 
+{{/* The pods' volumes: the model cache on the GPU workers alone; (dict "root" . "workers" bool). */}}
 {{- define "svip.volumes" -}}
-{{- if .Values.modelCache.enabled }}
+{{- $workers := .workers -}}
+{{- with .root -}}
+{{- if and $workers .Values.modelCache.enabled }}
 - name: model-cache
   persistentVolumeClaim: {claimName: {{ include "svip.modelCacheClaim" . }}}
 {{- end }}
 {{- with .Values.extraVolumes }}
 {{ toYaml . }}
 {{- end }}
+{{- end -}}
 {{- end -}}
 
 {{/* Pod settings every Ray pod shares. */}}
@@ -214,6 +240,9 @@ prometheus.io/port: {{ .Values.metrics.port | quote }}
 {{- end -}}
 {{- if and .Values.ingress.enabled (not .Values.apiKey.secretName) (not .Values.apiKey.allowOpen) -}}
 {{- fail "ingress.enabled without apiKey.secretName would publish an open API: set apiKey.secretName (a Secret of keys), or apiKey.allowOpen: true to publish it open on purpose" -}}
+{{- end -}}
+{{- if and (has .Values.service.type (list "LoadBalancer" "NodePort")) (not .Values.apiKey.secretName) (not .Values.apiKey.allowOpen) -}}
+{{- fail (printf "service.type %s without apiKey.secretName would publish an open API outside the cluster: set apiKey.secretName (a Secret of keys), or apiKey.allowOpen: true to publish it open on purpose" .Values.service.type) -}}
 {{- end -}}
 {{- if and .Values.head.faultTolerance.enabled (not .Values.head.faultTolerance.redisAddress) -}}
 {{- fail "head.faultTolerance.enabled needs head.faultTolerance.redisAddress (an external Redis)" -}}
