@@ -18,7 +18,7 @@ import torch
 
 from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
 from svip_common.errors import exit_on_device_failure
-from svip_common.kv_cache import KVPool, PagedSequence
+from svip_common.kv_cache import KVPool, PagedSequence, PoolFull
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
@@ -136,6 +136,8 @@ class Verifier:
         about 2·log2(n) forwards, once; everyone else's verdict is the one it would have had."""
         try:
             return self.verify_batch(jobs, budget)
+        except PoolFull:  # nothing changed: the caller makes room (coordinator/session/host.py)
+            raise
         except Exception as exc:
             exit_on_device_failure(exc)  # a broken device is no one request's fault: the worker goes
             for session, _, _ in jobs:  # the failed step may have stored rows for some: recompute
@@ -260,6 +262,7 @@ class TargetSession:
         self._passed: tuple[Block, int] | None = None  # a block and its base whose first token passed judge_first
         self._features: torch.Tensor | None = None  # feature_layers at positions _features_from.. not yet handed over
         self._features_from = 0
+        self._handed = 0  # positions whose features a verdict has handed over (the draft holds them)
         self.forwards = 0
         self.forward_s = 0.0
 
@@ -271,6 +274,15 @@ class TargetSession:
         """Give the session's pages back to the pool."""
         self._seq.close()
         self._forget_row()
+
+    def evict(self) -> None:
+        """Give every page back while the session waits (the pool ran short): nothing it holds is
+        lost but its cache, which its next verification recomputes from its committed tokens
+        (exact by construction, as after a worker's restart). Features the draft already has are
+        not handed over again."""
+        self._seq.rollback(0)
+        self._forget_row()
+        self._features, self._features_from = None, self._handed
 
     def _forget_row(self) -> None:
         """No row is stored: the sequence it was computed on is changing (a prompt chunk) or gone."""
@@ -297,6 +309,11 @@ class TargetSession:
         """A forward's features from position ``first`` on (a prefill chunk's, or a block's): kept,
         after those still kept before ``first`` (a chunk continued), until a verdict hands over
         those of committed positions; what was kept from ``first`` on is stale (a rollback)."""
+        if first < self._handed:  # recomputed after an eviction: the draft holds these already
+            skip = min(self._handed - first, features.shape[0])
+            features, first = features[skip:], first + skip
+            if not features.shape[0]:
+                return
         if self._features is not None:
             before = first - self._features_from
             if 0 < before <= self._features.shape[0]:
@@ -311,6 +328,7 @@ class TargetSession:
             return verdict
         handed, rest, at = self._features[:end], self._features[end:], self._features_from
         self._features, self._features_from = (rest if rest.shape[0] else None), at + end
+        self._handed = at + end
         return dataclasses.replace(verdict, features=handed, features_from=at)
 
     def next_token(self, committed: Sequence[int]) -> int | None:

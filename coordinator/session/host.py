@@ -12,6 +12,7 @@ process once, to each.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import time
 
@@ -22,6 +23,7 @@ from coordinator.session.pipeline import SessionPipeline
 from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.contracts import GenerationRequest, GenerationStats, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
+from svip_common.kv_cache import PoolFull
 from svip_common.kv_sizes import whole_pages
 from svip_common.messages import DraftedBlock
 from svip_common.step_cost import SessionGate, check_idle_prefill, check_load_aware, load_aware_for
@@ -36,6 +38,7 @@ from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
+WATERMARK_DIVISOR = 50  # a session starts or resumes only while 1/50 of the pool stays free after it
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
 DEFAULT_HOLD_S = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
 
@@ -76,9 +79,13 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
         self._ready: list[tuple[str, SessionPipeline, DraftedBlock, object, tuple[float, str]]] = []  # to verify
-        # KV admission: each open session holds room for its prompt and max_new_tokens, in whole
-        # pages, so a batched step never runs out of pages (which would fail every session in it)
-        self._reserved: dict[str, int] = {}  # session id -> tokens held
+        # KV by use (not by a session's worst case): a session takes pages as it grows; when a step
+        # finds too few, the newest session gives its pages back and waits (``_evicted``), to be
+        # recomputed from its committed tokens once there is room again, oldest first
+        self._order = itertools.count()
+        self._started: dict[str, int] = {}  # session id -> when it started (the newest yields first)
+        self._evicted: dict[str, int] = {}  # session id -> its place in line for pages (FIFO)
+        self.preemptions = 0  # sessions that gave their pages back for a step to fit
         self.idle_prefill = check_idle_prefill(idle_prefill)
         self.prefills = 0  # sessions advanced by a prefill while idle
         self.fills = 0  # tokens greedy sessions settled from the target alone while they waited on their drafts
@@ -148,8 +155,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             start = convert.start_from_proto(request.start, self.limits.max_draft_length)
             self.admit(start.session_id, stream)
             tokens = whole_pages(len(start.prompt_ids) + start.max_new_tokens, self.verifier.pool.page_size)
-            if tokens > self._kv_room():
-                raise Overloaded(f"the target's KV pool has room for {self._kv_room()} more tokens; this session "
+            if tokens > self.verifier.pool.tokens:
+                raise Overloaded(f"the target's KV pool holds {self.verifier.pool.tokens} tokens; this session "
                                  f"needs {tokens} (its prompt and max_new_tokens)")
             speculate = start.speculates and self.draft is not None
             policy = start.policy if speculate else PolicyConfig(name="none")
@@ -171,7 +178,9 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 load=self.verifier.load,
             )
             self.new_session(sid, session, stream)
-            self._reserved[sid] = tokens
+            self._started[sid] = next(self._order)
+            if self._evicted or not self._room_for(len(start.prompt_ids) + 1):  # the line, or no room now
+                self._evicted[sid] = next(self._order)
             self._step(sid, session.start)
         else:  # cancel
             self.session(request.cancel.session_id, stream).cancel()
@@ -180,10 +189,60 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def close_session(self, session_id: str, owner) -> None:
         super().close_session(session_id, owner)
         if session_id not in self.sessions:  # closed (and not another stream's session of that id)
-            self._reserved.pop(session_id, None)
+            self._started.pop(session_id, None)
+            self._evicted.pop(session_id, None)
 
-    def _kv_room(self) -> int:
-        return self.verifier.pool.tokens - sum(self._reserved.values())
+    # --- KV pages by use ------------------------------------------------------------------------
+
+    def _room_for(self, tokens: int) -> bool:
+        """Whether ``tokens`` more fit the pool now, with the watermark left over (so that the
+        sessions running can grow a while before anyone yields)."""
+        pool = self.verifier.pool
+        return pool.pages_for(tokens) + self._watermark() <= pool.free_pages
+
+    def _watermark(self) -> int:
+        return max(1, self.verifier.pool.pages // WATERMARK_DIVISOR)
+
+    def _resume_waiting(self, ready: list) -> None:
+        """Sessions that gave their pages back (or started without room) take their turn again,
+        oldest first, each once its committed tokens and its next block fit."""
+        blocks = {job[0]: len(job[2].block.tokens) for job in ready}
+        for session_id in sorted(self._evicted, key=self._evicted.get):
+            session = self.sessions.get(session_id)
+            if session is None:
+                self._evicted.pop(session_id)
+                continue
+            if not self._room_for(len(session.committed) + blocks.get(session_id, 0) + 1):
+                return  # first come, first served: nobody passes the head of the line
+            del self._evicted[session_id]
+
+    def _evict_newest(self) -> bool:
+        """The newest session holding pages gives them back and waits; whether one did."""
+        holding = [sid for sid in self.sessions if sid not in self._evicted and self.sessions[sid].target.cached_tokens]
+        if not holding:
+            return False
+        victim = max(holding, key=self._started.get)
+        self.sessions[victim].target.evict()
+        self._evicted[victim] = next(self._order)
+        self.preemptions += 1
+        log.info("session %s gave its KV pages back for the step to fit (%d free of %d); it waits its turn",
+                 victim, self.verifier.pool.free_pages, self.verifier.pool.pages)
+        return True
+
+    def _verify_within_pool(self, ready: list) -> tuple[list, list]:
+        """The step's verdicts for the sessions of ``ready`` still holding their place; when the
+        pool is short, the newest session yields its pages until the step fits (PoolFull changes
+        nothing). Returns (the jobs verified, their verdicts)."""
+        while True:
+            jobs = [job for job in ready if job[0] not in self._evicted]
+            if not jobs:
+                return [], []
+            try:
+                return jobs, self.verifier.verify_apart([(s.target, s.committed, checked)
+                                                         for _, s, _, checked, _ in jobs], self.max_batched_tokens)
+            except PoolFull:
+                if not self._evict_newest():
+                    raise
 
     def add_stats(self, stats: pb.WorkerStats) -> None:
         for field, greedy in (("auto_greedy", True), ("auto_sampled", False)):
@@ -198,6 +257,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 )
             )
         stats.auto_prior_cost = self.auto.prior_cost
+        stats.preemptions = self.preemptions
 
     def load_cap(self, gate: SessionGate) -> int:
         """The most tokens a session's next block should hold at the load measured here (its
@@ -226,20 +286,25 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         session's prefix and block length its own (a ragged batch); its verdicts are decided
         after whatever arrived meanwhile is taken in."""
         ready = [job for job in self._ready if self.sessions.get(job[0]) is job[1] and not job[1].done]
-        if not ready:
-            self._ready.clear()
+        self._resume_waiting(ready)
+        if not any(job[0] not in self._evicted for job in ready):
+            self._ready = ready  # those waiting for pages, if any
             return self._work_while_idle()
         if not self._gate.open():  # a test holds this worker (svip_common/test_hooks.py): look again soon,
             self._ready = ready  # answering every message meanwhile
             time.sleep(GATE_POLL_S)
             return True
-        jobs = [(session.target, session.committed, checked) for _, session, _, checked, _ in ready]
         started = time.time()
-        verdicts = self.verifier.verify_apart(jobs, self.max_batched_tokens)  # a session that fails, alone
+        try:  # a session that fails, alone; the newest yields its pages when they run short
+            verified, verdicts = self._verify_within_pool(ready)
+        except PoolFull as exc:  # no session holds a page to yield: the step cannot fit at all
+            verified, verdicts = [job for job in ready if job[0] not in self._evicted], None
+            verdicts = [exc] * len(verified)
         ended = time.time()
-        self._ready = [job for job, verdict in zip(ready, verdicts) if verdict is None]  # prefilled a chunk
-        self.step_metrics.record(len(ready), self.verifier.last_step_tokens, self.verifier.pool)
-        for (session_id, session, block, _, (received_at, source)), verdict in zip(ready, verdicts):
+        self._ready = [job for job in ready if job[0] in self._evicted]  # waiting for pages
+        self._ready += [job for job, verdict in zip(verified, verdicts) if verdict is None]  # prefilled a chunk
+        self.step_metrics.record(len(verified), self.verifier.last_step_tokens, self.verifier.pool)
+        for (session_id, session, block, _, (received_at, source)), verdict in zip(verified, verdicts):
             if isinstance(verdict, Exception):
                 self._fail_alone(session_id, verdict)
             elif verdict is not None:
@@ -262,7 +327,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             return False
         if self.idle_prefill == "auto" and len(self.sessions) != 1:
             return False
-        fills = not self.verifier.feature_layers
+        fills = not self.verifier.feature_layers and not self._evicted
         now = time.time()
         filled = fills and self._fill_waiting(now, now)
         return self._prefill_waiting(fills) or filled
@@ -282,7 +347,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         where that pays; then (fills) greedy ones settle the token its rows give. Returns whether
         it ran a forward."""
         always = self.idle_prefill == "always"
-        waiting = [s for s in self.sessions.values() if s.wants_prefill(self.verifier.cost, always)]
+        waiting = [s for sid, s in self.sessions.items()
+                   if sid not in self._evicted and s.wants_prefill(self.verifier.cost, always)]
         if not waiting:
             return False
         started = time.time()

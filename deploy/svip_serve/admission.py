@@ -1,14 +1,16 @@
-"""Backpressure on one replica, by sessions, by KV tokens and by API key: a request generates once a
-session slot is free (at most max_in_flight) and its prompt plus max_tokens fit the KV room left in
-the pipeline's pools. Until then it waits in line; whoever fits goes first, so small requests pass a
-large one at the head that does not fit yet (the large one keeps its place and is admitted as soon
-as the room is there). A request that would wait when max_waiting already do, or that has waited
-max_wait_s, is refused with a 429. Per API key: a request is counted from the moment its key is
-checked (``enter``, before its body is read, parsed or tokenized), so one key cannot fill the
-replica's parse and tokenizer queue either; past max_per_key requests, or past max_kv_per_key KV
-tokens held or waited for, the key's next request is a 429 (a 400 where it alone needs more than
-the key may hold). A request larger than the whole pool never gets here (the engine refuses it
-with a 400 naming the KV cache)."""
+"""Backpressure on one replica, by sessions, by KV tokens and by API key. A request generates
+once a session slot is free (at most max_in_flight) and its prompt fits the KV room left in the
+pipeline's pools: a session then takes pages as it grows, and the target worker makes room by
+preemption when they run short (coordinator/session/host.py). Until then it waits in line;
+whoever fits goes first, so small requests pass a large one at the head that does not fit yet
+(the large one keeps its place and is admitted as soon as the room is there). A request that
+would wait when max_waiting already do, or that has waited max_wait_s, is refused with a 429.
+Per API key: a request is counted from the moment its key is checked (``enter``, before its body
+is read, parsed or tokenized), so one key cannot fill the replica's parse and tokenizer queue
+either; past max_per_key requests, or past max_kv_per_key KV tokens (prompt + max_tokens) held
+or waited for, the key's next request is a 429 (a 400 where it alone needs more than the key may
+hold). A request larger than the whole pool never gets here (the engine refuses it with a 400
+naming the KV cache)."""
 
 from __future__ import annotations
 
@@ -46,20 +48,24 @@ class Admission:
             self.per_key[key] += 1
         return KeyTicket(self, key)
 
-    def reserve(self, kv_tokens: int = 0, ticket: KeyTicket | None = None) -> Slot:
-        """A place for a request that will hold kv_tokens: running at once when a slot and the
+    def reserve(self, kv_tokens: int = 0, ticket: KeyTicket | None = None, worst_kv_tokens: int | None = None
+                ) -> Slot:
+        """A place for a request that starts with kv_tokens (its prompt: the target takes pages
+        as a session grows, and makes room by preemption): running at once when a slot and the
         room are free, else in line; ApiError 429 when the line or the key's KV share is full.
-        The slot takes the ticket over: releasing the slot releases it."""
+        The key's share counts worst_kv_tokens (prompt + max_tokens; default kv_tokens). The slot
+        takes the ticket over: releasing the slot releases it."""
         key = ticket.key if ticket is not None else None
+        worst = kv_tokens if worst_kv_tokens is None else worst_kv_tokens
         if key is not None and self.max_kv_per_key:
-            if kv_tokens > self.max_kv_per_key:
-                raise ApiError(400, f"this request needs {kv_tokens} KV tokens (its prompt and max_tokens); an API "
+            if worst > self.max_kv_per_key:
+                raise ApiError(400, f"this request needs {worst} KV tokens (its prompt and max_tokens); an API "
                                f"key may hold at most {self.max_kv_per_key} on this deployment: lower max_tokens",
                                param="max_tokens")
-            if self.kv_per_key[key] + kv_tokens > self.max_kv_per_key:
+            if self.kv_per_key[key] + worst > self.max_kv_per_key:
                 raise self._busy(f"API key {key!r} already holds {self.kv_per_key[key]} KV tokens on this replica "
-                                 f"(limit {self.max_kv_per_key}; this request needs {kv_tokens})")
-        slot = Slot(self, kv_tokens, ticket)
+                                 f"(limit {self.max_kv_per_key}; this request needs {worst})")
+        slot = Slot(self, kv_tokens, ticket, worst)
         if self._fits(kv_tokens):
             self._start(slot)
         elif self.waiting >= self.max_waiting:
@@ -70,7 +76,7 @@ class Admission:
             self.waiting += 1
             self._line.append(slot)
         if key is not None:
-            self.kv_per_key[key] += kv_tokens
+            self.kv_per_key[key] += worst
         self._changed()
         return slot
 
@@ -129,9 +135,11 @@ class Slot:
     and its KV room) and holds them; release() is idempotent, so a slot given up before it was
     entered (client gone) frees its place too, and its key's ticket."""
 
-    def __init__(self, admission: Admission, kv_tokens: int, ticket: KeyTicket | None = None):
+    def __init__(self, admission: Admission, kv_tokens: int, ticket: KeyTicket | None = None,
+                 worst_kv_tokens: int | None = None):
         self._adm = admission
         self.kv_tokens, self.ticket = kv_tokens, ticket
+        self.worst_kv_tokens = kv_tokens if worst_kv_tokens is None else worst_kv_tokens
         self.key = ticket.key if ticket is not None else None
         self._state = "waiting"
         self._admitted: asyncio.Future = asyncio.get_running_loop().create_future()
@@ -168,7 +176,7 @@ class Slot:
             return
         self._state = "released"
         if self.key is not None:
-            _take(adm.kv_per_key, self.key, self.kv_tokens)
+            _take(adm.kv_per_key, self.key, self.worst_kv_tokens)
         if self.ticket is not None:
             self.ticket.release()
         adm._dispatch()

@@ -349,7 +349,9 @@ class SVIPServer:
             except SvipError as exc:
                 raise _api_error(exc, "connect") from None
             try:
-                slot = self.admission.reserve(whole_pages(len(request.prompt_ids) + request.max_new_tokens), ticket)
+                prompt = len(request.prompt_ids)  # by use: the prompt's pages; its key's share counts all of it
+                slot = self.admission.reserve(whole_pages(prompt + 1), ticket,
+                                              worst_kv_tokens=whole_pages(prompt + request.max_new_tokens))
             except ApiError:
                 self.metrics.record_rejected("busy")
                 raise

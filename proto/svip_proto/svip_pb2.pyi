@@ -371,7 +371,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost", "auto_greedy", "auto_sampled", "auto_prior_cost", "test_hooks")
+    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost", "auto_greedy", "auto_sampled", "auto_prior_cost", "test_hooks", "preemptions")
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -385,6 +385,7 @@ class WorkerStats(_message.Message):
     AUTO_SAMPLED_FIELD_NUMBER: _ClassVar[int]
     AUTO_PRIOR_COST_FIELD_NUMBER: _ClassVar[int]
     TEST_HOOKS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
     open_sessions: int
     cached_tokens: int
     tokens_processed: int
@@ -398,7 +399,8 @@ class WorkerStats(_message.Message):
     auto_sampled: AutoModelState
     auto_prior_cost: float
     test_hooks: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ..., auto_greedy: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_sampled: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_prior_cost: _Optional[float] = ..., test_hooks: _Optional[_Iterable[str]] = ...) -> None: ...
+    preemptions: int
+    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ..., auto_greedy: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_sampled: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_prior_cost: _Optional[float] = ..., test_hooks: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ...) -> None: ...
 
 class AutoModelState(_message.Message):
     __slots__ = ("weights", "observed_tokens", "fits", "predicted_acceptance", "observed_acceptance")

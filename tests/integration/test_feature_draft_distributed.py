@@ -95,6 +95,25 @@ def test_features_sent_ahead_in_chunks_draft_what_one_piece_drafts(embedded, loo
         assert [r.stats.draft_lengths for r in chunked] == [r.stats.draft_lengths for r in whole]
 
 
+def test_a_preempted_session_hands_the_head_no_feature_twice(embedded, loop):
+    """A target pool short of pages preempts the newest session, with a feature head drafting: its
+    cache and features are recomputed on its return (those the head already holds are not sent
+    again), nothing detaches, and every output equals the target alone."""
+    target, head = embedded
+    ids = [tuple(target.tokenizer(p)["input_ids"]) for p in PROMPTS]
+    requests = [GenerationRequest(ids[i % 3] + (i,), 80, policy=POLICIES["constant"], ignore_eos=True)
+                for i in range(4)]
+    with in_process_workers(loop, {"target": target}, positions=target.max_positions or 512, target_kv_tokens=256,
+                            drafter=drafter_for(target, head, _limits(target)),
+                            feature_layers=head.head.config.target_layers, load_aware="off") as w:
+        results = generate_through(loop, w, default_pair()[0], "async", requests)
+        preemptions = w.host.preemptions
+    alone = SpeculativeEngine(target, None)
+    assert preemptions >= 1
+    assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests]
+    assert all(r.stats.detached == 0 and r.stats.draft_tokens > 0 for r in results)
+
+
 def _limits(target):
     from svip_common.contracts import Limits
 

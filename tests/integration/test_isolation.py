@@ -184,3 +184,25 @@ def test_on_the_workers_every_extreme_is_served_and_its_neighbours_are_unchanged
         reqs, at = extremes_with_neighbours(models, prompt_ids, w.limits)
         results = generate_through(loop, w, model_dirs.target, pipeline, reqs, return_exceptions=True)
     check_extremes(results, reqs, at, models)
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_pool_short_of_pages_preempts_the_newest_session_and_every_output_stays_exact(
+        models, model_dirs, prompt_ids, loop, pipeline):
+    """Admission by use (issue 40): sessions take the target's pages as they grow, not their worst
+    case at the start, so five sessions start on a pool that holds two or three of them whole; when a step
+    finds too few pages the newest gives its pages back and waits, and is recomputed from its
+    committed tokens once there is room. Every greedy output equals the target alone's."""
+    prompts = list(prompt_ids.values())
+    reqs = [GenerationRequest(prompts[i % 3] + (i,), 96, policy=PolicyConfig(name="constant", draft_length=4),
+                              ignore_eos=True) for i in range(4)]
+    reqs.append(GenerationRequest(prompts[0], 96, SamplingParams(temperature=0.9, seed=9), ignore_eos=True))
+    with in_process_workers(loop, models, target_kv_tokens=512, load_aware="off") as w:
+        results = generate_through(loop, w, model_dirs.target, pipeline, reqs)
+        stats = loop.run_until_complete(w.host.Stats(None, None))
+        pool = w.host.verifier.pool
+        assert pool.free_pages == pool.pages and not w.host._evicted
+    assert stats.preemptions >= 1
+    target_alone = SpeculativeEngine(models["target"], None)
+    assert [r.token_ids for r in results[:4]] == [target_alone.generate(r).token_ids for r in reqs[:4]]
+    assert all(len(r.token_ids) == 96 for r in results)

@@ -126,26 +126,27 @@ def test_a_peer_that_opens_ten_thousand_sessions_is_refused_past_the_cap(workers
     loop.run_until_complete(async_wait_until(freed, what="the peer's sessions freed with its stream"))
 
 
-def test_the_target_refuses_only_the_session_its_kv_pool_cannot_hold(
+def test_the_target_admits_by_use_and_refuses_only_a_session_its_pool_cannot_hold_at_all(
     workers, engine, models, prompt_ids, loop, target_gate
 ):
-    """Two sessions of 112 tokens each fit a 256-token pool; a third is refused with
-    RESOURCE_EXHAUSTED while the two, held by the gate so they cannot end first, go on exact."""
+    """Three sessions of up to 112 tokens each on a 256-token pool: all three start (pages are taken
+    as a session grows, issue 40; before, the third was refused while the two held their worst
+    case), and where pages run short the newest yields and is recomputed: every output exact. A
+    session larger than the whole pool is refused with RESOURCE_EXHAUSTED."""
     prompt = prompt_ids["medium"][:12]
-    fits = [GenerationRequest(prompt + (i,), 99, policy=CONSTANT, ignore_eos=True) for i in range(2)]
-    extra = GenerationRequest(prompt + (9,), 99, policy=CONSTANT, ignore_eos=True)
+    reqs = [GenerationRequest(prompt + (i,), 99, policy=CONSTANT, ignore_eos=True) for i in range(3)]
+    too_large = GenerationRequest(prompt, TARGET_POOL_TOKENS, policy=CONSTANT, ignore_eos=True)
 
     async def scenario():
         with target_gate.held():
-            running = [asyncio.ensure_future(engine.generate(r)) for r in fits]
-            await async_wait_until(lambda: asyncio.sleep(0, len(workers.host.sessions) == 2), what="two admitted")
-            with pytest.raises(Overloaded, match="KV pool has room for 32 more tokens; this session needs 112"):
-                await engine.generate(extra)
+            running = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
+            await async_wait_until(lambda: asyncio.sleep(0, len(workers.host.sessions) == 3), what="three admitted")
+            with pytest.raises(Overloaded, match=f"KV pool holds {TARGET_POOL_TOKENS} tokens; this session needs"):
+                await engine.generate(too_large)
         return await asyncio.gather(*running)
 
     results = loop.run_until_complete(scenario())
-    assert [r.token_ids for r in results] == [alone(models, r) for r in fits]
-    assert loop.run_until_complete(engine.generate(extra)).token_ids == alone(models, extra)  # room again
+    assert [r.token_ids for r in results] == [alone(models, r) for r in reqs]
 
 
 def test_the_distributed_batch_waits_for_kv_room(workers, engine, models, prompt_ids, loop):
