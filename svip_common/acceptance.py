@@ -30,7 +30,7 @@ import torch
 
 from svip_common.auto_settings import MAX_AUTO_COST, AutoSettings
 from svip_common.errors import InvalidRequest
-from svip_common.step_cost import Ewma, TargetLoad, token_cost
+from svip_common.step_cost import StepCost, TargetLoad, token_cost
 
 FEATURES = ("bias", "sqrt_entropy", "entropy", "prob", "index")
 INDEX_SCALE = 16  # places in a block beyond this look alike
@@ -186,7 +186,10 @@ class AutoEstimate:
         frozen = dataclasses.replace(settings, learn=False)
         self.models = {True: AcceptanceModel(prior_weights, settings), False: AcceptanceModel(prior_weights, frozen)}
         self.rate = RoundRate()
-        self._draft_token_s = Ewma(0.1)  # seconds a drafted token takes on the draft (its share of a forward, its work)
+        # a block's drafting time as fixed + per token (its forwards' shares and its work): what one
+        # more token costs is the slope, never the average, which counts a block's own overhead
+        # (the first forward's pending tokens, the rollback) against its tokens
+        self.drafting = StepCost(decay=0.95)
 
     def model(self, greedy: bool) -> AcceptanceModel:
         return self.models[greedy]
@@ -194,25 +197,34 @@ class AutoEstimate:
     def record_drafting(self, drafted: int, seconds: float | None) -> None:
         if not drafted or seconds is None or not math.isfinite(seconds) or seconds < 0:
             return
-        self._draft_token_s.update(seconds / drafted)
+        self.drafting.observe(drafted, seconds)
 
     @property
     def draft_token_s(self) -> float:
-        return self._draft_token_s.value
+        """What one more drafted token takes on the draft: the slope of a block's drafting time in
+        its tokens. Until the blocks' lengths have varied enough to tell it, 0 (as StepCost assumes
+        a slope free until it can tell), so the blocks lengthen and the slope is measured. Priced
+        at the average instead, a block of one token carried its overhead alone, looked dear, and
+        kept the next block at one token (issue 41: 425 of 433 blocks)."""
+        return self.drafting.per_item
 
     def cost(self, load: TargetLoad | None) -> float:
-        """tau: the configured one, else the measured one at the target's load now, else the prior."""
+        """tau: the configured one, else the measured one at the target's load now, else the prior.
+        Measured before the blocks' lengths have varied enough to tell what a drafted token costs
+        on the draft, only its verification counts (the draft's share taken as free, as StepCost
+        does until it can tell): the blocks lengthen, and their lengths vary, until it can. A
+        dear prior, or a stop that kept every block at one token, would never learn otherwise."""
         if self.settings.cost is not None:
             return self.settings.cost
-        if load is not None and self.draft_token_s:
-            measured = token_cost(load, self.draft_token_s)
+        if load is not None and self.drafting.observed:
+            measured = token_cost(load, self.draft_token_s if self.drafting.sloped else 0.0)
             if math.isfinite(measured) and measured > 0:
                 return min(measured, MAX_AUTO_COST)
         return self.prior_cost
 
     def to_dict(self) -> dict:
         return {"prior_cost": round(self.prior_cost, 4), "cost": self.settings.cost, "rate": round(self.rate.value, 4),
-                "draft_token_s": round(self.draft_token_s, 6),
+                "draft_token_s": round(self.draft_token_s, 6), "draft_block_s": round(self.drafting.fixed, 6),
                 "greedy": self.models[True].to_dict(), "sampled": self.models[False].to_dict()}
 
 

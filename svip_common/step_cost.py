@@ -86,6 +86,7 @@ class StepCost:
         self.decay = decay
         self._n = self._sx = self._sy = self._sxx = self._sxy = 0.0
         self._slope = 0.0  # the last well-determined slope (until items vary, assume it is free)
+        self.sloped = False  # whether items have varied enough to tell the slope
         self.items = 0.0  # recent items per step (weighted mean)
         self.steps = 0
 
@@ -102,6 +103,7 @@ class StepCost:
         spread = self._sxx / self._n - mean_x * mean_x
         if spread >= 0.25:  # items varied enough to tell the slope from noise
             self._slope = max((self._sxy / self._n - mean_x * mean_y) / spread, 0.0)
+            self.sloped = True
 
     @property
     def observed(self) -> bool:

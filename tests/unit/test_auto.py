@@ -107,13 +107,15 @@ def test_the_rule_scales_the_measured_tau_by_the_pairs_rate_and_frozen_sessions_
     greedy, sampled = SessionStop(estimate, True), SessionStop(estimate, False)
     assert greedy.rule(None).stop_at == pytest.approx(0.25)  # the prior, at rate 1 before any round
     load = TargetLoad(plain_rate=100.0, verify_token_s=0.0005, batch=1.0)  # 100 tokens/s alone
-    for _ in range(100):  # 4 drafted in 8 ms, all accepted: tau = 100 * (0.0005 + 0.002) = 0.25
+    for i in range(100):  # 3 to 5 drafted, 2 ms each after 1 ms a block: tau = 100 * (0.0005 + 0.002) = 0.25
         greedy.rule(load)
-        greedy.record([0.5] * 4, [0.9] * 4, accepted=4, draft_s=0.008)
+        k = 3 + i % 3
+        greedy.record([0.5] * k, [0.9] * k, accepted=k, draft_s=0.001 + 0.002 * k)
+    assert estimate.draft_token_s == pytest.approx(0.002) and estimate.drafting.fixed == pytest.approx(0.001)
     assert estimate.cost(load) == pytest.approx(0.25)
-    assert estimate.rate.value == pytest.approx(5 / 2, rel=0.01)  # 5 tokens for 1 + 4 * 0.25
-    assert greedy.rule(load).stop_at == pytest.approx(0.25 * 2.5, rel=0.01)
-    assert SessionStop(estimate, True).rule(load).stop_at == pytest.approx(0.25 * 2.5, rel=0.01)  # a new session too
+    assert estimate.rate.value == pytest.approx(5 / 2, rel=0.02)  # k + 1 tokens for 1 + k * 0.25, k = 4 on average
+    assert greedy.rule(load).stop_at == pytest.approx(0.25 * 2.5, rel=0.02)
+    assert SessionStop(estimate, True).rule(load).stop_at == pytest.approx(0.25 * 2.5, rel=0.02)  # a new session too
     first = sampled.rule(load)  # a measured cost does not move a frozen rule
     for _ in range(100):
         sampled.record([0.5] * 4, [0.9] * 4, accepted=1, draft_s=0.1)
@@ -175,3 +177,33 @@ def test_serve_refuses_bad_auto_settings(args, message):
     with pytest.raises(InvalidRequest, match=message):
         ServeSettings.from_args({"policy": "auto", **args})
     assert ServeSettings.from_args({"policy": "auto", "auto_cost": 0.3}).auto() == AutoSettings(cost=0.3)
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_a_blocks_own_overhead_never_traps_auto_at_one_token(seed):
+    """Issue 41: priced at the average time per drafted token, a block of one token carried the
+    block's own overhead alone (its first forward's pending tokens, the rollback), looked dear, and
+    the next block stopped at one token again: 425 of 433 blocks. A scripted pair whose tokens are
+    accepted 90% of the time, 10 ms of overhead a block and 3 ms a token, a target step of 16.7 ms:
+    the slope is what one more token costs (tau = 60 x 4 ms = 0.24), and the blocks grow long."""
+    rng = random.Random(seed)
+    estimate = AutoEstimate(prior_cost=0.9)  # a dear prior too: the measured slope must take over
+    stop, policy = SessionStop(estimate, True), AutoPolicy(cap=40)
+    load = TargetLoad(plain_rate=60.0, verify_token_s=0.001, batch=1.0)
+    lengths = []
+    for _ in range(300):
+        policy.tune(stop.rule(load))
+        probs, k = [], 0
+        while k < 40:
+            k += 1
+            probs.append(rng.uniform(0.8, 1.0))
+            if policy.should_stop(StepState(k, 100 + k, 5, probs[-1], 0.3)):
+                break
+        accepted = 0
+        while accepted < k and rng.random() < 0.9:
+            accepted += 1
+        stop.record([0.3] * k, probs, accepted, draft_s=0.010 + 0.003 * k)
+        lengths.append(k)
+    assert estimate.draft_token_s == pytest.approx(0.003, rel=0.05)
+    assert estimate.cost(load) == pytest.approx(60.0 * 0.004, rel=0.05)
+    assert sum(lengths[-100:]) / 100 >= 4.0, lengths[-20:]
