@@ -136,3 +136,21 @@ def test_small_features_travel_in_their_message_and_large_ones_split_on_row_boun
     assert [m.WhichOneof("kind") for m in messages] == ["feature_chunk"] * 3 + ["feedback"]
     assert [m.feature_chunk.features_from for m in messages[:3]] == [0, 3, 6]
     assert messages[-1].feedback.features_from == 9 and list(messages[-1].feedback.features.shape) == [1, 4]
+
+
+def test_a_resume_after_a_long_pause_sends_its_features_ahead_in_chunks():
+    """A Resume carries the features of every token settled during a load-aware pause: over the
+    chunk size they go ahead too, and the draft joins them before the Resume's own rows."""
+    from svip_common.messages import Resume
+
+    rows = torch.arange(7 * 4, dtype=torch.float32).reshape(7, 4)
+    resume = Resume(session_id="s", epoch=2, base=10, tokens=tuple(range(8)), load_cap=4, features=rows,
+                    features_from=10)
+    messages = convert.draft_request_to_wire(resume, chunk_bytes=2 * 16)
+    assert [m.WhichOneof("kind") for m in messages] == ["feature_chunk"] * 3 + ["resume"]
+    chunks = FeatureChunks(rows=100)
+    for m in messages[:3]:
+        chunks.add("s", m.feature_chunk.features_from, convert.tensor_from_proto(m.feature_chunk.features))
+    last = messages[-1].resume
+    joined, first = chunks.take("s").joined(convert.tensor_from_proto(last.features), last.features_from)
+    assert first == 10 and torch.equal(joined, rows)
