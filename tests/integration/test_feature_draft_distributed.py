@@ -269,6 +269,6 @@ def test_a_resume_with_features_past_its_tokens_is_invalid_argument(models):
     service = DraftService(drafter_for(target, head, _limits(target)), _limits(target))
     features = convert.tensor_to_proto(torch.zeros(4, 3 * target.model.config.hidden_size))
     msg = pb.Resume(session_id="s", base=10, tokens=[5, 6, 7], load_cap=4, features_from=8, features=features)
-    assert service._features(msg, msg.base + len(msg.tokens) - 1).shape[0] == 4
+    assert service._features(msg, msg.base + len(msg.tokens) - 1)[0].shape[0] == 4
     with pytest.raises(InvalidRequest, match="commit up to 10"):
         service._features(msg, msg.base + len(msg.tokens) - 2)
