@@ -212,7 +212,12 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             if session is None:
                 self._evicted.pop(session_id)
                 continue
-            if not self._room_for(len(session.committed) + blocks.get(session_id, 0) + 1):
+            need = len(session.committed) + blocks.get(session_id, 0) + 1
+            alone = not any(sid not in self._evicted and s.target.cached_tokens for sid, s in self.sessions.items())
+            pool = self.verifier.pool
+            # alone, a session takes what it needs, watermark or not: one as large as the pool
+            # (which admission allows) would otherwise wait for ever
+            if not (self._room_for(need) or (alone and pool.pages_for(need) <= pool.free_pages)):
                 return  # first come, first served: nobody passes the head of the line
             del self._evicted[session_id]
 

@@ -9,6 +9,7 @@ cannot serve (N1's top_p under float32's resolution was one, before its fix)."""
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import pytest
@@ -18,6 +19,7 @@ import target_worker.verifier
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest, SvipError
+from tests.gates import async_wait_until
 from tests.knob_extremes import served as served_extremes
 from tests.knob_extremes import top1
 from tests.workers import generate_through, in_process_workers
@@ -206,3 +208,39 @@ def test_a_pool_short_of_pages_preempts_the_newest_session_and_every_output_stay
     target_alone = SpeculativeEngine(models["target"], None)
     assert [r.token_ids for r in results[:4]] == [target_alone.generate(r).token_ids for r in reqs[:4]]
     assert all(len(r.token_ids) == 96 for r in results)
+
+
+def test_a_session_as_large_as_the_pool_takes_its_turn_once_alone(models, model_dirs, prompt_ids, loop):
+    """A session whose prompt nearly fills the pool starts while another holds pages, so it waits;
+    once alone it must take its turn even where its need and the watermark together pass the pool
+    (else it would wait for ever: admission allows a session as large as the pool)."""
+    from coordinator.distributed import DistributedEngine
+    from svip_common.models import load_model_info
+
+    constant = PolicyConfig(name="constant", draft_length=4)
+    first = GenerationRequest(prompt_ids["medium"], 40, policy=constant, ignore_eos=True)
+    long_prompt = (prompt_ids["long"] * 8)[:241]  # 241 + 15 = 256: the whole pool of 16 pages
+    large = GenerationRequest(long_prompt, 15, policy=constant, ignore_eos=True)
+    with in_process_workers(loop, models, target_kv_tokens=256, load_aware="off") as w:
+        engine = DistributedEngine(load_model_info(model_dirs.target), w.limits, w.target_address,
+                                   w.draft_address, "sync")
+
+        async def run():
+            await engine.connect()
+            try:
+                a = asyncio.ensure_future(engine.generate(first))
+                await async_wait_until(lambda: asyncio.sleep(0, any(s.target.cached_tokens
+                                                                    for s in w.host.sessions.values())),
+                                       what="the first session holding pages")
+                b = asyncio.ensure_future(engine.generate(large))
+                await async_wait_until(lambda: asyncio.sleep(0, len(w.host._evicted) == 1 or b.done()),
+                                       what="the large session waiting for pages")
+                waited = bool(w.host._evicted)
+                return await asyncio.gather(a, b), waited
+            finally:
+                await engine.close()
+
+        results, waited = loop.run_until_complete(run())
+    target_alone = SpeculativeEngine(models["target"], None)
+    assert waited
+    assert [r.token_ids for r in results] == [target_alone.generate(r).token_ids for r in (first, large)]
