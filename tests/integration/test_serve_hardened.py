@@ -292,7 +292,7 @@ def test_a_keys_requests_count_from_its_key_check_before_its_body_is_read(server
             sock.sendall(f"POST /v1/completions HTTP/1.1\r\nHost: {host}\r\nAuthorization: Bearer {KEYS[1]}\r\n"
                          f"Content-Type: application/json\r\nContent-Length: 100000\r\n\r\n".encode()
                          + b'{"model": "wide", "prompt": ')
-            answer = sock.recv(65536).decode()
+            answer = _read_response(sock)
     for t in threads:
         t.join(120)
     assert answer.startswith("HTTP/1.1 429") and "limit 2" in answer, answer
@@ -346,3 +346,21 @@ def test_the_servers_own_errors_carry_a_request_id_not_the_exception():
     body = error.body()["error"]
     assert error.status == 500 and "request id" in body["message"] and "secret" not in body["message"]
     assert body["type"] == "server_error"
+
+
+def _read_response(sock: socket.socket) -> str:
+    """One HTTP/1.1 response off a raw socket: the head, then as many body bytes as it declares
+    (they may come in another segment)."""
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed mid-response: {data!r}"
+        data += chunk
+    head, body = data.split(b"\r\n\r\n", 1)
+    length = next((int(line.split(b":", 1)[1]) for line in head.split(b"\r\n")
+                   if line.lower().startswith(b"content-length:")), 0)
+    while len(body) < length:
+        chunk = sock.recv(65536)
+        assert chunk, f"the connection closed mid-body: {body!r}"
+        body += chunk
+    return (head + b"\r\n\r\n" + body).decode()
