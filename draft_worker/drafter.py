@@ -16,7 +16,7 @@ import torch
 
 from draft_worker.policies import LengthPolicy, make_policy
 from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
-from svip_common.errors import exit_on_device_failure
+from svip_common.errors import exit_on_device_failure, narrowed
 from svip_common.kv_cache import KVPool
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
@@ -73,7 +73,11 @@ class Drafter:
             groups.setdefault(d._session.sampling.warp_key, []).append(i)
         for indices in groups.values():
             blocks = [drafting[i] for i in indices]
-            for draft, chosen in zip(blocks, self._choose_apart(blocks, [rows[i] for i in indices])):
+            # a warp or draw that raises for one request's values fails its block, not the step
+            # (svip_common.errors.narrowed; the rows are computed already: only the choice runs again)
+            chosen_all = narrowed(lambda part: self._choose([b for b, _ in part], torch.cat([r for _, r in part])),
+                                  [(b, rows[i]) for b, i in zip(blocks, indices)])
+            for draft, chosen in zip(blocks, chosen_all):
                 if isinstance(chosen, Exception):
                     draft._fail(chosen)
                     continue
@@ -82,19 +86,6 @@ class Drafter:
                 except Exception as exc:  # its policy's own work (should_stop): this block alone
                     exit_on_device_failure(exc)
                     draft._fail(exc)
-
-    def _choose_apart(self, blocks: list[BlockDraft], rows: list[torch.Tensor]) -> list[tuple | Exception]:
-        """_choose over the blocks, a choice that raised narrowed to the blocks that fail on their
-        own (in halves, down to single blocks; the rows are computed already, so nothing runs
-        twice but the choice): a request's warp or draw that fails fails its block, not its step's."""
-        try:
-            return self._choose(blocks, torch.cat(rows))
-        except Exception as exc:
-            exit_on_device_failure(exc)
-            if len(blocks) == 1:
-                return [exc]
-            half = len(blocks) // 2
-            return self._choose_apart(blocks[:half], rows[:half]) + self._choose_apart(blocks[half:], rows[half:])
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits [B, draft_vocab] laid over the target's vocabulary [B, width]."""

@@ -41,7 +41,7 @@ class FeatureChunks:
     def add(self, session_id: str, first: int, features: torch.Tensor) -> None:
         held = self._held.get(session_id)
         if held is None:
-            self._held[session_id] = held = _Ahead(first, [])
+            self._held[session_id] = held = _Ahead(first)
         if first != held.end:
             raise InvalidRequest(f"a feature chunk for positions from {first}; the chunks before it end at "
                                  f"{held.end - 1}")
@@ -56,8 +56,9 @@ class FeatureChunks:
 
 
 class _Ahead:
-    def __init__(self, first: int, parts: list[torch.Tensor]):
-        self.first, self.parts, self.end = first, parts, first
+    def __init__(self, first: int):
+        self.first, self.end = first, first  # positions first .. end - 1
+        self.parts: list[torch.Tensor] = []
 
     def joined(self, features: torch.Tensor, first: int) -> tuple[torch.Tensor, int]:
         """These chunks and the rows that continue them (from ``first``), as one tensor and its first position."""

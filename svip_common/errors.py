@@ -39,5 +39,24 @@ def exit_on_device_failure(exc: BaseException) -> None:
         os._exit(70)
 
 
+def narrowed(run, items: list, retry=lambda items: None, passing: tuple = ()) -> list:
+    """``run(items)``: one result per item. When it raises (an exception of ``passing`` aside,
+    and a device failure, which exits), the items are run again in halves (``retry(items)``
+    first: undo what the failed run left), down to the single items that fail on their own, whose
+    result is their exception: one item's failure fails that item, not its batch (one bad item
+    among n costs about 2·log2 n more runs, once)."""
+    try:
+        return run(items)
+    except passing:
+        raise
+    except Exception as exc:
+        exit_on_device_failure(exc)
+        retry(items)
+        if len(items) == 1:
+            return [exc]
+        half = len(items) // 2
+        return narrowed(run, items[:half], retry, passing) + narrowed(run, items[half:], retry, passing)
+
+
 class WorkerError(SvipError):
     """A worker failed while serving the session."""

@@ -12,10 +12,10 @@ dictionary lookup when off.
   grant it used up to ``DIR/name.holding``, which ``holding`` compares with the current grant.
 - ``SVIP_TEST_FORWARD_DELAY_S=S``: every KV-pool forward sleeps S seconds first (a slow machine).
 
-A production worker has neither. Both are read once, when a worker starts (``active``): a worker
-that finds one set logs it at CRITICAL and reports it in its Stats (``WorkerStats.test_hooks``),
-and a delay that is not a number fails the start, not every forward (review N5). The Helm chart's
-schema refuses their names.
+A production worker has neither. A worker announces them when it starts (``announce``): one set
+is logged at CRITICAL and reported in its Stats (``WorkerStats.test_hooks``), and a delay that is
+not a number fails the start, not every forward (it is parsed once; a forward still looks the
+variable up, one dictionary lookup). The Helm chart's schema refuses their names (review N5).
 """
 
 from __future__ import annotations

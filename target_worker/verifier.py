@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
-from svip_common.errors import exit_on_device_failure
+from svip_common.errors import narrowed
 from svip_common.kv_cache import KVPool, PagedSequence, PoolFull
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
@@ -134,18 +134,12 @@ class Verifier:
         recomputes from its committed tokens, exact by construction), down to the single jobs
         that still raise, whose place in the answer is their exception. One bad job among n costs
         about 2·log2(n) forwards, once; everyone else's verdict is the one it would have had."""
-        try:
-            return self.verify_batch(jobs, budget)
-        except PoolFull:  # nothing changed: the caller makes room (coordinator/session/host.py)
-            raise
-        except Exception as exc:
-            exit_on_device_failure(exc)  # a broken device is no one request's fault: the worker goes
-            for session, _, _ in jobs:  # the failed step may have stored rows for some: recompute
+        def forget_rows(failed):  # the failed step may have stored rows for some: recompute
+            for session, _, _ in failed:
                 session._forget_row()
-            if len(jobs) == 1:
-                return [exc]
-            half = len(jobs) // 2
-            return self.verify_apart(jobs[:half], budget) + self.verify_apart(jobs[half:], budget)
+
+        # PoolFull changes nothing: the caller makes room (coordinator/session/host.py)
+        return narrowed(lambda part: self.verify_batch(part, budget), list(jobs), forget_rows, passing=(PoolFull,))
 
     def _observe(self, tokens: int, seconds: float, prefilling: bool, items: int) -> None:
         """A forward's time into the cost fits; the decode-shaped ones leave out a step a prompt

@@ -206,17 +206,20 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def _resume_waiting(self, ready: list) -> None:
         """Sessions that gave their pages back (or started without room) take their turn again,
         oldest first, each once its committed tokens and its next block fit."""
+        if not self._evicted:
+            return
         blocks = {job[0]: len(job[2].block.tokens) for job in ready}
+        pool = self.verifier.pool
+        # nobody else holds pages: the head of the line takes what it needs, watermark or not (one
+        # as large as the pool, which admission allows, would otherwise wait for ever); a session
+        # resumed here holds none yet, so this stays true down the line
+        alone = not any(sid not in self._evicted and s.target.cached_tokens for sid, s in self.sessions.items())
         for session_id in sorted(self._evicted, key=self._evicted.get):
             session = self.sessions.get(session_id)
             if session is None:
                 self._evicted.pop(session_id)
                 continue
             need = len(session.committed) + blocks.get(session_id, 0) + 1
-            alone = not any(sid not in self._evicted and s.target.cached_tokens for sid, s in self.sessions.items())
-            pool = self.verifier.pool
-            # alone, a session takes what it needs, watermark or not: one as large as the pool
-            # (which admission allows) would otherwise wait for ever
             if not (self._room_for(need) or (alone and pool.pages_for(need) <= pool.free_pages)):
                 return  # first come, first served: nobody passes the head of the line
             del self._evicted[session_id]
@@ -303,7 +306,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         try:  # a session that fails, alone; the newest yields its pages when they run short
             verified, verdicts = self._verify_within_pool(ready)
         except PoolFull as exc:  # no session holds a page to yield: the step cannot fit at all
-            verified, verdicts = [job for job in ready if job[0] not in self._evicted], None
+            verified = [job for job in ready if job[0] not in self._evicted]
             verdicts = [exc] * len(verified)
         ended = time.time()
         self._ready = [job for job in ready if job[0] in self._evicted]  # waiting for pages
