@@ -224,9 +224,12 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 return  # first come, first served: nobody passes the head of the line
             del self._evicted[session_id]
 
-    def _evict_newest(self) -> bool:
-        """The newest session holding pages gives them back and waits; whether one did."""
-        holding = [sid for sid in self.sessions if sid not in self._evicted and self.sessions[sid].target.cached_tokens]
+    def _evict_newest(self, stepping: list[str]) -> bool:
+        """The newest session holding pages, or taking some in this step (sessions admitted
+        together, none prefilled yet, can ask one step for more than the pool), gives them back
+        and waits; whether one did."""
+        holding = [sid for sid in self.sessions if sid not in self._evicted
+                   and (sid in stepping or self.sessions[sid].target.cached_tokens)]
         if not holding:
             return False
         victim = max(holding, key=self._started.get)
@@ -249,7 +252,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 return jobs, self.verifier.verify_apart([(s.target, s.committed, checked)
                                                          for _, s, _, checked, _ in jobs], self.max_batched_tokens)
             except PoolFull:
-                if not self._evict_newest():
+                if not self._evict_newest([job[0] for job in jobs]):
                     raise
 
     def add_stats(self, stats: pb.WorkerStats) -> None:

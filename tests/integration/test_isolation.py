@@ -188,29 +188,60 @@ def test_on_the_workers_every_extreme_is_served_and_its_neighbours_are_unchanged
     check_extremes(results, reqs, at, models)
 
 
+def generate_all_started(loop, w, target_path, pipeline, reqs, target_gate) -> list:
+    """The requests through the caller's end, every session started on the target before any step
+    runs (the target's steps held until then): they run side by side whatever the machine's speed."""
+    from coordinator.distributed import DistributedEngine
+    from svip_common.models import load_model_info
+
+    engine = DistributedEngine(load_model_info(target_path), w.limits, w.target_address, w.draft_address, pipeline)
+
+    async def run():
+        await engine.connect()
+        try:
+            with target_gate.held():
+                tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
+                await async_wait_until(lambda: asyncio.sleep(0, len(w.host.sessions) == len(reqs)),
+                                       what="every session started")
+            return await asyncio.gather(*tasks)
+        finally:
+            await engine.close()
+
+    return loop.run_until_complete(run())
+
+
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_a_pool_short_of_pages_preempts_the_newest_session_and_every_output_stays_exact(
-        models, model_dirs, prompt_ids, loop, pipeline):
+        models, model_dirs, prompt_ids, loop, target_gate, pipeline):
     """Admission by use (issue 40): sessions take the target's pages as they grow, not their worst
-    case at the start, so five sessions start on a pool that holds two or three of them whole; when a step
-    finds too few pages the newest gives its pages back and waits, and is recomputed from its
-    committed tokens once there is room. Every greedy output equals the target alone's."""
-    prompts = list(prompt_ids.values())
-    reqs = [GenerationRequest(prompts[i % 3] + (i,), 96, policy=PolicyConfig(name="constant", draft_length=4),
+    case at the start. Five sessions of up to 96 tokens (6 pages each) start together on a pool of
+    160 tokens (10 pages), so pages run short as they grow, by construction: the newest
+    gives its pages back and waits, and is recomputed from its committed tokens once there is room.
+    Every greedy output equals the target alone's; in sync mode every output, the seeded sampled
+    one too, equals the same requests' on a pool that never runs short (the resumed path keeps
+    what a seed draws)."""
+    prompts = [prompt_ids["short"], prompt_ids["medium"]]
+    reqs = [GenerationRequest(prompts[i % 2] + (i,), 80, policy=PolicyConfig(name="constant", draft_length=4),
                               ignore_eos=True) for i in range(4)]
-    reqs.append(GenerationRequest(prompts[0], 96, SamplingParams(temperature=0.9, seed=9), ignore_eos=True))
-    with in_process_workers(loop, models, target_kv_tokens=512, load_aware="off") as w:
-        results = generate_through(loop, w, model_dirs.target, pipeline, reqs)
+    reqs.append(GenerationRequest(prompts[1], 80, SamplingParams(temperature=0.9, seed=9),
+                                  PolicyConfig(name="constant", draft_length=4), ignore_eos=True))
+    with in_process_workers(loop, models, target_kv_tokens=160, load_aware="off") as w:
+        results = generate_all_started(loop, w, model_dirs.target, pipeline, reqs, target_gate)
         stats = loop.run_until_complete(w.host.Stats(None, None))
         pool = w.host.verifier.pool
         assert pool.free_pages == pool.pages and not w.host._evicted
     assert stats.preemptions >= 1
     target_alone = SpeculativeEngine(models["target"], None)
     assert [r.token_ids for r in results[:4]] == [target_alone.generate(r).token_ids for r in reqs[:4]]
-    assert all(len(r.token_ids) == 96 for r in results)
+    assert all(len(r.token_ids) == 80 for r in results)
+    if pipeline == "sync":
+        with in_process_workers(loop, models, load_aware="off") as w:
+            roomy = generate_all_started(loop, w, model_dirs.target, pipeline, reqs, target_gate)
+            assert loop.run_until_complete(w.host.Stats(None, None)).preemptions == 0
+        assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
 
 
-def test_a_session_as_large_as_the_pool_takes_its_turn_once_alone(models, model_dirs, prompt_ids, loop):
+def test_a_session_as_large_as_the_pool_takes_its_turn_once_alone(models, model_dirs, prompt_ids, loop, target_gate):
     """A session whose prompt nearly fills the pool starts while another holds pages, so it waits;
     once alone it must take its turn even where its need and the watermark together pass the pool
     (else it would wait for ever: admission allows a session as large as the pool)."""
@@ -228,14 +259,14 @@ def test_a_session_as_large_as_the_pool_takes_its_turn_once_alone(models, model_
         async def run():
             await engine.connect()
             try:
-                a = asyncio.ensure_future(engine.generate(first))
-                await async_wait_until(lambda: asyncio.sleep(0, any(s.target.cached_tokens
-                                                                    for s in w.host.sessions.values())),
-                                       what="the first session holding pages")
-                b = asyncio.ensure_future(engine.generate(large))
-                await async_wait_until(lambda: asyncio.sleep(0, len(w.host._evicted) == 1 or b.done()),
-                                       what="the large session waiting for pages")
-                waited = bool(w.host._evicted)
+                with target_gate.held(steps=1):  # the first's prefill, then nothing: it holds its pages
+                    a = asyncio.ensure_future(engine.generate(first))
+                    await async_wait_until(lambda: asyncio.sleep(0, target_gate.holding()),
+                                           what="the first session holding pages, held")
+                    b = asyncio.ensure_future(engine.generate(large))
+                    await async_wait_until(lambda: asyncio.sleep(0, len(w.host._evicted) == 1),
+                                           what="the large session waiting for pages")
+                    waited = any(s.target.cached_tokens for s in w.host.sessions.values())
                 return await asyncio.gather(a, b), waited
             finally:
                 await engine.close()
