@@ -20,6 +20,7 @@ from svip_common.models import load_model
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from tests.integration.test_feature_draft import _as_loaded, random_head
+from tests.integration.test_isolation import generate_all_started
 from tests.workers import generate_through, in_process_workers
 
 POLICIES = {
@@ -95,8 +96,9 @@ def test_features_sent_ahead_in_chunks_draft_what_one_piece_drafts(embedded, loo
         assert [r.stats.draft_lengths for r in chunked] == [r.stats.draft_lengths for r in whole]
 
 
-def test_a_preempted_session_hands_the_head_no_feature_twice(embedded, loop):
-    """A target pool short of pages preempts the newest session, with a feature head drafting: its
+def test_a_preempted_session_hands_the_head_no_feature_twice(embedded, loop, target_gate):
+    """Four sessions of about six pages each start together on a pool of 16 (so pages run short
+    whatever the machine's speed) and the newest is preempted, with a feature head drafting: its
     cache and features are recomputed on its return (those the head already holds are not sent
     again), nothing detaches, and every output equals the target alone."""
     target, head = embedded
@@ -106,7 +108,7 @@ def test_a_preempted_session_hands_the_head_no_feature_twice(embedded, loop):
     with in_process_workers(loop, {"target": target}, positions=target.max_positions or 512, target_kv_tokens=256,
                             drafter=drafter_for(target, head, _limits(target)),
                             feature_layers=head.head.config.target_layers, load_aware="off") as w:
-        results = generate_through(loop, w, default_pair()[0], "async", requests)
+        results = generate_all_started(loop, w, default_pair()[0], "async", requests, target_gate)
         preemptions = w.host.preemptions
     alone = SpeculativeEngine(target, None)
     assert preemptions >= 1
