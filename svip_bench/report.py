@@ -8,6 +8,7 @@ import statistics
 from collections import Counter, defaultdict
 from pathlib import Path
 
+from svip_bench import hindsight
 from svip_bench.methods import HEAD_PREFIX, Method, Run
 
 ALL = "all"
@@ -120,7 +121,7 @@ def head_summary(table: dict) -> dict | None:
     }
 
 
-def markdown(table: dict, header: dict) -> str:
+def markdown(table: dict, header: dict, learnt: dict | None = None) -> str:
     best = best_constant(table)
     best_hf = f"hf-constant-{best.split('-')[1]}" if best else None
     grid = [n for n in table[ALL] if n.startswith(("svip-", "confidence-")) and n != "svip-auto"]
@@ -164,6 +165,7 @@ def markdown(table: dict, header: dict) -> str:
                   f"(ratio {_fmt(summary['head_over_small_draft'])}); SVIP on the head over its best constant depth "
                   f"({summary['best_head_constant']}) {_fmt(summary['head_svip_over_best_constant'])}, over the "
                   f"heuristic {_fmt(summary['head_svip_over_heuristic'])}."]
+    lines += hindsight.markdown(learnt or {})
     return "\n".join(lines) + "\n"
 
 
@@ -258,7 +260,8 @@ def write_all(
     entropy_scale: float,
 ) -> str:
     out.mkdir(parents=True, exist_ok=True)
-    md = markdown(table, header)
+    learnt = hindsight.compare(runs)
+    md = markdown(table, header, learnt)
     (out / "results.md").write_text(md)
     doc = {
         "header": header,
@@ -268,6 +271,7 @@ def write_all(
         "head_summary": head_summary(table),
         "exactness_violations": violations,
         "best_constant": best_constant(table),
+        "learnt_over_best_fixed": learnt,
     }
     (out / "results.json").write_text(json.dumps(doc, indent=1))
     write_plots(out, table, runs, thresholds, entropy_scale)
