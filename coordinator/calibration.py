@@ -53,6 +53,7 @@ class Trajectory:
 
     entropies: list[float]  # draft entropy at each position of the target's continuation
     matches: list[bool]  # draft argmax == target token there
+    probs: list[float] = field(default_factory=list)  # the draft's top probability there (its q(token) greedy)
 
     def __len__(self) -> int:
         return len(self.matches)
@@ -124,9 +125,11 @@ def record_trajectory(target: LoadedModel, draft: LoadedModel, prompt_ids: list[
     draft_logits = draft.model(input_ids=sequence).logits[0, len(prompt_ids) - 1 : -1]  # [m, vocab]
     draft_logits = draft_logits[:, : target.vocab_size].float()
     probs = torch.softmax(draft_logits, dim=-1)
+    top = probs.max(dim=-1)
     return Trajectory(
         entropies=entropy(probs).tolist(),
-        matches=(torch.argmax(probs, dim=-1) == torch.tensor(continuation)).tolist(),
+        matches=(top.indices == torch.tensor(continuation)).tolist(),
+        probs=top.values.tolist(),
     )
 
 

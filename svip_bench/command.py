@@ -17,12 +17,13 @@ QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--mode",
-        choices=["policies", "pipeline", "serve"],
+        choices=["policies", "pipeline", "serve", "replay"],
         default="policies",
         help="policies: length policies and Hugging Face side by side (default); "
         "pipeline: in-process vs distributed sync vs async, concurrency, timeline; "
         "serve: the Serve app over HTTP at --levels streaming clients, --serve-policies side by side, and the "
-        "in-process batched engine at batch 1 vs 16",
+        "in-process batched engine at batch 1 vs 16; replay: every policy replayed along the target's greedy "
+        "continuations in modelled time (no wall clock: noise-free), auto over the best fixed method",
     )
     bench.add_argument("--target", help="target model (default: the embedded pair)")
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
@@ -154,6 +155,11 @@ def run(args: argparse.Namespace, load_engine) -> int:
         from svip_bench import serve
 
         return serve.run(engine, prompts, args, header)
+    if args.mode == "replay":
+        from svip_bench import replay
+
+        return replay.run(engine, prompts, args, header, ks, _parse_floats(args.thresholds, "--thresholds"),
+                          _parse_floats(args.confidences, "--confidences"))
     calibration = engine.calibration()
     head_engine = _head_engine(engine, args.head) if args.head is not None else None
     if head_engine is not None:

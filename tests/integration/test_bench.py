@@ -38,6 +38,10 @@ def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
     assert methods == {"target", "constant-2", "constant-3", "heuristic", "confidence", "svip", "svip-auto",
                        "auto", "oracle", "defaults", "hf-constant-2", "hf-constant-3", "hf-heuristic"}
     assert doc["best_constant"] in ("constant-2", "constant-3")
+    learnt = doc["learnt_over_best_fixed"]["all"]
+    assert learnt["best_fixed"] in methods
+    assert learnt["best_fixed"].startswith(("constant", "heuristic", "confidence", "svip"))
+    assert learnt["auto"]["held_out"] > 0 and learnt["defaults"]["in_hindsight"] > 0
     hf = doc["results"]["all"]
     assert hf["hf-constant-2"]["draft_forwards_per_token"] != hf["hf-constant-3"]["draft_forwards_per_token"]
     oracle, const = doc["results"]["all"]["oracle"], doc["results"]["all"]["constant-3"]
@@ -46,7 +50,7 @@ def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
     for name in ("speedup.png", "draft_lengths.png", "entropy_acceptance.png"):
         assert (out / name).stat().st_size > 1000
     md = (out / "results.md").read_text()
-    assert "| all | svip |" in md and "c = 0.05" in md
+    assert "| all | svip |" in md and "c = 0.05" in md and "held out" in md
     assert "bench [" in captured.err  # progress bar
 
 
@@ -81,6 +85,27 @@ def test_bench_runs_the_feature_draft_rows_beside_the_small_drafts(tmp_path, mod
     assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--head", str(head),
                  "--mode", "pipeline"]) == 2
     assert "--head applies to --mode policies" in capsys.readouterr().err
+
+
+def test_replay_bench_replays_every_policy_without_the_wall_clock(tmp_path, model_dirs, capsys):
+    dataset = tmp_path / "spec.jsonl"
+    rows = [{"question_id": i, "category": "qa", "prompt": f"question {i}: def f(x):"} for i in range(2)]
+    dataset.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    code = main(["bench", "--mode", "replay", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--dataset", str(dataset), "--categories", "qa,code", "--prompts-per-category", "2",
+                 "--max-new-tokens", "24", "--ks", "2,4", "--thresholds", "0.5", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads((out / "replay.json").read_text())
+    rows = doc["speedup"]["all"]
+    assert set(rows) == {"constant-2", "constant-4", "heuristic", "confidence", "svip", "svip-auto", "svip-0.5",
+                         "auto", "defaults", "oracle"}
+    assert all(0 < v < 100 for v in rows.values())
+    if doc["header"]["cost"]["tau"] < 1:  # drafting can pay: nothing drafts better than the oracle
+        assert all(rows["oracle"] >= v - 1e-9 for v in rows.values())
+    assert doc["over_best_fixed"]["all"]["best_fixed"] not in ("auto", "defaults", "oracle")
+    assert "| auto |" in captured.out and "oracle over it" in captured.out
 
 
 def test_bench_rejects_bad_arguments(capsys, model_dirs, tmp_path):
