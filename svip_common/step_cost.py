@@ -257,6 +257,9 @@ class SessionGate:
         self.acceptance = AcceptanceRate()
         self._draft_token_s = Ewma(0.2)
         self._shared_draft_token_s = shared_draft_token_s
+        # a block's drafting time as fixed + per token: one more token costs the slope (the cap's
+        # price), once the blocks' lengths have varied enough to tell it; the whole block the average
+        self._drafting = StepCost(decay=0.95)
         self._round_s = Ewma(0.2)  # a drafting round's extra round trip (across workers; 0 in one process)
         self.paused = False
         self.pauses = 0
@@ -268,6 +271,7 @@ class SessionGate:
         self.acceptance.update(drafted, accepted)
         if draft_s is not None and drafted and math.isfinite(draft_s) and draft_s >= 0:
             self._draft_token_s.update(draft_s / drafted)
+            self._drafting.observe(drafted, draft_s)
             if self._shared_draft_token_s is not None:
                 self._shared_draft_token_s.update(draft_s / drafted)
 
@@ -278,9 +282,20 @@ class SessionGate:
 
     @property
     def draft_token_s(self) -> float:
+        """What a drafted token took on average (a block's drafting time per token: how long a
+        block keeps the target waiting)."""
         if not self._draft_token_s.samples and self._shared_draft_token_s is not None:
             return self._shared_draft_token_s.value
         return self._draft_token_s.value
+
+    @property
+    def marginal_draft_token_s(self) -> float:
+        """What one more drafted token costs: the slope of a block's drafting time in its tokens
+        once the lengths have varied enough to tell it (auto's blocks do), else the average. Priced
+        at the average, a block's own overhead (its first forward takes in the verdict's tokens,
+        which a pause defers, not saves) fell on its few tokens and paused sessions whose drafting
+        paid (docs/benchmarks.md, "the gate's price of a drafted token")."""
+        return self._drafting.per_item if self._drafting.sloped else self.draft_token_s
 
     @property
     def round_s(self) -> float:
@@ -290,7 +305,8 @@ class SessionGate:
         if self.paused:
             self.acceptance.relax()
         a = self.acceptance
-        cap = speculation_cap(load, self.draft_token_s, a.value, a.block_rate, self.round_s, a.drafted_per_block)
+        cap = speculation_cap(load, self.marginal_draft_token_s, a.value, a.block_rate, self.round_s,
+                              a.drafted_per_block)
         if not self.cuts and cap > 0:
             cap = UNLIMITED
         if self.paused:

@@ -264,3 +264,27 @@ def test_in_a_batch_each_paused_session_probes_as_much_less_often():
         return rounds
 
     assert first_probe(1) == PROBE_FIRST and first_probe(16) == 16 * PROBE_FIRST
+
+
+def test_the_gate_prices_one_more_drafted_token_at_the_slope_not_the_block_average():
+    """A session's blocks of 1 to 4 tokens that take 20 ms a block plus 1 ms a token to draft, 4 of
+    every 10 tokens accepted, at a target of 100 tokens/s and 1 ms a verified token. One more token
+    costs τ = 100 · (0.001 + 0.001) = 0.2 and the blocks pay (0.4 accepted a drafted token); priced
+    at the average (9 ms a token over these blocks: τ = 1.0) the blocks' own overhead falls on
+    their tokens and the session pauses (it did before the gate took the slope)."""
+    from svip_common.step_cost import SessionGate
+
+    gate = SessionGate(cuts=False)
+    for drafted in (1, 4, 2, 3) * 5:
+        gate.record(drafted, drafted // 2, 0.020 + 0.001 * drafted)
+    assert gate.marginal_draft_token_s == pytest.approx(0.001, rel=1e-6)
+    assert gate.draft_token_s == pytest.approx(0.009, rel=0.2)  # a block's wait counts its overhead (prefill_pays)
+    load = TargetLoad(plain_rate=100.0, verify_token_s=0.001)
+    assert speculation_cap(load, gate.draft_token_s, gate.acceptance.value, gate.acceptance.block_rate) == 0
+    assert gate.cap(load) == UNLIMITED and not gate.paused
+
+    alone = SessionGate(cuts=False)  # every block one token: the slope cannot be told, the average stands
+    for _ in range(20):
+        alone.record(1, 0, 0.021)
+    assert alone.marginal_draft_token_s == pytest.approx(alone.draft_token_s)
+    assert alone.cap(load) == 0 and alone.paused
