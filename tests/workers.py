@@ -56,18 +56,18 @@ def in_process_workers(
     draft = DraftService(drafter, limits)
     servers = []
 
-    def serve(servicer, add) -> str:
-        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), "svip.v1.Test"))
+    def serve(servicer, add, name: str) -> str:
+        server, port = loop.run_until_complete(start_server(lambda s: add(servicer, s), name))
         servers.append(server)
         return f"127.0.0.1:{port}"
 
-    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server)
+    draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server, "svip.v1.DraftWorker")
     host = SessionHost(
         Verifier(models["target"], limits.tokens, target_kv_tokens, feature_layers), limits, draft_address,
         **host_options,
     )
     loop.run_until_complete(host.start())
-    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server)
+    target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server, "svip.v1.TargetWorker")
     try:
         yield InProcessWorkers(host, draft, limits, target_address, draft_address)
     finally:

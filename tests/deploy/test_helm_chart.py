@@ -20,6 +20,8 @@ from ray.serve.schema import ServeDeploySchema
 
 from svip_serve.settings import ServeSettings
 
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "svip"
 EXAMPLE = REPO / "deploy" / "helm" / "examples" / "qwen2.5-7b-with-0.5b-draft.yaml"

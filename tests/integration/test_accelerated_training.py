@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.models import check_same_vocabulary, load_model
+
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
 
 ROOT = Path(__file__).resolve().parents[2]
 

@@ -15,6 +15,8 @@ from svip_bench.methods import Run
 from svip_bench.report import summarize
 from svip_cli.main import main
 
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
+
 
 def test_bench_runs_every_method(tmp_path, model_dirs, capsys):
     dataset = tmp_path / "spec.jsonl"

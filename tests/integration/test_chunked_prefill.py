@@ -33,6 +33,7 @@ def long_pair(tmp_path_factory):
     return paths, {"target": load_model(paths[0]), "close_draft": load_model(paths[1])}
 
 
+@pytest.mark.system
 def test_a_32000_token_prompt_runs_in_forwards_of_at_most_the_budget_on_both_workers(long_pair, loop):
     (target_path, _), models = long_pair
     rng = random.Random(0)

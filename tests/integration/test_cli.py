@@ -234,6 +234,7 @@ def test_console_script_non_utf8_argv_and_no_traceback(model_dirs):
     assert b"Traceback" not in proc.stderr
 
 
+@pytest.mark.system
 def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     """`--mode distributed` starts Ray and both worker actors on loopback, and prints the same
     tokens as the in-process engine, with the pipeline's own stats (the target prefilling while

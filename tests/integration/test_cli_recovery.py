@@ -18,7 +18,7 @@ import pytest
 from svip_bench.fault_drill import PROMPTS, worker_pid
 from tests.gates import wait_until
 
-pytestmark = pytest.mark.drill
+pytestmark = [pytest.mark.drill, pytest.mark.system]
 
 MAX_NEW = 64
 

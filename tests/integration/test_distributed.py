@@ -1,7 +1,9 @@
-"""The distributed pipeline on real Ray actors and real gRPC on loopback: greedy output equal to
-the in-process engine and to the target alone in sync and async mode, for every policy and for 8
-concurrent sessions; the sampling distribution; stale blocks never verified; cancellation frees
-both caches; greedy wire bytes are ids and small headers (a killed worker: test_recovery.py)."""
+"""The distributed pipeline on real gRPC on loopback, the session host and the draft service in
+this process (tests/workers.py; no Ray: the Ray actors' own checks are test_local_ray.py's and
+test_recovery.py's): greedy output equal to the in-process engine and to the target alone in sync
+and async mode, for every policy and for 8 concurrent sessions; the sampling distribution; stale
+blocks never verified; cancellation frees both caches; greedy wire bytes are ids and small
+headers; a bad request is INVALID_ARGUMENT and the stream goes on."""
 
 from __future__ import annotations
 
@@ -12,7 +14,6 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
@@ -22,7 +23,6 @@ from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from tests.gates import async_wait_until
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
-from tests.loopback import assert_loopback_listeners
 from tests.workers import in_process_workers
 
 POLICIES = {
@@ -37,25 +37,21 @@ MAX_NEW = 40
 
 
 @pytest.fixture(scope="module")
-def pair(model_dirs):
-    import ray
-
-    init_local_ray()
+def workers(models, loop):
     # these tests check the pipeline's drafting mechanics, so every block is drafted as the
     # policy says; load-aware caps and pauses are tested in test_load_aware.py. The target takes in
     # what a waiting session needs first whenever it idles (not only where that pays), so every
     # check here also runs through blocks judged against rows computed ahead of them
-    pair = WorkerPair(model_dirs.target, model_dirs.close_draft, load_aware="off", idle_prefill="always")
-    yield pair
-    pair.shutdown()
-    ray.shutdown()
+    with in_process_workers(loop, models, load_aware="off", idle_prefill="always") as w:
+        yield w
 
 
 @pytest.fixture(scope="module")
-def engines(pair, loop):
+def engines(workers, model_dirs, loop):
     out = {}
     for mode in ("sync", "async"):
-        engine = DistributedEngine(pair.target_info, pair.limits, pair.target_address, pair.draft_address, mode)
+        engine = DistributedEngine(load_model_info(model_dirs.target), workers.limits, workers.target_address,
+                                   workers.draft_address, mode)
         loop.run_until_complete(engine.connect())
         out[mode] = engine
     yield out
@@ -226,9 +222,9 @@ def test_cancelled_session_frees_both_caches(engines, prompt_ids, loop, target_g
     assert after["target"].cached_tokens == 0 and after["draft"].cached_tokens == 0
 
 
-def test_bad_request_is_invalid_argument_and_the_stream_goes_on(pair, loop):
+def test_bad_request_is_invalid_argument_and_the_stream_goes_on(workers, loop):
     async def exchange():
-        async with grpc.aio.insecure_channel(pair.target_address) as channel:
+        async with grpc.aio.insecure_channel(workers.target_address) as channel:
             stub = pb_grpc.TargetWorkerStub(channel)
             health = await health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service="svip.v1.TargetWorker")
@@ -274,8 +270,3 @@ def test_distributed_rejects_bad_requests_with_named_errors(engines, loop):
         )
     with pytest.raises(InvalidRequest, match="outside the vocabulary"):
         loop.run_until_complete(engines["async"].generate(GenerationRequest((1, 10**6), 5)))
-
-
-def test_listeners_are_loopback_only(pair):
-    """Every TCP listener of this machine's Ray and worker processes is on 127.0.0.1."""
-    assert_loopback_listeners()

@@ -160,6 +160,7 @@ def test_a_feedback_with_bad_features_is_invalid_argument(models, loop, change, 
         service._features(bad, bad.base + bad.accepted)
 
 
+@pytest.mark.system
 def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
     """The real actors: the draft worker reads the target's embedding table from its safetensors
     and the head, the target worker hands its features over; sync and async equal the target alone."""
@@ -189,6 +190,7 @@ def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
         ray.shutdown()
 
 
+@pytest.mark.system
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_sampled_tokens_follow_the_target_across_workers(models, model_dirs, prompt_ids, loop, mode):

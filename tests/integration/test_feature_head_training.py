@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from draft_worker.feature_head import load_head
 from svip_assets import default_pair
 from training import feature_head
+
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
 
 
 def run(out, budget: float, capsys) -> tuple[dict, str]:

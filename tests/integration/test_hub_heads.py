@@ -17,6 +17,8 @@ import pytest
 from svip_assets import HEAD_DIR, default_pair
 from tests.hub_cache import add_repo, offline_env
 
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
+
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 TARGET_ID, HEAD_ID, DRAFT_ID = "svip-test/embedded-target", "svip-test/embedded-eagle", "svip-test/embedded-draft"
 

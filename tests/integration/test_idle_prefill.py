@@ -191,7 +191,9 @@ def test_blocks_checked_against_the_targets_own_tokens_equal_the_target_alone(mo
     alone = SpeculativeEngine(models["target"], None)
     with in_process_workers(loop, models, drafter=drafter, load_aware="off", idle_prefill="always") as w:
         results = generate_through(loop, w, model_dirs.target, mode, requests)
-        fills, verified = w.host.fills, w.host.verifier.tokens_verified
+    # read once the host has closed: its compute thread counts a fill after the fill's token, which
+    # may be a request's last, has gone to the caller
+    fills, verified = w.host.fills, w.host.verifier.tokens_verified
     for request, result in zip(requests, results):
         assert result.token_ids == alone.generate(request).token_ids
     sources = [source for result in results for source in result.stats.round_sources]

@@ -9,7 +9,11 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from tests.loopback import assert_loopback_listeners
+
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
 
 REPO = Path(__file__).resolve().parents[2]
 IMPORTS_RAY_FIRST = (

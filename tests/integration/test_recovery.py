@@ -26,7 +26,7 @@ from svip_common.errors import WorkerUnavailable
 from tests.drills import full_drill
 from tests.gates import async_wait_until
 
-pytestmark = pytest.mark.drill
+pytestmark = [pytest.mark.drill, pytest.mark.system]
 
 SVIP = PolicyConfig(name="svip", threshold=0.6)
 CONSTANT = PolicyConfig(name="constant", draft_length=4)

@@ -27,6 +27,8 @@ from tests.loopback import assert_loopback_listeners
 from tests.request_mix import REQUESTS, WARMUP, rss_by_process, run_mix, settle
 from tests.serving import svip_serve
 
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
+
 MODEL = "svip-pair"
 MAX_NEW = 40
 CHAT = [

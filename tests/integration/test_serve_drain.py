@@ -12,11 +12,14 @@ import signal
 import threading
 
 import httpx
+import pytest
 
 from svip_assets import default_pair
 from svip_common.models import load_model
 from tests.gates import wait_until
 from tests.serving import svip_serve
+
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
 
 MAX_NEW = 24
 

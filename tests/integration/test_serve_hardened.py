@@ -20,6 +20,8 @@ from svip_common.models import load_model
 from tests.gates import async_wait_until, wait_until
 from tests.serving import svip_serve
 
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
+
 KEYS = ("alice-0123456789abcdef0123456789abcdef", "bob-0123456789abcdef0123456789abcdef0")  # >= 32 characters
 MAX_NEW = 24
 PROMPT = "def fibonacci(n):"

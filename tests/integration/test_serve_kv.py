@@ -22,6 +22,8 @@ import pytest
 from tests.gates import wait_until
 from tests.serving import svip_serve
 
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
+
 POOL = 384
 PROMPT = [5, 6, 7, 8, 9, 10, 11, 12]
 FILLS = POOL - 128 - len(PROMPT)  # max_tokens of a request that takes 256 of the pool's 384 tokens

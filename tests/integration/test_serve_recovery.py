@@ -17,7 +17,7 @@ from svip_bench.fault_drill import PROMPTS, run_streams, summarize
 from tests.drills import faults
 from tests.serving import svip_serve
 
-pytestmark = pytest.mark.drill
+pytestmark = [pytest.mark.drill, pytest.mark.system]
 
 CLIENTS = 16
 MAX_TOKENS = 160

@@ -27,6 +27,8 @@ from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.tls import TlsFiles
 from tests.tls_certs import make_tls_dir
 
+pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
+
 PROMPT = (5, 6, 7, 8, 9)
 MAX_NEW = 24
 POLICIES = {

@@ -99,6 +99,7 @@ def test_the_cli_refuses_them_too(wide_pair, capsys):
     )
 
 
+@pytest.mark.system
 def test_distributed_greedy_equals_the_target_alone_and_refuses_wide_ids(wide_pair, reference):
     import ray
 
