@@ -205,7 +205,7 @@ class AutoEstimate:
         its tokens. Until the blocks' lengths have varied enough to tell it, 0 (as StepCost assumes
         a slope free until it can tell), so the blocks lengthen and the slope is measured. Priced
         at the average instead, a block of one token carried its overhead alone, looked dear, and
-        kept the next block at one token (issue 41: 425 of 433 blocks)."""
+        kept the next block at one token (docs/benchmarks.md, the one-token trap)."""
         return self.drafting.per_item
 
     def cost(self, load: TargetLoad | None) -> float:

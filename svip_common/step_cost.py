@@ -144,8 +144,8 @@ def target_load(verify: StepCost, sessions_per_step: float, plain: StepCost | No
     plain step's time is the measured one, and a drafted token costs at least what the recent
     steps' drafted rows added on average over a plain step of their batch: a forward's time is
     not a line in its tokens (on a CPU the first row past one per session pads every session's
-    attention: measured at batch 16, 13.4 ms plain, 15.9 ms with one drafted row, then ~0.3 ms a
-    row), and the line fitted through such steps would price a drafted row at its slope alone."""
+    attention; measured: docs/architecture.md, load-aware speculation), and the line fitted
+    through such steps would price a drafted row at its slope alone."""
     if not verify.observed:
         return None
     batch = max(sessions_per_step, 1.0)

@@ -54,12 +54,11 @@ class Verifier:
         yet). sessions: how many sessions its next step verifies, where the caller knows: the
         in-process engine, whose draft and target forwards run in lockstep on one device, so a
         drafted row holds up every session of its step; there it is priced on decode-shaped
-        steps, a plain step as measured and a row at what rows added over it (``target_load``:
-        measured at batch 16, the defaults went from 0.74-0.85x to 0.92-1.06x the target
-        alone). Else (the distributed target, its draft on another device) the recent steps'
-        average batch and the fit over every step, as before: priced the new way there, the
-        cut rule shortened blocks (1.7-1.9 drafted tokens a block against 1.9-2.2) and cost
-        5-15% through Serve; its round's cost needs modelling first (docs/benchmarks.md)."""
+        steps, a plain step as measured and a row at what rows added over it (``target_load``).
+        Else (the distributed target, its draft on another device) the recent steps' average
+        batch and the fit over every step: priced the in-process way there, the cut rule
+        shortened blocks and lost throughput through Serve; its round's cost needs modelling
+        first. Both measured: docs/architecture.md, load-aware speculation."""
         if sessions is None:
             return target_load(self.cost, self._sessions_per_step.value)
         return target_load(self.decode_cost, sessions, self.plain_cost)
@@ -144,9 +143,8 @@ class Verifier:
     def _observe(self, tokens: int, seconds: float, prefilling: bool, items: int) -> None:
         """A forward's time into the cost fits; the decode-shaped ones leave out a step a prompt
         went through: a prompt's hundreds of tokens (cheaper each) would set the slope, so that a
-        drafted row looked cheaper than it is (measured at batch 16 on a CPU: a fit of 0.24 ms a
-        row against 0.3-0.5 ms between decode-shaped steps, and the first drafted row in a step
-        ~2 ms)."""
+        drafted row looked cheaper than it is (measured: docs/architecture.md, load-aware
+        speculation)."""
         self.cost.observe(tokens, seconds)
         if not prefilling:
             self.decode_cost.observe(tokens, seconds)

@@ -331,8 +331,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         whose block is late is decoded by the target alone meanwhile, and the block is checked
         against those tokens when it comes. Returns whether it did anything. auto does it for a
         lone session only: with several in flight, blocks arrive one after another and a prefill
-        holds up the next one's step (measured: 8 concurrent sessions made 5-6% fewer tokens/s
-        with it, one session 3-8% more; docs/benchmarks.md). Not with a feature draft, which
+        holds up the next one's step (what that costs, measured: docs/architecture.md and
+        docs/benchmarks.md, the target does not idle). Not with a feature draft, which
         needs the target's features of every token, handed over with verdicts."""
         if self.idle_prefill == "off" or not self._gate.idle_allowed():
             return False
