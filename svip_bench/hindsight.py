@@ -30,20 +30,25 @@ def is_fixed(name: str) -> bool:
     return name.startswith(FIXED_PREFIXES) and not name.startswith(HEAD_PREFIX)
 
 
+def per_repeat_tps(runs: list[Run]) -> dict[int, float]:
+    """repeat -> the runs' tokens over their wall time in that repeat."""
+    tokens, wall = defaultdict(int), defaultdict(float)
+    for r in runs:
+        tokens[r.repeat] += len(r.token_ids)
+        wall[r.repeat] += r.wall_s
+    return {rep: tokens[rep] / wall[rep] for rep in tokens if wall[rep] > 0}
+
+
 def speedups_by_repeat(runs: list[Run]) -> dict[str, dict[str, dict[int, float]]]:
     """category (and "all") -> method -> repeat -> tokens/s over the target alone's in that repeat."""
-    tokens: dict = defaultdict(float)
-    wall: dict = defaultdict(float)
+    groups: dict[tuple[str, str], list[Run]] = defaultdict(list)
     for r in runs:
         for cat in (r.category, ALL):
-            tokens[cat, r.method, r.repeat] += len(r.token_ids)
-            wall[cat, r.method, r.repeat] += r.wall_s
-    rate = {key: tokens[key] / wall[key] for key in tokens if wall[key] > 0}
-    out: dict = defaultdict(lambda: defaultdict(dict))
-    for (cat, method, rep), value in rate.items():
-        base = rate.get((cat, "target", rep))
-        if base:
-            out[cat][method][rep] = value / base
+            groups[cat, r.method].append(r)
+    out: dict = defaultdict(dict)
+    for (cat, method), group in groups.items():
+        base = per_repeat_tps(groups.get((cat, "target"), []))
+        out[cat][method] = {rep: tps / base[rep] for rep, tps in per_repeat_tps(group).items() if base.get(rep)}
     return out
 
 

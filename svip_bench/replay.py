@@ -23,6 +23,8 @@ from pathlib import Path
 from coordinator.calibration import CostModel, Trajectory, measure_costs, record_trajectory
 from draft_worker.policies import make_policy
 from svip_bench.datasets import Prompt
+from svip_bench.hindsight import is_fixed
+from svip_bench.methods import Method, build_methods
 from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.auto_prior import estimate_from, stored_prior
 from svip_common.auto_settings import AutoSettings
@@ -93,36 +95,27 @@ def replay_oracle(traj: Trajectory, cost: CostModel, cap: int = CAP) -> Replayed
     return Replayed(total, emitted, drafted_all)
 
 
-def policies(ks: list[int], thresholds: tuple[float, ...], confidences: tuple[float, ...],
-             calibrated: float) -> dict[str, PolicyConfig]:
-    """The fixed methods as `svip bench` names them, and auto."""
-    out = {f"constant-{k}": PolicyConfig(name="constant", draft_length=k) for k in ks}
-    out["heuristic"] = PolicyConfig(name="heuristic", draft_length=5)
-    out["confidence"] = PolicyConfig(name="confidence")
-    out.update({f"confidence-{c:g}": PolicyConfig(name="confidence", confidence=c) for c in confidences})
-    out["svip"] = PolicyConfig(name="svip", threshold=0.3)
-    out["svip-auto"] = PolicyConfig(name="svip", threshold=calibrated)
-    out.update({f"svip-{t:g}": PolicyConfig(name="svip", threshold=t) for t in thresholds})
-    out["auto"] = PolicyConfig(name="auto")
-    return out
+def replayed_methods(ks: list[int], thresholds: tuple[float, ...], confidences: tuple[float, ...],
+                     calibrated: float) -> list[Method]:
+    """`svip bench`'s own methods (svip_bench/methods.py) but the target alone and the peers."""
+    return [m for m in build_methods(ks, 0.3, calibrated, False, thresholds, confidences) if m.family != "target"]
 
 
-def table(trajs: list[tuple[str, Trajectory]], methods: dict[str, PolicyConfig], cost: CostModel,
+def table(trajs: list[tuple[str, Trajectory]], methods: list[Method], cost: CostModel,
           new_estimate) -> dict[str, dict[str, float]]:
     """category (and "all") -> method -> modelled speedup. Each method replays the prompts in
-    order, `auto` from a fresh estimate (``new_estimate()``), as a new process would."""
+    order, `auto` (and the defaults) from a fresh estimate (``new_estimate()``), as a new process
+    would; a method whose engine runs load-aware replays behind the gate."""
     sums: dict[str, dict[str, list[float]]] = {}
-    for name in [*methods, "defaults", "oracle"]:
-        estimate = new_estimate() if name in ("auto", "defaults") else None
+    for method in methods:
+        estimate = new_estimate() if method.policy.name == "auto" else None
         for category, traj in trajs:
-            if name == "oracle":
+            if method.family == "oracle":
                 r = replay_oracle(traj, cost)
-            elif name == "defaults":
-                r = replay(traj, PolicyConfig(), cost, estimate, gated=True)
             else:
-                r = replay(traj, methods[name], cost, estimate)
+                r = replay(traj, method.policy, cost, estimate, gated=method.load_aware != "off")
             for cat in (category, "all"):
-                cell = sums.setdefault(cat, {}).setdefault(name, [0.0, 0.0])
+                cell = sums.setdefault(cat, {}).setdefault(method.name, [0.0, 0.0])
                 cell[0] += r.cost
                 cell[1] += r.emitted
     return {cat: {name: e / c for name, (c, e) in rows.items()} for cat, rows in sums.items()}
@@ -131,7 +124,7 @@ def table(trajs: list[tuple[str, Trajectory]], methods: dict[str, PolicyConfig],
 def over_best_fixed(result: dict[str, dict[str, float]]) -> dict[str, dict]:
     out = {}
     for cat, rows in result.items():
-        fixed = {m: s for m, s in rows.items() if m not in ("auto", "defaults", "oracle")}
+        fixed = {m: s for m, s in rows.items() if is_fixed(m)}
         best = max(fixed, key=fixed.get)
         out[cat] = {"best_fixed": best, "best_fixed_speedup": fixed[best], "auto": rows["auto"] / fixed[best],
                     "defaults": rows["defaults"] / fixed[best], "oracle": rows["oracle"] / fixed[best]}
@@ -150,10 +143,10 @@ def run(engine, prompts: list[Prompt], args, header: dict, ks: list[int], thresh
     tau = cost.draft_ratio + cost.verify_slope
 
     def new_estimate() -> AutoEstimate:
-        # the pair's prior, its tau the one timed here (a wall-clock tau is what the live engine measures)
-        return estimate_from(prior, AutoSettings(cost=tau)) if prior else AutoEstimate(settings=AutoSettings(cost=tau))
+        # the pair's prior (or the generic one), its tau the one timed here (the live engine times its own)
+        return estimate_from(prior, AutoSettings(cost=tau))
 
-    result = table(trajs, policies(ks, thresholds, confidences, calibrated), cost, new_estimate)
+    result = table(trajs, replayed_methods(ks, thresholds, confidences, calibrated), cost, new_estimate)
     ratios = over_best_fixed(result)
     header.update(cost={"draft_ratio": cost.draft_ratio, "verify_slope": cost.verify_slope, "tau": tau},
                   prior="stored" if prior else "generic")

@@ -5,28 +5,20 @@ from __future__ import annotations
 
 import json
 import statistics
-from collections import Counter, defaultdict
+from collections import Counter
 from pathlib import Path
 
 from svip_bench import hindsight
+from svip_bench.hindsight import ALL, per_repeat_tps
 from svip_bench.methods import HEAD_PREFIX, Method, Run
 
-ALL = "all"
 COST_RATIOS = (0.02, 0.05, 0.1, 0.2)
 ENTROPY_BANDS = (0.0, 0.25, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 99.0)
 
 
-def _per_repeat_tps(runs: list[Run]) -> dict[int, float]:
-    tokens, wall = defaultdict(int), defaultdict(float)
-    for r in runs:
-        tokens[r.repeat] += len(r.token_ids)
-        wall[r.repeat] += r.wall_s
-    return {rep: tokens[rep] / wall[rep] for rep in tokens if wall[rep] > 0}
-
-
 def summarize(runs: list[Run], baseline: list[Run]) -> dict:
-    tps = _per_repeat_tps(runs)
-    base = _per_repeat_tps(baseline)
+    tps = per_repeat_tps(runs)
+    base = per_repeat_tps(baseline)
     speedups = [tps[r] / base[r] for r in tps if r in base]
     tokens = sum(len(r.token_ids) for r in runs)
     target_fwd = sum(r.target_forwards for r in runs)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from coordinator.calibration import CostModel, Trajectory
-from svip_bench.replay import over_best_fixed, policies, replay, replay_oracle, table
+from svip_bench.replay import over_best_fixed, replay, replay_oracle, replayed_methods, table
 from svip_common.acceptance import AutoEstimate
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import PolicyConfig
@@ -29,9 +29,12 @@ def test_the_oracle_drafts_exactly_what_is_accepted_and_no_policy_beats_it():
     oracle = replay_oracle(TRAJ, COST)
     assert (oracle.emitted, oracle.drafted) == (12, 10)  # two rounds of 5 accepted + the correction
     assert oracle.cost == pytest.approx(2 * (1 + 0.25 * 5))
-    for name, policy in policies([1, 2, 3, 6], (0.4,), (0.5,), 0.5).items():
-        estimate = AutoEstimate(settings=AutoSettings(cost=0.25)) if name == "auto" else None
-        assert replay(TRAJ, policy, COST, estimate).speedup <= oracle.speedup + 1e-12, name
+    for m in replayed_methods([1, 2, 3, 6], (0.4,), (0.5,), 0.5):
+        if m.family == "oracle":
+            continue
+        estimate = AutoEstimate(settings=AutoSettings(cost=0.25)) if m.policy.name == "auto" else None
+        r = replay(TRAJ, m.policy, COST, estimate, gated=m.load_aware != "off")
+        assert r.speedup <= oracle.speedup + 1e-12, m.name
 
 
 def test_confidence_stops_at_the_unsure_token_as_the_oracle_would_plus_one():
@@ -41,14 +44,14 @@ def test_confidence_stops_at_the_unsure_token_as_the_oracle_would_plus_one():
 
 def test_the_table_pools_categories_and_names_the_best_fixed_method():
     trajs = [("code", TRAJ), ("qa", TRAJ)]
-    methods = policies([2, 5], (), (), 0.5)
+    methods = replayed_methods([2, 5], (), (), 0.5)
     result = table(trajs, methods, COST, lambda: AutoEstimate(settings=AutoSettings(cost=0.25)))
     assert set(result) == {"code", "qa", "all"}
     assert result["all"]["constant-5"] == pytest.approx(result["code"]["constant-5"])
     assert {"auto", "defaults", "oracle"} <= set(result["all"])
     ratios = over_best_fixed(result)
     assert ratios["all"]["oracle"] >= 1.0
-    assert ratios["all"]["best_fixed"] in methods and ratios["all"]["best_fixed"] != "auto"
+    assert ratios["all"]["best_fixed"] in {m.name for m in methods} and ratios["all"]["best_fixed"] != "auto"
 
 
 def test_behind_the_gate_a_draft_that_is_never_right_pauses_and_only_probes():
