@@ -19,6 +19,7 @@ from svip_common.models import load_model_info
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import start_server
 from target_worker.verifier import Verifier
+from tests.gates import async_wait_until
 
 
 @dataclasses.dataclass
@@ -91,6 +92,27 @@ def generate_through(loop, workers: InProcessWorkers, target_path: str, pipeline
         try:
             return await asyncio.gather(*(engine.generate(r) for r in requests),
                                         return_exceptions=return_exceptions)
+        finally:
+            await engine.close()
+
+    return loop.run_until_complete(run_all())
+
+
+def generate_all_started(loop, workers: InProcessWorkers, target_path: str, pipeline: str, requests,
+                         target_gate) -> list:
+    """generate_through, with every session started on the target before any step runs (the
+    target's steps held until then): they run side by side whatever the machine's speed."""
+    engine = DistributedEngine(load_model_info(target_path), workers.limits, workers.target_address,
+                               workers.draft_address, pipeline)
+
+    async def run_all():
+        await engine.connect()
+        try:
+            with target_gate.held():
+                tasks = [asyncio.ensure_future(engine.generate(r)) for r in requests]
+                await async_wait_until(lambda: asyncio.sleep(0, len(workers.host.sessions) == len(requests)),
+                                       what="every session started")
+            return await asyncio.gather(*tasks)
         finally:
             await engine.close()
 

@@ -20,8 +20,7 @@ from svip_common.models import load_model
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from tests.integration.test_feature_draft import _as_loaded, random_head
-from tests.integration.test_isolation import generate_all_started
-from tests.workers import generate_through, in_process_workers
+from tests.workers import generate_all_started, generate_through, in_process_workers
 
 POLICIES = {
     "svip": PolicyConfig(name="svip", threshold=0.4),

@@ -22,7 +22,7 @@ from svip_common.errors import InvalidRequest, SvipError
 from tests.gates import async_wait_until
 from tests.knob_extremes import served as served_extremes
 from tests.knob_extremes import top1
-from tests.workers import generate_through, in_process_workers
+from tests.workers import generate_all_started, generate_through, in_process_workers
 
 MARKER_TOP_K = 277  # a top_k no other test uses: the injected fault fires for it alone
 SIDES = {"target": target_worker.verifier, "draft": draft_worker.drafter}
@@ -186,28 +186,6 @@ def test_on_the_workers_every_extreme_is_served_and_its_neighbours_are_unchanged
         reqs, at = extremes_with_neighbours(models, prompt_ids, w.limits)
         results = generate_through(loop, w, model_dirs.target, pipeline, reqs, return_exceptions=True)
     check_extremes(results, reqs, at, models)
-
-
-def generate_all_started(loop, w, target_path, pipeline, reqs, target_gate) -> list:
-    """The requests through the caller's end, every session started on the target before any step
-    runs (the target's steps held until then): they run side by side whatever the machine's speed."""
-    from coordinator.distributed import DistributedEngine
-    from svip_common.models import load_model_info
-
-    engine = DistributedEngine(load_model_info(target_path), w.limits, w.target_address, w.draft_address, pipeline)
-
-    async def run():
-        await engine.connect()
-        try:
-            with target_gate.held():
-                tasks = [asyncio.ensure_future(engine.generate(r)) for r in reqs]
-                await async_wait_until(lambda: asyncio.sleep(0, len(w.host.sessions) == len(reqs)),
-                                       what="every session started")
-            return await asyncio.gather(*tasks)
-        finally:
-            await engine.close()
-
-    return loop.run_until_complete(run())
 
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
