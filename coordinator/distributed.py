@@ -78,10 +78,7 @@ class DistributedEngine:
         await self.target_conn.open()
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
-        request = request.checked_for(self.draft_address is not None, self.limits)
-        if request.policy.threshold == AUTO and request.policy.name == "svip":
-            raise InvalidRequest("threshold 'auto' is available in-process only for now; pass a number")
-        return request
+        return resolved(request, self.draft_address is not None, self.limits)
 
     async def generate(self, request: GenerationRequest, on_tokens: OnTokens | None = None) -> GenerationResult:
         request = self.resolve(request)
@@ -125,7 +122,7 @@ class DistributedEngine:
         finished = None
         try:
             try:
-                conn.send(pb.GenerateRequest(start=self._start(session_id, request)))
+                conn.send(pb.GenerateRequest(start=start_message(session_id, request, self.target, self.pipeline)))
             except WorkerUnavailable:
                 raise _StreamLost() from None
             while finished is None:
@@ -143,7 +140,7 @@ class DistributedEngine:
                 elif kind == "finished":
                     finished = event.finished
                 elif kind == "error":
-                    raise _error(event.error)
+                    raise error_from_proto(event.error)
         finally:
             if finished is None and not conn.broken:  # the caller went away, or an error: free both workers
                 try:
@@ -170,18 +167,6 @@ class DistributedEngine:
             self.target_conn = conn
             self.recoveries.restarts += 1
             await lost.close()
-
-    def _start(self, session_id: str, request: GenerationRequest) -> pb.StartSession:
-        start = pb.StartSession(
-            session_id=session_id, prompt_ids=request.prompt_ids, sampling=convert.sampling_to_proto(request.sampling),
-            stop_token_ids=sorted(request.stop_ids(self.target.eos_token_ids)), max_new_tokens=request.max_new_tokens,
-            pipeline=convert.PIPELINES[self.pipeline],
-        )
-        policy = request.policy
-        if isinstance(policy.threshold, str):  # 'auto' with a policy that does not read it
-            policy = dataclasses.replace(policy, threshold=PolicyConfig.threshold)
-        start.policy.CopyFrom(convert.policy_to_proto(policy))
-        return start
 
     async def unavailable(self) -> str | None:
         """Why this engine cannot serve now, or None. A broken target connection starts its
@@ -243,7 +228,30 @@ class _Output:
         return self.stopped
 
 
-def _error(err: pb.Error) -> Exception:
+def resolved(request: GenerationRequest, speculates: bool, limits: Limits) -> GenerationRequest:
+    """A request checked for a distributed pair (with a draft or not) within its limits."""
+    request = request.checked_for(speculates, limits)
+    if request.policy.threshold == AUTO and request.policy.name == "svip":
+        raise InvalidRequest("threshold 'auto' is available in-process only for now; pass a number")
+    return request
+
+
+def start_message(session_id: str, request: GenerationRequest, target: ModelInfo, pipeline: str) -> pb.StartSession:
+    """The StartSession the caller sends the target worker for a resolved request."""
+    start = pb.StartSession(
+        session_id=session_id, prompt_ids=request.prompt_ids, sampling=convert.sampling_to_proto(request.sampling),
+        stop_token_ids=sorted(request.stop_ids(target.eos_token_ids)), max_new_tokens=request.max_new_tokens,
+        pipeline=convert.PIPELINES[pipeline],
+    )
+    policy = request.policy
+    if isinstance(policy.threshold, str):  # 'auto' with a policy that does not read it
+        policy = dataclasses.replace(policy, threshold=PolicyConfig.threshold)
+    start.policy.CopyFrom(convert.policy_to_proto(policy))
+    return start
+
+
+def error_from_proto(err: pb.Error) -> Exception:
+    """A worker's error event as the exception the caller raises (its gRPC code kept as our kind)."""
     code = grpc.StatusCode.INVALID_ARGUMENT.value[0]
     if err.code == code:
         return InvalidRequest(f"target worker: {err.message}")

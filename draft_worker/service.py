@@ -22,6 +22,7 @@ from svip_common.messages import DraftedBlock
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.compute_loop import ComputeLoop
 from svip_runtime.grpc_server import Refused, SessionService, SessionStream
 from svip_runtime.step_metrics import StepMetrics
 from svip_runtime.wire_batch import BadBatch, pack_events, unpack
@@ -70,8 +71,8 @@ class _Ahead:
 class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     role = "draft"
 
-    def __init__(self, drafter: Drafter, limits, prepare: int = 2):
-        super().__init__(limits)
+    def __init__(self, drafter: Drafter, limits, prepare: int = 2, compute=ComputeLoop):
+        super().__init__(limits, compute)
         self.drafter = drafter
         self.prepare = prepare  # prepared continuations per block (async sessions)
         self.step_metrics = StepMetrics("draft")

@@ -15,6 +15,7 @@ round's transit or overhead on this 2-core machine, see docs/benchmarks.md.)
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 import queue
 import threading
@@ -63,6 +64,49 @@ class ComputeLoop:
         except Exception:  # handlers report their own errors; this keeps the thread alive
             log.exception("compute loop: unhandled error")
             return False
+
+
+class ManualLoop:
+    """The compute thread's inbox, run by its caller instead of a thread (the in-memory transport,
+    coordinator/in_memory.py): the same order as ``ComputeLoop``: what was posted runs in order,
+    and idle work only while nothing waits. ``run_idle`` can deliver what arrived while its unit
+    ran (a block that reached the target during its forward) ahead of what the unit posted."""
+
+    def __init__(self, name: str, idle: Callable[[], bool] | None = None):
+        self.name = name
+        self._idle = idle
+        self.inbox: collections.deque = collections.deque()
+        self._during: list | None = None  # while idle work runs: what it posts
+
+    def post(self, fn: Callable[..., object], *args) -> None:
+        (self._during if self._during is not None else self.inbox).append((fn, args))
+
+    def stop(self) -> None:
+        self.inbox.clear()
+
+    def on_thread(self) -> bool:
+        return True
+
+    def run_one(self) -> None:
+        """Run the oldest posted item (there is one: see ``inbox``)."""
+        fn, args = self.inbox.popleft()
+        ComputeLoop._guard(fn, *args)
+
+    def run_idle(self, meanwhile: Callable[[], None] | None = None) -> bool:
+        """One unit of idle work (call it only while the inbox is empty); meanwhile(): posts what
+        arrived during the unit, which runs before what the unit itself posted. Returns whether
+        the unit did anything."""
+        if self._idle is None:
+            return False
+        self._during = []
+        try:
+            did = bool(ComputeLoop._guard(self._idle))
+        finally:
+            own, self._during = self._during, None
+        if meanwhile is not None:
+            meanwhile()
+        self.inbox.extend(own)
+        return did
 
 
 class Outlet:

@@ -190,7 +190,9 @@ class SessionService:
 
     role = ""
 
-    def __init__(self, limits: Limits):
+    def __init__(self, limits: Limits, compute: Callable[..., ComputeLoop] = ComputeLoop):
+        """compute(name, idle=): the loop that owns the sessions (a thread; the in-memory
+        transport's ManualLoop runs it by hand)."""
         self.limits = limits
         self.sessions: dict = {}
         self._owners: dict[str, SessionStream] = {}
@@ -198,7 +200,7 @@ class SessionService:
         self._lock = threading.Lock()  # Stats reads the table from the event loop
         self.compute_probe_s = COMPUTE_PROBE_S
         self.max_sessions_per_stream, self.max_sessions_per_worker = MAX_SESSIONS_PER_STREAM, MAX_SESSIONS_PER_WORKER
-        self.compute = ComputeLoop(f"{self.role}-compute", idle=self.idle)
+        self.compute = compute(f"{self.role}-compute", idle=self.idle)
         self.test_hooks = test_hooks.announce(self.role)  # none in production; loud when set
 
     async def close(self) -> None:

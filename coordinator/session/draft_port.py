@@ -41,13 +41,15 @@ _EWMA = 0.1
 class DraftPort:
     def __init__(self, address: str | None, actor, on_event: Callable[[pb.DraftEvent, float, int], None],
                  on_lost: Callable[[str], None], on_back: Callable[[], None], tls: TlsFiles | None = None,
-                 stall_s: float = DEFAULT_STALL_S, recover_s: float = DEFAULT_RECOVER_S):
+                 stall_s: float = DEFAULT_STALL_S, recover_s: float = DEFAULT_RECOVER_S, link=None):
         """address: the draft worker's (None: ask the actor); actor: its Ray actor handle (None:
-        no replacement can be had). on_lost(reason) / on_back() are called on the event loop."""
+        no replacement can be had). on_lost(reason) / on_back() are called on the event loop.
+        link: one already open (the in-memory transport's: ``send(session_id, data)`` and
+        ``broken``); open() then connects nothing."""
         self.address, self.actor, self._tls = address, actor, tls
         self._on_event, self._on_lost, self._on_back = on_event, on_lost, on_back
         self.stall_s, self.recover_s = stall_s, recover_s
-        self.link: DraftLink | None = None
+        self.link: DraftLink | None = link
         self.lost: str | None = None  # why no draft is connected now
         self.replacements = 0  # links opened to a replaced draft worker
         self._answer_s = Ewma(_EWMA)
@@ -57,6 +59,8 @@ class DraftPort:
     async def open(self) -> None:
         """Connect to the draft; one that cannot be reached now (being replaced) is recovered in
         the background while the target serves alone."""
+        if self.link is not None:
+            return
         try:
             if self.address is None:
                 self.address = await serving_address(self.actor, "draft", self.recover_s)
@@ -65,7 +69,7 @@ class DraftPort:
         except WorkerUnavailable as exc:
             if self.actor is None:
                 raise
-            self._broken(str(exc))
+            self.broke(str(exc))
             return
         finally:
             if self.actor is not None and self._watch is None:
@@ -73,7 +77,7 @@ class DraftPort:
         self.link = link
 
     def _link(self, address: str) -> DraftLink:
-        return DraftLink(address, self._on_event, self._broken, self._tls)
+        return DraftLink(address, self._on_event, self.broke, self._tls)
 
     async def close(self) -> None:
         for task in (self._recovery, self._watch):
@@ -109,7 +113,9 @@ class DraftPort:
 
     # --- on the event loop ------------------------------------------------------------------------
 
-    def _broken(self, reason: str) -> None:
+    def broke(self, reason: str) -> None:
+        """The draft is lost (its link broke, or it hung): the sessions go on alone, and a
+        replacement is asked for where the draft is an actor."""
         self.lost = reason
         log.warning("draft worker lost: %s", reason)
         self._on_lost(reason)
@@ -132,15 +138,19 @@ class DraftPort:
                     await asyncio.sleep(pause)
                     pause = min(2 * pause, RETRY_MAX_S)
                     continue
-                old, self.link, self.address = self.link, link, address
-                self.lost, self.replacements = None, self.replacements + 1
+                old, self.address = self.link, address
                 log.warning("draft worker back at %s after %.1f s", address, time.monotonic() - started)
-                self._on_back()
+                self.relink(link)
                 if old is not None:
                     await old.close()
                 return
         finally:
             self._recovery = None
+
+    def relink(self, link) -> None:
+        """A replaced draft's link is open: the sessions re-attach (on_back)."""
+        self.link, self.lost, self.replacements = link, None, self.replacements + 1
+        self._on_back()
 
     async def watch(self) -> None:
         """Probe the connected draft's compute thread now and then: a stuck one (its process
@@ -163,4 +173,4 @@ class DraftPort:
         ray.kill(self.actor, no_restart=False)
         if self.link is not None:
             self.link.broken = self.link.broken or reason
-        self._broken(f"the draft worker hung: {reason}")
+        self.broke(f"the draft worker hung: {reason}")

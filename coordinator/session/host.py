@@ -31,6 +31,7 @@ from svip_common.test_hooks import StepGate
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.compute_loop import ComputeLoop
 from svip_runtime.grpc_server import SessionService, SessionStream, session_id_of, status_of
 from svip_runtime.step_metrics import StepMetrics
 from svip_runtime.tls import TlsFiles
@@ -64,7 +65,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                  max_batched_tokens: int | None = None, load_aware: str = "greedy", draft_actor=None,
                  draft_stall_s: float = DEFAULT_STALL_S, sampled_hold_s: float = DEFAULT_HOLD_S,
                  draft_recover_s: float = DEFAULT_RECOVER_S, auto: AutoEstimate | None = None,
-                 idle_prefill: str = "auto"):
+                 idle_prefill: str = "auto", draft_link=None, compute=ComputeLoop, clock=time.time):
         """max_batched_tokens: at most this many tokens in one target forward (a long prompt is
         prefilled in chunks under it); None: no limit. load_aware: whose blocks hold no more tokens
         than pay at the load measured here (none when verification is compute-bound): "off",
@@ -75,7 +76,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         pair's `auto` estimate (svip_common/acceptance.py), kept here beside the verifier, where
         every verdict is seen (None: from the generic prior); idle_prefill: while no block is
         ready, take in what waiting sessions need first and settle greedy ones' next tokens
-        (_work_while_idle): "auto" (a lone session, where it pays), "always", "off"."""
+        (_work_while_idle): "auto" (a lone session, where it pays), "always", "off". draft_link: a
+        link to the draft already open (the in-memory transport's, coordinator/in_memory.py);
+        compute: the loop that owns the sessions (SessionService); clock: the time now, for the
+        sessions and their steps."""
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
         self._ready: list[tuple[str, SessionPipeline, DraftedBlock, object, tuple[float, str]]] = []  # to verify
@@ -89,7 +93,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.idle_prefill = check_idle_prefill(idle_prefill)
         self.prefills = 0  # sessions advanced by a prefill while idle
         self.fills = 0  # tokens greedy sessions settled from the target alone while they waited on their drafts
-        super().__init__(limits)
+        self.clock = clock
+        super().__init__(limits, compute)
         self.verifier = verifier
         self.max_batched_tokens = max_batched_tokens
         self.load_aware = check_load_aware(load_aware)
@@ -97,9 +102,9 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.auto = auto if auto is not None else AutoEstimate()
         self.step_metrics = StepMetrics("target")
         self.draft: DraftPort | None = None
-        if draft_address is not None or draft_actor is not None:
-            self.draft = DraftPort(draft_address, draft_actor, self._draft_event, self._draft_lost, self._draft_back,
-                                   tls, draft_stall_s, draft_recover_s)
+        if draft_address is not None or draft_actor is not None or draft_link is not None:
+            self.draft = DraftPort(draft_address, draft_actor, self._draft_event, self.draft_lost, self.draft_back,
+                                   tls, draft_stall_s, draft_recover_s, draft_link)
         self._checker: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -135,10 +140,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def _draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
         self.compute.post(self.on_draft_event, event, received_at, size)
 
-    def _draft_lost(self, reason: str) -> None:
+    def draft_lost(self, reason: str) -> None:
         self.compute.post(self._each_session, lambda s: s.detach(cancel=False))
 
-    def _draft_back(self) -> None:
+    def draft_back(self) -> None:
         self.compute.post(self._each_session, lambda s: s.attach())
 
     async def _check_periodically(self) -> None:
@@ -176,6 +181,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 hold_s=self.sampled_hold_s,
                 auto=SessionStop(self.auto, sampling.greedy) if policy.name == "auto" else None,
                 load=self.verifier.load,
+                clock=self.clock,
             )
             self.new_session(sid, session, stream)
             self._started[sid] = next(self._order)
@@ -305,13 +311,13 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             self._ready = ready  # answering every message meanwhile
             time.sleep(GATE_POLL_S)
             return True
-        started = time.time()
+        started = self.clock()
         try:  # a session that fails, alone; the newest yields its pages when they run short
             verified, verdicts = self._verify_within_pool(ready)
         except PoolFull as exc:  # no session holds a page to yield: the step cannot fit at all
             verified = [job for job in ready if job[0] not in self._evicted]
             verdicts = [exc] * len(verified)
-        ended = time.time()
+        ended = self.clock()
         self._ready = [job for job in ready if job[0] in self._evicted]  # waiting for pages
         self._ready += [job for job, verdict in zip(verified, verdicts) if verdict is None]  # prefilled a chunk
         self.step_metrics.record(len(verified), self.verifier.last_step_tokens, self.verifier.pool)
@@ -339,7 +345,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         if self.idle_prefill == "auto" and len(self.sessions) != 1:
             return False
         fills = not self.verifier.feature_layers and not self._evicted
-        now = time.time()
+        now = self.clock()
         filled = fills and self._fill_waiting(now, now)
         return self._prefill_waiting(fills) or filled
 
@@ -362,14 +368,14 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                    if sid not in self._evicted and s.wants_prefill(self.verifier.cost, always)]
         if not waiting:
             return False
-        started = time.time()
+        started = self.clock()
         try:
             advanced = self.verifier.prefill_next([(s.target, s.committed) for s in waiting], self.max_batched_tokens)
         except Exception as exc:  # the verification that follows meets the failure and ends the sessions
             exit_on_device_failure(exc)
             log.exception("prefill while idle failed")
             return False
-        ended = time.time()
+        ended = self.clock()
         for session in waiting:
             session.log.busy("target", started, ended)
         self.prefills += advanced
@@ -380,7 +386,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def check_sessions(self) -> None:
         """A session that waited on its draft past the stall deadline goes on without it; a
         sampled one that held for a lost draft long enough, too."""
-        now, deadline = time.time(), self.draft.stall_deadline()
+        now, deadline = self.clock(), self.draft.stall_deadline()
         for session_id, session in list(self.sessions.items()):
             if session.stalled(now, deadline):
                 log.warning("session %s: no draft block for %.1f s; going on without the draft", session_id, deadline)

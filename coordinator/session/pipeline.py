@@ -124,6 +124,7 @@ class SessionPipeline:
         hold_s: float = 0.0,
         auto: SessionStop | None = None,
         load: Callable[[], TargetLoad | None] = lambda: None,
+        clock: Callable[[], float] = time.time,
     ):
         """caller: where settled tokens and the finish go; schedule(fn, *args): runs fn later on the compute
         thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
@@ -131,16 +132,17 @@ class SessionPipeline:
         speculation (None: the policy drafts as configured at any load); hold_s: how long a sampled
         session waits for a lost draft before the target goes on alone; auto: the session's learnt
         stop (policy auto; svip_common/acceptance.py), its rule sent with each start, feedback and
-        resume; load: the target's load now (what a drafted token costs, for auto's tau)."""
+        resume; load: the target's load now (what a drafted token costs, for auto's tau); clock: the
+        time now (the session reads it nowhere else: the in-memory transport can run it on its own)."""
         self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
         self.target, self.draft, self.pipeline = target, draft, pipeline
-        self.caller, self.schedule, self.enqueue = caller, schedule, enqueue
+        self.caller, self.schedule, self.enqueue, self.clock = caller, schedule, enqueue, clock
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.epoch = 0
         self.verifying: DraftedBlock | None = None  # verified, its decision not yet taken
         self.finish_reason: str | None = None
-        self.log = RoundLog()
+        self.log = RoundLog(started=clock())
         self.stats = self.log.stats
         self.ahead = AheadBlocks(self.stats)  # async: blocks drafted ahead of the verdict in flight
         self.reattach = Reattach(hold_s)  # recovery: when a detached session may take a draft up again
@@ -186,7 +188,7 @@ class SessionPipeline:
 
     def start(self) -> None:
         if self.draft is None:
-            self._verify(self._empty_block(), time.time(), "none")
+            self._verify(self._empty_block(), self.clock(), "none")
         elif not self.draft.available:
             self.detach(cancel=False)
         else:
@@ -212,9 +214,9 @@ class SessionPipeline:
         self._to_draft(start)
         if cap == 0:
             self._pause()
-            self._verify(self._empty_block(), time.time(), "paused")
+            self._verify(self._empty_block(), self.clock(), "paused")
         else:
-            self.waiting_since = time.time()
+            self.waiting_since = self.clock()
 
     # --- recovery: a draft lost or stalled, a draft back ---------------------------------------------
 
@@ -225,7 +227,7 @@ class SessionPipeline:
         if self.done or self.draft is None or self.detached:
             return
         # a stall (cancel): an overloaded draft is not handed this session's re-prefill at once again
-        self.reattach.detached(time.time(), stalled=cancel, sampled=not self.request.sampling.greedy)
+        self.reattach.detached(self.clock(), stalled=cancel, sampled=not self.request.sampling.greedy)
         if cancel and self._draft_holds_session:  # a stall: the draft still holds the session
             self._to_draft(Cancel(self.sid))
         self.mode, self.waiting_since = DraftMode.DETACHED, None
@@ -243,7 +245,7 @@ class SessionPipeline:
         MAX_STALLS times)."""
         if self.done or self.mode is not DraftMode.DETACHED or self.reattach.retired:
             return
-        if (now if now is not None else time.time()) < self.reattach.not_before:
+        if (now if now is not None else self.clock()) < self.reattach.not_before:
             self.reattach.waiting = AttachWait.BACKOFF  # retry_attach takes it up once the backoff is over
             return
         if self.verifying is not None:
@@ -282,7 +284,7 @@ class SessionPipeline:
         A prompt not yet taken in is always worth it: that forward is owed anyway."""
         if not self._waits_on_draft or self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
             return False
-        waited = time.time() - self.waiting_since
+        waited = self.clock() - self.waiting_since
         return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify, waited)
 
     def wants_fill(self) -> bool:
@@ -310,7 +312,7 @@ class SessionPipeline:
         token = self.target.next_token(self.committed)
         if token is None:
             return False
-        now = time.time()
+        now = self.clock()
         self.filled += 1
         self.log.round(self._empty_block(), 0, (now, started, ended, "filled"), now)
         self._commit(*self._clipped([token]))
@@ -318,12 +320,12 @@ class SessionPipeline:
 
     def _go_alone(self) -> None:
         if self.reattach.hold_until is None:
-            self._verify(self._empty_block(), time.time(), "detached")
+            self._verify(self._empty_block(), self.clock(), "detached")
 
     def _decide_detached(self, block: DraftedBlock, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
         """A verdict while no draft works on the session: the target's own token, or a verdict on
         a block drafted before the draft was lost (greedy: kept; sampled: voided, see above)."""
-        decided = time.time()
+        decided = self.clock()
         self.verifying = None
         stale = block.epoch != self.epoch
         if stale and not self.request.sampling.greedy:
@@ -432,7 +434,7 @@ class SessionPipeline:
             agreed = _common_prefix(block.tokens, own)
             if agreed < len(own):  # the block parts from them: decided by them, no forward
                 self.target.judged_alone(len(block.tokens))
-                now = time.time()
+                now = self.clock()
                 self._decide(block, Verdict(block.base, agreed, own[agreed], epoch=block.epoch),
                              (received_at, now, now, source))
                 return
@@ -440,7 +442,7 @@ class SessionPipeline:
             checked = _after(checked, agreed)  # the rest of the block is verified after them
         early = self.target.judge_first(self.committed, checked)
         if early is not None:
-            now = time.time()
+            now = self.clock()
             self._decide(block, early, (received_at, now, now, source))
             return
         self._flush_feedback()
@@ -463,7 +465,7 @@ class SessionPipeline:
         if self.detached:
             self._decide_detached(block, verdict, timing)
             return
-        decided = time.time()
+        decided = self.clock()
         self.verifying = None
         self._record(block, verdict.accepted)
         cap, was_paused = self._cap(), self.paused
@@ -542,9 +544,9 @@ class SessionPipeline:
         if was_paused and cap > 0:
             self._resume(cap)  # the draft's block comes next
         elif self.paused:
-            self._verify(self._empty_block(), time.time(), "paused")
+            self._verify(self._empty_block(), self.clock(), "paused")
         elif self.draft is None:
-            self._verify(self._empty_block(), time.time(), "none")
+            self._verify(self._empty_block(), self.clock(), "none")
         elif ready is not None:  # no round trip this time
             prepared_block, prepared_received = ready
             prepared_block.block.epoch = self.epoch
@@ -581,7 +583,7 @@ class SessionPipeline:
         self.mode = DraftMode.DRAFTING
         resume = self.pausing.resume(self.sid, self.epoch, len(self.committed), cap, self._stop_rule())
         self.draft_base = len(self.committed)
-        self._feedback_sent_at = time.time()
+        self._feedback_sent_at = self.clock()
         self._to_draft(resume)
 
     def _send_feedback(
@@ -598,7 +600,7 @@ class SessionPipeline:
         head = self.feedback.take()
         if head is None:
             return
-        self._feedback_sent_at = head.sent_at = time.time()
+        self._feedback_sent_at = head.sent_at = self.clock()
         self._to_draft(head)
 
     def _checked(self, block: DraftedBlock) -> Block:
@@ -624,7 +626,7 @@ class SessionPipeline:
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.ahead.drop_all()
-        self.caller.finished(reason, self.log.final(self.draft is not None))
+        self.caller.finished(reason, self.log.final(self.draft is not None, self.clock()))
         self.close()
 
     def _to_draft(self, request: DraftRequest) -> None:

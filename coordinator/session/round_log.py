@@ -5,16 +5,14 @@ Nothing here decides anything; tests/unit/test_round_log.py checks it without mo
 
 from __future__ import annotations
 
-import time
-
 from svip_common.contracts import GenerationStats
 from svip_common.messages import DraftedBlock
 
 
 class RoundLog:
-    def __init__(self, started: float | None = None):
+    def __init__(self, started: float):
         self.stats = GenerationStats()
-        self.started = self.last_decision = time.time() if started is None else started
+        self.started = self.last_decision = started
         self.intervals: list[tuple[str, float, float]] = []  # (worker, start, end), wall clock
         self.wire_bytes = 0
 
@@ -49,9 +47,9 @@ class RoundLog:
             self.stats.feedback_transit_s[-1] = max(0.0, block.trigger_at - feedback_sent_at)
             self.stats.draft_queue_s[-1] = max(0.0, block.started_at - block.trigger_at)
 
-    def final(self, has_draft: bool) -> GenerationStats:
+    def final(self, has_draft: bool, now: float) -> GenerationStats:
         s = self.stats
-        s.wall_s = time.time() - self.started
+        s.wall_s = now - self.started
         draft = [(a, b) for w, a, b in self.intervals if w == "draft"]
         target = [(a, b) for w, a, b in self.intervals if w == "target"]
         s.draft_forwards = s.draft_tokens + s.discarded_tokens

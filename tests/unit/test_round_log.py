@@ -44,10 +44,10 @@ def test_final_figures():
     log.busy("draft", 1.5, 3.0)
     log.wire_bytes = 300
     log.round(_block([5], 0.0, 1.0, 1.0), 1, (1.0, 1.0, 2.0, "first"), now=2.0)
-    s = log.final(has_draft=True)
+    s = log.final(has_draft=True, now=3.5)
     assert s.draft_busy_s == pytest.approx(2.5) and s.target_busy_s == pytest.approx(1.5)
     assert s.both_busy_s == pytest.approx(1.0) and s.wire_bytes_per_round == 300
-    assert [w for w, _, _ in s.timeline] == ["draft", "target", "draft"] and s.wall_s > 0
+    assert [w for w, _, _ in s.timeline] == ["draft", "target", "draft"] and s.wall_s == 3.5
 
 
 def test_overlap_of_disjoint_interval_sets():

@@ -1,0 +1,154 @@
+"""The distributed protocol through the in-memory transport (coordinator/in_memory.py): the real
+session host and draft service, the real verifier and drafter, every message through the wire
+and back, in one thread, with the interleaving chosen by a schedule. Greedy output equals the
+target alone in sync and async mode, for every policy, under orders that favour either worker and
+under random interleavings; seeded sampling reproduces and equals the gRPC workers'; forced
+interleavings (a follow-up arriving mid-verify, a draft that never answers, a lost draft) keep
+the output exact."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.engine import SpeculativeEngine
+from coordinator.in_memory import DELIVERIES, STEPS, WORK, InMemoryPair, InOrder, Seeded
+from draft_worker.drafter import Drafter
+from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
+from target_worker.verifier import Verifier
+
+POLICIES = {
+    "svip": PolicyConfig(name="svip", threshold=0.6),
+    "constant": PolicyConfig(name="constant", draft_length=4),
+    "heuristic": PolicyConfig(name="heuristic", draft_length=3),
+    "confidence": PolicyConfig(name="confidence", confidence=0.2),
+    "auto": PolicyConfig(name="auto"),
+    "none": PolicyConfig(name="none"),
+}
+MAX_NEW = 32
+DRAFT_FIRST = InOrder((*DELIVERIES, *WORK, "draft_idle", "target_idle"), during=True)  # the draft always early
+TARGET_FIRST = InOrder()  # the target verifies before the draft works ahead
+
+
+def make_pair(models, pipeline="async", schedule=None, draft="close_draft", **host_options) -> InMemoryPair:
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    drafter = None if draft is None else Drafter(models[draft], models["target"].vocab_size, limits.tokens)
+    options = {"load_aware": "off", "idle_prefill": "always", **host_options}
+    return InMemoryPair(models["target"], Verifier(models["target"], limits.tokens), drafter, limits, pipeline,
+                        schedule, **options)
+
+
+@pytest.fixture(scope="module")
+def alone(models):
+    return SpeculativeEngine(models["target"], None)
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("schedule", ["target first", "draft first"])
+def test_greedy_equals_the_target_alone(models, prompt_ids, alone, pipeline, policy, schedule):
+    pair = make_pair(models, pipeline, TARGET_FIRST if schedule == "target first" else DRAFT_FIRST)
+    for name, ids in prompt_ids.items():
+        request = GenerationRequest(ids, MAX_NEW, policy=POLICIES[policy])
+        result = pair.generate(request)
+        assert result.token_ids == alone.generate(request).token_ids, (pipeline, policy, schedule, name)
+        assert result.finish_reason == "length"
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_greedy_is_exact_under_random_interleavings_of_many_sessions(models, prompt_ids, alone, seed):
+    pair = make_pair(models, "async" if seed % 2 else "sync", Seeded(seed), load_aware="greedy",
+                     idle_prefill="auto" if seed % 3 else "always")
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)], 12 + 5 * i, policy=list(POLICIES.values())[i % 5])
+                for i in range(6)]
+    for request, result in zip(requests, pair.generate_all(requests)):
+        assert result.token_ids == alone.generate(request).token_ids
+
+
+def test_schedules_reach_the_async_protocols_paths(models, prompt_ids):
+    """What the forced orders are for: with the draft always early, follow-ups are verified with
+    no round trip and prepared continuations are used; with random interleavings, blocks drafted
+    on a rolled-back line are discarded unverified."""
+    request = GenerationRequest(prompt_ids["long"], 48, policy=POLICIES["svip"])
+    early = make_pair(models, "async", DRAFT_FIRST).generate(request).stats
+    sources = set(early.round_sources)
+    assert {"followup", "prepared"} <= sources, sources
+    discarded = sum(make_pair(models, "async", Seeded(seed)).generate(request).stats.discarded_tokens
+                    for seed in range(4))
+    assert discarded > 0
+
+
+def test_seeded_sampling_reproduces_across_interleavings(models, prompt_ids):
+    """Every draw is keyed by its position: the same seed gives the same tokens however the two
+    workers' steps interleave (a sampled session never settles a token by timing)."""
+    request = GenerationRequest(prompt_ids["medium"], MAX_NEW, SamplingParams(temperature=0.9, top_p=0.95, seed=7),
+                                POLICIES["svip"])
+    outputs = {tuple(make_pair(models, "async", schedule).generate(request).token_ids)
+               for schedule in (TARGET_FIRST, DRAFT_FIRST, Seeded(1), Seeded(2))}
+    assert len(outputs) == 1
+
+
+def test_a_follow_up_arriving_mid_verify_is_held_and_verified_next(models, prompt_ids, alone):
+    """The draft's follow-up reaches the target during the forward on the block before it: it is
+    held, and on a full acceptance verified next without a round trip."""
+    pair = make_pair(models, "async", DRAFT_FIRST, draft="target")  # a draft equal to its target: all accepted
+    request = GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=POLICIES["constant"])
+    result = pair.generate(request)
+    assert result.token_ids == alone.generate(request).token_ids
+    assert result.stats.round_sources.count("followup") >= 3
+
+
+def test_a_draft_that_never_answers_is_left_behind_at_the_stall_deadline(models, prompt_ids, alone):
+    """Nothing the draft sends arrives; at a clock past the stall deadline the host's check
+    detaches the session and the target finishes it alone, exactly. (The target settles no
+    tokens of its own while it waits: idle_prefill off.)"""
+    now = [1000.0]
+    pair = make_pair(models, "async", InOrder(), clock=lambda: now[0], idle_prefill="off")
+    request = GenerationRequest(prompt_ids["short"], MAX_NEW, policy=POLICIES["svip"])
+    pending = pair.submit(request)
+    while pair.step() is not None:
+        pair.wires["to_target"].in_flight.clear()  # the draft's blocks are lost on the way
+    assert not pending.done and pair.host.sessions  # it waits on its draft
+    now[0] += pair.host.draft.stall_deadline() + 1
+    pair.check()
+    pair.run()
+    result = pending.result()
+    assert result.token_ids == alone.generate(request).token_ids
+    assert result.stats.detached == 1
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_a_lost_draft_mid_session_then_back_keeps_the_output(models, prompt_ids, alone, sampled):
+    sampling = SamplingParams(temperature=0.8, seed=3) if sampled else SamplingParams()
+    request = GenerationRequest(prompt_ids["long"], MAX_NEW, sampling, POLICIES["svip"])
+    reference = make_pair(models, "async", TARGET_FIRST).generate(request).token_ids
+    pair = make_pair(models, "async", TARGET_FIRST)
+    pending = pair.submit(request)
+    for _ in range(40):
+        pair.step()
+    pair.lose_draft()
+    for _ in range(20):
+        pair.step()
+    pair.draft_back()
+    pair.run()
+    result = pending.result()
+    assert result.token_ids == reference
+    if not sampled:
+        assert result.token_ids == alone.generate(request).token_ids
+    assert result.stats.detached == 1 and result.stats.reattached == 1
+
+
+def test_the_target_alone_through_the_transport(models, prompt_ids, alone):
+    pair = make_pair(models, "sync", draft=None)
+    request = GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=POLICIES["none"])
+    assert pair.generate(request).token_ids == alone.generate(request).token_ids
+
+
+def test_every_step_crosses_the_wire_contract(models, prompt_ids):
+    """What the schedule sees is the real traffic: both directions carry serialised messages."""
+    pair = make_pair(models, "async", TARGET_FIRST)
+    pair.submit(GenerationRequest(prompt_ids["short"], 8, policy=POLICIES["svip"]))
+    seen = set()
+    while (action := pair.step()) is not None:
+        seen.add(action)
+    assert set(DELIVERIES) | set(WORK) <= seen and set(STEPS) & seen
