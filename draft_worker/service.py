@@ -18,7 +18,7 @@ from svip_common.acceptance import StopRule
 from svip_common.contracts import NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.kv_cache import PoolFull
-from svip_common.messages import DraftedBlock
+from svip_common.messages import DraftedBlock, Feedback, Resume
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -119,45 +119,42 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             self.new_session(start.session_id, session, stream)
             _tune(session, start.stop_rule)
             self._send(start.session_id, session, session.start(received_at, start.load_cap))
-        elif kind == "feedback":
-            msg = request.feedback
-            session = self.session(msg.session_id, stream)
-            while msg is not None:  # a chain: the verdicts on consecutive blocks, in order
-                self._send(msg.session_id, session, self._apply(session, msg, received_at))
-                msg = msg.then if msg.HasField("then") else None
+        elif kind == "feedback":  # a chain: the verdicts on consecutive blocks, in order
+            session = self.session(request.feedback.session_id, stream)
+            for item in convert.feedback_from_proto(request.feedback, self.drafter.width).chain():
+                self._send(item.session_id, session, self._apply(session, item, received_at))
         elif kind == "resume":
-            msg = request.resume
+            msg = convert.resume_from_proto(request.resume)
             session = self.session(msg.session_id, stream)
             check_token_ids(msg.tokens, self.limits.tokens, "resumed token id")
             features, first = self._features(msg, msg.base + len(msg.tokens) - 1)
-            _tune(session, _stop_rule(msg))
+            _tune(session, msg.stop_rule)
             self._send(msg.session_id, session, session.on_resume(msg.epoch, msg.base, list(msg.tokens), msg.load_cap,
                                                                   received_at, features, first))
         elif kind == "feature_chunk":  # a leading part of the next Feedback's or Resume's features
             msg = request.feature_chunk
             self.session(msg.session_id, stream)
-            self._chunks.add(msg.session_id, msg.features_from, self._checked_features(msg.features))
+            features = self._checked_features(convert.tensor_from_proto(msg.features))
+            self._chunks.add(msg.session_id, msg.features_from, features)
         else:  # cancel
             self.session(request.cancel.session_id, stream)
             self.close_session(request.cancel.session_id, stream)
             stream.emit(pb.DraftEvent(closed=pb.Closed(session_id=request.cancel.session_id)))
 
-    def _apply(self, session: PipelinedDraft, msg: pb.Feedback, received_at: float) -> list[DraftedBlock]:
+    def _apply(self, session: PipelinedDraft, msg: Feedback, received_at: float) -> list[DraftedBlock]:
         if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
             check_token_ids([msg.token], self.limits.tokens, "feedback token id")
-        p_row = convert.p_row_from_proto(msg, self.drafter.width)
         features, first = self._features(msg, msg.base + msg.accepted)
-        _tune(session, _stop_rule(msg))
-        return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, p_row,
-                                   msg.prepared_used, received_at, msg.load_cap if msg.HasField("load_cap") else None,
-                                   features, first)
+        _tune(session, msg.stop_rule)
+        return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, msg.p_row,
+                                   msg.prepared_used, received_at, msg.load_cap, features, first)
 
-    def _features(self, msg: pb.Feedback | pb.Resume, end: int) -> tuple[torch.Tensor | None, int]:
+    def _features(self, msg: Feedback | Resume, end: int) -> tuple[torch.Tensor | None, int]:
         """A feedback's (or a resume's) target features, after the chunks of them that came ahead
         (FeatureChunk), and the position of their first row: exactly the positions up to ``end`` - 1
         that the verdicts leave committed (INVALID_ARGUMENT otherwise). (None, 0) when it has none."""
         ahead = self._chunks.take(msg.session_id)
-        if not msg.HasField("features"):
+        if msg.features is None:
             if ahead is not None:
                 raise InvalidRequest("feature chunks sent ahead of a message that carries no features")
             return None, 0
@@ -170,13 +167,12 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                                  f"commit up to {end - 1}")
         return features, first
 
-    def _checked_features(self, tensor: pb.Tensor) -> torch.Tensor:
+    def _checked_features(self, features: torch.Tensor) -> torch.Tensor:
         """Target features as the head that reads them takes them: its dtype, its width, at least
         one row (INVALID_ARGUMENT otherwise)."""
         head = getattr(self.drafter, "head", None)
         if head is None:
             raise InvalidRequest("target features sent to a draft that reads none (a token draft)")
-        features = convert.tensor_from_proto(tensor)
         width = len(head.config.target_layers) * head.config.hidden_size
         dtype = head.fc.weight.dtype
         if features.dtype != dtype or features.dim() != 2 or features.shape[1] != width or not features.shape[0]:
@@ -262,8 +258,3 @@ def _tune(session: PipelinedDraft, rule: StopRule | None) -> None:
     if not isinstance(policy, AutoPolicy):
         raise InvalidRequest(f"a stop rule for a session of policy {policy.name!r} (only auto takes one)")
     policy.tune(rule)
-
-
-def _stop_rule(msg) -> StopRule | None:
-    """A Feedback's or Resume's stop rule, checked (a malformed one is INVALID_ARGUMENT)."""
-    return convert.stop_rule_from_proto(msg.stop_rule) if msg.HasField("stop_rule") else None

@@ -179,6 +179,27 @@ def _chain_to_proto(chain: list[Feedback]) -> pb.Feedback:
     return head
 
 
+def feedback_from_proto(msg: pb.Feedback, width: int) -> Feedback:
+    """A chain of verdicts in the project's terms, each the next one's ``then``; a malformed p row
+    (of a vocabulary of ``width``), stop rule or tensor anywhere in it is an InvalidRequest, before
+    any verdict is applied. Target features come as sent (the draft checks them against its head)."""
+    items = [msg]
+    while items[-1].HasField("then"):
+        items.append(items[-1].then)
+    head = None
+    for item in reversed(items):
+        head = Feedback(
+            session_id=item.session_id, epoch=item.epoch, base=item.base, drafted=item.drafted,
+            accepted=item.accepted, token=item.token, prepared_used=item.prepared_used,
+            load_cap=item.load_cap if item.HasField("load_cap") else None,
+            stop_rule=stop_rule_from_proto(item.stop_rule) if item.HasField("stop_rule") else None,
+            p_row=p_row_from_proto(item, width), sent_at=item.sent_at, then=head,
+            features=tensor_from_proto(item.features) if item.HasField("features") else None,
+            features_from=item.features_from,
+        )
+    return head
+
+
 def p_row_to_proto(msg: pb.Feedback, p_row: torch.Tensor) -> None:
     """A sampled rejection's p row (float32 on the wire): by its ids with mass (p_nonzero) where
     that is smaller, as after top-k or top-p (8 bytes an id against 4 for every id of the row)."""
@@ -231,6 +252,16 @@ def resume_to_proto(resume: Resume) -> pb.Resume:
         msg.features.CopyFrom(tensor_to_proto(resume.features))
         msg.features_from = resume.features_from
     return msg
+
+
+def resume_from_proto(msg: pb.Resume) -> Resume:
+    """A malformed stop rule or tensor is an InvalidRequest; features come as sent."""
+    return Resume(
+        session_id=msg.session_id, epoch=msg.epoch, base=msg.base, tokens=tuple(msg.tokens), load_cap=msg.load_cap,
+        stop_rule=stop_rule_from_proto(msg.stop_rule) if msg.HasField("stop_rule") else None,
+        features=tensor_from_proto(msg.features) if msg.HasField("features") else None,
+        features_from=msg.features_from,
+    )
 
 
 # Target features past this many bytes leave ahead of their Feedback or Resume in FeatureChunks of

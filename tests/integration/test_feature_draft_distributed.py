@@ -108,7 +108,7 @@ def test_a_preempted_session_hands_the_head_no_feature_twice(embedded, loop, tar
                             drafter=drafter_for(target, head, _limits(target)),
                             feature_layers=head.head.config.target_layers, load_aware="off") as w:
         results = generate_all_started(loop, w, default_pair()[0], "async", requests, target_gate)
-        preemptions = w.host.preemptions
+        preemptions = w.host.pages.preemptions
     alone = SpeculativeEngine(target, None)
     assert preemptions >= 1
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests]
@@ -150,11 +150,13 @@ def test_a_feedback_with_bad_features_is_invalid_argument(models, loop, change, 
     service = DraftService(drafter_for(target, head, _limits(target)), _limits(target))
     width = 3 * target.model.config.hidden_size
     good = torch.zeros(6, width)
-    msg = pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5, features_from=0,
-                      features=convert.tensor_to_proto(good))
+    msg = convert.feedback_from_proto(pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5,
+                                                  features_from=0, features=convert.tensor_to_proto(good)),
+                                      service.drafter.width)
     assert service._features(msg, msg.base + msg.accepted)[0].shape == (6, width)
-    bad = pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5, features_from=0,
-                      features=convert.tensor_to_proto(change(good)))
+    bad = convert.feedback_from_proto(pb.Feedback(session_id="s", base=4, drafted=3, accepted=2, token=5,
+                                                  features_from=0, features=convert.tensor_to_proto(change(good))),
+                                      service.drafter.width)
     with pytest.raises(InvalidRequest, match=message):
         service._features(bad, bad.base + bad.accepted)
 
@@ -271,7 +273,8 @@ def test_a_resume_with_features_past_its_tokens_is_invalid_argument(models):
     head = _as_loaded(random_head(target, seed=7), target)
     service = DraftService(drafter_for(target, head, _limits(target)), _limits(target))
     features = convert.tensor_to_proto(torch.zeros(4, 3 * target.model.config.hidden_size))
-    msg = pb.Resume(session_id="s", base=10, tokens=[5, 6, 7], load_cap=4, features_from=8, features=features)
+    msg = convert.resume_from_proto(pb.Resume(session_id="s", base=10, tokens=[5, 6, 7], load_cap=4, features_from=8,
+                                              features=features))
     assert service._features(msg, msg.base + len(msg.tokens) - 1)[0].shape[0] == 4
     with pytest.raises(InvalidRequest, match="commit up to 10"):
         service._features(msg, msg.base + len(msg.tokens) - 2)

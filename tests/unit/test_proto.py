@@ -195,6 +195,18 @@ def test_a_feedback_chain_travels_as_one_message_earliest_first():
     assert (then.base, then.accepted, then.token, then.prepared_used) == (14, 0, 7, True)
     assert not then.HasField("load_cap") and not then.HasField("p_row") and not then.HasField("then")
     assert convert.stop_rule_from_proto(then.stop_rule) == rule
+    back = convert.feedback_from_proto(msg, 2)  # what the draft reads: the same chain, earliest first
+    assert [(f.base, f.drafted, f.accepted, f.token, f.prepared_used, f.load_cap, f.stop_rule, f.sent_at)
+            for f in back.chain()] == [(10, 4, 4, -1, False, 0, None, 5.0), (14, 2, 0, 7, True, None, rule, 0.0)]
+    assert back.p_row.tolist() == [0.25, 0.75] and back.then.p_row is None and back.features is None
+
+
+def test_a_bad_verdict_late_in_a_chain_refuses_the_whole_chain():
+    """The draft reads a chain whole before it applies any verdict of it."""
+    later = pb.Feedback(session_id="s", base=14, drafted=2, token=7, stop_rule=pb.StopRule(weights=[1.0]))
+    msg = pb.Feedback(session_id="s", base=10, drafted=4, accepted=4, token=3, then=later)
+    with pytest.raises(InvalidRequest):
+        convert.feedback_from_proto(msg, 2)
 
 
 def test_a_p_row_with_few_ids_with_mass_travels_by_them_and_comes_back_the_same_bits():
@@ -265,6 +277,7 @@ def test_resume_and_cancel_on_the_wire():
     r = msg.resume
     assert (r.session_id, r.epoch, r.base, list(r.tokens), r.load_cap) == ("s", 3, 40, [8, 9], 4)
     assert convert.stop_rule_from_proto(r.stop_rule) == StopRule(PRIOR_WEIGHTS, 0.2)
+    assert convert.resume_from_proto(r) == Resume("s", 3, 40, (8, 9), 4, StopRule(PRIOR_WEIGHTS, 0.2))
     assert convert.draft_request_to_proto(Cancel("s")).cancel.session_id == "s"
     with pytest.raises(TypeError, match="not a draft request"):
         convert.draft_request_to_proto(object())
