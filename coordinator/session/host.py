@@ -12,17 +12,18 @@ process once, to each.
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import time
 
 import grpc
 
 from coordinator.session.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S, DraftPort
+from coordinator.session.idle_work import IdleWork
+from coordinator.session.pages import PageLine
 from coordinator.session.pipeline import SessionPipeline
 from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.contracts import GenerationRequest, GenerationStats, PolicyConfig
-from svip_common.errors import InvalidRequest, Overloaded, SvipError, exit_on_device_failure
+from svip_common.errors import InvalidRequest, Overloaded, SvipError
 from svip_common.kv_cache import PoolFull
 from svip_common.kv_sizes import whole_pages
 from svip_common.messages import DraftedBlock
@@ -39,7 +40,6 @@ from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
-WATERMARK_DIVISOR = 50  # a session starts or resumes only while 1/50 of the pool stays free after it
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
 DEFAULT_HOLD_S = 30.0  # a sampled session waits this long for a lost draft (so its seed reproduces)
 
@@ -76,27 +76,19 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         pair's `auto` estimate (svip_common/acceptance.py), kept here beside the verifier, where
         every verdict is seen (None: from the generic prior); idle_prefill: while no block is
         ready, take in what waiting sessions need first and settle greedy ones' next tokens
-        (_work_while_idle): "auto" (a lone session, where it pays), "always", "off". draft_link: a
+        (idle_work.py): "auto" (a lone session, where it pays), "always", "off". draft_link: a
         link to the draft already open (the in-memory transport's, coordinator/in_memory.py);
         compute: the loop that owns the sessions (SessionService); clock: the time now, for the
         sessions and their steps."""
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
         self._ready: list[tuple[str, SessionPipeline, DraftedBlock, object, tuple[float, str]]] = []  # to verify
-        # KV by use (not by a session's worst case): a session takes pages as it grows; when a step
-        # finds too few, the newest session gives its pages back and waits (``_evicted``), to be
-        # recomputed from its committed tokens once there is room again, oldest first
-        self._order = itertools.count()
-        self._started: dict[str, int] = {}  # session id -> when it started (the newest yields first)
-        self._evicted: dict[str, int] = {}  # session id -> its place in line for pages (FIFO)
-        self.preemptions = 0  # sessions that gave their pages back for a step to fit
-        self.idle_prefill = check_idle_prefill(idle_prefill)
-        self.prefills = 0  # sessions advanced by a prefill while idle
-        self.fills = 0  # tokens greedy sessions settled from the target alone while they waited on their drafts
+        self.pages = PageLine(verifier.pool)  # KV by use: who yields pages, who waits for them
         self.clock = clock
         super().__init__(limits, compute)
         self.verifier = verifier
         self.max_batched_tokens = max_batched_tokens
+        self.idle_work = IdleWork(verifier, check_idle_prefill(idle_prefill), max_batched_tokens, clock)
         self.load_aware = check_load_aware(load_aware)
         self.sampled_hold_s = sampled_hold_s
         self.auto = auto if auto is not None else AutoEstimate()
@@ -184,9 +176,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 clock=self.clock,
             )
             self.new_session(sid, session, stream)
-            self._started[sid] = next(self._order)
-            if self._evicted or not self._room_for(len(start.prompt_ids) + 1):  # the line, or no room now
-                self._evicted[sid] = next(self._order)
+            self.pages.admit(sid, len(start.prompt_ids))
             self._step(sid, session.start)
         else:  # cancel
             self.session(request.cancel.session_id, stream).cancel()
@@ -195,70 +185,21 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def close_session(self, session_id: str, owner) -> None:
         super().close_session(session_id, owner)
         if session_id not in self.sessions:  # closed (and not another stream's session of that id)
-            self._started.pop(session_id, None)
-            self._evicted.pop(session_id, None)
-
-    # --- KV pages by use ------------------------------------------------------------------------
-
-    def _room_for(self, tokens: int) -> bool:
-        """Whether ``tokens`` more fit the pool now, with the watermark left over (so that the
-        sessions running can grow a while before anyone yields)."""
-        pool = self.verifier.pool
-        return pool.pages_for(tokens) + self._watermark() <= pool.free_pages
-
-    def _watermark(self) -> int:
-        return max(1, self.verifier.pool.pages // WATERMARK_DIVISOR)
-
-    def _resume_waiting(self, ready: list) -> None:
-        """Sessions that gave their pages back (or started without room) take their turn again,
-        oldest first, each once its committed tokens and its next block fit."""
-        if not self._evicted:
-            return
-        blocks = {job[0]: len(job[2].block.tokens) for job in ready}
-        pool = self.verifier.pool
-        # nobody else holds pages: the head of the line takes what it needs, watermark or not (one
-        # as large as the pool, which admission allows, would otherwise wait for ever); a session
-        # resumed here holds none yet, so this stays true down the line
-        alone = not any(sid not in self._evicted and s.target.cached_tokens for sid, s in self.sessions.items())
-        for session_id in sorted(self._evicted, key=self._evicted.get):
-            session = self.sessions.get(session_id)
-            if session is None:
-                self._evicted.pop(session_id)
-                continue
-            need = len(session.committed) + blocks.get(session_id, 0) + 1
-            if not (self._room_for(need) or (alone and pool.pages_for(need) <= pool.free_pages)):
-                return  # first come, first served: nobody passes the head of the line
-            del self._evicted[session_id]
-
-    def _evict_newest(self, stepping: list[str]) -> bool:
-        """The newest session holding pages, or taking some in this step (sessions admitted
-        together, none prefilled yet, can ask one step for more than the pool), gives them back
-        and waits; whether one did."""
-        holding = [sid for sid in self.sessions if sid not in self._evicted
-                   and (sid in stepping or self.sessions[sid].target.cached_tokens)]
-        if not holding:
-            return False
-        victim = max(holding, key=self._started.get)
-        self.sessions[victim].target.evict()
-        self._evicted[victim] = next(self._order)
-        self.preemptions += 1
-        log.info("session %s gave its KV pages back for the step to fit (%d free of %d); it waits its turn",
-                 victim, self.verifier.pool.free_pages, self.verifier.pool.pages)
-        return True
+            self.pages.forget(session_id)
 
     def _verify_within_pool(self, ready: list) -> tuple[list, list]:
         """The step's verdicts for the sessions of ``ready`` still holding their place; when the
         pool is short, the newest session yields its pages until the step fits (PoolFull changes
         nothing). Returns (the jobs verified, their verdicts)."""
         while True:
-            jobs = [job for job in ready if job[0] not in self._evicted]
+            jobs = [job for job in ready if job[0] not in self.pages.waiting]
             if not jobs:
                 return [], []
             try:
                 return jobs, self.verifier.verify_apart([(s.target, s.committed, checked)
                                                          for _, s, _, checked, _ in jobs], self.max_batched_tokens)
             except PoolFull:
-                if not self._evict_newest([job[0] for job in jobs]):
+                if not self.pages.evict_newest(self.sessions, [job[0] for job in jobs]):
                     raise
 
     def add_stats(self, stats: pb.WorkerStats) -> None:
@@ -274,7 +215,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 )
             )
         stats.auto_prior_cost = self.auto.prior_cost
-        stats.preemptions = self.preemptions
+        stats.preemptions = self.pages.preemptions
 
     def load_cap(self, gate: SessionGate) -> int:
         """The most tokens a session's next block should hold at the load measured here (its
@@ -303,10 +244,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         session's prefix and block length its own (a ragged batch); its verdicts are decided
         after whatever arrived meanwhile is taken in."""
         ready = [job for job in self._ready if self.sessions.get(job[0]) is job[1] and not job[1].done]
-        self._resume_waiting(ready)
-        if not any(job[0] not in self._evicted for job in ready):
+        self.pages.resume(self.sessions, {job[0]: len(job[2].block.tokens) for job in ready})
+        if not any(job[0] not in self.pages.waiting for job in ready):
             self._ready = ready  # those waiting for pages, if any
-            return self._work_while_idle()
+            return self._gate.idle_allowed() and self.idle_work.run(self.sessions, self.pages.waiting, self._step)
         if not self._gate.open():  # a test holds this worker (svip_common/test_hooks.py): look again soon,
             self._ready = ready  # answering every message meanwhile
             time.sleep(GATE_POLL_S)
@@ -315,10 +256,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         try:  # a session that fails, alone; the newest yields its pages when they run short
             verified, verdicts = self._verify_within_pool(ready)
         except PoolFull as exc:  # no session holds a page to yield: the step cannot fit at all
-            verified = [job for job in ready if job[0] not in self._evicted]
+            verified = [job for job in ready if job[0] not in self.pages.waiting]
             verdicts = [exc] * len(verified)
         ended = self.clock()
-        self._ready = [job for job in ready if job[0] in self._evicted]  # waiting for pages
+        self._ready = [job for job in ready if job[0] in self.pages.waiting]  # waiting for pages
         self._ready += [job for job, verdict in zip(verified, verdicts) if verdict is None]  # prefilled a chunk
         self.step_metrics.record(len(verified), self.verifier.last_step_tokens, self.verifier.pool)
         for (session_id, session, block, _, (received_at, source)), verdict in zip(verified, verdicts):
@@ -327,61 +268,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             elif verdict is not None:
                 self._step(session_id, session.verified, block, verdict, received_at, source, started, ended)
         return True
-
-    def _work_while_idle(self) -> bool:
-        """Nothing to verify: instead of idling, the target works for the sessions waiting on
-        their drafts. A greedy one settles the target's own next token where its row is stored
-        (SessionPipeline.wants_fill: no forward), and one forward takes in what they need first
-        (the last verdict's or that token, a new prompt) where that pays
-        (SessionPipeline.wants_prefill), after which they settle the next. So a greedy session
-        whose block is late is decoded by the target alone meanwhile, and the block is checked
-        against those tokens when it comes. Returns whether it did anything. auto does it for a
-        lone session only: with several in flight, blocks arrive one after another and a prefill
-        holds up the next one's step (what that costs, measured: docs/architecture.md and
-        docs/benchmarks.md, the target does not idle). Not with a feature draft, which
-        needs the target's features of every token, handed over with verdicts."""
-        if self.idle_prefill == "off" or not self._gate.idle_allowed():
-            return False
-        if self.idle_prefill == "auto" and len(self.sessions) != 1:
-            return False
-        fills = not self.verifier.feature_layers and not self._evicted
-        now = self.clock()
-        filled = fills and self._fill_waiting(now, now)
-        return self._prefill_waiting(fills) or filled
-
-    def _fill_waiting(self, started: float, ended: float) -> bool:
-        """Greedy sessions waiting on their drafts settle the target's own next token where its
-        row is stored; started, ended: the forward that stored them (equal: none now)."""
-        settled = []
-        for session_id, session in list(self.sessions.items()):
-            if session.wants_fill():
-                self._step(session_id, lambda s=session: settled.append(s.fill(started, ended)))
-        self.fills += sum(settled)
-        return any(settled)
-
-    def _prefill_waiting(self, fills: bool) -> bool:
-        """One forward that takes in what the sessions waiting on their drafts will need first,
-        where that pays; then (fills) greedy ones settle the token its rows give. Returns whether
-        it ran a forward."""
-        always = self.idle_prefill == "always"
-        waiting = [s for sid, s in self.sessions.items()
-                   if sid not in self._evicted and s.wants_prefill(self.verifier.cost, always)]
-        if not waiting:
-            return False
-        started = self.clock()
-        try:
-            advanced = self.verifier.prefill_next([(s.target, s.committed) for s in waiting], self.max_batched_tokens)
-        except Exception as exc:  # the verification that follows meets the failure and ends the sessions
-            exit_on_device_failure(exc)
-            log.exception("prefill while idle failed")
-            return False
-        ended = self.clock()
-        for session in waiting:
-            session.log.busy("target", started, ended)
-        self.prefills += advanced
-        if fills:
-            self._fill_waiting(started, ended)
-        return advanced > 0
 
     def check_sessions(self) -> None:
         """A session that waited on its draft past the stall deadline goes on without it; a

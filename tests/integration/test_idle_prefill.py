@@ -135,7 +135,7 @@ def test_the_pipeline_through_idle_prefills_equals_the_target_alone(models, mode
     alone = SpeculativeEngine(models["target"], None)
     with in_process_workers(loop, models, load_aware="off", idle_prefill=idle_prefill) as w:
         results = generate_through(loop, w, model_dirs.target, mode, requests)
-        prefills = w.host.prefills
+        prefills = w.host.idle_work.prefills
     for request, result in zip(requests, results):
         assert result.token_ids == alone.generate(request).token_ids
     assert (prefills > len(requests)) if idle_prefill == "always" else prefills == 0  # more than the prompts
@@ -146,9 +146,9 @@ def test_auto_prefills_a_lone_sessions_prompt_and_equals_the_target_alone(models
     tokens after it where the measured costs say it pays); the output is the target's."""
     request = GenerationRequest(prompt_ids["long"], 32, policy=PolicyConfig(name="svip", threshold=0.4))
     with in_process_workers(loop, models, load_aware="off") as w:
-        assert w.host.idle_prefill == "auto"
+        assert w.host.idle_work.mode == "auto"
         [result] = generate_through(loop, w, model_dirs.target, "sync", [request])
-        assert w.host.prefills >= 1
+        assert w.host.idle_work.prefills >= 1
     assert result.token_ids == SpeculativeEngine(models["target"], None).generate(request).token_ids
 
 
@@ -193,7 +193,7 @@ def test_blocks_checked_against_the_targets_own_tokens_equal_the_target_alone(mo
         results = generate_through(loop, w, model_dirs.target, mode, requests)
     # read once the host has closed: its compute thread counts a fill after the fill's token, which
     # may be a request's last, has gone to the caller
-    fills, verified = w.host.fills, w.host.verifier.tokens_verified
+    fills, verified = w.host.idle_work.fills, w.host.verifier.tokens_verified
     for request, result in zip(requests, results):
         assert result.token_ids == alone.generate(request).token_ids
     sources = [source for result in results for source in result.stats.round_sources]

@@ -207,7 +207,7 @@ def test_a_pool_short_of_pages_preempts_the_newest_session_and_every_output_stay
         results = generate_all_started(loop, w, model_dirs.target, pipeline, reqs, target_gate)
         stats = loop.run_until_complete(w.host.Stats(None, None))
         pool = w.host.verifier.pool
-        assert pool.free_pages == pool.pages and not w.host._evicted
+        assert pool.free_pages == pool.pages and not w.host.pages.waiting
     assert stats.preemptions >= 1
     target_alone = SpeculativeEngine(models["target"], None)
     assert [r.token_ids for r in results[:4]] == [target_alone.generate(r).token_ids for r in reqs[:4]]
@@ -242,7 +242,7 @@ def test_a_session_as_large_as_the_pool_takes_its_turn_once_alone(models, model_
                     await async_wait_until(lambda: asyncio.sleep(0, target_gate.holding()),
                                            what="the first session holding pages, held")
                     b = asyncio.ensure_future(engine.generate(large))
-                    await async_wait_until(lambda: asyncio.sleep(0, len(w.host._evicted) == 1),
+                    await async_wait_until(lambda: asyncio.sleep(0, len(w.host.pages.waiting) == 1),
                                            what="the large session waiting for pages")
                     waited = any(s.target.cached_tokens for s in w.host.sessions.values())
                 return await asyncio.gather(a, b), waited

@@ -1,0 +1,75 @@
+"""What the target does while no block is ready, instead of idling: it works for the sessions
+waiting on their drafts. A greedy one settles the target's own next token where its row is stored
+(SessionPipeline.wants_fill: no forward), and one forward takes in what they need first (the last
+verdict's or that token, a new prompt) where that pays (SessionPipeline.wants_prefill), after which
+they settle the next. So a greedy session whose block is late is decoded by the target alone
+meanwhile, and the block is checked against those tokens when it comes.
+
+"auto" does it for a lone session only: with several in flight, blocks arrive one after another
+and a prefill holds up the next one's step (what that costs, measured: docs/architecture.md and
+docs/benchmarks.md, the target does not idle). Not with a feature draft, which needs the
+target's features of every token, handed over with verdicts. Runs on the target's compute thread
+(the host's batched step calls it, host.py)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from svip_common.errors import exit_on_device_failure
+from target_worker.verifier import Verifier
+
+log = logging.getLogger(__name__)
+
+
+class IdleWork:
+    def __init__(self, verifier: Verifier, mode: str, max_batched_tokens: int | None, clock: Callable[[], float]):
+        """mode: "auto" (a lone session, where it pays), "always", "off" (checked already)."""
+        self.verifier, self.mode, self.max_batched_tokens, self.clock = verifier, mode, max_batched_tokens, clock
+        self.prefills = 0  # sessions advanced by a prefill while idle
+        self.fills = 0  # tokens greedy sessions settled from the target alone while they waited on their drafts
+
+    def run(self, sessions: dict, out_of_pages: dict, step: Callable[..., None]) -> bool:
+        """One unit of it for ``sessions`` (less those waiting for KV pages, ``out_of_pages``);
+        step(session_id, fn): runs fn as one step of that session (its errors end it alone).
+        Returns whether it did anything."""
+        if self.mode == "off" or (self.mode == "auto" and len(sessions) != 1):
+            return False
+        fills = not self.verifier.feature_layers and not out_of_pages
+        now = self.clock()
+        filled = fills and self._fill(sessions, step, now, now)
+        return self._prefill(sessions, out_of_pages, step, fills) or filled
+
+    def _fill(self, sessions: dict, step, started: float, ended: float) -> bool:
+        """Greedy sessions waiting on their drafts settle the target's own next token where its
+        row is stored; started, ended: the forward that stored them (equal: none now)."""
+        settled = []
+        for session_id, session in list(sessions.items()):
+            if session.wants_fill():
+                step(session_id, lambda s=session: settled.append(s.fill(started, ended)))
+        self.fills += sum(settled)
+        return any(settled)
+
+    def _prefill(self, sessions: dict, out_of_pages: dict, step, fills: bool) -> bool:
+        """One forward that takes in what the sessions waiting on their drafts will need first,
+        where that pays; then (fills) greedy ones settle the token its rows give. Returns whether
+        it ran a forward."""
+        always = self.mode == "always"
+        waiting = [s for sid, s in sessions.items()
+                   if sid not in out_of_pages and s.wants_prefill(self.verifier.cost, always)]
+        if not waiting:
+            return False
+        started = self.clock()
+        try:
+            advanced = self.verifier.prefill_next([(s.target, s.committed) for s in waiting], self.max_batched_tokens)
+        except Exception as exc:  # the verification that follows meets the failure and ends the sessions
+            exit_on_device_failure(exc)
+            log.exception("prefill while idle failed")
+            return False
+        ended = self.clock()
+        for session in waiting:
+            session.log.busy("target", started, ended)
+        self.prefills += advanced
+        if fills:
+            self._fill(sessions, step, started, ended)
+        return advanced > 0

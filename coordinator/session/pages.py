@@ -1,0 +1,75 @@
+"""The target's KV pages by use, across the sessions the host holds: a session takes pages as it
+grows (not its worst case up front); when a step finds too few, the newest session gives its pages
+back and waits in line, to be recomputed from its committed tokens once there is room again,
+oldest first. A session also starts in line when there is no room for its prompt, or when others
+already wait. Decides who yields and who goes next; the host runs the steps (host.py)."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+
+log = logging.getLogger(__name__)
+WATERMARK_DIVISOR = 50  # a session starts or resumes only while 1/50 of the pool stays free after it
+
+
+class PageLine:
+    def __init__(self, pool):
+        self.pool = pool
+        self._order = itertools.count()
+        self._started: dict[str, int] = {}  # session id -> when it started (the newest yields first)
+        self.waiting: dict[str, int] = {}  # session id -> its place in line for pages (FIFO)
+        self.preemptions = 0  # sessions that gave their pages back for a step to fit
+
+    def admit(self, session_id: str, prompt_tokens: int) -> None:
+        """A new session: in line if others wait, or if its prompt has no room now."""
+        self._started[session_id] = next(self._order)
+        if self.waiting or not self.room_for(prompt_tokens + 1):
+            self.waiting[session_id] = next(self._order)
+
+    def forget(self, session_id: str) -> None:
+        self._started.pop(session_id, None)
+        self.waiting.pop(session_id, None)
+
+    def room_for(self, tokens: int) -> bool:
+        """Whether ``tokens`` more fit the pool now, with the watermark left over (so that the
+        sessions running can grow a while before anyone yields)."""
+        return self.pool.pages_for(tokens) + self._watermark() <= self.pool.free_pages
+
+    def _watermark(self) -> int:
+        return max(1, self.pool.pages // WATERMARK_DIVISOR)
+
+    def resume(self, sessions: dict, blocks: dict[str, int]) -> None:
+        """Sessions in line take their turn again, oldest first, each once its committed tokens
+        and its next block (``blocks``: session id -> its tokens) fit."""
+        if not self.waiting:
+            return
+        # nobody else holds pages: the head of the line takes what it needs, watermark or not (one
+        # as large as the pool, which admission allows, would otherwise wait for ever); a session
+        # resumed here holds none yet, so this stays true down the line
+        alone = not any(sid not in self.waiting and s.target.cached_tokens for sid, s in sessions.items())
+        for session_id in sorted(self.waiting, key=self.waiting.get):
+            session = sessions.get(session_id)
+            if session is None:
+                self.waiting.pop(session_id)
+                continue
+            need = len(session.committed) + blocks.get(session_id, 0) + 1
+            if not (self.room_for(need) or (alone and self.pool.pages_for(need) <= self.pool.free_pages)):
+                return  # first come, first served: nobody passes the head of the line
+            del self.waiting[session_id]
+
+    def evict_newest(self, sessions: dict, stepping: list[str]) -> bool:
+        """The newest session holding pages, or taking some in this step (sessions admitted
+        together, none prefilled yet, can ask one step for more than the pool), gives them back
+        and waits; whether one did."""
+        holding = [sid for sid in sessions if sid not in self.waiting
+                   and (sid in stepping or sessions[sid].target.cached_tokens)]
+        if not holding:
+            return False
+        victim = max(holding, key=self._started.get)
+        sessions[victim].target.evict()
+        self.waiting[victim] = next(self._order)
+        self.preemptions += 1
+        log.info("session %s gave its KV pages back for the step to fit (%d free of %d); it waits its turn",
+                 victim, self.pool.free_pages, self.pool.pages)
+        return True
