@@ -36,19 +36,20 @@ at the current epoch, and drafting goes on from there.
 from __future__ import annotations
 
 import dataclasses
-import enum
-import logging
 import time
 from collections.abc import Callable
 from typing import Protocol
 
 from coordinator.session.ahead import AheadBlocks, Waiting
+from coordinator.session.attachment import DraftAttachment, DraftMode
 from coordinator.session.feedback import FeedbackChain
 from coordinator.session.pausing import LoadCap, LoadPause
-from coordinator.session.reattach import AttachWait, Reattach
+from coordinator.session.reattach import Reattach
 from coordinator.session.round_log import RoundLog
+from coordinator.session.speculation import SpeculationBudget
+from coordinator.session.waiting import WhileWaiting
 from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
-from svip_common.acceptance import SessionStop, StopRule
+from svip_common.acceptance import SessionStop
 from svip_common.contracts import (
     NO_TOKEN,
     Block,
@@ -60,28 +61,14 @@ from svip_common.contracts import (
 )
 from svip_common.errors import WorkerError
 from svip_common.messages import (
-    Cancel,
     DraftClosed,
     DraftedBlock,
     DraftEvent,
     DraftFailed,
     DraftRequest,
-    SessionStart,
 )
-from svip_common.step_cost import SessionGate, StepCost, TargetLoad, prefill_pays
+from svip_common.step_cost import SessionGate, TargetLoad
 from target_worker.verifier import TargetSession
-
-log = logging.getLogger(__name__)
-
-
-class DraftMode(enum.Enum):
-    """Who proposes the session's blocks: one state, not a flag per situation."""
-
-    DRAFTING = "drafting"  # the draft worker proposes blocks
-    PAUSED = "paused"  # load-aware: the draft waits for a Resume; the target settles tokens alone
-    DETACHED = "detached"  # recovery: no draft works on the session; the target settles tokens alone until one is back
-    GIVEN_UP = "given up"  # the draft failed the session (an error, a bad block): the target goes on alone for good
-    CLOSED = "closed"  # the session is over: its draft session is cancelled, nothing more goes to the draft
 
 
 class DraftPeer(Protocol):
@@ -107,7 +94,14 @@ class CallerPort(Protocol):
         """The session ended: why, and its statistics (the last event)."""
 
 
-class SessionPipeline:
+class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
+    """One session's protocol on the target side. The round is here: a block in (on_draft_event),
+    verified (_verify, then the host's batched step answers verified), decided (_decide: the
+    feedback, the blocks drafted ahead, the settled tokens) and the next one started
+    (_next_round). Its parts, each in its own module over this state: whether a draft works on the
+    session (attachment.py), what the target does while it waits (waiting.py), how much the draft
+    may draft (speculation.py)."""
+
     def __init__(
         self,
         session_id: str,
@@ -159,201 +153,12 @@ class SessionPipeline:
         self.filled = 0  # tokens the target settled alone while the session waited (a round each)
 
     @property
-    def paused(self) -> bool:
-        return self.mode is DraftMode.PAUSED
-
-    @property
-    def detached(self) -> bool:
-        """No draft works on the session (for now, or for good)."""
-        return self.mode in (DraftMode.DETACHED, DraftMode.GIVEN_UP)
-
-    @property
-    def _draft_holds_session(self) -> bool:
-        """The draft worker holds a session of ours (drafting or paused): a Cancel is owed when it ends."""
-        return self.draft is not None and self.mode in (DraftMode.DRAFTING, DraftMode.PAUSED)
-
-    @property
-    def draft_given_up(self) -> bool:
-        return self.mode is DraftMode.GIVEN_UP
-
-    @property
     def cached_tokens(self) -> int:
         return self.target.cached_tokens
 
     @property
     def done(self) -> bool:
         return self.finish_reason is not None
-
-    # --- lifecycle ----------------------------------------------------------------------------------
-
-    def start(self) -> None:
-        if self.draft is None:
-            self._verify(self._empty_block(), self.clock(), "none")
-        elif not self.draft.available:
-            self.detach(cancel=False)
-        else:
-            self._start_draft()
-
-    def _start_draft(self) -> None:
-        """The draft's session, on the committed tokens (the prompt, or more on a re-attach), at
-        the current epoch, with what is left of the budget."""
-        r, cap = self.request, self._cap()
-        start = SessionStart(
-            session_id=self.sid,
-            prompt_ids=tuple(self.committed),
-            max_new_tokens=r.max_new_tokens - len(self.generated),
-            sampling=r.sampling,
-            policy=r.policy,
-            stop_token_ids=self.stop_ids,
-            pipeline=self.pipeline,
-            epoch=self.epoch,
-            load_cap=cap,
-            stop_rule=self._stop_rule(),
-        )
-        self.draft_base = len(self.committed)
-        self._to_draft(start)
-        if cap == 0:
-            self._pause()
-            self._verify(self._empty_block(), self.clock(), "paused")
-        else:
-            self.waiting_since = self.clock()
-
-    # --- recovery: a draft lost or stalled, a draft back ---------------------------------------------
-
-    def detach(self, cancel: bool) -> None:
-        """Go on without the draft from the committed tokens (a sampled session first holds for
-        it, hold_s). cancel: the draft worker is still connected (a stall): its session there is
-        cancelled, and its answer (Closed) says it is back."""
-        if self.done or self.draft is None or self.detached:
-            return
-        # a stall (cancel): an overloaded draft is not handed this session's re-prefill at once again
-        self.reattach.detached(self.clock(), stalled=cancel, sampled=not self.request.sampling.greedy)
-        if cancel and self._draft_holds_session:  # a stall: the draft still holds the session
-            self._to_draft(Cancel(self.sid))
-        self.mode, self.waiting_since = DraftMode.DETACHED, None
-        self.stats.detached += 1
-        self.epoch += 1  # what the old draft sent or sends is stale
-        self.ahead.drop_all()
-        self.feedback.reset()
-        self.pausing.forget()
-        if self.verifying is None:
-            self._go_alone()
-
-    def attach(self, now: float | None = None) -> None:
-        """A draft is back: it takes the session up from the committed tokens (not before the
-        backoff after a stall ends; never after the draft failed the session, or stalled under it
-        MAX_STALLS times)."""
-        if self.done or self.mode is not DraftMode.DETACHED or self.reattach.retired:
-            return
-        if (now if now is not None else self.clock()) < self.reattach.not_before:
-            self.reattach.waiting = AttachWait.BACKOFF  # retry_attach takes it up once the backoff is over
-            return
-        if self.verifying is not None:
-            self.reattach.waiting = AttachWait.VERDICT  # taken up once the verdict in flight is decided
-            return
-        self.reattach.attached()
-        self.mode = DraftMode.DRAFTING
-        self.stats.reattached += 1
-        self._start_draft()
-
-    def retry_attach(self, now: float) -> None:
-        """A re-attach that waited for its backoff, now due (the host checks periodically)."""
-        if self.reattach.backoff_over(now):
-            self.attach(now)
-
-    def hold_expired(self, now: float) -> None:
-        """A sampled session waited for a draft long enough: the target goes on alone."""
-        if self.detached and self.reattach.hold_over(now) and self.verifying is None:
-            self._go_alone()
-
-    def stalled(self, now: float, deadline_s: float) -> bool:
-        """The session has waited on the draft longer than deadline_s."""
-        return (
-            not self.done
-            and self.waiting_since is not None
-            and not self.detached
-            and not self.paused
-            and self.verifying is None
-            and now - self.waiting_since > deadline_s
-        )
-
-    def wants_prefill(self, verify: StepCost, always: bool = False) -> bool:
-        """The session waits on its draft's block, and the target's cache lacks the row for the
-        next place (the last verdict's token, or the prompt, not yet taken in), which it knows (not
-        a sampled correction the draft draws). always: whether or not it pays (prefill_pays).
-        A prompt not yet taken in is always worth it: that forward is owed anyway."""
-        if not self._waits_on_draft or self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
-            return False
-        waited = self.clock() - self.waiting_since
-        return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify, waited)
-
-    def wants_fill(self) -> bool:
-        """The target never idles for a block: a greedy session that waits on its draft settles
-        the target's own next token, from the row stored for exactly its committed tokens (a
-        prefill's, or the last verification's: ``TargetSession.next_token``), and the block that
-        comes later is checked against the tokens settled so meanwhile (``_verify``). Exact by
-        construction: every token is the target's own choice. Not for sampled sessions: whether
-        a place is drawn by the target alone or by a verdict would depend on timing, and a seeded
-        request must reproduce."""
-        return self.request.sampling.greedy and self._waits_on_draft
-
-    @property
-    def _waits_on_draft(self) -> bool:
-        """The session waits for its draft's next block, with nothing being verified."""
-        return (
-            not self.done and self.mode is DraftMode.DRAFTING and self.verifying is None
-            and self.waiting_since is not None
-        )
-
-    def fill(self, started: float, ended: float) -> bool:
-        """Settle the target's own token for the next place if its row is stored (wants_fill
-        said the session may); started, ended: the forward that stored it (a prefill while idle;
-        equal: none ran for it). Returns whether a token was settled."""
-        token = self.target.next_token(self.committed)
-        if token is None:
-            return False
-        now = self.clock()
-        self.filled += 1
-        self.log.round(self._empty_block(), 0, (now, started, ended, "filled"), now)
-        self._commit(*self._clipped([token]))
-        return True
-
-    def _go_alone(self) -> None:
-        if self.reattach.hold_until is None:
-            self._verify(self._empty_block(), self.clock(), "detached")
-
-    def _decide_detached(self, block: DraftedBlock, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
-        """A verdict while no draft works on the session: the target's own token, or a verdict on
-        a block drafted before the draft was lost (greedy: kept; sampled: voided, see above)."""
-        decided = self.clock()
-        self.verifying = None
-        stale = block.epoch != self.epoch
-        if stale and not self.request.sampling.greedy:
-            self.stats.discarded_tokens += len(block.tokens)
-            settled = []
-        else:
-            settled = self._new_tokens(block, verdict.accepted, verdict.token)
-            self.log.round(block, verdict.accepted, timing, decided)
-        self._commit(*self._clipped(settled))
-        if self.done:
-            return
-        if self.reattach.waiting is AttachWait.VERDICT:
-            self.attach()
-        else:
-            self._go_alone()
-
-    def cancel(self) -> None:
-        """The caller ended the session (it went away, or a stop string): report, and free both sides."""
-        if not self.done:
-            self._finish("cancelled")
-
-    def close(self) -> None:
-        """The session is dropped (finished, cancelled, or its caller's stream is gone): its
-        pages go back to the pool and the draft's session is cancelled."""
-        self.target.close()
-        if self._draft_holds_session:
-            self._to_draft(Cancel(self.sid))
-        self.mode = DraftMode.CLOSED
 
     # --- from the draft worker ---------------------------------------------------------------------
 
@@ -375,21 +180,6 @@ class SessionPipeline:
                 self._on_block(event, received_at)
             except WorkerError as exc:  # a bad block is the draft's fault: checked before it changes anything
                 self._give_up_draft(str(exc), cancel=True)
-
-    def on_bad_draft_message(self, why: str) -> None:
-        """The draft sent what cannot be read (the service's edge found it malformed): the draft's
-        fault, never the caller's. A detached session ignores it, as every message of the old draft."""
-        if not self.done and not self.detached:
-            self._give_up_draft(why, cancel=True)
-
-    def _give_up_draft(self, why: str, cancel: bool) -> None:
-        """The draft failed this session: the target goes on alone, at once (no hold: the draft
-        will not take the session up again)."""
-        log.warning("session %s: %s; going on without the draft", self.sid, why)
-        self.detach(cancel)
-        if self.detached:
-            self.mode = DraftMode.GIVEN_UP
-        self.hold_expired(float("inf"))
 
     def _on_block(self, block: DraftedBlock, received_at: float) -> None:
         check_timings(block)
@@ -495,13 +285,6 @@ class SessionPipeline:
     def _clipped(self, tokens: list[int]) -> tuple[list[int], str | None]:
         return clip_settled(tokens, self.request.max_new_tokens - len(self.generated), self.stop_ids)
 
-    def _record(self, block: DraftedBlock, accepted: int) -> None:
-        """The verdict on a drafted block, into load-aware speculation's estimate and auto's."""
-        if block.tokens:
-            self.gate.record(len(block.tokens), accepted, block.draft_s)
-            if self.auto is not None:
-                self._learn(block, accepted)
-
     def _resolve_ahead(
         self, block: DraftedBlock, verdict: Verdict, cap: int | None, was_paused: bool
     ) -> tuple[int, Waiting | None, bool, bool]:
@@ -558,34 +341,6 @@ class SessionPipeline:
             self.gate.record_round_trip(0.0)
             self._verify(held, held_received, "followup")
 
-    def _cap(self) -> int | None:
-        """Load-aware speculation: the most tokens the next block should hold (None: no cap)."""
-        return None if self.draft is None else self.pausing.cap()
-
-    def _learn(self, block: DraftedBlock, accepted: int) -> None:
-        """auto: the verdict on a drafted block, into the pair's estimate and the session's rate."""
-        load = self._load()
-        round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
-        self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s, round_tokens)
-
-    def _stop_rule(self) -> StopRule | None:
-        """auto: the rule for the next blocks, at this session's tau now (None: not policy auto)."""
-        return self.auto.rule(self._load()) if self.auto is not None else None
-
-    def _pause(self) -> None:
-        """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
-        self.mode = DraftMode.PAUSED
-        self.pausing.pause()
-        self.pausing.settle(self.committed[self.draft_base:])  # the draft learns its own tokens on resume
-
-    def _resume(self, cap: int) -> None:
-        """Drafting pays again: the draft gets the tokens settled since the pause and its cap."""
-        self.mode = DraftMode.DRAFTING
-        resume = self.pausing.resume(self.sid, self.epoch, len(self.committed), cap, self._stop_rule())
-        self.draft_base = len(self.committed)
-        self._feedback_sent_at = self.clock()
-        self._to_draft(resume)
-
     def _send_feedback(
         self, block: DraftedBlock, verdict: Verdict, token: int, prepared_used: bool, deferred: bool, cap: int | None
     ) -> None:
@@ -631,17 +386,6 @@ class SessionPipeline:
 
     def _to_draft(self, request: DraftRequest) -> None:
         self.log.wire_bytes += self.draft.send(self.sid, request)
-
-    # --- stats --------------------------------------------------------------------------------------
-
-    def _note_feedback_answered(self, block: DraftedBlock, received_at: float) -> None:
-        """A block drafted in answer to the latest feedback: that round's return trip (for the
-        stats, and what load-aware speculation charges a drafting round beyond its forwards)."""
-        if block.trigger_at and self._feedback_sent_at:
-            self.gate.record_round_trip(max(0.0, received_at - self._feedback_sent_at - block.draft_s))
-            self.draft.answered(received_at - self._feedback_sent_at)
-            self.log.feedback_answered(block, self._feedback_sent_at)
-            self._feedback_sent_at = 0.0
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

@@ -1,0 +1,191 @@
+"""Whether a draft works on a distributed session, and what happens when that changes: a part of
+SessionPipeline (pipeline.py), which holds the state it reads and writes (mode, epoch, committed,
+verifying, reattach, ahead, feedback). The draft's session starts on the committed tokens; a draft
+lost or stalled is left behind (*detach*: the epoch advances, the target settles tokens alone; a
+sampled session first holds for it so that a seed reproduces); one back takes the session up again
+(*attach*), not before a stall's backoff; one that failed the session is given up for good. Why
+each step is exact: pipeline.py's docstring, Recovery."""
+
+from __future__ import annotations
+
+import enum
+import logging
+
+from coordinator.session.reattach import AttachWait
+from svip_common.contracts import Verdict
+from svip_common.messages import Cancel, DraftedBlock, SessionStart
+
+log = logging.getLogger("coordinator.session.pipeline")
+
+
+class DraftMode(enum.Enum):
+    """Who proposes the session's blocks: one state, not a flag per situation."""
+
+    DRAFTING = "drafting"  # the draft worker proposes blocks
+    PAUSED = "paused"  # load-aware: the draft waits for a Resume; the target settles tokens alone
+    DETACHED = "detached"  # recovery: no draft works on the session; the target settles tokens alone until one is back
+    GIVEN_UP = "given up"  # the draft failed the session (an error, a bad block): the target goes on alone for good
+    CLOSED = "closed"  # the session is over: its draft session is cancelled, nothing more goes to the draft
+
+
+class DraftAttachment:
+    """A part of SessionPipeline (this module's docstring)."""
+
+    def start(self) -> None:
+        if self.draft is None:
+            self._verify(self._empty_block(), self.clock(), "none")
+        elif not self.draft.available:
+            self.detach(cancel=False)
+        else:
+            self._start_draft()
+
+    def cancel(self) -> None:
+        """The caller ended the session (it went away, or a stop string): report, and free both sides."""
+        if not self.done:
+            self._finish("cancelled")
+
+    def close(self) -> None:
+        """The session is dropped (finished, cancelled, or its caller's stream is gone): its
+        pages go back to the pool and the draft's session is cancelled."""
+        self.target.close()
+        if self._draft_holds_session:
+            self._to_draft(Cancel(self.sid))
+        self.mode = DraftMode.CLOSED
+
+    @property
+    def paused(self) -> bool:
+        return self.mode is DraftMode.PAUSED
+
+    @property
+    def detached(self) -> bool:
+        """No draft works on the session (for now, or for good)."""
+        return self.mode in (DraftMode.DETACHED, DraftMode.GIVEN_UP)
+
+    @property
+    def _draft_holds_session(self) -> bool:
+        """The draft worker holds a session of ours (drafting or paused): a Cancel is owed when it ends."""
+        return self.draft is not None and self.mode in (DraftMode.DRAFTING, DraftMode.PAUSED)
+
+    @property
+    def draft_given_up(self) -> bool:
+        return self.mode is DraftMode.GIVEN_UP
+
+    def _start_draft(self) -> None:
+        """The draft's session, on the committed tokens (the prompt, or more on a re-attach), at
+        the current epoch, with what is left of the budget."""
+        r, cap = self.request, self._cap()
+        start = SessionStart(
+            session_id=self.sid,
+            prompt_ids=tuple(self.committed),
+            max_new_tokens=r.max_new_tokens - len(self.generated),
+            sampling=r.sampling,
+            policy=r.policy,
+            stop_token_ids=self.stop_ids,
+            pipeline=self.pipeline,
+            epoch=self.epoch,
+            load_cap=cap,
+            stop_rule=self._stop_rule(),
+        )
+        self.draft_base = len(self.committed)
+        self._to_draft(start)
+        if cap == 0:
+            self._pause()
+            self._verify(self._empty_block(), self.clock(), "paused")
+        else:
+            self.waiting_since = self.clock()
+
+    def detach(self, cancel: bool) -> None:
+        """Go on without the draft from the committed tokens (a sampled session first holds for
+        it, hold_s). cancel: the draft worker is still connected (a stall): its session there is
+        cancelled, and its answer (Closed) says it is back."""
+        if self.done or self.draft is None or self.detached:
+            return
+        # a stall (cancel): an overloaded draft is not handed this session's re-prefill at once again
+        self.reattach.detached(self.clock(), stalled=cancel, sampled=not self.request.sampling.greedy)
+        if cancel and self._draft_holds_session:  # a stall: the draft still holds the session
+            self._to_draft(Cancel(self.sid))
+        self.mode, self.waiting_since = DraftMode.DETACHED, None
+        self.stats.detached += 1
+        self.epoch += 1  # what the old draft sent or sends is stale
+        self.ahead.drop_all()
+        self.feedback.reset()
+        self.pausing.forget()
+        if self.verifying is None:
+            self._go_alone()
+
+    def attach(self, now: float | None = None) -> None:
+        """A draft is back: it takes the session up from the committed tokens (not before the
+        backoff after a stall ends; never after the draft failed the session, or stalled under it
+        MAX_STALLS times)."""
+        if self.done or self.mode is not DraftMode.DETACHED or self.reattach.retired:
+            return
+        if (now if now is not None else self.clock()) < self.reattach.not_before:
+            self.reattach.waiting = AttachWait.BACKOFF  # retry_attach takes it up once the backoff is over
+            return
+        if self.verifying is not None:
+            self.reattach.waiting = AttachWait.VERDICT  # taken up once the verdict in flight is decided
+            return
+        self.reattach.attached()
+        self.mode = DraftMode.DRAFTING
+        self.stats.reattached += 1
+        self._start_draft()
+
+    def retry_attach(self, now: float) -> None:
+        """A re-attach that waited for its backoff, now due (the host checks periodically)."""
+        if self.reattach.backoff_over(now):
+            self.attach(now)
+
+    def hold_expired(self, now: float) -> None:
+        """A sampled session waited for a draft long enough: the target goes on alone."""
+        if self.detached and self.reattach.hold_over(now) and self.verifying is None:
+            self._go_alone()
+
+    def stalled(self, now: float, deadline_s: float) -> bool:
+        """The session has waited on the draft longer than deadline_s."""
+        return (
+            not self.done
+            and self.waiting_since is not None
+            and not self.detached
+            and not self.paused
+            and self.verifying is None
+            and now - self.waiting_since > deadline_s
+        )
+
+    def _go_alone(self) -> None:
+        if self.reattach.hold_until is None:
+            self._verify(self._empty_block(), self.clock(), "detached")
+
+    def _decide_detached(self, block: DraftedBlock, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
+        """A verdict while no draft works on the session: the target's own token, or a verdict on
+        a block drafted before the draft was lost (greedy: kept; sampled: voided, see above)."""
+        decided = self.clock()
+        self.verifying = None
+        stale = block.epoch != self.epoch
+        if stale and not self.request.sampling.greedy:
+            self.stats.discarded_tokens += len(block.tokens)
+            settled = []
+        else:
+            settled = self._new_tokens(block, verdict.accepted, verdict.token)
+            self.log.round(block, verdict.accepted, timing, decided)
+        self._commit(*self._clipped(settled))
+        if self.done:
+            return
+        if self.reattach.waiting is AttachWait.VERDICT:
+            self.attach()
+        else:
+            self._go_alone()
+
+    def on_bad_draft_message(self, why: str) -> None:
+        """The draft sent what cannot be read (the service's edge found it malformed): the draft's
+        fault, never the caller's. A detached session ignores it, as every message of the old draft."""
+        if not self.done and not self.detached:
+            self._give_up_draft(why, cancel=True)
+
+    def _give_up_draft(self, why: str, cancel: bool) -> None:
+        """The draft failed this session: the target goes on alone, at once (no hold: the draft
+        will not take the session up again)."""
+        log.warning("session %s: %s; going on without the draft", self.sid, why)
+        self.detach(cancel)
+        if self.detached:
+            self.mode = DraftMode.GIVEN_UP
+        self.hold_expired(float("inf"))

@@ -1,0 +1,58 @@
+"""How much a distributed session's draft may draft, and what each verdict teaches it: a part of
+SessionPipeline (pipeline.py), which holds the state it reads (gate, pausing, auto, the load).
+Load-aware speculation caps the next blocks at what pays at the target's measured load and pauses
+the draft when nothing does (svip_common/step_cost.py); policy auto's stop rule is refit from
+every verdict (svip_common/acceptance.py); a block that answers a feedback times the round trip
+that the gate charges a drafting round."""
+
+from __future__ import annotations
+
+from coordinator.session.attachment import DraftMode
+from svip_common.acceptance import StopRule
+from svip_common.messages import DraftedBlock
+
+
+class SpeculationBudget:
+    def _record(self, block: DraftedBlock, accepted: int) -> None:
+        """The verdict on a drafted block, into load-aware speculation's estimate and auto's."""
+        if block.tokens:
+            self.gate.record(len(block.tokens), accepted, block.draft_s)
+            if self.auto is not None:
+                self._learn(block, accepted)
+
+    def _cap(self) -> int | None:
+        """Load-aware speculation: the most tokens the next block should hold (None: no cap)."""
+        return None if self.draft is None else self.pausing.cap()
+
+    def _learn(self, block: DraftedBlock, accepted: int) -> None:
+        """auto: the verdict on a drafted block, into the pair's estimate and the session's rate."""
+        load = self._load()
+        round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
+        self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s, round_tokens)
+
+    def _stop_rule(self) -> StopRule | None:
+        """auto: the rule for the next blocks, at this session's tau now (None: not policy auto)."""
+        return self.auto.rule(self._load()) if self.auto is not None else None
+
+    def _pause(self) -> None:
+        """The draft drafts nothing (its feedback said load_cap 0); the target goes on alone."""
+        self.mode = DraftMode.PAUSED
+        self.pausing.pause()
+        self.pausing.settle(self.committed[self.draft_base:])  # the draft learns its own tokens on resume
+
+    def _resume(self, cap: int) -> None:
+        """Drafting pays again: the draft gets the tokens settled since the pause and its cap."""
+        self.mode = DraftMode.DRAFTING
+        resume = self.pausing.resume(self.sid, self.epoch, len(self.committed), cap, self._stop_rule())
+        self.draft_base = len(self.committed)
+        self._feedback_sent_at = self.clock()
+        self._to_draft(resume)
+
+    def _note_feedback_answered(self, block: DraftedBlock, received_at: float) -> None:
+        """A block drafted in answer to the latest feedback: that round's return trip (for the
+        stats, and what load-aware speculation charges a drafting round beyond its forwards)."""
+        if block.trigger_at and self._feedback_sent_at:
+            self.gate.record_round_trip(max(0.0, received_at - self._feedback_sent_at - block.draft_s))
+            self.draft.answered(received_at - self._feedback_sent_at)
+            self.log.feedback_answered(block, self._feedback_sent_at)
+            self._feedback_sent_at = 0.0

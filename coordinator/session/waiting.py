@@ -1,0 +1,53 @@
+"""What a distributed session asks of the target while it waits on its draft's block: a part of
+SessionPipeline (pipeline.py), which holds the state it reads (mode, verifying, waiting_since,
+committed, feedback, gate). The host's idle work (idle_work.py) asks each session whether it wants
+its next row computed ahead (a prefill) and whether it may settle the target's own next token from
+it (a fill), and does so."""
+
+from __future__ import annotations
+
+from coordinator.session.attachment import DraftMode
+from svip_common.step_cost import StepCost, prefill_pays
+
+
+class WhileWaiting:
+    def wants_prefill(self, verify: StepCost, always: bool = False) -> bool:
+        """The session waits on its draft's block, and the target's cache lacks the row for the
+        next place (the last verdict's token, or the prompt, not yet taken in), which it knows (not
+        a sampled correction the draft draws). always: whether or not it pays (prefill_pays).
+        A prompt not yet taken in is always worth it: that forward is owed anyway."""
+        if not self._waits_on_draft or self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
+            return False
+        waited = self.clock() - self.waiting_since
+        return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify, waited)
+
+    def wants_fill(self) -> bool:
+        """The target never idles for a block: a greedy session that waits on its draft settles
+        the target's own next token, from the row stored for exactly its committed tokens (a
+        prefill's, or the last verification's: ``TargetSession.next_token``), and the block that
+        comes later is checked against the tokens settled so meanwhile (``_verify``). Exact by
+        construction: every token is the target's own choice. Not for sampled sessions: whether
+        a place is drawn by the target alone or by a verdict would depend on timing, and a seeded
+        request must reproduce."""
+        return self.request.sampling.greedy and self._waits_on_draft
+
+    @property
+    def _waits_on_draft(self) -> bool:
+        """The session waits for its draft's next block, with nothing being verified."""
+        return (
+            not self.done and self.mode is DraftMode.DRAFTING and self.verifying is None
+            and self.waiting_since is not None
+        )
+
+    def fill(self, started: float, ended: float) -> bool:
+        """Settle the target's own token for the next place if its row is stored (wants_fill
+        said the session may); started, ended: the forward that stored it (a prefill while idle;
+        equal: none ran for it). Returns whether a token was settled."""
+        token = self.target.next_token(self.committed)
+        if token is None:
+            return False
+        now = self.clock()
+        self.filled += 1
+        self.log.round(self._empty_block(), 0, (now, started, ended, "filled"), now)
+        self._commit(*self._clipped([token]))
+        return True
