@@ -1,6 +1,9 @@
 """The distributed sessions, run in the target worker's process beside its verifier: the session
-host (the TargetWorker gRPC service and its batched verification step), each session's protocol
-(pipeline.py: the round's decision and the draft's mode), its parts that decide nothing (ahead.py:
+host (the TargetWorker gRPC service and its batched verification step; pages.py: KV pages by use;
+idle_work.py: what the target does while no block is ready), each session's protocol (pipeline.py:
+the round; attachment.py, waiting.py, speculation.py: its parts over the same state: the draft's
+mode and recovery, the target's work while it waits, caps and auto's rule), its parts that decide
+nothing (ahead.py:
 blocks drafted ahead of a verdict; reattach.py: recovery's re-attach schedule; pausing.py:
 load-aware pauses; feedback.py: the feedback owed to the draft; round_log.py: the statistics)
 and what it checks of the draft's messages (wire_checks.py), the link to the draft worker and its

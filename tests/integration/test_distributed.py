@@ -1,9 +1,11 @@
 """The distributed pipeline on real gRPC on loopback, the session host and the draft service in
 this process (tests/workers.py; no Ray: the Ray actors' own checks are test_local_ray.py's and
 test_recovery.py's): greedy output equal to the in-process engine and to the target alone in sync
-and async mode, for every policy and for 8 concurrent sessions; the sampling distribution; stale
-blocks never verified; cancellation frees both caches; greedy wire bytes are ids and small
-headers; a bad request is INVALID_ARGUMENT and the stream goes on."""
+and async mode, for three policies and for 8 concurrent sessions (every policy, random
+interleavings and the sampling distribution: test_in_memory.py, the same protocol without
+sockets; the distribution over gRPC: the system tier); stale blocks never verified;
+cancellation frees both caches; greedy wire bytes are ids and small headers; a bad request is
+INVALID_ARGUMENT and the stream goes on."""
 
 from __future__ import annotations
 
@@ -65,7 +67,7 @@ def inprocess(models):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-@pytest.mark.parametrize("policy", list(POLICIES))
+@pytest.mark.parametrize("policy", ["svip", "auto", "none"])  # every policy: test_in_memory.py, same protocol
 def test_greedy_equals_inprocess_and_target_alone(engines, inprocess, models, prompt_ids, loop, mode, policy):
     alone = SpeculativeEngine(models["target"], None)
     for name, ids in prompt_ids.items():
@@ -149,6 +151,7 @@ def test_sampled_rejections_ship_one_row_not_k(engines, prompt_ids, loop, models
 
 
 @pytest.mark.slow
+@pytest.mark.system  # the fast tier checks the distribution through the in-memory transport (test_in_memory.py)
 @pytest.mark.parametrize("mode", ["sync", "async"])
 @pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0),
                                       SamplingParams(temperature=0.8, top_k=40, top_p=0.9)], ids=["plain", "warped"])

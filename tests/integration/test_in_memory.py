@@ -8,6 +8,8 @@ the output exact."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from coordinator.engine import SpeculativeEngine
@@ -15,6 +17,7 @@ from coordinator.in_memory import DELIVERIES, STEPS, WORK, InMemoryPair, InOrder
 from draft_worker.drafter import Drafter
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
 from target_worker.verifier import Verifier
+from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
 
 POLICIES = {
     "svip": PolicyConfig(name="svip", threshold=0.6),
@@ -152,3 +155,27 @@ def test_every_step_crosses_the_wire_contract(models, prompt_ids):
     while (action := pair.step()) is not None:
         seen.add(action)
     assert set(DELIVERIES) | set(WORK) <= seen and set(STEPS) & seen
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0),
+                                      SamplingParams(temperature=0.8, top_k=40, top_p=0.9)], ids=["plain", "warped"])
+def test_the_sampling_distribution_under_random_interleavings(models, prompt_ids, pipeline, sampling):
+    """The first two tokens of 1,500 seeded requests, 50 in flight at a time, their steps
+    interleaved at random: they follow the target's exact marginals and are told apart from the
+    draft's. Warped, a rejection's p row crosses the wire by its ids with mass (p_nonzero)."""
+    prompt = prompt_ids["medium"]
+    pair = make_pair(models, pipeline, Seeded(len(pipeline) + int(sampling.top_p * 10)))
+    requests = [GenerationRequest(prompt, 3, dataclasses.replace(sampling, seed=s), POLICIES["constant"])
+                for s in range(1500)]
+    results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
+    firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
+    p1, p2 = exact_marginals(models["target"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, p1) > ALPHA and chi_square_pvalue(seconds, p2) > ALPHA
+    q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
+    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
+    rejections = sum(a < d for r in results for a, d in zip(r.stats.accepted_lengths, r.stats.draft_lengths))
+    assert rejections > 0
+    if sampling.top_p < 1.0:
+        row = models["target"].vocab_size * 4  # a whole float32 p row
+        assert sum(r.stats.wire_bytes for r in results) < rejections * row / 2  # rows by ids
