@@ -10,20 +10,43 @@ from __future__ import annotations
 
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from svip_common.contracts import Block, GenerationRequest, GenerationResult
+from draft_worker.drafter import Drafter
+from svip_common.contracts import Block, GenerationRequest, GenerationResult, Verdict
 from svip_common.errors import InvalidRequest
+from target_worker.verifier import Verifier
 
-if TYPE_CHECKING:  # the engine runs the batch (coordinator/engine.py imports this module)
-    from coordinator.engine import EngineSession, SpeculativeEngine
+
+class BatchSession(Protocol):
+    """What the batch asks of a request's session (coordinator/engine.py's EngineSession)."""
+
+    committed: list[int]
+    draft: object  # its draft session: forward_s
+    target: object  # its target session: forward_s, and what the verifier verifies it against
+
+    @property
+    def done(self) -> bool: ...
+
+    def begin(self): ...
+
+    def settle(self, block: Block, verdict: Verdict) -> list[int]: ...
+
+    def fail(self, error: Exception) -> None: ...
+
+    def time_round(self, wall_s: float, draft_s: float, target_s: float) -> None: ...
+
+    def result(self) -> GenerationResult: ...
+
+    def close(self) -> None: ...
 
 
 @dataclass
 class _Slot:
     index: int  # the request's place in the input
-    session: EngineSession
+    session: BatchSession
     pages: int  # KV pages reserved in each pool
     block: Block | None = None  # drafted, waiting for its verdict
     draft: object = None  # the BlockDraft in the making
@@ -31,17 +54,25 @@ class _Slot:
 
 
 class BatchEngine:
-    def __init__(self, engine: SpeculativeEngine, batch_size: int, max_batched_tokens: int | None = None):
+    def __init__(self, resolve: Callable[[GenerationRequest], GenerationRequest],
+                 open_session: Callable[[GenerationRequest], BatchSession], drafter: Drafter | None,
+                 verifier: Verifier, batch_size: int, max_batched_tokens: int | None = None,
+                 on_step: Callable[[int], None] = lambda sessions: None):
+        """Built from the engine's parts (SpeculativeEngine.batch): resolve a request (checked,
+        as it will run), open its session, the two models; on_step(n): the next target step
+        verifies n sessions (what the load their gates see is priced at)."""
         if batch_size < 1:
             raise InvalidRequest(f"batch size must be >= 1, got {batch_size}")
         if max_batched_tokens is not None and max_batched_tokens < 1:
             raise InvalidRequest(f"max batched tokens must be >= 1, got {max_batched_tokens}")
-        self.engine, self.batch_size, self.max_batched_tokens = engine, batch_size, max_batched_tokens
+        self.resolve, self.open_session, self.on_step = resolve, open_session, on_step
+        self.drafter, self.verifier = drafter, verifier
+        self.batch_size, self.max_batched_tokens = batch_size, max_batched_tokens
         self.steps = 0  # target forwards run
         self.batch_sizes: list[int] = []  # sessions verified per target step
 
     def generate_all(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
-        requests = [self.engine.resolve(r) for r in requests]  # every bad request named before any runs
+        requests = [self.resolve(r) for r in requests]  # every bad request named before any runs
         for r in requests:
             self._check_fits(r)
         results: list[GenerationResult | None] = [None] * len(requests)
@@ -56,9 +87,9 @@ class BatchEngine:
                 ):
                     index, request = waiting.popleft()
                     pages = self._pages(request)
-                    active.append(_Slot(index, self.engine.open(request), pages))
+                    active.append(_Slot(index, self.open_session(request), pages))
                     reserved += pages
-                self.engine.in_step = len(active)  # what the load the sessions' gates see is priced at
+                self.on_step(len(active))
                 self._draft(active)
                 self._verify(active)
                 for slot in [s for s in active if s.session.done]:
@@ -85,7 +116,7 @@ class BatchEngine:
             else:
                 drafting.append(slot)
         while live := [s.draft for s in drafting if not s.draft.done]:
-            self.engine.drafter.step(live)
+            self.drafter.step(live)
         for slot in drafting:
             if slot.draft.error is not None:  # its own choice failed: it ends, the others go on
                 slot.session.fail(slot.draft.error)
@@ -97,7 +128,7 @@ class BatchEngine:
         if not active:
             return
         jobs = [(s.session.target, s.session.committed, s.block) for s in active]
-        verdicts = self.engine.verifier.verify_apart(jobs, self.max_batched_tokens)  # a failure, its own
+        verdicts = self.verifier.verify_apart(jobs, self.max_batched_tokens)  # a failure, its own
         self.steps += 1
         self.batch_sizes.append(len(active))
         for slot, verdict in zip(active, verdicts):
@@ -115,11 +146,11 @@ class BatchEngine:
             slot.block = None
 
     def _pages(self, request: GenerationRequest) -> int:
-        return self.engine.verifier.pool.pages_for(len(request.prompt_ids) + request.max_new_tokens)
+        return self.verifier.pool.pages_for(len(request.prompt_ids) + request.max_new_tokens)
 
     def _capacity(self) -> int:
-        drafter = self.engine.drafter
-        pools = [self.engine.verifier.pool] + ([drafter.pool] if drafter is not None and drafter.pool else [])
+        drafter = self.drafter
+        pools = [self.verifier.pool] + ([drafter.pool] if drafter is not None and drafter.pool else [])
         return min(p.pages for p in pools)
 
     def _check_fits(self, request: GenerationRequest) -> None:
@@ -127,5 +158,5 @@ class BatchEngine:
         if self._pages(request) > self._capacity():
             raise InvalidRequest(
                 f"a request of {need} tokens (prompt + max_new_tokens) does not fit the KV pool of "
-                f"{self._capacity() * self.engine.verifier.pool.page_size} tokens; raise --kv-cache-tokens"
+                f"{self._capacity() * self.verifier.pool.page_size} tokens; raise --kv-cache-tokens"
             )

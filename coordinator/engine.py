@@ -120,7 +120,15 @@ class SpeculativeEngine:
 
     def generate_many(self, requests: list[GenerationRequest], batch_size: int) -> list[GenerationResult]:
         """Up to batch_size requests in flight at once through the batched steps (coordinator/batch.py)."""
-        return BatchEngine(self, batch_size, self.max_batched_tokens).generate_all(requests)
+        return self.batch(batch_size, self.max_batched_tokens).generate_all(requests)
+
+    def batch(self, batch_size: int, max_batched_tokens: int | None = None) -> BatchEngine:
+        """A batch over this engine's models and sessions (coordinator/batch.py)."""
+        return BatchEngine(self.resolve, self.open, self.drafter, self.verifier, batch_size, max_batched_tokens,
+                           on_step=self._price_steps_at)
+
+    def _price_steps_at(self, sessions: int) -> None:
+        self.in_step = sessions  # what the load the sessions' gates see is priced at
 
     def generate(self, request: GenerationRequest, on_round: OnRound | None = None) -> GenerationResult:
         session = self.open(request)

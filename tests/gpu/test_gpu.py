@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from coordinator.batch import BatchEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.models import load_model
@@ -47,7 +46,7 @@ def test_the_batched_path_on_cuda_equals_one_at_a_time_and_the_target_alone(mode
     requests = requests_for(prompt_ids)
     alone = target_alone(target, requests)
     assert [engine.generate(r).token_ids for r in requests] == alone
-    batch = BatchEngine(engine, 5)
+    batch = engine.batch(5)
     assert [r.token_ids for r in batch.generate_all(requests)] == alone
     assert engine.verifier.pool.keys[0].device.type == "cuda" and engine.verifier.pool.used_pages == 0
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from coordinator.batch import BatchEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
@@ -48,7 +47,7 @@ def test_in_process_greedy_is_exact_while_the_estimate_learns(models, prompt_ids
 def test_batched_greedy_is_exact_while_the_estimate_learns(models, prompt_ids):
     engine = SpeculativeEngine(models["target"], models["close_draft"])
     requests = _requests(prompt_ids, 12)
-    results = BatchEngine(engine, 6).generate_all(requests)
+    results = engine.batch(6).generate_all(requests)
     assert engine.auto_estimate().model(True).fits >= 1
     assert [r.token_ids for r in results] == _alone(models, requests)
     assert sum(r.stats.draft_tokens for r in results) > 0

@@ -12,7 +12,6 @@ import dataclasses
 import pytest
 import torch
 
-from coordinator.batch import BatchEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
@@ -47,7 +46,7 @@ def test_batched_greedy_equals_one_at_a_time(models, prompt_ids, batch_size):
     engine = SpeculativeEngine(models["target"], models["close_draft"])
     requests = requests_for(prompt_ids)
     alone = [engine.generate(r).token_ids for r in requests]
-    batch = BatchEngine(engine, batch_size)
+    batch = engine.batch(batch_size)
     results = batch.generate_all(requests)
     assert [r.token_ids for r in results] == alone
     assert max(batch.batch_sizes) == min(batch_size, len(requests))  # sessions joined as others left
@@ -68,7 +67,7 @@ def test_batched_sampling_equals_one_at_a_time_with_the_same_seeds(models, promp
         for i, r in enumerate(requests_for(prompt_ids))
     ]
     alone = [engine.generate(r).token_ids for r in requests]
-    assert [r.token_ids for r in BatchEngine(engine, 6).generate_all(requests)] == alone
+    assert [r.token_ids for r in engine.batch(6).generate_all(requests)] == alone
 
 
 def test_a_batch_mixing_greedy_and_differently_warped_sessions_equals_one_at_a_time(models, prompt_ids):
@@ -82,7 +81,7 @@ def test_a_batch_mixing_greedy_and_differently_warped_sessions_equals_one_at_a_t
         for i, r in enumerate(requests_for(prompt_ids))
     ]
     alone = [engine.generate(r).token_ids for r in requests]
-    assert [r.token_ids for r in BatchEngine(engine, len(requests)).generate_all(requests)] == alone
+    assert [r.token_ids for r in engine.batch(len(requests)).generate_all(requests)] == alone
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget(models, prompt_ids):
@@ -90,7 +89,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget(models, pro
     long = GenerationRequest(tuple(range(3, 203)), 12, policy=POLICIES[0], ignore_eos=True)
     short = requests_for(prompt_ids)[:4]
     alone = [engine.generate(r).token_ids for r in [long, *short]]
-    batch = BatchEngine(engine, 8, max_batched_tokens=32)
+    batch = engine.batch(8, max_batched_tokens=32)
     assert [r.token_ids for r in batch.generate_all([long, *short])] == alone
     assert batch.steps > 200 // 32  # the 200-token prompt took several steps
 
@@ -100,7 +99,7 @@ def test_a_request_larger_than_the_pool_is_a_clear_error(models):
     with pytest.raises(InvalidRequest, match=r"\+ max_new_tokens \(20\) does not fit the KV cache of 64 tokens"):
         engine.generate(GenerationRequest(tuple(range(3, 60)), 20))
     with pytest.raises(InvalidRequest, match="does not fit the KV"):
-        BatchEngine(engine, 2).generate_all([GenerationRequest(tuple(range(3, 60)), 20)])
+        engine.batch(2).generate_all([GenerationRequest(tuple(range(3, 60)), 20)])
 
 
 def test_a_full_pool_makes_requests_wait_not_fail(models, prompt_ids):
@@ -110,7 +109,7 @@ def test_a_full_pool_makes_requests_wait_not_fail(models, prompt_ids):
         GenerationRequest(r.prompt_ids[:20], 40, policy=r.policy, ignore_eos=True) for r in requests_for(prompt_ids)
     ]
     alone = [engine.generate(r).token_ids for r in requests]
-    batch = BatchEngine(engine, 12)
+    batch = engine.batch(12)
     assert [r.token_ids for r in batch.generate_all(requests)] == alone
     assert max(batch.batch_sizes) <= 3 and engine.verifier.pool.used_pages == 0
 

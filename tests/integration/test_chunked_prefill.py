@@ -11,7 +11,6 @@ import random
 
 import pytest
 
-from coordinator.batch import BatchEngine
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig
@@ -41,8 +40,7 @@ def test_a_32000_token_prompt_runs_in_forwards_of_at_most_the_budget_on_both_wor
                              policy=PolicyConfig(name="constant", draft_length=4), ignore_eos=True)
     short = GenerationRequest((5, 6, 7, 8), 48, policy=PolicyConfig(name="constant", draft_length=4), ignore_eos=True)
     # the target alone, in process, prefilling in chunks of 4,096 (chunked prefill is exact: test_batching.py)
-    reference = BatchEngine(SpeculativeEngine(models["target"], None, kv_cache_tokens=POSITIONS + 64), 1,
-                            max_batched_tokens=4096)
+    reference = SpeculativeEngine(models["target"], None, kv_cache_tokens=POSITIONS + 64).batch(1, 4096)
     expected_long = reference.generate_all([long])[0].token_ids
     with in_process_workers(loop, models, draft_kv_tokens=POSITIONS + 64, target_kv_tokens=POSITIONS + 64,
                             positions=POSITIONS, max_batched_tokens=BUDGET, load_aware="off",
