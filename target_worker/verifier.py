@@ -79,7 +79,7 @@ class Verifier:
         for i, (session, committed, block) in enumerate(jobs):
             if verdicts[i] is not None:
                 continue
-            plan = session._plan(committed, block)
+            plan = session.plan(committed, block)
             tokens = len(plan.step[1]) if plan.step is not None else 0
             prefill = tokens - len(block.tokens) - 1  # uncached committed tokens, but the last one
             prefilling |= prefill > 0
@@ -89,7 +89,7 @@ class Verifier:
                     seq, new, _ = plan.step
                     steps.append((seq, new[:chunk], 0))
                     owners.append(None)
-                    session._forget_row()
+                    session.forget_row()
                     room -= chunk
                 continue
             plans[i] = plan
@@ -100,9 +100,9 @@ class Verifier:
         self.last_step_tokens = sum(len(new) for _, new, _ in steps)
         rows, features, elapsed = self.pool.timed_forward(steps, self.feature_layers) if steps else ([], [], 0.0)
         if features:  # a feature draft's input, per session
-            by_sequence = {id(job[0]._seq): job[0] for job in jobs}
+            by_sequence = {id(job[0].sequence): job[0] for job in jobs}
             for (seq, new, _), feats in zip(steps, features):
-                by_sequence[id(seq)]._computed(len(seq) - len(new), feats)
+                by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
         if steps:
             self._observe(self.last_step_tokens, elapsed, prefilling, len(steps))
             self._sessions_per_step.update(len(jobs))
@@ -111,9 +111,9 @@ class Verifier:
         sampled = []  # (job index, session, base, block, logits): judged together below
         for i, plan in plans.items():  # a plan with no step: the stored row settles it
             session, committed, block = jobs[i]
-            logits = session._logits(block, plan, settled.get(i), elapsed)
+            logits = session.step_logits(block, plan, settled.get(i), elapsed)
             if session.sampling.greedy:
-                verdicts[i] = session._judge_greedy(len(committed), block, plan, choices.get(i, []))
+                verdicts[i] = session.judge_greedy(len(committed), block, plan, choices.get(i, []))
             else:
                 sampled.append((i, session, len(committed), block, logits))
         groups: dict[tuple, list] = {}  # sessions warped alike: judged in one pass, two host reads
@@ -123,7 +123,7 @@ class Verifier:
             for (i, *_), verdict in zip(group, _judge_sampled(group)):
                 verdicts[i] = verdict
         if self.feature_layers:
-            verdicts = [v if v is None else session._hand_features(v) for (session, _, _), v in zip(jobs, verdicts)]
+            verdicts = [v if v is None else session.hand_features(v) for (session, _, _), v in zip(jobs, verdicts)]
         return verdicts
 
     def verify_apart(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
@@ -135,7 +135,7 @@ class Verifier:
         about 2·log2(n) forwards, once; everyone else's verdict is the one it would have had."""
         def forget_rows(failed):  # the failed step may have stored rows for some: recompute
             for session, _, _ in failed:
-                session._forget_row()
+                session.forget_row()
 
         # PoolFull changes nothing: the caller makes room (coordinator/session/host.py)
         return narrowed(lambda part: self.verify_batch(part, budget), list(jobs), forget_rows, passing=(PoolFull,))
@@ -163,13 +163,13 @@ class Verifier:
         room = budget if budget is not None else float("inf")
         steps, owners = [], []
         for session, committed in jobs:
-            plan = session._plan(committed, Block(base=len(committed), tokens=[], probs=[], entropies=[]))
+            plan = session.plan(committed, Block(base=len(committed), tokens=[], probs=[], entropies=[]))
             if plan.step is None or room < 1:
                 continue
             seq, new, _ = plan.step
             if len(new) > room:  # a chunk of the prompt, its row later (a row stored before is not this one's)
                 steps.append((seq, new[: int(room)], 0))
-                session._forget_row()
+                session.forget_row()
                 room = 0
                 continue
             steps.append(plan.step)
@@ -180,18 +180,15 @@ class Verifier:
         rows, features, elapsed = self.pool.timed_forward(steps, self.feature_layers)
         self._observe(sum(len(new) for _, new, _ in steps), elapsed, any(len(new) > 1 for _, new, _ in steps),
                       len(steps))
-        by_sequence = {id(session._seq): session for session, _ in jobs}
+        by_sequence = {id(session.sequence): session for session, _ in jobs}
         for (seq, new, _), feats in zip(steps, features):
-            by_sequence[id(seq)]._computed(len(seq) - len(new), feats)
+            by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
         rows = [mask_padding(row, self.token_limit) for row, (_, _, k) in zip(rows, steps) if k]
         greedy = [i for i, session in enumerate(owners) if session.sampling.greedy]
         choices = torch.argmax(torch.cat([rows[i] for i in greedy]), dim=-1).tolist() if greedy else []
-        for session, row in zip(owners, rows):
-            session._pending, session._pending_at, session._passed = row, len(session._seq), None
-            session.forwards += 1
-            session.forward_s += elapsed
-        for i, choice in zip(greedy, choices):
-            owners[i]._pending_choice = choice
+        choice_of = dict(zip(greedy, choices))
+        for i, (session, row) in enumerate(zip(owners, rows)):
+            session.store_row(row, choice_of.get(i), elapsed)
         return len(steps)
 
     @torch.inference_mode()
@@ -207,11 +204,11 @@ class Verifier:
         verdicts: list[Verdict | None] = [None] * len(jobs)
         judged, groups = [], {}
         for i, (session, committed, block) in enumerate(jobs):
-            if not block.tokens or session._cleared(block, committed) or not session._holds(committed):
+            if not block.tokens or session.cleared(block, committed) or not session.holds_row_for(committed):
                 continue
             judged.append(i)
             if session.sampling.greedy:
-                verdicts[i] = session._first_greedy(len(committed), block)
+                verdicts[i] = session.first_greedy(len(committed), block)
             else:
                 groups.setdefault(session.sampling.warp_key, []).append(i)
         for indices in groups.values():
@@ -220,7 +217,7 @@ class Verifier:
         for i in judged:
             if verdicts[i] is None:
                 session, committed, block = jobs[i]
-                session._passed = (block, len(committed))
+                session.passed_first(block, len(committed))
         return verdicts
 
     def _greedy_choices(self, jobs, plans: dict[int, _Plan], settled: dict) -> dict[int, list[int]]:
@@ -247,7 +244,7 @@ class TargetSession:
     def __init__(self, verifier: Verifier, sampling: SamplingParams):
         self.sampling = sampling
         self._verifier = verifier
-        self._seq = verifier.pool.sequence()
+        self.sequence = verifier.pool.sequence()
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
         self._pending_at = -1
         self._pending_choice: int | None = None  # greedy: the argmax of _pending, read with its step
@@ -260,23 +257,30 @@ class TargetSession:
 
     @property
     def cached_tokens(self) -> int:
-        return len(self._seq)
+        return len(self.sequence)
 
     def close(self) -> None:
         """Give the session's pages back to the pool."""
-        self._seq.close()
-        self._forget_row()
+        self.sequence.close()
+        self.forget_row()
 
     def evict(self) -> None:
         """Give every page back while the session waits (the pool ran short): nothing it holds is
         lost but its cache, which its next verification recomputes from its committed tokens
         (exact by construction, as after a worker's restart). Features the draft already has are
         not handed over again."""
-        self._seq.rollback(0)
-        self._forget_row()
+        self.sequence.rollback(0)
+        self.forget_row()
         self._features, self._features_from = None, self._handed
 
-    def _forget_row(self) -> None:
+    def store_row(self, row: torch.Tensor, choice: int | None, forward_s: float) -> None:
+        """A prefill (Verifier.prefill_next) computed the row for the place after the cached
+        tokens; choice: its argmax, for a greedy session; forward_s: the forward's time."""
+        self._pending, self._pending_at, self._passed, self._pending_choice = row, len(self.sequence), None, choice
+        self.forwards += 1
+        self.forward_s += forward_s
+
+    def forget_row(self) -> None:
         """No row is stored: the sequence it was computed on is changing (a prompt chunk) or gone."""
         self._pending, self._pending_at, self._pending_choice, self._passed = None, -1, None, None
 
@@ -290,14 +294,14 @@ class TargetSession:
         """This block's early verdict, or None: it needs its forward (``Verifier.judge_first``)."""
         return self._verifier.judge_first([(self, committed, block)])[0]
 
-    def _first_greedy(self, base: int, block: Block) -> Verdict | None:
+    def first_greedy(self, base: int, block: Block) -> Verdict | None:
         """The stored row's argmax (read with its step) against the block's first token."""
         if self._pending_choice == block.tokens[0]:
             return None
         self._verifier.tokens_verified += len(block)
         return Verdict(base=base, accepted=0, token=self._pending_choice, epoch=block.epoch)
 
-    def _computed(self, first: int, features: torch.Tensor) -> None:
+    def take_computed(self, first: int, features: torch.Tensor) -> None:
         """A forward's features from position ``first`` on (a prefill chunk's, or a block's): kept,
         after those still kept before ``first`` (a chunk continued), until a verdict hands over
         those of committed positions; what was kept from ``first`` on is stale (a rollback)."""
@@ -312,7 +316,7 @@ class TargetSession:
                 features, first = torch.cat([self._features[:before], features]), self._features_from
         self._features, self._features_from = features, first
 
-    def _hand_features(self, verdict: Verdict) -> Verdict:
+    def hand_features(self, verdict: Verdict) -> Verdict:
         """The verdict with the features of the positions it leaves committed and computed: up to
         the last accepted drafted token (the verdict's own token has none yet)."""
         end = -1 if self._features is None else verdict.base + verdict.accepted - self._features_from
@@ -327,7 +331,7 @@ class TargetSession:
         """Greedy: the target's own token for the place after ``committed``, read from the row
         stored for exactly these tokens (a prefill's, or the last verification's), no forward;
         None when no such row is stored (or the session samples)."""
-        if not self.sampling.greedy or self._pending_choice is None or not self._holds(committed):
+        if not self.sampling.greedy or self._pending_choice is None or not self.holds_row_for(committed):
             return None
         return self._pending_choice
 
@@ -341,36 +345,49 @@ class TargetSession:
         test, for deciding whether ``Verifier.prefill_next`` has work; the prefill checks the tokens)."""
         return self._pending is None or self._pending_at != len(committed)
 
-    def _cleared(self, block: Block, committed: Sequence[int]) -> bool:
+    def passed_first(self, block: Block, base: int) -> None:
+        """judge_first let this block's first token pass against the row stored for ``base``."""
+        self._passed = (block, base)
+
+    @property
+    def stored_row(self) -> torch.Tensor | None:
+        """The logits row stored for the next place (a prefill's or a verification's), if any."""
+        return self._pending
+
+    def count_verified(self, tokens: int) -> None:
+        """Drafted tokens judged (the verifier's count, for its Stats)."""
+        self._verifier.tokens_verified += tokens
+
+    def cleared(self, block: Block, committed: Sequence[int]) -> bool:
         """This very block's first token already passed judge_first against the row stored now."""
         return self._passed is not None and self._passed[0] is block and self._passed[1] == len(committed)
 
-    def _holds(self, committed: Sequence[int]) -> bool:
+    def holds_row_for(self, committed: Sequence[int]) -> bool:
         """The pool holds exactly ``committed`` and the row for the next place is stored (the
         block continues a fully accepted one)."""
         return (
             self._pending is not None
-            and self._pending_at == len(committed) == len(self._seq)
-            and self._seq.tokens_equal(committed)
+            and self._pending_at == len(committed) == len(self.sequence)
+            and self.sequence.tokens_equal(committed)
         )
 
-    def _plan(self, committed: Sequence[int], block: Block) -> _Plan:
+    def plan(self, committed: Sequence[int], block: Block) -> _Plan:
         """Target logits are needed for positions len(committed) .. len(committed) + len(block):
         roll back to what the pool still shares, and reuse the stored row for the first of them
         when the pool holds exactly ``committed``."""
         base, drafted = len(committed), block.tokens
-        kept = self._seq.rollback_to_prefix_of(committed)
+        kept = self.sequence.rollback_to_prefix_of(committed)
         reuse = kept == base and self._pending_at == base and self._pending is not None
         if not reuse and kept == base:
-            self._seq.rollback(base - 1)
+            self.sequence.rollback(base - 1)
             kept = base - 1
         if reuse and not drafted:
             return _Plan(None, True)
         if reuse:
-            return _Plan((self._seq, list(drafted), len(drafted)), True)
-        return _Plan((self._seq, [*committed[kept:], *drafted], len(drafted) + 1), False)
+            return _Plan((self.sequence, list(drafted), len(drafted)), True)
+        return _Plan((self.sequence, [*committed[kept:], *drafted], len(drafted) + 1), False)
 
-    def _logits(self, block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float) -> torch.Tensor:
+    def step_logits(self, block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float) -> torch.Tensor:
         """The target's logits for the block's places and the one after it [k + 1, vocab] (the
         stored row first when the plan reuses it); the last row is stored for the next block.
         rows: this block's rows of the step, their padding columns masked (verify_batch)."""
@@ -380,11 +397,11 @@ class TargetSession:
             logits = torch.cat([self._pending, rows]) if plan.reuse else rows  # [k + 1, vocab]
             self.forwards += 1
             self.forward_s += elapsed
-        self._pending, self._pending_at, self._passed = logits[-1:], len(self._seq), None
+        self._pending, self._pending_at, self._passed = logits[-1:], len(self.sequence), None
         self._verifier.tokens_verified += len(block)
         return logits
 
-    def _judge_greedy(self, base: int, block: Block, plan: _Plan, choices: list[int]) -> Verdict:
+    def judge_greedy(self, base: int, block: Block, plan: _Plan, choices: list[int]) -> Verdict:
         """choices: the argmax of each row the step computed for this block (read with the step's
         others); the stored row's argmax goes first when the plan reuses it."""
         target_tokens = ([self._pending_choice] if plan.step is None or plan.reuse else []) + choices  # [k + 1]
@@ -435,7 +452,7 @@ def _first_sampled(group: list[tuple[TargetSession, Sequence[int], Block]]) -> l
     tokens and the row for the next place: p for every stored row at once, p at every first
     token in one host read, every correction drawn at once in a second (none when q stayed with
     the draft: that verdict carries the p row instead)."""
-    p = warp_probs(torch.cat([session._pending for session, _, _ in group]), group[0][0].sampling)  # [G, vocab]
+    p = warp_probs(torch.cat([session.stored_row for session, _, _ in group]), group[0][0].sampling)  # [G, vocab]
     firsts = torch.tensor([block.tokens[0] for _, _, block in group], dtype=torch.long, device=p.device)
     p_first = p[torch.arange(len(group), device=p.device), firsts].tolist()
     verdicts: list[Verdict | None] = []
@@ -445,7 +462,7 @@ def _first_sampled(group: list[tuple[TargetSession, Sequence[int], Block]]) -> l
         if accept_sampled([p_d], block.probs[:1], [uniform(seed, base, Purpose.ACCEPT)]):
             verdicts.append(None)
             continue
-        session._verifier.tokens_verified += len(block)
+        session.count_verified(len(block))
         if block.q_rows is None:
             verdicts.append(Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p[g]))
             continue

@@ -79,6 +79,9 @@ def test_schedules_reach_the_async_protocols_paths(models, prompt_ids):
     discarded = sum(make_pair(models, "async", Seeded(seed)).generate(request).stats.discarded_tokens
                     for seed in range(4))
     assert discarded > 0
+    waits = make_pair(models, "sync", TARGET_FIRST)  # the target idles while the draft drafts: it prefills, fills
+    stats = waits.generate(request).stats
+    assert waits.host.idle_work.prefills > 0 and waits.host.idle_work.fills > 0 and "filled" in stats.round_sources
 
 
 def test_seeded_sampling_reproduces_across_interleavings(models, prompt_ids):
