@@ -10,20 +10,15 @@ import sys
 from contextlib import contextmanager
 
 from svip_common.auto_prior import stored_prior
-from svip_common.auto_settings import AutoSettings
-from svip_common.contracts import DRAFT_LENGTH_CAP
 from svip_common.errors import InvalidRequest, SvipError
-from svip_common.kv_sizes import DEFAULT_KV_TOKENS, whole_pages
+from svip_common.kv_sizes import whole_pages
 from svip_common.models import ModelInfo, check_same_vocabulary, is_feature_head, load_model_info, pair_limits
-from svip_common.step_cost import check_idle_prefill
+from svip_common.pair_config import PairConfig
 from svip_runtime.actor import serving_address
 from svip_runtime.tls import TlsFiles
 
 log = logging.getLogger(__name__)
 DRAFT_RESOURCE, TARGET_RESOURCE = "svip_draft", "svip_target"
-PLACEMENT_TIMEOUT_S = 120.0  # Ray finds each worker a GPU (or a CPU core and its role resource)
-START_TIMEOUT_S = 600.0  # then the worker loads its weights (a first download from the hub counts)
-WORKER_RESTARTS = 5  # Ray restarts a worker that died this many times over the pair's life
 RECOVER_TIMEOUT_S = 120.0  # a replaced worker serves again within this (restart, load, serve)
 
 
@@ -160,114 +155,87 @@ def pair_placement_group(strategy: str, target_gpus: float, draft_gpus: float, c
 
 
 class WorkerPair:
-    """A target actor and (optionally) a draft actor, started and serving gRPC; the target worker
-    hosts the sessions and dials the draft itself. placement: a placement group whose
-    bundles[0] / bundles[1] hold the target / the draft (a Serve replica's); or layout "pack" /
-    "spread" for a group of the pair's own. On a Ray bound to loopback the workers listen on
-    127.0.0.1, on a cluster on their node's address; tls: mutual TLS between them."""
+    """A target actor and (optionally) a draft actor, started and serving gRPC, as ``config``
+    says (svip_common/pair_config.py); the target worker hosts the sessions and dials the draft
+    itself. placement: a placement group whose bundles[0] / bundles[1] hold the target / the
+    draft (a Serve replica's; config.packed says it keeps them on one node); without one, the
+    layout config.layout makes a group of the pair's own. On a Ray bound to loopback the workers
+    listen on 127.0.0.1, on a cluster on their node's address, with mutual TLS between them when
+    config.grpc_tls_dir is given. A worker that dies is restarted (config.recovery) and a
+    session outlives it (coordinator/session/draft_port.py, coordinator/distributed.py)."""
 
-    def __init__(self, target_path: str, draft_path: str | None, dtype: str = "float32", device: str = "cpu",
-                 target_gpus: float = 0, draft_gpus: float = 0, placement=None,
-                 bundles: tuple[int, int] = (0, 0), worker_cpus: float = 1,
-                 max_draft_length: int = DRAFT_LENGTH_CAP, layout: str | None = None, tls: TlsFiles | None = None,
-                 start_timeout_s: float = START_TIMEOUT_S, placement_timeout_s: float = PLACEMENT_TIMEOUT_S,
-                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None,
-                 load_aware: str = "greedy", max_restarts: int = WORKER_RESTARTS, recovery: dict | None = None,
-                 packed: bool = False, insecure_workers: bool = False, auto: AutoSettings = AutoSettings(),
-                 idle_prefill: str = "auto"):
-        """max_restarts: how many times Ray restarts each worker that dies (a session outlives it:
-        coordinator/session/draft_port.py, coordinator/distributed.py); recovery: the target host's
-        draft_stall_s / sampled_hold_s / draft_recover_s. packed: the placement puts both workers
-        on one node (Serve's STRICT_PACK group; layout "pack" says so itself), so they listen on
-        loopback; insecure_workers: serve plaintext on a node address (refused otherwise); auto: the
-        `auto` policy's settings (its estimate starts from the prior stored beside the draft);
-        idle_prefill: what the target does while no block is ready (coordinator/session/host.py)."""
+    def __init__(self, config: PairConfig, placement=None, bundles: tuple[int, int] = (0, 0)):
         import ray
 
         from coordinator.session.actor import TargetActor
         from draft_worker.actor import DraftActor
         from draft_worker.feature_draft import head_layers
 
-        self.target_info: ModelInfo = load_model_info(target_path)
+        self.config = config = config.checked()
+        self.target_info: ModelInfo = load_model_info(config.target)
         draft_info, feature_layers = None, ()
-        if draft_path is not None and is_feature_head(draft_path):  # the target hands its features over
-            feature_layers = head_layers(draft_path, self.target_info.num_layers)
-        elif draft_path is not None:
-            draft_info = load_model_info(draft_path)
+        if config.draft is not None and is_feature_head(config.draft):  # the target hands its features over
+            feature_layers = head_layers(config.draft, self.target_info.num_layers)
+        elif config.draft is not None:
+            draft_info = load_model_info(config.draft)
             check_same_vocabulary(self.target_info, draft_info)
         # a pool holds whole pages: its capacity, rounded up to them
-        kv_tokens = whole_pages(kv_cache_tokens)
-        self.limits = pair_limits(self.target_info, draft_info, max_draft_length, kv_tokens)
-        self.tls, self.start_timeout_s = tls, start_timeout_s
+        kv_tokens = whole_pages(config.kv_cache_tokens)
+        self.limits = pair_limits(self.target_info, draft_info, config.max_draft_length, kv_tokens)
+        self.tls = TlsFiles.from_dir(config.grpc_tls_dir) if config.grpc_tls_dir else None
+        self.start_timeout_s = config.start_timeout_s
         self.target = self.draft = self._own_placement = None
-        if layout is not None and placement is None:
-            placement = self._own_placement = pair_placement_group(layout, target_gpus, draft_gpus, worker_cpus)
+        if config.layout is not None and placement is None:
+            placement = self._own_placement = pair_placement_group(config.layout, config.target_gpus,
+                                                                   config.draft_gpus, config.worker_cpus)
             bundles = (0, 1)
-            if not placement.wait(placement_timeout_s):
+            if not placement.wait(config.placement_timeout_s):
                 self.shutdown()
+                spread = config.layout == "spread"
                 raise SvipError(
-                    f"no room to place the pair ({layout}): Ray has no {'two nodes' if layout == 'spread' else 'node'} "
-                    f"with a free {'GPU' if target_gpus else 'CPU'} for each worker"
+                    f"no room to place the pair ({config.layout}): Ray has no {'two nodes' if spread else 'node'} "
+                    f"with a free {'GPU' if config.target_gpus else 'CPU'} for each worker"
                 )
-        packed = packed or layout == "pack" or ray.util.get_node_ip_address() == "127.0.0.1"
+        packed = config.packed or config.layout == "pack" or ray.util.get_node_ip_address() == "127.0.0.1"
         host = "127.0.0.1" if packed else None  # None: the node's address (two nodes)
-        if host is None and tls is None and not insecure_workers:
+        if host is None and self.tls is None and not config.insecure_workers:
             self.shutdown()
             raise InvalidRequest(
                 "the workers would talk gRPC in plaintext between two nodes: give them mutual TLS "
                 "(--grpc-tls-dir), or pass --insecure-workers on a network you trust"
             )
-        common = dict(
-            dtype=dtype, device=device, host=host, tls=tls, kv_cache_tokens=kv_cache_tokens, insecure=insecure_workers
-        )
-        self.kv_cache_tokens = kv_cache_tokens
-        restarts = {"max_restarts": max_restarts}
+        self.kv_cache_tokens = config.kv_cache_tokens
+        restarts = {"max_restarts": config.recovery.max_restarts}
         self.target = (
             ray.remote(TargetActor)
-            .options(**actor_options("target", target_gpus, placement, bundles[0], worker_cpus), **restarts)
-            .remote(
-                target_path,
-                self.limits,
-                max_batched_tokens=max_batched_tokens,
-                load_aware=load_aware,
-                recovery=recovery,
-                auto=auto.check(),
-                auto_prior=stored_prior(draft_path),
-                feature_layers=feature_layers,
-                idle_prefill=check_idle_prefill(idle_prefill),
-                **common,
-            )
+            .options(**actor_options("target", config.target_gpus, placement, bundles[0], config.worker_cpus),
+                     **restarts)
+            .remote(config, self.limits, host=host, tls=self.tls, auto_prior=stored_prior(config.draft),
+                    feature_layers=feature_layers)
         )
         self.target_address = self.draft_address = None
-        if draft_path is not None:
+        if config.draft is not None:
             self.draft = (
                 ray.remote(DraftActor)
-                .options(**actor_options("draft", draft_gpus, placement, bundles[1], worker_cpus), **restarts)
-                .remote(
-                    draft_path,
-                    self.limits,
-                    target_vocab_size=self.target_info.vocab_size,
-                    max_batched_tokens=max_batched_tokens,
-                    target_path=target_path,
-                    **common,
-                )
+                .options(**actor_options("draft", config.draft_gpus, placement, bundles[1], config.worker_cpus),
+                         **restarts)
+                .remote(config, self.limits, target_vocab_size=self.target_info.vocab_size, host=host, tls=self.tls)
             )
         actors = [a for a in (self.target, self.draft) if a is not None]
         with self._starting(
-            f"the workers were not placed within {placement_timeout_s:.0f} s: Ray has no free "
+            f"the workers were not placed within {config.placement_timeout_s:.0f} s: Ray has no free "
             f"GPU / '{DRAFT_RESOURCE}' / '{TARGET_RESOURCE}' slot for them"
         ):
-            ray.get([a.placed.remote() for a in actors], timeout=placement_timeout_s)
+            ray.get([a.placed.remote() for a in actors], timeout=config.placement_timeout_s)
         with self._starting(
-            f"the workers were placed but did not load their weights within {start_timeout_s:.0f} s "
+            f"the workers were placed but did not load their weights within {config.start_timeout_s:.0f} s "
             f"(a first download from the hub counts): raise the start timeout (worker_start_timeout_s, "
             f"the chart's serve.workerStartTimeoutS) or mount a weights cache"
         ):  # both load their weights at once; the draft serves first, then the target dials it
-            ray.get([a.load.remote() for a in actors], timeout=start_timeout_s)
-            self.draft_address = (
-                ray.get(self.draft.start.remote(), timeout=placement_timeout_s) if self.draft is not None else None
-            )
-            self.target_address = ray.get(self.target.start.remote(**self._target_start()), timeout=placement_timeout_s)
+            ray.get([a.load.remote() for a in actors], timeout=config.start_timeout_s)
+            wait_s = config.placement_timeout_s
+            self.draft_address = ray.get(self.draft.start.remote(), timeout=wait_s) if self.draft is not None else None
+            self.target_address = ray.get(self.target.start.remote(**self._target_start()), timeout=wait_s)
 
     @contextmanager
     def _starting(self, late: str):

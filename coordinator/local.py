@@ -10,43 +10,25 @@ from collections.abc import Awaitable, Callable
 
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
-from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import GenerationRequest, GenerationResult
-from svip_common.kv_sizes import DEFAULT_KV_TOKENS, whole_pages
-from svip_runtime.tls import TlsFiles
+from svip_common.kv_sizes import whole_pages
+from svip_common.pair_config import PairConfig
 
 
 class LocalDistributed:
-    def __init__(self, target_path: str, draft_path: str | None, pipeline: str = "async",
-                 dtype: str = "float32", device: str = "cpu", target_gpus: int = 1, ray_address: str | None = None,
-                 placement: str | None = None, tls: TlsFiles | None = None, kv_cache_tokens: int = DEFAULT_KV_TOKENS,
-                 max_batched_tokens: int | None = None, load_aware: str = "greedy", insecure_workers: bool = False,
-                 auto: AutoSettings = AutoSettings(), idle_prefill: str = "auto"):
+    def __init__(self, config: PairConfig, pipeline: str = "async", ray_address: str | None = None):
+        """config: the pair and its workers (svip_common/pair_config.py); ray_address: an existing
+        cluster's (None: a Ray of this machine's, on loopback)."""
+        config = config.checked()
         if ray_address is None:
             init_local_ray()
         else:
             import ray
 
             ray.init(address=ray_address, log_to_driver=False)
-        gpus = device.startswith("cuda")
-        self.pair = WorkerPair(
-            target_path,
-            draft_path,
-            dtype=dtype,
-            device=device,
-            target_gpus=target_gpus if gpus else 0,
-            draft_gpus=1 if gpus else 0,
-            layout=placement,
-            tls=tls,
-            kv_cache_tokens=kv_cache_tokens,
-            max_batched_tokens=max_batched_tokens,
-            load_aware=load_aware,
-            insecure_workers=insecure_workers,
-            auto=auto,
-            idle_prefill=idle_prefill,
-        )
+        self.pair = WorkerPair(config)
         self.target = self.pair.target_info
-        self.draft_path = draft_path
+        self.draft_path = config.draft
         self.loop = asyncio.new_event_loop()
         self.engine = DistributedEngine.for_pair(self.pair, pipeline)
         self.loop.run_until_complete(self.engine.connect())

@@ -10,6 +10,7 @@ from draft_worker.drafter import Drafter
 from draft_worker.feature_draft import FeatureDrafter, LoadedHead, load_head_beside
 from draft_worker.service import DraftService
 from svip_common.models import is_feature_head
+from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.actor import ModelActor
 
@@ -17,17 +18,16 @@ from svip_runtime.actor import ModelActor
 class DraftActor(ModelActor):
     service_name = "svip.v1.DraftWorker"
 
-    def __init__(
-        self, model_path: str, limits, target_vocab_size: int, max_batched_tokens: int | None = None,
-        target_path: str | None = None, **kwargs
-    ):
-        """max_batched_tokens: at most this many tokens in one draft forward (a prompt is
-        prefilled in chunks under it, as on the target); target_path: the target's checkpoint (a
-        feature head reads its embedding table)."""
-        super().__init__(model_path, limits, **kwargs)
+    def __init__(self, config: PairConfig, limits, target_vocab_size: int, host: str | None = "127.0.0.1", tls=None):
+        """config: the pair's (svip_common/pair_config.py: its draft, and the target's checkpoint,
+        whose embedding table a feature head reads; max_batched_tokens caps a draft forward too,
+        a prompt prefilled in chunks under it); host: where to listen; tls: mutual TLS with the
+        target."""
+        super().__init__(config.draft, limits, dtype=config.dtype, device=config.device, host=host, tls=tls,
+                         kv_cache_tokens=config.kv_cache_tokens, insecure=config.insecure_workers)
         self.target_vocab_size = target_vocab_size
-        self.max_batched_tokens = max_batched_tokens
-        self.target_path = target_path
+        self.max_batched_tokens = config.max_batched_tokens
+        self.target_path = config.target
 
     def load(self) -> None:
         model_path, dtype, device = self._load_args

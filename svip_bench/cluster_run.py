@@ -23,12 +23,11 @@ def run(spec: dict) -> dict:
     from coordinator.cluster import WorkerPair
     from coordinator.distributed import DistributedEngine
     from svip_common.contracts import GenerationRequest, PolicyConfig
-    from svip_runtime.tls import TlsFiles
+    from svip_common.pair_config import PairConfig
 
     ray.init(address="auto", log_to_driver=False)
-    tls = TlsFiles.from_dir(spec["tls_dir"]) if spec.get("tls_dir") else None
-    pair = WorkerPair(spec["target"], spec["draft"], layout=spec.get("layout", "spread"), tls=tls,
-                      insecure_workers=bool(spec.get("insecure_workers", False)))
+    pair = WorkerPair(PairConfig(spec["target"], spec["draft"], layout=spec.get("layout", "spread"),
+                                 grpc_tls_dir=spec.get("tls_dir"), insecure_workers=bool(spec.get("insecure_workers"))))
     loop = asyncio.new_event_loop()
     engines = {m: DistributedEngine.for_pair(pair, m) for m in spec["modes"]}
     requests = [

@@ -30,6 +30,7 @@ from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from svip_bench.runner import Progress, encode_prompts, nearest_rank
 from svip_common.contracts import ROUND_PARTS, GenerationRequest, GenerationStats, PolicyConfig
+from svip_common.pair_config import PairConfig
 
 MODES = ("alone", "inprocess", "sync", "async")  # alone: the target alone, in process
 MODE_NAMES = {"alone": "target alone (in process)", "inprocess": "in-process", "sync": "distributed sync",
@@ -58,8 +59,8 @@ def run(engine, prompts, args, header: dict) -> int:
     engine.load_aware = load_aware
     idle_prefill = getattr(args, "idle_prefill", "auto")
     header["idle_prefill"] = idle_prefill
-    pair = WorkerPair(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device,
-                      load_aware=load_aware, idle_prefill=idle_prefill)
+    pair = WorkerPair(PairConfig(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device,
+                                 load_aware=load_aware, idle_prefill=idle_prefill))
     cores = one_core_each(pair) if getattr(args, "one_core_each", False) else None
     if cores is not None:
         header["cores"] = "target alone and in-process on core 0; target worker on core 0, draft worker on core 1"

@@ -24,6 +24,7 @@ from svip_common.contracts import (
 )
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
+from svip_common.pair_config import PairConfig
 from svip_common.randomness import sample_seed
 from svip_common.step_cost import IDLE_PREFILL_MODES, LOAD_AWARE_MODES
 
@@ -525,24 +526,18 @@ def _load_engine(args: argparse.Namespace):
 
         if args.target_gpus < 1:
             raise InvalidRequest(f"--target-gpus must be >= 1, got {args.target_gpus}")
-        tls = TlsFiles.from_dir(args.grpc_tls_dir) if args.grpc_tls_dir else None
-        return LocalDistributed(
-            target_path,
-            draft_path,
-            args.pipeline or "async",
-            args.dtype,
-            args.device,
-            args.target_gpus,
-            args.ray_address,
-            args.placement,
-            tls,
-            args.kv_cache_tokens,
-            args.max_batched_tokens,
-            getattr(args, "load_aware", "off"),
-            insecure_workers=bool(getattr(args, "insecure_workers", False)),
-            auto=_auto_settings(args),
+        if args.grpc_tls_dir:
+            TlsFiles.from_dir(args.grpc_tls_dir)  # its files checked before Ray starts
+        gpus = args.device.startswith("cuda")
+        config = PairConfig(
+            target=target_path, draft=draft_path, dtype=args.dtype, device=args.device,
+            target_gpus=args.target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=args.placement,
+            grpc_tls_dir=args.grpc_tls_dir, kv_cache_tokens=args.kv_cache_tokens,
+            max_batched_tokens=args.max_batched_tokens, load_aware=getattr(args, "load_aware", "off"),
+            insecure_workers=bool(getattr(args, "insecure_workers", False)), auto=_auto_settings(args),
             idle_prefill=getattr(args, "idle_prefill", None) or "auto",
-        )
+        ).checked()
+        return LocalDistributed(config, args.pipeline or "async", args.ray_address)
     target = load_model(target_path, args.dtype, args.device)
     if head is not None:
         from draft_worker.feature_draft import load_feature_draft

@@ -156,35 +156,12 @@ class SVIPServer:
 
         from coordinator.cluster import WorkerPair, keep_serve_grpc_on_loopback
         from coordinator.distributed import DistributedEngine
-        from svip_runtime.tls import TlsFiles
         from svip_serve.metrics import ServeMetrics
 
         keep_serve_grpc_on_loopback()
         self.settings = settings
-        target, draft = settings.model_paths()
-        gpus = settings.gpus
-        self.pair = WorkerPair(
-            target,
-            draft,
-            dtype=settings.dtype,
-            device=settings.device,
-            target_gpus=settings.target_gpus if gpus else 0,
-            draft_gpus=settings.draft_gpus if gpus else 0,
-            placement=get_current_placement_group(),
-            bundles=(TARGET_BUNDLE, DRAFT_BUNDLE),
-            worker_cpus=settings.worker_cpus,
-            max_draft_length=settings.draft_length_cap,
-            tls=TlsFiles.from_dir(settings.grpc_tls_dir) if settings.grpc_tls_dir else None,
-            start_timeout_s=settings.worker_start_timeout_s,
-            kv_cache_tokens=settings.kv_cache_tokens,
-            max_batched_tokens=settings.max_batched_tokens,
-            load_aware=settings.load_aware,
-            idle_prefill=settings.idle_prefill,
-            auto=settings.auto(),
-            max_restarts=settings.worker_restarts,
-            recovery=settings.recovery(),
-            packed=True,  # the replica's group is STRICT_PACK: the workers talk over the node's loopback
-        )
+        config = settings.pair_config()
+        self.pair = WorkerPair(config, placement=get_current_placement_group(), bundles=(TARGET_BUNDLE, DRAFT_BUNDLE))
         self.api_keys = ApiKeys(settings.api_key_sha256)
         # parsing a body and tokenizing a long prompt take a while: never on the event loop that
         # streams every session, and each on a thread of its own, so that bodies queued for parsing
@@ -192,7 +169,7 @@ class SVIPServer:
         self._parse_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="parse")
         self._tokenizer_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="tokenize")
         self.info = self.pair.target_info
-        self.target_path, self.draft_path = target, draft
+        self.target_path, self.draft_path = config.target, config.draft
         self.engine = DistributedEngine.for_pair(self.pair, settings.pipeline)
         self._connected = False
         self._connect_lock = asyncio.Lock()

@@ -14,6 +14,7 @@ from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
 from svip_common.hub import split_revision
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
+from svip_common.pair_config import PairConfig, Recovery
 from svip_common.step_cost import check_idle_prefill, check_load_aware
 from svip_serve.auth import split_name
 
@@ -150,13 +151,21 @@ class ServeSettings:
                 "`name:` before them), not the keys"
             )
 
-    def recovery(self) -> dict:
-        """The target host's recovery settings (coordinator/session/host.py)."""
-        return {
-            "draft_stall_s": float(self.draft_stall_s),
-            "sampled_hold_s": float(self.sampled_hold_s),
-            "draft_recover_s": float(self.worker_start_timeout_s),
-        }  # one ask may take as long as a start
+    def pair_config(self) -> PairConfig:
+        """A replica's pair and its workers (svip_common/pair_config.py), packed on the replica's
+        node (its placement group is STRICT_PACK: the workers talk over the node's loopback)."""
+        target, draft = self.model_paths()
+        recovery = Recovery(max_restarts=self.worker_restarts, draft_stall_s=float(self.draft_stall_s),
+                            sampled_hold_s=float(self.sampled_hold_s),
+                            draft_recover_s=float(self.worker_start_timeout_s))  # one ask may take as long as a start
+        return PairConfig(
+            target=target, draft=draft, dtype=self.dtype, device=self.device,
+            target_gpus=self.target_gpus if self.gpus else 0, draft_gpus=self.draft_gpus if self.gpus else 0,
+            worker_cpus=self.worker_cpus, packed=True, grpc_tls_dir=self.grpc_tls_dir,
+            kv_cache_tokens=self.kv_cache_tokens, max_batched_tokens=self.max_batched_tokens,
+            max_draft_length=self.draft_length_cap, load_aware=self.load_aware, idle_prefill=self.idle_prefill,
+            auto=self.auto(), recovery=recovery, start_timeout_s=self.worker_start_timeout_s,
+        ).checked()
 
     def auto(self) -> AutoSettings:
         """The `auto` policy's settings, checked (svip_common/acceptance.py)."""

@@ -12,6 +12,7 @@ import torch
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.models import load_model
+from svip_common.pair_config import PairConfig
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (deploy/gpu-check.sh)")]
@@ -93,7 +94,8 @@ def test_each_worker_takes_a_gpu_of_its_own(model_dirs, prompt_ids):
 
     from coordinator.local import LocalDistributed
 
-    with LocalDistributed(model_dirs.target, model_dirs.close_draft, "async", device="cuda") as pair:
+    with LocalDistributed(PairConfig(model_dirs.target, model_dirs.close_draft, device="cuda", target_gpus=1,
+                                     draft_gpus=1), "async") as pair:
         target, draft = ray.get([pair.pair.target.placement.remote(), pair.pair.draft.placement.remote()])
         assert len(target["gpu_ids"]) == 1 and len(draft["gpu_ids"]) == 1
         assert target["gpu_ids"] != draft["gpu_ids"]

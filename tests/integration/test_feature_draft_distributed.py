@@ -17,6 +17,7 @@ from svip_assets import default_head, default_pair
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest
 from svip_common.models import load_model
+from svip_common.pair_config import PairConfig
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from tests.integration.test_feature_draft import _as_loaded, random_head
@@ -171,7 +172,7 @@ def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
 
     target_path = default_pair()[0]
     init_local_ray()
-    pair = WorkerPair(target_path, default_head(), load_aware="off")
+    pair = WorkerPair(PairConfig(target_path, default_head(), load_aware="off"))
     try:
         target = load_model(target_path)
         alone = SpeculativeEngine(target, None)

@@ -160,9 +160,13 @@ def test_every_step_crosses_the_wire_contract(models, prompt_ids):
     assert set(DELIVERIES) | set(WORK) <= seen and set(STEPS) & seen
 
 
-@pytest.mark.parametrize("pipeline", ["sync", "async"])
-@pytest.mark.parametrize("sampling", [SamplingParams(temperature=1.0),
-                                      SamplingParams(temperature=0.8, top_k=40, top_p=0.9)], ids=["plain", "warped"])
+PLAIN, WARPED = SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
+
+
+@pytest.mark.parametrize("pipeline, sampling", [
+    ("async", PLAIN), ("sync", WARPED),
+    pytest.param("sync", PLAIN, marks=pytest.mark.system), pytest.param("async", WARPED, marks=pytest.mark.system),
+], ids=["plain-async", "warped-sync", "plain-sync", "warped-async"])
 def test_the_sampling_distribution_under_random_interleavings(models, prompt_ids, pipeline, sampling):
     """The first two tokens of 1,500 seeded requests, 50 in flight at a time, their steps
     interleaved at random: they follow the target's exact marginals and are told apart from the

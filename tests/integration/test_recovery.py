@@ -23,6 +23,7 @@ from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import WorkerUnavailable
+from svip_common.pair_config import PairConfig, Recovery
 from tests.drills import full_drill
 from tests.gates import async_wait_until
 
@@ -39,8 +40,8 @@ def pair(model_dirs):
     import ray
 
     init_local_ray(pairs=2)
-    pair = WorkerPair(model_dirs.target, model_dirs.close_draft, load_aware="off",
-                      recovery={"draft_stall_s": STALL_S, "sampled_hold_s": 60.0})
+    pair = WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, load_aware="off",
+                                 recovery=Recovery(draft_stall_s=STALL_S, sampled_hold_s=60.0)))
     yield pair
     pair.shutdown()
     ray.shutdown()
@@ -184,7 +185,8 @@ def test_a_seeded_sampled_session_through_a_target_kill_equals_it_undisturbed(
 def test_a_worker_killed_for_good(model_dirs, models, loop, prompt_ids, target_gate):
     """Restarts spent: without its draft the session finishes exact on the target alone; without
     its target it ends with WorkerUnavailable, never a hang."""
-    doomed = WorkerPair(model_dirs.target, model_dirs.close_draft, max_restarts=0, load_aware="off")
+    doomed = WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, load_aware="off",
+                                   recovery=Recovery(max_restarts=0)))
     engine = DistributedEngine.for_pair(doomed, "async")
     loop.run_until_complete(engine.connect())
     request = GenerationRequest(prompt_ids["long"], 300, policy=CONSTANT, ignore_eos=True)

@@ -22,6 +22,7 @@ from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_bench.two_nodes import TwoNodes, unavailable
 from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.tls import TlsFiles
@@ -56,7 +57,7 @@ def test_mutual_tls_between_the_workers(model_dirs, tls_dir, tmp_path, reference
     import ray
 
     init_local_ray()
-    pair = WorkerPair(model_dirs.target, model_dirs.close_draft, tls=TlsFiles.from_dir(str(tls_dir)))
+    pair = WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, grpc_tls_dir=str(tls_dir)))
     loop = asyncio.new_event_loop()
     try:
         engine = DistributedEngine.for_pair(pair, "async")
@@ -173,8 +174,9 @@ def test_a_slow_start_says_whether_placing_or_loading_was_slow(model_dirs):
     init_local_ray()
     try:
         with pytest.raises(SvipError, match="placed but did not load their weights within 0 s"):
-            WorkerPair(model_dirs.target, model_dirs.close_draft, start_timeout_s=0.001)
+            WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, start_timeout_s=0.001))
         with pytest.raises(SvipError, match=r"no room to place the pair \(spread\)"):
-            WorkerPair(model_dirs.target, model_dirs.close_draft, layout="spread", placement_timeout_s=2)
+            WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, layout="spread",
+                                  placement_timeout_s=2))
     finally:
         ray.shutdown()

@@ -17,6 +17,7 @@ from svip_cli.main import main
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.models import load_model
+from svip_common.pair_config import PairConfig
 
 PROMPT = (5, 6, 7, 8)
 MAX_NEW = 24
@@ -104,7 +105,7 @@ def test_distributed_greedy_equals_the_target_alone_and_refuses_wide_ids(wide_pa
     import ray
 
     init_local_ray()
-    pair = WorkerPair(wide_pair.target, wide_pair.draft)
+    pair = WorkerPair(PairConfig(wide_pair.target, wide_pair.draft))
     loop = asyncio.new_event_loop()
     try:
         assert pair.limits.tokens == wide_pair.tokens

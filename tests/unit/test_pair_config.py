@@ -1,0 +1,64 @@
+"""The pair's one typed configuration (svip_common/pair_config.py): checked once, a bad field named
+in one line; the Serve app's settings and the CLI build it, the worker pair takes it whole."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from svip_common.auto_settings import AutoSettings
+from svip_common.errors import InvalidRequest
+from svip_common.pair_config import PairConfig, Recovery
+
+
+def test_the_defaults_check_and_a_copy_is_checked_again():
+    config = PairConfig("t", "d").checked()
+    assert config.replace(load_aware="all").load_aware == "all"
+    with pytest.raises(InvalidRequest, match="load-aware mode"):
+        config.replace(load_aware="sometimes")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        config.dtype = "bfloat16"
+
+
+@pytest.mark.parametrize("changes, words", [
+    ({"device": "tpu"}, "device must be"),
+    ({"layout": "scatter"}, "placement must be one of pack, spread"),
+    ({"target_gpus": -1}, "target_gpus must be >= 0"),
+    ({"worker_cpus": 0}, "worker_cpus must be > 0"),
+    ({"kv_cache_tokens": 0}, "kv_cache_tokens must be >= 1"),
+    ({"max_batched_tokens": 0}, "max_batched_tokens must be >= 1"),
+    ({"max_draft_length": 10_000}, "max_draft_length must be in 1.."),
+    ({"idle_prefill": "never"}, "idle prefill must be one of"),
+    ({"start_timeout_s": 0}, "start_timeout_s must be > 0"),
+    ({"auto": AutoSettings(cost=float("inf"))}, "auto cost"),
+    ({"recovery": Recovery(max_restarts=-1)}, "worker restarts"),
+    ({"recovery": Recovery(draft_stall_s=float("nan"))}, "draft_stall_s must be a positive"),
+])
+def test_each_bad_field_is_named(changes, words):
+    with pytest.raises(InvalidRequest, match=words):
+        PairConfig("t", "d", **changes).checked()
+
+
+def test_the_recovery_defaults_have_one_home():
+    from coordinator.session.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S
+    from coordinator.session.host import DEFAULT_HOLD_S
+
+    r = Recovery()
+    assert (DEFAULT_STALL_S, DEFAULT_HOLD_S, DEFAULT_RECOVER_S) == (r.draft_stall_s, r.sampled_hold_s,
+                                                                    r.draft_recover_s)
+    assert PairConfig("t", "d", recovery=Recovery(draft_stall_s=7.0)).host_recovery == {
+        "draft_stall_s": 7.0, "sampled_hold_s": 30.0, "draft_recover_s": 120.0}
+
+
+def test_the_serve_settings_build_the_pairs_configuration(tmp_path):
+    from svip_serve.settings import ServeSettings
+
+    settings = ServeSettings.from_args({"target": str(tmp_path), "draft": "none", "device": "cuda",
+                                        "target_gpus": 2, "kv_cache_tokens": 8192, "load_aware": "all",
+                                        "worker_restarts": 2, "draft_stall_s": 5.0, "worker_start_timeout_s": 90.0})
+    config = settings.pair_config()
+    assert (config.target, config.draft, config.target_gpus, config.draft_gpus) == (str(tmp_path), None, 2, 1)
+    assert config.packed and config.kv_cache_tokens == 8192 and config.load_aware == "all"
+    assert config.recovery == Recovery(max_restarts=2, draft_stall_s=5.0, sampled_hold_s=30.0, draft_recover_s=90.0)
+    assert config.start_timeout_s == 90.0 and config.max_batched_tokens == settings.max_batched_tokens
