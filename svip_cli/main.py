@@ -335,45 +335,11 @@ def _serve(args: argparse.Namespace) -> int:
     for flag, port in (("--port", args.port), ("--metrics-port", args.metrics_port)):
         if not 0 < port < 65536:
             raise InvalidRequest(f"{flag} must be in 1..65535, got {port}")
-    settings = ServeSettings.from_args(
-        {
-            "target": args.target,
-            "draft": args.draft,
-            "draft_kind": args.draft_kind,
-            "model_name": args.model_name,
-            "dtype": args.dtype,
-            "device": args.device,
-            "target_gpus": args.target_gpus,
-            "pipeline": args.pipeline,
-            "num_replicas": args.replicas,
-            "max_in_flight": args.max_in_flight,
-            "max_waiting": args.max_waiting,
-            "policy": args.policy,
-            "threshold": args.threshold,
-            "draft_length_cap": args.draft_length_cap,
-            "auto_learn": args.auto_learn,
-            "auto_cost": args.auto_cost,
-            "auto_window": args.auto_window,
-            "max_request_bytes": args.max_request_bytes,
-            "grpc_tls_dir": args.grpc_tls_dir,
-            "kv_cache_tokens": args.kv_cache_tokens,
-            "max_batched_tokens": args.max_batched_tokens,
-            "load_aware": args.load_aware,
-            "idle_prefill": args.idle_prefill,
-            "worker_restarts": args.worker_restarts,
-            "draft_stall_s": args.draft_stall_s,
-            "sampled_hold_s": args.sampled_hold_s,
-            "max_wait_s": args.max_wait_s,
-            "max_requests_per_key": args.max_requests_per_key,
-            "default_max_tokens": args.default_max_tokens,
-            "max_tokens_cap": args.max_tokens_cap,
-            "drain_timeout_s": args.drain_timeout_s,
-            "max_kv_tokens_per_key": args.max_kv_tokens_per_key,
-            "allow_ignore_eos": args.allow_ignore_eos,
-            "health_check_period_s": args.health_check_period_s,
-            "api_key_sha256": tuple(sorted({named_digest(k) for k in args.api_key + keys_from_env()})),
-        }
-    )
+    # every flag named as the setting it sets goes over as it is (ServeSettings checks them all)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeSettings) if hasattr(args, f.name)}
+    given["num_replicas"] = args.replicas
+    given["api_key_sha256"] = tuple(sorted({named_digest(k) for k in args.api_key + keys_from_env()}))
+    settings = ServeSettings.from_args(given)
     return serve_forever(settings, args.host, args.port, args.metrics_port)
 
 

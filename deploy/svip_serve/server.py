@@ -18,7 +18,6 @@ from starlette.exceptions import HTTPException
 from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
 from svip_common.kv_sizes import whole_pages
-from svip_serve import prompting
 from svip_serve.admission import RETRY_AFTER_S, Admission, Slot
 from svip_serve.auth import ApiKeys
 from svip_serve.draining import DrainWatch
@@ -33,19 +32,17 @@ from svip_serve.protocol import (
     parse_chat,
     parse_completion,
     parse_json,
-    rendered_chars,
     response_body,
     usage,
     usage_chunk,
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
+from svip_serve.shaping import RequestShaping
 
 # no /docs, /redoc or /openapi.json: the API faces the network, and its shape is OpenAI's
 api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible",
               docs_url=None, redoc_url=None, openapi_url=None)
 log = logging.getLogger("svip_serve")
-# a prompt with more characters than this per context position cannot fit: refused before tokenizing
-MAX_CHARS_PER_TOKEN = 16
 
 
 @api.exception_handler(ApiError)
@@ -171,6 +168,8 @@ class SVIPServer:
         self.info = self.pair.target_info
         self.target_path, self.draft_path = config.target, config.draft
         self.engine = DistributedEngine.for_pair(self.pair, settings.pipeline)
+        self.shaping = RequestShaping(settings, self.info.tokenizer, self.pair.limits.positions,
+                                      self.pair.limits.kv_tokens, self.engine.resolve)
         self._connected = False
         self._connect_lock = asyncio.Lock()
         self.metrics = ServeMetrics(settings.served_name)
@@ -370,33 +369,14 @@ class SVIPServer:
                 http, self.settings.max_request_bytes, self.settings.body_read_timeout_s, self._parse_pool
             )
             req = parse(body, self.policy_defaults)
-            self._check_model(req.model)
-            self._check_request(req)
+            self.shaping.check_model(req.model)
+            self.shaping.check(req)
             loop = asyncio.get_running_loop()
-            request = await loop.run_in_executor(self._tokenizer_pool, self._generation_request, req)
+            request = await loop.run_in_executor(self._tokenizer_pool, self.shaping.generation_request, req)
         except ApiError as exc:
             self.metrics.record_rejected("invalid")
             raise exc
         return req, request
-
-    def _check_request(self, req: ApiRequest) -> None:
-        """What this deployment allows, before any tokenizing: ignore_eos, max_tokens within its
-        cap, and text so much longer than the context that it cannot fit (tokenizing it would only
-        hold the tokenizer thread), every string the chat template renders counted."""
-        if req.ignore_eos and not self.settings.allow_ignore_eos:
-            raise bad("'ignore_eos' is not allowed on this deployment", "ignore_eos")
-        cap = self.settings.max_tokens_cap
-        if req.max_tokens is not None and req.max_tokens > cap:
-            raise bad(f"'max_tokens' must be at most {cap} on this deployment, got {req.max_tokens}", "max_tokens")
-        ctx = self.engine.limits.positions
-        if ctx is None:
-            return
-        chars = len(req.prompt) if isinstance(req.prompt, str) else rendered_chars(req.messages or ())
-        if chars > ctx * MAX_CHARS_PER_TOKEN:
-            raise bad(
-                f"the prompt is {chars} characters, far more than fits the model's context of {ctx} tokens",
-                "messages" if req.kind == "chat" else "prompt",
-            )
 
     async def _stream(self, req: ApiRequest, generation: Generation, rid: str, slot: Slot, arrived: float):
         model, created = self.settings.served_name, int(time.time())
@@ -417,42 +397,6 @@ class SVIPServer:
         except Exception as exc:  # after the text already sent: an error event, then the end
             yield _sse(_api_error(exc, rid).body())
         yield "data: [DONE]\n\n"
-
-    def _check_model(self, model: str | None) -> None:
-        if model is not None and model != self.settings.served_name:
-            raise ApiError(
-                404,
-                f"the model {model!r} does not exist; this server serves {self.settings.served_name!r}",
-                param="model",
-                code="model_not_found",
-            )
-
-    def _generation_request(self, req: ApiRequest) -> GenerationRequest:
-        try:
-            prompt_ids = prompting.prompt_ids(self.info.tokenizer, req, self.settings.served_name)
-            ctx = self.engine.limits.positions  # the shorter context of the pair
-            if ctx is not None and len(prompt_ids) >= ctx:
-                raise bad(f"the prompt is {len(prompt_ids)} tokens; the model's context is {ctx} tokens", "prompt")
-            max_tokens = req.max_tokens if req.max_tokens is not None else self._default_max_tokens(len(prompt_ids))
-            if ctx is not None and len(prompt_ids) + max_tokens > ctx:
-                raise bad(
-                    f"the prompt ({len(prompt_ids)} tokens) + max_tokens ({max_tokens}) exceeds the model's "
-                    f"context of {ctx} tokens",
-                    "max_tokens",
-                )
-            request = GenerationRequest(prompt_ids, max_tokens, req.sampling, req.policy, ignore_eos=req.ignore_eos)
-            return self.engine.resolve(request)
-        except InvalidRequest as exc:
-            raise bad(str(exc)) from None
-
-    def _default_max_tokens(self, prompt_tokens: int) -> int:
-        """What a chat without max_tokens may generate: the deployment's default, within the
-        context and the KV pool (so that it is served, never refused for a number it did not send)."""
-        room = [self.settings.default_max_tokens, self.settings.max_tokens_cap]
-        for limit in (self.engine.limits.positions, self.pair.limits.kv_tokens):
-            if limit is not None:
-                room.append(limit - prompt_tokens)
-        return max(1, min(room))
 
     def _usage(self, generation: Generation) -> dict:
         return usage(len(generation.request.prompt_ids), generation.completion_tokens)
