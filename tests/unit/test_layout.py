@@ -191,3 +191,17 @@ def test_the_port_ray_keeps_for_its_agent_is_rays():
     from tests.serving import RAY_AGENT_PORT as TESTS_AVOID
 
     assert RAY_AGENT_PORT == TESTS_AVOID == DEFAULT_DASHBOARD_AGENT_LISTEN_PORT
+
+
+MAX_CLASS_LINES = 300
+
+
+def test_no_class_is_longer_than_a_reader_holds():
+    """A class past MAX_CLASS_LINES is split by what it does (the session's parts, the host's pages
+    and idle work, the server's request shaping are examples)."""
+    long = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
+                long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+    assert not long, long
