@@ -148,17 +148,19 @@ class Pending:
 class InMemoryPair:
     def __init__(self, target: LoadedModel | ModelInfo, verifier, drafter, limits: Limits, pipeline: str = "async",
                  schedule: Schedule | None = None, clock: Callable[[], float] = time.time, prepare: int = 2,
-                 **host_options):
+                 draft_clock: Callable[[], float] | None = None, **host_options):
         """target: the target model (its end-of-sequence ids); verifier, drafter: the workers' models
         (target_worker/verifier.py, draft_worker/drafter.py; drafter None: the target alone);
         schedule: what happens next (InOrder() by default); clock: the time now, for the host and
-        its sessions; host_options: SessionHost's."""
+        its sessions; draft_clock: the draft worker's (its timestamps and its steps' durations;
+        None: the machine's); host_options: SessionHost's."""
         self.target, self.limits, self.pipeline = target, limits, pipeline
         self.schedule = schedule or InOrder()
         self.clock = clock
         self.wires = {name: Wire() for name in DELIVERIES}
         self.wires["to_host"] = Wire()  # the caller's requests
-        self.draft = None if drafter is None else DraftService(drafter, limits, prepare, compute=ManualLoop)
+        timing = {} if draft_clock is None else {"clock": draft_clock, "timer": draft_clock}
+        self.draft = None if drafter is None else DraftService(drafter, limits, prepare, compute=ManualLoop, **timing)
         link = None if drafter is None else MemoryLink(self.wires["to_draft"])
         self.host = SessionHost(verifier, limits, draft_link=link, compute=ManualLoop, clock=clock, **host_options)
         self._caller_stream = MemoryStream(lambda events: [e.SerializeToString() for e in events])
@@ -265,22 +267,34 @@ class InMemoryPair:
     # --- the actions --------------------------------------------------------------------------------
 
     def _to_target(self) -> None:
-        now = self.clock()
-        for data in self.wires["to_host"].take():
-            self.host.compute.post(self.host.receive, self._caller_stream, pb.GenerateRequest.FromString(data), now)
-        for data in self.wires["to_target"].take():
-            for event, size in unpack(pb.DraftEvent.FromString(data), pb.DraftEvent, len(data)):
-                self.host.compute.post(self.host.on_draft_event, event, now, size)
+        self._deliver("to_host", self.wires["to_host"].take(), self.clock())
+        self._deliver("to_target", self.wires["to_target"].take(), self.clock())
 
     def _to_draft(self) -> None:
-        burst = self.wires["to_draft"].take()
-        if burst:
-            message = pb.DraftRequest.FromString(pack_requests(burst))
-            self.draft.compute.post(self.draft.receive, self._draft_stream, message, self.clock())
+        self._deliver("to_draft", self.wires["to_draft"].take(), self.draft.clock())
 
     def _to_caller(self) -> None:
-        for data in self.wires["to_caller"].take():
-            self._caller_event(pb.GenerateEvent.FromString(data))
+        self._deliver("to_caller", self.wires["to_caller"].take(), self.clock())
+
+    def _deliver(self, name: str, burst: list[bytes], now: float) -> None:
+        """A burst of messages that arrived on ``name`` at ``now``, handed to their receiver as the
+        links hand them over (parsed, a batch unpacked; posted to the receiver's loop)."""
+        if not burst:
+            return
+        if name == "to_host":
+            for data in burst:
+                self.host.compute.post(self.host.receive, self._caller_stream, pb.GenerateRequest.FromString(data), now)
+        elif name == "to_target":
+            for data in burst:
+                for event, size in unpack(pb.DraftEvent.FromString(data), pb.DraftEvent, len(data)):
+                    self.host.compute.post(self.host.on_draft_event, event, now, size)
+        elif name == "to_draft":
+            for first in range(0, len(burst), MAX_BATCH):
+                message = pb.DraftRequest.FromString(pack_requests(burst[first:first + MAX_BATCH]))
+                self.draft.compute.post(self.draft.receive, self._draft_stream, message, now)
+        else:
+            for data in burst:
+                self._caller_event(pb.GenerateEvent.FromString(data))
 
     def _target(self) -> None:
         self.host.compute.run_one()

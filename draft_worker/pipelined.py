@@ -27,6 +27,7 @@ alone meanwhile.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from draft_worker.drafter import BlockDraft, DraftSession
@@ -72,6 +73,7 @@ class PipelinedDraft:
     prepared: dict[PreparedKey, DraftedBlock] = field(default_factory=dict)  # (base, accepted, token) -> finished
     load_cap: int = UNLIMITED  # the most tokens a block may hold at the target's load (its latest word)
     paused: bool = False  # load_cap 0: nothing is drafted until a Resume
+    clock: Callable[[], float] = time.time  # the time now (the in-memory transport's simulation runs its own)
 
     def __post_init__(self):
         self.known = list(self.prompt)
@@ -195,14 +197,14 @@ class PipelinedDraft:
             self.critical = Job(
                 self.session.begin(self.known, budget, alternatives=self.pipelined),
                 None,
-                time.time(),
+                self.clock(),
                 trigger_at,
                 resolved,
             )
             return []
         if resolved == NO_TOKEN and self._finished():
             return []
-        now = time.time()
+        now = self.clock()
         item = DraftedBlock.empty(len(self.known), self.epoch, resolved_token=resolved, started_at=now,
                                   finished_at=now, trigger_at=trigger_at)
         self.outstanding.append(item)
@@ -268,7 +270,7 @@ class PipelinedDraft:
         if wait is None or forward_s is None or not self.outstanding:
             return True
         due = max(self._verifying_since, self.outstanding[0].finished_at) + wait
-        return time.time() + forward_s < due
+        return self.clock() + forward_s < due
 
     def _learn_wait(self, answered: DraftedBlock, received_at: float) -> None:
         since = max(self._verifying_since, answered.finished_at)
@@ -318,7 +320,7 @@ class PipelinedDraft:
             sent = [t for o in self.outstanding for t in o.block.tokens]
             seq = self.known + sent[: base - len(self.known) + j] + [token]
         draft = self.session.begin(seq, min(self.limit - len(seq) - 1, self.load_cap), alternatives=True)
-        self.job = Job(draft, prepared_for, time.time())
+        self.job = Job(draft, prepared_for, self.clock())
 
     def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> DraftedBlock:
         block = draft.block
@@ -334,7 +336,7 @@ class PipelinedDraft:
             followup,
             prepared_for=prepared_for,
             started_at=started,
-            finished_at=time.time(),
+            finished_at=self.clock(),
             draft_s=draft.compute_s - draft.prefill_s,
             trigger_at=trigger_at,
             alternatives=draft.alternatives,

@@ -71,8 +71,13 @@ class _Ahead:
 class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     role = "draft"
 
-    def __init__(self, drafter: Drafter, limits, prepare: int = 2, compute=ComputeLoop):
+    def __init__(self, drafter: Drafter, limits, prepare: int = 2, compute=ComputeLoop, clock=time.time,
+                 timer=time.perf_counter):
+        """compute: the loop that owns the sessions (SessionService); clock: the time now, for the
+        sessions' timestamps; timer: what a step's duration is read from (the in-memory
+        transport's simulation gives both as its own clock)."""
         super().__init__(limits, compute)
+        self.clock, self.timer = clock, timer
         self.drafter = drafter
         self.prepare = prepare  # prepared continuations per block (async sessions)
         self.step_metrics = StepMetrics("draft")
@@ -114,7 +119,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                 session=self.drafter.open(start.sampling, start.policy, tuple(start.stop_token_ids)),
                 prompt=list(start.prompt_ids), max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
                 pipelined=start.pipeline == "async", prepare=self.prepare, send_prepared=start.sampling.greedy,
-                epoch=start.epoch,
+                epoch=start.epoch, clock=self.clock,
             )
             self.new_session(start.session_id, session, stream)
             _tune(session, start.stop_rule)
@@ -194,7 +199,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                  if (draft := session.next_draft()) is not None]
         if not batch:
             return False
-        started = time.perf_counter()
+        started = self.timer()
         try:
             batch = self._step_within_pool(batch)
         except Exception as exc:  # never retried as is: the step's sessions are given up, their targets go on alone
@@ -211,7 +216,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         if not batch:
             return True
         tokens = sum(draft.pending_tokens for _, _, draft in batch)
-        elapsed = time.perf_counter() - started
+        elapsed = self.timer() - started
         for session_id, session, _ in batch:
             self._send(session_id, session, session.after_step(elapsed))
         self.step_metrics.record(len(batch), tokens, self.pool)

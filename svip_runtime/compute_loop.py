@@ -79,6 +79,7 @@ class ManualLoop:
         self._idle = idle
         self.inbox: collections.deque = collections.deque()
         self._during: list | None = None  # while idle work runs: what it posts
+        self.held: list = []  # what a held unit posted (run_idle's hold)
 
     def post(self, fn: Callable[..., object], *args) -> None:
         (self._during if self._during is not None else self.inbox).append((fn, args))
@@ -94,10 +95,11 @@ class ManualLoop:
         fn, args = self.inbox.popleft()
         self._run(fn, *args)
 
-    def run_idle(self, meanwhile: Callable[[], None] | None = None) -> bool:
+    def run_idle(self, meanwhile: Callable[[], None] | None = None, hold: bool = False) -> bool:
         """One unit of idle work (call it only while the inbox is empty); meanwhile(): posts what
-        arrived during the unit, which runs before what the unit itself posted. Returns whether
-        the unit did anything."""
+        arrived during the unit, which runs before what the unit itself posted; hold: keep what
+        the unit posted in ``held`` until ``release`` (a simulated device finishes the unit later,
+        and what arrives until then comes first). Returns whether the unit did anything."""
         if self._idle is None:
             return False
         self._during = []
@@ -107,8 +109,16 @@ class ManualLoop:
             own, self._during = self._during, None
         if meanwhile is not None:
             meanwhile()
-        self.inbox.extend(own)
+        if hold:
+            self.held = own
+        else:
+            self.inbox.extend(own)
         return did
+
+    def release(self) -> None:
+        """What the last held unit posted joins the inbox, after what arrived meanwhile."""
+        self.inbox.extend(self.held)
+        self.held = []
 
     def _run(self, fn, *args):
         return fn(*args) if self.strict else ComputeLoop._guard(fn, *args)

@@ -1,0 +1,220 @@
+"""The distributed pipeline on simulated devices: the in-memory pair (in_memory.py), every message
+and every step of both workers real, the real models giving every token, but time virtual. Each
+model forward takes the time its device's step model says (svip_common/device_profile.py: the
+target on its devices, the draft on its own), each message its link's, and each worker's host
+work (everything of a step but its forward: the protocol, the sessions, serialising) the time it
+really takes on this machine, times ``host_scale``. Deterministic and independent of this
+machine's load, but for that host work.
+
+Each worker is a timeline: it runs one thing at a time (a message, a batched step) from when it
+is free and the thing is there. The simulation takes events in time order: a message arriving, a
+worker's step finishing, a worker starting work. A step's own results (a verdict's decision, a
+drafted block) join its worker's queue when the step finishes, after what arrived meanwhile, as on
+a real device. What it does not model yet: two workers sharing a device (the in-process engine
+beside the target), and contention on the link. Not yet checked against device timing on this
+machine (the issue on cluster timings asks for both)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from coordinator.in_memory import InMemoryPair, Pending
+from svip_common.device_profile import Link, StepModel
+
+WORKERS = ("target", "draft")
+
+
+class WorkerClock:
+    """One worker's virtual time, read as the machine's clock is (a callable)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@dataclass
+class Timeline:
+    clock: WorkerClock
+    free_at: float = 0.0
+    finishing: float | None = None  # a batched step in flight ends then (its results held until)
+    forward_s: float = 0.0  # simulated device time of the step running
+    busy_s: float = 0.0
+    host_s: float = 0.0
+    steps: int = 0
+
+
+@dataclass
+class SimulatedRun:
+    """What a run took in virtual time."""
+
+    makespan_s: float
+    tokens: int
+    per_request_s: list[float] = field(default_factory=list)
+    busy_s: dict = field(default_factory=dict)
+    host_s: dict = field(default_factory=dict)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.makespan_s if self.makespan_s else 0.0
+
+
+class SimulatedPair(InMemoryPair):
+    def __init__(self, target, verifier, drafter, limits, pipeline: str, target_step: StepModel,
+                 draft_step: StepModel | None, link: Link, host_scale: float = 1.0, **host_options):
+        """target_step, draft_step: the step models of the target's and the draft's devices;
+        link: between them (the caller's messages cross it too); host_scale: this machine's host
+        work, times this, is the simulated host's."""
+        self.timelines = {w: Timeline(WorkerClock()) for w in WORKERS}
+        super().__init__(target, verifier, drafter, limits, pipeline, clock=self.timelines["target"].clock,
+                         draft_clock=self.timelines["draft"].clock, **host_options)
+        self.link, self.host_scale, self.now = link, host_scale, 0.0
+        self.arrivals: dict[str, list[float]] = {name: [] for name in self.wires}
+        self.finished_at: dict[str, float] = {}
+        self._device(verifier.pool, "target", target_step)
+        if drafter is not None:
+            self._device(drafter.pool, "draft", draft_step)
+
+    def _device(self, pool, worker: str, step: StepModel) -> None:
+        """The pool's forwards take the step model's time on the worker's timeline."""
+        real = pool.timed_forward
+        timeline = self.timelines[worker]
+
+        def timed_forward(steps, layers=()):
+            shape = [(len(new), len(seq)) for seq, new, _ in steps]  # before the forward: the cached tokens
+            started = time.perf_counter()
+            rows, features, _ = real(steps, layers)
+            timeline.host_s -= time.perf_counter() - started  # this machine's forward is not host work
+            seconds = step.forward_s(shape)
+            timeline.forward_s += seconds
+            timeline.clock.now += seconds
+            return rows, features, seconds
+
+        pool.timed_forward = timed_forward
+
+    # --- running ------------------------------------------------------------------------------------
+
+    def run_all(self, requests) -> SimulatedRun:
+        """Every request in flight from time 0, to the last one's end."""
+        pending = [self.submit(r) for r in requests]
+        self.run()
+        ends = [self.finished_at[p.session_id] for p in pending]
+        return SimulatedRun(max(ends), sum(len(p.result().token_ids) for p in pending), ends,
+                            {w: t.busy_s for w, t in self.timelines.items()},
+                            {w: t.host_s for w, t in self.timelines.items()})
+
+    def step(self) -> str | None:
+        self._stamp()
+        event = self._next_event()
+        if event is None:
+            return None
+        at, _, kind, name = event
+        self.now = max(self.now, at)
+        getattr(self, f"_event_{kind}")(name)
+        self._stamp()
+        self.steps += 1
+        return f"{kind} {name}"
+
+    def _next_event(self):
+        events = []
+        for name, wire in self.wires.items():
+            if wire.in_flight:
+                events.append((self.arrivals[name][0], 0, "arrive", name))
+        for worker in self._workers():
+            line = self.timelines[worker]
+            if line.finishing is not None:
+                events.append((line.finishing, 1, "finish", worker))
+                continue
+            start = max(line.free_at, self.now)
+            service = self.host if worker == "target" else self.draft
+            if service.compute.inbox:
+                events.append((start, 2, "work", worker))
+            elif f"{worker}_idle" not in self._idle_spent:
+                events.append((start, 3, "step", worker))
+        return min(events) if events else None
+
+    def _workers(self) -> list[str]:
+        return ["target"] if self.draft is None else list(WORKERS)
+
+    # --- events -------------------------------------------------------------------------------------
+
+    def _event_arrive(self, name: str) -> None:
+        """The messages on ``name`` that have arrived by now reach their receiver's queue."""
+        wire, times = self.wires[name], self.arrivals[name]
+        arrived = sum(1 for t in times if t <= self.now)
+        burst, wire.in_flight = wire.in_flight[:arrived], wire.in_flight[arrived:]
+        del times[:arrived]
+        self._deliver(name, burst, self.now)
+        self._idle_spent.clear()
+
+    def _event_work(self, worker: str) -> None:
+        service = self.host if worker == "target" else self.draft
+        self._timed(worker, service.compute.run_one)
+        self._idle_spent.clear()
+
+    def _event_step(self, worker: str) -> None:
+        service = self.host if worker == "target" else self.draft
+        did = self._timed(worker, lambda: service.compute.run_idle(hold=True), step=True)
+        if not did:
+            service.compute.release()
+            self.timelines[worker].finishing = None
+            self._idle_spent.add(f"{worker}_idle")
+
+    def _event_finish(self, worker: str) -> None:
+        line = self.timelines[worker]
+        line.finishing = None
+        (self.host if worker == "target" else self.draft).compute.release()
+        self._idle_spent.clear()
+
+    def _timed(self, worker: str, fn, step: bool = False):
+        """Run fn on the worker's timeline from now: its device time as simulated, its host work
+        as measured here (times host_scale); a step's results wait for its end."""
+        line = self.timelines[worker]
+        start = max(line.free_at, self.now)
+        line.clock.now, line.forward_s = start, 0.0
+        host_before = line.host_s
+        started = time.perf_counter()
+        out = fn()
+        line.host_s += time.perf_counter() - started
+        host = (line.host_s - host_before) * self.host_scale
+        line.host_s = host_before + host
+        end = start + line.forward_s + host
+        line.clock.now = line.free_at = end
+        line.busy_s += end - start
+        line.steps += 1
+        if step:
+            line.finishing = end
+        return out
+
+    # --- the wire, stamped --------------------------------------------------------------------------
+
+    def _stamp(self) -> None:
+        """What the workers emitted goes onto the wire, each message arriving a link's time after
+        its sender's clock now (in order: a link delivers in order)."""
+        self._caller_stream.flush(self.wires["to_caller"])
+        if self._draft_stream is not None:
+            self._draft_stream.flush(self.wires["to_target"])
+        for name, wire in self.wires.items():
+            times = self.arrivals[name]
+            for data in wire.in_flight[len(times):]:
+                last = times[-1] if times else 0.0
+                times.append(max(last, self._sent_at(name) + self._transit_s(name, len(data))))
+
+    def _sent_at(self, name: str) -> float:
+        sender = {"to_caller": "target", "to_target": "draft", "to_draft": "target"}.get(name)
+        return self.timelines[sender].clock.now if sender else self.now  # to_host: the caller's now
+
+    def _transit_s(self, name: str, nbytes: int) -> float:
+        """Between the workers, the link's; the caller sits beside the target (no transit)."""
+        return self.link.transfer_s(nbytes) if name in ("to_draft", "to_target") else 0.0
+
+    def _caller_event(self, event) -> None:
+        super()._caller_event(event)
+        kind = event.WhichOneof("kind")
+        if kind in ("finished", "error"):
+            self.finished_at[getattr(event, kind).session_id] = self.now
+
+
+__all__ = ["Pending", "SimulatedPair", "SimulatedRun"]

@@ -1,0 +1,70 @@
+"""The pipeline on simulated devices (coordinator/simulated.py): the real protocol and models in
+virtual time. Its output is the target's own, token for token, in every mode; with no host work
+counted (host_scale 0) a run is deterministic and the target alone takes exactly the sum of its
+forwards' modelled times; a step's results wait for its end while messages arrive meanwhile."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.engine import SpeculativeEngine
+from coordinator.simulated import SimulatedPair
+from draft_worker.drafter import Drafter
+from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
+from svip_common.device_profile import link, step_model
+from target_worker.verifier import Verifier
+
+TARGET, DRAFT = step_model("llama-3.1-70b@4xh100"), step_model("llama-3.1-8b@h100")
+SVIP = PolicyConfig(name="svip", threshold=0.6)
+
+
+def make(models, pipeline="async", draft=True, latency="0.1ms", host_scale=0.0, **options) -> SimulatedPair:
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens) if draft else None
+    options = {"load_aware": "off", **options}
+    return SimulatedPair(models["target"], Verifier(models["target"], limits.tokens), drafter, limits, pipeline,
+                         TARGET, DRAFT if draft else None, link(latency), host_scale, **options)
+
+
+@pytest.fixture(scope="module")
+def alone(models):
+    return SpeculativeEngine(models["target"], None)
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize("policy", [SVIP, PolicyConfig(name="constant", draft_length=4), PolicyConfig(name="auto")])
+def test_the_output_is_the_targets_in_virtual_time(models, prompt_ids, alone, pipeline, policy):
+    pair = make(models, pipeline, host_scale=1.0)
+    requests = [GenerationRequest(ids, 24, policy=policy) for ids in prompt_ids.values()]
+    run = pair.run_all(requests)
+    for pending, request in zip(pair.pending.values(), requests):
+        assert pending.result().token_ids == alone.generate(request).token_ids
+    assert run.makespan_s > 0 and run.tokens == 3 * 24
+
+
+def test_the_target_alone_takes_the_sum_of_its_forwards(models, prompt_ids):
+    """One forward takes the prompt in and settles the first token; each next forward one token."""
+    prompt, n = prompt_ids["medium"], 20
+    pair = make(models, "sync", draft=False)
+    run = pair.run_all([GenerationRequest(prompt, n, policy=PolicyConfig(name="none"))])
+    p = len(prompt)
+    by_hand = TARGET.forward_s([(p, 0)]) + sum(TARGET.forward_s([(1, p + i)]) for i in range(n - 1))
+    assert run.makespan_s == pytest.approx(by_hand)
+    assert run.busy_s["target"] == pytest.approx(by_hand)
+
+
+def test_a_run_without_host_time_is_deterministic(models, prompt_ids):
+    requests = [GenerationRequest(ids, 24, policy=SVIP) for ids in prompt_ids.values()]
+    first, second = make(models).run_all(requests), make(models).run_all(requests)
+    assert first.per_request_s == second.per_request_s and first.makespan_s == second.makespan_s
+
+
+def test_a_slower_link_costs_the_synchronous_pipeline_its_round_trips(models, prompt_ids):
+    """Each sync round waits for the block and sends the feedback back: 2 ms more each way costs
+    about 4 ms a round (the target does nothing of its own while it waits: idle_prefill off)."""
+    request = GenerationRequest(prompt_ids["long"], 24, policy=SVIP)
+    fast = make(models, "sync", idle_prefill="off")
+    quick = fast.run_all([request])
+    slow = make(models, "sync", latency="2ms", idle_prefill="off").run_all([request])
+    rounds = len(fast.pending[next(iter(fast.pending))].result().stats.round_sources)
+    assert slow.makespan_s - quick.makespan_s == pytest.approx(rounds * 2 * (2e-3 - 1e-4), rel=0.05)
