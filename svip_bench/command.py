@@ -17,14 +17,23 @@ QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--mode",
-        choices=["policies", "pipeline", "serve", "replay"],
+        choices=["policies", "pipeline", "serve", "replay", "simulate"],
         default="policies",
         help="policies: length policies and Hugging Face side by side (default); "
         "pipeline: in-process vs distributed sync vs async, concurrency, timeline; "
         "serve: the Serve app over HTTP at --levels streaming clients, --serve-policies side by side, and the "
         "in-process batched engine at batch 1 vs 16; replay: every policy replayed along the target's greedy "
-        "continuations in modelled time (no wall clock: noise-free), auto over the best fixed method",
+        "continuations in modelled time (no wall clock: noise-free), auto over the best fixed method; simulate: "
+        "the distributed pipeline on the devices --target-device and --draft-device name, in virtual time",
     )
+    bench.add_argument("--target-device", default="llama-3.1-70b@4xh100",
+                       help="simulate: the target's step model, MODEL@DEVICE or MODEL@NxDEVICE (llama-3.1-70b@4xh100)")
+    bench.add_argument("--draft-device", default="llama-3.1-8b@h100",
+                       help="simulate: the draft's step model (llama-3.1-8b@h100)")
+    bench.add_argument("--link", default="0.1ms", help="simulate: node, 25gbe, 100gbe or a latency such as 0.1ms")
+    bench.add_argument("--host-scale", type=float, default=1.0,
+                       help="simulate: the host work measured here counts this many times (1; 0: none)")
+    bench.add_argument("--sim-sessions", default="1,8", help="simulate: sessions in flight at once (1,8)")
     bench.add_argument("--target", help="target model (default: the embedded pair)")
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
     bench.add_argument("--dtype", default="float32")
@@ -155,6 +164,12 @@ def run(args: argparse.Namespace, load_engine) -> int:
         from svip_bench import serve
 
         return serve.run(engine, prompts, args, header)
+    if args.mode == "simulate":
+        from svip_bench import simulate
+
+        if not 0 <= args.host_scale <= 100:
+            raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
+        return simulate.run(engine, prompts, args, header)
     if args.mode == "replay":
         from svip_bench import replay
 

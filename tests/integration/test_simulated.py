@@ -68,3 +68,27 @@ def test_a_slower_link_costs_the_synchronous_pipeline_its_round_trips(models, pr
     slow = make(models, "sync", latency="2ms", idle_prefill="off").run_all([request])
     rounds = len(fast.pending[next(iter(fast.pending))].result().stats.round_sources)
     assert slow.makespan_s - quick.makespan_s == pytest.approx(rounds * 2 * (2e-3 - 1e-4), rel=0.05)
+
+
+def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path, model_dirs, capsys):
+    import json
+
+    from svip_cli.main import main
+
+    dataset = tmp_path / "spec.jsonl"
+    dataset.write_text(json.dumps({"question_id": 1, "category": "qa", "prompt": "question: def f(x):"}) + "\n")
+    out = tmp_path / "out"
+    code = main(["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--dataset", str(dataset), "--categories", "qa", "--prompts-per-category", "1", "--repeats", "1",
+                 "--max-new-tokens", "12", "--sim-sessions", "2", "--host-scale", "0", "--link", "25gbe",
+                 "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads((out / "simulate.json").read_text())
+    assert [(r["sessions"], r["mode"]) for r in doc["rows"]] == [(n, m) for n in (1, 2) for m in ("alone", "sync",
+                                                                                                  "async")]
+    assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
+    assert doc["header"]["target_device"] == "llama-3.1-70b@4xh100" and "| 1 | alone |" in captured.out
+    assert main(["bench", "--mode", "simulate", "--target-device", "llama-9b@h100", "--target", model_dirs.target,
+                 "--draft", model_dirs.close_draft, "--dataset", str(dataset), "--categories", "qa"]) == 2
+    assert "unknown model 'llama-9b'" in capsys.readouterr().err

@@ -1,0 +1,84 @@
+"""`svip bench --mode simulate`: the distributed pipeline on devices this machine does not have, in
+virtual time (coordinator/simulated.py): the target alone, distributed sync and async, each at one
+session and at several in flight, with the real protocol and models on the embedded pair's (or the
+given pair's) tokens, each forward timed by its device's step model, each message by the link.
+What it cannot know from here: how the pair named by the devices would accept (the tokens are the
+given pair's), and a real device's own overheads past the step model (docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+from coordinator.simulated import SimulatedPair
+from draft_worker.drafter import Drafter
+from svip_bench.runner import Progress, encode_prompts
+from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
+from svip_common.device_profile import link, step_model
+from target_worker.verifier import Verifier
+
+MODES = ("alone", "sync", "async")
+
+
+def run(engine, prompts, args, header: dict) -> int:
+    target_step, draft_step = step_model(args.target_device), step_model(args.draft_device)
+    wire = link(args.link)
+    sessions = sorted({1, *(int(x) for x in args.sim_sessions.split(",") if x)})
+    threshold = engine.calibration().threshold
+    policy = PolicyConfig(name="svip", threshold=threshold)
+    encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
+    header.update(target_device=target_step.name, draft_device=draft_step.name, link=wire.name,
+                  host_scale=args.host_scale, svip_threshold=threshold, sessions=sessions,
+                  sources={"target": target_step.shape.source, "draft": draft_step.shape.source,
+                           "device": target_step.device.source, "link": wire.source})
+    target, draft = engine.target, engine.drafter.draft
+    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
+
+    def pair(mode: str) -> SimulatedPair:
+        drafter = None if mode == "alone" else Drafter(draft, target.vocab_size, limits.tokens)
+        return SimulatedPair(target, Verifier(target, limits.tokens), drafter, limits,
+                             "sync" if mode == "alone" else mode, target_step, draft_step, wire, args.host_scale,
+                             load_aware="off")
+
+    rows = []
+    progress = Progress(len(MODES) * len(sessions) * args.repeats)
+    for n in sessions:
+        for mode in MODES:
+            rates = []
+            for _ in range(args.repeats):
+                requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True,
+                                              policy=PolicyConfig(name="none") if mode == "alone" else policy)
+                            for ids in encoded]
+                total_tokens, total_s = 0, 0.0
+                for first in range(0, len(requests), n):  # n sessions in flight at once
+                    result = pair(mode).run_all(requests[first:first + n])
+                    total_tokens += result.tokens
+                    total_s += result.makespan_s
+                rates.append(total_tokens / total_s)
+                progress.update(1)
+            rows.append({"sessions": n, "mode": mode, "tokens_per_s": statistics.median(rates)})
+    print(_report(header, rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "simulate.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    return 0
+
+
+def _report(h: dict, rows: list[dict]) -> str:
+    alone = {r["sessions"]: r["tokens_per_s"] for r in rows if r["mode"] == "alone"}
+    lines = [
+        f"Command: `{h['command']}`",
+        f"Machine: {h['machine']} (host work measured here, times {h['host_scale']})",
+        f"Simulated: target {h['target_device']}, draft {h['draft_device']}, link {h['link']}; the tokens of "
+        f"{h['target']} and {h['draft']}; {h['prompts']} prompts, {h['max_new_tokens']} new tokens, greedy SVIP at "
+        f"{h['svip_threshold']:.2f}, load-aware off; medians of {h['repeats']} repeats (virtual time)",
+        "",
+        "| sessions | mode | tokens/s | vs the target alone |",
+        "|---|---|---|---|",
+    ]
+    for r in rows:
+        lines.append(f"| {r['sessions']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
+                     f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x |")
+    lines += ["", "Figures from: " + "; ".join(f"{k}: {v}" for k, v in h["sources"].items())]
+    return "\n".join(lines)
