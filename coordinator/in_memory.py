@@ -34,6 +34,7 @@ from coordinator.session.host import SessionHost
 from draft_worker.service import DraftService
 from svip_common.contracts import GenerationRequest, GenerationResult, GenerationStats, Limits
 from svip_common.models import LoadedModel, ModelInfo
+from svip_common.pair_config import PairConfig
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_runtime.compute_loop import ManualLoop
@@ -153,7 +154,8 @@ class InMemoryPair:
         (target_worker/verifier.py, draft_worker/drafter.py; drafter None: the target alone);
         schedule: what happens next (InOrder() by default); clock: the time now, for the host and
         its sessions; draft_clock: the draft worker's (its timestamps and its steps' durations;
-        None: the machine's); host_options: SessionHost's."""
+        None: the machine's); host_options: the pair's configuration as flat options (PairConfig.of:
+        load_aware, idle_prefill, max_batched_tokens, the recovery's fields)."""
         self.target, self.limits, self.pipeline = target, limits, pipeline
         self.schedule = schedule or InOrder()
         self.clock = clock
@@ -162,7 +164,9 @@ class InMemoryPair:
         timing = {} if draft_clock is None else {"clock": draft_clock, "timer": draft_clock}
         self.draft = None if drafter is None else DraftService(drafter, limits, prepare, compute=ManualLoop, **timing)
         link = None if drafter is None else MemoryLink(self.wires["to_draft"])
-        self.host = SessionHost(verifier, limits, draft_link=link, compute=ManualLoop, clock=clock, **host_options)
+        draft_path = getattr(getattr(drafter, "draft", None), "path", None)
+        config = PairConfig.of(getattr(target, "path", "target"), draft_path, **host_options)
+        self.host = SessionHost(verifier, limits, config, draft_link=link, compute=ManualLoop, clock=clock)
         self._caller_stream = MemoryStream(lambda events: [e.SerializeToString() for e in events])
         self._draft_stream = None
         if self.draft is not None:

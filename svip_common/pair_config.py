@@ -88,6 +88,13 @@ class PairConfig:
         self.recovery.checked()
         return self
 
+    @classmethod
+    def of(cls, target: str, draft: str | None, **options) -> PairConfig:
+        """From flat keyword options, checked (a Recovery field among them goes to the recovery)."""
+        names = {f.name for f in dataclasses.fields(Recovery)}
+        recovery = Recovery(**{k: options.pop(k) for k in list(options) if k in names})
+        return cls(target, draft, recovery=recovery, **options).checked()
+
     def replace(self, **changes) -> PairConfig:
         """A copy with these fields changed, checked."""
         return dataclasses.replace(self, **changes).checked()

@@ -16,6 +16,7 @@ from draft_worker.service import DraftService
 from svip_common.contracts import Limits
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import load_model_info
+from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import start_server
 from target_worker.verifier import Verifier
@@ -44,8 +45,9 @@ def in_process_workers(
 ):
     """The tiny target behind a session host, the close draft (or ``drafter``: a feature draft,
     whose target hands over ``feature_layers``) behind a draft service (KV pools of
-    target_kv_tokens and draft_kv_tokens); host_options go to SessionHost. On exit the host closes first, so its link
-    goes and the draft frees that stream's sessions, then both servers stop."""
+    target_kv_tokens and draft_kv_tokens); host_options: the pair's configuration as flat options
+    (PairConfig.of). On exit the host closes first, so its link goes and the draft frees that
+    stream's sessions, then both servers stop."""
     limits = Limits(tokens=models["target"].token_limit, positions=positions)
     drafter = drafter or Drafter(
         models["close_draft"],
@@ -63,10 +65,10 @@ def in_process_workers(
         return f"127.0.0.1:{port}"
 
     draft_address = serve(draft, pb_grpc.add_DraftWorkerServicer_to_server, "svip.v1.DraftWorker")
-    host = SessionHost(
-        Verifier(models["target"], limits.tokens, target_kv_tokens, feature_layers), limits, draft_address,
-        **host_options,
-    )
+    draft_path = getattr(getattr(drafter, "draft", None), "path", None) or "a feature draft"
+    config = PairConfig.of(models["target"].path, draft_path, **host_options)
+    host = SessionHost(Verifier(models["target"], limits.tokens, target_kv_tokens, feature_layers), limits, config,
+                       draft_address)
     loop.run_until_complete(host.start())
     target_address = serve(host, pb_grpc.add_TargetWorkerServicer_to_server, "svip.v1.TargetWorker")
     try:

@@ -30,9 +30,8 @@ class TargetActor(ModelActor):
         """draft_address: the draft worker's; draft: its Ray actor (asked for the address, and
         for a replacement's after a loss)."""
         verifier = Verifier(self.model, self.limits.tokens, self.kv_cache_tokens, self.feature_layers)
-        c = self.config
-        return SessionHost(verifier, self.limits, draft_address, self.tls, c.max_batched_tokens, c.load_aware,
-                           draft_actor=draft, auto=self.auto, idle_prefill=c.idle_prefill, **c.host_recovery)
+        return SessionHost(verifier, self.limits, self.config, draft_address, self.tls, draft_actor=draft,
+                           auto=self.auto)
 
     async def on_start(self, service: SessionHost) -> None:
         await service.start()

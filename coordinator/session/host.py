@@ -17,7 +17,7 @@ import time
 
 import grpc
 
-from coordinator.session.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S, DraftPort
+from coordinator.session.draft_port import DraftPort
 from coordinator.session.idle_work import IdleWork
 from coordinator.session.pages import PageLine
 from coordinator.session.pipeline import SessionPipeline
@@ -27,8 +27,8 @@ from svip_common.errors import InvalidRequest, Overloaded, SvipError
 from svip_common.kv_cache import PoolFull
 from svip_common.kv_sizes import whole_pages
 from svip_common.messages import DraftedBlock
-from svip_common.pair_config import Recovery
-from svip_common.step_cost import SessionGate, check_idle_prefill, check_load_aware, load_aware_for
+from svip_common.pair_config import PairConfig, Recovery
+from svip_common.step_cost import SessionGate, load_aware_for
 from svip_common.test_hooks import StepGate
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -62,42 +62,39 @@ class StreamCaller:
 class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     role = "target"
 
-    def __init__(self, verifier: Verifier, limits, draft_address: str | None = None, tls: TlsFiles | None = None,
-                 max_batched_tokens: int | None = None, load_aware: str = "greedy", draft_actor=None,
-                 draft_stall_s: float = DEFAULT_STALL_S, sampled_hold_s: float = DEFAULT_HOLD_S,
-                 draft_recover_s: float = DEFAULT_RECOVER_S, auto: AutoEstimate | None = None,
-                 idle_prefill: str = "auto", draft_link=None, compute=ComputeLoop, clock=time.time):
-        """max_batched_tokens: at most this many tokens in one target forward (a long prompt is
-        prefilled in chunks under it); None: no limit. load_aware: whose blocks hold no more tokens
-        than pay at the load measured here (none when verification is compute-bound): "off",
-        "greedy" (greedy sessions) or "all" (svip_common/step_cost.py). draft_actor: the draft
-        worker's Ray actor, asked for a replacement when the draft is lost (coordinator/session/draft_port.py);
-        draft_stall_s: the least a session waits on its draft before it goes on without it;
-        sampled_hold_s: how long a sampled session waits for a lost draft to come back; auto: the
-        pair's `auto` estimate (svip_common/acceptance.py), kept here beside the verifier, where
-        every verdict is seen (None: from the generic prior); idle_prefill: while no block is
-        ready, take in what waiting sessions need first and settle greedy ones' next tokens
-        (idle_work.py): "auto" (a lone session, where it pays), "always", "off". draft_link: a
-        link to the draft already open (the in-memory transport's, coordinator/in_memory.py);
-        compute: the loop that owns the sessions (SessionService); clock: the time now, for the
-        sessions and their steps."""
+    def __init__(self, verifier: Verifier, limits, config: PairConfig, draft_address: str | None = None,
+                 tls: TlsFiles | None = None, draft_actor=None, auto: AutoEstimate | None = None, draft_link=None,
+                 compute=ComputeLoop, clock=time.time):
+        """config: the pair's (svip_common/pair_config.py); what the host reads of it:
+        max_batched_tokens (a long prompt is prefilled in chunks under it), load_aware (whose
+        blocks hold no more tokens than pay at the load measured here; svip_common/step_cost.py),
+        idle_prefill (what the target does while no block is ready: idle_work.py) and the
+        recovery's draft_stall_s, sampled_hold_s and draft_recover_s (draft_port.py). draft_address:
+        the draft worker's (None: the target alone, unless draft_actor or draft_link); draft_actor:
+        its Ray actor, asked for a replacement when the draft is lost; auto: the pair's `auto`
+        estimate (svip_common/acceptance.py), kept here beside the verifier, where every verdict
+        is seen (None: from the generic prior); draft_link: a link to the draft already open (the
+        in-memory transport's, coordinator/in_memory.py); compute: the loop that owns the sessions
+        (SessionService); clock: the time now, for the sessions and their steps."""
         # what idle() reads is made before the compute thread starts (in super().__init__)
         self._gate = StepGate("target")
         self._ready: list[tuple[str, SessionPipeline, DraftedBlock, object, tuple[float, str]]] = []  # to verify
         self.pages = PageLine(verifier.pool)  # KV by use: who yields pages, who waits for them
         self.clock = clock
+        config = config.checked()
+        self.idle_work = IdleWork(verifier, config.idle_prefill, config.max_batched_tokens, clock)
         super().__init__(limits, compute)
         self.verifier = verifier
-        self.max_batched_tokens = max_batched_tokens
-        self.idle_work = IdleWork(verifier, check_idle_prefill(idle_prefill), max_batched_tokens, clock)
-        self.load_aware = check_load_aware(load_aware)
-        self.sampled_hold_s = sampled_hold_s
+        self.max_batched_tokens = config.max_batched_tokens
+        self.load_aware = config.load_aware
+        self.sampled_hold_s = config.recovery.sampled_hold_s
         self.auto = auto if auto is not None else AutoEstimate()
         self.step_metrics = StepMetrics("target")
         self.draft: DraftPort | None = None
         if draft_address is not None or draft_actor is not None or draft_link is not None:
+            recovery = config.recovery
             self.draft = DraftPort(draft_address, draft_actor, self._draft_event, self.draft_lost, self.draft_back,
-                                   tls, draft_stall_s, draft_recover_s, draft_link)
+                                   tls, recovery.draft_stall_s, recovery.draft_recover_s, draft_link)
         self._checker: asyncio.Task | None = None
 
     async def start(self) -> None:

@@ -18,11 +18,16 @@ from coordinator.session.host import SessionHost
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
 from svip_common.contracts import NO_TOKEN, Limits, PolicyConfig, SamplingParams
+from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import start_server
 from svip_runtime.wire_batch import unpack
 from target_worker.verifier import Verifier
+
+# crafted blocks reach the verifier as sent: no load-aware pause (test_load_aware.py), no tokens of the
+# target's own settled while it waits for them (test_idle_prefill.py)
+OFF = PairConfig("target", "draft", load_aware="off", idle_prefill="off")
 
 PROMPT = (5, 6, 7)
 
@@ -67,8 +72,7 @@ def host(models, loop):
     )
     # the scripted blocks must reach the verifier as sent: no load-aware pause (test_load_aware.py), and
     # no tokens of the target's own settled while it waits for them (test_idle_prefill.py)
-    target = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}", load_aware="off",
-                         idle_prefill="off")
+    target = SessionHost(Verifier(models["target"], limits.tokens), limits, OFF, f"127.0.0.1:{port}")
     loop.run_until_complete(target.start())
     yield target, draft
     loop.run_until_complete(target.close())

@@ -17,10 +17,15 @@ import torch
 from draft_worker.drafter import Drafter
 from draft_worker.service import DraftService
 from svip_common.contracts import Limits
+from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import MAX_QUEUED_EVENTS, SessionService, start_server
 from target_worker.verifier import Verifier
+
+# crafted blocks reach the verifier as sent: no load-aware pause (test_load_aware.py), no tokens of the
+# target's own settled while it waits for them (test_idle_prefill.py)
+OFF = PairConfig("target", "draft", load_aware="off", idle_prefill="off")
 
 INVALID = grpc.StatusCode.INVALID_ARGUMENT.value[0]
 
@@ -69,8 +74,7 @@ def services(models, limits, loop):
     # crafted blocks must meet the checks they target, not a load-aware pause (test_load_aware.py) nor
     # tokens the target settled alone while it waited for them; a session the fake draft leaves
     # waiting stays open (test_idle_prefill.py)
-    target = SessionHost(Verifier(models["target"], limits.tokens), limits, fake_address, load_aware="off",
-                         idle_prefill="off")
+    target = SessionHost(Verifier(models["target"], limits.tokens), limits, OFF, fake_address)
     loop.run_until_complete(target.start())
     target.address = serve(target, pb_grpc.add_TargetWorkerServicer_to_server)
     yield {"target": target, "draft": draft, "fake": fake}
@@ -388,7 +392,8 @@ def test_a_malformed_batch_from_the_draft_loses_the_draft_not_the_session(models
     fake.raw["bad-batch"] = [pb.DraftEvent(batch=[b"\xff\xff\xff"])]
     server, port = loop.run_until_complete(
         start_server(lambda s: pb_grpc.add_DraftWorkerServicer_to_server(fake, s), "svip.v1.Test"))
-    host = SessionHost(Verifier(models["target"], limits.tokens), limits, f"127.0.0.1:{port}", load_aware="off")
+    host = SessionHost(Verifier(models["target"], limits.tokens), limits,
+                       PairConfig("target", "draft", load_aware="off"), f"127.0.0.1:{port}")
     loop.run_until_complete(host.start())
     target_server, target_port = loop.run_until_complete(
         start_server(lambda s: pb_grpc.add_TargetWorkerServicer_to_server(host, s), "svip.v1.Test"))
