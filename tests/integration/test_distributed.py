@@ -25,16 +25,9 @@ from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from tests.gates import async_wait_until
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
+from tests.policies import POLICIES
 from tests.workers import in_process_workers
 
-POLICIES = {
-    "svip": PolicyConfig(name="svip", threshold=0.6),
-    "constant": PolicyConfig(name="constant", draft_length=4),
-    "heuristic": PolicyConfig(name="heuristic", draft_length=3),
-    "confidence": PolicyConfig(name="confidence", confidence=0.2),
-    "auto": PolicyConfig(name="auto"),
-    "none": PolicyConfig(name="none"),
-}
 MAX_NEW = 40
 
 

@@ -15,18 +15,11 @@ import pytest
 from coordinator.engine import SpeculativeEngine
 from coordinator.in_memory import DELIVERIES, STEPS, WORK, InMemoryPair, InOrder, Seeded
 from draft_worker.drafter import Drafter
-from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.contracts import GenerationRequest, Limits, SamplingParams
 from target_worker.verifier import Verifier
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
+from tests.policies import POLICIES
 
-POLICIES = {
-    "svip": PolicyConfig(name="svip", threshold=0.6),
-    "constant": PolicyConfig(name="constant", draft_length=4),
-    "heuristic": PolicyConfig(name="heuristic", draft_length=3),
-    "confidence": PolicyConfig(name="confidence", confidence=0.2),
-    "auto": PolicyConfig(name="auto"),
-    "none": PolicyConfig(name="none"),
-}
 MAX_NEW = 32
 DRAFT_FIRST = InOrder((*DELIVERIES, *WORK, "draft_idle", "target_idle"), during=True)  # the draft always early
 TARGET_FIRST = InOrder()  # the target verifies before the draft works ahead
