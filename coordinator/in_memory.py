@@ -89,8 +89,8 @@ class Wire:
         self.in_flight: list[bytes] = []
 
     def take(self) -> list[bytes]:
-        """The burst that arrives next (at most what a link packs as one message)."""
-        burst, self.in_flight = self.in_flight[:MAX_BATCH], self.in_flight[MAX_BATCH:]
+        """Everything in flight (a delivery packs it as the link would: _deliver)."""
+        burst, self.in_flight = self.in_flight, []
         return burst
 
 
@@ -311,7 +311,6 @@ class InMemoryPair:
         return self.host.compute.run_idle(self._to_target if during else None)
 
     def _draft_idle(self) -> bool:
-        self._flush()
         during = self.schedule.arrives_during("draft_idle")
         return self.draft.compute.run_idle(self._to_draft if during else None)
 

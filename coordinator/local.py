@@ -18,8 +18,7 @@ from svip_common.pair_config import PairConfig
 class LocalDistributed:
     def __init__(self, config: PairConfig, pipeline: str = "async", ray_address: str | None = None):
         """config: the pair and its workers (svip_common/pair_config.py); ray_address: an existing
-        cluster's (None: a Ray of this machine's, on loopback)."""
-        config = config.checked()
+        cluster's (None: a Ray of this machine's, on loopback). The pair checks the config."""
         if ray_address is None:
             init_local_ray()
         else:

@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from coordinator.in_memory import InMemoryPair, Pending
+from coordinator.in_memory import InMemoryPair
 from svip_common.device_profile import Link, StepModel
 
 WORKERS = ("target", "draft")
@@ -41,9 +41,9 @@ class Timeline:
     free_at: float = 0.0
     finishing: float | None = None  # a batched step in flight ends then (its results held until)
     forward_s: float = 0.0  # simulated device time of the step running
+    device_wall_s: float = 0.0  # of the step running: what this machine's forwards took (not host work)
     busy_s: float = 0.0
     host_s: float = 0.0
-    steps: int = 0
 
 
 @dataclass
@@ -55,10 +55,6 @@ class SimulatedRun:
     per_request_s: list[float] = field(default_factory=list)
     busy_s: dict = field(default_factory=dict)
     host_s: dict = field(default_factory=dict)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.tokens / self.makespan_s if self.makespan_s else 0.0
 
 
 class SimulatedPair(InMemoryPair):
@@ -86,7 +82,7 @@ class SimulatedPair(InMemoryPair):
             shape = [(len(new), len(seq)) for seq, new, _ in steps]  # before the forward: the cached tokens
             started = time.perf_counter()
             rows, features, _ = real(steps, layers)
-            timeline.host_s -= time.perf_counter() - started  # this machine's forward is not host work
+            timeline.device_wall_s += time.perf_counter() - started
             seconds = step.forward_s(shape)
             timeline.forward_s += seconds
             timeline.clock.now += seconds
@@ -156,10 +152,10 @@ class SimulatedPair(InMemoryPair):
 
     def _event_step(self, worker: str) -> None:
         service = self.host if worker == "target" else self.draft
-        did = self._timed(worker, lambda: service.compute.run_idle(hold=True), step=True)
-        if not did:
+        if self._timed(worker, lambda: service.compute.run_idle(hold=True)):
+            self.timelines[worker].finishing = self.timelines[worker].free_at  # its results wait for its end
+        else:
             service.compute.release()
-            self.timelines[worker].finishing = None
             self._idle_spent.add(f"{worker}_idle")
 
     def _event_finish(self, worker: str) -> None:
@@ -168,24 +164,19 @@ class SimulatedPair(InMemoryPair):
         (self.host if worker == "target" else self.draft).compute.release()
         self._idle_spent.clear()
 
-    def _timed(self, worker: str, fn, step: bool = False):
+    def _timed(self, worker: str, fn):
         """Run fn on the worker's timeline from now: its device time as simulated, its host work
-        as measured here (times host_scale); a step's results wait for its end."""
+        as measured here (times host_scale)."""
         line = self.timelines[worker]
         start = max(line.free_at, self.now)
-        line.clock.now, line.forward_s = start, 0.0
-        host_before = line.host_s
+        line.clock.now, line.forward_s, line.device_wall_s = start, 0.0, 0.0
         started = time.perf_counter()
         out = fn()
-        line.host_s += time.perf_counter() - started
-        host = (line.host_s - host_before) * self.host_scale
-        line.host_s = host_before + host
+        host = (time.perf_counter() - started - line.device_wall_s) * self.host_scale
+        line.host_s += host
         end = start + line.forward_s + host
         line.clock.now = line.free_at = end
         line.busy_s += end - start
-        line.steps += 1
-        if step:
-            line.finishing = end
         return out
 
     # --- the wire, stamped --------------------------------------------------------------------------
@@ -193,9 +184,7 @@ class SimulatedPair(InMemoryPair):
     def _stamp(self) -> None:
         """What the workers emitted goes onto the wire, each message arriving a link's time after
         its sender's clock now (in order: a link delivers in order)."""
-        self._caller_stream.flush(self.wires["to_caller"])
-        if self._draft_stream is not None:
-            self._draft_stream.flush(self.wires["to_target"])
+        self._flush()
         for name, wire in self.wires.items():
             times = self.arrivals[name]
             for data in wire.in_flight[len(times):]:
@@ -215,6 +204,3 @@ class SimulatedPair(InMemoryPair):
         kind = event.WhichOneof("kind")
         if kind in ("finished", "error"):
             self.finished_at[getattr(event, kind).session_id] = self.now
-
-
-__all__ = ["Pending", "SimulatedPair", "SimulatedRun"]

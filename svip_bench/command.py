@@ -169,7 +169,8 @@ def run(args: argparse.Namespace, load_engine) -> int:
 
         if not 0 <= args.host_scale <= 100:
             raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
-        return simulate.run(engine, prompts, args, header)
+        sessions = sorted({1, *_parse_ks(args.sim_sessions, "--sim-sessions", "sessions in flight")})
+        return simulate.run(engine, prompts, args, header, sessions)
     if args.mode == "replay":
         from svip_bench import replay
 
@@ -226,13 +227,13 @@ def _head_engine(engine, head: str):
     return SpeculativeEngine(engine.target, load_feature_draft(path, engine.target))
 
 
-def _parse_ks(spec: str) -> list[int]:
+def _parse_ks(spec: str, flag: str = "--ks", what: str = "draft lengths") -> list[int]:
     try:
         ks = sorted({int(k) for k in spec.split(",") if k.strip()})
     except ValueError:
-        raise InvalidRequest(f"--ks: expected comma-separated integers, got {spec!r}") from None
+        raise InvalidRequest(f"{flag}: expected comma-separated integers, got {spec!r}") from None
     if not ks or ks[0] < 1:
-        raise InvalidRequest("--ks: draft lengths must be >= 1")
+        raise InvalidRequest(f"{flag}: {what} must be >= 1")
     return ks
 
 

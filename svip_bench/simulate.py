@@ -21,10 +21,10 @@ from target_worker.verifier import Verifier
 MODES = ("alone", "sync", "async")
 
 
-def run(engine, prompts, args, header: dict) -> int:
+def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
+    """sessions: how many in flight at once, each in turn (1 among them: the ratios' base)."""
     target_step, draft_step = step_model(args.target_device), step_model(args.draft_device)
     wire = link(args.link)
-    sessions = sorted({1, *(int(x) for x in args.sim_sessions.split(",") if x)})
     threshold = engine.calibration().threshold
     policy = PolicyConfig(name="svip", threshold=threshold)
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)

@@ -98,10 +98,3 @@ class PairConfig:
     def replace(self, **changes) -> PairConfig:
         """A copy with these fields changed, checked."""
         return dataclasses.replace(self, **changes).checked()
-
-    @property
-    def host_recovery(self) -> dict:
-        """The target host's recovery options (coordinator/session/host.py)."""
-        r = self.recovery
-        return {"draft_stall_s": r.draft_stall_s, "sampled_hold_s": r.sampled_hold_s,
-                "draft_recover_s": r.draft_recover_s}

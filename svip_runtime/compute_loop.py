@@ -72,10 +72,10 @@ class ManualLoop:
     and idle work only while nothing waits. ``run_idle`` can deliver what arrived while its unit
     ran (a block that reached the target during its forward) ahead of what the unit posted."""
 
-    def __init__(self, name: str, idle: Callable[[], bool] | None = None, strict: bool = True):
-        """strict: an error that a handler lets escape is raised to the caller (a test sees the
-        bug), where the thread's loop logs it and goes on."""
-        self.name, self.strict = name, strict
+    def __init__(self, name: str, idle: Callable[[], bool] | None = None):
+        """An error that a handler lets escape is raised to the caller (a test sees the bug), where
+        the thread's loop logs it and goes on."""
+        self.name = name
         self._idle = idle
         self.inbox: collections.deque = collections.deque()
         self._during: list | None = None  # while idle work runs: what it posts
@@ -93,7 +93,7 @@ class ManualLoop:
     def run_one(self) -> None:
         """Run the oldest posted item (there is one: see ``inbox``)."""
         fn, args = self.inbox.popleft()
-        self._run(fn, *args)
+        fn(*args)
 
     def run_idle(self, meanwhile: Callable[[], None] | None = None, hold: bool = False) -> bool:
         """One unit of idle work (call it only while the inbox is empty); meanwhile(): posts what
@@ -104,7 +104,7 @@ class ManualLoop:
             return False
         self._during = []
         try:
-            did = bool(self._run(self._idle))
+            did = bool(self._idle())
         finally:
             own, self._during = self._during, None
         if meanwhile is not None:
@@ -119,9 +119,6 @@ class ManualLoop:
         """What the last held unit posted joins the inbox, after what arrived meanwhile."""
         self.inbox.extend(self.held)
         self.held = []
-
-    def _run(self, fn, *args):
-        return fn(*args) if self.strict else ComputeLoop._guard(fn, *args)
 
 
 class Outlet:

@@ -27,7 +27,7 @@ from svip_common.errors import InvalidRequest, Overloaded, SvipError
 from svip_common.kv_cache import PoolFull
 from svip_common.kv_sizes import whole_pages
 from svip_common.messages import DraftedBlock
-from svip_common.pair_config import PairConfig, Recovery
+from svip_common.pair_config import PairConfig
 from svip_common.step_cost import SessionGate, load_aware_for
 from svip_common.test_hooks import StepGate
 from svip_proto import convert
@@ -42,7 +42,6 @@ from target_worker.verifier import Verifier
 log = logging.getLogger(__name__)
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
-DEFAULT_HOLD_S = Recovery.sampled_hold_s  # a sampled session waits this long for a lost draft (its seed reproduces)
 
 
 class StreamCaller:

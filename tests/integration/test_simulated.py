@@ -89,6 +89,11 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
                                                                                                   "async")]
     assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
     assert doc["header"]["target_device"] == "llama-3.1-70b@4xh100" and "| 1 | alone |" in captured.out
-    assert main(["bench", "--mode", "simulate", "--target-device", "llama-9b@h100", "--target", model_dirs.target,
-                 "--draft", model_dirs.close_draft, "--dataset", str(dataset), "--categories", "qa"]) == 2
-    assert "unknown model 'llama-9b'" in capsys.readouterr().err
+    base = ["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+            "--dataset", str(dataset), "--categories", "qa"]
+    for extra, words in ((["--target-device", "llama-9b@h100"], "unknown model 'llama-9b'"),
+                         (["--sim-sessions", "0"], "--sim-sessions: sessions in flight must be >= 1"),
+                         (["--sim-sessions", "two"], "--sim-sessions: expected comma-separated integers"),
+                         (["--host-scale", "1000"], "--host-scale must be in [0, 100]")):
+        assert main(base + extra) == 2
+        assert words in capsys.readouterr().err

@@ -42,13 +42,9 @@ def test_each_bad_field_is_named(changes, words):
 
 def test_the_recovery_defaults_have_one_home():
     from coordinator.session.draft_port import DEFAULT_RECOVER_S, DEFAULT_STALL_S
-    from coordinator.session.host import DEFAULT_HOLD_S
 
     r = Recovery()
-    assert (DEFAULT_STALL_S, DEFAULT_HOLD_S, DEFAULT_RECOVER_S) == (r.draft_stall_s, r.sampled_hold_s,
-                                                                    r.draft_recover_s)
-    assert PairConfig("t", "d", recovery=Recovery(draft_stall_s=7.0)).host_recovery == {
-        "draft_stall_s": 7.0, "sampled_hold_s": 30.0, "draft_recover_s": 120.0}
+    assert (DEFAULT_STALL_S, DEFAULT_RECOVER_S) == (r.draft_stall_s, r.draft_recover_s)
 
 
 def test_the_serve_settings_build_the_pairs_configuration(tmp_path):
