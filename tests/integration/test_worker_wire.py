@@ -254,6 +254,38 @@ def test_the_draft_checks_the_targets_feedback_token(services, loop, limits):
     assert event.error.code == INVALID and f"feedback token id {limits.tokens} is outside" in event.error.message
 
 
+def test_a_malformed_verdict_late_in_a_chain_fails_its_session_alone_in_a_batch(services, loop):
+    """One step's batch carries a well-formed feedback for one session and, for another, a chain
+    whose second verdict has a malformed stop rule: that session is refused (read whole before any
+    verdict of it is applied), its neighbour's verdict is applied and its next block comes."""
+    async def scenario():
+        stream = Stream(services["draft"].address, "draft")
+        stream.send(pb.DraftRequest(start=start("good")))
+        stream.send(pb.DraftRequest(start=start("bad")))
+        blocks = {}
+        while len(blocks) < 2:
+            for e in events_of(await stream.read()):
+                blocks[e.block.session_id] = e.block
+        good, bad = blocks["good"], blocks["bad"]
+        ok = pb.Feedback(session_id="good", epoch=0, base=good.base, drafted=len(good.tokens),
+                         accepted=len(good.tokens), token=5)
+        malformed = pb.Feedback(session_id="bad", epoch=0, base=bad.base, drafted=len(bad.tokens), accepted=0,
+                                token=5, then=pb.Feedback(session_id="bad", stop_rule=pb.StopRule(weights=[1.0])))
+        stream.send(pb.DraftRequest(batch=[pb.DraftRequest(feedback=m).SerializeToString() for m in (ok, malformed)]))
+        events = []
+        while not (any(e.WhichOneof("kind") == "error" for e in events)
+                   and any(e.WhichOneof("kind") == "block" for e in events)):
+            events += events_of(await stream.read())
+        await stream.close()
+        return good, events
+
+    good, events = loop.run_until_complete(scenario())
+    [error] = [e.error for e in events if e.WhichOneof("kind") == "error"]
+    assert error.session_id == "bad" and error.code == INVALID
+    [block] = [e.block for e in events if e.WhichOneof("kind") == "block"]
+    assert block.session_id == "good" and block.base == good.base + len(good.tokens) + 1
+
+
 def test_a_stream_that_goes_away_frees_its_sessions(services, loop):
     async def scenario():
         streams = [Stream(services[role].address, role) for role in ("target", "draft") for _ in range(3)]
