@@ -79,5 +79,6 @@ def test_a_sampled_session_going_on_alone_after_a_lost_draft_follows_the_target(
     assert all(r.stats.detached == 1 and r.stats.reattached == 0 for r in results)
     assert sum(r.stats.discarded_tokens for r in results) >= SAMPLES  # every first block was voided
     assert all(r.stats.round_sources == ["detached", "detached"] for r in results)  # the target drew both
+    loop.run_until_complete(host.Stats(None, None))  # the host's compute thread is past the steps that closed them
     assert not host.sessions and host.pool.used_pages == 0
     assert_first_tokens_follow_the_target(models, prompt, sampling, results)
