@@ -719,3 +719,75 @@ def test_the_crd_schema_check_can_fail(rayservice_schema):
     del service["spec"]["rayClusterConfig"]["workerGroupSpecs"][0]["groupName"]
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(service, rayservice_schema)
+
+
+# Each field of the pair's one configuration (svip_common/pair_config.py) that the chart sets: the
+# values that set it, a value other than its default, and the field's path in the PairConfig.
+CHART_TO_PAIR = [
+    ({"model": {"target": "org/target"}}, "target", "org/target"),
+    ({"model": {"draft": "org/draft"}}, "draft", "org/draft"),
+    ({"model": {"draft": "none"}}, "draft", None),
+    ({"model": {"dtype": "float16"}}, "dtype", "float16"),
+    ({"model": {"targetGpus": 4}, "workers": {"gpusPerWorker": 8}}, "target_gpus", 4),
+    ({"model": {"draftGpus": 2}, "workers": {"gpusPerWorker": 8}}, "draft_gpus", 2),
+    ({"serve": {"workerCpus": 3}}, "worker_cpus", 3),
+    ({"grpcTls": {"secretName": "tls"}}, "grpc_tls_dir", "/etc/svip/grpc-tls"),
+    ({"serve": {"kvCacheTokens": 8192}}, "kv_cache_tokens", 8192),
+    ({"serve": {"maxBatchedTokens": 256}}, "max_batched_tokens", 256),
+    ({"decoding": {"loadAware": "off"}}, "load_aware", "off"),
+    ({"decoding": {"idlePrefill": "always"}}, "idle_prefill", "always"),
+    ({"decoding": {"auto": {"learn": False}}}, "auto.learn", False),
+    ({"decoding": {"auto": {"cost": 0.5}}}, "auto.cost", 0.5),
+    ({"decoding": {"auto": {"window": 1024}}}, "auto.window", 1024),
+    ({"serve": {"workerRestarts": 2}}, "recovery.max_restarts", 2),
+    ({"serve": {"draftStallS": 7}}, "recovery.draft_stall_s", 7.0),
+    ({"serve": {"sampledHoldS": 9}}, "recovery.sampled_hold_s", 9.0),
+    ({"serve": {"workerStartTimeoutS": 1200}}, "start_timeout_s", 1200),
+    ({"serve": {"workerStartTimeoutS": 1200}}, "recovery.draft_recover_s", 1200.0),
+]
+# ... and the fields it does not, each with the reason (a field added to PairConfig must be in one
+# list or the other: the test below fails until it is)
+NOT_FROM_CHART = {
+    "device": "always cuda in the chart (the workers are GPU pods)",
+    "layout": "a replica's placement group packs its pair on one node (ServeSettings.bundles)",
+    "packed": "always: the pair shares its replica's node and talks over loopback",
+    "insecure_workers": "never needed: packed workers talk over loopback; grpcTls covers the rest",
+    "max_draft_length": "the wire contract's cap (svip_common/contracts.py), the app's draft_length_cap default",
+    "placement_timeout_s": "PairConfig's default: Serve places the replica's bundles before the workers start",
+}
+
+
+def _pair_field(config, path: str):
+    value = config
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def _pair_config_of(values: dict):
+    args = yaml.safe_load(by_kind(render(values), "RayService")[0]["spec"]["serveConfigV2"])["applications"][0]["args"]
+    return ServeSettings.from_args(args).pair_config()
+
+
+def _leaves(config, prefix: str = "") -> set[str]:
+    """The dotted names of a configuration's plain fields (a nested dataclass's own, below its name)."""
+    import dataclasses
+
+    out = set()
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        out |= _leaves(value, f"{prefix}{f.name}.") if dataclasses.is_dataclass(value) else {prefix + f.name}
+    return out
+
+
+def test_every_field_of_the_pair_configuration_is_set_by_the_chart_or_says_why_not():
+    """A field added to PairConfig fails this until the chart sets it (a row of CHART_TO_PAIR, which
+    checks that the value arrives) or NOT_FROM_CHART says why it does not."""
+    mapped = {path for _, path, _ in CHART_TO_PAIR}
+    defaults = _pair_config_of({})
+    assert _leaves(defaults) == mapped | set(NOT_FROM_CHART)
+    assert not mapped & set(NOT_FROM_CHART)
+    for values, path, expected in CHART_TO_PAIR:
+        config = _pair_config_of(values)
+        assert _pair_field(config, path) == expected != _pair_field(defaults, path), (values, path)
+    assert (defaults.device, defaults.packed, defaults.layout, defaults.insecure_workers) == ("cuda", True, None, False)
