@@ -15,7 +15,8 @@ import pytest
 from coordinator.engine import SpeculativeEngine
 from coordinator.in_memory import DELIVERIES, STEPS, WORK, InMemoryPair, InOrder, Seeded
 from draft_worker.drafter import Drafter
-from svip_common.contracts import GenerationRequest, Limits, SamplingParams
+from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from target_worker.verifier import Verifier
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
 from tests.policies import POLICIES
@@ -25,12 +26,13 @@ DRAFT_FIRST = InOrder((*DELIVERIES, *WORK, "draft_idle", "target_idle"), during=
 TARGET_FIRST = InOrder()  # the target verifies before the draft works ahead
 
 
-def make_pair(models, pipeline="async", schedule=None, draft="close_draft", **host_options) -> InMemoryPair:
+def make_pair(models, pipeline="async", schedule=None, draft="close_draft", target_kv_tokens=DEFAULT_KV_TOKENS,
+              **host_options) -> InMemoryPair:
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     drafter = None if draft is None else Drafter(models[draft], models["target"].vocab_size, limits.tokens)
     options = {"load_aware": "off", "idle_prefill": "always", **host_options}
-    return InMemoryPair(models["target"], Verifier(models["target"], limits.tokens), drafter, limits, pipeline,
-                        schedule, **options)
+    verifier = Verifier(models["target"], limits.tokens, target_kv_tokens)
+    return InMemoryPair(models["target"], verifier, drafter, limits, pipeline, schedule, **options)
 
 
 @pytest.fixture(scope="module")
@@ -179,3 +181,52 @@ def test_the_sampling_distribution_under_random_interleavings(models, prompt_ids
     if sampling.top_p < 1.0:
         row = models["target"].vocab_size * 4  # a whole float32 p row
         assert sum(r.stats.wire_bytes for r in results) < rejections * row / 2  # rows by ids
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize("seed", range(2))
+def test_a_pool_short_of_pages_preempts_the_newest_session_and_every_output_stays_exact(
+        models, prompt_ids, alone, pipeline, seed):
+    """Admission by use (issue 40): five sessions of up to 96 tokens (6 pages each) start together
+    (every start is delivered before any step) on a pool of 160 tokens (10 pages), so pages run
+    short as they grow: the newest gives its pages back and waits, and is recomputed from its
+    committed tokens once there is room, under random interleavings. Every greedy output equals the
+    target alone's; in sync mode every output, the seeded sampled one too, equals the same
+    requests' on a pool that never runs short (the resumed path keeps what a seed draws)."""
+    prompts = [prompt_ids["short"], prompt_ids["medium"]]
+    constant = PolicyConfig(name="constant", draft_length=4)
+    requests = [GenerationRequest(prompts[i % 2] + (i,), 80, policy=constant, ignore_eos=True) for i in range(4)]
+    requests.append(GenerationRequest(prompts[1], 80, SamplingParams(temperature=0.9, seed=9), constant,
+                                      ignore_eos=True))
+    pair = make_pair(models, pipeline, Seeded(seed), target_kv_tokens=160)
+    results = pair.generate_all(requests)
+    pool = pair.host.verifier.pool
+    assert pair.host.pages.preemptions >= 1
+    assert pool.free_pages == pool.pages and not pair.host.pages.waiting
+    assert [r.token_ids for r in results[:4]] == [alone.generate(r).token_ids for r in requests[:4]]
+    assert all(len(r.token_ids) == 80 for r in results)
+    if pipeline == "sync":
+        roomy = make_pair(models, pipeline, Seeded(seed))
+        assert [r.token_ids for r in roomy.generate_all(requests)] == [r.token_ids for r in results]
+        assert roomy.host.pages.preemptions == 0
+
+
+def test_a_session_as_large_as_the_pool_takes_its_turn_once_alone(models, prompt_ids, alone):
+    """A session whose prompt nearly fills the pool starts while another holds pages, so it waits;
+    once alone it must take its turn even where its need and the watermark together pass the pool
+    (else it would wait for ever: admission allows a session as large as the pool)."""
+    constant = PolicyConfig(name="constant", draft_length=4)
+    first = GenerationRequest(prompt_ids["medium"], 40, policy=constant, ignore_eos=True)
+    long_prompt = (prompt_ids["long"] * 8)[:241]  # 241 + 15 = 256: the whole pool of 16 pages
+    large = GenerationRequest(long_prompt, 15, policy=constant, ignore_eos=True)
+    pair = make_pair(models, "sync", target_kv_tokens=256)
+    held = pair.submit(first)
+    while not any(s.target.cached_tokens for s in pair.host.sessions.values()):  # the first's prefill
+        assert pair.step() is not None
+    waiting = pair.submit(large)
+    while not pair.host.pages.waiting:
+        assert pair.step() is not None
+    assert not held.done
+    pair.run()
+    expected = [alone.generate(r).token_ids for r in (first, large)]
+    assert [held.result().token_ids, waiting.result().token_ids] == expected

@@ -9,7 +9,6 @@ cannot serve (N1's top_p under float32's resolution was one, before its fix)."""
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import pytest
@@ -19,10 +18,9 @@ import target_worker.verifier
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest, SvipError
-from tests.gates import async_wait_until
 from tests.knob_extremes import served as served_extremes
 from tests.knob_extremes import top1
-from tests.workers import generate_all_started, generate_through, in_process_workers
+from tests.workers import generate_through, in_process_workers
 
 MARKER_TOP_K = 277  # a top_k no other test uses: the injected fault fires for it alone
 SIDES = {"target": target_worker.verifier, "draft": draft_worker.drafter}
@@ -188,70 +186,3 @@ def test_on_the_workers_every_extreme_is_served_and_its_neighbours_are_unchanged
         reqs, at = extremes_with_neighbours(models, prompt_ids, w.limits)
         results = generate_through(loop, w, model_dirs.target, pipeline, reqs, return_exceptions=True)
     check_extremes(results, reqs, at, models)
-
-
-@pytest.mark.parametrize("pipeline", ["sync", "async"])
-def test_a_pool_short_of_pages_preempts_the_newest_session_and_every_output_stays_exact(
-        models, model_dirs, prompt_ids, loop, target_gate, pipeline):
-    """Admission by use (issue 40): sessions take the target's pages as they grow, not their worst
-    case at the start. Five sessions of up to 96 tokens (6 pages each) start together on a pool of
-    160 tokens (10 pages), so pages run short as they grow, by construction: the newest
-    gives its pages back and waits, and is recomputed from its committed tokens once there is room.
-    Every greedy output equals the target alone's; in sync mode every output, the seeded sampled
-    one too, equals the same requests' on a pool that never runs short (the resumed path keeps
-    what a seed draws)."""
-    prompts = [prompt_ids["short"], prompt_ids["medium"]]
-    reqs = [GenerationRequest(prompts[i % 2] + (i,), 80, policy=PolicyConfig(name="constant", draft_length=4),
-                              ignore_eos=True) for i in range(4)]
-    reqs.append(GenerationRequest(prompts[1], 80, SamplingParams(temperature=0.9, seed=9),
-                                  PolicyConfig(name="constant", draft_length=4), ignore_eos=True))
-    with in_process_workers(loop, models, target_kv_tokens=160, load_aware="off") as w:
-        results = generate_all_started(loop, w, model_dirs.target, pipeline, reqs, target_gate)
-        stats = loop.run_until_complete(w.host.Stats(None, None))
-        pool = w.host.verifier.pool
-        assert pool.free_pages == pool.pages and not w.host.pages.waiting
-    assert stats.preemptions >= 1
-    target_alone = SpeculativeEngine(models["target"], None)
-    assert [r.token_ids for r in results[:4]] == [target_alone.generate(r).token_ids for r in reqs[:4]]
-    assert all(len(r.token_ids) == 80 for r in results)
-    if pipeline == "sync":
-        with in_process_workers(loop, models, load_aware="off") as w:
-            roomy = generate_all_started(loop, w, model_dirs.target, pipeline, reqs, target_gate)
-            assert loop.run_until_complete(w.host.Stats(None, None)).preemptions == 0
-        assert [r.token_ids for r in results] == [r.token_ids for r in roomy]
-
-
-def test_a_session_as_large_as_the_pool_takes_its_turn_once_alone(models, model_dirs, prompt_ids, loop, target_gate):
-    """A session whose prompt nearly fills the pool starts while another holds pages, so it waits;
-    once alone it must take its turn even where its need and the watermark together pass the pool
-    (else it would wait for ever: admission allows a session as large as the pool)."""
-    from coordinator.distributed import DistributedEngine
-    from svip_common.models import load_model_info
-
-    constant = PolicyConfig(name="constant", draft_length=4)
-    first = GenerationRequest(prompt_ids["medium"], 40, policy=constant, ignore_eos=True)
-    long_prompt = (prompt_ids["long"] * 8)[:241]  # 241 + 15 = 256: the whole pool of 16 pages
-    large = GenerationRequest(long_prompt, 15, policy=constant, ignore_eos=True)
-    with in_process_workers(loop, models, target_kv_tokens=256, load_aware="off") as w:
-        engine = DistributedEngine(load_model_info(model_dirs.target), w.limits, w.target_address,
-                                   w.draft_address, "sync")
-
-        async def run():
-            await engine.connect()
-            try:
-                with target_gate.held(steps=1):  # the first's prefill, then nothing: it holds its pages
-                    a = asyncio.ensure_future(engine.generate(first))
-                    await async_wait_until(lambda: asyncio.sleep(0, target_gate.holding()),
-                                           what="the first session holding pages, held")
-                    b = asyncio.ensure_future(engine.generate(large))
-                    await async_wait_until(lambda: asyncio.sleep(0, len(w.host.pages.waiting) == 1),
-                                           what="the large session waiting for pages")
-                    waited = any(s.target.cached_tokens for s in w.host.sessions.values())
-                return await asyncio.gather(a, b), waited
-            finally:
-                await engine.close()
-
-        results, waited = loop.run_until_complete(run())
-    target_alone = SpeculativeEngine(models["target"], None)
-    assert waited
-    assert [r.token_ids for r in results] == [target_alone.generate(r).token_ids for r in (first, large)]
