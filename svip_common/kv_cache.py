@@ -84,6 +84,7 @@ class KVPool:
         self.staging = StepBuffer(self.device)  # a forward's index inputs, in one copy
         self.max_forward_tokens = 0  # the most tokens any forward has held (max_batched_tokens bounds it)
         self.decoder = PoolDecoder.of(model) if flat else None
+        self.timing = None  # device timing on this machine (svip_common/device_timing.py): None, as the model runs
 
     @property
     def tokens(self) -> int:
@@ -143,6 +144,13 @@ class KVPool:
         embeddings, i the output of layer i) each step's hidden states there at every new token,
         side by side: [new tokens, len(layers) x hidden] per step (a feature draft's input)."""
         forward_delay()
+        if self.timing is None:
+            return self._forward_features(steps, layers)
+        with self.timing.forward([(len(new), len(seq)) for seq, new, _ in steps]):
+            return self._forward_features(steps, layers)
+
+    def _forward_features(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]],
+                          layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         need = sum(max(0, s.pages_needed(len(ids))) for s, ids, _ in steps)
         if need > len(self._free):
             raise PoolFull(

@@ -1,0 +1,90 @@
+"""Device timing on this machine: a model's forwards take the time its device's step model gives
+(svip_common/device_profile.py), so the real pipeline (its workers, gRPC, Ray, the protocol, the
+real models giving every token) runs here as it would beside GPUs, and what it loses is its own.
+
+The real forward runs for the real tokens; then the thread waits out the rest of the step's time
+off the CPU, as a GPU's host thread waits on its device. A forward slower than its step is counted
+(``overruns``, ``overrun_s``) and reported, never hidden: that step took this machine's time, not
+the device's. ``scale`` multiplies every step's time alike (the host's work is not scaled), so a
+profile faster than this machine can keep up with still runs, slower by that factor, and says so.
+
+One ``EmulatedDevice`` per worker; the in-process engine's draft and target share one, so their
+forwards take turns on it (``lock``), as two models on one GPU do. Device timing changes when a
+forward ends, never what it computes."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+
+from svip_common.device_profile import StepModel
+
+MAX_SCALE = 1000.0
+
+
+@dataclass
+class DeviceUse:
+    """What an emulated device's forwards took."""
+
+    forwards: int = 0
+    device_s: float = 0.0  # the step models' time of every forward, scaled
+    overruns: int = 0  # forwards this machine ran slower than their step
+    overrun_s: float = 0.0  # the time they took past it
+    worst_ratio: float = 0.0  # a forward's real time over its step's, the largest seen
+
+    def summary(self) -> str:
+        if not self.forwards:
+            return "no forwards"
+        late = f"{self.overruns} of {self.forwards} forwards ran past their step ({self.overrun_s * 1e3:.1f} ms " \
+               f"in all, the worst {self.worst_ratio:.2f}x)"
+        return late if self.overruns else f"{self.forwards} forwards, every one within its step"
+
+
+class EmulatedDevice:
+    def __init__(self, name: str, scale: float = 1.0, clock: Callable[[], float] = time.perf_counter,
+                 sleep: Callable[[float], None] = time.sleep):
+        """name: what it stands for (its step models' devices); scale: every step's time times this."""
+        if not 0 < scale <= MAX_SCALE:
+            raise ValueError(f"a device time scale must be in (0, {MAX_SCALE:g}], got {scale}")
+        self.name, self.scale = name, scale
+        self.clock, self.sleep = clock, sleep
+        self.lock = threading.Lock()  # one forward at a time on a device
+        self.use = DeviceUse()
+
+    def timing(self, step: StepModel) -> ForwardTiming:
+        """How a model placed on this device, whose forwards take ``step``'s time, is timed."""
+        return ForwardTiming(self, step)
+
+    def account(self, due_s: float, took_s: float) -> None:
+        use = self.use
+        use.forwards += 1
+        use.device_s += due_s
+        if due_s > 0:
+            use.worst_ratio = max(use.worst_ratio, took_s / due_s)
+        if took_s > due_s:
+            use.overruns += 1
+            use.overrun_s += took_s - due_s
+
+
+class ForwardTiming:
+    """A model's forwards on an emulated device (what a KV pool's ``timing`` holds)."""
+
+    def __init__(self, device: EmulatedDevice, step: StepModel):
+        self.device, self.step = device, step
+
+    @contextlib.contextmanager
+    def forward(self, sequences: Sequence[tuple[int, int]]) -> Iterator[None]:
+        """Around one forward over ``sequences`` (new tokens, tokens cached before them): the device
+        held for it, and the forward made to last its step's time."""
+        device = self.device
+        with device.lock:
+            started = device.clock()
+            yield
+            due = self.step.forward_s(sequences) * device.scale
+            took = device.clock() - started
+            device.account(due, took)
+            if took < due:
+                device.sleep(due - took)
