@@ -28,6 +28,7 @@ from svip_common.contracts import (
     Verdict,
     clip_settled,
 )
+from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
@@ -73,6 +74,22 @@ class SpeculativeEngine:
         self._auto: AutoEstimate | None = None
         self.draft_token_s = Ewma(0.2)  # what a drafted token cost recent sessions (a new session's gate starts there)
         self.in_step = 1  # sessions the next target step verifies (generate_many's batch sets it each step)
+
+    def time_as(self, emulation: Emulation) -> None:
+        """Device timing on this machine (svip_common/device_timing.py): the target's and the draft's
+        forwards take turns on one emulated device, each lasting its own step model's time."""
+        target, draft = emulation.shared_timings()
+        if self.drafter is not None and draft is None:
+            raise InvalidRequest(f"--emulate {emulation.spec!r} names no draft, and the pair has one "
+                                 "(draft=MODEL@DEVICE)")
+        self.verifier.pool.timing = target
+        if self.drafter is not None:
+            self.drafter.time_as(draft)
+
+    def device_use(self) -> dict | None:
+        """The emulated device's use so far ({"device": ...}), or None without device timing."""
+        timing = self.verifier.pool.timing
+        return None if timing is None else {"device": timing.report()}
 
     @property
     def draft_path(self) -> str | None:

@@ -13,6 +13,7 @@ from coordinator.distributed import DistributedEngine
 from svip_common.contracts import GenerationRequest, GenerationResult
 from svip_common.kv_sizes import whole_pages
 from svip_common.pair_config import PairConfig
+from svip_proto import convert
 
 
 class LocalDistributed:
@@ -45,6 +46,13 @@ class LocalDistributed:
         return self.loop.run_until_complete(
             run_admitted(requests, batch_size, self.pair.limits.kv_tokens, self.engine.generate)
         )
+
+    def device_use(self) -> dict | None:
+        """Each worker's emulated device's use so far (role -> use), or None without device timing."""
+        stats = self.loop.run_until_complete(self.engine.worker_stats())
+        use = {role: convert.device_use_from_proto(s.emulated_device) for role, s in stats.items()
+               if s.HasField("emulated_device")}
+        return use or None
 
     def close(self) -> None:
         import ray

@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 from coordinator.in_memory import InMemoryPair
-from svip_common.device_profile import Link, StepModel
+from svip_common.device_profile import StepModel
+from svip_common.emulation import Emulation
 
 WORKERS = ("target", "draft")
 
@@ -58,20 +59,21 @@ class SimulatedRun:
 
 
 class SimulatedPair(InMemoryPair):
-    def __init__(self, target, verifier, drafter, limits, pipeline: str, target_step: StepModel,
-                 draft_step: StepModel | None, link: Link, host_scale: float = 1.0, **host_options):
-        """target_step, draft_step: the step models of the target's and the draft's devices;
-        link: between them (the caller's messages cross it too); host_scale: this machine's host
-        work, times this, is the simulated host's."""
+    def __init__(self, target, verifier, drafter, limits, pipeline: str, emulation: Emulation,
+                 host_scale: float = 1.0, **host_options):
+        """emulation: the target's and the draft's devices (their step models, times its scale) and
+        the link between them (svip_common/emulation.py, the spec device timing reads too);
+        host_scale: this machine's host work, times this, is the simulated host's."""
         self.timelines = {w: Timeline(WorkerClock()) for w in WORKERS}
         super().__init__(target, verifier, drafter, limits, pipeline, clock=self.timelines["target"].clock,
                          draft_clock=self.timelines["draft"].clock, **host_options)
-        self.link, self.host_scale, self.now = link, host_scale, 0.0
+        self.link, self.host_scale, self.now = emulation.link, host_scale, 0.0
+        self.scale = emulation.scale
         self.arrivals: dict[str, list[float]] = {name: [] for name in self.wires}
         self.finished_at: dict[str, float] = {}
-        self._device(verifier.pool, "target", target_step)
+        self._device(verifier.pool, "target", emulation.target)
         if drafter is not None:
-            self._device(drafter.pool, "draft", draft_step)
+            self._device(drafter.pool, "draft", emulation.draft)
 
     def _device(self, pool, worker: str, step: StepModel) -> None:
         """The pool's forwards take the step model's time on the worker's timeline."""
@@ -83,7 +85,7 @@ class SimulatedPair(InMemoryPair):
             started = time.perf_counter()
             rows, features, _ = real(steps, layers)
             timeline.device_wall_s += time.perf_counter() - started
-            seconds = step.forward_s(shape)
+            seconds = step.forward_s(shape) * self.scale
             timeline.forward_s += seconds
             timeline.clock.now += seconds
             return rows, features, seconds

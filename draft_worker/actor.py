@@ -28,6 +28,7 @@ class DraftActor(ModelActor):
         self.target_vocab_size = target_vocab_size
         self.max_batched_tokens = config.max_batched_tokens
         self.target_path = config.target
+        self.emulation = config.emulation()
 
     def load(self) -> None:
         model_path, dtype, device = self._load_args
@@ -46,6 +47,8 @@ class DraftActor(ModelActor):
             drafter = Drafter(
                 self.model, self.target_vocab_size, self.limits.tokens, self.kv_cache_tokens, self.max_batched_tokens
             )
+        if self.emulation is not None:
+            drafter.time_as(self.emulation.draft_timing())
         return DraftService(drafter, self.limits)
 
     def register(self, server, service) -> None:

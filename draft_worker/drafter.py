@@ -37,6 +37,11 @@ class Drafter:
         self.width = target_vocab_size  # q is laid over the target's vocabulary
         self.token_limit = min(draft.token_limit, target_vocab_size) if token_limit is None else token_limit
         self.pool = KVPool(draft.model, kv_cache_tokens)
+        self.timing = None  # device timing on this machine (svip_common/device_timing.py)
+
+    def time_as(self, timing) -> None:
+        """Device timing on this machine: each draft forward lasts its step model's time."""
+        self.timing = self.pool.timing = timing
 
     @torch.inference_mode()
     def step(self, drafts: Sequence[BlockDraft]) -> None:

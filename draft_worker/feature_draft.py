@@ -133,6 +133,7 @@ class FeatureDrafter(Drafter):
         self.width = target_vocab_size
         self.token_limit = token_limit
         self.pool = None  # no KV pool: each session's head cache grows as it drafts
+        self.timing = None  # device timing (svip_common/device_timing.py): a step lasts the head's step model
         self.kv_cache_tokens = kv_cache_tokens
         self.fresh_starts = 0  # sessions that lost the target's features for some positions and started afresh
         self._sessions: weakref.WeakSet[FeatureDraftSession] = weakref.WeakSet()
@@ -148,6 +149,19 @@ class FeatureDrafter(Drafter):
         if not live:
             return
         started = time.perf_counter()
+        if self.timing is None:
+            rows = self._forward(live)
+        else:
+            with self.timing.forward([(len(d._pending), len(d._session._cache)) for d in live]):
+                rows = self._forward(live)
+        self._absorb_rows(live, rows, (time.perf_counter() - started) / len(live))
+
+    def time_as(self, timing) -> None:
+        """Device timing on this machine (svip_common/device_timing.py): each step lasts the head's step."""
+        self.timing = timing
+
+    def _forward(self, live: list[BlockDraft]) -> list[torch.Tensor]:
+        """The step's forward: each block's row of the head's logits [1, draft_vocab]."""
         hidden: list[torch.Tensor | None] = [None] * len(live)
         for d in live:
             d._prefilling = len(d._pending) > PREFILL_TOKENS
@@ -161,7 +175,7 @@ class FeatureDrafter(Drafter):
                 hidden[i] = d._session._advance(d._pending)
         rows = self.head.logits(torch.cat(hidden))  # [B, draft_vocab]
         wait_for_device(rows.device)
-        self._absorb_rows(live, list(rows.split(1)), (time.perf_counter() - started) / len(live))
+        return list(rows.split(1))
 
     def _advance_tokens(self, sessions: list[FeatureDraftSession], tokens: list[int]) -> torch.Tensor:
         """Each session's token just drafted, beside its head's last output, through the head's

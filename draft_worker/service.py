@@ -90,6 +90,10 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     def pool(self):
         return self.drafter.pool if self.drafter.pool is not None else self.drafter.cache_use()
 
+    @property
+    def device_timing(self):
+        return self.drafter.timing
+
     async def Session(self, request_iterator, context):
         async for event in self._serve_stream(request_iterator):
             yield event

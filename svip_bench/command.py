@@ -11,29 +11,34 @@ from pathlib import Path
 from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
 from svip_common.errors import InvalidRequest
 
+DEFAULT_EMULATION = "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms"
 QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 
 
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--mode",
-        choices=["policies", "pipeline", "serve", "replay", "simulate"],
+        choices=["policies", "pipeline", "serve", "replay", "simulate", "device"],
         default="policies",
         help="policies: length policies and Hugging Face side by side (default); "
         "pipeline: in-process vs distributed sync vs async, concurrency, timeline; "
         "serve: the Serve app over HTTP at --levels streaming clients, --serve-policies side by side, and the "
         "in-process batched engine at batch 1 vs 16; replay: every policy replayed along the target's greedy "
         "continuations in modelled time (no wall clock: noise-free), auto over the best fixed method; simulate: "
-        "the distributed pipeline on the devices --target-device and --draft-device name, in virtual time",
+        "the distributed pipeline on the devices --emulate names, in virtual time; device: the real pipeline "
+        "under device timing on this machine (--emulate) beside the simulation's prediction of the same runs",
     )
-    bench.add_argument("--target-device", default="llama-3.1-70b@4xh100",
-                       help="simulate: the target's step model, MODEL@DEVICE or MODEL@NxDEVICE (llama-3.1-70b@4xh100)")
-    bench.add_argument("--draft-device", default="llama-3.1-8b@h100",
-                       help="simulate: the draft's step model (llama-3.1-8b@h100)")
-    bench.add_argument("--link", default="0.1ms", help="simulate: node, 25gbe, 100gbe or a latency such as 0.1ms")
+    bench.add_argument(
+        "--emulate",
+        metavar="SPEC",
+        dest="emulate_spec",  # not `emulate`: that would time the in-process engine of every mode
+        default=DEFAULT_EMULATION,
+        help="simulate, device: the devices, target=MODEL@[Nx]DEVICE,draft=MODEL@[Nx]DEVICE,link=LINK[,scale=S] "
+        f"(default {DEFAULT_EMULATION}; svip_common/emulation.py)",
+    )
     bench.add_argument("--host-scale", type=float, default=1.0,
-                       help="simulate: the host work measured here counts this many times (1; 0: none)")
-    bench.add_argument("--sim-sessions", default="1,8", help="simulate: sessions in flight at once (1,8)")
+                       help="simulate, device: the simulated host's work is this machine's times this (1; 0: none)")
+    bench.add_argument("--sim-sessions", default="1,8", help="simulate, device: sessions in flight at once (1,8)")
     bench.add_argument("--target", help="target model (default: the embedded pair)")
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
     bench.add_argument("--dtype", default="float32")
@@ -127,6 +132,14 @@ def run(args: argparse.Namespace, load_engine) -> int:
         raise InvalidRequest("--head applies to --mode policies (without --long)")
     ks = _parse_ks(args.ks)
     categories = _parse_categories(args.categories)
+    if args.mode in ("simulate", "device"):
+        from svip_common.emulation import parse_emulation
+
+        if parse_emulation(args.emulate_spec).draft is None:  # a bad spec named before any model loads
+            raise InvalidRequest(f"--mode {args.mode} compares drafting with the target alone: --emulate needs "
+                                 "draft=MODEL@DEVICE")
+        if not 0 <= args.host_scale <= 100:
+            raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
     torch.set_num_threads(args.threads)
     engine = load_engine(args)
     if engine.drafter is None:
@@ -164,13 +177,11 @@ def run(args: argparse.Namespace, load_engine) -> int:
         from svip_bench import serve
 
         return serve.run(engine, prompts, args, header)
-    if args.mode == "simulate":
-        from svip_bench import simulate
+    if args.mode in ("simulate", "device"):
+        from svip_bench import device, simulate
 
-        if not 0 <= args.host_scale <= 100:
-            raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
         sessions = sorted({1, *_parse_ks(args.sim_sessions, "--sim-sessions", "sessions in flight")})
-        return simulate.run(engine, prompts, args, header, sessions)
+        return (simulate if args.mode == "simulate" else device).run(engine, prompts, args, header, sessions)
     if args.mode == "replay":
         from svip_bench import replay
 

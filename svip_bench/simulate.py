@@ -1,5 +1,5 @@
-"""`svip bench --mode simulate`: the distributed pipeline on devices this machine does not have, in
-virtual time (coordinator/simulated.py): the target alone, distributed sync and async, each at one
+"""`svip bench --mode simulate`: the distributed pipeline on devices this machine does not have (--emulate),
+in virtual time (coordinator/simulated.py): the target alone, distributed sync and async, each at one
 session and at several in flight, with the real protocol and models on the embedded pair's (or the
 given pair's) tokens, each forward timed by its device's step model, each message by the link.
 What it cannot know from here: how the pair named by the devices would accept (the tokens are the
@@ -15,7 +15,7 @@ from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
 from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
-from svip_common.device_profile import link, step_model
+from svip_common.emulation import parse_emulation
 from target_worker.verifier import Verifier
 
 MODES = ("alone", "sync", "async")
@@ -23,12 +23,13 @@ MODES = ("alone", "sync", "async")
 
 def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     """sessions: how many in flight at once, each in turn (1 among them: the ratios' base)."""
-    target_step, draft_step = step_model(args.target_device), step_model(args.draft_device)
-    wire = link(args.link)
+    emulation = parse_emulation(args.emulate_spec)
+    target_step, draft_step, wire = emulation.target, emulation.draft, emulation.link
     threshold = engine.calibration().threshold
     policy = PolicyConfig(name="svip", threshold=threshold)
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
-    header.update(target_device=target_step.name, draft_device=draft_step.name, link=wire.name,
+    header.update(emulate=emulation.spec, emulated=emulation.describe(), target_device=target_step.name,
+                  draft_device=draft_step.name, link=wire.name,
                   host_scale=args.host_scale, svip_threshold=threshold, sessions=sessions,
                   sources={"target": target_step.shape.source, "draft": draft_step.shape.source,
                            "device": target_step.device.source, "link": wire.source})
@@ -38,8 +39,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     def pair(mode: str) -> SimulatedPair:
         drafter = None if mode == "alone" else Drafter(draft, target.vocab_size, limits.tokens)
         return SimulatedPair(target, Verifier(target, limits.tokens), drafter, limits,
-                             "sync" if mode == "alone" else mode, target_step, draft_step, wire, args.host_scale,
-                             load_aware="off")
+                             "sync" if mode == "alone" else mode, emulation, args.host_scale, load_aware="off")
 
     rows = []
     progress = Progress(len(MODES) * len(sessions) * args.repeats)
@@ -70,7 +70,7 @@ def _report(h: dict, rows: list[dict]) -> str:
     lines = [
         f"Command: `{h['command']}`",
         f"Machine: {h['machine']} (host work measured here, times {h['host_scale']})",
-        f"Simulated: target {h['target_device']}, draft {h['draft_device']}, link {h['link']}; the tokens of "
+        f"Simulated: {h['emulated']}; the tokens of "
         f"{h['target']} and {h['draft']}; {h['prompts']} prompts, {h['max_new_tokens']} new tokens, greedy SVIP at "
         f"{h['svip_threshold']:.2f}, load-aware off; medians of {h['repeats']} repeats (virtual time)",
         "",

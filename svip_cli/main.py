@@ -22,6 +22,7 @@ from svip_common.contracts import (
     PolicyConfig,
     SamplingParams,
 )
+from svip_common.emulation import parse_emulation
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.pair_config import PairConfig
@@ -88,6 +89,13 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         default=1,
         help="distributed with --device cuda: GPUs the target spans (1); the draft takes one",
+    )
+    models.add_argument(
+        "--emulate",
+        metavar="SPEC",
+        help="device timing on this machine: every forward lasts its model's step on the devices SPEC names, "
+        "e.g. target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms[,scale=2] (in process the two "
+        "models take turns on one device; distributed, each worker has its own); a summary goes to stderr",
     )
     models.add_argument(
         "--ray-address", help="distributed: an existing Ray cluster (default: Ray on this machine, loopback only)"
@@ -373,10 +381,21 @@ def _generate(args: argparse.Namespace) -> int:
     engine = _load_engine(args)
     try:
         succeeded = _generate_all(args, engine, prompts, base_request, out)
+        if args.emulate is not None:
+            _report_device_use(args.emulate, engine.device_use())
     finally:
         if args.mode == "distributed":
             engine.close()
     return 0 if succeeded else 1
+
+
+def _report_device_use(spec: str, use: dict | None) -> None:
+    """One line on stderr per emulated device: its forwards, and those this machine ran past their step."""
+    from svip_common.device_timing import DeviceUse
+
+    for role, u in (use or {}).items():
+        counts = DeviceUse(**{k: v for k, v in u.items() if k not in ("model", "scale")})
+        print(f"svip: device timing ({spec}): {role} as {u['model']}: {counts.summary()}", file=sys.stderr)
 
 
 def _results_stream():
@@ -465,6 +484,8 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
 
 def _load_engine(args: argparse.Namespace):
     target_path, draft_path = args.target, args.draft
+    spec = getattr(args, "emulate", None)
+    emulation = None if spec is None else parse_emulation(spec)  # a bad spec named before any model loads
     if getattr(args, "draft_kind", None) == "eagle" and draft_path in (None, "none"):
         raise InvalidRequest("--draft-kind eagle needs --draft: a feature head's directory or hub id, or 'eagle'")
     if target_path is None:
@@ -501,7 +522,7 @@ def _load_engine(args: argparse.Namespace):
             grpc_tls_dir=args.grpc_tls_dir, kv_cache_tokens=args.kv_cache_tokens,
             max_batched_tokens=args.max_batched_tokens, load_aware=getattr(args, "load_aware", "off"),
             insecure_workers=bool(getattr(args, "insecure_workers", False)), auto=_auto_settings(args),
-            idle_prefill=getattr(args, "idle_prefill", None) or "auto",
+            idle_prefill=getattr(args, "idle_prefill", None) or "auto", emulate=getattr(args, "emulate", None),
         ).checked()
         return LocalDistributed(config, args.pipeline or "async", args.ray_address)
     target = load_model(target_path, args.dtype, args.device)
@@ -511,7 +532,7 @@ def _load_engine(args: argparse.Namespace):
         draft = load_feature_draft(head, target)
     else:
         draft = None if draft_path is None else load_model(draft_path, args.dtype, args.device)
-    return SpeculativeEngine(
+    engine = SpeculativeEngine(
         target,
         draft,
         getattr(args, "kv_cache_tokens", DEFAULT_KV_TOKENS),
@@ -519,6 +540,9 @@ def _load_engine(args: argparse.Namespace):
         getattr(args, "load_aware", "off"),
         _auto_settings(args),
     )
+    if emulation is not None:
+        engine.time_as(emulation)
+    return engine
 
 
 def _head_path(draft: str | None, target: str | None, kind: str | None) -> str | None:
@@ -544,6 +568,7 @@ def _result_json(args, engine, request, result, text: str) -> dict:
         "max_new_tokens": request.max_new_tokens,
         "policy": _policy_json(engine.resolve(request).policy),
         "sampling": dataclasses.asdict(request.sampling),
+        "emulate": args.emulate,
     }
     if request.policy.threshold == "auto" and args.mode == "inprocess" and engine.drafter is not None:
         stats["config"]["threshold_auto"] = engine.calibration().to_dict()

@@ -15,6 +15,7 @@ forward ends, never what it computes."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
@@ -74,6 +75,10 @@ class ForwardTiming:
 
     def __init__(self, device: EmulatedDevice, step: StepModel):
         self.device, self.step = device, step
+
+    def report(self) -> dict:
+        """Its device's use so far, named (what `svip generate --json` and the benches print)."""
+        return {"model": self.step.name, "scale": self.device.scale, **dataclasses.asdict(self.device.use)}
 
     @contextlib.contextmanager
     def forward(self, sequences: Sequence[tuple[int, int]]) -> Iterator[None]:

@@ -15,6 +15,7 @@ Device timing on this machine (svip_common/device_timing.py) and the simulated c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from svip_common.device_profile import Link, StepModel, link, step_model
@@ -37,6 +38,16 @@ class Emulation:
         """The draft placed on the target's devices (the in-process placement)."""
         return self.draft is not None and (self.draft.device, self.draft.count) == (self.target.device,
                                                                                     self.target.count)
+
+    def co_located(self) -> Emulation:
+        """The same pair with the draft on the target's devices (the in-process placement)."""
+        if self.draft is None or self.draft_on_target_devices:
+            return self
+        draft = dataclasses.replace(self.draft, device=self.target.device, count=self.target.count)
+        placed = f"{draft.shape.name}@{self.target.count}x{self.target.device.name}"
+        spec = ",".join(part if not part.strip().lower().startswith("draft=") else f"draft={placed}"
+                        for part in self.spec.split(","))
+        return dataclasses.replace(self, spec=spec, draft=draft)
 
     def target_timing(self) -> ForwardTiming:
         """A worker's target on a device of its own."""

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import DRAFT_LENGTH_CAP
+from svip_common.emulation import Emulation, parse_emulation
 from svip_common.errors import InvalidRequest
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.step_cost import check_idle_prefill, check_load_aware
@@ -61,6 +62,8 @@ class PairConfig:
     recovery: Recovery = field(default_factory=Recovery)
     start_timeout_s: float = 600.0  # a worker loads its weights within this (a first download counts)
     placement_timeout_s: float = 120.0  # Ray finds each worker a GPU (or a CPU and its role resource)
+    emulate: str | None = None  # device timing on this machine: each worker's forwards last its model's step on
+    # the device this spec names (svip_common/emulation.py; a device of its own each); None: as the model runs
 
     def checked(self) -> PairConfig:
         """The configuration, every field checked once (InvalidRequest names the first bad one)."""
@@ -86,7 +89,23 @@ class PairConfig:
         check_idle_prefill(self.idle_prefill)
         self.auto.check()
         self.recovery.checked()
+        if self.emulate is not None:
+            self.emulation()
         return self
+
+    def emulation(self) -> Emulation | None:
+        """The devices this pair's forwards are timed as (None: as the model runs), checked for a pair
+        of workers: a draft named where the pair has one, each worker on a device of its own."""
+        if self.emulate is None:
+            return None
+        emulation = parse_emulation(self.emulate)
+        if self.draft is not None and emulation.draft is None:
+            raise InvalidRequest(f"--emulate {self.emulate!r} names no draft, and the pair has one "
+                                 "(draft=MODEL@DEVICE)")
+        if emulation.draft_on_target_devices:
+            raise InvalidRequest("--emulate: the draft on the target's devices is the in-process placement; the "
+                                 "distributed workers each have a device of their own (e.g. draft=llama-3.1-8b@h100)")
+        return emulation
 
     @classmethod
     def of(cls, target: str, draft: str | None, **options) -> PairConfig:

@@ -17,6 +17,7 @@ from grpc_health.v1._async import HealthServicer
 from svip_common import test_hooks
 from svip_common.contracts import Limits, check_length, check_prompt_ids, check_token_ids
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
+from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.compute_loop import ComputeLoop, Outlet
@@ -226,6 +227,8 @@ class SessionService:
                                tokens_processed=self.processed_tokens(), unavailable=unavailable,
                                kv_pages_used=pool.used_pages, kv_pages_total=pool.pages, kv_page_tokens=pool.page_size,
                                draft_replacements=replacements, draft_lost=lost, test_hooks=self.test_hooks)
+        if self.device_timing is not None:
+            stats.emulated_device.CopyFrom(convert.device_use_to_proto(self.device_timing))
         self.add_stats(stats)
         return stats
 
@@ -259,6 +262,11 @@ class SessionService:
     def pool(self):
         """The worker's KV pool."""
         raise NotImplementedError
+
+    @property
+    def device_timing(self):
+        """The worker's device timing on this machine (svip_common/device_timing.py), or None."""
+        return getattr(self.pool, "timing", None)
 
     # --- on the compute thread -----------------------------------------------------------------
     def pack(self, events: list) -> list:

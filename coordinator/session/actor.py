@@ -30,6 +30,8 @@ class TargetActor(ModelActor):
         """draft_address: the draft worker's; draft: its Ray actor (asked for the address, and
         for a replacement's after a loss)."""
         verifier = Verifier(self.model, self.limits.tokens, self.kv_cache_tokens, self.feature_layers)
+        if (emulation := self.config.emulation()) is not None:
+            verifier.pool.timing = emulation.target_timing()
         return SessionHost(verifier, self.limits, self.config, draft_address, self.tls, draft_actor=draft,
                            auto=self.auto)
 

@@ -485,3 +485,17 @@ def stats_from_proto(msg: pb.SessionStats) -> GenerationStats:
     )
     s.wire_bytes_per_round = s.wire_bytes / s.rounds if s.rounds else 0.0
     return s
+
+
+def device_use_to_proto(timing) -> pb.EmulatedDeviceUse:
+    """A KV pool's device timing (svip_common/device_timing.ForwardTiming): its device's use."""
+    device, use = timing.device, timing.device.use
+    return pb.EmulatedDeviceUse(name=timing.step.name, scale=device.scale, forwards=use.forwards,
+                                device_s=use.device_s, overruns=use.overruns, overrun_s=use.overrun_s,
+                                worst_ratio=use.worst_ratio)
+
+
+def device_use_from_proto(msg: pb.EmulatedDeviceUse) -> dict:
+    """A worker's device use as ForwardTiming.report gives it in process."""
+    return {"model": msg.name, "scale": msg.scale, "forwards": msg.forwards, "device_s": msg.device_s,
+            "overruns": msg.overruns, "overrun_s": msg.overrun_s, "worst_ratio": msg.worst_ratio}

@@ -371,7 +371,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost", "auto_greedy", "auto_sampled", "auto_prior_cost", "test_hooks", "preemptions")
+    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost", "auto_greedy", "auto_sampled", "auto_prior_cost", "test_hooks", "preemptions", "emulated_device")
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -386,6 +386,7 @@ class WorkerStats(_message.Message):
     AUTO_PRIOR_COST_FIELD_NUMBER: _ClassVar[int]
     TEST_HOOKS_FIELD_NUMBER: _ClassVar[int]
     PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    EMULATED_DEVICE_FIELD_NUMBER: _ClassVar[int]
     open_sessions: int
     cached_tokens: int
     tokens_processed: int
@@ -400,7 +401,26 @@ class WorkerStats(_message.Message):
     auto_prior_cost: float
     test_hooks: _containers.RepeatedScalarFieldContainer[str]
     preemptions: int
-    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ..., auto_greedy: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_sampled: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_prior_cost: _Optional[float] = ..., test_hooks: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ...) -> None: ...
+    emulated_device: EmulatedDeviceUse
+    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ..., auto_greedy: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_sampled: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_prior_cost: _Optional[float] = ..., test_hooks: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ..., emulated_device: _Optional[_Union[EmulatedDeviceUse, _Mapping]] = ...) -> None: ...
+
+class EmulatedDeviceUse(_message.Message):
+    __slots__ = ("name", "scale", "forwards", "device_s", "overruns", "overrun_s", "worst_ratio")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    SCALE_FIELD_NUMBER: _ClassVar[int]
+    FORWARDS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_S_FIELD_NUMBER: _ClassVar[int]
+    OVERRUNS_FIELD_NUMBER: _ClassVar[int]
+    OVERRUN_S_FIELD_NUMBER: _ClassVar[int]
+    WORST_RATIO_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    scale: float
+    forwards: int
+    device_s: float
+    overruns: int
+    overrun_s: float
+    worst_ratio: float
+    def __init__(self, name: _Optional[str] = ..., scale: _Optional[float] = ..., forwards: _Optional[int] = ..., device_s: _Optional[float] = ..., overruns: _Optional[int] = ..., overrun_s: _Optional[float] = ..., worst_ratio: _Optional[float] = ...) -> None: ...
 
 class AutoModelState(_message.Message):
     __slots__ = ("weights", "observed_tokens", "fits", "predicted_acceptance", "observed_acceptance")

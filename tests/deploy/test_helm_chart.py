@@ -754,6 +754,7 @@ NOT_FROM_CHART = {
     "insecure_workers": "never needed: packed workers talk over loopback; grpcTls covers the rest",
     "max_draft_length": "the wire contract's cap (svip_common/contracts.py), the app's draft_length_cap default",
     "placement_timeout_s": "PairConfig's default: Serve places the replica's bundles before the workers start",
+    "emulate": "device timing stands in for GPUs on a machine without them; a cluster's workers have real ones",
 }
 
 

@@ -11,19 +11,21 @@ from coordinator.engine import SpeculativeEngine
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
-from svip_common.device_profile import link, step_model
+from svip_common.device_profile import step_model
+from svip_common.emulation import parse_emulation
 from target_worker.verifier import Verifier
 
 TARGET, DRAFT = step_model("llama-3.1-70b@4xh100"), step_model("llama-3.1-8b@h100")
 SVIP = PolicyConfig(name="svip", threshold=0.6)
 
 
-def make(models, pipeline="async", draft=True, latency="0.1ms", host_scale=0.0, **options) -> SimulatedPair:
+def make(models, pipeline="async", draft=True, latency="0.1ms", host_scale=0.0, scale=1, **options) -> SimulatedPair:
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens) if draft else None
     options = {"load_aware": "off", **options}
+    spec = f"target={TARGET.name},draft={DRAFT.name},link={latency},scale={scale}"
     return SimulatedPair(models["target"], Verifier(models["target"], limits.tokens), drafter, limits, pipeline,
-                         TARGET, DRAFT if draft else None, link(latency), host_scale, **options)
+                         parse_emulation(spec), host_scale, **options)
 
 
 @pytest.fixture(scope="module")
@@ -42,13 +44,15 @@ def test_the_output_is_the_targets_in_virtual_time(models, prompt_ids, alone, pi
     assert run.makespan_s > 0 and run.tokens == 3 * 24
 
 
-def test_the_target_alone_takes_the_sum_of_its_forwards(models, prompt_ids):
-    """One forward takes the prompt in and settles the first token; each next forward one token."""
+@pytest.mark.parametrize("scale", [1, 3])
+def test_the_target_alone_takes_the_sum_of_its_forwards(models, prompt_ids, scale):
+    """One forward takes the prompt in and settles the first token; each next forward one token
+    (every one times the emulation's scale)."""
     prompt, n = prompt_ids["medium"], 20
-    pair = make(models, "sync", draft=False)
+    pair = make(models, "sync", draft=False, scale=scale)
     run = pair.run_all([GenerationRequest(prompt, n, policy=PolicyConfig(name="none"))])
     p = len(prompt)
-    by_hand = TARGET.forward_s([(p, 0)]) + sum(TARGET.forward_s([(1, p + i)]) for i in range(n - 1))
+    by_hand = scale * (TARGET.forward_s([(p, 0)]) + sum(TARGET.forward_s([(1, p + i)]) for i in range(n - 1)))
     assert run.makespan_s == pytest.approx(by_hand)
     assert run.busy_s["target"] == pytest.approx(by_hand)
 
@@ -80,7 +84,8 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
     out = tmp_path / "out"
     code = main(["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
                  "--dataset", str(dataset), "--categories", "qa", "--prompts-per-category", "1", "--repeats", "1",
-                 "--max-new-tokens", "12", "--sim-sessions", "2", "--host-scale", "0", "--link", "25gbe",
+                 "--max-new-tokens", "12", "--sim-sessions", "2", "--host-scale", "0",
+                 "--emulate", "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=25gbe",
                  "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
@@ -91,7 +96,7 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
     assert doc["header"]["target_device"] == "llama-3.1-70b@4xh100" and "| 1 | alone |" in captured.out
     base = ["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
             "--dataset", str(dataset), "--categories", "qa"]
-    for extra, words in ((["--target-device", "llama-9b@h100"], "unknown model 'llama-9b'"),
+    for extra, words in ((["--emulate", "target=llama-9b@h100"], "unknown model 'llama-9b'"),
                          (["--sim-sessions", "0"], "--sim-sessions: sessions in flight must be >= 1"),
                          (["--sim-sessions", "two"], "--sim-sessions: expected comma-separated integers"),
                          (["--host-scale", "1000"], "--host-scale must be in [0, 100]")):

@@ -104,6 +104,9 @@ def test_the_spec_names_target_draft_link_and_scale():
     assert parse_emulation("target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@4xh100").draft_on_target_devices
     alone = parse_emulation("target=llama-3.1-8b@h200")
     assert alone.draft is None and alone.link.name == "node" and alone.scale == 1
+    together = e.co_located()
+    assert together.draft.name == "llama-3.1-8b@4xh100" and together.draft_on_target_devices
+    assert parse_emulation(together.spec) == together
     target, draft = e.shared_timings()
     assert target.device is draft.device
     assert e.target_timing().device is not e.draft_timing().device
