@@ -6,7 +6,8 @@
 ``target`` and ``draft``: MODEL@DEVICE or MODEL@NxDEVICE from the shipped step models
 (svip_common/device_profile.py); the draft may be left out (the target alone). A draft on the
 target's devices (``draft=llama-3.1-8b@4xh100`` beside ``target=...@4xh100``) is the in-process
-placement: both models take turns on one device. ``link``: between the draft's device and the
+placement: in process both models always take turns on one device; distributed, each worker has
+a device of its own (a draft named on devices like the target's gets devices like them). ``link``: between the draft's device and the
 target's (node, 25gbe, 100gbe or a latency such as 0.1ms; default node). ``scale``: every step's
 time times this (default 1), for a profile this machine cannot keep up with.
 

@@ -94,18 +94,8 @@ class PairConfig:
         return self
 
     def emulation(self) -> Emulation | None:
-        """The devices this pair's forwards are timed as (None: as the model runs), checked for a pair
-        of workers: a draft named where the pair has one, each worker on a device of its own."""
-        if self.emulate is None:
-            return None
-        emulation = parse_emulation(self.emulate)
-        if self.draft is not None and emulation.draft is None:
-            raise InvalidRequest(f"--emulate {self.emulate!r} names no draft, and the pair has one "
-                                 "(draft=MODEL@DEVICE)")
-        if emulation.draft_on_target_devices:
-            raise InvalidRequest("--emulate: the draft on the target's devices is the in-process placement; the "
-                                 "distributed workers each have a device of their own (e.g. draft=llama-3.1-8b@h100)")
-        return emulation
+        """The devices this pair's forwards are timed as (None: as the model runs)."""
+        return None if self.emulate is None else worker_emulation(self.emulate, self.draft is not None)
 
     @classmethod
     def of(cls, target: str, draft: str | None, **options) -> PairConfig:
@@ -117,3 +107,12 @@ class PairConfig:
     def replace(self, **changes) -> PairConfig:
         """A copy with these fields changed, checked."""
         return dataclasses.replace(self, **changes).checked()
+
+
+def worker_emulation(spec: str, has_draft: bool) -> Emulation:
+    """A spec for a pair of workers, checked: a draft named where the pair has one. Each worker has a
+    device of its own (a draft named on devices like the target's gets devices like them, its own)."""
+    emulation = parse_emulation(spec)
+    if has_draft and emulation.draft is None:
+        raise InvalidRequest(f"--emulate {spec!r} names no draft, and the pair has one (draft=MODEL@DEVICE)")
+    return emulation

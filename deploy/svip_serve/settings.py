@@ -14,7 +14,7 @@ from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
 from svip_common.errors import InvalidRequest
 from svip_common.hub import split_revision
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
-from svip_common.pair_config import PairConfig, Recovery
+from svip_common.pair_config import PairConfig, Recovery, worker_emulation
 from svip_common.step_cost import check_idle_prefill, check_load_aware
 from svip_serve.auth import split_name
 
@@ -67,6 +67,8 @@ class ServeSettings:
     autoscaling: dict | None = None  # {min_replicas, max_replicas, target_ongoing_requests}: Serve scales the pipelines
     health_check_period_s: float = 10.0  # Serve checks each replica this often (three failures in a row replace it)
     drain_timeout_s: float = 60.0  # on stop, requests in flight (streams too) get this long to finish
+    emulate: str | None = None  # device timing on this machine (svip_common/emulation.py): each worker's forwards
+    # last its model's step on the devices this names; for measuring without GPUs, never on real ones
 
     @classmethod
     def from_args(cls, args: dict | None) -> ServeSettings:
@@ -144,6 +146,10 @@ class ServeSettings:
         if not isinstance(self.auto_window, int):
             raise InvalidRequest(f"auto_window must be an integer, got {self.auto_window!r}")
         self.auto()
+        if self.emulate is not None:
+            if not isinstance(self.emulate, str):
+                raise InvalidRequest(f"emulate must be a spec such as target=MODEL@DEVICE,..., got {self.emulate!r}")
+            worker_emulation(self.emulate, self.draft != "none")
         bad_hash = next((h for h in self.api_key_sha256 if not _is_key_digest(h)), None)
         if bad_hash is not None or not isinstance(self.api_key_sha256, tuple):
             raise InvalidRequest(
@@ -164,7 +170,7 @@ class ServeSettings:
             worker_cpus=self.worker_cpus, packed=True, grpc_tls_dir=self.grpc_tls_dir,
             kv_cache_tokens=self.kv_cache_tokens, max_batched_tokens=self.max_batched_tokens,
             max_draft_length=self.draft_length_cap, load_aware=self.load_aware, idle_prefill=self.idle_prefill,
-            auto=self.auto(), recovery=recovery, start_timeout_s=self.worker_start_timeout_s,
+            auto=self.auto(), recovery=recovery, start_timeout_s=self.worker_start_timeout_s, emulate=self.emulate,
         ).checked()
 
     def auto(self) -> AutoSettings:

@@ -486,3 +486,28 @@ def test_forward_step_compares_the_flat_decoder_with_the_models_modules(capsys):
     with pytest.raises(SystemExit):
         forward_step.main(["--decoder", "--packing"])
     assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_device_bench_runs_the_pipeline_under_device_timing_beside_the_simulation(tmp_path, model_dirs, capsys):
+    """`--mode device`: real workers whose forwards last their step models' time, every mode at 1
+    and 2 sessions beside the simulated clock's prediction, the in-process engine co-located, each
+    worker's device use reported; every output the target alone's (the bench fails otherwise)."""
+    out = tmp_path / "device"
+    code = main(["bench", "--mode", "device", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--categories", "code", "--prompts-per-category", "2", "--repeats", "1", "--max-new-tokens", "8",
+                 "--sim-sessions", "2", "--emulate", "target=llama-3.1-8b@h100,draft=llama-3.2-1b@h100,scale=2",
+                 "--out", str(out)])
+    assert code == 0, capsys.readouterr().err[-2000:]
+    doc = json.loads((out / "device.json").read_text())
+    assert doc["exactness_violations"] == []
+    assert {(r["sessions"], r["mode"]) for r in doc["rows"]} == {(1, "in-process")} | {
+        (n, m) for n in (1, 2) for m in ("alone", "sync", "async")}
+    assert all(r["device"] > 0 and (r["mode"] == "in-process" or r["simulated"] > 0) for r in doc["rows"])
+    use = doc["device_use"]
+    assert use["target"]["model"] == "llama-3.1-8b@h100" and use["draft"]["model"] == "llama-3.2-1b@h100"
+    assert use["target"]["forwards"] > 0 and use["target"]["scale"] == 2
+    assert "in process: target llama-3.1-8b@h100, draft llama-3.2-1b@h100" in doc["header"]["in_process"] or \
+        "draft llama-3.2-1b@h100" in doc["header"]["in_process"]
+    assert "| 2 | async |" in (out / "device.md").read_text()
+    assert main(["bench", "--mode", "device", "--emulate", "target=llama-3.1-8b@h100"]) == 2
+    assert "--emulate needs draft=MODEL@DEVICE" in capsys.readouterr().err

@@ -243,7 +243,7 @@ def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run(
         [sys.executable, "-m", "svip_cli", *args, "--mode", "distributed", "--pipeline", "async",
-         "--idle-prefill", "always"],
+         "--idle-prefill", "always", "--emulate", "target=llama-3.2-1b@h100,draft=qwen2.5-0.5b@h100"],
         capture_output=True,
         env=env,
         cwd=REPO,
@@ -259,6 +259,24 @@ def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     assert stats["config"]["mode"] == "distributed" and stats["config"]["pipeline"] == "async"
     assert stats["config"]["idle_prefill"] == "always" and json.loads(out)["stats"]["config"]["idle_prefill"] is None
     assert stats["wire_bytes"] > 0 and "discarded_tokens" in stats and stats["timeline"]
+    for role, model in (("target", "llama-3.2-1b@h100"), ("draft", "qwen2.5-0.5b@h100")):  # a device each
+        assert f"{role} as {model}: " in proc.stderr, proc.stderr[-2000:]
+
+
+def test_emulated_devices_change_when_forwards_end_never_the_tokens(capsys, model_dirs):
+    """`--emulate`: in process, the target's and the draft's forwards take turns on one emulated
+    device and last their step models' time; the tokens are the same, the device's use is reported
+    on stderr, the spec in the JSON; a bad spec is a one-line error before any model loads."""
+    args = ["generate", "--prompt-ids", "5,6,7,8", *pair_args(model_dirs), "--max-new-tokens", "16", "--json"]
+    code, plain, _ = run_cli(capsys, *args)
+    spec = "target=llama-3.2-1b@h100,draft=qwen2.5-0.5b@h100,scale=2"
+    code_emulated, emulated, err = run_cli(capsys, *args, "--emulate", spec)
+    assert code == code_emulated == 0, err
+    assert json.loads(emulated)["token_ids"] == json.loads(plain)["token_ids"]
+    assert json.loads(emulated)["stats"]["config"]["emulate"] == spec
+    assert f"svip: device timing ({spec}): device as llama-3.2-1b@h100: " in err and " forwards" in err
+    code, _, err = run_cli(capsys, *args, "--emulate", "target=llama-3.1-8b@tpu")
+    assert code == 2 and "unknown device 'tpu'; known: h100, h200" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("flag, value", [("--pipeline", "sync"), ("--idle-prefill", "off")])
@@ -281,6 +299,8 @@ def test_pipeline_settings_need_distributed_mode(capsys, model_dirs, flag, value
         (["--draft", "none", "--draft-kind", "eagle"], 2, "draft_kind 'eagle' needs a draft"),
         (["--draft", "eagle", "--draft-kind", "model"], 2, "its draft_kind is 'eagle', not 'model'"),
         (["--target", "/t", "--draft", "/no/head", "--draft-kind", "eagle"], 1, "'/no/head': no such directory"),
+        (["--emulate", "target=llama-3.1-8b@h100,draft=llama-3.2-1b@h100,link=slow"], 2, "unknown link 'slow'"),
+        (["--emulate", "target=llama-3.1-8b@h100"], 2, "names no draft, and the pair has one"),
     ],
 )
 def test_serve_refuses_bad_settings_before_starting(capsys, args, code, message):

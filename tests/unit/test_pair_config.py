@@ -34,6 +34,8 @@ def test_the_defaults_check_and_a_copy_is_checked_again():
     ({"auto": AutoSettings(cost=float("inf"))}, "auto cost"),
     ({"recovery": Recovery(max_restarts=-1)}, "worker restarts"),
     ({"recovery": Recovery(draft_stall_s=float("nan"))}, "draft_stall_s must be a positive"),
+    ({"emulate": "target=llama-3.1-8b@h100"}, "names no draft, and the pair has one"),
+    ({"emulate": "target=llama-3.1-8b@h100,draft=llama-3.2-1b@v100"}, "unknown device 'v100'"),
 ])
 def test_each_bad_field_is_named(changes, words):
     with pytest.raises(InvalidRequest, match=words):
@@ -58,3 +60,15 @@ def test_the_serve_settings_build_the_pairs_configuration(tmp_path):
     assert config.packed and config.kv_cache_tokens == 8192 and config.load_aware == "all"
     assert config.recovery == Recovery(max_restarts=2, draft_stall_s=5.0, sampled_hold_s=30.0, draft_recover_s=90.0)
     assert config.start_timeout_s == 90.0 and config.max_batched_tokens == settings.max_batched_tokens
+
+
+def test_device_timing_reaches_the_pair_from_the_serve_settings():
+    from svip_serve.settings import ServeSettings
+
+    spec = "target=llama-3.1-8b@h100,draft=llama-3.2-1b@h100,scale=2"
+    config = ServeSettings.from_args({"emulate": spec}).pair_config()
+    assert config.emulate == spec and config.emulation().draft.name == "llama-3.2-1b@h100"
+    assert ServeSettings.from_args({"draft": "none", "emulate": "target=llama-3.1-8b@h100"}).emulate is not None
+    for bad, words in ((12, "emulate must be a spec"), ("target=llama-3.1-8b@h100", "names no draft")):
+        with pytest.raises(InvalidRequest, match=words):
+            ServeSettings.from_args({"emulate": bad})
