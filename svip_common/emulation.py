@@ -4,10 +4,11 @@
     target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms,scale=2
 
 ``target`` and ``draft``: MODEL@DEVICE or MODEL@NxDEVICE from the shipped step models
-(svip_common/device_profile.py); the draft may be left out (the target alone). A draft on the
-target's devices (``draft=llama-3.1-8b@4xh100`` beside ``target=...@4xh100``) is the in-process
-placement: in process both models always take turns on one device; distributed, each worker has
-a device of its own (a draft named on devices like the target's gets devices like them). ``link``: between the draft's device and the
+(svip_common/device_profile.py); the draft may be left out (the target alone). In process both
+models take turns on one device, the target's (``draft=llama-3.1-8b@4xh100`` beside
+``target=...@4xh100`` names that placement; `svip bench --mode device` puts the draft there by
+itself for its in-process row); distributed, each worker has a device of its own (a draft named on
+devices like the target's gets devices like them). ``link``: between the draft's device and the
 target's (node, 25gbe, 100gbe or a latency such as 0.1ms; default node). ``scale``: every step's
 time times this (default 1), for a profile this machine cannot keep up with.
 
