@@ -75,10 +75,16 @@ class SpeculativeEngine:
         self.draft_token_s = Ewma(0.2)  # what a drafted token cost recent sessions (a new session's gate starts there)
         self.in_step = 1  # sessions the next target step verifies (generate_many's batch sets it each step)
 
-    def time_as(self, emulation: Emulation) -> None:
+    def time_as(self, emulation: Emulation | None, virtual: bool = False) -> None:
         """Device timing on this machine (svip_common/device_timing.py): the target's and the draft's
-        forwards take turns on one emulated device, each lasting its own step model's time."""
-        target, draft = emulation.shared_timings()
+        forwards take turns on one emulated device, each lasting its own step model's time (virtual:
+        waiting for nothing, only keeping the account; None: as the models run)."""
+        if emulation is None:
+            self.verifier.pool.timing = None
+            if self.drafter is not None:
+                self.drafter.time_as(None)
+            return
+        target, draft = emulation.shared_timings(virtual)
         if self.drafter is not None and draft is None:
             raise InvalidRequest(f"--emulate {emulation.spec!r} names no draft, and the pair has one "
                                  "(draft=MODEL@DEVICE)")

@@ -12,6 +12,7 @@ from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, l
 from svip_common.errors import InvalidRequest
 
 DEFAULT_EMULATION = "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms"
+DEVICE_SCALE = 3  # the default profile's steps, slowed until the embedded pair's forwards here keep within them
 QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 
 
@@ -32,9 +33,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         "--emulate",
         metavar="SPEC",
         dest="emulate_spec",  # not `emulate`: that would time the in-process engine of every mode
-        default=DEFAULT_EMULATION,
         help="simulate, device: the devices, target=MODEL@[Nx]DEVICE,draft=MODEL@[Nx]DEVICE,link=LINK[,scale=S] "
-        f"(default {DEFAULT_EMULATION}; svip_common/emulation.py)",
+        f"(default {DEFAULT_EMULATION}, and for device {DEFAULT_EMULATION},scale={DEVICE_SCALE}: this CPU's "
+        "forwards keep within those steps; svip_common/emulation.py)",
     )
     bench.add_argument("--host-scale", type=float, default=1.0,
                        help="simulate, device: the simulated host's work is this machine's times this (1; 0: none)")
@@ -131,9 +132,12 @@ def run(args: argparse.Namespace, load_engine) -> int:
     if args.head is not None and (args.long or args.mode != "policies"):
         raise InvalidRequest("--head applies to --mode policies (without --long)")
     ks = _parse_ks(args.ks)
-    categories = _parse_categories(args.categories)
+    _parse_categories(args.categories)  # a bad list named before any model loads
     if args.mode in ("simulate", "device"):
         from svip_common.emulation import parse_emulation
+
+        if args.emulate_spec is None:
+            args.emulate_spec = DEFAULT_EMULATION + (f",scale={DEVICE_SCALE}" if args.mode == "device" else "")
 
         if parse_emulation(args.emulate_spec).draft is None:  # a bad spec named before any model loads
             raise InvalidRequest(f"--mode {args.mode} compares drafting with the target alone: --emulate needs "
@@ -144,18 +148,7 @@ def run(args: argparse.Namespace, load_engine) -> int:
     engine = load_engine(args)
     if engine.drafter is None:
         raise InvalidRequest("svip bench needs a draft model")
-    prompts = []
-    if args.long:
-        categories = [CODE]
-    spec = [c for c in categories if c != CODE]
-    if spec:
-        prompts += [
-            p for p in load_specbench(specbench_path(args.dataset), args.prompts_per_category) if p.category in spec
-        ]
-    if CODE in categories:
-        from svip_assets import SPLIT_FILE
-
-        prompts += load_code_prompts(SPLIT_FILE, args.prompts_per_category)
+    prompts = prompts_for(CODE if args.long else args.categories, args.dataset, args.prompts_per_category)
     header = {
         "command": "svip bench " + " ".join(shlex.quote(a) for a in sys.argv[2:]),
         "machine": machine_description(),
@@ -224,6 +217,20 @@ def run(args: argparse.Namespace, load_engine) -> int:
         print(f"EXACTNESS VIOLATIONS ({len(violations)}): " + "; ".join(violations[:10]), file=sys.stderr)
         return 1
     return 0
+
+
+def prompts_for(categories: str | None, dataset: str | None, per_category: int) -> list:
+    """Spec-Bench's prompts of these categories (comma list; None: all) and held-out Python (code)."""
+    chosen = _parse_categories(categories)
+    spec = [c for c in chosen if c != CODE]
+    prompts = []
+    if spec:
+        prompts += [p for p in load_specbench(specbench_path(dataset), per_category) if p.category in spec]
+    if CODE in chosen:
+        from svip_assets import SPLIT_FILE
+
+        prompts += load_code_prompts(SPLIT_FILE, per_category)
+    return prompts
 
 
 def _head_engine(engine, head: str):

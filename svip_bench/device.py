@@ -92,9 +92,7 @@ def _in_process(engine, emulation: Emulation, requests) -> tuple[float, list]:
         outputs = [engine.generate(r).token_ids for r in requests]
         return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
     finally:
-        engine.verifier.pool.timing = None
-        if engine.drafter is not None:
-            engine.drafter.time_as(None)
+        engine.time_as(None)
 
 
 def _through_workers(engine, emulation: Emulation, requests, sessions, repeats: int, record) -> dict:

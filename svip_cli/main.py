@@ -172,6 +172,7 @@ def build_parser() -> argparse.ArgumentParser:
     from svip_bench.command import add_arguments
 
     add_arguments(sub.add_parser("bench", help="benchmark length policies against each other and Hugging Face"))
+    _add_plan_parser(sub)
     return parser
 
 
@@ -203,6 +204,57 @@ def _auto_settings(args) -> AutoSettings:
         cost=getattr(args, "auto_cost", None),
         window=getattr(args, "auto_window", WINDOW),
     ).check()
+
+
+def _add_plan_parser(sub) -> None:
+    from svip_bench.command import DEFAULT_EMULATION
+
+    plan = sub.add_parser("plan", help="predict a pair's tokens/s on GPUs, in process and distributed, every "
+                          "policy, at each session count, and say which to use")
+    plan.add_argument("--emulate", metavar="SPEC", default=DEFAULT_EMULATION,
+                      help="the devices: target=MODEL@[Nx]DEVICE,draft=MODEL@[Nx]DEVICE,link=LINK "
+                      f"({DEFAULT_EMULATION})")
+    plan.add_argument("--target", help="target model whose tokens are used (default: the embedded pair)")
+    plan.add_argument("--draft", help="draft model (default: the embedded pair)")
+    plan.add_argument("--dtype", default="float32")
+    plan.add_argument("--device", default="cpu")
+    plan.add_argument("--dataset", help="spec-bench.jsonl for sample prompts (default ../shared/specbench/...)")
+    plan.add_argument("--categories", default="code", help="sample prompts' categories (code: held-out Python)")
+    plan.add_argument("--prompts-per-category", type=int, default=4)
+    plan.add_argument("--max-new-tokens", type=int, default=48)
+    plan.add_argument("--max-prompt-tokens", type=int, default=192)
+    plan.add_argument("--sessions", default="1,8,32", help=f"sessions in flight at once (1,8,32; at most {64})")
+    plan.add_argument("--policies", default="svip,auto,constant-3",
+                      help="svip (the pair's calibrated threshold), auto, confidence, heuristic, constant-K")
+    plan.add_argument("--out", default="plan-out", help="directory for plan.md, plan.json and plan.png")
+
+
+def _plan(args: argparse.Namespace) -> int:
+    import shlex
+    from pathlib import Path
+
+    import torch
+
+    from svip_bench import plan
+    from svip_bench.command import prompts_for
+    from svip_bench.runner import encode_prompts, machine_description
+
+    emulation = parse_emulation(args.emulate)
+    if emulation.draft is None:
+        raise InvalidRequest("svip plan compares drafting with the target alone: --emulate needs draft=MODEL@DEVICE")
+    policies, sessions = plan.parse_plan_policies(args.policies), plan.parse_sessions(args.sessions)
+    if not 1 <= args.prompts_per_category <= 100 or not 1 <= args.max_new_tokens <= 4096:
+        raise InvalidRequest("--prompts-per-category must be in 1..100 and --max-new-tokens in 1..4096")
+    torch.set_num_threads(1)
+    engine = _load_engine(argparse.Namespace(**{**vars(args), "emulate": None}))
+    if engine.drafter is None or engine.feature_draft:
+        raise InvalidRequest("svip plan needs a draft model (a feature head is not planned yet)")
+    prompts = prompts_for(args.categories, args.dataset, args.prompts_per_category)
+    header = {"command": "svip " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "machine": machine_description(),
+              "target": engine.target.path, "draft": engine.draft_path, "prompts": len(prompts),
+              "max_new_tokens": args.max_new_tokens}
+    encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
+    return plan.run(engine, encoded, emulation, policies, sessions, args.max_new_tokens, header, Path(args.out))
 
 
 def _add_serve_parser(sub) -> None:
@@ -363,6 +415,8 @@ def main(argv: list[str] | None = None) -> int:
             from svip_bench.command import run
 
             return run(args, _load_engine)
+        if args.command == "plan":
+            return _plan(args)
         return _generate(args)
     except InvalidRequest as exc:
         print(f"svip: error: {exc}", file=sys.stderr)

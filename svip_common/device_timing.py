@@ -34,6 +34,7 @@ class DeviceUse:
     device_s: float = 0.0  # the step models' time of every forward, scaled
     overruns: int = 0  # forwards this machine ran slower than their step
     overrun_s: float = 0.0  # the time they took past it
+    real_s: float = 0.0  # what this machine's forwards took (a virtual device: wall - real_s + device_s)
     worst_ratio: float = 0.0  # a forward's real time over its step's, the largest seen
 
     def summary(self) -> str:
@@ -46,8 +47,10 @@ class DeviceUse:
 
 class EmulatedDevice:
     def __init__(self, name: str, scale: float = 1.0, clock: Callable[[], float] = time.perf_counter,
-                 sleep: Callable[[float], None] = time.sleep):
-        """name: what it stands for (its step models' devices); scale: every step's time times this."""
+                 sleep: Callable[[float], None] | None = time.sleep):
+        """name: what it stands for (its step models' devices); scale: every step's time times this;
+        sleep None: a virtual device, which waits for nothing and only keeps the account (a run's
+        time on it is its wall time less ``use.real_s`` plus ``use.device_s``)."""
         if not 0 < scale <= MAX_SCALE:
             raise ValueError(f"a device time scale must be in (0, {MAX_SCALE:g}], got {scale}")
         self.name, self.scale = name, scale
@@ -63,6 +66,7 @@ class EmulatedDevice:
         use = self.use
         use.forwards += 1
         use.device_s += due_s
+        use.real_s += took_s
         if due_s > 0:
             use.worst_ratio = max(use.worst_ratio, took_s / due_s)
         if took_s > due_s:
@@ -91,5 +95,5 @@ class ForwardTiming:
             due = self.step.forward_s(sequences) * device.scale
             took = device.clock() - started
             device.account(due, took)
-            if took < due:
+            if took < due and device.sleep is not None:
                 device.sleep(due - took)

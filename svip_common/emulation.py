@@ -18,6 +18,7 @@ Device timing on this machine (svip_common/device_timing.py) and the simulated c
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 
 from svip_common.device_profile import Link, StepModel, link, step_model
@@ -61,9 +62,10 @@ class Emulation:
             raise InvalidRequest(f"--emulate {self.spec!r} names no draft")
         return EmulatedDevice(self.draft.name, self.scale).timing(self.draft)
 
-    def shared_timings(self) -> tuple[ForwardTiming, ForwardTiming | None]:
-        """The in-process engine's target and draft on one device: their forwards take turns."""
-        device = EmulatedDevice(self.target.name, self.scale)
+    def shared_timings(self, virtual: bool = False) -> tuple[ForwardTiming, ForwardTiming | None]:
+        """The in-process engine's target and draft on one device: their forwards take turns
+        (virtual: a device that waits for nothing and keeps the account, EmulatedDevice)."""
+        device = EmulatedDevice(self.target.name, self.scale, sleep=None if virtual else time.sleep)
         return device.timing(self.target), None if self.draft is None else device.timing(self.draft)
 
     def describe(self) -> str:

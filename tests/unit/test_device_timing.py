@@ -56,6 +56,16 @@ def test_a_forward_slower_than_its_step_is_counted_not_hidden():
     assert "1 of 1 forwards ran past their step" in device.use.summary()
 
 
+def test_a_virtual_device_waits_for_nothing_and_keeps_the_account():
+    t = FakeTime()
+    device = EmulatedDevice("h100", clock=t, sleep=None)
+    with device.timing(STEP).forward([(1, 10)]):
+        t.now += 0.001
+    due = STEP.forward_s([(1, 10)])
+    assert t.now == pytest.approx(0.001) and device.use.real_s == pytest.approx(0.001)
+    assert device.use.device_s == pytest.approx(due)  # a run's time on it: wall - real_s + device_s
+
+
 def test_the_scale_multiplies_every_step_alike():
     t = FakeTime()
     device = EmulatedDevice("h100", scale=4, clock=t, sleep=t.sleep)

@@ -1,0 +1,205 @@
+"""`svip plan`: before buying GPUs, what a pair would make on them, and how to run it.
+
+Given the devices (`--emulate`: the target's GPUs, the draft's, the link), the pair (its weights
+here: its acceptance is measured by running it on the sample prompts), a list of policies and of
+session counts, it predicts tokens/s and the mean time a request takes for:
+
+- the target alone;
+- in process, the draft on the target's GPUs (the two models taking turns on them): the real
+  engine, batched, on a virtual device (svip_common/device_timing.py: each forward counted at its
+  step model's time, nothing waited for), its host work measured here;
+- distributed sync and async, each model on GPUs of its own: the simulated clock
+  (coordinator/simulated.py), the real protocol and models in virtual time.
+
+Then it says which placement, mode and policy make the most tokens/s at each session count, in a
+table (plan.md), a JSON document and a plot (plan.png). Every output is checked against the target
+alone's (greedy). What it cannot know: how a different pair, with the devices' models' own weights,
+would accept (the tokens here are the given pair's), and a real GPU's overheads past its step
+model. `svip bench --mode device` checks the simulated clock against device timing here."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from coordinator.simulated import SimulatedPair
+from draft_worker.drafter import Drafter
+from svip_bench.runner import Progress
+from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
+from svip_common.emulation import Emulation
+from svip_common.errors import InvalidRequest
+from target_worker.verifier import Verifier
+
+PLACEMENTS = ("in process", "sync", "async")
+MAX_SESSIONS = 64
+
+
+def parse_plan_policies(spec: str) -> list[str]:
+    names = [p.strip() for p in spec.split(",") if p.strip()]
+    bad = next((p for p in names if p not in ("svip", "auto", "confidence", "heuristic")
+                and not (p.startswith("constant-") and p[9:].isdigit() and 1 <= int(p[9:]) <= 16)), None)
+    if bad is not None or not names:
+        raise InvalidRequest(f"--policies: svip, auto, confidence, heuristic and constant-K (K in 1..16), "
+                             f"got {bad or spec!r}")
+    return list(dict.fromkeys(names))
+
+
+def parse_sessions(spec: str) -> list[int]:
+    try:
+        counts = sorted({int(v) for v in spec.split(",") if v.strip()})
+    except ValueError:
+        raise InvalidRequest(f"--sessions: expected comma-separated integers, got {spec!r}") from None
+    if not counts or counts[0] < 1 or counts[-1] > MAX_SESSIONS:
+        raise InvalidRequest(f"--sessions: session counts must be in [1, {MAX_SESSIONS}]")
+    return counts
+
+
+def policy_config(name: str, threshold: float) -> PolicyConfig:
+    if name == "svip":
+        return PolicyConfig(name="svip", threshold=threshold)
+    if name.startswith("constant-"):
+        return PolicyConfig(name="constant", draft_length=int(name[9:]))
+    return PolicyConfig(name=name)
+
+
+def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str], sessions: list[int],
+        max_new_tokens: int, header: dict, out: Path) -> int:
+    threshold = engine.calibration().threshold
+    def requests(policy: PolicyConfig) -> list[GenerationRequest]:
+        return [GenerationRequest(ids, max_new_tokens, ignore_eos=True, policy=policy) for ids in encoded_prompts]
+
+    alone = requests(PolicyConfig(name="none"))
+    expected = [engine.generate(r).token_ids for r in alone]
+    together = emulation.co_located()
+    header.update(emulate=emulation.spec, emulated=emulation.describe(), in_process=together.describe(),
+                  svip_threshold=threshold, policies=policies, sessions=sessions)
+    progress = Progress(len(sessions) * (1 + len(policies) * len(PLACEMENTS)))
+    rows, violations = [], []
+
+    def add(n, placement, policy, measured):
+        (tps, mean_s), outputs = measured
+        rows.append({"sessions": n, "placement": placement, "policy": policy, "tokens_per_s": tps,
+                     "mean_request_s": mean_s})
+        violations.extend(f"{n} {placement} {policy}: prompt {i}" for i, (a, b) in
+                          enumerate(zip(outputs, expected)) if a != b)
+        progress.update(1)
+
+    for n in sessions:
+        add(n, "target alone", "none", _in_process(engine, together, alone, n))
+        for name in policies:
+            drafting = requests(policy_config(name, threshold))
+            add(n, "in process", name, _in_process(engine, together, drafting, n))
+            for mode in ("sync", "async"):
+                add(n, mode, name, _simulated(engine, emulation, drafting, n, mode))
+    doc = {"header": header, "rows": rows, "advice": advice(rows), "exactness_violations": violations}
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "plan.json").write_text(json.dumps(doc, indent=1))
+    md = report(doc)
+    (out / "plan.md").write_text(md)
+    _plot(out / "plan.png", rows, sessions)
+    print(md)
+    if violations:
+        print(f"EXACTNESS VIOLATIONS: {violations[:10]}")
+        return 1
+    return 0
+
+
+def _in_process(engine, emulation: Emulation, requests, n: int) -> tuple[tuple[float, float], list]:
+    """The engine batched n at a time on a virtual device shared by both models: tokens/s and the
+    mean request's time, in the device's time plus the host work measured here."""
+    engine.time_as(emulation, virtual=True)
+    try:
+        use = engine.verifier.pool.timing.device.use
+        tokens, seconds, ends, outputs = 0, 0.0, [], []
+        for first in range(0, len(requests), n):  # waves of n, as the simulation runs them
+            before_real, before_device = use.real_s, use.device_s
+            started = time.perf_counter()
+            results = engine.generate_many(requests[first:first + n], n)
+            wall = time.perf_counter() - started
+            wave = wall - (use.real_s - before_real) + (use.device_s - before_device)
+            tokens += sum(len(r.token_ids) for r in results)
+            outputs += [r.token_ids for r in results]
+            ends += [wave] * len(results)  # a batch's requests end together, near enough: its span
+            seconds += wave
+        return (tokens / seconds, statistics.mean(ends)), outputs
+    finally:
+        engine.time_as(None)
+
+
+def _simulated(engine, emulation: Emulation, requests, n: int, mode: str) -> tuple[tuple[float, float], list]:
+    target, draft = engine.target, engine.drafter.draft
+    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
+    tokens, seconds, ends, outputs = 0, 0.0, [], []
+    for first in range(0, len(requests), n):
+        pair = SimulatedPair(target, Verifier(target, limits.tokens), Drafter(draft, target.vocab_size, limits.tokens),
+                             limits, mode, emulation, 1.0, load_aware="off")
+        run = pair.run_all(requests[first:first + n])
+        tokens, seconds = tokens + run.tokens, seconds + run.makespan_s
+        ends += run.per_request_s
+        outputs += [p.result().token_ids for p in pair.pending.values()]
+    return (tokens / seconds, statistics.mean(ends)), outputs
+
+
+def advice(rows: list[dict]) -> dict:
+    """At each session count: the row that makes the most tokens/s, and its ratio to the target alone."""
+    out = {}
+    for n in sorted({r["sessions"] for r in rows}):
+        at = [r for r in rows if r["sessions"] == n]
+        alone = next(r for r in at if r["placement"] == "target alone")
+        best = max(at, key=lambda r: r["tokens_per_s"])
+        out[str(n)] = {"placement": best["placement"], "policy": best["policy"],
+                       "tokens_per_s": best["tokens_per_s"], "over_alone": best["tokens_per_s"] / alone["tokens_per_s"]}
+    return out
+
+
+def report(doc: dict) -> str:
+    h, rows = doc["header"], doc["rows"]
+    lines = [
+        f"Command: `{h['command']}`",
+        f"Machine: {h['machine']} (host work measured here; forwards at their step models' time)",
+        f"Devices: {h['emulated']}; in process: {h['in_process']} (the models taking turns on the target's "
+        f"devices). The tokens of {h['target']} and {h['draft']}: {h['prompts']} prompts, {h['max_new_tokens']} "
+        f"new tokens, greedy; svip at {h['svip_threshold']:.2f} (the pair's calibration), load-aware off.",
+        "",
+        "| sessions | placement | policy | tokens/s | vs the target alone | mean request, s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for n in sorted({r["sessions"] for r in rows}):
+        at = [r for r in rows if r["sessions"] == n]
+        alone = next(r for r in at if r["placement"] == "target alone")["tokens_per_s"]
+        for r in sorted(at, key=lambda r: -r["tokens_per_s"]):
+            lines.append(f"| {n} | {r['placement']} | {r['policy']} | {r['tokens_per_s']:.1f} | "
+                         f"{r['tokens_per_s'] / alone:.2f}x | {r['mean_request_s']:.3f} |")
+    lines += ["", "Advice:"]
+    for n, a in doc["advice"].items():
+        how = "the target alone" if a["placement"] == "target alone" else \
+            f"{a['placement']}{'' if a['placement'] == 'in process' else ' (distributed)'}, policy {a['policy']}"
+        lines.append(f"- {n} session{'s' if n != '1' else ''} in flight: {how}: {a['tokens_per_s']:.1f} tokens/s, "
+                     f"{a['over_alone']:.2f}x the target alone")
+    return "\n".join(lines)
+
+
+def _plot(path: Path, rows: list[dict], sessions: list[int]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4))
+    series = sorted({(r["placement"], r["policy"]) for r in rows})
+    for placement, policy in series:
+        points = sorted((r["sessions"], r["tokens_per_s"]) for r in rows
+                        if (r["placement"], r["policy"]) == (placement, policy))
+        label = placement if placement == "target alone" else f"{placement}, {policy}"
+        ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", label=label,
+                linestyle="--" if placement == "target alone" else "-")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(sessions, [str(n) for n in sessions])
+    ax.set_xlabel("sessions in flight")
+    ax.set_ylabel("tokens/s (predicted)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

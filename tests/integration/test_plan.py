@@ -1,0 +1,85 @@
+"""`svip plan`: a pair's predicted tokens/s on the devices a spec names, the target alone, in process
+(a virtual device the two models share) and distributed sync and async (the simulated clock), each
+policy at each session count, every output the target alone's; the advice is the fastest row; bad
+arguments are one-line errors."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+
+from svip_bench.plan import advice, parse_plan_policies, parse_sessions
+from svip_cli.main import main
+from svip_common.errors import InvalidRequest
+
+SPEC = "target=llama-3.1-8b@h100,draft=llama-3.2-1b@h100,link=25gbe"
+
+
+def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_path, model_dirs, capsys):
+    out = tmp_path / "plan"
+    code = main(["plan", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--emulate", SPEC,
+                 "--prompts-per-category", "2", "--max-new-tokens", "8", "--sessions", "1,2",
+                 "--policies", "svip,constant-2", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["exactness_violations"] == []
+    assert {(r["sessions"], r["placement"], r["policy"]) for r in doc["rows"]} == {
+        (n, "target alone", "none") for n in (1, 2)} | {
+        (n, p, policy) for n in (1, 2) for p in ("in process", "sync", "async") for policy in ("svip", "constant-2")}
+    assert all(r["tokens_per_s"] > 0 and r["mean_request_s"] > 0 for r in doc["rows"])
+    for n in ("1", "2"):
+        best = max((r for r in doc["rows"] if str(r["sessions"]) == n), key=lambda r: r["tokens_per_s"])
+        assert (doc["advice"][n]["placement"], doc["advice"][n]["policy"]) == (best["placement"], best["policy"])
+    assert "Advice:" in captured.out and "- 2 sessions in flight: " in captured.out
+    assert (out / "plan.png").stat().st_size > 1000
+
+
+def test_the_virtual_device_counts_each_forward_at_its_step_not_this_machines_time(model_dirs, models, prompt_ids):
+    """In process on a virtual device, the target alone's time is its forwards' modelled time plus
+    the host work: a device ten times slower takes about ten times as long, whatever this CPU does."""
+    from coordinator.engine import SpeculativeEngine
+    from svip_bench.plan import _in_process
+    from svip_common.contracts import GenerationRequest, PolicyConfig
+    from svip_common.emulation import parse_emulation
+
+    engine = SpeculativeEngine(models["target"], None)
+    requests = [GenerationRequest(prompt_ids["medium"], 16, ignore_eos=True, policy=PolicyConfig(name="none"))]
+    (fast, _), out_fast = _in_process(engine, parse_emulation("target=llama-3.1-70b@4xh100"), requests, 1)
+    (slow, _), out_slow = _in_process(engine, parse_emulation("target=llama-3.1-70b@4xh100,scale=10"), requests, 1)
+    assert out_fast == out_slow
+    assert 6 < fast / slow <= 10  # the host work is not scaled
+    assert engine.verifier.pool.timing is None  # taken off again
+
+
+@pytest.mark.parametrize("call, words", [
+    (lambda: parse_plan_policies("svip,fastest"), "--policies: svip, auto"),
+    (lambda: parse_plan_policies("constant-99"), "constant-K (K in 1..16)"),
+    (lambda: parse_sessions("0,8"), "--sessions: session counts must be in [1, 64]"),
+    (lambda: parse_sessions("1,100"), "--sessions: session counts must be in [1, 64]"),
+    (lambda: parse_sessions("one"), "--sessions: expected comma-separated integers"),
+])
+def test_bad_plan_arguments_are_named(call, words):
+    with pytest.raises(InvalidRequest, match=re.escape(words)):
+        call()
+
+
+def test_the_cli_refuses_a_plan_it_cannot_make(capsys):
+    for args, words in ((["--emulate", "target=llama-3.1-8b@h100"], "--emulate needs draft=MODEL@DEVICE"),
+                        (["--emulate", "target=gpt-5@h100,draft=llama-3.2-1b@h100"], "unknown model 'gpt-5'"),
+                        (["--sessions", "65"], "--sessions: session counts must be in [1, 64]")):
+        assert main(["plan", *args]) == 2
+        err = capsys.readouterr().err
+        assert words in err and err.count("\n") == 1
+
+
+def test_advice_is_the_fastest_row_at_each_count():
+    rows = [{"sessions": 1, "placement": "target alone", "policy": "none", "tokens_per_s": 10.0},
+            {"sessions": 1, "placement": "async", "policy": "svip", "tokens_per_s": 15.0},
+            {"sessions": 8, "placement": "target alone", "policy": "none", "tokens_per_s": 80.0},
+            {"sessions": 8, "placement": "sync", "policy": "svip", "tokens_per_s": 60.0}]
+    got = advice(rows)
+    assert (got["1"]["placement"], got["1"]["over_alone"]) == ("async", 1.5)
+    assert (got["8"]["placement"], got["8"]["over_alone"]) == ("target alone", 1.0)
