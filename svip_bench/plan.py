@@ -2,12 +2,12 @@
 
 Given the devices (`--emulate`: the target's GPUs, the draft's, the link), the pair (its weights
 here: its acceptance is measured by running it on the sample prompts), a list of policies and of
-session counts, it predicts tokens/s and the mean time a request takes for:
+session counts, it predicts tokens/s and the mean time a request takes at each count n, in waves
+of n requests in flight (the sample prompts again, in turn, where there are fewer than n), for:
 
-- the target alone;
-- in process, the draft on the target's GPUs (the two models taking turns on them): the real
-  engine, batched, on a virtual device (svip_common/device_timing.py: each forward counted at its
-  step model's time, nothing waited for), its host work measured here;
+- the target alone, and in process, the draft on the target's GPUs (the two models taking turns
+  on them): the real engine, batched, on a virtual device (svip_common/device_timing.py: each
+  forward counted at its step model's time, nothing waited for), its host work measured here;
 - distributed sync and async, each model on GPUs of its own: the simulated clock
   (coordinator/simulated.py), the real protocol and models in virtual time.
 
@@ -67,11 +67,14 @@ def policy_config(name: str, threshold: float) -> PolicyConfig:
 def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str], sessions: list[int],
         max_new_tokens: int, header: dict, out: Path) -> int:
     threshold = engine.calibration().threshold
-    def requests(policy: PolicyConfig) -> list[GenerationRequest]:
-        return [GenerationRequest(ids, max_new_tokens, ignore_eos=True, policy=policy) for ids in encoded_prompts]
+    def requests(policy: PolicyConfig, n: int) -> list[GenerationRequest]:
+        """At least n requests (the prompts again, in turn, where there are fewer): full waves of n."""
+        count = max(n, len(encoded_prompts))
+        return [GenerationRequest(encoded_prompts[i % len(encoded_prompts)], max_new_tokens, ignore_eos=True,
+                                  policy=policy) for i in range(count)]
 
-    alone = requests(PolicyConfig(name="none"))
-    expected = [engine.generate(r).token_ids for r in alone]
+    once = [engine.generate(r).token_ids for r in requests(PolicyConfig(name="none"), 1)]
+    expected = [once[i % len(once)] for i in range(max(max(sessions), len(once)))]
     together = emulation.co_located()
     header.update(emulate=emulation.spec, emulated=emulation.describe(), in_process=together.describe(),
                   svip_threshold=threshold, policies=policies, sessions=sessions)
@@ -87,9 +90,9 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
         progress.update(1)
 
     for n in sessions:
-        add(n, "target alone", "none", _in_process(engine, together, alone, n))
+        add(n, "target alone", "none", _in_process(engine, together, requests(PolicyConfig(name="none"), n), n))
         for name in policies:
-            drafting = requests(policy_config(name, threshold))
+            drafting = requests(policy_config(name, threshold), n)
             add(n, "in process", name, _in_process(engine, together, drafting, n))
             for mode in ("sync", "async"):
                 add(n, mode, name, _simulated(engine, emulation, drafting, n, mode))
