@@ -7,7 +7,8 @@
   pair in virtual time, each forward its step model's time, each message the link's.
 
 For the target alone (through the same workers, policy none), distributed sync and async, at each
-`--sim-sessions` count (waves of that many requests in flight together), and the in-process engine
+`--sim-sessions` count (waves of that many requests in flight together; the prompts again, in
+turn, where there are fewer), and the in-process engine
 with the draft on the target's devices (one session at a time). Every output is checked against
 the target alone's. What it says: what the pipeline loses to its own overhead, beside the
 simulation's prediction (the issue on cluster timings asks the two agree within 10%)."""
@@ -24,7 +25,7 @@ from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
-from svip_bench.runner import Progress, encode_prompts
+from svip_bench.runner import Progress, encode_prompts, full
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
 from svip_common.emulation import Emulation, parse_emulation
 from svip_common.pair_config import PairConfig
@@ -51,7 +52,8 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
 
     def record(key, field, tps, outputs):
         rows.setdefault(key, {"sessions": key[0], "mode": key[1]}).setdefault(field, []).append(tps)
-        violations.extend(f"{key} {field}: prompt {i}" for i, (a, b) in enumerate(zip(outputs, expected)) if a != b)
+        violations.extend(f"{key} {field}: request {i}" for i, (a, b) in enumerate(zip(outputs, full(expected, key[0])))
+                          if a != b)
         progress.update(1)
 
     for _ in range(args.repeats):
@@ -60,7 +62,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     for _ in range(args.repeats):
         for n in sessions:
             for mode in MODES:
-                record((n, mode), "simulated", *_simulated(engine, emulation, _as(base, mode), n, mode,
+                record((n, mode), "simulated", *_simulated(engine, emulation, full(_as(base, mode), n), n, mode,
                                                            args.host_scale))
     table = [{k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()}
              for row in rows.values()]
@@ -114,7 +116,8 @@ def _through_workers(engine, emulation: Emulation, requests, sessions, repeats: 
             for n in sessions:
                 for mode in MODES:
                     runner = engines["async" if mode == "alone" else mode]
-                    record((n, mode), "device", *loop.run_until_complete(_waves(runner, _as(requests, mode), n)))
+                    record((n, mode), "device",
+                           *loop.run_until_complete(_waves(runner, full(_as(requests, mode), n), n)))
         stats = loop.run_until_complete(engines["async"].worker_stats())
         from svip_proto import convert
 

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
-from svip_bench.runner import Progress
+from svip_bench.runner import Progress, full
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
 from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest
@@ -68,13 +68,11 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
         max_new_tokens: int, header: dict, out: Path) -> int:
     threshold = engine.calibration().threshold
     def requests(policy: PolicyConfig, n: int) -> list[GenerationRequest]:
-        """At least n requests (the prompts again, in turn, where there are fewer): full waves of n."""
-        count = max(n, len(encoded_prompts))
-        return [GenerationRequest(encoded_prompts[i % len(encoded_prompts)], max_new_tokens, ignore_eos=True,
-                                  policy=policy) for i in range(count)]
+        """Full waves of n (the prompts again, in turn, where there are fewer)."""
+        return full([GenerationRequest(ids, max_new_tokens, ignore_eos=True, policy=policy)
+                     for ids in encoded_prompts], n)
 
-    once = [engine.generate(r).token_ids for r in requests(PolicyConfig(name="none"), 1)]
-    expected = [once[i % len(once)] for i in range(max(max(sessions), len(once)))]
+    expected = full([engine.generate(r).token_ids for r in requests(PolicyConfig(name="none"), 1)], max(sessions))
     together = emulation.co_located()
     header.update(emulate=emulation.spec, emulated=emulation.describe(), in_process=together.describe(),
                   svip_threshold=threshold, policies=policies, sessions=sessions)

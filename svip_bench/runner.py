@@ -22,6 +22,11 @@ def nearest_rank(values, q: float) -> float:
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def full(items: list, n: int) -> list:
+    """At least n of them (the list again, in turn, where it is shorter): full waves of n in flight."""
+    return [items[i % len(items)] for i in range(max(n, len(items)))]
+
+
 def machine_description() -> str:
     import os
 
