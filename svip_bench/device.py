@@ -16,7 +16,6 @@ simulation's prediction (the issue on cluster timings asks the two agree within 
 from __future__ import annotations
 
 import asyncio
-import json
 import statistics
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
-from svip_bench.runner import Progress, encode_prompts, full
+from svip_bench.runner import Progress, encode_prompts, full, write_results
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
 from svip_common.emulation import Emulation, parse_emulation
 from svip_common.pair_config import PairConfig
@@ -67,16 +66,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     table = [{k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()}
              for row in rows.values()]
     doc = {"header": header, "rows": table, "device_use": device_use, "exactness_violations": violations}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "device.json").write_text(json.dumps(doc, indent=1))
-    md = _report(doc)
-    (out / "device.md").write_text(md)
-    print(md)
-    if violations:
-        print(f"EXACTNESS VIOLATIONS: {violations[:10]}")
-        return 1
-    return 0
+    return write_results(Path(args.out), "device", doc, _report(doc))
 
 
 def _as(requests: list[GenerationRequest], mode: str) -> list[GenerationRequest]:

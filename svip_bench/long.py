@@ -14,13 +14,12 @@ from __future__ import annotations
 import json
 import random
 import statistics
-import sys
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from svip_bench.runner import Progress
+from svip_bench.runner import Progress, write_results
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 
@@ -100,16 +99,7 @@ def run(engine, prompts, args, header: dict) -> int:
     doc = {"header": {**header, "mode": "long", "lengths": lengths, "prompt_tokens": LONG_PROMPT_TOKENS},
            "results": table, "target_loss_by_position": quality, "exactness_violations": violations,
            "runs": [vars(r) for r in runs]}
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "long.json").write_text(json.dumps(doc, indent=1))
-    md = markdown(doc)
-    (out / "long.md").write_text(md)
-    print(md)
-    if violations:
-        print(f"EXACTNESS VIOLATIONS ({len(violations)}): " + "; ".join(violations[:10]), file=sys.stderr)
-        return 1
-    return 0
+    return write_results(Path(args.out), "long", doc, markdown(doc))
 
 
 def summarize(runs: list[LongRun]) -> dict:

@@ -19,14 +19,13 @@ model. `svip bench --mode device` checks the simulated clock against device timi
 
 from __future__ import annotations
 
-import json
 import statistics
 import time
 from pathlib import Path
 
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
-from svip_bench.runner import Progress, full
+from svip_bench.runner import Progress, full, write_results
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
 from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest
@@ -95,16 +94,9 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
             for mode in ("sync", "async"):
                 add(n, mode, name, _simulated(engine, emulation, drafting, n, mode))
     doc = {"header": header, "rows": rows, "advice": advice(rows), "exactness_violations": violations}
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "plan.json").write_text(json.dumps(doc, indent=1))
-    md = report(doc)
-    (out / "plan.md").write_text(md)
+    status = write_results(out, "plan", doc, report(doc))
     _plot(out / "plan.png", rows, sessions)
-    print(md)
-    if violations:
-        print(f"EXACTNESS VIOLATIONS: {violations[:10]}")
-        return 1
-    return 0
+    return status
 
 
 def _in_process(engine, emulation: Emulation, requests, n: int) -> tuple[tuple[float, float], list]:

@@ -3,10 +3,12 @@ method alike, with the target-alone output of each prompt as the exactness refer
 
 from __future__ import annotations
 
+import json
 import math
 import platform
 import random
 import sys
+from pathlib import Path
 
 import torch
 
@@ -20,6 +22,20 @@ def nearest_rank(values, q: float) -> float:
     """The q-quantile of values by the nearest-rank rule (p95: q = 0.95); values need not be sorted."""
     ordered = sorted(values)
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def write_results(out: Path, name: str, doc: dict, md: str) -> int:
+    """A bench's results: ``name``.json and ``name``.md under out, the table printed; exit status 1
+    (the violations on stderr) when any output differed from the target alone's."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{name}.json").write_text(json.dumps(doc, indent=1))
+    (out / f"{name}.md").write_text(md)
+    print(md)
+    violations = doc.get("exactness_violations") or []
+    if violations:
+        print(f"EXACTNESS VIOLATIONS ({len(violations)}): " + "; ".join(map(str, violations[:10])), file=sys.stderr)
+        return 1
+    return 0
 
 
 def full(items: list, n: int) -> list:

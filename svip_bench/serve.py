@@ -14,12 +14,11 @@ import json
 import random
 import socket
 import statistics
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from svip_bench.runner import Progress, encode_prompts, nearest_rank
+from svip_bench.runner import Progress, encode_prompts, nearest_rank, write_results
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest
 
@@ -74,17 +73,9 @@ def run(engine, prompts, args, header: dict) -> int:
         "inprocess_batches": batched,
         "exactness_violations": violations,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "serve.json").write_text(json.dumps(doc, indent=1))
-    md = _markdown(doc)
-    (out / "serve.md").write_text(md)
-    _plot(out / "serve.png", results, levels)
-    print(md)
-    if violations:
-        print(f"EXACTNESS VIOLATIONS: {violations[:10]}", file=sys.stderr)
-        return 1
-    return 0
+    status = write_results(Path(args.out), "serve", doc, _markdown(doc))
+    _plot(Path(args.out) / "serve.png", results, levels)
+    return status
 
 
 def _inprocess_tps(engine, encoded, max_new: int, threshold: float) -> float:
