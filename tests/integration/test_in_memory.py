@@ -229,3 +229,27 @@ def test_a_session_as_large_as_the_pool_takes_its_turn_once_alone(models, prompt
     pair.run()
     expected = [alone.generate(r).token_ids for r in (first, large)]
     assert [held.result().token_ids, waiting.result().token_ids] == expected
+
+
+def test_the_target_admits_by_use_and_refuses_only_a_session_its_pool_cannot_hold_at_all(models, prompt_ids, alone):
+    """Three sessions of up to 112 tokens each on a 256-token pool: all three start together (pages
+    are taken as a session grows, issue 40; before, the third was refused while the two held their
+    worst case), and where pages run short the newest yields and is recomputed: every output
+    exact. A session larger than the whole pool is refused as overloaded (RESOURCE_EXHAUSTED on the
+    wire), and only it."""
+    from svip_common.errors import Overloaded
+
+    constant = PolicyConfig(name="constant", draft_length=4)
+    prompt = prompt_ids["medium"][:12]
+    requests = [GenerationRequest(prompt + (i,), 99, policy=constant, ignore_eos=True) for i in range(3)]
+    pair = make_pair(models, "async", Seeded(3), target_kv_tokens=256)
+    running = [pair.submit(r) for r in requests]
+    too_large = pair.submit(GenerationRequest(prompt, 256, policy=constant, ignore_eos=True))
+    together = 0
+    while not all(p.done for p in (*running, too_large)):
+        assert pair.step() is not None
+        together = max(together, len(pair.host.sessions))
+    assert together == 3
+    with pytest.raises(Overloaded, match="KV pool holds 256 tokens; this session needs"):
+        too_large.result()
+    assert [p.result().token_ids for p in running] == [alone.generate(r).token_ids for r in requests]
