@@ -33,7 +33,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         "--emulate",
         metavar="SPEC",
         dest="emulate_spec",  # not `emulate`: that would time the in-process engine of every mode
-        help="simulate, device: the devices, target=MODEL@[Nx]DEVICE,draft=MODEL@[Nx]DEVICE,link=LINK[,scale=S] "
+        help="simulate, device, pipeline: the devices, target=MODEL@[Nx]DEVICE,draft=MODEL@[Nx]DEVICE,link=LINK"
+        "[,scale=S] (pipeline: device timing, only where given) "
         f"(default {DEFAULT_EMULATION}, and for device {DEFAULT_EMULATION},scale={DEVICE_SCALE}: this CPU's "
         "forwards keep within those steps; svip_common/emulation.py)",
     )
@@ -133,6 +134,11 @@ def run(args: argparse.Namespace, load_engine) -> int:
         raise InvalidRequest("--head applies to --mode policies (without --long)")
     ks = _parse_ks(args.ks)
     _parse_categories(args.categories)  # a bad list named before any model loads
+    if args.mode == "pipeline" and args.emulate_spec is not None:
+        from svip_common.emulation import parse_emulation
+
+        if parse_emulation(args.emulate_spec).draft is None:
+            raise InvalidRequest("--mode pipeline compares drafting modes: --emulate needs draft=MODEL@DEVICE")
     if args.mode in ("simulate", "device"):
         from svip_common.emulation import parse_emulation
 

@@ -30,6 +30,7 @@ from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from svip_bench.runner import Progress, encode_prompts, nearest_rank
 from svip_common.contracts import ROUND_PARTS, GenerationRequest, GenerationStats, PolicyConfig
+from svip_common.emulation import Emulation, parse_emulation
 from svip_common.pair_config import PairConfig
 
 MODES = ("alone", "inprocess", "sync", "async")  # alone: the target alone, in process
@@ -59,8 +60,13 @@ def run(engine, prompts, args, header: dict) -> int:
     engine.load_aware = load_aware
     idle_prefill = getattr(args, "idle_prefill", "auto")
     header["idle_prefill"] = idle_prefill
+    spec = getattr(args, "emulate_spec", None)  # device timing: the workers' GPUs each, in process the target's
+    emulation = None if spec is None else parse_emulation(spec)
+    if emulation is not None:
+        header["emulated"] = f"{emulation.describe()} (distributed: a device each; in process: " \
+                             f"{emulation.co_located().describe()}, one device)"
     pair = WorkerPair(PairConfig(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device,
-                                 load_aware=load_aware, idle_prefill=idle_prefill))
+                                 load_aware=load_aware, idle_prefill=idle_prefill, emulate=spec))
     cores = one_core_each(pair) if getattr(args, "one_core_each", False) else None
     if cores is not None:
         header["cores"] = "target alone and in-process on core 0; target worker on core 0, draft worker on core 1"
@@ -72,7 +78,8 @@ def run(engine, prompts, args, header: dict) -> int:
         for r in requests[:2]:  # warm-up
             for e in remote.values():
                 loop.run_until_complete(e.generate(r))
-        tps, stats, violations, ttft = _modes(engine, remote, loop, requests, args.repeats, cores)
+        tps, stats, violations, ttft = _modes(engine, remote, loop, requests, args.repeats, cores,
+                                              None if emulation is None else emulation.co_located())
         concurrency, crowd_violations = _concurrency(remote["async"], loop, requests, args.repeats)
         violations += crowd_violations
         timeline = loop.run_until_complete(remote["async"].generate(requests[0])).stats
@@ -142,12 +149,24 @@ def _on_cores(cores: set[int] | None):
         os.sched_setaffinity(0, before)
 
 
-def _modes(engine, remote, loop, requests, repeats, cores: dict[str, set[int]] | None = None):
-    """cores: per mode, where this process's compute runs (None: wherever the OS puts it)."""
+def _modes(engine, remote, loop, requests, repeats, cores: dict[str, set[int]] | None = None,
+           emulation: Emulation | None = None):
+    """cores: per mode, where this process's compute runs (None: wherever the OS puts it);
+    emulation: device timing in process (the draft on the target's devices), None: as the models run."""
     from coordinator.engine import SpeculativeEngine
 
     longest = max(len(r.prompt_ids) + r.max_new_tokens for r in requests)
     alone = SpeculativeEngine(engine.target, None, kv_cache_tokens=longest)  # one request at a time: a pool its size
+    if emulation is not None:
+        engine.time_as(emulation)
+        alone.time_as(emulation)
+    try:
+        return _timed_modes(engine, alone, remote, loop, requests, repeats, cores)
+    finally:
+        engine.time_as(None)
+
+
+def _timed_modes(engine, alone, remote, loop, requests, repeats, cores):
     per_mode = {m: [] for m in MODES}
     stats: dict[str, list[GenerationStats]] = {m: [] for m in ("sync", "async")}
     first_ms: dict[str, list[float]] = {m: [] for m in ("sync", "async")}  # time to the first settled token
@@ -375,6 +394,7 @@ def _markdown(doc: dict) -> str:
         f"Models: target {h['target']}, draft {h['draft']}; {h['prompts']} prompts, {h['repeats']} repeats, "
         f"{h['max_new_tokens']} new tokens, greedy, {h['policy']}, load-aware {h.get('load_aware', 'greedy')}, "
         f"idle prefill {h.get('idle_prefill', 'off')}",
+        *([f"Device timing: {h['emulated']}"] if "emulated" in h else []),
         "",
         "| mode | tokens/s (min–max) | vs the target alone | vs in-process | vs distributed sync |",
         "|---|---|---|---|---|",

@@ -136,6 +136,10 @@ def test_bench_rejects_bad_arguments(capsys, model_dirs, tmp_path):
     assert main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--mode", "pipeline",
                  "--categories", "code", "--svip-threshold", "-1"]) == 2
     assert "threshold must be a number >= 0" in capsys.readouterr().err
+    assert main(["bench", "--mode", "pipeline", "--emulate", "target=llama-3.1-8b@h100"]) == 2
+    assert "--mode pipeline compares drafting modes: --emulate needs draft=MODEL@DEVICE" in capsys.readouterr().err
+    assert main(["bench", "--mode", "pipeline", "--emulate", "target=llama-3.1-8b@h100,draft=x@h100"]) == 2
+    assert "unknown model 'x'" in capsys.readouterr().err
 
 
 def _run(method, repeat, tokens, wall, target_fwd, draft_fwd, **kw):
