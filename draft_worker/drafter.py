@@ -40,8 +40,11 @@ class Drafter:
         self.timing = None  # device timing on this machine (svip_common/device_timing.py)
 
     def time_as(self, timing) -> None:
-        """Device timing on this machine: each draft forward lasts its step model's time."""
-        self.timing = self.pool.timing = timing
+        """Device timing on this machine (svip_common/device_timing.py): each draft step lasts its
+        step model's time (a feature head has no pool: its step is timed as a whole)."""
+        self.timing = timing
+        if self.pool is not None:
+            self.pool.timing = timing
 
     @torch.inference_mode()
     def step(self, drafts: Sequence[BlockDraft]) -> None:

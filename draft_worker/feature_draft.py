@@ -156,10 +156,6 @@ class FeatureDrafter(Drafter):
                 rows = self._forward(live)
         self._absorb_rows(live, rows, (time.perf_counter() - started) / len(live))
 
-    def time_as(self, timing) -> None:
-        """Device timing on this machine (svip_common/device_timing.py): each step lasts the head's step."""
-        self.timing = timing
-
     def _forward(self, live: list[BlockDraft]) -> list[torch.Tensor]:
         """The step's forward: each block's row of the head's logits [1, draft_vocab]."""
         hidden: list[torch.Tensor | None] = [None] * len(live)

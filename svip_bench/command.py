@@ -134,22 +134,7 @@ def run(args: argparse.Namespace, load_engine) -> int:
         raise InvalidRequest("--head applies to --mode policies (without --long)")
     ks = _parse_ks(args.ks)
     _parse_categories(args.categories)  # a bad list named before any model loads
-    if args.mode == "pipeline" and args.emulate_spec is not None:
-        from svip_common.emulation import parse_emulation
-
-        if parse_emulation(args.emulate_spec).draft is None:
-            raise InvalidRequest("--mode pipeline compares drafting modes: --emulate needs draft=MODEL@DEVICE")
-    if args.mode in ("simulate", "device"):
-        from svip_common.emulation import parse_emulation
-
-        if args.emulate_spec is None:
-            args.emulate_spec = DEFAULT_EMULATION + (f",scale={DEVICE_SCALE}" if args.mode == "device" else "")
-
-        if parse_emulation(args.emulate_spec).draft is None:  # a bad spec named before any model loads
-            raise InvalidRequest(f"--mode {args.mode} compares drafting with the target alone: --emulate needs "
-                                 "draft=MODEL@DEVICE")
-        if not 0 <= args.host_scale <= 100:
-            raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
+    _check_emulation(args)
     torch.set_num_threads(args.threads)
     engine = load_engine(args)
     if engine.drafter is None:
@@ -223,6 +208,22 @@ def run(args: argparse.Namespace, load_engine) -> int:
         print(f"EXACTNESS VIOLATIONS ({len(violations)}): " + "; ".join(violations[:10]), file=sys.stderr)
         return 1
     return 0
+
+
+def _check_emulation(args: argparse.Namespace) -> None:
+    """--emulate and --host-scale, checked before any model loads; simulate and device take the
+    default spec when none is given (device slowed for this CPU), pipeline only times where asked."""
+    if args.mode in ("simulate", "device") and args.emulate_spec is None:
+        args.emulate_spec = DEFAULT_EMULATION + (f",scale={DEVICE_SCALE}" if args.mode == "device" else "")
+    if args.emulate_spec is None or args.mode not in ("simulate", "device", "pipeline"):
+        return
+    from svip_common.emulation import parse_emulation
+
+    if parse_emulation(args.emulate_spec).draft is None:
+        raise InvalidRequest(f"--mode {args.mode} compares drafting with the target alone: --emulate needs "
+                             "draft=MODEL@DEVICE")
+    if not 0 <= args.host_scale <= 100:
+        raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
 
 
 def prompts_for(categories: str | None, dataset: str | None, per_category: int) -> list:

@@ -22,13 +22,12 @@ from pathlib import Path
 
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
-from coordinator.simulated import SimulatedPair
-from draft_worker.drafter import Drafter
 from svip_bench.runner import Progress, encode_prompts, full, write_results
-from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
+from svip_bench.simulate import simulated_waves
+from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.device_timing import use_summary
 from svip_common.emulation import Emulation, parse_emulation
 from svip_common.pair_config import PairConfig
-from target_worker.verifier import Verifier
 
 MODES = ("alone", "sync", "async")
 NONE = PolicyConfig(name="none")
@@ -61,8 +60,8 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     for _ in range(args.repeats):
         for n in sessions:
             for mode in MODES:
-                record((n, mode), "simulated", *_simulated(engine, emulation, full(_as(base, mode), n), n, mode,
-                                                           args.host_scale))
+                waves = simulated_waves(engine, emulation, full(_as(base, mode), n), n, mode, args.host_scale)
+                record((n, mode), "simulated", waves.tokens_per_s, waves.outputs)
     table = [{k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()}
              for row in rows.values()]
     doc = {"header": header, "rows": table, "device_use": device_use, "exactness_violations": violations}
@@ -129,21 +128,6 @@ async def _waves(engine: DistributedEngine, requests, n: int) -> tuple[float, li
     return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
 
 
-def _simulated(engine, emulation: Emulation, requests, n: int, mode: str, host_scale: float) -> tuple[float, list]:
-    """The same waves through the in-memory pair in virtual time: tokens/s and outputs."""
-    target, draft = engine.target, engine.drafter.draft
-    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
-    tokens, seconds, outputs = 0, 0.0, []
-    for first in range(0, len(requests), n):
-        drafter = None if mode == "alone" else Drafter(draft, target.vocab_size, limits.tokens)
-        pair = SimulatedPair(target, Verifier(target, limits.tokens), drafter, limits,
-                             "sync" if mode == "alone" else mode, emulation, host_scale, load_aware="off")
-        wave = pair.run_all(requests[first:first + n])
-        tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
-        outputs += [p.result().token_ids for p in pair.pending.values()]
-    return tokens / seconds, outputs
-
-
 def _report(doc: dict) -> str:
     h, rows = doc["header"], doc["rows"]
     alone = {r["sessions"]: r for r in rows if r["mode"] == "alone"}
@@ -170,9 +154,7 @@ def _report(doc: dict) -> str:
         lines.append("| " + " | ".join(cells) + " |")
     lines.append("")
     for role, use in doc["device_use"].items():
-        late = f"{use['overruns']} of {use['forwards']} forwards ran past their step " \
-               f"({use['overrun_s'] * 1e3:.0f} ms in all, the worst {use['worst_ratio']:.2f}x)"
-        lines.append(f"- {role} worker as {use['model']} (scale {use['scale']:g}): {late}")
+        lines.append(f"- {role} worker as {use['model']} (scale {use['scale']:g}): {use_summary(use)}")
     return "\n".join(lines)
 
 

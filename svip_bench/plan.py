@@ -23,13 +23,11 @@ import statistics
 import time
 from pathlib import Path
 
-from coordinator.simulated import SimulatedPair
-from draft_worker.drafter import Drafter
 from svip_bench.runner import Progress, full, write_results
-from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
+from svip_bench.simulate import simulated_waves
+from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest
-from target_worker.verifier import Verifier
 
 PLACEMENTS = ("in process", "sync", "async")
 MAX_SESSIONS = 64
@@ -92,7 +90,8 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
             drafting = requests(policy_config(name, threshold), n)
             add(n, "in process", name, _in_process(engine, together, drafting, n))
             for mode in ("sync", "async"):
-                add(n, mode, name, _simulated(engine, emulation, drafting, n, mode))
+                waves = simulated_waves(engine, emulation, drafting, n, mode)
+                add(n, mode, name, ((waves.tokens_per_s, waves.mean_request_s), waves.outputs))
     doc = {"header": header, "rows": rows, "advice": advice(rows), "exactness_violations": violations}
     status = write_results(out, "plan", doc, report(doc))
     _plot(out / "plan.png", rows, sessions)
@@ -119,20 +118,6 @@ def _in_process(engine, emulation: Emulation, requests, n: int) -> tuple[tuple[f
         return (tokens / seconds, statistics.mean(ends)), outputs
     finally:
         engine.time_as(None)
-
-
-def _simulated(engine, emulation: Emulation, requests, n: int, mode: str) -> tuple[tuple[float, float], list]:
-    target, draft = engine.target, engine.drafter.draft
-    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
-    tokens, seconds, ends, outputs = 0, 0.0, [], []
-    for first in range(0, len(requests), n):
-        pair = SimulatedPair(target, Verifier(target, limits.tokens), Drafter(draft, target.vocab_size, limits.tokens),
-                             limits, mode, emulation, 1.0, load_aware="off")
-        run = pair.run_all(requests[first:first + n])
-        tokens, seconds = tokens + run.tokens, seconds + run.makespan_s
-        ends += run.per_request_s
-        outputs += [p.result().token_ids for p in pair.pending.values()]
-    return (tokens / seconds, statistics.mean(ends)), outputs
 
 
 def advice(rows: list[dict]) -> dict:

@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import json
 import statistics
+from dataclasses import dataclass
 from pathlib import Path
 
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
 from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
-from svip_common.emulation import parse_emulation
+from svip_common.emulation import Emulation, parse_emulation
 from target_worker.verifier import Verifier
 
 MODES = ("alone", "sync", "async")
@@ -33,14 +34,6 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
                   host_scale=args.host_scale, svip_threshold=threshold, sessions=sessions,
                   sources={"target": target_step.shape.source, "draft": draft_step.shape.source,
                            "device": target_step.device.source, "link": wire.source})
-    target, draft = engine.target, engine.drafter.draft
-    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
-
-    def pair(mode: str) -> SimulatedPair:
-        drafter = None if mode == "alone" else Drafter(draft, target.vocab_size, limits.tokens)
-        return SimulatedPair(target, Verifier(target, limits.tokens), drafter, limits,
-                             "sync" if mode == "alone" else mode, emulation, args.host_scale, load_aware="off")
-
     rows = []
     progress = Progress(len(MODES) * len(sessions) * args.repeats)
     for n in sessions:
@@ -50,12 +43,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
                 requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True,
                                               policy=PolicyConfig(name="none") if mode == "alone" else policy)
                             for ids in encoded]
-                total_tokens, total_s = 0, 0.0
-                for first in range(0, len(requests), n):  # n sessions in flight at once
-                    result = pair(mode).run_all(requests[first:first + n])
-                    total_tokens += result.tokens
-                    total_s += result.makespan_s
-                rates.append(total_tokens / total_s)
+                rates.append(simulated_waves(engine, emulation, requests, n, mode, args.host_scale).tokens_per_s)
                 progress.update(1)
             rows.append({"sessions": n, "mode": mode, "tokens_per_s": statistics.median(rates)})
     print(_report(header, rows))
@@ -63,6 +51,34 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "simulate.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
     return 0
+
+
+@dataclass
+class Waves:
+    """What requests in waves made in virtual time."""
+
+    tokens_per_s: float
+    mean_request_s: float  # from its wave's start to its end
+    outputs: list[list[int]]
+
+
+def simulated_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int, mode: str,
+                    host_scale: float = 1.0) -> Waves:
+    """The requests in waves of n in flight together through the in-memory pair in virtual time
+    (coordinator/simulated.py; mode alone: the target alone, else sync or async with the engine's
+    draft), a fresh pair per wave; host work measured here, times host_scale."""
+    target, draft = engine.target, engine.drafter.draft
+    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
+    tokens, seconds, ends, outputs = 0, 0.0, [], []
+    for first in range(0, len(requests), n):
+        drafter = None if mode == "alone" else Drafter(draft, target.vocab_size, limits.tokens)
+        pair = SimulatedPair(target, Verifier(target, limits.tokens), drafter, limits,
+                             "sync" if mode == "alone" else mode, emulation, host_scale, load_aware="off")
+        wave = pair.run_all(requests[first:first + n])
+        tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
+        ends += wave.per_request_s
+        outputs += [p.result().token_ids for p in pair.pending.values()]
+    return Waves(tokens / seconds, statistics.mean(ends), outputs)
 
 
 def _report(h: dict, rows: list[dict]) -> str:

@@ -223,7 +223,7 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--prompts-per-category", type=int, default=4)
     plan.add_argument("--max-new-tokens", type=int, default=48)
     plan.add_argument("--max-prompt-tokens", type=int, default=192)
-    plan.add_argument("--sessions", default="1,8,32", help=f"sessions in flight at once (1,8,32; at most {64})")
+    plan.add_argument("--sessions", default="1,8,32", help="sessions in flight at once (1,8,32; at most 64)")
     plan.add_argument("--policies", default="svip,auto,constant-3",
                       help="svip (the pair's calibrated threshold), auto, confidence, heuristic, constant-K")
     plan.add_argument("--out", default="plan-out", help="directory for plan.md, plan.json and plan.png")
@@ -448,11 +448,10 @@ def _generate(args: argparse.Namespace) -> int:
 
 def _report_device_use(spec: str, use: dict | None) -> None:
     """One line on stderr per emulated device: its forwards, and those this machine ran past their step."""
-    from svip_common.device_timing import DeviceUse
+    from svip_common.device_timing import use_summary
 
     for role, u in (use or {}).items():
-        counts = DeviceUse(**{k: v for k, v in u.items() if k not in ("model", "scale")})
-        print(f"svip: device timing ({spec}): {role} as {u['model']}: {counts.summary()}", file=sys.stderr)
+        print(f"svip: device timing ({spec}): {role} as {u['model']}: {use_summary(u)}", file=sys.stderr)
 
 
 def _results_stream():

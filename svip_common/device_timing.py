@@ -38,11 +38,17 @@ class DeviceUse:
     worst_ratio: float = 0.0  # a forward's real time over its step's, the largest seen
 
     def summary(self) -> str:
-        if not self.forwards:
-            return "no forwards"
-        late = f"{self.overruns} of {self.forwards} forwards ran past their step ({self.overrun_s * 1e3:.1f} ms " \
-               f"in all, the worst {self.worst_ratio:.2f}x)"
-        return late if self.overruns else f"{self.forwards} forwards, every one within its step"
+        return use_summary(dataclasses.asdict(self))
+
+
+def use_summary(use: dict) -> str:
+    """A device's use in words (a DeviceUse's fields, or a worker's report of them)."""
+    if not use["forwards"]:
+        return "no forwards"
+    if not use["overruns"]:
+        return f"{use['forwards']} forwards, every one within its step"
+    return f"{use['overruns']} of {use['forwards']} forwards ran past their step ({use['overrun_s'] * 1e3:.1f} ms " \
+           f"in all, the worst {use['worst_ratio']:.2f}x)"
 
 
 class EmulatedDevice:

@@ -137,7 +137,8 @@ def test_bench_rejects_bad_arguments(capsys, model_dirs, tmp_path):
                  "--categories", "code", "--svip-threshold", "-1"]) == 2
     assert "threshold must be a number >= 0" in capsys.readouterr().err
     assert main(["bench", "--mode", "pipeline", "--emulate", "target=llama-3.1-8b@h100"]) == 2
-    assert "--mode pipeline compares drafting modes: --emulate needs draft=MODEL@DEVICE" in capsys.readouterr().err
+    assert "--mode pipeline compares drafting with the target alone: --emulate needs draft=MODEL@DEVICE" in \
+        capsys.readouterr().err
     assert main(["bench", "--mode", "pipeline", "--emulate", "target=llama-3.1-8b@h100,draft=x@h100"]) == 2
     assert "unknown model 'x'" in capsys.readouterr().err
 

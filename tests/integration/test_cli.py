@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -277,6 +278,20 @@ def test_emulated_devices_change_when_forwards_end_never_the_tokens(capsys, mode
     assert f"svip: device timing ({spec}): device as llama-3.2-1b@h100: " in err and " forwards" in err
     code, _, err = run_cli(capsys, *args, "--emulate", "target=llama-3.1-8b@tpu")
     assert code == 2 and "unknown device 'tpu'; known: h100, h200" in err and err.count("\n") == 1
+
+
+def test_a_feature_heads_steps_are_timed_too_and_its_tokens_unchanged(capsys):
+    """--emulate with the embedded target's feature head: the head has no KV pool, its step is timed
+    as a whole on the shared device; the tokens are the same as without."""
+    args = ["generate", "--prompt-ids", "5,6,7,8", "--draft", "eagle", "--max-new-tokens", "16", "--json"]
+    code, plain, _ = run_cli(capsys, *args)
+    code_emulated, emulated, err = run_cli(capsys, *args, "--emulate",
+                                           "target=llama-3.1-8b@h100,draft=eagle3-llama-3.1-8b@h100")
+    assert code == code_emulated == 0, err
+    assert json.loads(emulated)["token_ids"] == json.loads(plain)["token_ids"]
+    forwards = int(re.search(r"device as llama-3\.1-8b@h100: (?:\d+ of )?(\d+) forwards", err)[1])
+    stats = json.loads(emulated)["stats"]
+    assert forwards >= stats["target_forwards"] + stats["draft_forwards"] > stats["target_forwards"]
 
 
 @pytest.mark.parametrize("flag, value", [("--pipeline", "sync"), ("--idle-prefill", "off")])
