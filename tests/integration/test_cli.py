@@ -276,6 +276,10 @@ def test_emulated_devices_change_when_forwards_end_never_the_tokens(capsys, mode
     assert json.loads(emulated)["token_ids"] == json.loads(plain)["token_ids"]
     assert json.loads(emulated)["stats"]["config"]["emulate"] == spec
     assert f"svip: device timing ({spec}): device as llama-3.2-1b@h100: " in err and " forwards" in err
+    sampled = [*args, "--temperature", "0.8", "--top-p", "0.9", "--seed", "7"]  # a seed draws the same tokens
+    runs = [run_cli(capsys, *sampled, *extra) for extra in ([], ["--emulate", spec])]
+    assert [code for code, _, _ in runs] == [0, 0]
+    assert json.loads(runs[0][1])["token_ids"] == json.loads(runs[1][1])["token_ids"]
     code, _, err = run_cli(capsys, *args, "--emulate", "target=llama-3.1-8b@tpu")
     assert code == 2 and "unknown device 'tpu'; known: h100, h200" in err and err.count("\n") == 1
 
