@@ -343,7 +343,11 @@ class SessionService:
                 session = self.sessions.pop(session_id)
                 del self._owners[session_id]
             owner.sessions -= 1
-            session.close()
+            self.release(session_id, session)
+
+    def release(self, session_id: str, session) -> None:
+        """A session closed here gives back what it holds."""
+        session.close()
 
     def close_owned(self, owner: SessionStream) -> None:
         for session_id in [sid for sid, o in self._owners.items() if o is owner]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import logging
 
+from coordinator.session.effects import event
 from coordinator.session.reattach import AttachWait
 from svip_common.contracts import Verdict
 from svip_common.messages import Cancel, DraftedBlock, SessionStart
@@ -31,22 +32,54 @@ class DraftMode(enum.Enum):
 class DraftAttachment:
     """A part of SessionPipeline (this module's docstring)."""
 
-    def start(self) -> None:
-        if self.draft is None:
-            self._verify(self._empty_block(), self.clock(), "none")
-        elif not self.draft.available:
-            self.detach(cancel=False)
+    @event
+    def start(self, draft_available: bool) -> None:
+        """The session begins; draft_available: a draft worker is connected now."""
+        if not self.with_draft:
+            self._verify(self._empty_block(), self.now, "none")
+        elif not draft_available:
+            self._detach(cancel=False)
         else:
             self._start_draft()
 
+    @event
     def cancel(self) -> None:
         """The caller ended the session (it went away, or a stop string): report, and free both sides."""
         if not self.done:
             self._finish("cancelled")
 
+    @event
     def close(self) -> None:
         """The session is dropped (finished, cancelled, or its caller's stream is gone): its
         pages go back to the pool and the draft's session is cancelled."""
+        self._close()
+
+    @event
+    def detach(self, cancel: bool) -> None:
+        self._detach(cancel)
+
+    @event
+    def attach(self) -> None:
+        self._attach(self.now)
+
+    @event
+    def retry_attach(self) -> None:
+        """A re-attach that waited for its backoff, now due (the host checks periodically)."""
+        if self.reattach.backoff_over(self.now):
+            self._attach(self.now)
+
+    @event
+    def hold_expired(self) -> None:
+        self._hold_expired(self.now)
+
+    @event
+    def on_bad_draft_message(self, why: str) -> None:
+        """The draft sent what cannot be read (the service's edge found it malformed): the draft's
+        fault, never the caller's. A detached session ignores it, as every message of the old draft."""
+        if not self.done and not self.detached:
+            self._give_up_draft(why, cancel=True)
+
+    def _close(self) -> None:
         self.target.close()
         if self._draft_holds_session:
             self._to_draft(Cancel(self.sid))
@@ -64,7 +97,7 @@ class DraftAttachment:
     @property
     def _draft_holds_session(self) -> bool:
         """The draft worker holds a session of ours (drafting or paused): a Cancel is owed when it ends."""
-        return self.draft is not None and self.mode in (DraftMode.DRAFTING, DraftMode.PAUSED)
+        return self.with_draft and self.mode in (DraftMode.DRAFTING, DraftMode.PAUSED)
 
     @property
     def draft_given_up(self) -> bool:
@@ -90,18 +123,18 @@ class DraftAttachment:
         self._to_draft(start)
         if cap == 0:
             self._pause()
-            self._verify(self._empty_block(), self.clock(), "paused")
+            self._verify(self._empty_block(), self.now, "paused")
         else:
-            self.waiting_since = self.clock()
+            self.waiting_since = self.now
 
-    def detach(self, cancel: bool) -> None:
+    def _detach(self, cancel: bool) -> None:
         """Go on without the draft from the committed tokens (a sampled session first holds for
         it, hold_s). cancel: the draft worker is still connected (a stall): its session there is
         cancelled, and its answer (Closed) says it is back."""
-        if self.done or self.draft is None or self.detached:
+        if self.done or not self.with_draft or self.detached:
             return
         # a stall (cancel): an overloaded draft is not handed this session's re-prefill at once again
-        self.reattach.detached(self.clock(), stalled=cancel, sampled=not self.request.sampling.greedy)
+        self.reattach.detached(self.now, stalled=cancel, sampled=not self.request.sampling.greedy)
         if cancel and self._draft_holds_session:  # a stall: the draft still holds the session
             self._to_draft(Cancel(self.sid))
         self.mode, self.waiting_since = DraftMode.DETACHED, None
@@ -113,13 +146,13 @@ class DraftAttachment:
         if self.verifying is None:
             self._go_alone()
 
-    def attach(self, now: float | None = None) -> None:
+    def _attach(self, now: float) -> None:
         """A draft is back: it takes the session up from the committed tokens (not before the
         backoff after a stall ends; never after the draft failed the session, or stalled under it
         MAX_STALLS times)."""
         if self.done or self.mode is not DraftMode.DETACHED or self.reattach.retired:
             return
-        if (now if now is not None else self.clock()) < self.reattach.not_before:
+        if now < self.reattach.not_before:
             self.reattach.waiting = AttachWait.BACKOFF  # retry_attach takes it up once the backoff is over
             return
         if self.verifying is not None:
@@ -130,12 +163,7 @@ class DraftAttachment:
         self.stats.reattached += 1
         self._start_draft()
 
-    def retry_attach(self, now: float) -> None:
-        """A re-attach that waited for its backoff, now due (the host checks periodically)."""
-        if self.reattach.backoff_over(now):
-            self.attach(now)
-
-    def hold_expired(self, now: float) -> None:
+    def _hold_expired(self, now: float) -> None:
         """A sampled session waited for a draft long enough: the target goes on alone."""
         if self.detached and self.reattach.hold_over(now) and self.verifying is None:
             self._go_alone()
@@ -153,12 +181,12 @@ class DraftAttachment:
 
     def _go_alone(self) -> None:
         if self.reattach.hold_until is None:
-            self._verify(self._empty_block(), self.clock(), "detached")
+            self._verify(self._empty_block(), self.now, "detached")
 
     def _decide_detached(self, block: DraftedBlock, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
         """A verdict while no draft works on the session: the target's own token, or a verdict on
         a block drafted before the draft was lost (greedy: kept; sampled: voided, see above)."""
-        decided = self.clock()
+        decided = self.now
         self.verifying = None
         stale = block.epoch != self.epoch
         if stale and not self.request.sampling.greedy:
@@ -171,21 +199,15 @@ class DraftAttachment:
         if self.done:
             return
         if self.reattach.waiting is AttachWait.VERDICT:
-            self.attach()
+            self._attach(self.now)
         else:
             self._go_alone()
-
-    def on_bad_draft_message(self, why: str) -> None:
-        """The draft sent what cannot be read (the service's edge found it malformed): the draft's
-        fault, never the caller's. A detached session ignores it, as every message of the old draft."""
-        if not self.done and not self.detached:
-            self._give_up_draft(why, cancel=True)
 
     def _give_up_draft(self, why: str, cancel: bool) -> None:
         """The draft failed this session: the target goes on alone, at once (no hold: the draft
         will not take the session up again)."""
         log.warning("session %s: %s; going on without the draft", self.sid, why)
-        self.detach(cancel)
+        self._detach(cancel)
         if self.detached:
             self.mode = DraftMode.GIVEN_UP
-        self.hold_expired(float("inf"))
+        self._hold_expired(float("inf"))

@@ -18,11 +18,12 @@ import time
 import grpc
 
 from coordinator.session.draft_port import DraftPort
+from coordinator.session.effects import DraftAnswered, Effect, Finish, Settle, ToDraft, Verify
 from coordinator.session.idle_work import IdleWork
 from coordinator.session.pages import PageLine
 from coordinator.session.pipeline import SessionPipeline
 from svip_common.acceptance import AutoEstimate, SessionStop
-from svip_common.contracts import GenerationRequest, GenerationStats, PolicyConfig
+from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError
 from svip_common.kv_cache import PoolFull
 from svip_common.kv_sizes import whole_pages
@@ -42,20 +43,6 @@ from target_worker.verifier import Verifier
 log = logging.getLogger(__name__)
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
-
-
-class StreamCaller:
-    """A session's outcome onto its caller's Generate stream: the protobuf edge of SessionPipeline."""
-
-    def __init__(self, stream: SessionStream, session_id: str):
-        self.stream, self.session_id = stream, session_id
-
-    def settled(self, tokens: list[int]) -> None:
-        self.stream.emit(pb.GenerateEvent(settled=pb.Settled(session_id=self.session_id, tokens=tokens)))
-
-    def finished(self, reason: str, stats: GenerationStats) -> None:
-        finished = pb.Finished(session_id=self.session_id, finish_reason=reason, stats=convert.stats_to_proto(stats))
-        self.stream.emit(pb.GenerateEvent(finished=finished))
 
 
 class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
@@ -130,10 +117,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.compute.post(self.on_draft_event, event, received_at, size)
 
     def draft_lost(self, reason: str) -> None:
-        self.compute.post(self._each_session, lambda s: s.detach(cancel=False))
+        self.compute.post(self._each_session, "detach", False)
 
     def draft_back(self) -> None:
-        self.compute.post(self._each_session, lambda s: s.attach())
+        self.compute.post(self._each_session, "attach")
 
     async def _check_periodically(self) -> None:
         while True:
@@ -161,28 +148,31 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 start.stop_token_ids,
                 self.limits,
                 self.verifier.open(sampling),
-                self.draft if speculate else None,
+                speculate,
                 start.pipeline,
-                caller=StreamCaller(stream, sid),
-                schedule=lambda fn, *args: self.compute.post(self._step, sid, fn, *args),
-                enqueue=lambda session, block, checked, info: self._ready.append((sid, session, block, checked, info)),
+                self.clock(),
                 load_cap=self.load_cap if load_aware_for(self.load_aware, sampling.greedy) else None,
                 hold_s=self.sampled_hold_s,
                 auto=SessionStop(self.auto, sampling.greedy) if policy.name == "auto" else None,
                 load=self.verifier.load,
-                clock=self.clock,
             )
             self.new_session(sid, session, stream)
             self.pages.admit(sid, len(start.prompt_ids))
-            self._step(sid, session.start)
+            self._step(sid, session.start, self._draft_available())
         else:  # cancel
-            self.session(request.cancel.session_id, stream).cancel()
-            self._reap(request.cancel.session_id)
+            session_id = request.cancel.session_id
+            self._step(session_id, self.session(session_id, stream).cancel)
 
     def close_session(self, session_id: str, owner) -> None:
         super().close_session(session_id, owner)
         if session_id not in self.sessions:  # closed (and not another stream's session of that id)
             self.pages.forget(session_id)
+
+    def release(self, session_id: str, session: SessionPipeline) -> None:
+        self._apply(session_id, session, session.close(self.clock()))
+
+    def _draft_available(self) -> bool:
+        return self.draft is not None and self.draft.available
 
     def _verify_within_pool(self, ready: list) -> tuple[list, list]:
         """The step's verdicts for the sessions of ``ready`` still holding their place; when the
@@ -234,7 +224,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         except InvalidRequest as exc:
             self._step(session_id, session.on_bad_draft_message, f"draft worker sent a bad block: {exc}")
             return
-        self._step(session_id, session.on_draft_event, message, received_at, size)
+        self._step(session_id, session.on_draft_event, message, received_at, size, self._draft_available())
 
     def idle(self) -> bool:
         """One batched step: a single target forward verifies every block that is ready, each
@@ -262,8 +252,9 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         for (session_id, session, block, _, (received_at, source)), verdict in zip(verified, verdicts):
             if isinstance(verdict, Exception):
                 self._fail_alone(session_id, verdict)
-            elif verdict is not None:
-                self._step(session_id, session.verified, block, verdict, received_at, source, started, ended)
+            elif verdict is not None:  # decided after what arrived during the forward is taken in
+                self.compute.post(self._step, session_id, session.verified, block, verdict, received_at, source,
+                                  started, ended)
         return True
 
     def check_sessions(self) -> None:
@@ -275,27 +266,50 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 log.warning("session %s: no draft block for %.1f s; going on without the draft", session_id, deadline)
                 self._step(session_id, session.detach, True)
             else:
-                self._step(session_id, session.hold_expired, now)
-                self._step(session_id, session.retry_attach, now)
+                self._step(session_id, session.hold_expired)
+                self._step(session_id, session.retry_attach)
 
-    def _each_session(self, fn) -> None:
+    def _each_session(self, name: str, *args) -> None:
         for session_id, session in list(self.sessions.items()):
-            self._step(session_id, fn, session)
+            self._step(session_id, getattr(session, name), *args)
 
-    def _step(self, session_id: str, fn, *args) -> None:
-        """Run one step of a session; an error ends it with an error event to its caller."""
-        if session_id not in self.sessions:
-            return
+    def _step(self, session_id: str, event, *args) -> list[Effect] | None:
+        """Run one event of a session (a SessionPipeline method marked @event) at the time now and
+        carry out its effects, which it returns; an error ends the session with an error event to
+        its caller (None)."""
+        session = self.sessions.get(session_id)
+        if session is None:
+            return None
         try:
-            fn(*args)
+            effects = event(self.clock(), *args)
+            self._apply(session_id, session, effects)
         except SvipError as exc:
             self._fail(session_id, status_of(exc), str(exc))
-            return
+            return None
         except Exception:
             log.exception("session %s failed", session_id)
             self._fail(session_id, grpc.StatusCode.INTERNAL, "internal worker error (see the target worker's log)")
-            return
+            return None
         self._reap(session_id)
+        return effects
+
+    def _apply(self, session_id: str, session: SessionPipeline, effects: list[Effect]) -> None:
+        """A session's effects, in order: the transport's half of its protocol."""
+        for effect in effects:
+            if isinstance(effect, ToDraft):
+                session.log.wire_bytes += self.draft.send(session_id, effect.request)
+            elif isinstance(effect, Verify):
+                self._ready.append((session_id, session, effect.block, effect.checked,
+                                    (effect.received_at, effect.source)))
+            elif isinstance(effect, Settle):
+                settled = pb.Settled(session_id=session_id, tokens=effect.tokens)
+                self.owner(session_id).emit(pb.GenerateEvent(settled=settled))
+            elif isinstance(effect, Finish):
+                stats = convert.stats_to_proto(effect.stats)
+                finished = pb.Finished(session_id=session_id, finish_reason=effect.reason, stats=stats)
+                self.owner(session_id).emit(pb.GenerateEvent(finished=finished))
+            elif isinstance(effect, DraftAnswered):
+                self.draft.answered(effect.seconds)
 
     def _fail_alone(self, session_id: str, exc: Exception) -> None:
         """A session whose verification failed on its own (Verifier.verify_apart): it ends with an

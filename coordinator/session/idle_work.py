@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
+from coordinator.session.effects import Settle
 from svip_common.errors import exit_on_device_failure
 from target_worker.verifier import Verifier
 
@@ -31,7 +32,8 @@ class IdleWork:
 
     def run(self, sessions: dict, out_of_pages: dict, step: Callable[..., None]) -> bool:
         """One unit of it for ``sessions`` (less those waiting for KV pages, ``out_of_pages``);
-        step(session_id, fn): runs fn as one step of that session (its errors end it alone).
+        step(session_id, event, *args): runs one event of that session and carries out its
+        effects, which it returns (None: the event failed, and ended the session alone).
         Returns whether it did anything."""
         if self.mode == "off" or (self.mode == "auto" and len(sessions) != 1):
             return False
@@ -46,7 +48,8 @@ class IdleWork:
         settled = []
         for session_id, session in list(sessions.items()):
             if session.wants_fill():
-                step(session_id, lambda s=session: settled.append(s.fill(started, ended)))
+                effects = step(session_id, session.fill, started, ended) or []
+                settled.append(any(isinstance(effect, Settle) for effect in effects))
         self.fills += sum(settled)
         return any(settled)
 
@@ -54,12 +57,11 @@ class IdleWork:
         """One forward that takes in what the sessions waiting on their drafts will need first,
         where that pays; then (fills) greedy ones settle the token its rows give. Returns whether
         it ran a forward."""
-        always = self.mode == "always"
+        always, started = self.mode == "always", self.clock()
         waiting = [s for sid, s in sessions.items()
-                   if sid not in out_of_pages and s.wants_prefill(self.verifier.cost, always)]
+                   if sid not in out_of_pages and s.wants_prefill(started, self.verifier.cost, always)]
         if not waiting:
             return False
-        started = self.clock()
         try:
             advanced = self.verifier.prefill_next([(s.target, s.committed) for s in waiting], self.max_batched_tokens)
         except Exception as exc:  # the verification that follows meets the failure and ends the sessions

@@ -36,12 +36,11 @@ at the current epoch, and drafting goes on from there.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Callable
-from typing import Protocol
 
 from coordinator.session.ahead import AheadBlocks, Waiting
 from coordinator.session.attachment import DraftAttachment, DraftMode
+from coordinator.session.effects import Effects, Finish, Settle, ToDraft, Verify, event
 from coordinator.session.feedback import FeedbackChain
 from coordinator.session.pausing import LoadCap, LoadPause
 from coordinator.session.reattach import Reattach
@@ -54,7 +53,6 @@ from svip_common.contracts import (
     NO_TOKEN,
     Block,
     GenerationRequest,
-    GenerationStats,
     Limits,
     Verdict,
     clip_settled,
@@ -71,36 +69,14 @@ from svip_common.step_cost import SessionGate, TargetLoad
 from target_worker.verifier import TargetSession
 
 
-class DraftPeer(Protocol):
-    def send(self, session_id: str, request: DraftRequest) -> int:
-        """Queue a request for the draft worker (from the compute thread; never blocks); the
-        bytes it takes on the wire (0: not sent, no draft is connected)."""
-
-    @property
-    def available(self) -> bool:
-        """A draft worker is connected (sessions detach while it is not)."""
-
-    def answered(self, seconds: float) -> None:
-        """A draft answer took this long (feedback out to block in): what stall deadlines follow."""
-
-
-class CallerPort(Protocol):
-    """Where the session's outcome goes: the caller's Generate stream (host.py converts at the edge)."""
-
-    def settled(self, tokens: list[int]) -> None:
-        """Tokens settled for good, in order (clipped to the budget and the stop ids)."""
-
-    def finished(self, reason: str, stats: GenerationStats) -> None:
-        """The session ended: why, and its statistics (the last event)."""
-
-
-class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
-    """One session's protocol on the target side. The round is here: a block in (on_draft_event),
-    verified (_verify, then the host's batched step answers verified), decided (_decide: the
-    feedback, the blocks drafted ahead, the settled tokens) and the next one started
-    (_next_round). Its parts, each in its own module over this state: whether a draft works on the
-    session (attachment.py), what the target does while it waits (waiting.py), how much the draft
-    may draft (speculation.py)."""
+class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects):
+    """One session's protocol on the target side, with no I/O: each event (a method marked
+    @event) takes the time now and returns its effects (effects.py), which the host carries out.
+    The round is here: a block in (on_draft_event), verified (_verify asks for it: Verify; the
+    host's batched step answers verified), decided (_decide: the feedback, the blocks drafted
+    ahead, the settled tokens) and the next one started (_next_round). Its parts, each in its own
+    module over this state: whether a draft works on the session (attachment.py), what the target
+    does while it waits (waiting.py), how much the draft may draft (speculation.py)."""
 
     def __init__(
         self,
@@ -109,34 +85,28 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         stop_ids: frozenset[int],
         limits: Limits,
         target: TargetSession,
-        draft: DraftPeer | None,
+        with_draft: bool,
         pipeline: str,
-        caller: CallerPort,
-        schedule: Callable[..., None],
-        enqueue: Callable[..., None],
+        now: float,
         load_cap: LoadCap | None = None,
         hold_s: float = 0.0,
         auto: SessionStop | None = None,
         load: Callable[[], TargetLoad | None] = lambda: None,
-        clock: Callable[[], float] = time.time,
     ):
-        """caller: where settled tokens and the finish go; schedule(fn, *args): runs fn later on the compute
-        thread; enqueue(session, block, checked, (received_at, source)): asks the host's next
-        batched step to verify the block, which answers with verified(); load_cap: load-aware
+        """with_draft: a draft worker drafts for the session (False: the target alone); now: the
+        time it starts; load_cap: load-aware
         speculation (None: the policy drafts as configured at any load); hold_s: how long a sampled
         session waits for a lost draft before the target goes on alone; auto: the session's learnt
         stop (policy auto; svip_common/acceptance.py), its rule sent with each start, feedback and
-        resume; load: the target's load now (what a drafted token costs, for auto's tau); clock: the
-        time now (the session reads it nowhere else: the in-memory transport can run it on its own)."""
+        resume; load: the target's load now (what a drafted token costs, for auto's tau)."""
         self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
-        self.target, self.draft, self.pipeline = target, draft, pipeline
-        self.caller, self.schedule, self.enqueue, self.clock = caller, schedule, enqueue, clock
+        self.target, self.with_draft, self.pipeline = target, with_draft, pipeline
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.epoch = 0
         self.verifying: DraftedBlock | None = None  # verified, its decision not yet taken
         self.finish_reason: str | None = None
-        self.log = RoundLog(started=clock())
+        self.log = RoundLog(started=now)
         self.stats = self.log.stats
         self.ahead = AheadBlocks(self.stats)  # async: blocks drafted ahead of the verdict in flight
         self.reattach = Reattach(hold_s)  # recovery: when a detached session may take a draft up again
@@ -144,7 +114,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         self.feedback = FeedbackChain(session_id)  # verdicts' feedback not yet sent, a correction owed
         self.gate = SessionGate(cuts=auto is None)  # load-aware speculation's estimate for this session
         self.pausing = LoadPause(load_cap, self.gate, self.stats)  # its cap, and the tokens settled while paused
-        self.auto, self._load = (auto if draft is not None else None), load
+        self.auto, self._load = (auto if with_draft else None), load
         self.mode = DraftMode.DRAFTING
         self.waiting_since: float | None = None  # since when the session waits on the draft (stall check)
         # where the draft's next main-line block starts; committed tokens past it are the target's
@@ -162,22 +132,25 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
 
     # --- from the draft worker ---------------------------------------------------------------------
 
-    def on_draft_event(self, event: DraftEvent, received_at: float, size: int) -> None:
+    @event
+    def on_draft_event(self, message: DraftEvent, received_at: float, size: int, draft_available: bool) -> None:
+        """The draft's message (size: its bytes on the wire); draft_available: a draft worker is
+        connected now."""
         self.log.wire_bytes += size
-        if isinstance(event, DraftClosed) and event.shed:  # the draft gave the session up (its KV pool is full)
-            self.detach(cancel=False)  # if not detached already
-            self.hold_expired(float("inf"))  # it will not take this session up again: no hold
+        if isinstance(message, DraftClosed) and message.shed:  # the draft gave the session up (its KV pool is full)
+            self._detach(cancel=False)  # if not detached already
+            self._hold_expired(float("inf"))  # it will not take this session up again: no hold
             return
         if self.detached:  # stale: the old draft session's; a Closed says a stalled draft is back
-            if isinstance(event, DraftClosed) and self.draft.available:
-                self.attach()
+            if isinstance(message, DraftClosed) and draft_available:
+                self._attach(self.now)
             return
-        if isinstance(event, DraftFailed):  # the draft failed this session (a bug, or a limit): never the caller's
-            self._give_up_draft(f"the draft worker reported code {event.code}: {event.message[:200]}", cancel=False)
+        if isinstance(message, DraftFailed):  # the draft failed this session (a bug, or a limit): never the caller's
+            self._give_up_draft(f"the draft worker reported code {message.code}: {message.message[:200]}", cancel=False)
             return
-        if isinstance(event, DraftedBlock) and not self.done:
+        if isinstance(message, DraftedBlock) and not self.done:
             try:
-                self._on_block(event, received_at)
+                self._on_block(message, received_at)
             except WorkerError as exc:  # a bad block is the draft's fault: checked before it changes anything
                 self._give_up_draft(str(exc), cancel=True)
 
@@ -224,7 +197,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
             agreed = _common_prefix(block.tokens, own)
             if agreed < len(own):  # the block parts from them: decided by them, no forward
                 self.target.judged_alone(len(block.tokens))
-                now = self.clock()
+                now = self.now
                 self._decide(block, Verdict(block.base, agreed, own[agreed], epoch=block.epoch),
                              (received_at, now, now, source))
                 return
@@ -232,19 +205,20 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
             checked = _after(checked, agreed)  # the rest of the block is verified after them
         early = self.target.judge_first(self.committed, checked)
         if early is not None:
-            now = self.clock()
-            self._decide(block, early, (received_at, now, now, source))
+            self._decide(block, early, (received_at, self.now, self.now, source))
             return
         self._flush_feedback()
-        self.enqueue(self, block, checked, (received_at, source))
+        self._emit(Verify(block, checked, received_at, source))
 
+    @event
     def verified(
         self, block: DraftedBlock, verdict: Verdict, received_at: float, source: str, started: float, ended: float
     ) -> None:
-        """The verdict from the host's batched step (one target forward for every session ready);
-        decided after what arrived meanwhile (prepared blocks, follow-ups) is taken in."""
+        """The verdict from the host's batched step (one target forward for every session ready),
+        with the block as Verify named it. The host delivers it after what arrived during the
+        forward (prepared blocks, follow-ups), so that is taken in first."""
         self.log.busy("target", started, ended)
-        self.schedule(self._decide, block, verdict, (received_at, started, ended, source))
+        self._decide(block, verdict, (received_at, started, ended, source))
 
     def _decide(self, block: DraftedBlock, verdict: Verdict, timing: tuple[float, float, float, str]) -> None:
         """The verdict's consequences, the critical ones first: the feedback to the draft, then
@@ -255,14 +229,14 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         if self.detached:
             self._decide_detached(block, verdict, timing)
             return
-        decided = self.clock()
+        decided = self.now
         self.verifying = None
         self._record(block, verdict.accepted)
         cap, was_paused = self._cap(), self.paused
         token, ready, deferred, pause = self._resolve_ahead(block, verdict, cap, was_paused)
         self.draft_base = block.base + verdict.accepted + (0 if deferred else 1)  # the draft's next block's
         settled, reason = self._clipped(self._new_tokens(block, verdict.accepted, token))
-        if reason is None and self.draft is not None and not was_paused:
+        if reason is None and self.with_draft and not was_paused:
             # a cap of 0 that cannot pause yet: the draft still writes the next block, of one token
             next_cap = cap if pause or cap is None else max(cap, 1)
             self._send_feedback(block, verdict, token, ready is not None, deferred, next_cap)
@@ -273,7 +247,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         if not self.done:
             self._next_round(was_paused, cap, settled, ready, deferred, verdict)
         self._flush_feedback()
-        waiting = not self.done and self.verifying is None and not self.paused and self.draft is not None
+        waiting = not self.done and self.verifying is None and not self.paused and self.with_draft
         self.waiting_since = decided if waiting else None
 
     def _new_tokens(self, block: DraftedBlock, accepted: int, token: int) -> list[int]:
@@ -327,9 +301,9 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         if was_paused and cap > 0:
             self._resume(cap)  # the draft's block comes next
         elif self.paused:
-            self._verify(self._empty_block(), self.clock(), "paused")
-        elif self.draft is None:
-            self._verify(self._empty_block(), self.clock(), "none")
+            self._verify(self._empty_block(), self.now, "paused")
+        elif not self.with_draft:
+            self._verify(self._empty_block(), self.now, "none")
         elif ready is not None:  # no round trip this time
             prepared_block, prepared_received = ready
             prepared_block.block.epoch = self.epoch
@@ -355,12 +329,12 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         head = self.feedback.take()
         if head is None:
             return
-        self._feedback_sent_at = head.sent_at = self.clock()
+        self._feedback_sent_at = head.sent_at = self.now
         self._to_draft(head)
 
     def _checked(self, block: DraftedBlock) -> Block:
         """The block, checked; it starts where the draft's line does (the target's own tokens may follow)."""
-        drafting = self.mode is DraftMode.DRAFTING and self.draft is not None
+        drafting = self.mode is DraftMode.DRAFTING and self.with_draft
         return check_block(block, self.draft_base if drafting else len(self.committed), self.request, self.limits)
 
     def _checked_correction(self, token: int) -> int:
@@ -374,18 +348,18 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         self.committed += tokens
         self.generated += tokens
         if tokens:
-            self.caller.settled(tokens)
+            self._emit(Settle(tuple(tokens)))
         if reason is not None:
             self._finish(reason)
 
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.ahead.drop_all()
-        self.caller.finished(reason, self.log.final(self.draft is not None, self.clock()))
-        self.close()
+        self._emit(Finish(reason, self.log.final(self.with_draft, self.now)))
+        self._close()
 
     def _to_draft(self, request: DraftRequest) -> None:
-        self.log.wire_bytes += self.draft.send(self.sid, request)
+        self._emit(ToDraft(request))
 
 
 def _common_prefix(a: list[int], b: list[int]) -> int:

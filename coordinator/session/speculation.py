@@ -8,6 +8,7 @@ that the gate charges a drafting round."""
 from __future__ import annotations
 
 from coordinator.session.attachment import DraftMode
+from coordinator.session.effects import DraftAnswered
 from svip_common.acceptance import StopRule
 from svip_common.messages import DraftedBlock
 
@@ -22,7 +23,7 @@ class SpeculationBudget:
 
     def _cap(self) -> int | None:
         """Load-aware speculation: the most tokens the next block should hold (None: no cap)."""
-        return None if self.draft is None else self.pausing.cap()
+        return self.pausing.cap() if self.with_draft else None
 
     def _learn(self, block: DraftedBlock, accepted: int) -> None:
         """auto: the verdict on a drafted block, into the pair's estimate and the session's rate."""
@@ -45,7 +46,7 @@ class SpeculationBudget:
         self.mode = DraftMode.DRAFTING
         resume = self.pausing.resume(self.sid, self.epoch, len(self.committed), cap, self._stop_rule())
         self.draft_base = len(self.committed)
-        self._feedback_sent_at = self.clock()
+        self._feedback_sent_at = self.now
         self._to_draft(resume)
 
     def _note_feedback_answered(self, block: DraftedBlock, received_at: float) -> None:
@@ -53,6 +54,6 @@ class SpeculationBudget:
         stats, and what load-aware speculation charges a drafting round beyond its forwards)."""
         if block.trigger_at and self._feedback_sent_at:
             self.gate.record_round_trip(max(0.0, received_at - self._feedback_sent_at - block.draft_s))
-            self.draft.answered(received_at - self._feedback_sent_at)
+            self._emit(DraftAnswered(received_at - self._feedback_sent_at))
             self.log.feedback_answered(block, self._feedback_sent_at)
             self._feedback_sent_at = 0.0

@@ -7,18 +7,19 @@ it (a fill), and does so."""
 from __future__ import annotations
 
 from coordinator.session.attachment import DraftMode
+from coordinator.session.effects import event
 from svip_common.step_cost import StepCost, prefill_pays
 
 
 class WhileWaiting:
-    def wants_prefill(self, verify: StepCost, always: bool = False) -> bool:
+    def wants_prefill(self, now: float, verify: StepCost, always: bool = False) -> bool:
         """The session waits on its draft's block, and the target's cache lacks the row for the
         next place (the last verdict's token, or the prompt, not yet taken in), which it knows (not
         a sampled correction the draft draws). always: whether or not it pays (prefill_pays).
         A prompt not yet taken in is always worth it: that forward is owed anyway."""
         if not self._waits_on_draft or self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
             return False
-        waited = self.clock() - self.waiting_since
+        waited = now - self.waiting_since
         return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify, waited)
 
     def wants_fill(self) -> bool:
@@ -39,15 +40,15 @@ class WhileWaiting:
             and self.waiting_since is not None
         )
 
-    def fill(self, started: float, ended: float) -> bool:
+    @event
+    def fill(self, started: float, ended: float) -> None:
         """Settle the target's own token for the next place if its row is stored (wants_fill
         said the session may); started, ended: the forward that stored it (a prefill while idle;
-        equal: none ran for it). Returns whether a token was settled."""
+        equal: none ran for it). A token settled is a Settle among its effects."""
         token = self.target.next_token(self.committed)
         if token is None:
-            return False
-        now = self.clock()
+            return
+        now = self.now
         self.filled += 1
         self.log.round(self._empty_block(), 0, (now, started, ended, "filled"), now)
         self._commit(*self._clipped([token]))
-        return True

@@ -7,12 +7,10 @@ the caller's error); a re-attach after a stall waits out a backoff that doubles.
 from __future__ import annotations
 
 import logging
-from types import SimpleNamespace
 
 import pytest
 
 from coordinator.engine import SpeculativeEngine
-from coordinator.session.draft_port import DraftPort
 from coordinator.session.pipeline import SessionPipeline
 from coordinator.session.reattach import REATTACH_BACKOFF_S
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
@@ -71,14 +69,11 @@ def test_a_draft_that_refuses_sessions_leaves_them_to_the_target_not_the_caller(
 
 
 def pipeline_session(models, prompt_ids) -> SessionPipeline:
-    """A target-side session whose draft port never connects (it sends nothing): the protocol's
-    state machine, driven by hand."""
+    """A target-side session with a draft: the protocol's state machine, driven by hand (its
+    effects go nowhere)."""
     limits = Limits(tokens=models["target"].token_limit, positions=512)
-    port = DraftPort(None, None, lambda *a: None, lambda r: None, lambda: None)
     return SessionPipeline("s", GenerationRequest(prompt_ids["short"], 8, policy=POLICIES[0]), frozenset(), limits,
-                           Verifier(models["target"]).open(SamplingParams()), port, "async",
-                           caller=SimpleNamespace(settled=lambda t: None, finished=lambda r, s: None),
-                           schedule=lambda fn, *a: None, enqueue=lambda *a: None)
+                           Verifier(models["target"]).open(SamplingParams()), True, "async", 0.0)
 
 
 @pytest.mark.parametrize("field, value", [("draft_s", float("nan")), ("started_at", float("inf")),
@@ -94,9 +89,9 @@ def test_a_draft_block_that_fails_the_checks_gives_the_draft_up_not_the_session(
         block.prepared_for = (value, 0, 5)
     else:
         setattr(block, field, value)
-    session.on_draft_event(block, 0.0, 10)  # raises nothing
+    session.on_draft_event(1.0, block, 0.0, 10, True)  # raises nothing
     assert session.detached and session.draft_given_up and not session.ahead.prepared and not session.done
-    session.attach()
+    session.attach(2.0)
     assert session.detached  # never taken up again
 
 
@@ -105,9 +100,10 @@ def test_a_reattach_after_a_stall_waits_a_doubling_backoff(models, prompt_ids):
     re-attach after the backoff; the second stall waits twice as long."""
     session = pipeline_session(models, prompt_ids)
     session.verifying = None
-    session.detach(cancel=True)
-    stalled_at = session.reattach.not_before - REATTACH_BACKOFF_S
-    session.attach()
+    stalled_at = 100.0
+    session.detach(stalled_at, True)
+    assert session.reattach.not_before == stalled_at + REATTACH_BACKOFF_S
+    session.attach(stalled_at)
     assert session.detached  # too soon
     session.retry_attach(stalled_at + 0.9 * REATTACH_BACKOFF_S)
     assert session.detached
@@ -115,5 +111,6 @@ def test_a_reattach_after_a_stall_waits_a_doubling_backoff(models, prompt_ids):
     session.retry_attach(stalled_at + 1.1 * REATTACH_BACKOFF_S)
     assert not session.detached and session.stats.reattached == 1
     session.verifying = None
-    session.detach(cancel=True)
-    assert session.reattach.not_before - stalled_at == pytest.approx(2 * REATTACH_BACKOFF_S, abs=0.5)
+    stalled_again = stalled_at + 2 * REATTACH_BACKOFF_S
+    session.detach(stalled_again, True)
+    assert session.reattach.not_before - stalled_again == 2 * REATTACH_BACKOFF_S

@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from coordinator.engine import SpeculativeEngine
+from coordinator.session.effects import Settle
 from coordinator.session.pipeline import SessionPipeline
 from draft_worker.drafter import Drafter
 from svip_common.contracts import Block, GenerationRequest, Limits, PolicyConfig, SamplingParams
@@ -177,11 +178,11 @@ def test_blocks_checked_against_the_targets_own_tokens_equal_the_target_alone(mo
     released = threading.Event()
     fill = SessionPipeline.fill
 
-    def releasing_fill(self, started, ended):
-        settled = fill(self, started, ended)
-        if settled:
+    def releasing_fill(self, now, started, ended):
+        effects = fill(self, now, started, ended)
+        if any(isinstance(effect, Settle) for effect in effects):
             released.set()
-        return settled
+        return effects
 
     monkeypatch.setattr(SessionPipeline, "fill", releasing_fill)
     limits = Limits(tokens=models["target"].token_limit, positions=512)

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from types import SimpleNamespace
 
 import pytest
 
@@ -201,42 +200,23 @@ def test_the_draft_refuses_a_pause_that_leaves_the_token_to_it(models):
 def test_the_target_refuses_a_block_while_the_session_is_paused(models):
     """A session that starts paused verifies alone; a draft block of its epoch is the draft's
     protocol error: the draft is given up for the session (never the caller's error)."""
+    from coordinator.session.effects import ToDraft, Verify
     from coordinator.session.pipeline import SessionPipeline
     from svip_common.messages import DraftedBlock
 
-    sent, enqueued = [], []
-    link = type(
-        "Link",
-        (),
-        {
-            "send": lambda self, sid, request: sent.append(request) or 0,
-            "available": True,
-            "answered": lambda self, seconds: None,
-        },
-    )()
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     request = GenerationRequest((5, 6, 7), 8, policy=PolicyConfig(name="constant", draft_length=3))
     verifier = Verifier(models["target"], limits.tokens)
-    session = SessionPipeline(
-        "s",
-        request,
-        frozenset(),
-        limits,
-        verifier.open(request.sampling),
-        link,
-        "async",
-        caller=SimpleNamespace(settled=lambda tokens: None, finished=lambda reason, stats: None),
-        schedule=lambda fn, *args: fn(*args),
-        enqueue=lambda *job: enqueued.append(job),
-        load_cap=lambda gate: 0,
-    )
-    session.start()
-    assert session.paused and sent[0].load_cap == 0 and enqueued  # the target goes on alone
+    session = SessionPipeline("s", request, frozenset(), limits, verifier.open(request.sampling), True, "async", 0.0,
+                              load_cap=lambda gate: 0)
+    effects = session.start(1.0, True)
+    sent = [effect.request for effect in effects if isinstance(effect, ToDraft)]
+    assert session.paused and sent[0].load_cap == 0 and any(isinstance(e, Verify) for e in effects)  # alone
     block = DraftedBlock.empty(3, session.epoch)
     block.block.tokens = [9]
-    session.on_draft_event(block, 0.0, 0)  # a protocol error of the draft's: it is given up, the session goes on
+    session.on_draft_event(2.0, block, 0.0, 0, True)  # a protocol error of the draft's: given up, the session goes on
     assert session.draft_given_up and session.detached and not session.done
-    session.close()
+    session.close(3.0)
 
 
 def test_the_load_is_priced_on_decode_steps_and_the_batch_the_next_step_verifies(models, prompt_ids):

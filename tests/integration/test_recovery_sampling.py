@@ -44,11 +44,11 @@ def draft_lost_at_first_verdict(monkeypatch):
     and its hold for the draft expires at once: the target goes on alone."""
     verified = SessionPipeline.verified
 
-    def losing(self, *args):
+    def losing(self, now, *args):
+        effects = []
         if self.stats.detached == 0 and not self.detached:
-            self.detach(cancel=False)
-            self.hold_expired(float("inf"))
-        verified(self, *args)
+            effects = self.detach(now, False) + self.hold_expired(float("inf"))  # its hold is over at once
+        return effects + verified(self, now, *args)
 
     monkeypatch.setattr(SessionPipeline, "verified", losing)
 

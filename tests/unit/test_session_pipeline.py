@@ -8,16 +8,15 @@ its own."""
 from __future__ import annotations
 
 import math
-import time
 
 import pytest
 
+from coordinator.session.effects import Finish, Settle, ToDraft, Verify
 from coordinator.session.pipeline import DraftMode, SessionPipeline
 from svip_common.contracts import (
     NO_TOKEN,
     Block,
     GenerationRequest,
-    GenerationStats,
     Limits,
     PolicyConfig,
     SamplingParams,
@@ -43,18 +42,11 @@ KINDS = {"start": SessionStart, "feedback": Feedback, "resume": Resume, "cancel"
 
 
 class Draft:
-    """The DraftPeer: what the session sends the draft worker."""
+    """The draft worker's end: what the session sent it (ToDraft effects), and whether one is connected."""
 
     def __init__(self):
         self.sent: list[DraftRequest] = []
         self.available = True
-
-    def send(self, session_id: str, request: DraftRequest) -> int:
-        self.sent.append(request)
-        return 100
-
-    def answered(self, seconds: float) -> None:
-        pass
 
     def last(self, kind: str):
         return [r for r in self.sent if isinstance(r, KINDS[kind])][-1]
@@ -88,21 +80,38 @@ class Target:
 
 
 class Harness:
+    """Plays the host: runs the session's events at its clock and carries out their effects."""
+
     def __init__(self, pipeline: str = "sync", max_new_tokens: int = 20, draft: bool = True, load_cap=None,
                  sampling: SamplingParams | None = None):
         self.draft, self.events, self.queue, self.checked, self.target = Draft(), [], [], [], Target()
+        self.clock = 1.0
         self.session = SessionPipeline(
             "s", GenerationRequest(PROMPT, max_new_tokens, sampling or SamplingParams(), PolicyConfig(name="svip")),
-            frozenset({STOP}), LIMITS, self.target, self.draft if draft else None, pipeline,
-            caller=self,
-            schedule=lambda fn, *args: fn(*args),
-            enqueue=self._enqueue,
-            load_cap=load_cap,
+            frozenset({STOP}), LIMITS, self.target, draft, pipeline, self.clock, load_cap=load_cap,
         )
+        self.do = Events(self)
 
-    def _enqueue(self, session, block: DraftedBlock, checked: Block, info) -> None:
-        self.queue.append((block, info))
-        self.checked.append(checked)  # what the verifier is asked: the block, or its tokens after the target's own
+    def apply(self, effects: list) -> list:
+        """The host's half: each effect as the host carries it out, kept for the test to read."""
+        for effect in effects:
+            if isinstance(effect, ToDraft):
+                self.draft.sent.append(effect.request)
+            elif isinstance(effect, Verify):
+                self.queue.append((effect.block, (effect.received_at, effect.source)))
+                self.checked.append(effect.checked)  # what the verifier judges: the block, or what follows the own
+            elif isinstance(effect, Settle):
+                self.events.append(("settled", list(effect.tokens)))
+            elif isinstance(effect, Finish):
+                self.events.append(("finished", effect.reason))
+        return effects
+
+    def now(self) -> float:
+        self.clock += 0.001
+        return self.clock
+
+    def start(self) -> list:
+        return self.do.start(self.draft.available)
 
     def block(self, tokens: list[int], base: int | None = None, epoch: int | None = None, **fields) -> DraftedBlock:
         s = self.session
@@ -112,14 +121,14 @@ class Harness:
         return DraftedBlock(block, **fields)
 
     def deliver(self, block: DraftedBlock) -> None:
-        self.session.on_draft_event(block, time.time(), 100)
+        self.do.on_draft_event(block, self.clock, 100, self.draft.available)
 
     def verify(self, accepted: int, token: int) -> DraftedBlock:
         """The verifier's verdict on what was queued (accepted of its tokens, then token)."""
         block, (received_at, source) = self.queue.pop(0)
         checked = self.checked.pop(0)
-        now = time.time()
-        self.session.verified(block, Verdict(checked.base, accepted, token), received_at, source, now, now)
+        now = self.clock
+        self.do.verified(block, Verdict(checked.base, accepted, token), received_at, source, now, now)
         return block
 
     def fill(self, *tokens: int) -> None:
@@ -127,13 +136,7 @@ class Harness:
         for token in tokens:
             assert self.session.wants_fill()
             self.target.own[len(self.session.committed)] = token
-            assert self.session.fill(1.0, 1.0)
-
-    def settled(self, tokens: list[int]) -> None:  # the session's caller (CallerPort)
-        self.events.append(("settled", list(tokens)))
-
-    def finished(self, reason: str, stats: GenerationStats) -> None:
-        self.events.append(("finished", reason))
+            assert any(isinstance(effect, Settle) for effect in self.do.fill(1.0, 1.0))
 
     @property
     def tokens(self) -> list[int]:
@@ -145,9 +148,20 @@ class Harness:
         return done[0] if done else None
 
 
+class Events:
+    """The session's events, each run at the harness's clock, its effects carried out and returned."""
+
+    def __init__(self, harness: Harness):
+        self._harness = harness
+
+    def __getattr__(self, name: str):
+        event = getattr(self._harness.session, name)
+        return lambda *args, **kwargs: self._harness.apply(event(self._harness.now(), *args, **kwargs))
+
+
 def test_start_opens_the_draft_session_on_the_prompt():
     h = Harness()
-    h.session.start()
+    h.start()
     start = h.draft.last("start")
     assert list(start.prompt_ids) == list(PROMPT) and start.max_new_tokens == 20 and start.epoch == 0
     assert start.pipeline == "sync" and sorted(start.stop_token_ids) == [STOP]
@@ -156,7 +170,7 @@ def test_start_opens_the_draft_session_on_the_prompt():
 
 def test_a_round_verifies_the_block_settles_and_feeds_back():
     h = Harness()
-    h.session.start()
+    h.start()
     h.deliver(h.block([11, 12, 13]))
     assert len(h.queue) == 1 and h.session.verifying is not None
     h.verify(3, 14)  # all accepted, and a bonus token
@@ -168,7 +182,7 @@ def test_a_round_verifies_the_block_settles_and_feeds_back():
 
 def test_a_rejection_advances_the_epoch_and_a_stale_block_is_never_verified():
     h = Harness()
-    h.session.start()
+    h.start()
     h.deliver(h.block([11, 12, 13]))
     h.verify(1, 20)
     assert h.tokens == [11, 20] and h.session.epoch == 1 and h.draft.last("feedback").epoch == 1
@@ -180,7 +194,7 @@ def test_a_rejection_advances_the_epoch_and_a_stale_block_is_never_verified():
 
 def test_async_verifies_the_follow_up_with_no_round_trip_on_a_full_acceptance():
     h = Harness(pipeline="async")
-    h.session.start()
+    h.start()
     h.deliver(h.block([11, 12], followup=True))
     h.deliver(h.block([13, 14], base=5))  # the follow-up, written while the first is verified
     assert len(h.queue) == 1 and h.session.ahead.followup is not None
@@ -194,7 +208,7 @@ def test_async_verifies_the_follow_up_with_no_round_trip_on_a_full_acceptance():
 
 def test_a_prepared_continuation_is_verified_next_when_the_rejection_matches_it():
     h = Harness(pipeline="async")
-    h.session.start()
+    h.start()
     h.deliver(h.block([11, 12, 13]))
     prepared = h.block([21, 22], base=5, prepared_for=(3, 1, 20))
     h.deliver(prepared)
@@ -216,7 +230,7 @@ def test_a_prepared_continuation_is_verified_next_when_the_rejection_matches_it(
 ])
 def test_a_bad_block_gives_the_draft_up_and_the_target_goes_on_alone(bad, why, caplog):
     h = Harness()
-    h.session.start()
+    h.start()
     tokens = bad.pop("tokens", [11, 12])
     h.deliver(h.block(tokens, **bad))
     assert h.session.mode is DraftMode.GIVEN_UP and h.session.detached and why in caplog.text
@@ -225,47 +239,47 @@ def test_a_bad_block_gives_the_draft_up_and_the_target_goes_on_alone(bad, why, c
     assert len(block.tokens) == 0 and source != "drafted"  # the target settles the next token alone
     h.verify(0, 15)
     assert h.tokens == [15] and not h.session.done
-    h.session.attach()  # a draft that failed the session never takes it up again
+    h.do.attach()  # a draft that failed the session never takes it up again
     assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("start") == 1
 
 
 def test_a_message_the_edge_could_not_read_gives_the_draft_up_and_cancels_its_session(caplog):
     h = Harness()
-    h.session.start()
-    h.session.on_bad_draft_message("draft worker sent a bad block: block of 2 tokens carries 1 entropies")
+    h.start()
+    h.do.on_bad_draft_message("draft worker sent a bad block: block of 2 tokens carries 1 entropies")
     assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("cancel") == 1 and "1 entropies" in caplog.text
     (block, _), = h.queue
     assert len(block.tokens) == 0  # the target settles the next token alone
     lost = Harness()
-    lost.session.start()
+    lost.start()
     lost.draft.available = False
-    lost.session.detach(cancel=False)
-    lost.session.on_bad_draft_message("junk from the old draft")  # a detached session ignores the old draft
+    lost.do.detach(cancel=False)
+    lost.do.on_bad_draft_message("junk from the old draft")  # a detached session ignores the old draft
     assert lost.session.mode is DraftMode.DETACHED and lost.draft.count("cancel") == 0
 
 
 def test_a_draft_error_gives_the_draft_up_and_a_shed_session_goes_on_alone_without_a_hold():
     h = Harness()
-    h.session.start()
-    h.session.on_draft_event(DraftFailed("s", 8, "its KV pool is full"), time.time(), 40)
+    h.start()
+    h.do.on_draft_event(DraftFailed("s", 8, "its KV pool is full"), h.clock, 40, True)
     assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("cancel") == 0  # its session there is gone
     assert len(h.queue) == 1 and h.session.log.wire_bytes >= 40
     shed = Harness()
-    shed.session.start()
-    shed.session.on_draft_event(DraftClosed("s", shed=True), time.time(), 10)
+    shed.start()
+    shed.do.on_draft_event(DraftClosed("s", shed=True), shed.clock, 10, True)
     assert shed.session.detached and shed.session.reattach.hold_until is None and len(shed.queue) == 1
 
 
 def test_a_lost_draft_detaches_and_a_returned_one_takes_the_session_up_again():
     h = Harness()
-    h.session.start()
+    h.start()
     h.draft.available = False
-    h.session.detach(cancel=False)
+    h.do.detach(cancel=False)
     assert h.session.mode is DraftMode.DETACHED and h.session.epoch == 1
     (block, _), = h.queue
     assert len(block.tokens) == 0
     h.draft.available = True
-    h.session.attach()  # the verdict in flight is decided first
+    h.do.attach()  # the verdict in flight is decided first
     h.verify(0, 15)
     start = h.draft.last("start")
     assert h.draft.count("start") == 2 and list(start.prompt_ids) == [*PROMPT, 15] and start.epoch == h.session.epoch
@@ -276,12 +290,12 @@ def test_a_lost_draft_detaches_and_a_returned_one_takes_the_session_up_again():
 
 def test_the_budget_and_a_stop_token_end_the_session_with_a_finished_event():
     h = Harness(max_new_tokens=3)
-    h.session.start()
+    h.start()
     h.deliver(h.block([11, 12]))
     h.verify(2, 13)
     assert h.finish_reason == "length" and h.session.done and h.session.target.closed
     h2 = Harness()
-    h2.session.start()
+    h2.start()
     h2.deliver(h2.block([11, STOP, 12]))
     h2.verify(3, 14)
     assert h2.tokens == [11, STOP] and h2.finish_reason == "stop"
@@ -289,7 +303,7 @@ def test_the_budget_and_a_stop_token_end_the_session_with_a_finished_event():
 
 def test_without_a_draft_the_target_settles_one_token_per_round():
     h = Harness(draft=False)
-    h.session.start()
+    h.start()
     for token in (21, 22):
         (block, (_, source)), = h.queue
         assert len(block.tokens) == 0 and source == "none"
@@ -302,15 +316,15 @@ def test_a_paused_session_detaches_from_the_pause_and_pauses_again_on_re_attach(
     owed to a Resume any more), and the re-attach's start carries the cap that pauses it again."""
     cap = [0]
     h = Harness(load_cap=lambda gate: cap[0])
-    h.session.start()
+    h.start()
     assert h.session.mode is DraftMode.PAUSED and h.draft.last("start").load_cap == 0
     h.verify(0, 15)  # the target settles alone while paused
     assert h.session.mode is DraftMode.PAUSED and h.tokens == [15]
     h.draft.available = False
-    h.session.detach(cancel=False)
+    h.do.detach(cancel=False)
     assert h.session.mode is DraftMode.DETACHED and not h.session.paused
     h.draft.available = True
-    h.session.attach()  # the verdict in flight first
+    h.do.attach()  # the verdict in flight first
     h.verify(0, 16)
     assert h.draft.count("start") == 2 and h.session.mode is DraftMode.PAUSED
     cap[0] = 4
@@ -324,7 +338,7 @@ def test_a_paused_session_detaches_from_the_pause_and_pauses_again_on_re_attach(
 
 def test_a_waiting_session_settles_the_targets_own_tokens_and_the_block_is_verified_after_them():
     h = Harness()
-    h.session.start()
+    h.start()
     h.fill(11, 12)
     assert h.tokens == [11, 12] and h.draft.count("feedback") == 0 and h.session.draft_base == 3
     assert h.session.stats.round_sources == ["filled", "filled"]
@@ -341,7 +355,7 @@ def test_a_waiting_session_settles_the_targets_own_tokens_and_the_block_is_verif
 
 def test_a_block_that_parts_from_the_targets_own_tokens_is_decided_by_them_with_no_forward():
     h = Harness()
-    h.session.start()
+    h.start()
     h.fill(11, 12, 13)
     h.deliver(h.block([11, 30, 31]))
     assert h.queue == [] and h.tokens == [11, 12, 13] and h.target.judged == 3  # nothing settled twice
@@ -356,7 +370,7 @@ def test_a_block_that_parts_from_the_targets_own_tokens_is_decided_by_them_with_
 
 def test_a_block_within_the_targets_own_tokens_is_accepted_whole_and_settles_nothing_new():
     h = Harness()
-    h.session.start()
+    h.start()
     h.fill(11, 12, 13)
     h.deliver(h.block([11, 12]))
     fb = h.draft.last("feedback")
@@ -372,7 +386,7 @@ def test_a_follow_up_is_checked_against_the_targets_own_tokens_too():
     """Async: a full acceptance defers the next place to the follow-up; while that is late the
     target settles it from the row the verification stored, and the follow-up is checked against it."""
     h = Harness(pipeline="async")
-    h.session.start()
+    h.start()
     h.deliver(h.block([11, 12], followup=True))
     h.verify(2, NO_TOKEN)
     assert h.draft.last("feedback").token == NO_TOKEN and h.session.draft_base == 5
@@ -384,7 +398,7 @@ def test_a_follow_up_is_checked_against_the_targets_own_tokens_too():
 
 def test_a_block_at_the_targets_own_place_and_not_the_drafts_is_a_bad_block(caplog):
     h = Harness()
-    h.session.start()
+    h.start()
     h.fill(11)
     h.deliver(h.block([12, 13], base=4))  # the draft never learnt 11: it cannot draft after it
     assert h.session.mode is DraftMode.GIVEN_UP and "base 4, committed 3" in caplog.text
@@ -394,7 +408,7 @@ def test_a_block_at_the_targets_own_place_and_not_the_drafts_is_a_bad_block(capl
 def test_a_pause_hands_the_targets_own_tokens_to_the_draft_with_the_resume():
     cap = [4]
     h = Harness(load_cap=lambda gate: cap[0])
-    h.session.start()
+    h.start()
     h.fill(11, 12, 13)
     cap[0] = 0
     h.deliver(h.block([11, 30]))  # decided by the target's own tokens: 12 is the correction; and it pauses
@@ -409,11 +423,11 @@ def test_a_pause_hands_the_targets_own_tokens_to_the_draft_with_the_resume():
 
 def test_only_a_greedy_session_waiting_on_its_draft_fills():
     sampled = Harness(sampling=SamplingParams(temperature=0.8, seed=1))
-    sampled.session.start()
+    sampled.start()
     assert not sampled.session.wants_fill()
     h = Harness()
-    h.session.start()
-    assert h.session.wants_fill() and not h.session.fill(1.0, 1.0)  # no row stored: nothing settled
+    h.start()
+    assert h.session.wants_fill() and not h.do.fill(1.0, 1.0)  # no row stored: nothing settled
     h.deliver(h.block([11]))
     assert not h.session.wants_fill()  # verifying
     h.verify(1, 12)
