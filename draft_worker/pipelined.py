@@ -26,8 +26,6 @@ alone meanwhile.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from draft_worker.drafter import BlockDraft, DraftSession
@@ -73,7 +71,7 @@ class PipelinedDraft:
     prepared: dict[PreparedKey, DraftedBlock] = field(default_factory=dict)  # (base, accepted, token) -> finished
     load_cap: int = UNLIMITED  # the most tokens a block may hold at the target's load (its latest word)
     paused: bool = False  # load_cap 0: nothing is drafted until a Resume
-    clock: Callable[[], float] = time.time  # the time now (the in-memory transport's simulation runs its own)
+    now: float = 0.0  # the time of the event being handled: every event takes it first (no clock is read here)
 
     def __post_init__(self):
         self.known = list(self.prompt)
@@ -96,10 +94,12 @@ class PipelinedDraft:
         self.session.close()
 
     # --- messages: a start, a feedback -------------------------------------------------------------
-    # Each returns the blocks ready to send at once; a block that must be drafted first becomes
-    # the critical job, advanced by the worker's batched steps before any speculation.
+    # Each takes the time now first and returns the blocks ready to send at once; a block that must
+    # be drafted first becomes the critical job, advanced by the worker's batched steps before any
+    # speculation.
 
     def start(self, now: float, load_cap: int | None = None) -> list[DraftedBlock]:
+        self.now = now
         if load_cap is not None:
             self.load_cap = load_cap
         if self.load_cap == 0:
@@ -108,11 +108,12 @@ class PipelinedDraft:
         return self._next_block(NO_TOKEN, now)
 
     def on_resume(
-        self, epoch: int, base: int, tokens: list[int], load_cap: int, received_at: float, features=None,
+        self, now: float, epoch: int, base: int, tokens: list[int], load_cap: int, received_at: float, features=None,
         features_from: int = 0,
     ) -> list[DraftedBlock]:
         """Drafting pays again: take the tokens the target settled alone since the pause (and a
         feature draft's features for them), then draft the next block (checked at once)."""
+        self.now = now
         if not self.paused:
             raise InvalidRequest("resume for a session that is not paused")
         if base != len(self.known):
@@ -126,11 +127,12 @@ class PipelinedDraft:
         self.epoch, self.load_cap, self.paused = epoch, load_cap, False
         return self._next_block(NO_TOKEN, received_at)
 
-    def on_feedback(self, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
+    def on_feedback(self, now: float, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
                     prepared_used: bool, received_at: float, load_cap: int | None = None,
                     features=None, features_from: int = 0) -> list[DraftedBlock]:
         """Apply the verdict on the oldest outstanding block (checked at once). features: the
         target's at positions features_from.. (a feature draft's input)."""
+        self.now = now
         if load_cap is not None:
             self.load_cap = load_cap
         if not self.outstanding or self.outstanding[0].block.base != base or len(self.outstanding[0].block) != drafted:
@@ -197,25 +199,25 @@ class PipelinedDraft:
             self.critical = Job(
                 self.session.begin(self.known, budget, alternatives=self.pipelined),
                 None,
-                self.clock(),
+                self.now,
                 trigger_at,
                 resolved,
             )
             return []
         if resolved == NO_TOKEN and self._finished():
             return []
-        now = self.clock()
-        item = DraftedBlock.empty(len(self.known), self.epoch, resolved_token=resolved, started_at=now,
-                                  finished_at=now, trigger_at=trigger_at)
+        item = DraftedBlock.empty(len(self.known), self.epoch, resolved_token=resolved, started_at=self.now,
+                                  finished_at=self.now, trigger_at=trigger_at)
         self.outstanding.append(item)
         return [item]
 
     # --- the worker's batched steps: one forward for every session's next token ---------------------
 
-    def next_draft(self) -> BlockDraft | None:
-        """The block this session advances in the next batched step: its critical job, else
-        the most likely continuation not yet drafted (if it would finish before the verdict is
-        due); None: nothing to do now."""
+    def next_draft(self, now: float) -> BlockDraft | None:
+        """The block this session advances in the next batched step, which starts now: its
+        critical job, else the most likely continuation not yet drafted (if it would finish
+        before the verdict is due); None: nothing to do now."""
+        self.now = now
         if self.critical is not None:
             return self.critical.draft
         if self.paused:
@@ -229,8 +231,9 @@ class PipelinedDraft:
             return None
         return self.job.draft
 
-    def after_step(self, forward_s: float) -> list[DraftedBlock]:
-        """What the step finished: blocks to send now."""
+    def after_step(self, now: float, forward_s: float) -> list[DraftedBlock]:
+        """What the step finished (it ended now and took forward_s): blocks to send now."""
+        self.now = now
         self._learn_forward(forward_s)
         if self.critical is not None:
             job = self.critical
@@ -256,21 +259,23 @@ class PipelinedDraft:
         self.prepared[job.prepared_for] = item
         return [item] if self.send_prepared else []
 
-    def work(self) -> list[DraftedBlock] | None:
-        """One forward of this session alone (next_draft, then after_step); None: nothing to do."""
-        draft = self.next_draft()
+    def work(self, now: float) -> list[DraftedBlock] | None:
+        """One forward of this session alone, at the time now (next_draft, then after_step, the
+        forward timed by the drafter's own account); None: nothing to do."""
+        draft = self.next_draft(now)
         if draft is None:
             return None
-        started = time.perf_counter()
+        before = draft.compute_s
         draft.step()
-        return self.after_step(time.perf_counter() - started)
+        forward_s = draft.compute_s - before
+        return self.after_step(now + forward_s, forward_s)
 
     def _time_for_a_forward(self) -> bool:
         wait, forward_s = self._verdict_wait.value, self._forward_s.value
         if wait is None or forward_s is None or not self.outstanding:
             return True
         due = max(self._verifying_since, self.outstanding[0].finished_at) + wait
-        return self.clock() + forward_s < due
+        return self.now + forward_s < due
 
     def _learn_wait(self, answered: DraftedBlock, received_at: float) -> None:
         since = max(self._verifying_since, answered.finished_at)
@@ -320,7 +325,7 @@ class PipelinedDraft:
             sent = [t for o in self.outstanding for t in o.block.tokens]
             seq = self.known + sent[: base - len(self.known) + j] + [token]
         draft = self.session.begin(seq, min(self.limit - len(seq) - 1, self.load_cap), alternatives=True)
-        self.job = Job(draft, prepared_for, self.clock())
+        self.job = Job(draft, prepared_for, self.now)
 
     def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> DraftedBlock:
         block = draft.block
@@ -336,7 +341,7 @@ class PipelinedDraft:
             followup,
             prepared_for=prepared_for,
             started_at=started,
-            finished_at=self.clock(),
+            finished_at=self.now,
             draft_s=draft.compute_s - draft.prefill_s,
             trigger_at=trigger_at,
             alternatives=draft.alternatives,

@@ -123,7 +123,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                 session=self.drafter.open(start.sampling, start.policy, tuple(start.stop_token_ids)),
                 prompt=list(start.prompt_ids), max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
                 pipelined=start.pipeline == "async", prepare=self.prepare, send_prepared=start.sampling.greedy,
-                epoch=start.epoch, clock=self.clock,
+                epoch=start.epoch,
             )
             self.new_session(start.session_id, session, stream)
             _tune(session, start.stop_rule)
@@ -138,8 +138,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             check_token_ids(msg.tokens, self.limits.tokens, "resumed token id")
             features, first = self._features(msg, msg.base + len(msg.tokens) - 1)
             _tune(session, msg.stop_rule)
-            self._send(msg.session_id, session, session.on_resume(msg.epoch, msg.base, list(msg.tokens), msg.load_cap,
-                                                                  received_at, features, first))
+            self._send(msg.session_id, session, session.on_resume(self.clock(), msg.epoch, msg.base, list(msg.tokens),
+                                                                  msg.load_cap, received_at, features, first))
         elif kind == "feature_chunk":  # a leading part of the next Feedback's or Resume's features
             msg = request.feature_chunk
             self.session(msg.session_id, stream)
@@ -155,7 +155,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             check_token_ids([msg.token], self.limits.tokens, "feedback token id")
         features, first = self._features(msg, msg.base + msg.accepted)
         _tune(session, msg.stop_rule)
-        return session.on_feedback(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, msg.p_row,
+        return session.on_feedback(self.clock(), msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, msg.p_row,
                                    msg.prepared_used, received_at, msg.load_cap, features, first)
 
     def _features(self, msg: Feedback | Resume, end: int) -> tuple[torch.Tensor | None, int]:
@@ -199,8 +199,9 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         """One batched step: a single draft forward advances every session that has a block to
         draft by one token, critical blocks and speculation alike; each block stops at its own
         place (its policy, the cap, a stop token, the budget)."""
+        now = self.clock()
         batch = [(sid, session, draft) for sid, session in self.sessions.items()
-                 if (draft := session.next_draft()) is not None]
+                 if (draft := session.next_draft(now)) is not None]
         if not batch:
             return False
         started = self.timer()
@@ -221,8 +222,9 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             return True
         tokens = sum(draft.pending_tokens for _, _, draft in batch)
         elapsed = self.timer() - started
+        now = self.clock()
         for session_id, session, _ in batch:
-            self._send(session_id, session, session.after_step(elapsed))
+            self._send(session_id, session, session.after_step(now, elapsed))
         self.step_metrics.record(len(batch), tokens, self.pool)
         return True
 

@@ -8,8 +8,9 @@ blocks drafted ahead of a verdict; reattach.py: recovery's re-attach schedule; p
 load-aware pauses; feedback.py: the feedback owed to the draft; round_log.py: the statistics)
 and what it checks of the draft's messages (wire_checks.py), the link to the draft worker and its
 recovery (draft_link.py, draft_port.py), and the target's Ray actor (actor.py).
-The protocol logic (pipeline.py and its parts) speaks svip_common.messages; protobuf is read and
-written at the edges only (host.py, draft_port.py).
+The protocol logic (pipeline.py and its parts) is a core with no I/O: each event takes the time
+now and returns its effects (effects.py), which the host carries out; it speaks
+svip_common.messages, and protobuf is read and written at the edges only (host.py, draft_port.py).
 
 May import: svip_common and target_worker; at the edges (host.py, draft_port.py, draft_link.py,
 actor.py) also svip_proto and svip_runtime. Nothing else of the coordinator: not the caller's end

@@ -144,25 +144,25 @@ def _paused_draft(models) -> PipelinedDraft:
     drafter = Drafter(models["close_draft"], models["target"].vocab_size)
     session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=3), ())
     draft = PipelinedDraft(session, [5, 6, 7], 20, frozenset(), pipelined=False)
-    assert draft.start(0.0, load_cap=0) == [] and draft.paused and draft.next_draft() is None
+    assert draft.start(0.0, load_cap=0) == [] and draft.paused and draft.next_draft(time.time()) is None
     return draft
 
 
 def test_the_draft_checks_a_resume(models):
     draft = _paused_draft(models)
     with pytest.raises(InvalidRequest, match="resume at base 4"):
-        draft.on_resume(1, 4, [9], 3, 0.0)
+        draft.on_resume(time.time(), 1, 4, [9], 3, 0.0)
     with pytest.raises(InvalidRequest, match="past the session's 23 tokens"):
-        draft.on_resume(1, 3, [9] * 21, 3, 0.0)
+        draft.on_resume(time.time(), 1, 3, [9] * 21, 3, 0.0)
     with pytest.raises(InvalidRequest, match="load_cap 0"):
-        draft.on_resume(1, 3, [9], 0, 0.0)
-    draft.on_resume(1, 3, [9, 10], 2, 0.0)
+        draft.on_resume(time.time(), 1, 3, [9], 0, 0.0)
+    draft.on_resume(time.time(), 1, 3, [9, 10], 2, 0.0)
     assert draft.known == [5, 6, 7, 9, 10] and not draft.paused
     while draft.critical is not None:
-        draft.work()
+        draft.work(time.time())
     assert len(draft.outstanding[0].block) == 2  # the resumed cap
     with pytest.raises(InvalidRequest, match="not paused"):
-        draft.on_resume(2, 5, [], 2, 0.0)
+        draft.on_resume(time.time(), 2, 5, [], 2, 0.0)
 
 
 def test_sampled_sessions_pause_and_resume_without_a_protocol_error(workers, model_dirs, prompt_ids, loop):
@@ -191,10 +191,10 @@ def test_the_draft_refuses_a_pause_that_leaves_the_token_to_it(models):
     draft = PipelinedDraft(session, [5, 6, 7], 20, frozenset(), pipelined=False)
     draft.start(0.0)
     while draft.critical is not None:
-        draft.work()
+        draft.work(time.time())
     sent = draft.outstanding[0].block
     with pytest.raises(InvalidRequest, match="must settle its token at the target"):
-        draft.on_feedback(0, sent.base, len(sent), 0, NO_TOKEN, None, False, 0.0, load_cap=0)
+        draft.on_feedback(time.time(), 0, sent.base, len(sent), 0, NO_TOKEN, None, False, 0.0, load_cap=0)
 
 
 def test_the_target_refuses_a_block_while_the_session_is_paused(models):

@@ -10,6 +10,7 @@ it, one it kept (sampled, or late) is sent again, and any other correction is dr
 from __future__ import annotations
 
 import asyncio
+import time
 
 import pytest
 import torch
@@ -199,7 +200,7 @@ def draft_session(models):
 
 def _prepare_everything(draft: PipelinedDraft) -> list:
     sent = []
-    while (ready := draft.work()) is not None:
+    while (ready := draft.work(time.time())) is not None:
         sent += ready
     return sent
 
@@ -208,7 +209,7 @@ def _first_block(draft: PipelinedDraft):
     """Start the session and draft its first block (the critical job) a forward at a time."""
     sent = draft.start(0.0)
     while not sent:
-        sent = draft.work()
+        sent = draft.work(time.time())
     return sent[0]
 
 
@@ -231,7 +232,7 @@ def test_feedback_naming_a_prepared_continuation_uses_it_and_any_other_correctio
     base, j, token = prepared[0].prepared_for
     assert base == first.block.base
     # the target used it: nothing new to send, the prepared block is now the one under verification
-    assert draft_session.on_feedback(1, base, len(first.block), j, token, None, True, 0.0) == []
+    assert draft_session.on_feedback(time.time(), 1, base, len(first.block), j, token, None, True, 0.0) == []
     assert draft_session.outstanding[0] is prepared[0] and prepared[0].block.epoch == 1
 
 
@@ -239,7 +240,7 @@ def test_a_prepared_continuation_the_target_did_not_use_is_sent_again(draft_sess
     first = _first_block(draft_session)
     prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
     base, j, token = prepared[0].prepared_for
-    (again,) = draft_session.on_feedback(1, base, len(first.block), j, token, None, False, 0.0)
+    (again,) = draft_session.on_feedback(time.time(), 1, base, len(first.block), j, token, None, False, 0.0)
     assert again is prepared[0] and again.reused and again.prepared_for is None and again.block.epoch == 1
 
 
@@ -248,7 +249,8 @@ def test_a_correction_nothing_was_prepared_for_is_drafted_from(draft_session):
     prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
     assumed = {(b, j, t) for b, j, t in (o.prepared_for for o in prepared)}
     token = next(t for t in range(300) if (first.block.base, 0, t) not in assumed and t != first.block.tokens[0])
-    assert draft_session.on_feedback(1, first.block.base, len(first.block), 0, token, None, False, 0.0) == []
-    (fresh,) = draft_session.work()  # the critical job: drafted from the correction
+    now = time.time()
+    assert draft_session.on_feedback(now, 1, first.block.base, len(first.block), 0, token, None, False, 0.0) == []
+    (fresh,) = draft_session.work(time.time())  # the critical job: drafted from the correction
     assert fresh not in prepared and not fresh.reused and fresh.block.base == first.block.base + 1
     assert draft_session.known[-1] == token

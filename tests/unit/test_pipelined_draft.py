@@ -96,7 +96,7 @@ def drain(s: PipelinedDraft, steps: int = 100) -> list:
     """Run the session's forwards until it has nothing to do; every block it sends, in order."""
     sent = []
     for _ in range(steps):
-        out = s.work()
+        out = s.work(time.time())
         if out is None:
             return sent
         sent += out
@@ -104,7 +104,7 @@ def drain(s: PipelinedDraft, steps: int = 100) -> list:
 
 
 def feedback(s: PipelinedDraft, block: Block, accepted: int, token: int, **kw):
-    return s.on_feedback(block.epoch, block.base, len(block), accepted, token, None,
+    return s.on_feedback(time.time(), block.epoch, block.base, len(block), accepted, token, None,
                          kw.pop("prepared_used", False), time.time() + LATE, **kw)
 
 
@@ -113,7 +113,7 @@ def test_sync_drafts_a_block_then_waits_for_its_verdict():
     assert s.start(time.time()) == []  # the first block is a job for the batched steps
     (item,) = drain(s)
     assert item.block.base == len(PROMPT) and item.block.tokens == script(PROMPT, 3)
-    assert not item.followup and s.next_draft() is None  # sync: nothing ahead of the verdict
+    assert not item.followup and s.next_draft(time.time()) is None  # sync: nothing ahead of the verdict
 
 
 def test_a_full_acceptance_and_its_bonus_token_start_the_next_block_there():
@@ -132,7 +132,7 @@ def test_a_rejection_rolls_back_to_the_correction_in_the_new_epoch():
     s.start(time.time())
     (first,) = drain(s)
     correction = runner_up(first.block.tokens[1])
-    assert s.on_feedback(5, first.block.base, 3, 1, correction, None, False, time.time()) == []
+    assert s.on_feedback(time.time(), 5, first.block.base, 3, 1, correction, None, False, time.time()) == []
     assert s.known == PROMPT + first.block.tokens[:1] + [correction] and s.epoch == 5
     (second,) = drain(s)
     assert second.block.epoch == 5 and second.block.base == len(s.known)
@@ -149,7 +149,7 @@ def test_feedback_on_a_block_it_did_not_send_is_refused(base, drafted, accepted,
     s.start(time.time())
     drain(s)
     with pytest.raises(InvalidRequest, match=message):
-        s.on_feedback(0, base, drafted, accepted, 5, None, False, time.time())
+        s.on_feedback(time.time(), 0, base, drafted, accepted, 5, None, False, time.time())
 
 
 def test_a_pause_drafts_nothing_until_a_resume_brings_the_targets_tokens():
@@ -157,18 +157,18 @@ def test_a_pause_drafts_nothing_until_a_resume_brings_the_targets_tokens():
     s.start(time.time())
     (first,) = drain(s)
     assert feedback(s, first.block, 3, 42, load_cap=0) == []
-    assert s.paused and s.next_draft() is None and drain(s) == []
+    assert s.paused and s.next_draft(time.time()) is None and drain(s) == []
     with pytest.raises(InvalidRequest, match="base"):
-        s.on_resume(1, len(s.known) + 1, [5], 4, time.time())
+        s.on_resume(time.time(), 1, len(s.known) + 1, [5], 4, time.time())
     with pytest.raises(InvalidRequest, match="load_cap 0"):
-        s.on_resume(1, len(s.known), [5], 0, time.time())
+        s.on_resume(time.time(), 1, len(s.known), [5], 0, time.time())
     alone = [11, 12]  # what the target settled alone meanwhile
-    assert s.on_resume(1, len(s.known), alone, 2, time.time()) == []
+    assert s.on_resume(time.time(), 1, len(s.known), alone, 2, time.time()) == []
     assert not s.paused and s.known[-2:] == alone
     (item,) = drain(s)
     assert item.block.epoch == 1 and len(item.block) == 2  # the resume's cap holds
     with pytest.raises(InvalidRequest, match="not paused"):
-        s.on_resume(2, len(s.known), [], 2, time.time())
+        s.on_resume(time.time(), 2, len(s.known), [], 2, time.time())
 
 
 def test_a_session_that_starts_paused_drafts_nothing():
@@ -181,7 +181,7 @@ def test_the_budget_ends_the_output_with_an_empty_block_for_the_last_place():
     s.start(time.time())
     (first,) = drain(s)
     out = feedback(s, first.block, 3, 42)  # 4 tokens settled: the budget is spent
-    assert out == [] and len(s.known) == len(PROMPT) + 4 and s.next_draft() is None
+    assert out == [] and len(s.known) == len(PROMPT) + 4 and s.next_draft(time.time()) is None
     s2 = session(max_new_tokens=5)
     s2.start(time.time())
     (first,) = drain(s2)
@@ -227,12 +227,12 @@ def test_a_used_prepared_continuation_is_the_next_block_without_drafting_again()
     key = (first.block.base, 1, runner_up(first.block.tokens[1]))
     ready = next(o for o in sent if o.prepared_for == key)
     begun = len(s.session.begun)
-    out = s.on_feedback(3, first.block.base, 3, 1, key[2], None, True, time.time() + LATE)
+    out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, key[2], None, True, time.time() + LATE)
     assert out == [] and s.outstanding == [ready] and ready.block.epoch == 3
     assert s.known == PROMPT + first.block.tokens[:1] + [key[2]]
     assert len(s.session.begun) == begun  # nothing drafted for it: it was ready
     with pytest.raises(InvalidRequest, match="did not send"):
-        s.on_feedback(3, first.block.base, 3, 1, key[2], None, True, time.time())
+        s.on_feedback(time.time(), 3, first.block.base, 3, 1, key[2], None, True, time.time())
 
 
 def test_a_prepared_continuation_it_never_made_cannot_be_used():
@@ -240,7 +240,7 @@ def test_a_prepared_continuation_it_never_made_cannot_be_used():
     s.start(time.time())
     first = drain(s)[0]
     with pytest.raises(InvalidRequest, match="prepared continuation"):
-        s.on_feedback(1, first.block.base, 3, 0, 33, None, True, time.time())
+        s.on_feedback(time.time(), 1, first.block.base, 3, 0, 33, None, True, time.time())
 
 
 def test_a_pause_must_settle_its_token_at_the_target():
@@ -262,6 +262,6 @@ def test_a_sampled_rejection_without_the_targets_row_is_refused():
 def test_close_drops_every_job_and_returns_the_pages():
     s = session(pipelined=True)
     s.start(time.time())
-    s.work()
+    s.work(time.time())
     s.close()
     assert s.session.closed and s.job is None and s.critical is None and s.prepared == {}

@@ -434,3 +434,37 @@ def test_only_a_greedy_session_waiting_on_its_draft_fills():
     assert h.session.wants_fill()
     h.fill(STOP)  # the target's own stop token ends the output like any other
     assert h.finish_reason == "stop" and not h.session.wants_fill() and h.draft.count("cancel") == 1
+
+
+# --- the core's shape: events in, effects out, no clock ------------------------------------------------
+
+
+def test_a_round_is_its_effects_in_order_and_the_same_events_at_the_same_times_give_the_same_effects():
+    """The session reads no clock and calls nothing of its transport: what a round does is the
+    list each event returns, in order (a verify is asked for, not run; the feedback leaves once
+    the verdict's next round is known, so a follow-up decided at once joins it), and two sessions
+    fed the same events at the same times return equal effects, timestamps included."""
+    runs = []
+    for _ in range(2):
+        h = Harness(pipeline="async")
+        effects = h.start()
+        effects += h.do.on_draft_event(h.block([11, 12, 13]), 5.0, 100, True)
+        block, (received_at, source) = h.queue[0]
+        effects += h.do.verified(block, Verdict(block.base, 1, 20), received_at, source, 6.0, 7.0)
+        runs.append(effects)
+    assert runs[0] == runs[1]
+    kinds = [type(effect).__name__ for effect in runs[0]]
+    assert kinds == ["ToDraft", "Verify", "Settle", "ToDraft"]  # start; the block; then the verdict's
+    assert runs[0][2] == Settle((11, 20))
+    feedback = runs[0][3].request
+    assert isinstance(feedback, Feedback) and feedback.sent_at == h.clock  # the event's time, not a clock's
+
+
+def test_an_event_never_runs_inside_another():
+    """A rule that needs another event's work calls its private body: an event started within
+    one would interleave two lists of effects."""
+    h = Harness()
+    h.session._start_draft = lambda: h.session.attach(h.clock)
+    with pytest.raises(RuntimeError, match="attach called within another event"):
+        h.start()
+    assert h.session._effects is None  # the failed event left no half-collected effects behind
