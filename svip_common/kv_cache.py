@@ -54,6 +54,7 @@ from svip_common.errors import ModelLoadError, SvipError
 from svip_common.kv_sizes import PAGE_SIZE
 from svip_common.pool_decoder import PoolDecoder
 from svip_common.test_hooks import forward_delay
+from svip_common.trees import ancestors_mask, depths
 
 ATTENTION = "svip_ragged"
 
@@ -146,42 +147,43 @@ class KVPool:
         forward_delay()
         if self.timing is None:
             return self._forward_features(steps, layers)
-        with self.timing.forward([(len(new), len(seq)) for seq, new, _ in steps]):
+        with self.timing.forward([(len(step[1]), len(step[0])) for step in steps]):
             return self._forward_features(steps, layers)
 
     def _forward_features(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]],
                           layers: Sequence[int]) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-        need = sum(max(0, s.pages_needed(len(ids))) for s, ids, _ in steps)
+        need = sum(max(0, step[0].pages_needed(len(step[1]))) for step in steps)
         if need > len(self._free):
             raise PoolFull(
                 f"the KV pool has {len(self._free)} free pages of {self.page_size} tokens; {need} are needed"
             )
         ids, positions, keep = [], [], []
-        for seq, new, k in steps:
+        for seq, new, k, *tree in steps:
             if not new or not 0 <= k <= len(new):
                 raise ValueError(f"a step needs new tokens and 0 <= k <= their count, got {len(new)} and {k}")
             seq._grow(len(new))
             start = len(seq)
             keep += range(len(ids) + len(new) - k, len(ids) + len(new))
             ids += new
-            positions += range(start, start + len(new))
+            positions += [start + d for d in depths(tree[0])] if tree else range(start, start + len(new))
         self.max_forward_tokens = max(self.max_forward_tokens, len(ids))
-        meta = _Ragged.plan(self, [(seq, len(new)) for seq, new, _ in steps], inputs=(ids, positions, keep))
+        meta = _Ragged.plan(self, [(step[0], len(step[1]), *step[3:]) for step in steps],
+                            inputs=(ids, positions, keep))
         ids_, positions_, keep_ = meta.inputs
         if self.decoder is not None:
             logits, hidden = self.decoder.run(ids_, positions_, keep_, meta, tuple(layers))
         else:
             logits, hidden = self._through_modules(ids_, positions_, keep_, meta, layers)
-        for seq, new, _ in steps:
+        for seq, new, *_ in steps:
             seq.tokens.extend(new)
         rows = []  # logits: [sum of k, vocab]
-        for _, _, k in steps:
+        for _, _, k, *_ in steps:
             rows.append(logits[:k])
             logits = logits[k:]
         if not layers:
             return rows, []
         features = torch.cat([hidden[i].to(self.model.device) for i in layers], dim=-1)  # [total, layers x h]
-        return rows, list(features.split([len(new) for _, new, _ in steps]))
+        return rows, list(features.split([len(step[1]) for step in steps]))
 
     def _through_modules(self, ids: torch.Tensor, positions: torch.Tensor, keep: torch.Tensor, meta: _Ragged,
                          layers: Sequence[int]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
@@ -245,6 +247,25 @@ class PagedSequence:
             keep = next(i for i, (a, b) in enumerate(zip(self.tokens, sequence)) if a != b)
         self.rollback(keep)
         return keep
+
+    def keep_path(self, base: int, spine: int, accepted: int, branch_node: int | None) -> None:
+        """After a tree step from ``base`` (its nodes held from there: the spine's ``spine``
+        tokens, then the siblings): the siblings are forgotten, and where one was taken at the
+        place after the ``accepted`` spine tokens (branch_node: its index among the nodes), its
+        keys and values move into that place and the spine past it goes. A node's keys and values
+        are exactly what a chain through it holds there (each attended to its ancestors only, at
+        its depth), so what stays is the accepted path as a chain would have computed it."""
+        if branch_node is None:
+            self.rollback(base + spine)
+            return
+        place, node = base + accepted, base + branch_node
+        slots = self._slots_upto(len(self.tokens))
+        src, dst = slots[node : node + 1], slots[place : place + 1]
+        for keys, values in zip(self.pool.keys, self.pool.values):
+            keys.index_copy_(0, dst.to(keys.device), keys.index_select(0, src.to(keys.device)))
+            values.index_copy_(0, dst.to(values.device), values.index_select(0, src.to(values.device)))
+        self.tokens[place] = self.tokens[node]
+        self.rollback(place + 1)
 
     def tokens_equal(self, sequence: Sequence[int]) -> bool:
         return len(self.tokens) == len(sequence) and self.tokens == list(sequence)
@@ -339,6 +360,12 @@ class _FreePages:
             del self._starts[bisect_left(self._starts, page + 1)]
 
 
+def _tree_mask(cached: int, parents: Sequence[int]) -> torch.Tensor:
+    """A tree step's mask [new, cached + new]: every cached key, and each node's ancestors and itself."""
+    tree = torch.tensor(ancestors_mask(parents), dtype=torch.bool).reshape(len(parents), len(parents))
+    return torch.cat([torch.ones(len(parents), cached, dtype=torch.bool), tree], dim=1)
+
+
 @dataclass
 class _Item:
     """A sequence attended on its own: a prefill chunk, or a step with one short item."""
@@ -349,12 +376,13 @@ class _Item:
     read: int  # where its keys begin: a slot of the pool (run) or a row of the step's gather
     run: bool  # its keys are one run of the pool's slots (a view), else rows of the gather
     mask: torch.Tensor | None = None  # [length, total] causal, lower right, after cached keys (made when staged)
+    tree: torch.Tensor | None = None  # [length, total] a tree step's mask, on the host: cached keys and ancestors
 
     @property
     def causal(self) -> bool:
         """A prefill from nothing (several new tokens, no keys before them): attended with
         ``is_causal``, no mask."""
-        return 1 < self.length == self.total
+        return self.tree is None and 1 < self.length == self.total
 
 
 @dataclass
@@ -460,16 +488,19 @@ class _Ragged:
     inputs: list[torch.Tensor]  # the forward's own index inputs (ids, positions, kept rows), staged alongside
 
     @staticmethod
-    def plan(pool: KVPool, steps: Sequence[tuple[PagedSequence, int]], inputs: Sequence[Sequence[int]] = ()
-             ) -> _Ragged:
-        """steps: (sequence, new tokens) after each sequence has grown its pages for them;
-        inputs: integer lists the forward takes as tensors, staged in the same copy."""
-        writes, start, short, long_ = [], 0, [], []
-        for seq, n in steps:
+    def plan(pool: KVPool, steps: Sequence[tuple], inputs: Sequence[Sequence[int]] = ()) -> _Ragged:
+        """steps: (sequence, new tokens[, parents]) after each sequence has grown its pages for
+        them (parents: a tree step's, each new token's parent among them, -1: the cached tokens;
+        attended alone, under its own mask); inputs: integer lists the forward takes as tensors,
+        staged in the same copy."""
+        writes, start, short, long_, trees = [], 0, [], [], {}
+        for seq, n, *tree in steps:
             total = len(seq) + n
             slots = seq._slots_upto(total)
             writes.append(slots[-n:])
-            (short if n <= PACK_MAX_NEW else long_).append((seq, slots, start, n, total))
+            if tree:
+                trees[start] = _tree_mask(len(seq), tree[0])
+            (short if n <= PACK_MAX_NEW and not tree else long_).append((seq, slots, start, n, total))
             start += n
         groups, alone = _pack_groups(short)
         singles = sorted(alone + long_, key=lambda item: item[2])
@@ -477,9 +508,9 @@ class _Ragged:
         items, gathers, gathered = [], [], 0
         for seq, slots, start, n, total in singles:
             if seq._run is not None:
-                items.append(_Item(start, n, total, seq._run, True))
+                items.append(_Item(start, n, total, seq._run, True, tree=trees.get(start)))
             else:
-                items.append(_Item(start, n, total, gathered, False))
+                items.append(_Item(start, n, total, gathered, False, tree=trees.get(start)))
                 gathers.append(slots)
                 gathered += total
         gather = torch.cat(gathers) if gathers else None
@@ -507,7 +538,9 @@ class _Ragged:
         for pack in self.packs:
             pack.make_mask()
         for item in self.items:
-            if item.length > 1 and not item.causal:  # causal, lower right, after cached keys
+            if item.tree is not None:
+                item.mask = item.tree.to(self.pool.device)
+            elif item.length > 1 and not item.causal:  # causal, lower right, after cached keys
                 n, total = item.length, item.total
                 item.mask = torch.ones(n, total, dtype=torch.bool, device=self.pool.device).tril(total - n)
 

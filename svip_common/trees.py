@@ -1,0 +1,83 @@
+"""Token trees (issue 44), the CaPE shape: a block's drafted tokens are its *spine* (the draft's
+own choice at each place, SVIP's stop deciding how deep it goes) and, at each place, *siblings*:
+the draft's next most likely tokens there, leaves off the spine. The target verifies every node in
+one forward, each attending to its ancestors only (the paged KV pool's tree steps,
+svip_common/kv_cache.py), so a node's row is what a chain through that node would compute there.
+
+Greedy acceptance walks the spine as a chain does; at the first place where the target's choice
+differs from the spine's token, a sibling equal to that choice is taken (its *branch*), and the
+row of that sibling gives the next place's token. So a round settles the chain's tokens, and one
+more wherever a sibling covered the rejection; every settled token is still the target's own
+choice, and output equals the target alone's token for token.
+
+CaPE's width (GliDe with CaPE, Du et al. 2024; the bins of its public code): the candidates kept
+at a drafted place, the spine's token among them, by the draft's probability of that token:
+8 under 0.3, 6 under 0.6, 4 under 0.8, else 2. Siblings are those less the spine's own.
+
+Layout of a tree block's nodes in the verifier's forward: the spine in order, then each place's
+siblings in place order. ``parents`` gives each node's parent among them (-1: the token before
+the block); a node's position is the block's base plus its depth.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from svip_common.errors import InvalidRequest
+
+TREES = ("off", "cape")
+CAPE_BINS = ((0.3, 8), (0.6, 6), (0.8, 4))  # (top-1 probability under, candidates kept)
+CAPE_WIDEST = 8  # candidates at a place when the draft is least sure
+MAX_TREE_NODES = 64  # a block's nodes at most (spine and siblings): a request cannot make a step wider
+
+
+def check_tree(tree: str) -> None:
+    if tree not in TREES:
+        raise InvalidRequest(f"unknown tree {tree!r}; choose one of {', '.join(TREES)}")
+
+
+def cape_candidates(top_prob: float) -> int:
+    """How many candidates CaPE keeps at a place where the draft gave its token top_prob."""
+    return next((kept for under, kept in CAPE_BINS if top_prob < under), 2)
+
+
+def cape_siblings(token_prob: float, ranked: Sequence[tuple[int, float]], room: int) -> list[int]:
+    """The siblings at a drafted place: the runners-up (ranked, the spine's token not among them)
+    that CaPE keeps at the draft's probability of its token, no more than ``room``."""
+    return [token for token, _ in ranked[: min(cape_candidates(token_prob) - 1, max(room, 0))]]
+
+
+def node_parents(spine: int, siblings: Sequence[Sequence[int]]) -> list[int]:
+    """Each node's parent among the nodes (-1: the token before the block), in the layout above."""
+    parents = [i - 1 for i in range(spine)]
+    for place, options in enumerate(siblings):
+        parents += [place - 1] * len(options)
+    return parents
+
+
+def sibling_nodes(spine: int, siblings: Sequence[Sequence[int]]) -> dict[tuple[int, int], int]:
+    """(place, token) -> the node index of that sibling."""
+    nodes, at = {}, spine
+    for place, options in enumerate(siblings):
+        for token in options:
+            nodes.setdefault((place, token), at)
+            at += 1
+    return nodes
+
+
+def depths(parents: Sequence[int]) -> list[int]:
+    """Each node's depth (0: a child of the token before the block); parents come before children."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(0 if parent < 0 else out[parent] + 1)
+    return out
+
+
+def ancestors_mask(parents: Sequence[int]) -> list[list[bool]]:
+    """[node][node]: whether the column node is the row node or one of its ancestors."""
+    rows: list[list[bool]] = []
+    for i, parent in enumerate(parents):
+        row = list(rows[parent]) if parent >= 0 else [False] * len(parents)
+        row[i] = True
+        rows.append(row)
+    return rows

@@ -1,0 +1,80 @@
+"""Token trees (svip_common/trees.py): a tree step through the paged KV pool gives every node the
+row a chain through it gives, on both attention paths, and keeping the accepted path leaves the
+cache a chain would have."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from svip_common.kv_cache import KVPool
+from svip_common.trees import (
+    ancestors_mask,
+    cape_candidates,
+    cape_siblings,
+    depths,
+    node_parents,
+    sibling_nodes,
+)
+
+PREFIX = [5, 17, 42, 8, 99, 23, 61]
+SPINE = [7, 31, 12]
+SIBLINGS = [[40], [50, 51], []]  # per place: alternatives to the spine's token there
+
+
+def test_the_layout_of_a_cape_tree():
+    parents = node_parents(len(SPINE), SIBLINGS)
+    assert parents == [-1, 0, 1, -1, 0, 0]  # the spine, then 40 at place 0, 50 and 51 at place 1
+    assert depths(parents) == [0, 1, 2, 0, 1, 1]
+    assert sibling_nodes(len(SPINE), SIBLINGS) == {(0, 40): 3, (1, 50): 4, (1, 51): 5}
+    mask = ancestors_mask(parents)
+    assert mask[4] == [True, False, False, False, True, False]  # 50 sees the spine's first token and itself
+    assert mask[2] == [True, True, True, False, False, False]
+
+
+@pytest.mark.parametrize("p, kept", [(0.1, 8), (0.29, 8), (0.3, 6), (0.59, 6), (0.6, 4), (0.79, 4), (0.8, 2), (1.0, 2)])
+def test_cape_keeps_more_candidates_where_the_draft_is_less_sure(p, kept):
+    assert cape_candidates(p) == kept
+    ranked = [(t, 0.01) for t in range(100, 110)]
+    assert cape_siblings(p, ranked, room=64) == list(range(100, 100 + kept - 1))
+    assert cape_siblings(p, ranked, room=1) == [100]  # the node budget bounds it
+
+
+def _chain_rows(model, tokens: list[int], last: int) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(input_ids=torch.tensor([tokens])).logits[0, -last:]
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat decoder", "model modules"])
+@torch.inference_mode()
+def test_a_tree_steps_rows_are_what_chains_through_each_node_give(models, flat):
+    model = models["target"].model
+    pool = KVPool(model, tokens=256, page_size=4, flat=flat)
+    seq, other = pool.sequence(), pool.sequence()
+    seq.forward(PREFIX, 1)
+    nodes = SPINE + [t for options in SIBLINGS for t in options]
+    parents = node_parents(len(SPINE), SIBLINGS)
+    rows, beside = pool.forward([(seq, nodes, len(nodes), parents), (other, PREFIX[:3], 1)])
+    spine_rows = _chain_rows(model, PREFIX + SPINE, len(SPINE))
+    assert torch.allclose(rows[: len(SPINE)], spine_rows, atol=1e-4)
+    for (place, token), node in sibling_nodes(len(SPINE), SIBLINGS).items():
+        chain = _chain_rows(model, PREFIX + SPINE[:place] + [token], 1)[0]
+        assert torch.allclose(rows[node], chain, atol=1e-4), (place, token)
+        assert rows[node].argmax() == chain.argmax()
+    assert torch.allclose(beside[0], _chain_rows(model, PREFIX[:3], 1)[0], atol=1e-4)  # its neighbour unchanged
+
+
+@torch.inference_mode()
+def test_keeping_a_branch_leaves_the_cache_a_chain_through_it_would_hold(models):
+    model = models["target"].model
+    pool = KVPool(model, tokens=256, page_size=4)
+    seq = pool.sequence()
+    seq.forward(PREFIX, 1)
+    nodes = SPINE + [t for options in SIBLINGS for t in options]
+    pool.forward([(seq, nodes, len(nodes), node_parents(len(SPINE), SIBLINGS))])
+    seq.keep_path(len(PREFIX), len(SPINE), 1, sibling_nodes(len(SPINE), SIBLINGS)[(1, 51)])
+    assert seq.tokens == PREFIX + [7, 51]
+    after = seq.forward([9, 10], 2)
+    assert torch.allclose(after, _chain_rows(model, PREFIX + [7, 51, 9, 10], 2), atol=1e-4)
+    seq.keep_path(len(PREFIX) + 2, 2, 0, None)  # no branch: the spine is kept as a chain's is
+    assert seq.tokens == PREFIX + [7, 51, 9, 10]
