@@ -238,6 +238,9 @@ def resolved(request: GenerationRequest, speculates: bool, limits: Limits) -> Ge
 
 def start_message(session_id: str, request: GenerationRequest, target: ModelInfo, pipeline: str) -> pb.StartSession:
     """The StartSession the caller sends the target worker for a resolved request."""
+    if request.policy.tree != "off":  # the wire carries chains: a tree is refused, never dropped
+        raise InvalidRequest(f"tree {request.policy.tree!r} runs in process only so far (svip generate "
+                             "--mode inprocess); the distributed pipeline drafts chains (tree 'off')")
     start = pb.StartSession(
         session_id=session_id, prompt_ids=request.prompt_ids, sampling=convert.sampling_to_proto(request.sampling),
         stop_token_ids=sorted(request.stop_ids(target.eos_token_ids)), max_new_tokens=request.max_new_tokens,

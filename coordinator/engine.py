@@ -21,6 +21,7 @@ from svip_common.auto_prior import estimate_from, stored_prior
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import (
     AUTO,
+    NO_TOKEN,
     Block,
     GenerationRequest,
     GenerationResult,
@@ -33,6 +34,7 @@ from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
 from svip_common.step_cost import UNLIMITED, Ewma, SessionGate, check_load_aware, load_aware_for
+from svip_common.trees import node_price
 from target_worker.verifier import Verifier
 
 # Called after each round with the block, its verdict and the tokens it settled (streaming,
@@ -132,6 +134,9 @@ class SpeculativeEngine:
         threshold 'auto' replaced by the pair's calibrated value."""
         request = request.checked_for(self.drafter is not None, self.limits)
         policy = request.policy
+        if policy.tree != "off" and self.feature_draft:
+            raise InvalidRequest(f"tree {policy.tree!r} drafts with a draft model only so far; a feature head "
+                                 "drafts chains (tree 'off')")
         if policy.threshold == AUTO:
             threshold = self.calibration().threshold_for(policy.entropy_scale) if self.drafter else 0.0
             request = dataclasses.replace(request, policy=dataclasses.replace(policy, threshold=threshold))
@@ -223,7 +228,10 @@ class EngineSession:
         place, and at load no more than pay (0: this round runs as the target alone)."""
         cap = UNLIMITED
         engine = self._engine
-        load = engine.verifier.load(engine.in_step) if self.gated or self.stop is not None else None
+        priced = self.request.policy.tree == "auto"
+        load = engine.verifier.load(engine.in_step) if self.gated or self.stop is not None or priced else None
+        if priced:
+            self.draft.node_price = 0.0 if load is None else node_price(load.plain_rate, load.verify_token_s)
         if self.gated:
             cap = self.gate.cap(load)
         if self.stop is not None:
@@ -239,11 +247,14 @@ class EngineSession:
             self.gate.record(len(block), verdict.accepted, drafting_s)
         if self.stop is not None:
             self.stop.record(block.entropies, block.probs, verdict.accepted, drafting_s)
-        settled = [*block.tokens[: verdict.accepted], verdict.token]
+        branch = [verdict.branch] if verdict.branch != NO_TOKEN else []  # a tree's sibling at the rejected place
+        settled = [*block.tokens[: verdict.accepted], *branch, verdict.token]
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled
         self.generated += settled
         self.stats.record_round(len(block), verdict.accepted, block.entropies[-1] if block.entropies else None)
+        if block.siblings is not None:
+            self.stats.record_tree(block.nodes, bool(branch))
         return settled
 
     def fail(self, exc: Exception) -> None:

@@ -23,6 +23,7 @@ from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
 from svip_common.sampling import entropy, mask_padding, sample_indices, warp_probs
+from svip_common.trees import CAPE_WIDEST, MAX_TREE_NODES, cape_siblings
 
 
 class Drafter:
@@ -112,8 +113,9 @@ class Drafter:
             keyed = [uniform(b._session.sampling.seed, b.block.base + len(b.block), Purpose.DRAFT) for b in blocks]
             tokens = sample_indices(q, torch.tensor(keyed, dtype=torch.float64, device=q.device))[:, None]
         parts = [tokens.double(), q.gather(-1, tokens).double(), entropy(q).double()[:, None]]
-        if any(b._keep_alternatives for b in blocks):  # the runners-up only where a block keeps them
-            top = torch.topk(q, min(ALTERNATIVES + 1, q.shape[-1]), dim=-1)
+        runners_up = max(b._runners_up for b in blocks)
+        if runners_up:  # the runners-up only where a block keeps them
+            top = torch.topk(q, min(runners_up + 1, q.shape[-1]), dim=-1)
             parts += [top.indices.double(), top.values.double()]
         host = torch.cat(parts, dim=-1).tolist()  # the one host read
         n, kept = (len(host[0]) - 3) // 2, None if sampling.greedy else q
@@ -126,7 +128,7 @@ class Drafter:
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
     ) -> DraftSession:
-        return DraftSession(self, sampling, make_policy(policy), stop_token_ids)
+        return DraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree)
 
 
 class DraftSession:
@@ -136,10 +138,14 @@ class DraftSession:
         sampling: SamplingParams,
         policy: LengthPolicy,
         stop_token_ids: Sequence[int],
+        tree: str = "off",
     ):
+        """tree: "cape": each block a token tree (svip_common/trees.py), else a chain."""
         self.sampling = sampling
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
+        self.tree = tree
+        self.node_price = 0.0  # tree "auto": a verified node's price in tokens (the caller sets it from the load)
         self._drafter = drafter
         self._seq = drafter.pool.sequence()
         self.forwards = 0
@@ -203,8 +209,12 @@ class BlockDraft:
     def __init__(self, session: DraftSession, committed: Sequence[int], budget: int, alternatives: bool = False):
         self._session = session
         self._keep_alternatives = alternatives
+        self._tree = session.tree in ("cape", "auto")
+        self._price = session.node_price if session.tree == "auto" else 0.0
+        self._reach = 1.0  # the draft's chance that its tokens so far are all accepted
+        self._runners_up = max(ALTERNATIVES if alternatives else 0, CAPE_WIDEST - 1 if self._tree else 0)
         base = len(committed)
-        self.block = Block(base=base, tokens=[], probs=[], entropies=[])
+        self.block = Block(base=base, tokens=[], probs=[], entropies=[], siblings=[] if self._tree else None)
         self.alternatives: list[list[tuple[int, float]]] = []  # per token: [(id, q(id))], most likely first
         self.compute_s = 0.0
         self.prefill_s = 0.0  # of compute_s, the forward that took in a prefix of many tokens
@@ -252,8 +262,13 @@ class BlockDraft:
         block.tokens.append(token)
         block.probs.append(prob)
         block.entropies.append(h)
+        others = [(i, p) for i, p in ranked if i != token and p > 0]
         if self._keep_alternatives:
-            self.alternatives.append([(i, p) for i, p in ranked if i != token and p > 0][:ALTERNATIVES])
+            self.alternatives.append(others[:ALTERNATIVES])
+        if self._tree:  # CaPE's siblings at this place, the block's nodes bounded
+            room = MAX_TREE_NODES - self._limit - sum(map(len, block.siblings))
+            block.siblings.append(cape_siblings(prob, others, room, self._reach, self._price))
+            self._reach *= prob
         if q is not None:
             self._q_rows.append(q)
         self.done = step.index >= self._limit or token in s.stop_token_ids or s.policy.should_stop(step)

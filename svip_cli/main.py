@@ -28,6 +28,7 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.pair_config import PairConfig
 from svip_common.randomness import sample_seed
 from svip_common.step_cost import IDLE_PREFILL_MODES, LOAD_AWARE_MODES
+from svip_common.trees import TREES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -133,6 +134,10 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--draft-length", type=int, default=5, help="constant: k; heuristic: starting k (5)")
     pol.add_argument("--max-draft-length", type=int, default=40, help="hard cap on any block (40)")
     pol.add_argument("--confidence", type=float, default=0.4, help="confidence: stop when q(token) < c (0.4)")
+    pol.add_argument("--tree", choices=TREES, default="off",
+                     help="each block a token tree, the policy deciding its depth (in process, greedy; off: a "
+                          "chain, the default): cape: CaPE's siblings at each drafted place; auto: those of them "
+                          "that pay at the target's measured load")
     _add_auto_arguments(pol)
     smp = gen.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=128)
@@ -532,9 +537,13 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
             draft_length=args.draft_length,
             max_draft_length=args.max_draft_length,
             confidence=args.confidence,
+            tree=args.tree,
         ),
     )
     request.validate(Limits(tokens=1, positions=None))
+    if args.tree != "off" and getattr(args, "mode", "inprocess") == "distributed":  # before any worker starts
+        raise InvalidRequest(f"--tree {args.tree} runs in process only so far; the distributed pipeline drafts "
+                             "chains (--tree off)")
     return request
 
 

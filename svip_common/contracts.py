@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from svip_common.errors import InvalidRequest
+from svip_common.trees import check_tree
 
 if TYPE_CHECKING:  # tensors ride on blocks and verdicts; the CLI reads this module without loading torch
     import torch
@@ -69,6 +70,7 @@ class PolicyConfig:
     max_draft_length: int = 40  # hard cap on any block
     confidence: float = 0.4  # confidence: stop when q(drafted token) < confidence
     oracle_tokens: tuple[int, ...] = ()  # oracle: prompt + the target's greedy continuation
+    tree: str = "off"  # "cape": each block a token tree, CaPE's siblings at each drafted place (svip_common/trees.py)
 
     def validate(self, cap: int = DRAFT_LENGTH_CAP) -> None:
         """cap: the longest block this deployment drafts; draft_length and max_draft_length beyond it are refused."""
@@ -91,6 +93,7 @@ class PolicyConfig:
             raise InvalidRequest(f"max draft length must be in [1, {cap}], got {self.max_draft_length}")
         if not (0.0 <= self.confidence <= 1.0):
             raise InvalidRequest(f"confidence must be in [0, 1], got {self.confidence}")
+        check_tree(self.tree)
 
 
 @dataclass(frozen=True)
@@ -133,6 +136,9 @@ class GenerationRequest:
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
+        if self.policy.tree != "off" and not self.sampling.greedy:
+            raise InvalidRequest(f"tree {self.policy.tree!r} drafts greedy requests only so far (temperature 0); "
+                                 "sampled requests draft chains (tree 'off')")
 
 
 def check_token_ids(ids, limit: int, what: str = "token id") -> None:
@@ -185,6 +191,13 @@ class Block:
     entropies: list[float]
     q_rows: torch.Tensor | None = None  # [k, vocab] warped q, kept on the draft side (sampling)
     epoch: int = 0
+    # a token tree (svip_common/trees.py): per drafted place, the siblings of its token there (None: a chain)
+    siblings: list[list[int]] | None = None
+
+    @property
+    def nodes(self) -> int:
+        """The tokens the target verifies: the drafted ones and their siblings."""
+        return len(self.tokens) + (sum(map(len, self.siblings)) if self.siblings else 0)
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -198,12 +211,14 @@ class Verdict:
     """The target's answer to a block: ``accepted`` drafted tokens, then ``token`` settles the next
     position (a correction if accepted < len(block), else a bonus). ``token`` is NO_TOKEN when
     the correction is left to the draft side, which holds q: then ``p_row`` is the target's
-    warped p at the rejected position, [vocab]."""
+    warped p at the rejected position, [vocab]. A tree block's verdict may take a sibling at the
+    rejected place (``branch``): then ``token`` settles the place after it."""
 
     base: int
     accepted: int
     token: int
     epoch: int = 0
+    branch: int = NO_TOKEN  # a tree: the sibling settled at place base + accepted (NO_TOKEN: none)
     p_row: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # a feature draft's input (the verifier's feature_layers): the target's hidden states at
     # positions features_from.. that this verdict leaves committed, [n, layers x hidden]
@@ -241,6 +256,8 @@ class GenerationStats:
     # "paused" (load-aware: the target alone while drafting does not pay), "filled" (the target's own token
     # while the session waited on its draft's block)
     discarded_tokens: int = 0  # pre-drafted tokens never verified (stale, or prepared and not used)
+    tree_nodes: int = 0  # token trees (in process): the nodes verified, drafted tokens and siblings
+    branches: int = 0  # rounds where a sibling covered the rejected place (one more token settled)
     prepared_sent: int = 0  # prepared continuations that reached the target in time
     prepared_used: int = 0  # of them, verified with no round trip
     prepared_used_late: int = 0  # prepared continuations the draft sent again as the next block
@@ -260,6 +277,11 @@ class GenerationStats:
     wire_bytes: int = 0  # this session's messages between the workers, both directions
     wire_bytes_per_round: float = 0.0
     timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (worker, start, end), s from start
+
+    def record_tree(self, nodes: int, branched: bool) -> None:
+        """A tree block's nodes (its drafted tokens and their siblings), and whether a sibling was taken."""
+        self.tree_nodes += nodes
+        self.branches += branched
 
     def record_round(self, drafted: int, accepted: int, stop_entropy: float | None) -> None:
         """A verified block: its length, what was accepted, the entropy where drafting stopped."""

@@ -85,6 +85,12 @@ class ForwardTiming:
 
     def __init__(self, device: EmulatedDevice, step: StepModel):
         self.device, self.step = device, step
+        self.last_s = 0.0  # the last forward's time on the device (a virtual one's: its step model's)
+
+    @property
+    def virtual(self) -> bool:
+        """Waits for nothing: a forward's time is what the account says, not the clock."""
+        return self.device.sleep is None
 
     def report(self) -> dict:
         """Its device's use so far, named (what `svip generate --json` and the benches print)."""
@@ -101,5 +107,6 @@ class ForwardTiming:
             due = self.step.forward_s(sequences) * device.scale
             took = device.clock() - started
             device.account(due, took)
+            self.last_s = max(due, took) if device.sleep is not None else due
             if took < due and device.sleep is not None:
                 device.sleep(due - took)

@@ -125,10 +125,13 @@ class KVPool:
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
         """``forward_features`` and its seconds on the device: the clock stops once the device has
         finished the step (on a GPU the call returns when the kernels are queued; load-aware
-        speculation must see what the step costs, not what it takes to launch)."""
+        speculation must see what the step costs, not what it takes to launch). On a virtual
+        device (svip_common/device_timing.py) the step's modelled time: what it would cost there."""
         started = time.perf_counter()
         rows, features = self.forward_features(steps, layers)
         wait_for_device(self.device)
+        if self.timing is not None and self.timing.virtual:
+            return rows, features, self.timing.last_s
         return rows, features, time.perf_counter() - started
 
     def forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]]) -> list[torch.Tensor]:

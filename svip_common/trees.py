@@ -12,7 +12,10 @@ choice, and output equals the target alone's token for token.
 
 CaPE's width (GliDe with CaPE, Du et al. 2024; the bins of its public code): the candidates kept
 at a drafted place, the spine's token among them, by the draft's probability of that token:
-8 under 0.3, 6 under 0.6, 4 under 0.8, else 2. Siblings are those less the spine's own.
+8 under 0.3, 6 under 0.6, 4 under 0.8, else 2. Siblings are those less the spine's own. Tree
+"auto" keeps of them those that pay at the target's measured load (``node_price``): where
+verification is memory-bound (a GPU at small batches) a node costs almost nothing and CaPE's width
+stays; where it is compute-bound (this CPU, large batches) the tree shrinks toward the chain.
 
 Layout of a tree block's nodes in the verifier's forward: the spine in order, then each place's
 siblings in place order. ``parents`` gives each node's parent among them (-1: the token before
@@ -25,7 +28,7 @@ from collections.abc import Sequence
 
 from svip_common.errors import InvalidRequest
 
-TREES = ("off", "cape")
+TREES = ("off", "cape", "auto")
 CAPE_BINS = ((0.3, 8), (0.6, 6), (0.8, 4))  # (top-1 probability under, candidates kept)
 CAPE_WIDEST = 8  # candidates at a place when the draft is least sure
 MAX_TREE_NODES = 64  # a block's nodes at most (spine and siblings): a request cannot make a step wider
@@ -41,10 +44,22 @@ def cape_candidates(top_prob: float) -> int:
     return next((kept for under, kept in CAPE_BINS if top_prob < under), 2)
 
 
-def cape_siblings(token_prob: float, ranked: Sequence[tuple[int, float]], room: int) -> list[int]:
+def cape_siblings(token_prob: float, ranked: Sequence[tuple[int, float]], room: int, reach: float = 1.0,
+                  price: float = 0.0) -> list[int]:
     """The siblings at a drafted place: the runners-up (ranked, the spine's token not among them)
-    that CaPE keeps at the draft's probability of its token, no more than ``room``."""
-    return [token for token, _ in ranked[: min(cape_candidates(token_prob) - 1, max(room, 0))]]
+    that CaPE keeps at the draft's probability of its token, no more than ``room``; with a price
+    (tree "auto"), only those whose chance of settling a token pays for their verification:
+    reach (the draft's chance that the spine holds up to this place) times q(sibling) above the
+    price of a verified node, in tokens the target alone makes meanwhile (``node_price``)."""
+    kept = ranked[: min(cape_candidates(token_prob) - 1, max(room, 0))]
+    return [token for token, q in kept if reach * q > price]
+
+
+def node_price(plain_rate: float, verify_token_s: float) -> float:
+    """What verifying one more node costs, in tokens: the seconds it adds to the target's step
+    times the tokens the target alone makes per second at its batch (every session in the step
+    waits for it). Siblings come from the draft's forward for the spine: no draft work of their own."""
+    return plain_rate * verify_token_s
 
 
 def node_parents(spine: int, siblings: Sequence[Sequence[int]]) -> list[int]:

@@ -25,6 +25,7 @@ from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import accept_greedy, accept_sampled, residual
 from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
+from svip_common.trees import node_parents, sibling_nodes
 
 
 class Verifier:
@@ -81,7 +82,7 @@ class Verifier:
                 continue
             plan = session.plan(committed, block)
             tokens = len(plan.step[1]) if plan.step is not None else 0
-            prefill = tokens - len(block.tokens) - 1  # uncached committed tokens, but the last one
+            prefill = tokens - block.nodes - 1  # uncached committed tokens, but the last one
             prefilling |= prefill > 0
             if tokens > room and (prefill > 0 or steps):  # else a lone block a little past the budget runs
                 chunk = min(int(room), prefill)
@@ -97,11 +98,11 @@ class Verifier:
                 steps.append(plan.step)
                 owners.append(i)
                 room -= tokens
-        self.last_step_tokens = sum(len(new) for _, new, _ in steps)
+        self.last_step_tokens = sum(len(step[1]) for step in steps)
         rows, features, elapsed = self.pool.timed_forward(steps, self.feature_layers) if steps else ([], [], 0.0)
         if features:  # a feature draft's input, per session
             by_sequence = {id(job[0].sequence): job[0] for job in jobs}
-            for (seq, new, _), feats in zip(steps, features):
+            for (seq, new, *_), feats in zip(steps, features):
                 by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
         if steps:
             self._observe(self.last_step_tokens, elapsed, prefilling, len(steps))
@@ -113,7 +114,7 @@ class Verifier:
             session, committed, block = jobs[i]
             logits = session.step_logits(block, plan, settled.get(i), elapsed)
             if session.sampling.greedy:
-                verdicts[i] = session.judge_greedy(len(committed), block, plan, choices.get(i, []))
+                verdicts[i] = session.judge_greedy(len(committed), block, plan, choices.get(i, []), logits)
             else:
                 sampled.append((i, session, len(committed), block, logits))
         groups: dict[tuple, list] = {}  # sessions warped alike: judged in one pass, two host reads
@@ -181,7 +182,7 @@ class Verifier:
         self._observe(sum(len(new) for _, new, _ in steps), elapsed, any(len(new) > 1 for _, new, _ in steps),
                       len(steps))
         by_sequence = {id(session.sequence): session for session, _ in jobs}
-        for (seq, new, _), feats in zip(steps, features):
+        for (seq, new, *_), feats in zip(steps, features):
             by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
         rows = [mask_padding(row, self.token_limit) for row, (_, _, k) in zip(rows, steps) if k]
         greedy = [i for i, session in enumerate(owners) if session.sampling.greedy]
@@ -236,7 +237,8 @@ class Verifier:
 
 @dataclass
 class _Plan:
-    step: tuple[PagedSequence, list[int], int] | None  # the forward this block needs (None: the stored row is all)
+    # the forward this block needs (None: the stored row is all); a tree's carries its nodes' parents
+    step: tuple[PagedSequence, list[int], int] | tuple[PagedSequence, list[int], int, list[int]] | None
     reuse: bool  # the first row is the stored one
 
 
@@ -383,6 +385,13 @@ class TargetSession:
             kept = base - 1
         if reuse and not drafted:
             return _Plan(None, True)
+        if block.siblings:  # a tree: every node, each under its ancestors only (svip_common/trees.py)
+            before = list(committed[kept:]) if not reuse else []
+            nodes = [*drafted, *(t for options in block.siblings for t in options)]
+            parents = [i - 1 for i in range(len(before))]
+            parents += [p + len(before) if p >= 0 else len(before) - 1
+                        for p in node_parents(len(drafted), block.siblings)]
+            return _Plan((self.sequence, before + nodes, len(nodes) + (not reuse), parents), reuse)
         if reuse:
             return _Plan((self.sequence, list(drafted), len(drafted)), True)
         return _Plan((self.sequence, [*committed[kept:], *drafted], len(drafted) + 1), False)
@@ -398,16 +407,36 @@ class TargetSession:
             self.forwards += 1
             self.forward_s += elapsed
         self._pending, self._pending_at, self._passed = logits[-1:], len(self.sequence), None
-        self._verifier.tokens_verified += len(block)
+        self._verifier.tokens_verified += block.nodes
         return logits
 
-    def judge_greedy(self, base: int, block: Block, plan: _Plan, choices: list[int]) -> Verdict:
+    def judge_greedy(self, base: int, block: Block, plan: _Plan, choices: list[int], logits: torch.Tensor) -> Verdict:
         """choices: the argmax of each row the step computed for this block (read with the step's
-        others); the stored row's argmax goes first when the plan reuses it."""
-        target_tokens = ([self._pending_choice] if plan.step is None or plan.reuse else []) + choices  # [k + 1]
+        others); the stored row's argmax goes first when the plan reuses it. logits: the rows
+        (step_logits), the place before the block first."""
+        target_tokens = ([self._pending_choice] if plan.step is None or plan.reuse else []) + choices  # [1 + nodes]
+        if block.siblings:
+            return self._judge_tree(base, block, target_tokens, logits)
         self._pending_choice = target_tokens[-1]
         accepted = accept_greedy(target_tokens, block.tokens)
         return Verdict(base=base, accepted=accepted, token=target_tokens[accepted], epoch=block.epoch)
+
+    def _judge_tree(self, base: int, block: Block, target_tokens: list[int], logits: torch.Tensor) -> Verdict:
+        """A tree's verdict: the spine judged as a chain; where the target's choice parts from it,
+        a sibling equal to that choice is taken and its own row settles the next place. The cache
+        keeps the accepted path (its last row stored, as a chain's is)."""
+        k = len(block.tokens)
+        spine = target_tokens[: k + 1]  # the target's choice at each place along the spine
+        accepted = accept_greedy(spine, block.tokens)
+        node = sibling_nodes(k, block.siblings).get((accepted, spine[accepted])) if accepted < k else None
+        self.sequence.keep_path(base, k, accepted, node)
+        last = k - 1 if node is None else node  # the path's last node: its row is the next place's
+        self._pending, self._pending_at = logits[1 + last : 2 + last], len(self.sequence)
+        self._pending_choice = target_tokens[1 + last]
+        if node is None:
+            return Verdict(base=base, accepted=accepted, token=spine[accepted], epoch=block.epoch)
+        return Verdict(base=base, accepted=accepted, token=target_tokens[1 + node], epoch=block.epoch,
+                       branch=spine[accepted])
 
 
 def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tensor]]) -> list[Verdict]:

@@ -73,6 +73,23 @@ def test_draft_none_equals_speculative_greedy(capsys, model_dirs):
     assert outputs[0] == outputs[1] == outputs[2]
 
 
+def test_a_tree_from_the_command_line_equals_the_target_alone(capsys, model_dirs):
+    """`--tree cape`: each block a token tree; the output is the target's own, and --json says
+    how many nodes were verified and how many rounds a sibling settled one token more."""
+    outputs, stats = [], []
+    for draft, tree in ((model_dirs.close_draft, "cape"), (model_dirs.close_draft, "auto"), ("none", "off")):
+        code, out, err = run_cli(capsys, "generate", "--prompt-ids", "5,6,7,8", *pair_args(model_dirs, draft),
+                                 "--policy", "constant", "--draft-length", "3", "--tree", tree,
+                                 "--max-new-tokens", "24", "--json")
+        assert code == 0, err
+        record = json.loads(out)
+        outputs.append(record["token_ids"])
+        stats.append(record["stats"])
+    assert outputs[0] == outputs[1] == outputs[2]
+    assert stats[0]["tree_nodes"] > stats[0]["draft_tokens"] and stats[0]["config"]["policy"]["tree"] == "cape"
+    assert stats[2]["tree_nodes"] == 0
+
+
 def test_batch_input_keeps_order(capsys, model_dirs, tmp_path):
     batch = tmp_path / "batch.jsonl"
     batch.write_text('{"prompt": "def"}\n\n{"prompt_ids": [5, 6, 7]}\n{"prompt": "import os"}\n')
@@ -148,6 +165,9 @@ def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
         (["x", "--draft-length", "0"], "draft length must be in [1, 64], got 0"),
         (["x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
         (["x", "--n", "0"], "--n must be >= 1"),
+        (["x", "--tree", "deep"], "invalid choice: 'deep'"),
+        (["x", "--tree", "cape", "--temperature", "0.7"], "drafts greedy requests only so far"),
+        (["x", "--tree", "auto", "--mode", "distributed"], "--tree auto runs in process only so far"),
         (["x", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["x", "--kv-cache-tokens", "16", "--max-new-tokens", "40"], "does not fit the KV cache of 16 tokens"),
         (["x", "--load-aware", "sometimes"], "invalid choice: 'sometimes'"),

@@ -18,6 +18,7 @@ from coordinator.engine import SpeculativeEngine
 from draft_worker.feature_draft import FeatureDrafter, load_feature_draft
 from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, save_head
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
 from svip_common.models import is_feature_head, load_model
 from target_worker.verifier import Verifier
 from tests.integration.test_sampling_exact import SAMPLES, assert_first_tokens_follow_the_target
@@ -359,3 +360,11 @@ def test_the_embedded_head_starts_auto_from_its_stored_prior():
     estimate = engine.auto_estimate()
     assert estimate.prior_cost == pytest.approx(stored["cost"])
     assert stored["weights"][-1] < 0  # the head's later places are accepted less: the fit says so
+
+
+def test_a_tree_is_refused_with_a_feature_head_by_name(models, heads, prompt_ids):
+    """Token trees draft with a draft model only so far (issue 44): a head's request for one is
+    refused with a message that says so, not drafted as a chain in silence."""
+    engine = SpeculativeEngine(models["target"], heads["full"])
+    with pytest.raises(InvalidRequest, match="feature head drafts chains"):
+        engine.generate(GenerationRequest(prompt_ids["short"], 8, policy=PolicyConfig(name="svip", tree="cape")))

@@ -1,0 +1,90 @@
+"""Token trees in the in-process engine (issue 44): greedy output equals the target decoding alone,
+token for token, with CaPE's trees and with `auto`'s priced ones, one request at a time and
+batched; a sibling does cover rejections (a round settles one token more there); what trees do not
+run yet is refused with a message that says so, never drafted as a chain in silence."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from coordinator.distributed import start_message
+from coordinator.engine import SpeculativeEngine
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
+from svip_common.trees import MAX_TREE_NODES
+
+MAX_NEW = 40
+TREE_POLICIES = {
+    "svip-cape": PolicyConfig(name="svip", threshold=0.6, tree="cape"),
+    "constant-cape": PolicyConfig(name="constant", draft_length=4, tree="cape"),
+    "svip-auto": PolicyConfig(name="svip", threshold=0.6, tree="auto"),
+    "auto-cape": PolicyConfig(name="auto", tree="cape"),
+}
+
+
+@pytest.fixture(scope="module")
+def alone(models, prompt_ids):
+    engine = SpeculativeEngine(models["target"], None)
+    return {name: engine.generate(GenerationRequest(ids, MAX_NEW)).token_ids for name, ids in prompt_ids.items()}
+
+
+@pytest.mark.parametrize("draft_name", ["random_draft", "close_draft"])
+@pytest.mark.parametrize("policy", list(TREE_POLICIES))
+def test_a_tree_settles_what_the_target_alone_settles(models, prompt_ids, alone, draft_name, policy):
+    engine = SpeculativeEngine(models["target"], models[draft_name])
+    for name, ids in prompt_ids.items():
+        result = engine.generate(GenerationRequest(ids, MAX_NEW, policy=TREE_POLICIES[policy]))
+        assert result.token_ids == alone[name], (policy, draft_name, name)
+        assert result.stats.tree_nodes >= result.stats.draft_tokens  # the spine's tokens are nodes too
+        assert result.stats.target_forwards == result.stats.rounds  # one forward a round, the tree whole
+
+
+def test_siblings_cover_rejections_and_each_settles_one_more_token(models, prompt_ids, alone):
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    chain = PolicyConfig(name="constant", draft_length=3)
+    tree = dataclasses.replace(chain, tree="cape")
+    settled = {"off": 0, "cape": 0}
+    rounds = {"off": 0, "cape": 0}
+    branches = 0
+    for ids in prompt_ids.values():
+        for name, policy in (("off", chain), ("cape", tree)):
+            result = engine.generate(GenerationRequest(ids, MAX_NEW, policy=policy))
+            settled[name] += len(result.token_ids)
+            rounds[name] += result.stats.rounds
+            branches += result.stats.branches
+    assert branches > 0
+    assert settled["cape"] / rounds["cape"] > settled["off"] / rounds["off"]  # more per round, same tokens
+
+
+@pytest.mark.parametrize("tree", ["cape", "auto"])
+def test_batched_trees_equal_one_at_a_time(models, prompt_ids, alone, tree):
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    policy = PolicyConfig(name="svip", threshold=0.6, tree=tree)
+    names = list(prompt_ids)
+    requests = [GenerationRequest(prompt_ids[name], MAX_NEW, policy=policy) for name in names]
+    for result, name in zip(engine.generate_many(requests, batch_size=len(requests)), names):
+        assert result.token_ids == alone[name], name
+
+
+def test_a_trees_nodes_are_bounded_whatever_the_request(models, prompt_ids):
+    engine = SpeculativeEngine(models["target"], models["random_draft"])  # unsure everywhere: the widest trees
+    policy = PolicyConfig(name="constant", draft_length=40, max_draft_length=40, tree="cape")
+    seen = []
+    request = GenerationRequest(prompt_ids["short"], 60, policy=policy)
+    engine.generate(request, on_round=lambda block, verdict, settled: seen.append(block.nodes))
+    assert seen and max(seen) <= MAX_TREE_NODES
+
+
+def test_what_trees_do_not_run_yet_is_refused_by_name(models, prompt_ids, model_dirs):
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    ids = prompt_ids["short"]
+    with pytest.raises(InvalidRequest, match="unknown tree 'deep'"):
+        engine.generate(GenerationRequest(ids, 8, policy=PolicyConfig(name="svip", tree="deep")))
+    with pytest.raises(InvalidRequest, match="greedy requests only"):
+        engine.generate(GenerationRequest(ids, 8, SamplingParams(temperature=0.8, seed=1),
+                                          PolicyConfig(name="svip", tree="cape")))
+    resolved = engine.resolve(GenerationRequest(ids, 8, policy=PolicyConfig(name="svip", threshold=0.5, tree="cape")))
+    with pytest.raises(InvalidRequest, match="in process only"):
+        start_message("s", resolved, models["target"], "async")
