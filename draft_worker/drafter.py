@@ -132,6 +132,9 @@ class Drafter:
 
 
 class DraftSession:
+    tree = "off"  # "cape" / "auto": each block a token tree (svip_common/trees.py); else a chain
+    node_price = 0.0  # tree "auto": a verified node's price in tokens (the caller sets it from the load)
+
     def __init__(
         self,
         drafter: Drafter,
@@ -145,7 +148,6 @@ class DraftSession:
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tree = tree
-        self.node_price = 0.0  # tree "auto": a verified node's price in tokens (the caller sets it from the load)
         self._drafter = drafter
         self._seq = drafter.pool.sequence()
         self.forwards = 0
