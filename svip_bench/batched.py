@@ -2,7 +2,7 @@
 
     python -m svip_bench.batched [--requests 16] [--batches 1,16] [--max-new-tokens 64] [--repeats N]
                                  [--packing | --alternate] [--json] [--head DIR|eagle]
-                                 [--temperature T --top-p P]
+                                 [--temperature T --top-p P] [--trees]
 
 The embedded pair (unless --target / --draft), --requests Spec-Bench prompts (their last 200
 tokens), --max-new-tokens each with ignore_eos, greedy, through ``SpeculativeEngine.generate_many``
@@ -43,8 +43,9 @@ from svip_common.models import load_model
 PROMPT_TOKENS = 200  # each prompt's last tokens
 
 
-def engines(target, draft, head=None) -> dict:
-    """head: a feature head loaded for the target (its rows: SVIP at the paper's 0.3, confidence)."""
+def engines(target, draft, head=None, trees: bool = False) -> dict:
+    """head: a feature head loaded for the target (its rows: SVIP at the paper's 0.3, confidence);
+    trees: SVIP's blocks as token trees too, CaPE's and auto's (svip_common/trees.py)."""
     from coordinator.engine import SpeculativeEngine
 
     rows = {
@@ -52,6 +53,10 @@ def engines(target, draft, head=None) -> dict:
         "svip (0.4)": (SpeculativeEngine(target, draft), PolicyConfig(name="svip", threshold=0.4)),
         "defaults": (SpeculativeEngine(target, draft, load_aware="greedy"), PolicyConfig()),
     }
+    if trees:
+        for tree in ("cape", "auto"):
+            rows[f"svip (0.4), tree {tree}"] = (SpeculativeEngine(target, draft),
+                                                PolicyConfig(name="svip", threshold=0.4, tree=tree))
     if head is not None:
         with_head = SpeculativeEngine(target, head)
         rows["head: svip (0.3)"] = (with_head, PolicyConfig(name="svip", threshold=0.3))
@@ -75,6 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", help="also a feature head: its directory, or 'eagle' (the embedded target's own)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampled, seeded")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus kept")
+    parser.add_argument("--trees", action="store_true", help="also SVIP's blocks as token trees (cape, auto)")
     args = parser.parse_args(argv)
     sampling = SamplingParams(args.temperature, 0, args.top_p)
     try:
@@ -102,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
             print("| policy | batch | tokens/s |")
             print("|---|---|---|")
     if args.alternate:
-        return _alternated(engines(target, draft, head), encoded, batches, sampling, args)
+        return _alternated(engines(target, draft, head, args.trees), encoded, batches, sampling, args)
     greedy = sampling.greedy
     if not greedy and not args.json:
         print(f"sampled (temperature {args.temperature:g}, top-p {args.top_p:g}, request i seeded with i): "
@@ -110,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     reference, failed = None, False
     settings = (0, kv_cache.PACK_MAX_NEW) if args.packing else (kv_cache.PACK_MAX_NEW,)
     packed = kv_cache.PACK_MAX_NEW
-    for name, (engine, policy) in engines(target, draft, head).items():
+    for name, (engine, policy) in engines(target, draft, head, args.trees).items():
         for size in batches:
             requests = _requests(encoded, args.max_new_tokens, sampling, policy)
             runs: dict[int, list[float]] = {limit: [] for limit in settings}

@@ -28,6 +28,7 @@ from svip_bench.simulate import simulated_waves
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest
+from svip_common.trees import TREES
 
 PLACEMENTS = ("in process", "sync", "async")
 MAX_SESSIONS = 64
@@ -35,12 +36,19 @@ MAX_SESSIONS = 64
 
 def parse_plan_policies(spec: str) -> list[str]:
     names = [p.strip() for p in spec.split(",") if p.strip()]
-    bad = next((p for p in names if p not in ("svip", "auto", "confidence", "heuristic")
-                and not (p.startswith("constant-") and p[9:].isdigit() and 1 <= int(p[9:]) <= 16)), None)
+    bad = next((p for p in names if not _known(p)), None)
     if bad is not None or not names:
-        raise InvalidRequest(f"--policies: svip, auto, confidence, heuristic and constant-K (K in 1..16), "
-                             f"got {bad or spec!r}")
+        raise InvalidRequest(f"--policies: svip, auto, confidence, heuristic and constant-K (K in 1..16), each "
+                             f"optionally +cape or +auto (a token tree, in process), got {bad or spec!r}")
     return list(dict.fromkeys(names))
+
+
+def _known(name: str) -> bool:
+    policy, _, tree = name.partition("+")
+    if tree and tree not in TREES[1:]:
+        return False
+    return policy in ("svip", "auto", "confidence", "heuristic") or (
+        policy.startswith("constant-") and policy[9:].isdigit() and 1 <= int(policy[9:]) <= 16)
 
 
 def parse_sessions(spec: str) -> list[int]:
@@ -54,11 +62,14 @@ def parse_sessions(spec: str) -> list[int]:
 
 
 def policy_config(name: str, threshold: float) -> PolicyConfig:
+    """A plan's policy name (svip, constant-3, svip+cape, ...) as the policy it runs."""
+    name, _, tree = name.partition("+")
+    tree = tree or "off"
     if name == "svip":
-        return PolicyConfig(name="svip", threshold=threshold)
+        return PolicyConfig(name="svip", threshold=threshold, tree=tree)
     if name.startswith("constant-"):
-        return PolicyConfig(name="constant", draft_length=int(name[9:]))
-    return PolicyConfig(name=name)
+        return PolicyConfig(name="constant", draft_length=int(name[9:]), tree=tree)
+    return PolicyConfig(name=name, tree=tree)
 
 
 def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str], sessions: list[int],
@@ -89,6 +100,9 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
         for name in policies:
             drafting = requests(policy_config(name, threshold), n)
             add(n, "in process", name, _in_process(engine, together, drafting, n))
+            if "+" in name:  # a token tree: the distributed pipeline drafts chains so far
+                progress.update(2)
+                continue
             for mode in ("sync", "async"):
                 waves = simulated_waves(engine, emulation, drafting, n, mode)
                 add(n, mode, name, ((waves.tokens_per_s, waves.mean_request_s), waves.outputs))

@@ -135,7 +135,7 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--max-draft-length", type=int, default=40, help="hard cap on any block (40)")
     pol.add_argument("--confidence", type=float, default=0.4, help="confidence: stop when q(token) < c (0.4)")
     pol.add_argument("--tree", choices=TREES, default="off",
-                     help="each block a token tree, the policy deciding its depth (in process, greedy; off: a "
+                     help="each block a token tree, the policy deciding its depth (in process only; off: a "
                           "chain, the default): cape: CaPE's siblings at each drafted place; auto: those of them "
                           "that pay at the target's measured load")
     _add_auto_arguments(pol)
@@ -230,7 +230,8 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--max-prompt-tokens", type=int, default=192)
     plan.add_argument("--sessions", default="1,8,32", help="sessions in flight at once (1,8,32; at most 64)")
     plan.add_argument("--policies", default="svip,auto,constant-3",
-                      help="svip (the pair's calibrated threshold), auto, confidence, heuristic, constant-K")
+                      help="svip (the pair's calibrated threshold), auto, confidence, heuristic, constant-K; "
+                           "each optionally +cape or +auto: a token tree (in process only)")
     plan.add_argument("--out", default="plan-out", help="directory for plan.md, plan.json and plan.png")
 
 

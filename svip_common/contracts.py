@@ -136,9 +136,6 @@ class GenerationRequest:
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
-        if self.policy.tree != "off" and not self.sampling.greedy:
-            raise InvalidRequest(f"tree {self.policy.tree!r} drafts greedy requests only so far (temperature 0); "
-                                 "sampled requests draft chains (tree 'off')")
 
 
 def check_token_ids(ids, limit: int, what: str = "token id") -> None:
@@ -193,6 +190,11 @@ class Block:
     epoch: int = 0
     # a token tree (svip_common/trees.py): per drafted place, the siblings of its token there (None: a chain)
     siblings: list[list[int]] | None = None
+
+    @property
+    def is_tree(self) -> bool:
+        """It has siblings to verify (a tree whose places kept none is verified as the chain it is)."""
+        return bool(self.siblings) and any(self.siblings)
 
     @property
     def nodes(self) -> int:

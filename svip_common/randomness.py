@@ -14,6 +14,7 @@ class Purpose(enum.IntEnum):
     DRAFT = 1  # the draft samples its token at this position
     ACCEPT = 2  # the accept / reject coin for the drafted token at this position
     RESOLVE = 3  # the target samples this position (correction or bonus)
+    BRANCH = 4  # a token tree: the coin for this position's sibling (its index among them)
 
 
 def _splitmix64(x: int) -> int:
@@ -23,11 +24,14 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def uniform(seed: int, position: int, purpose: Purpose) -> float:
-    """A uniform draw in [0, 1) with 53 random bits, fixed by its three keys."""
+def uniform(seed: int, position: int, purpose: Purpose, index: int = 0) -> float:
+    """A uniform draw in [0, 1) with 53 random bits, fixed by its keys (index: the draw's among
+    several of one purpose at one position; 0 leaves the three-key draw as it always was)."""
     x = _splitmix64(seed & _MASK)
     x = _splitmix64(x ^ (position & _MASK))
     x = _splitmix64(x ^ int(purpose))
+    if index:
+        x = _splitmix64(x ^ (index & _MASK))
     return (x >> 11) * (1.0 / (1 << 53))
 
 

@@ -49,3 +49,27 @@ def residual(p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
 def recover(p: torch.Tensor, q: torch.Tensor, u: float) -> int:
     """The correction after a rejection: a draw from norm(max(0, p - q))."""
     return sample_index(residual(p, q), u)
+
+
+def branch_sampled(r: torch.Tensor, siblings: list[int], u: list[float]) -> tuple[int | None, torch.Tensor]:
+    """A token tree's sampled rejection at a place whose drafted token was rejected: the residual
+    r = max(0, p - q) [vocab] (unnormalised), and the siblings drafted there, tried in order. Each
+    is taken with its probability under what is left of r (uniform u[j]); one not taken leaves r
+    without it, renormalised. Returns the sibling taken (None: none), and what is left of r, from
+    which the correction is drawn when none was. Exact for any fixed list of candidates: a sibling
+    s is the outcome with probability r(s), any other token with r(x), so the place follows r
+    as the chain's correction does (SpecInfer's multi-candidate rejection, each candidate a point
+    mass; the siblings depend only on q and the rejected token, so the residual is followed
+    whatever they are). Reads r at each sibling to the host."""
+    left = r / r.sum()
+    for s, coin in zip(siblings, u):
+        mass = float(left[s])
+        if coin < mass:
+            return s, left
+        left = left.clone()
+        left[s] = 0.0
+        total = float(left.sum())
+        if total <= 0.0:  # the sibling held all of it (its coin fell on rounding's edge): the only outcome
+            return s, left
+        left = left / total
+    return None, left

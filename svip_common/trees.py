@@ -8,7 +8,10 @@ Greedy acceptance walks the spine as a chain does; at the first place where the 
 differs from the spine's token, a sibling equal to that choice is taken (its *branch*), and the
 row of that sibling gives the next place's token. So a round settles the chain's tokens, and one
 more wherever a sibling covered the rejection; every settled token is still the target's own
-choice, and output equals the target alone's token for token.
+choice, and output equals the target alone's token for token. Sampled, the spine is judged by the
+chain's rejection rule; at a rejected place the siblings are tried in order against the residual
+max(0, p - q), each taken with its probability under what is left of it
+(svip_common/rejection.py, branch_sampled), so every place still follows the target's distribution.
 
 CaPE's width (GliDe with CaPE, Du et al. 2024; the bins of its public code): the candidates kept
 at a drafted place, the spine's token among them, by the draft's probability of that token:

@@ -22,7 +22,7 @@ from svip_common.kv_cache import KVPool, PagedSequence, PoolFull
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
-from svip_common.rejection import accept_greedy, accept_sampled, residual
+from svip_common.rejection import accept_greedy, accept_sampled, branch_sampled, residual
 from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import node_parents, sibling_nodes
@@ -385,7 +385,7 @@ class TargetSession:
             kept = base - 1
         if reuse and not drafted:
             return _Plan(None, True)
-        if block.siblings:  # a tree: every node, each under its ancestors only (svip_common/trees.py)
+        if block.is_tree:  # a tree: every node, each under its ancestors only (svip_common/trees.py)
             before = list(committed[kept:]) if not reuse else []
             nodes = [*drafted, *(t for options in block.siblings for t in options)]
             parents = [i - 1 for i in range(len(before))]
@@ -415,11 +415,20 @@ class TargetSession:
         others); the stored row's argmax goes first when the plan reuses it. logits: the rows
         (step_logits), the place before the block first."""
         target_tokens = ([self._pending_choice] if plan.step is None or plan.reuse else []) + choices  # [1 + nodes]
-        if block.siblings:
+        if block.is_tree:
             return self._judge_tree(base, block, target_tokens, logits)
         self._pending_choice = target_tokens[-1]
         accepted = accept_greedy(target_tokens, block.tokens)
         return Verdict(base=base, accepted=accepted, token=target_tokens[accepted], epoch=block.epoch)
+
+    def keep_tree_path(self, base: int, block: Block, accepted: int, node: int | None, logits: torch.Tensor) -> None:
+        """After a tree's verdict: the cache keeps the accepted path (the spine's accepted tokens
+        and the sibling taken, node, if any), and the row of its last node is stored, as a chain's
+        last row is (logits: the step's rows, the place before the block first)."""
+        k = len(block.tokens)
+        self.sequence.keep_path(base, k, accepted, node)
+        last = k - 1 if node is None else node  # the path's last node: its row is the next place's
+        self._pending, self._pending_at = logits[1 + last : 2 + last], len(self.sequence)
 
     def _judge_tree(self, base: int, block: Block, target_tokens: list[int], logits: torch.Tensor) -> Verdict:
         """A tree's verdict: the spine judged as a chain; where the target's choice parts from it,
@@ -429,10 +438,8 @@ class TargetSession:
         spine = target_tokens[: k + 1]  # the target's choice at each place along the spine
         accepted = accept_greedy(spine, block.tokens)
         node = sibling_nodes(k, block.siblings).get((accepted, spine[accepted])) if accepted < k else None
-        self.sequence.keep_path(base, k, accepted, node)
-        last = k - 1 if node is None else node  # the path's last node: its row is the next place's
-        self._pending, self._pending_at = logits[1 + last : 2 + last], len(self.sequence)
-        self._pending_choice = target_tokens[1 + last]
+        self.keep_tree_path(base, block, accepted, node, logits)
+        self._pending_choice = target_tokens[1 + (k - 1 if node is None else node)]
         if node is None:
             return Verdict(base=base, accepted=accepted, token=spine[accepted], epoch=block.epoch)
         return Verdict(base=base, accepted=accepted, token=target_tokens[1 + node], epoch=block.epoch,
@@ -454,25 +461,48 @@ def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tenso
     cols = [t for _, _, _, block, _ in group for t in block.tokens]
     p_drafted = p[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)].tolist() if rows else []
     outcomes, draws, keyed = [], [], []  # per session: (base, block, accepted, the p row it is owed, or None)
-    for (_, session, base, block, _), start in zip(group, starts):
+    branches = []  # per session: the sibling a tree took at the rejected place, or NO_TOKEN
+    for (_, session, base, block, logits), start in zip(group, starts):
         k, seed = len(block), session.sampling.seed
         mine, p_drafted = p_drafted[:k], p_drafted[k:]
         accepted = accept_sampled(mine, block.probs, [uniform(seed, base + i, Purpose.ACCEPT) for i in range(k)])
         row = p[start + accepted]
+        branches.append(NO_TOKEN)
         if accepted < k and block.q_rows is None:  # the draft draws the correction: it gets the p row
             outcomes.append((base, block, accepted, row))
             continue
         outcomes.append((base, block, accepted, None))
-        draws.append(row if accepted == k else residual(row, block.q_rows[accepted]))
-        keyed.append(uniform(seed, base + accepted, Purpose.RESOLVE))
+        if accepted == k:
+            if block.is_tree:
+                session.keep_tree_path(base, block, accepted, None, logits)
+            draws.append(row)
+            keyed.append(uniform(seed, base + accepted, Purpose.RESOLVE))
+            continue
+        r = residual(row, block.q_rows[accepted])
+        node = None
+        if block.is_tree and block.siblings[accepted]:
+            options = block.siblings[accepted]
+            coins = [uniform(seed, base + accepted, Purpose.BRANCH, j) for j in range(len(options))]
+            taken, r = branch_sampled(r, options, coins)
+            if taken is not None:
+                node = sibling_nodes(k, block.siblings)[(accepted, taken)]
+                branches[-1] = taken
+        if block.is_tree:
+            session.keep_tree_path(base, block, accepted, node, logits)
+        if node is None:
+            draws.append(r)
+            keyed.append(uniform(seed, base + accepted, Purpose.RESOLVE))
+        else:  # the place after the sibling: the target's p there, given it
+            draws.append(p[start + 1 + node])
+            keyed.append(uniform(seed, base + accepted + 1, Purpose.RESOLVE))
     tokens = iter(
         sample_indices(torch.stack(draws), torch.tensor(keyed, dtype=torch.float64, device=p.device)).tolist()
         if draws else []
     )
     return [
         Verdict(base=base, accepted=accepted, token=NO_TOKEN if p_row is not None else next(tokens),
-                epoch=block.epoch, p_row=p_row)
-        for base, block, accepted, p_row in outcomes
+                epoch=block.epoch, p_row=p_row, branch=branch)
+        for (base, block, accepted, p_row), branch in zip(outcomes, branches)
     ]
 
 

@@ -21,14 +21,15 @@ def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_pa
     out = tmp_path / "plan"
     code = main(["plan", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--emulate", SPEC,
                  "--prompts-per-category", "2", "--max-new-tokens", "8", "--sessions", "1,2",
-                 "--policies", "svip,constant-2", "--out", str(out)])
+                 "--policies", "svip,constant-2,constant-2+cape", "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-2000:]
     doc = json.loads((out / "plan.json").read_text())
     assert doc["exactness_violations"] == []
     assert {(r["sessions"], r["placement"], r["policy"]) for r in doc["rows"]} == {
         (n, "target alone", "none") for n in (1, 2)} | {
-        (n, p, policy) for n in (1, 2) for p in ("in process", "sync", "async") for policy in ("svip", "constant-2")}
+        (n, p, policy) for n in (1, 2) for p in ("in process", "sync", "async")
+        for policy in ("svip", "constant-2")} | {(n, "in process", "constant-2+cape") for n in (1, 2)}  # in process
     assert all(r["tokens_per_s"] > 0 and r["mean_request_s"] > 0 for r in doc["rows"])
     for n in ("1", "2"):
         best = max((r for r in doc["rows"] if str(r["sessions"]) == n), key=lambda r: r["tokens_per_s"])
@@ -62,6 +63,8 @@ def test_the_virtual_device_counts_each_forward_at_its_step_not_this_machines_ti
 @pytest.mark.parametrize("call, words", [
     (lambda: parse_plan_policies("svip,fastest"), "--policies: svip, auto"),
     (lambda: parse_plan_policies("constant-99"), "constant-K (K in 1..16)"),
+    (lambda: parse_plan_policies("svip+deep"), "optionally +cape or +auto"),
+    (lambda: parse_plan_policies("svip+off"), "optionally +cape or +auto"),
     (lambda: parse_sessions("0,8"), "--sessions: session counts must be in [1, 64]"),
     (lambda: parse_sessions("1,100"), "--sessions: session counts must be in [1, 64]"),
     (lambda: parse_sessions("one"), "--sessions: expected comma-separated integers"),

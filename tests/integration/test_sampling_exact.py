@@ -65,15 +65,18 @@ def chi_square_pvalue(samples: list[int], probs: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tree", ["off", "cape"])
 @pytest.mark.parametrize("config", list(CONFIGS))
-def test_first_tokens_follow_the_target(models, prompt_ids, config):
+def test_first_tokens_follow_the_target(models, prompt_ids, config, tree):
     """SAMPLES seeded requests through the batched engine (50 at a time: its steps are what make
     2,500 draws affordable); the first ALONE of them, run one at a time, are the same draws token
-    for token (seeds key every draw by position), so the fit holds for both paths."""
+    for token (seeds key every draw by position), so the fit holds for both paths. tree cape: each
+    block a token tree, its siblings tried at a rejected place by multi-candidate rejection
+    (svip_common/rejection.py, branch_sampled); some are taken, and the fit still holds."""
     sampling = CONFIGS[config]
     prompt = prompt_ids["medium"]
     engine = SpeculativeEngine(models["target"], models["close_draft"])
-    policy = PolicyConfig(name="constant", draft_length=3)
+    policy = PolicyConfig(name="constant", draft_length=3, tree=tree)
     requests = [
         GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
         for seed in range(SAMPLES)
@@ -83,6 +86,8 @@ def test_first_tokens_follow_the_target(models, prompt_ids, config):
     assert [r.token_ids for r in alone] == [r.token_ids for r in results[:ALONE]]
     rejections = sum(r.stats.accepted_lengths[0] < r.stats.draft_lengths[0] for r in results)
     assert rejections > SAMPLES // 10  # corrections really happened
+    if tree != "off":
+        assert sum(r.stats.branches for r in results) > SAMPLES // 20  # siblings really were taken
     assert_first_tokens_follow_the_target(models, prompt, sampling, results)
 
 

@@ -82,9 +82,17 @@ def test_what_trees_do_not_run_yet_is_refused_by_name(models, prompt_ids, model_
     ids = prompt_ids["short"]
     with pytest.raises(InvalidRequest, match="unknown tree 'deep'"):
         engine.generate(GenerationRequest(ids, 8, policy=PolicyConfig(name="svip", tree="deep")))
-    with pytest.raises(InvalidRequest, match="greedy requests only"):
-        engine.generate(GenerationRequest(ids, 8, SamplingParams(temperature=0.8, seed=1),
-                                          PolicyConfig(name="svip", tree="cape")))
     resolved = engine.resolve(GenerationRequest(ids, 8, policy=PolicyConfig(name="svip", threshold=0.5, tree="cape")))
     with pytest.raises(InvalidRequest, match="in process only"):
         start_message("s", resolved, models["target"], "async")
+
+
+def test_a_seeded_sampled_tree_reproduces_one_at_a_time_and_batched(models, prompt_ids):
+    """Every draw of a tree's round is keyed by (seed, place, purpose): the siblings' coins too."""
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    policy = PolicyConfig(name="svip", threshold=0.6, tree="cape")
+    requests = [GenerationRequest(ids, 24, SamplingParams(temperature=0.9, seed=7 + i), policy)
+                for i, ids in enumerate(prompt_ids.values())]
+    one = [engine.generate(r) for r in requests]
+    assert [r.token_ids for r in one] == [engine.generate(r).token_ids for r in requests]
+    assert [r.token_ids for r in one] == [r.token_ids for r in engine.generate_many(requests, len(requests))]
