@@ -102,8 +102,9 @@ def main(argv: list[str] | None = None) -> int:
             print("| policy | batch | one attention call per session, tokens/s | packed, tokens/s | speedup |")
             print("|---|---|---|---|---|")
         elif args.alternate:
-            print("| policy | batch | tokens/s (median) | over the target alone (median of the rounds) |")
-            print("|---|---|---|---|")
+            print("| policy | batch | tokens/s (median) | over the target alone (median of the rounds) "
+                  "| tokens a round |")
+            print("|---|---|---|---|---|")
         else:
             print("| policy | batch | tokens/s |")
             print("|---|---|---|")
@@ -157,27 +158,34 @@ def _alternated(rows: dict, encoded, batches: list[int], sampling: SamplingParam
             engine, policy = rows[name]
             requests = _requests(encoded, args.max_new_tokens, sampling, policy)
             started = time.perf_counter()
-            outputs = [list(r.token_ids) for r in engine.generate_many(requests, size)]
-            return sum(map(len, outputs)) / (time.perf_counter() - started), outputs
+            results = engine.generate_many(requests, size)
+            elapsed = time.perf_counter() - started
+            outputs = [list(r.token_ids) for r in results]
+            per_round = sum(map(len, outputs)) / max(1, sum(r.stats.rounds for r in results))
+            return sum(map(len, outputs)) / elapsed, outputs, per_round
 
         for name in rows:
             run(name)  # untimed: the engine's estimates learn this batch size
         tps = {name: [] for name in rows}
         ratios = {name: [] for name in rows}
+        per_round = {}
         for r in range(args.repeats):
             got = {name: run(name) for name in (list(rows) if r % 2 else list(rows)[::-1])}
-            alone_tps, reference = got["target alone"]
-            for name, (value, outputs) in got.items():
+            alone_tps, reference, _ = got["target alone"]
+            for name, (value, outputs, settled) in got.items():
                 tps[name].append(value)
                 ratios[name].append(value / alone_tps)
+                per_round[name] = settled  # the same every run (greedy): what a round settles
                 failed |= greedy and outputs != reference
         for name in rows:
             row = {"policy": name, "batch": size, "tokens_per_s": statistics.median(tps[name]),
-                   "over_alone": statistics.median(ratios[name]), "exact": not failed if greedy else None}
+                   "over_alone": statistics.median(ratios[name]), "tokens_per_round": per_round[name],
+                   "exact": not failed if greedy else None}
             if args.json:
                 print(json.dumps(row))
             else:
-                print(f"| {name} | {size} | {row['tokens_per_s']:.1f} | {row['over_alone']:.2f}x |", flush=True)
+                print(f"| {name} | {size} | {row['tokens_per_s']:.1f} | {row['over_alone']:.2f}x | "
+                      f"{per_round[name]:.2f} |", flush=True)
     if failed:
         print("an output differed from the target alone's", file=sys.stderr)
     return 1 if failed else 0
