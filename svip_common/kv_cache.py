@@ -405,34 +405,46 @@ class _Packed:
     widest: int  # the most new tokens of any item
     longest: int  # the most tokens any item holds
     mask: torch.Tensor | None = None  # [items, 1, widest, longest] may attend (made from seen when staged)
+    explicit: torch.Tensor | None = None  # [items, widest, longest] on the host: a group holding a tree step
 
     @staticmethod
-    def plan(items: list[tuple[torch.Tensor, int, int, int]]) -> _Packed:
-        """items: (host slots, start, new tokens, total) in the step's order."""
-        count, widest, longest = len(items), max(n for _, _, n, _ in items), max(t for *_, t in items)
-        totals = torch.tensor([t for *_, t in items])
-        news = torch.tensor([n for _, _, n, _ in items])
+    def plan(items: list[tuple[torch.Tensor, int, int, int, torch.Tensor | None]]) -> _Packed:
+        """items: (host slots, start, new tokens, total, a tree step's mask or None) in the step's order."""
+        count, widest, longest = len(items), max(item[2] for item in items), max(item[3] for item in items)
+        totals = torch.tensor([item[3] for item in items])
+        news = torch.tensor([item[2] for item in items])
         firsts = totals.cumsum(0) - totals  # where each item's slots begin in their concatenation
         columns = torch.arange(longest)[None, :]
-        slots = torch.cat([item_slots for item_slots, *_ in items])[
+        slots = torch.cat([item[0] for item in items])[
             firsts[:, None] + torch.where(columns < totals[:, None], columns, 0)]  # padded with its first
-        in_order = widest == 1 and [s for _, s, _, _ in items] == list(range(count))  # the step's first rows
+        in_order = widest == 1 and [item[1] for item in items] == list(range(count))  # the step's first rows
         queries = rows = None
         if not in_order:
             offsets = torch.arange(widest)
-            starts = torch.tensor([s for _, s, _, _ in items])
+            starts = torch.tensor([item[1] for item in items])
             queries = (starts[:, None] + torch.minimum(offsets[None, :], news[:, None] - 1)).reshape(-1)
             rows = (torch.arange(count)[:, None] * widest + offsets[None, :])[offsets[None, :] < news[:, None]]
         seen = None
-        if widest > 1 or min(t for *_, t in items) != longest:
+        if widest > 1 or min(item[3] for item in items) != longest:
             # query i of an item holding T tokens, n of them new, sees keys up to T - n + i (its
             # padded rows see all of its keys: finite, and dropped)
             seen = torch.minimum(totals[:, None] - news[:, None] + torch.arange(widest) + 1, totals[:, None])
-        return _Packed(slots.reshape(-1), queries, seen, rows, count, widest, longest)
+        explicit = None
+        if any(item[4] is not None for item in items):  # a tree among them: each item's mask in full
+            bounds = seen if seen is not None else totals[:, None].expand(count, widest)
+            explicit = torch.arange(longest)[None, None, :] < bounds[:, :, None]
+            for i, (*_, n, total, tree) in enumerate(items):
+                if tree is not None:
+                    explicit[i, :n, :total] = tree
+            seen = None
+        return _Packed(slots.reshape(-1), queries, seen, rows, count, widest, longest, explicit=explicit)
 
     def make_mask(self) -> None:
-        """The mask, on the device its bounds were staged to (one comparison, no host copy)."""
-        if self.seen is not None:
+        """The mask, on the device its bounds were staged to (one comparison, no host copy); a
+        group holding a tree step: its mask, made on the host, copied over."""
+        if self.explicit is not None:
+            self.mask = self.explicit.to(self.slots.device).unsqueeze(1)
+        elif self.seen is not None:
             keys = torch.arange(self.longest, device=self.seen.device)
             self.mask = (keys[None, None, :] < self.seen[:, :, None]).unsqueeze(1)
 
@@ -503,11 +515,11 @@ class _Ragged:
             writes.append(slots[-n:])
             if tree:
                 trees[start] = _tree_mask(len(seq), tree[0])
-            (short if n <= PACK_MAX_NEW and not tree else long_).append((seq, slots, start, n, total))
+            (short if n <= PACK_MAX_NEW else long_).append((seq, slots, start, n, total))
             start += n
         groups, alone = _pack_groups(short)
         singles = sorted(alone + long_, key=lambda item: item[2])
-        packs = [_Packed.plan([item[1:] for item in group]) for group in groups]
+        packs = [_Packed.plan([(*item[1:], trees.get(item[2])) for item in group]) for group in groups]
         items, gathers, gathered = [], [], 0
         for seq, slots, start, n, total in singles:
             if seq._run is not None:

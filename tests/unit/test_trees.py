@@ -78,3 +78,33 @@ def test_keeping_a_branch_leaves_the_cache_a_chain_through_it_would_hold(models)
     assert torch.allclose(after, _chain_rows(model, PREFIX + [7, 51, 9, 10], 2), atol=1e-4)
     seq.keep_path(len(PREFIX) + 2, 2, 0, None)  # no branch: the spine is kept as a chain's is
     assert seq.tokens == PREFIX + [7, 51, 9, 10]
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat decoder", "model modules"])
+@torch.inference_mode()
+def test_a_tree_packed_with_chains_gives_each_what_it_gets_alone(models, flat, monkeypatch):
+    """A tree step attended in one packed call with chain steps of like length (the batched
+    engine's usual step): every row as a chain through it, the chains' rows unchanged."""
+    from svip_common import kv_cache
+
+    model = models["target"].model
+    pool = KVPool(model, tokens=256, page_size=4, flat=flat)
+    tree_seq, chain_a, chain_b = pool.sequence(), pool.sequence(), pool.sequence()
+    prefix_a, prefix_b = [3, 9, 27, 81, 2, 4, 8], [11, 13, 17, 19, 23, 29]
+    pool.forward([(tree_seq, PREFIX, 1), (chain_a, prefix_a, 1), (chain_b, prefix_b, 1)])
+    planned = []
+    plan = kv_cache._Ragged.plan
+    def planning(*args, **kwargs):
+        planned.append(plan(*args, **kwargs))
+        return planned[-1]
+
+    monkeypatch.setattr(kv_cache._Ragged, "plan", staticmethod(planning))
+    nodes = SPINE + [t for options in SIBLINGS for t in options]
+    rows, a_rows, b_rows = pool.forward([(tree_seq, nodes, len(nodes), node_parents(len(SPINE), SIBLINGS)),
+                                         (chain_a, [5, 6], 2), (chain_b, [7], 1)])
+    assert planned[-1].packs and any(pack.explicit is not None for pack in planned[-1].packs)  # packed together
+    assert torch.allclose(rows[: len(SPINE)], _chain_rows(model, PREFIX + SPINE, len(SPINE)), atol=1e-4)
+    for (place, token), node in sibling_nodes(len(SPINE), SIBLINGS).items():
+        assert torch.allclose(rows[node], _chain_rows(model, PREFIX + SPINE[:place] + [token], 1)[0], atol=1e-4)
+    assert torch.allclose(a_rows, _chain_rows(model, prefix_a + [5, 6], 2), atol=1e-4)
+    assert torch.allclose(b_rows[0], _chain_rows(model, prefix_b + [7], 1)[0], atol=1e-4)
