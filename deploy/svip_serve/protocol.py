@@ -13,6 +13,7 @@ import uuid
 from dataclasses import dataclass, field
 
 from svip_common.contracts import INT32_MAX, POLICY_NAMES, PolicyConfig, SamplingParams
+from svip_common.trees import TREES
 
 MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 1024  # a chat's messages: each costs the template's own tokens, content or not
@@ -256,6 +257,12 @@ def _policy(body: dict, defaults: PolicyConfig) -> PolicyConfig:
         threshold = defaults.threshold
     elif threshold != "auto":
         threshold = _number(body, "threshold", defaults.threshold)
+    tree = body.get("tree", "off")
+    if not isinstance(tree, str) or tree not in TREES:
+        raise bad(f"'tree' must be one of {', '.join(TREES)}, got {_shown(tree)}", "tree")
+    if tree != "off":  # the workers exchange chains: refused by name, never dropped in silence
+        raise bad(f"'tree' {tree!r} runs in process only so far (svip generate --tree); this deployment's "
+                  "distributed pipeline drafts chains ('tree': 'off')", "tree")
     policy = PolicyConfig(
         name=name,
         threshold=threshold,

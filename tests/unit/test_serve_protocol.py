@@ -57,6 +57,9 @@ def test_extension_parameters_and_deployment_defaults():
     ({"logprobs": 3}, "logprobs", "not supported"),
     ({"presence_penalty": 0.5}, "presence_penalty", "not supported"),
     ({"policy": "fastest"}, "policy", "must be one of"),
+    ({"tree": "deep"}, "tree", "must be one of off, cape, auto"),
+    ({"tree": ["cape"] * 10**5}, "tree", "must be one of"),
+    ({"tree": "cape"}, "tree", "runs in process only so far"),
 ])
 def test_bad_completion_fields_name_the_field(patch, param, words):
     body = {**BASE, **patch}
