@@ -143,7 +143,7 @@ class DraftSession:
         stop_token_ids: Sequence[int],
         tree: str = "off",
     ):
-        """tree: "cape": each block a token tree (svip_common/trees.py), else a chain."""
+        """tree: "cape" or "auto": each block a token tree (svip_common/trees.py); "off": a chain."""
         self.sampling = sampling
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
@@ -211,7 +211,7 @@ class BlockDraft:
     def __init__(self, session: DraftSession, committed: Sequence[int], budget: int, alternatives: bool = False):
         self._session = session
         self._keep_alternatives = alternatives
-        self._tree = session.tree in ("cape", "auto")
+        self._tree = session.tree != "off"
         self._price = session.node_price if session.tree == "auto" else 0.0
         self._reach = 1.0  # the draft's chance that its tokens so far are all accepted
         self._runners_up = max(ALTERNATIVES if alternatives else 0, CAPE_WIDEST - 1 if self._tree else 0)

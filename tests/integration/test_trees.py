@@ -68,6 +68,19 @@ def test_batched_trees_equal_one_at_a_time(models, prompt_ids, alone, tree):
         assert result.token_ids == alone[name], name
 
 
+def test_trees_chains_and_sampled_trees_in_one_batch_equal_each_alone(models, prompt_ids):
+    """One batched step verifies a CaPE tree, a priced tree, a chain and a sampled tree side by side
+    (packed together where their lengths allow): each request's output is what it makes alone."""
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    policies = [PolicyConfig(name="svip", threshold=0.6, tree="cape"), PolicyConfig(name="svip", threshold=0.6),
+                PolicyConfig(name="constant", draft_length=3, tree="auto"), PolicyConfig(name="svip", tree="cape")]
+    samplings = [SamplingParams(), SamplingParams(), SamplingParams(), SamplingParams(temperature=0.9, seed=3)]
+    requests = [GenerationRequest(ids, MAX_NEW, sampling, policy)
+                for ids in prompt_ids.values() for sampling, policy in zip(samplings, policies)]
+    alone = [engine.generate(r).token_ids for r in requests]
+    assert [r.token_ids for r in engine.generate_many(requests, len(requests))] == alone
+
+
 def test_a_trees_nodes_are_bounded_whatever_the_request(models, prompt_ids):
     engine = SpeculativeEngine(models["target"], models["random_draft"])  # unsure everywhere: the widest trees
     policy = PolicyConfig(name="constant", draft_length=40, max_draft_length=40, tree="cape")
