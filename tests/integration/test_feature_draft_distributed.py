@@ -1,9 +1,11 @@
 """The feature draft across workers: the target hands its features over with each feedback, the
 draft worker drafts from them (and, in async mode, ahead of them from the head's own outputs).
-Greedy output equals the target alone in sync and async mode for every policy, on real gRPC
-(workers hosted in this process) with the embedded pair's trained head, so blocks are accepted in
-full, in part and not at all; features the head cannot read give the draft up, never the session;
-and the real Ray actors load a head beside the target's checkpoint."""
+Greedy output equals the target alone in sync and async mode for every policy, through the
+in-memory transport (coordinator/in_memory.py: the real session host and draft service, every
+message serialised through the wire contract, FeatureChunks included) with the embedded pair's
+trained head, so blocks are accepted in full, in part and not at all; features the head cannot
+read give the draft up, never the session; and the real Ray actors load a head beside the target's
+checkpoint and run both pipelines over gRPC (the system tier)."""
 
 from __future__ import annotations
 
@@ -12,16 +14,18 @@ import torch
 
 from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
+from coordinator.in_memory import InMemoryPair
 from draft_worker.feature_draft import FeatureDrafter, load_feature_draft
 from svip_assets import default_head, default_pair
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.errors import InvalidRequest
+from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import load_model
 from svip_common.pair_config import PairConfig
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
+from target_worker.verifier import Verifier
 from tests.integration.test_feature_draft import _as_loaded, random_head
-from tests.workers import generate_all_started, generate_through, in_process_workers
 
 POLICIES = {
     "svip": PolicyConfig(name="svip", threshold=0.4),
@@ -40,24 +44,43 @@ def embedded():
     return target, load_feature_draft(default_head(), target)
 
 
+@pytest.fixture(scope="module")
+def alone_tokens(embedded):
+    """The target alone's tokens for a request, each computed once for the module."""
+    engine, done = SpeculativeEngine(embedded[0], None), {}
+
+    def tokens(request: GenerationRequest) -> list[int]:
+        key = (request.prompt_ids, request.max_new_tokens)
+        if key not in done:
+            done[key] = engine.generate(request).token_ids
+        return done[key]
+
+    return tokens
+
+
 def drafter_for(target, head, limits) -> FeatureDrafter:
     return FeatureDrafter(head, target.model.get_input_embeddings(), target.vocab_size, limits.tokens)
 
 
+def pair_for(target, head, mode: str, feature_layers=None, target_kv_tokens: int = DEFAULT_KV_TOKENS,
+             load_aware: str = "off") -> InMemoryPair:
+    """The target behind a session host handing over ``feature_layers`` (the head's own by
+    default), the head behind a draft service, joined in memory."""
+    limits = _limits(target)
+    layers = head.head.config.target_layers if feature_layers is None else feature_layers
+    verifier = Verifier(target, limits.tokens, target_kv_tokens, layers)
+    return InMemoryPair(target, verifier, drafter_for(target, head, limits), limits, mode, load_aware=load_aware)
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_greedy_equals_target_alone_across_workers(embedded, loop, mode):
+def test_greedy_equals_target_alone_across_workers(embedded, alone_tokens, mode):
     target, head = embedded
     ids = [tuple(target.tokenizer(p)["input_ids"]) for p in PROMPTS]
     requests = [GenerationRequest(i, MAX_NEW, policy=policy, ignore_eos=True)
                 for policy in POLICIES.values() for i in ids]
-    alone = SpeculativeEngine(target, None)
-    models = {"target": target}
-    with in_process_workers(loop, models, positions=target.max_positions or 512,
-                            drafter=drafter_for(target, head, _limits(target)),
-                            feature_layers=head.head.config.target_layers, load_aware="off") as w:
-        results = generate_through(loop, w, default_pair()[0], mode, requests)
+    results = pair_for(target, head, mode).generate_all(requests)
     for request, result in zip(requests, results):
-        assert result.token_ids == alone.generate(request).token_ids, (mode, request.policy.name)
+        assert result.token_ids == alone_tokens(request), (mode, request.policy.name)
         assert result.stats.detached == 0
     drafted = sum(r.stats.draft_tokens for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
@@ -67,7 +90,7 @@ def test_greedy_equals_target_alone_across_workers(embedded, loop, mode):
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_features_sent_ahead_in_chunks_draft_what_one_piece_drafts(embedded, loop, monkeypatch, mode):
+def test_features_sent_ahead_in_chunks_draft_what_one_piece_drafts(embedded, alone_tokens, monkeypatch, mode):
     """With chunks of two rows (the embedded head's rows are 3 KB), every prompt's features and
     most verdicts' go ahead in FeatureChunks, joined by the draft worker: output equal to the
     target alone, nothing detached, and as many tokens drafted and accepted as in one piece."""
@@ -77,39 +100,35 @@ def test_features_sent_ahead_in_chunks_draft_what_one_piece_drafts(embedded, loo
     requests = [GenerationRequest(i, MAX_NEW, policy=POLICIES["svip"], ignore_eos=True) for i in ids]
 
     def run():
-        with in_process_workers(loop, {"target": target}, positions=target.max_positions or 512,
-                                drafter=drafter_for(target, head, _limits(target)),
-                                feature_layers=head.head.config.target_layers, load_aware="off") as w:
-            added = []
-            real_add = w.draft._chunks.add
-            w.draft._chunks.add = lambda sid, first, f: (added.append(f.shape[0]), real_add(sid, first, f))
-            return generate_through(loop, w, default_pair()[0], mode, requests), added
+        pair = pair_for(target, head, mode)
+        added = []
+        real_add = pair.draft._chunks.add
+        pair.draft._chunks.add = lambda sid, first, f: (added.append(f.shape[0]), real_add(sid, first, f))
+        return pair.generate_all(requests), added
 
     whole, none_added = run()
     monkeypatch.setattr(convert, "FEATURE_CHUNK_BYTES", 2 * row)
     chunked, added = run()
     assert not none_added and len(added) >= len(requests) and set(added) == {2}
-    alone = SpeculativeEngine(target, None)
-    assert [r.token_ids for r in chunked] == [alone.generate(r).token_ids for r in requests]
+    assert [r.token_ids for r in chunked] == [alone_tokens(r) for r in requests]
     assert all(r.stats.detached == 0 for r in chunked)
     if mode == "sync":  # the same blocks: the chunks change how the features travel, not what they are
         assert [r.stats.draft_lengths for r in chunked] == [r.stats.draft_lengths for r in whole]
 
 
-def test_a_preempted_session_hands_the_head_no_feature_twice(embedded, loop, target_gate):
-    """Four sessions of about six pages each start together on a pool of 16 (so pages run short
-    whatever the machine's speed) and the newest is preempted, with a feature head drafting: its
-    cache and features are recomputed on its return (those the head already holds are not sent
-    again), nothing detaches, and every output equals the target alone."""
+def test_a_preempted_session_hands_the_head_no_feature_twice(embedded):
+    """Four sessions of about six pages each start together on a pool of 16 (every start is
+    delivered before the target's first step, so pages run short by construction) and the newest
+    is preempted, with a feature head drafting: its cache and features are recomputed on its
+    return (those the head already holds are not sent again), nothing detaches, and every output
+    equals the target alone."""
     target, head = embedded
     ids = [tuple(target.tokenizer(p)["input_ids"]) for p in PROMPTS]
     requests = [GenerationRequest(ids[i % 3] + (i,), 80, policy=POLICIES["constant"], ignore_eos=True)
                 for i in range(4)]
-    with in_process_workers(loop, {"target": target}, positions=target.max_positions or 512, target_kv_tokens=256,
-                            drafter=drafter_for(target, head, _limits(target)),
-                            feature_layers=head.head.config.target_layers, load_aware="off") as w:
-        results = generate_all_started(loop, w, default_pair()[0], "async", requests, target_gate)
-        preemptions = w.host.pages.preemptions
+    pair = pair_for(target, head, "async", target_kv_tokens=256)
+    results = pair.generate_all(requests)
+    preemptions = pair.host.pages.preemptions
     alone = SpeculativeEngine(target, None)
     assert preemptions >= 1
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests]
@@ -122,15 +141,13 @@ def _limits(target):
     return Limits(tokens=target.token_limit, positions=target.max_positions or 512)
 
 
-def test_features_the_head_cannot_read_give_the_draft_up_not_the_session(models, model_dirs, prompt_ids, loop):
+def test_features_the_head_cannot_read_give_the_draft_up_not_the_session(models, prompt_ids):
     """The target hands over two layers where the head fuses three: the draft refuses the first
     feedback that carries them, the session goes on with the target alone, exact."""
     target = models["target"]
     head = _as_loaded(random_head(target, seed=7), target)
     requests = [GenerationRequest(ids, 24, policy=POLICIES["constant"], ignore_eos=True) for ids in prompt_ids.values()]
-    with in_process_workers(loop, models, drafter=drafter_for(target, head, _limits(target)),
-                            feature_layers=(0, 1), load_aware="off") as w:
-        results = generate_through(loop, w, model_dirs.target, "async", requests)
+    results = pair_for(target, head, "async", feature_layers=(0, 1)).generate_all(requests)
     alone = SpeculativeEngine(target, None)
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests]
     assert all(r.stats.detached == 1 and r.stats.draft_tokens == 0 for r in results)
@@ -192,11 +209,11 @@ def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
         ray.shutdown()
 
 
-@pytest.mark.system
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", ["sync", "async"])
-def test_sampled_tokens_follow_the_target_across_workers(models, model_dirs, prompt_ids, loop, mode):
-    """The head's draws across workers, each pipeline: the draft keeps q and draws each correction
+@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.system), "async"])
+def test_sampled_tokens_follow_the_target_across_workers(models, prompt_ids, mode):
+    """The head's draws across workers, each pipeline (async in README's tier, sync in the second,
+    for time): the draft keeps q and draws each correction
     from the p row the target sends. The first two tokens' marginals fit the target's (the first from the target
     alone, the round that brings the prompt's features; the second through the head's block)."""
     from svip_common.contracts import SamplingParams
@@ -207,11 +224,10 @@ def test_sampled_tokens_follow_the_target_across_workers(models, model_dirs, pro
     prompt = prompt_ids["medium"]
     requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=s), ignore_eos=True,
                                   policy=PolicyConfig(name="constant", draft_length=2)) for s in range(1500)]
-    with in_process_workers(loop, models, drafter=drafter_for(target, head, _limits(target)),
-                            feature_layers=head.head.config.target_layers, load_aware="off") as w:
-        results = []
-        for i in range(0, len(requests), 100):
-            results += generate_through(loop, w, model_dirs.target, mode, requests[i : i + 100])
+    pair = pair_for(target, head, mode)
+    results = []
+    for i in range(0, len(requests), 100):
+        results += pair.generate_all(requests[i : i + 100])
     assert all(r.stats.detached == 0 for r in results)
     second = [r for r in results if len(r.stats.draft_lengths) > 1 and r.stats.draft_lengths[1]]
     assert sum(r.stats.accepted_lengths[1] == 0 for r in second) > len(results) // 10  # corrections drawn
@@ -224,7 +240,7 @@ def test_sampled_tokens_follow_the_target_across_workers(models, model_dirs, pro
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
-def test_drafting_resumes_after_load_aware_pauses(models, model_dirs, prompt_ids, loop, mode):
+def test_drafting_resumes_after_load_aware_pauses(models, prompt_ids, mode):
     """Scripted caps pause sessions (the target settles tokens alone) and resume them: the Resume
     brings the features of the tokens settled meanwhile, so the head drafts on after a pause with
     its whole context (it never starts afresh); output equals the target alone."""
@@ -235,11 +251,10 @@ def test_drafting_resumes_after_load_aware_pauses(models, model_dirs, prompt_ids
     head = _as_loaded(random_head(target, seed=7), target)
     caps = {}
     reqs = load_requests(prompt_ids)
-    drafter = drafter_for(target, head, _limits(target))
-    with in_process_workers(loop, models, drafter=drafter, feature_layers=head.head.config.target_layers,
-                            load_aware="all") as w:
-        w.host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(len(caps))))
-        results = generate_through(loop, w, model_dirs.target, mode, reqs)
+    pair = pair_for(target, head, mode, load_aware="all")
+    drafter = pair.draft.drafter
+    pair.host.load_cap = lambda gate: next(caps.setdefault(id(gate), schedule(len(caps))))
+    results = pair.generate_all(reqs)
     assert drafter.fresh_starts == 0
     alone = SpeculativeEngine(target, None)
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in reqs]
