@@ -33,7 +33,7 @@ from draft_worker.drafter import PREFILL_TOKENS, BlockDraft, Drafter, DraftSessi
 from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, load_head
 from draft_worker.policies import make_policy
 from svip_common.contracts import PolicyConfig, SamplingParams
-from svip_common.errors import ModelLoadError
+from svip_common.errors import InvalidRequest, ModelLoadError
 from svip_common.hub import split_revision
 from svip_common.kv_cache import wait_for_device
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
@@ -192,6 +192,8 @@ class FeatureDrafter(Drafter):
 
     def open(self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
              ) -> FeatureDraftSession:
+        if policy.tree != "off":  # refused, never drafted as a chain in silence
+            raise InvalidRequest(f"tree {policy.tree!r}: a feature head drafts chains only so far (tree 'off')")
         session = FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids)
         self._sessions.add(session)
         return session

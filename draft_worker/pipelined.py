@@ -129,9 +129,10 @@ class PipelinedDraft:
 
     def on_feedback(self, now: float, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
                     prepared_used: bool, received_at: float, load_cap: int | None = None,
-                    features=None, features_from: int = 0) -> list[DraftedBlock]:
+                    features=None, features_from: int = 0, branch: int = NO_TOKEN) -> list[DraftedBlock]:
         """Apply the verdict on the oldest outstanding block (checked at once). features: the
-        target's at positions features_from.. (a feature draft's input)."""
+        target's at positions features_from.. (a feature draft's input); branch: a tree's sibling
+        the target settled at the rejected place (token is then the place after it)."""
         self.now = now
         if load_cap is not None:
             self.load_cap = load_cap
@@ -140,6 +141,7 @@ class PipelinedDraft:
                 f"feedback for a block at base {base} of {drafted} tokens that this session did not send")
         if accepted > drafted:
             raise InvalidRequest(f"feedback accepts {accepted} of {drafted} tokens")
+        _check_branch(self.outstanding[0].block, accepted, branch, prepared_used)
         answered = self.outstanding.pop(0)
         block = answered.block
         self.session.feedback(drafted, accepted)
@@ -167,14 +169,15 @@ class PipelinedDraft:
             if p_row is None or block.q_rows is None:
                 raise InvalidRequest("a sampled rejection needs the target's p row")
             token = resolved = self.session.resolve_correction(block, accepted, p_row)
-        self.known = self.known[:base] + block.tokens[:accepted] + [token]
+        path = block.tokens[:accepted] + ([branch] if branch != NO_TOKEN else [])
+        self.known = self.known[:base] + path + [token]
         self.epoch = epoch
         self.outstanding.clear()
         self.job = self.critical = None
         if self.load_cap == 0:  # paused: the target goes on alone until a Resume
             self.paused = True
             return []
-        ready = prepared.get((base, accepted, token)) if accepted < drafted else None
+        ready = prepared.get((base, accepted, token)) if accepted < drafted and branch == NO_TOKEN else None
         if prepared_used:
             if ready is None or ready.prepared_for is None or ready.reused:
                 raise InvalidRequest("feedback uses a prepared continuation this session did not send")
@@ -296,20 +299,7 @@ class PipelinedDraft:
             return
         reach = 1.0  # the draft's chance that every token before this place is accepted
         for position, item in enumerate(self.outstanding):
-            block, candidates = item.block, []
-            for j, options in enumerate(item.alternatives):
-                for token, q in options:
-                    key = (block.base, j, token)
-                    fits = self.limit - (block.base + j + 1) - 1 >= 1
-                    if (
-                        reach * q >= MIN_PREPARE_SCORE
-                        and token not in self.stop_token_ids
-                        and fits
-                        and key not in self.prepared
-                    ):
-                        candidates.append((reach * q, key))
-                reach *= block.probs[j]
-            candidates.sort(key=lambda c: -c[0])
+            candidates, reach = _candidates(item, reach, self.limit, self.stop_token_ids, self.prepared)
             self.agenda += candidates[: self.prepare]
             if position == len(self.outstanding) - 1 and item.followup and len(self.outstanding) < 2:
                 self.agenda.append((reach, None))  # the follow-up: everything outstanding accepted
@@ -354,3 +344,33 @@ class PipelinedDraft:
 
     def _finished(self) -> bool:
         return self._stopped or len(self.known) >= self.limit
+
+
+def _check_branch(block, accepted: int, branch: int, prepared_used: bool) -> None:
+    """A verdict's branch names one of the block's own siblings at the rejected place, and settles
+    that place and the next at the target: no prepared continuation follows it."""
+    if branch == NO_TOKEN:
+        return
+    if accepted >= len(block.tokens) or not block.siblings or branch not in block.siblings[accepted]:
+        raise InvalidRequest(f"feedback takes {branch} at place {accepted}, not a sibling this session drafted there")
+    if prepared_used:
+        raise InvalidRequest("feedback takes a sibling and a prepared continuation at once")
+
+
+def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: frozenset[int],
+                prepared: dict) -> tuple[list[tuple[float, PreparedKey]], float]:
+    """The continuations worth preparing after a rejection in this outstanding block, most
+    likely first (reach: the draft's chance that every token before it is accepted), and the
+    reach past it; none already prepared, none past the session's limit. A tree's siblings are
+    left out: the target settles them itself."""
+    block, candidates = item.block, []
+    for j, options in enumerate(item.alternatives):
+        covered = block.siblings[j] if block.siblings else ()
+        fits = limit - (block.base + j + 1) - 1 >= 1
+        for token, q in options:
+            key = (block.base, j, token)
+            worth = reach * q >= MIN_PREPARE_SCORE and token not in covered and token not in stop_token_ids
+            if worth and fits and key not in prepared:
+                candidates.append((reach * q, key))
+        reach *= block.probs[j]
+    return sorted(candidates, key=lambda c: -c[0]), reach

@@ -127,6 +127,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             )
             self.new_session(start.session_id, session, stream)
             _tune(session, start.stop_rule)
+            _price(session, start.node_price)
             self._send(start.session_id, session, session.start(received_at, start.load_cap))
         elif kind == "feedback":  # a chain: the verdicts on consecutive blocks, in order
             session = self.session(request.feedback.session_id, stream)
@@ -155,8 +156,9 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             check_token_ids([msg.token], self.limits.tokens, "feedback token id")
         features, first = self._features(msg, msg.base + msg.accepted)
         _tune(session, msg.stop_rule)
+        _price(session, msg.node_price)
         return session.on_feedback(self.clock(), msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, msg.p_row,
-                                   msg.prepared_used, received_at, msg.load_cap, features, first)
+                                   msg.prepared_used, received_at, msg.load_cap, features, first, msg.branch)
 
     def _features(self, msg: Feedback | Resume, end: int) -> tuple[torch.Tensor | None, int]:
         """A feedback's (or a resume's) target features, after the chunks of them that came ahead
@@ -258,6 +260,17 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
 
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.DraftEvent:
         return pb.DraftEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
+
+
+def _price(session: PipelinedDraft, price: float | None) -> None:
+    """tree auto: a verified node's price at the target's load, for the session's next trees; a
+    price for a session of another tree is INVALID_ARGUMENT."""
+    if price is None:
+        return
+    tree = getattr(session.session, "tree", "off")
+    if tree != "auto":
+        raise InvalidRequest(f"a node price for a session of tree {tree!r} (only auto takes one)")
+    session.session.node_price = price
 
 
 def _tune(session: PipelinedDraft, rule: StopRule | None) -> None:

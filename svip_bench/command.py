@@ -10,6 +10,7 @@ from pathlib import Path
 
 from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
 from svip_common.errors import InvalidRequest
+from svip_common.trees import TREES
 
 DEFAULT_EMULATION = "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms"
 DEVICE_SCALE = 3  # the default profile's steps, slowed until the embedded pair's forwards here keep within them
@@ -38,6 +39,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_EMULATION}, and for device {DEFAULT_EMULATION},scale={DEVICE_SCALE}: this CPU's "
         "forwards keep within those steps; svip_common/emulation.py)",
     )
+    bench.add_argument("--tree", choices=TREES, default="off",
+                       help="simulate: also each pipeline with SVIP's blocks as this token tree (cape, auto), "
+                       "beside its chains (greedy)")
     bench.add_argument("--host-scale", type=float, default=1.0,
                        help="simulate, device: the simulated host's work is this machine's times this (1; 0: none)")
     bench.add_argument("--sim-sessions", default="1,8", help="simulate, device: sessions in flight at once (1,8)")

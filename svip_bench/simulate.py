@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coordinator.simulated import SimulatedPair
@@ -22,12 +22,18 @@ from target_worker.verifier import Verifier
 MODES = ("alone", "sync", "async")
 
 
+def modes(tree: str) -> tuple[str, ...]:
+    """The rows: the target alone, each pipeline with chains and, with a tree, with that tree."""
+    return MODES if tree == "off" else (*MODES, f"sync+{tree}", f"async+{tree}")
+
+
 def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     """sessions: how many in flight at once, each in turn (1 among them: the ratios' base)."""
     emulation = parse_emulation(args.emulate_spec)
     target_step, draft_step, wire = emulation.target, emulation.draft, emulation.link
     threshold = engine.calibration().threshold
     policy = PolicyConfig(name="svip", threshold=threshold)
+    tree = getattr(args, "tree", "off")
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     header.update(emulate=emulation.spec, emulated=emulation.describe(), target_device=target_step.name,
                   draft_device=draft_step.name, link=wire.name,
@@ -35,15 +41,16 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
                   sources={"target": target_step.shape.source, "draft": draft_step.shape.source,
                            "device": target_step.device.source, "link": wire.source})
     rows = []
-    progress = Progress(len(MODES) * len(sessions) * args.repeats)
+    progress = Progress(len(modes(tree)) * len(sessions) * args.repeats)
     for n in sessions:
-        for mode in MODES:
+        for mode in modes(tree):
+            pipeline, _, shape = mode.partition("+")
+            asked = PolicyConfig(name="none") if mode == "alone" else replace(policy, tree=shape or "off")
             rates = []
             for _ in range(args.repeats):
-                requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True,
-                                              policy=PolicyConfig(name="none") if mode == "alone" else policy)
+                requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=asked)
                             for ids in encoded]
-                rates.append(simulated_waves(engine, emulation, requests, n, mode, args.host_scale).tokens_per_s)
+                rates.append(simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale).tokens_per_s)
                 progress.update(1)
             rows.append({"sessions": n, "mode": mode, "tokens_per_s": statistics.median(rates)})
     print(_report(header, rows))
@@ -90,11 +97,14 @@ def _report(h: dict, rows: list[dict]) -> str:
         f"{h['target']} and {h['draft']}; {h['prompts']} prompts, {h['max_new_tokens']} new tokens, greedy SVIP at "
         f"{h['svip_threshold']:.2f}, load-aware off; medians of {h['repeats']} repeats (virtual time)",
         "",
-        "| sessions | mode | tokens/s | vs the target alone |",
-        "|---|---|---|---|",
+        "| sessions | mode | tokens/s | vs the target alone | a tree vs its chain |",
+        "|---|---|---|---|---|",
     ]
+    rate = {(r["sessions"], r["mode"]): r["tokens_per_s"] for r in rows}
     for r in rows:
+        chain = r["mode"].partition("+")[0]
+        versus = f"{r['tokens_per_s'] / rate[(r['sessions'], chain)]:.2f}x" if "+" in r["mode"] else ""
         lines.append(f"| {r['sessions']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x |")
+                     f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x | {versus} |")
     lines += ["", "Figures from: " + "; ".join(f"{k}: {v}" for k, v in h["sources"].items())]
     return "\n".join(lines)

@@ -28,7 +28,7 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.pair_config import PairConfig
 from svip_common.randomness import sample_seed
 from svip_common.step_cost import IDLE_PREFILL_MODES, LOAD_AWARE_MODES
-from svip_common.trees import TREES
+from svip_common.trees import TREES, check_wire_tree
 
 
 class _Parser(argparse.ArgumentParser):
@@ -135,9 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--max-draft-length", type=int, default=40, help="hard cap on any block (40)")
     pol.add_argument("--confidence", type=float, default=0.4, help="confidence: stop when q(token) < c (0.4)")
     pol.add_argument("--tree", choices=TREES, default="off",
-                     help="each block a token tree, the policy deciding its depth (in process only; off: a "
-                          "chain, the default): cape: CaPE's siblings at each drafted place; auto: those of them "
-                          "that pay at the target's measured load")
+                     help="each block a token tree, the policy deciding its depth (off: a chain, the "
+                          "default; across the workers, greedy requests only): cape: CaPE's siblings at each "
+                          "drafted place; auto: those of them that pay at the target's measured load")
     _add_auto_arguments(pol)
     smp = gen.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=128)
@@ -231,7 +231,7 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--sessions", default="1,8,32", help="sessions in flight at once (1,8,32; at most 64)")
     plan.add_argument("--policies", default="svip,auto,constant-3",
                       help="svip (the pair's calibrated threshold), auto, confidence, heuristic, constant-K; "
-                           "each optionally +cape or +auto: a token tree (in process only)")
+                           "each optionally +cape or +auto: a token tree (in-process rows only)")
     plan.add_argument("--out", default="plan-out", help="directory for plan.md, plan.json and plan.png")
 
 
@@ -313,6 +313,8 @@ def _add_serve_parser(sub) -> None:
     )
     srv.add_argument("--policy", default="auto", help=f"default length policy (auto): {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
+    srv.add_argument("--tree", choices=TREES, default="off",
+                     help="default token tree for greedy requests (off): cape, auto (a request's `tree` overrides it)")
     _add_auto_arguments(srv)
     srv.add_argument(
         "--draft-length-cap",
@@ -542,9 +544,8 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
         ),
     )
     request.validate(Limits(tokens=1, positions=None))
-    if args.tree != "off" and getattr(args, "mode", "inprocess") == "distributed":  # before any worker starts
-        raise InvalidRequest(f"--tree {args.tree} runs in process only so far; the distributed pipeline drafts "
-                             "chains (--tree off)")
+    if getattr(args, "mode", "inprocess") == "distributed":  # before any worker starts
+        check_wire_tree(args.tree, request.sampling.greedy)
     return request
 
 

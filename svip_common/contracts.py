@@ -258,7 +258,7 @@ class GenerationStats:
     # "paused" (load-aware: the target alone while drafting does not pay), "filled" (the target's own token
     # while the session waited on its draft's block)
     discarded_tokens: int = 0  # pre-drafted tokens never verified (stale, or prepared and not used)
-    tree_nodes: int = 0  # token trees (in process): the nodes verified, drafted tokens and siblings
+    tree_nodes: int = 0  # token trees: the nodes verified, drafted tokens and siblings
     branches: int = 0  # rounds where a sibling covered the rejected place (one more token settled)
     prepared_sent: int = 0  # prepared continuations that reached the target in time
     prepared_used: int = 0  # of them, verified with no round trip

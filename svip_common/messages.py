@@ -36,6 +36,7 @@ class SessionStart:
     epoch: int = 0
     load_cap: int | None = None  # the first block's cap (0: start paused); None: the policy's own
     stop_rule: StopRule | None = None  # policy auto: the rule for the first blocks
+    node_price: float | None = None  # tree auto: a verified node's price in tokens, for the first blocks
 
     @property
     def speculates(self) -> bool:
@@ -63,6 +64,8 @@ class Feedback:
     # a feature draft's input: the target's hidden states at positions features_from.. (the verdict's)
     features: torch.Tensor | None = field(default=None, repr=False)
     features_from: int = 0
+    branch: int = NO_TOKEN  # a tree: the sibling settled at base + accepted (token is the place after it)
+    node_price: float | None = None  # tree auto: a verified node's price in tokens at the target's load
 
     def chain(self) -> list[Feedback]:
         out, item = [], self

@@ -35,11 +35,35 @@ TREES = ("off", "cape", "auto")
 CAPE_BINS = ((0.3, 8), (0.6, 6), (0.8, 4))  # (top-1 probability under, candidates kept)
 CAPE_WIDEST = 8  # candidates at a place when the draft is least sure
 MAX_TREE_NODES = 64  # a block's nodes at most (spine and siblings): a request cannot make a step wider
+MAX_NODE_PRICE = 1e6  # a node's price in tokens beyond any load (above 1, no sibling pays): the wire's bound
 
 
 def check_tree(tree: str) -> None:
     if tree not in TREES:
         raise InvalidRequest(f"unknown tree {tree!r}; choose one of {', '.join(TREES)}")
+
+
+def check_wire_tree(tree: str, greedy: bool) -> None:
+    """Across the workers a tree is drafted for greedy sessions only: a sampled tree's
+    multi-candidate rejection reads the draft's q rows, which stay on the draft worker there."""
+    if tree != "off" and not greedy:
+        raise InvalidRequest(f"tree {tree!r} with sampling runs in process only (svip generate --mode inprocess); "
+                             "across the workers a sampled session drafts chains: set tree 'off' or temperature 0")
+
+
+def check_siblings(tokens: Sequence[int], siblings: Sequence[Sequence[int]]) -> str | None:
+    """What is wrong with a block's siblings, or None: one list per drafted place, at most
+    MAX_TREE_NODES nodes with the spine, none equal to its place's drafted token or repeated there
+    (a repeated id would be verified twice and could be taken twice)."""
+    if len(siblings) != len(tokens):
+        return f"{len(siblings)} lists of siblings for {len(tokens)} drafted tokens"
+    nodes = len(tokens) + sum(map(len, siblings))
+    if nodes > MAX_TREE_NODES:
+        return f"a tree of {nodes} nodes; the cap is {MAX_TREE_NODES}"
+    for place, (token, options) in enumerate(zip(tokens, siblings)):
+        if token in options or len(set(options)) != len(options):
+            return f"siblings at place {place} repeat a token there"
+    return None
 
 
 def cape_candidates(top_prob: float) -> int:

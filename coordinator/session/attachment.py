@@ -118,6 +118,7 @@ class DraftAttachment:
             epoch=self.epoch,
             load_cap=cap,
             stop_rule=self._stop_rule(),
+            node_price=self._node_price(),
         )
         self.draft_base = len(self.committed)
         self._to_draft(start)
@@ -193,7 +194,7 @@ class DraftAttachment:
             self.stats.discarded_tokens += len(block.tokens)
             settled = []
         else:
-            settled = self._new_tokens(block, verdict.accepted, verdict.token)
+            settled = self._new_tokens(block, verdict.accepted, verdict.token, verdict.branch)
             self.log.round(block, verdict.accepted, timing, decided)
         self._commit(*self._clipped(settled))
         if self.done:

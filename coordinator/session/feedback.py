@@ -20,10 +20,11 @@ class FeedbackChain:
         self._queued: list[Feedback] = []  # verdicts whose feedback has not left yet
 
     def add(self, epoch: int, block: DraftedBlock, verdict: Verdict, token: int, prepared_used: bool,
-            deferred: bool, cap: int | None, stop_rule: StopRule | None) -> None:
+            deferred: bool, cap: int | None, stop_rule: StopRule | None, node_price: float | None = None) -> None:
         """Queue a decided verdict's feedback. token: the place after the accepted tokens as
         settled here (NO_TOKEN: the follow-up settles it when deferred, else the draft draws it
-        from the p row); cap: load-aware speculation's cap on the next blocks; stop_rule: auto's."""
+        from the p row), after the verdict's branch if a tree's sibling was taken; cap: load-aware
+        speculation's cap on the next blocks; stop_rule: auto's; node_price: tree auto's."""
         feedback = Feedback(
             session_id=self.session_id,
             epoch=epoch,
@@ -37,6 +38,8 @@ class FeedbackChain:
             p_row=verdict.p_row,
             features=verdict.features,
             features_from=max(verdict.features_from, 0),
+            branch=verdict.branch,
+            node_price=node_price,
         )
         self.correction_due = token == NO_TOKEN and not deferred
         self._queued.append(feedback)

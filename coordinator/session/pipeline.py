@@ -234,13 +234,16 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         self._record(block, verdict.accepted)
         cap, was_paused = self._cap(), self.paused
         token, ready, deferred, pause = self._resolve_ahead(block, verdict, cap, was_paused)
-        self.draft_base = block.base + verdict.accepted + (0 if deferred else 1)  # the draft's next block's
-        settled, reason = self._clipped(self._new_tokens(block, verdict.accepted, token))
+        branched = verdict.branch != NO_TOKEN  # a tree's sibling settled the rejected place; token the next
+        self.draft_base = block.base + verdict.accepted + branched + (0 if deferred else 1)  # the draft's next block's
+        settled, reason = self._clipped(self._new_tokens(block, verdict.accepted, token, verdict.branch))
         if reason is None and self.with_draft and not was_paused:
             # a cap of 0 that cannot pause yet: the draft still writes the next block, of one token
             next_cap = cap if pause or cap is None else max(cap, 1)
             self._send_feedback(block, verdict, token, ready is not None, deferred, next_cap)
         self.log.round(block, verdict.accepted, timing, decided)
+        if block.block.siblings is not None:
+            self.stats.record_tree(block.block.nodes, branched)
         self._commit(settled, reason)
         if pause:
             self._pause()
@@ -250,10 +253,12 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         waiting = not self.done and self.verifying is None and not self.paused and self.with_draft
         self.waiting_since = decided if waiting else None
 
-    def _new_tokens(self, block: DraftedBlock, accepted: int, token: int) -> list[int]:
-        """What a verdict settles that is not committed yet: the accepted tokens and the next
-        place's token (NO_TOKEN: none here), less those the target settled alone while it waited."""
-        decided = list(block.tokens[:accepted]) + ([token] if token != NO_TOKEN else [])
+    def _new_tokens(self, block: DraftedBlock, accepted: int, token: int, branch: int = NO_TOKEN) -> list[int]:
+        """What a verdict settles that is not committed yet: the accepted tokens, a tree's sibling
+        taken at the rejected place (branch) and the next place's token (NO_TOKEN: none here),
+        less those the target settled alone while it waited."""
+        path = list(block.tokens[:accepted]) + ([branch] if branch != NO_TOKEN else [])
+        decided = path + ([token] if token != NO_TOKEN else [])
         return decided[len(self.committed) - block.base:]
 
     def _clipped(self, tokens: list[int]) -> tuple[list[int], str | None]:
@@ -270,7 +275,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         token, ready, deferred = verdict.token, None, False
         if accepted < k:
             self._new_epoch()
-            if verdict.token != NO_TOKEN:
+            if verdict.token != NO_TOKEN and verdict.branch == NO_TOKEN:  # a branch settles two places
                 ready = self.ahead.take_prepared((block.base, accepted, verdict.token))
         elif block.followup:
             deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
@@ -319,7 +324,8 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         self, block: DraftedBlock, verdict: Verdict, token: int, prepared_used: bool, deferred: bool, cap: int | None
     ) -> None:
         """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback)."""
-        self.feedback.add(self.epoch, block, verdict, token, prepared_used, deferred, cap, self._stop_rule())
+        self.feedback.add(self.epoch, block, verdict, token, prepared_used, deferred, cap, self._stop_rule(),
+                          self._node_price())
 
     def _flush_feedback(self) -> None:
         """Send the queued feedback, several verdicts as one message (each the next one's ``then``)."""

@@ -11,6 +11,7 @@ from coordinator.session.attachment import DraftMode
 from coordinator.session.effects import DraftAnswered
 from svip_common.acceptance import StopRule
 from svip_common.messages import DraftedBlock
+from svip_common.trees import node_price
 
 
 class SpeculationBudget:
@@ -30,6 +31,13 @@ class SpeculationBudget:
         load = self._load()
         round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
         self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s, round_tokens)
+
+    def _node_price(self) -> float | None:
+        """tree auto: a verified node's price in tokens at the target's load now (None: not auto)."""
+        if self.request.policy.tree != "auto":
+            return None
+        load = self._load()
+        return 0.0 if load is None else node_price(load.plain_rate, load.verify_token_s)
 
     def _stop_rule(self) -> StopRule | None:
         """auto: the rule for the next blocks, at this session's tau now (None: not policy auto)."""

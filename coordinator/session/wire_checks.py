@@ -10,6 +10,7 @@ import math
 from svip_common.contracts import Block, GenerationRequest, Limits, check_token_ids
 from svip_common.errors import InvalidRequest, WorkerError
 from svip_common.messages import DraftedBlock
+from svip_common.trees import check_siblings
 
 PREPARED_REACH_BLOCKS = 3  # a prepared block's parent lies within this many blocks of the committed tokens
 MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares two per block)
@@ -54,7 +55,24 @@ def check_block(drafted: DraftedBlock, committed: int, request: GenerationReques
         )
     if not request.sampling.greedy and len(checked.probs) != len(checked):
         raise WorkerError("draft worker sent a sampled block without q(d) for every token")
+    if checked.siblings is not None:
+        _check_tree(checked, request, limits)
     return checked
+
+
+def _check_tree(block: Block, request: GenerationRequest, limits: Limits) -> None:
+    """A tree only where the session asked for one and decodes greedily (a sampled tree's
+    multi-candidate rejection needs q rows, which stay with the draft); its siblings well formed."""
+    if request.policy.tree == "off" or not request.sampling.greedy:
+        raise WorkerError("draft worker sent a token tree for a session that drafts chains")
+    problem = check_siblings(block.tokens, block.siblings)
+    if problem is None:
+        try:
+            check_token_ids([t for options in block.siblings for t in options], limits.tokens, "sibling token id")
+        except InvalidRequest as exc:
+            problem = str(exc)
+    if problem is not None:
+        raise WorkerError(f"draft worker sent a bad tree: {problem}")
 
 
 def check_correction(token: int, due: bool, limits: Limits) -> int:

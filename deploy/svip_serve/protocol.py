@@ -10,10 +10,11 @@ import re
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from svip_common.contracts import INT32_MAX, POLICY_NAMES, PolicyConfig, SamplingParams
-from svip_common.trees import TREES
+from svip_common.errors import InvalidRequest
+from svip_common.trees import TREES, check_wire_tree
 
 MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 1024  # a chat's messages: each costs the template's own tokens, content or not
@@ -204,6 +205,14 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     seed = _integer(body, "seed", None, lo=0, hi=2**63 - 1)
     if seed is None:
         seed = secrets.randbelow(2**31)
+    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    policy = _policy(body, defaults)
+    if "tree" not in body and not sampling.greedy:  # the deployment's default tree is for greedy requests
+        policy = replace(policy, tree="off")
+    try:  # a sampled tree asked for by name: refused by name, never drafted as a chain in silence
+        check_wire_tree(policy.tree, sampling.greedy)
+    except InvalidRequest as exc:
+        raise bad(str(exc), "tree") from None
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad(f"'stream_options' must be an object, got {_shown(stream_options)}", "stream_options")
@@ -211,11 +220,11 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
         kind=kind,
         model=model,
         max_tokens=max_tokens,
-        sampling=SamplingParams(temperature, top_k, top_p, seed),
+        sampling=sampling,
         stop=_stop(body.get("stop")),
         stream=_boolean(body, "stream", False),
         include_usage=_boolean(stream_options, "include_usage", False),
-        policy=_policy(body, defaults),
+        policy=policy,
         ignore_eos=_boolean(body, "ignore_eos", False),
     )
 
@@ -257,12 +266,9 @@ def _policy(body: dict, defaults: PolicyConfig) -> PolicyConfig:
         threshold = defaults.threshold
     elif threshold != "auto":
         threshold = _number(body, "threshold", defaults.threshold)
-    tree = body.get("tree", "off")
+    tree = body.get("tree", defaults.tree)
     if not isinstance(tree, str) or tree not in TREES:
         raise bad(f"'tree' must be one of {', '.join(TREES)}, got {_shown(tree)}", "tree")
-    if tree != "off":  # the workers exchange chains: refused by name, never dropped in silence
-        raise bad(f"'tree' {tree!r} runs in process only so far (svip generate --tree); this deployment's "
-                  "distributed pipeline drafts chains ('tree': 'off')", "tree")
     policy = PolicyConfig(
         name=name,
         threshold=threshold,
@@ -270,6 +276,7 @@ def _policy(body: dict, defaults: PolicyConfig) -> PolicyConfig:
         draft_length=_integer(body, "draft_length", defaults.draft_length, lo=1),
         max_draft_length=_integer(body, "max_draft_length", defaults.max_draft_length, lo=1),
         confidence=_number(body, "confidence", defaults.confidence),
+        tree=tree,
     )
     return policy
 

@@ -53,6 +53,7 @@ class ServeSettings:
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
     policy: str = "auto"  # request default; a request's `policy` overrides it
     threshold: float = 0.3
+    tree: str = "off"  # request default: off, cape or auto (svip_common/trees.py); a request's `tree` overrides it
     auto_learn: bool = True  # policy auto: keep fitting the pair's estimate on live verdicts (off: its prior stays)
     auto_cost: float | None = None  # policy auto: a fixed cost of a drafted token (tau) in place of the measured one
     auto_window: int = 4096  # policy auto: verdicted tokens the live fit rests on
@@ -184,6 +185,7 @@ class ServeSettings:
         return PolicyConfig(
             name=self.policy,
             threshold=self.threshold,
+            tree=self.tree,
             draft_length=min(base.draft_length, self.draft_length_cap),
             max_draft_length=min(base.max_draft_length, self.draft_length_cap),
         )

@@ -25,6 +25,7 @@ from svip_common.messages import (
     Resume,
     SessionStart,
 )
+from svip_common.trees import MAX_NODE_PRICE, check_wire_tree
 from svip_proto import svip_pb2 as pb
 
 PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}  # the pipeline modes by name, as the wire says them
@@ -101,6 +102,7 @@ def policy_to_proto(p: PolicyConfig) -> pb.PolicyConfig:
         draft_length=p.draft_length,
         max_draft_length=p.max_draft_length,
         confidence=p.confidence,
+        tree=p.tree,
     )
 
 
@@ -112,25 +114,31 @@ def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> Poli
         draft_length=msg.draft_length,
         max_draft_length=msg.max_draft_length,
         confidence=msg.confidence,
+        tree=msg.tree or "off",
     )
     policy.validate(cap)
     return policy
 
 
 def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> SessionStart:
-    """Checked against the worker's block cap: a bad policy or stop rule is INVALID_ARGUMENT."""
+    """Checked against the worker's block cap: a bad policy or stop rule is INVALID_ARGUMENT, and
+    so is a tree for a sampled session (trees.check_wire_tree)."""
     speculates = msg.policy.name not in ("", "none")
+    sampling = sampling_from_proto(msg.sampling)
+    if speculates:
+        check_wire_tree(msg.policy.tree or "off", sampling.greedy)
     return SessionStart(
         session_id=msg.session_id,
         prompt_ids=tuple(msg.prompt_ids),
         max_new_tokens=msg.max_new_tokens,
-        sampling=sampling_from_proto(msg.sampling),
+        sampling=sampling,
         policy=policy_from_proto(msg.policy, cap) if speculates else PolicyConfig(name="none"),
         stop_token_ids=frozenset(msg.stop_token_ids),
         pipeline=_PIPELINE_NAMES.get(msg.pipeline, "async"),
         epoch=msg.epoch,
         load_cap=msg.load_cap if msg.HasField("load_cap") else None,
         stop_rule=stop_rule_from_proto(msg.stop_rule) if msg.HasField("stop_rule") else None,
+        node_price=_node_price(msg.node_price) if msg.HasField("node_price") else None,
     )
 
 
@@ -149,6 +157,8 @@ def start_to_proto(start: SessionStart) -> pb.StartSession:
         msg.load_cap = start.load_cap
     if start.stop_rule is not None:
         msg.stop_rule.CopyFrom(stop_rule_to_proto(start.stop_rule))
+    if start.node_price is not None:
+        msg.node_price = start.node_price
     return msg
 
 
@@ -164,6 +174,10 @@ def _chain_to_proto(chain: list[Feedback]) -> pb.Feedback:
         msg = pb.Feedback(session_id=item.session_id, epoch=item.epoch, base=item.base, drafted=item.drafted,
                           accepted=item.accepted, token=item.token, prepared_used=item.prepared_used,
                           sent_at=item.sent_at)
+        if item.branch != NO_TOKEN:
+            msg.branch = item.branch
+        if item.node_price is not None:
+            msg.node_price = item.node_price
         if item.load_cap is not None:
             msg.load_cap = item.load_cap
         if item.stop_rule is not None:
@@ -196,8 +210,16 @@ def feedback_from_proto(msg: pb.Feedback, width: int) -> Feedback:
             p_row=p_row_from_proto(item, width), sent_at=item.sent_at, then=head,
             features=tensor_from_proto(item.features) if item.HasField("features") else None,
             features_from=item.features_from,
+            branch=item.branch if item.HasField("branch") else NO_TOKEN,
+            node_price=_node_price(item.node_price) if item.HasField("node_price") else None,
         )
     return head
+
+
+def _node_price(price: float) -> float:
+    if not 0.0 <= price <= MAX_NODE_PRICE:  # NaN fails both
+        raise InvalidRequest(f"node_price {price} outside [0, {MAX_NODE_PRICE}]")
+    return price
 
 
 def p_row_to_proto(msg: pb.Feedback, p_row: torch.Tensor) -> None:
@@ -335,6 +357,9 @@ def block_to_proto(session_id: str, block: Block, resolved_token: int = NO_TOKEN
     msg.entropies.CopyFrom(floats_to_proto(block.entropies))
     if probs:
         msg.q_probs.CopyFrom(floats_to_proto(block.probs))
+    if block.is_tree:
+        msg.sibling_counts.extend(len(options) for options in block.siblings)
+        msg.sibling_tokens.extend(t for options in block.siblings for t in options)
     return msg
 
 
@@ -392,7 +417,24 @@ def block_from_proto(msg: pb.Block) -> Block:
     k = len(msg.tokens)
     if len(entropies) not in (0, k) or len(probs) not in (0, k):
         raise InvalidRequest(f"block of {k} tokens carries {len(probs)} probabilities and {len(entropies)} entropies")
-    return Block(base=msg.base, tokens=list(msg.tokens), probs=probs, entropies=entropies, epoch=msg.epoch)
+    return Block(base=msg.base, tokens=list(msg.tokens), probs=probs, entropies=entropies, epoch=msg.epoch,
+                 siblings=_siblings_from_proto(msg))
+
+
+def _siblings_from_proto(msg: pb.Block) -> list[list[int]] | None:
+    """A tree's siblings place by place (None: a chain); counts that are not one per token or do
+    not add up to the ids sent are an InvalidRequest (what the ids may be: wire_checks.py)."""
+    counts, ids = list(msg.sibling_counts), list(msg.sibling_tokens)
+    if not counts and not ids:
+        return None
+    if len(counts) != len(msg.tokens) or sum(counts) != len(ids):
+        raise InvalidRequest(f"block of {len(msg.tokens)} tokens carries {len(counts)} sibling counts adding up to "
+                             f"{sum(counts)} for {len(ids)} sibling ids")
+    out, at = [], 0
+    for n in counts:
+        out.append(ids[at : at + n])
+        at += n
+    return out
 
 
 def stats_to_proto(s: GenerationStats) -> pb.SessionStats:
@@ -434,6 +476,8 @@ def stats_to_proto(s: GenerationStats) -> pb.SessionStats:
         pauses=s.pauses,
         detached=s.detached,
         reattached=s.reattached,
+        tree_nodes=s.tree_nodes,
+        branches=s.branches,
         wall_s=s.wall_s,
         wire_bytes=s.wire_bytes,
         target_forwards=s.target_forwards,
@@ -475,6 +519,8 @@ def stats_from_proto(msg: pb.SessionStats) -> GenerationStats:
         pauses=msg.pauses,
         detached=msg.detached,
         reattached=msg.reattached,
+        tree_nodes=msg.tree_nodes,
+        branches=msg.branches,
         draft_busy_s=msg.draft_busy_s,
         target_busy_s=msg.target_busy_s,
         both_busy_s=msg.both_busy_s,

@@ -39,20 +39,22 @@ class SamplingParams(_message.Message):
     def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ...) -> None: ...
 
 class PolicyConfig(_message.Message):
-    __slots__ = ("name", "threshold", "entropy_scale", "draft_length", "max_draft_length", "confidence")
+    __slots__ = ("name", "threshold", "entropy_scale", "draft_length", "max_draft_length", "confidence", "tree")
     NAME_FIELD_NUMBER: _ClassVar[int]
     THRESHOLD_FIELD_NUMBER: _ClassVar[int]
     ENTROPY_SCALE_FIELD_NUMBER: _ClassVar[int]
     DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     MAX_DRAFT_LENGTH_FIELD_NUMBER: _ClassVar[int]
     CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    TREE_FIELD_NUMBER: _ClassVar[int]
     name: str
     threshold: float
     entropy_scale: float
     draft_length: int
     max_draft_length: int
     confidence: float
-    def __init__(self, name: _Optional[str] = ..., threshold: _Optional[float] = ..., entropy_scale: _Optional[float] = ..., draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., confidence: _Optional[float] = ...) -> None: ...
+    tree: str
+    def __init__(self, name: _Optional[str] = ..., threshold: _Optional[float] = ..., entropy_scale: _Optional[float] = ..., draft_length: _Optional[int] = ..., max_draft_length: _Optional[int] = ..., confidence: _Optional[float] = ..., tree: _Optional[str] = ...) -> None: ...
 
 class StopRule(_message.Message):
     __slots__ = ("weights", "stop_at")
@@ -63,7 +65,7 @@ class StopRule(_message.Message):
     def __init__(self, weights: _Optional[_Iterable[float]] = ..., stop_at: _Optional[float] = ...) -> None: ...
 
 class StartSession(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch", "stop_rule")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch", "stop_rule", "node_price")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -74,6 +76,7 @@ class StartSession(_message.Message):
     LOAD_CAP_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STOP_RULE_FIELD_NUMBER: _ClassVar[int]
+    NODE_PRICE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -84,7 +87,8 @@ class StartSession(_message.Message):
     load_cap: int
     epoch: int
     stop_rule: StopRule
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ...) -> None: ...
+    node_price: float
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., node_price: _Optional[float] = ...) -> None: ...
 
 class PreparedFor(_message.Message):
     __slots__ = ("base", "accepted", "token")
@@ -97,7 +101,7 @@ class PreparedFor(_message.Message):
     def __init__(self, base: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "prepared_for", "started_at", "finished_at", "draft_s", "trigger_at", "reused")
+    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "prepared_for", "started_at", "finished_at", "draft_s", "trigger_at", "reused", "sibling_counts", "sibling_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -112,6 +116,8 @@ class Block(_message.Message):
     DRAFT_S_FIELD_NUMBER: _ClassVar[int]
     TRIGGER_AT_FIELD_NUMBER: _ClassVar[int]
     REUSED_FIELD_NUMBER: _ClassVar[int]
+    SIBLING_COUNTS_FIELD_NUMBER: _ClassVar[int]
+    SIBLING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -126,10 +132,12 @@ class Block(_message.Message):
     draft_s: float
     trigger_at: float
     reused: bool
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ...) -> None: ...
+    sibling_counts: _containers.RepeatedScalarFieldContainer[int]
+    sibling_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ..., sibling_counts: _Optional[_Iterable[int]] = ..., sibling_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero", "branch", "node_price")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -145,6 +153,8 @@ class Feedback(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     P_NONZERO_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_FIELD_NUMBER: _ClassVar[int]
+    NODE_PRICE_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -160,7 +170,9 @@ class Feedback(_message.Message):
     features: Tensor
     features_from: int
     p_nonzero: SparseRow
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ...) -> None: ...
+    branch: int
+    node_price: float
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ..., branch: _Optional[int] = ..., node_price: _Optional[float] = ...) -> None: ...
 
 class SparseRow(_message.Message):
     __slots__ = ("ids", "values")
@@ -305,7 +317,7 @@ class Span(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s", "pauses", "detached", "reattached")
+    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s", "pauses", "detached", "reattached", "tree_nodes", "branches")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     STOP_ENTROPIES_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -325,6 +337,8 @@ class SessionStats(_message.Message):
     PAUSES_FIELD_NUMBER: _ClassVar[int]
     DETACHED_FIELD_NUMBER: _ClassVar[int]
     REATTACHED_FIELD_NUMBER: _ClassVar[int]
+    TREE_NODES_FIELD_NUMBER: _ClassVar[int]
+    BRANCHES_FIELD_NUMBER: _ClassVar[int]
     rounds: _containers.RepeatedCompositeFieldContainer[Round]
     stop_entropies: _containers.RepeatedScalarFieldContainer[float]
     discarded_tokens: int
@@ -344,7 +358,9 @@ class SessionStats(_message.Message):
     pauses: int
     detached: int
     reattached: int
-    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., pauses: _Optional[int] = ..., detached: _Optional[int] = ..., reattached: _Optional[int] = ...) -> None: ...
+    tree_nodes: int
+    branches: int
+    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., pauses: _Optional[int] = ..., detached: _Optional[int] = ..., reattached: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branches: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("session_id", "finish_reason", "stats")

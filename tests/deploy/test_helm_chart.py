@@ -323,6 +323,14 @@ def test_the_auto_policy_and_its_settings_reach_the_app():
     assert "auto_cost" not in defaults and defaults["auto_learn"] is True and defaults["auto_window"] == 4096
 
 
+def test_the_decoding_tree_reaches_the_app():
+    """decoding.tree: off by default (a chain), as the operator sets it otherwise."""
+    for values, expected in (({}, "off"), ({"decoding": {"tree": "cape"}}, "cape")):
+        service = by_kind(render(values), "RayService")[0]
+        args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert ServeSettings.from_args(args).policy_defaults().tree == expected
+
+
 def test_the_targets_idle_prefill_reaches_the_app():
     """decoding.idlePrefill: auto by default, as the operator sets it otherwise."""
     for values, expected in (({}, "auto"), ({"decoding": {"idlePrefill": "off"}}, "off")):
@@ -528,6 +536,8 @@ def test_the_charts_smoke_script_is_the_packages():
         ({"modle": {"target": "x"}}, "modle"),
         ({"model": {"draftKind": "medusa"}}, "draftKind"),
         ({"decoding": {"idlePrefill": "sometimes"}}, "idlePrefill"),
+        ({"decoding": {"tree": "deep"}}, "tree"),
+        ({"decoding": {"tree": False}}, "tree"),
     ],
 )
 def test_values_schema_refuses_bad_values(values, words):

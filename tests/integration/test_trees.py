@@ -1,7 +1,8 @@
 """Token trees in the in-process engine (issue 44): greedy output equals the target decoding alone,
 token for token, with CaPE's trees and with `auto`'s priced ones, one request at a time and
 batched; a sibling does cover rejections (a round settles one token more there); what trees do not
-run yet is refused with a message that says so, never drafted as a chain in silence."""
+run yet (a sampled tree across the workers) is refused with a message that says so, never drafted
+as a chain in silence. Trees across the workers: tests/integration/test_trees_wire.py."""
 
 from __future__ import annotations
 
@@ -95,9 +96,10 @@ def test_what_trees_do_not_run_yet_is_refused_by_name(models, prompt_ids, model_
     ids = prompt_ids["short"]
     with pytest.raises(InvalidRequest, match="unknown tree 'deep'"):
         engine.generate(GenerationRequest(ids, 8, policy=PolicyConfig(name="svip", tree="deep")))
-    resolved = engine.resolve(GenerationRequest(ids, 8, policy=PolicyConfig(name="svip", threshold=0.5, tree="cape")))
-    with pytest.raises(InvalidRequest, match="in process only"):
-        start_message("s", resolved, models["target"], "async")
+    sampled = GenerationRequest(ids, 8, SamplingParams(temperature=0.8), PolicyConfig(name="svip", threshold=0.5,
+                                                                                      tree="cape"))
+    with pytest.raises(InvalidRequest, match="with sampling runs in process only"):
+        start_message("s", engine.resolve(sampled), models["target"], "async")
 
 
 def test_a_seeded_sampled_tree_reproduces_one_at_a_time_and_batched(models, prompt_ids):

@@ -139,6 +139,22 @@ def test_a_rejection_rolls_back_to_the_correction_in_the_new_epoch():
     assert s.session.begun[-1][0] == tuple(s.known)  # drafted from the corrected sequence
 
 
+def test_a_branch_settles_the_sibling_and_the_token_after_it():
+    """A tree's verdict that takes a sibling at the rejected place: the draft knows the sibling and
+    the target's token after it, and drafts on from there; a branch it never drafted is refused."""
+    s = session()
+    s.start(time.time())
+    (first,) = drain(s)
+    first.block.siblings = [[], [runner_up(first.block.tokens[1])], []]
+    with pytest.raises(InvalidRequest, match="not a sibling"):
+        feedback(s, first.block, 1, 42, branch=runner_up(first.block.tokens[0]))
+    sibling = first.block.siblings[1][0]
+    assert feedback(s, first.block, 1, 42, branch=sibling) == []
+    assert s.known == PROMPT + first.block.tokens[:1] + [sibling, 42] and s.session.verdicts == [(3, 1)]
+    (second,) = drain(s)
+    assert second.block.base == len(PROMPT) + 3 and s.session.begun[-1][0] == tuple(s.known)
+
+
 @pytest.mark.parametrize("base, drafted, accepted, message", [
     (len(PROMPT) + 1, 3, 1, "did not send"),
     (len(PROMPT), 2, 1, "did not send"),

@@ -3,6 +3,8 @@ conversions round-trip, bad wire data is an InvalidRequest, greedy blocks are id
 
 from __future__ import annotations
 
+import dataclasses
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -114,6 +116,8 @@ def test_session_stats_round_trip():
         wire_bytes=900,
         wire_bytes_per_round=450.0,
         timeline=[("draft", 0.0, 0.01), ("target", 0.01, 0.04)],
+        tree_nodes=9,
+        branches=1,
     )
     back = convert.stats_from_proto(convert.stats_to_proto(stats))
     assert back == stats
@@ -180,6 +184,32 @@ def test_a_start_the_target_sends_is_the_start_the_draft_reads():
     bare = convert.draft_request_to_proto(SessionStart("t", (1,), 1, SamplingParams(), PolicyConfig(name="svip"),
                                                        frozenset(), "async"))
     assert not bare.start.HasField("load_cap") and not bare.start.HasField("stop_rule")
+
+
+def test_a_tree_block_travels_with_its_siblings_and_a_chain_without():
+    tree = Block(base=4, tokens=[5, 6, 7], probs=[], entropies=[0.1, 0.2, 0.3], siblings=[[8, 9], [], [10]])
+    msg = convert.block_to_proto("s", tree, probs=False)
+    assert list(msg.sibling_counts) == [2, 0, 1] and list(msg.sibling_tokens) == [8, 9, 10]
+    assert convert.block_from_proto(msg).siblings == [[8, 9], [], [10]]
+    chain = convert.block_to_proto("s", dataclasses.replace(tree, siblings=[[], [], []]), probs=False)
+    assert not chain.sibling_counts and convert.block_from_proto(chain).siblings is None
+
+
+@pytest.mark.parametrize("counts, ids", [([2, 0], [8, 9, 10]), ([1], [8]), ([1, 1, 1, 1], [8, 9, 10, 11])])
+def test_sibling_counts_that_do_not_fit_the_block_are_invalid(counts, ids):
+    msg = pb.Block(session_id="s", base=4, tokens=[5, 6, 7], sibling_counts=counts, sibling_tokens=ids)
+    with pytest.raises(InvalidRequest, match="sibling"):
+        convert.block_from_proto(msg)
+
+
+def test_a_branch_and_a_node_price_travel_with_their_verdict():
+    head = Feedback("s", 1, 10, 4, 1, 7, branch=9, node_price=0.25, then=Feedback("s", 1, 13, 2, 2, 3))
+    back = convert.feedback_from_proto(convert.draft_request_to_proto(head).feedback, 2)
+    assert [(f.branch, f.node_price) for f in back.chain()] == [(9, 0.25), (-1, None)]
+    for price in (-1.0, math.nan, 1e7):
+        msg = convert.draft_request_to_proto(dataclasses.replace(head, node_price=price, then=None)).feedback
+        with pytest.raises(InvalidRequest, match="node_price"):
+            convert.feedback_from_proto(msg, 2)
 
 
 def test_a_feedback_chain_travels_as_one_message_earliest_first():

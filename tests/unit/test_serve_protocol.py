@@ -31,6 +31,18 @@ def test_extension_parameters_and_deployment_defaults():
     assert req.sampling.top_k == 5 and req.stop == ("\n\n",)
 
 
+def test_a_deployments_default_tree_is_for_greedy_requests():
+    """A request's `tree` overrides the deployment's; the default applies to greedy requests (a
+    sampled one drafts chains across the workers), and a sampled request that names a tree is a 400."""
+    defaults = PolicyConfig(name="svip", threshold=0.4, tree="cape")
+    assert parse_completion({**BASE, "temperature": 0}, defaults).policy.tree == "cape"
+    assert parse_completion({**BASE, "temperature": 0, "tree": "auto"}, defaults).policy.tree == "auto"
+    assert parse_completion({**BASE, "temperature": 0.8}, defaults).policy.tree == "off"
+    assert parse_completion({**BASE, "temperature": 0.8, "tree": "off"}, defaults).policy.tree == "off"
+    with pytest.raises(ApiError, match="with sampling runs in process only"):
+        parse_completion({**BASE, "temperature": 0.8, "tree": "cape"}, defaults)
+
+
 @pytest.mark.parametrize("patch, param, words", [
     ({"prompt": None}, "prompt", "required"),
     ({"prompt": ""}, "prompt", "empty"),
@@ -59,7 +71,7 @@ def test_extension_parameters_and_deployment_defaults():
     ({"policy": "fastest"}, "policy", "must be one of"),
     ({"tree": "deep"}, "tree", "must be one of off, cape, auto"),
     ({"tree": ["cape"] * 10**5}, "tree", "must be one of"),
-    ({"tree": "cape"}, "tree", "runs in process only so far"),
+    ({"tree": "cape", "temperature": 0.7}, "tree", "with sampling runs in process only"),
 ])
 def test_bad_completion_fields_name_the_field(patch, param, words):
     body = {**BASE, **patch}

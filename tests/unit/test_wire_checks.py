@@ -3,6 +3,7 @@ hostile or broken field is a WorkerError that names it."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -14,9 +15,10 @@ from coordinator.session.wire_checks import (
     check_prepared,
     check_timings,
 )
-from svip_common.contracts import Block, GenerationRequest, Limits, SamplingParams
+from svip_common.contracts import Block, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import WorkerError
 from svip_common.messages import DraftedBlock
+from svip_common.trees import MAX_TREE_NODES
 
 LIMITS = Limits(tokens=50, positions=None, max_draft_length=4)
 GREEDY = GenerationRequest((1, 2, 3), max_new_tokens=10)
@@ -50,6 +52,33 @@ def test_a_good_block_comes_back_as_the_projects_block():
 def test_a_bad_block_is_refused_naming_why(block, request_, message):
     with pytest.raises(WorkerError, match=message):
         check_block(block, 3, request_, LIMITS)
+
+
+def _tree(siblings, tokens=(5, 6)) -> DraftedBlock:
+    return DraftedBlock(Block(base=3, tokens=list(tokens), probs=[0.9] * len(tokens), entropies=[0.1] * len(tokens),
+                              siblings=siblings))
+
+
+CAPE = GenerationRequest((1, 2, 3), 10, policy=PolicyConfig(name="svip", threshold=0.4, tree="cape"))
+
+
+def test_a_tree_where_the_session_asked_for_one_comes_back_whole():
+    assert check_block(_tree([[7, 8], []]), 3, CAPE, LIMITS).siblings == [[7, 8], []]
+
+
+@pytest.mark.parametrize("block, request_, message", [
+    (_tree([[7], []]), GREEDY, "drafts chains"),
+    (_tree([[7], []]), dataclasses.replace(CAPE, sampling=SamplingParams(temperature=1.0)), "drafts chains"),
+    (_tree([[5], []]), CAPE, "repeat a token"),
+    (_tree([[7, 7], []]), CAPE, "repeat a token"),
+    (_tree([[7]]), CAPE, "1 lists of siblings for 2"),
+    (_tree([[7, 50], []]), CAPE, "sibling token id"),
+    (_tree([list(range(7, 7 + MAX_TREE_NODES)), []]), CAPE, f"the cap is {MAX_TREE_NODES}"),
+])
+def test_a_bad_tree_is_refused_naming_why(block, request_, message):
+    limits = Limits(tokens=50 + MAX_TREE_NODES, positions=None, max_draft_length=4) if "cap" in message else LIMITS
+    with pytest.raises(WorkerError, match=message):
+        check_block(block, 3, request_, limits)
 
 
 def test_prepared_blocks_within_reach_and_count():

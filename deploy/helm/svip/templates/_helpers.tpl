@@ -77,6 +77,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "idle_prefill" $v.decoding.idlePrefill
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
+  "tree" $v.decoding.tree
   "auto_learn" $v.decoding.auto.learn
   "auto_window" (int $v.decoding.auto.window)
   "max_wait_s" $v.serve.maxWaitS

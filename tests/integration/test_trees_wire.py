@@ -1,0 +1,116 @@
+"""Token trees across the workers (issue 44), through the in-memory transport (every block and
+feedback serialised through the wire contract): greedy output equals the target alone in sync and
+async mode, under orders that favour either worker and under random interleavings; siblings
+settle rejected places there as in process (the verdict's branch reaches the draft, which drafts
+on from the sibling); `auto` prices its nodes at the load the target sends; and a draft worker
+whose trees break the rules gives the draft up for that session, never the output."""
+
+from __future__ import annotations
+
+import pytest
+
+from coordinator.engine import SpeculativeEngine
+from coordinator.in_memory import Seeded
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import InvalidRequest
+from svip_common.trees import MAX_TREE_NODES
+from tests.integration.test_in_memory import DRAFT_FIRST, TARGET_FIRST, make_pair
+
+MAX_NEW = 32
+TREE_POLICIES = {
+    "svip-cape": PolicyConfig(name="svip", threshold=0.6, tree="cape"),
+    "constant-cape": PolicyConfig(name="constant", draft_length=4, tree="cape"),
+    "svip-auto": PolicyConfig(name="svip", threshold=0.6, tree="auto"),
+    "auto-cape": PolicyConfig(name="auto", tree="cape"),
+}
+
+
+@pytest.fixture(scope="module")
+def alone(models, prompt_ids):
+    engine = SpeculativeEngine(models["target"], None)
+    return {ids: engine.generate(GenerationRequest(ids, MAX_NEW)).token_ids for ids in prompt_ids.values()}
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize("policy", list(TREE_POLICIES))
+@pytest.mark.parametrize("schedule", ["target first", "draft first"])
+def test_a_tree_across_the_workers_settles_what_the_target_alone_settles(models, prompt_ids, alone, pipeline,
+                                                                         policy, schedule):
+    pair = make_pair(models, pipeline, TARGET_FIRST if schedule == "target first" else DRAFT_FIRST)
+    requests = [GenerationRequest(ids, MAX_NEW, policy=TREE_POLICIES[policy]) for ids in prompt_ids.values()]
+    results = pair.generate_all(requests)
+    for request, result in zip(requests, results):
+        assert result.token_ids == alone[request.prompt_ids], (pipeline, policy, schedule)
+        assert result.stats.detached == 0
+    if schedule == "draft first":  # (target first: the target settles alone what it can before any block)
+        assert sum(r.stats.tree_nodes for r in results) > sum(r.stats.draft_tokens for r in results) > 0
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_trees_and_chains_are_exact_under_random_interleavings(models, prompt_ids, alone, seed):
+    pair = make_pair(models, "async" if seed % 2 else "sync", Seeded(seed), load_aware="greedy")
+    prompts = list(prompt_ids.values())
+    policies = [*TREE_POLICIES.values(), PolicyConfig(name="svip", threshold=0.6)]
+    requests = [GenerationRequest(prompts[i % len(prompts)], MAX_NEW, policy=policies[i % len(policies)])
+                for i in range(8)]
+    results = pair.generate_all(requests)
+    assert [r.token_ids for r in results] == [alone[r.prompt_ids] for r in requests]
+
+
+def test_siblings_settle_rejected_places_across_the_workers(models, prompt_ids, alone):
+    """A branch settles the sibling and the place after it in one round, and the draft drafts on
+    from there: more tokens a round than the same stop's chain, as in process."""
+    chain = PolicyConfig(name="constant", draft_length=3)
+    tree = PolicyConfig(name="constant", draft_length=3, tree="cape")
+    per_round = {}
+    for name, policy in (("chain", chain), ("tree", tree)):
+        results = make_pair(models, "sync", DRAFT_FIRST).generate_all(
+            [GenerationRequest(ids, MAX_NEW, policy=policy) for ids in prompt_ids.values()])
+        assert [r.token_ids for r in results] == [alone[ids] for ids in prompt_ids.values()]
+        per_round[name] = sum(len(r.token_ids) for r in results) / sum(r.stats.rounds for r in results)
+        if name == "tree":
+            assert sum(r.stats.branches for r in results) > 0
+    assert per_round["tree"] > per_round["chain"]
+
+
+def test_auto_prices_nodes_at_the_load_the_target_sends(models, prompt_ids, alone):
+    """The target's feedback carries tree auto's node price: at a price above any sibling's chance
+    the draft sends chains (no sibling pays), and the output stays the target alone's."""
+    pair = make_pair(models, "async", DRAFT_FIRST)
+    request = GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=TREE_POLICIES["svip-auto"])
+    free = pair.generate(request)
+    assert free.token_ids == alone[request.prompt_ids] and free.stats.tree_nodes > free.stats.draft_tokens
+    pair = make_pair(models, "async", DRAFT_FIRST)
+    pair.host.verifier.load = lambda *a, **k: _Dear()
+    dear = pair.generate(request)
+    assert dear.token_ids == alone[request.prompt_ids]
+    assert dear.stats.rounds > 1 and dear.stats.branches == 0
+
+
+class _Dear:
+    plain_rate, verify_token_s, batch = 1000.0, 1.0, 1.0  # a node costs 1000 tokens
+
+    def round_tokens(self, round_overhead_s: float) -> float:
+        return 0.0
+
+
+def test_a_tree_the_rules_refuse_gives_the_draft_up_not_the_output(models, prompt_ids, alone, monkeypatch):
+    """A draft worker that sends a tree past the node cap: the target gives the draft up for that
+    session and settles the rest alone, exact."""
+    from draft_worker import drafter
+
+    monkeypatch.setattr(drafter, "MAX_TREE_NODES", 4 * MAX_TREE_NODES)  # the draft side's bound, loosened
+    monkeypatch.setattr(drafter, "cape_siblings", lambda p, ranked, room, reach=1.0, price=0.0: [t for t, _ in ranked])
+    pair = make_pair(models, "sync", DRAFT_FIRST)
+    policy = PolicyConfig(name="constant", draft_length=10, tree="cape")
+    result = pair.generate(GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=policy))
+    assert result.token_ids == alone[prompt_ids["medium"]]
+    assert result.stats.detached == 1
+
+
+def test_a_sampled_tree_across_the_workers_is_refused_by_name(models, prompt_ids):
+    pair = make_pair(models, "async")
+    request = GenerationRequest(prompt_ids["short"], 8, SamplingParams(temperature=0.8),
+                                PolicyConfig(name="svip", threshold=0.5, tree="cape"))
+    with pytest.raises(InvalidRequest, match="with sampling runs in process only"):
+        pair.generate(request)
