@@ -81,7 +81,7 @@ class SimulatedPair(InMemoryPair):
         timeline = self.timelines[worker]
 
         def timed_forward(steps, layers=()):
-            shape = [(len(new), len(seq)) for seq, new, _ in steps]  # before the forward: the cached tokens
+            shape = [(len(new), len(seq)) for seq, new, *_ in steps]  # before the forward: the cached tokens
             started = time.perf_counter()
             rows, features, _ = real(steps, layers)
             timeline.device_wall_s += time.perf_counter() - started

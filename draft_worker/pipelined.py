@@ -170,14 +170,17 @@ class PipelinedDraft:
                 raise InvalidRequest("a sampled rejection needs the target's p row")
             token = resolved = self.session.resolve_correction(block, accepted, p_row)
         path = block.tokens[:accepted] + ([branch] if branch != NO_TOKEN else [])
-        self.known = self.known[:base] + path + [token]
+        # a continuation prepared after a sibling and used: the token after the sibling is its
+        # first place's, settled by the verdict on it
+        after = [] if branch != NO_TOKEN and prepared_used else [token]
+        self.known = self.known[:base] + path + after
         self.epoch = epoch
         self.outstanding.clear()
         self.job = self.critical = None
         if self.load_cap == 0:  # paused: the target goes on alone until a Resume
             self.paused = True
             return []
-        ready = prepared.get((base, accepted, token)) if accepted < drafted and branch == NO_TOKEN else None
+        ready = prepared.get((base, accepted, token if branch == NO_TOKEN else branch)) if accepted < drafted else None
         if prepared_used:
             if ready is None or ready.prepared_for is None or ready.reused:
                 raise InvalidRequest("feedback uses a prepared continuation this session did not send")
@@ -185,7 +188,7 @@ class PipelinedDraft:
             self.outstanding.append(ready)
             self._plan()
             return []
-        if ready is not None:  # prepared here, not used there (late, or sampled): send it now
+        if ready is not None and branch == NO_TOKEN:  # prepared here, not used there (late, or sampled): send it
             ready.block.epoch, ready.prepared_for, ready.reused = epoch, None, True
             ready.resolved_token, ready.trigger_at = resolved, received_at
             self.outstanding.append(ready)
@@ -347,29 +350,25 @@ class PipelinedDraft:
 
 
 def _check_branch(block, accepted: int, branch: int, prepared_used: bool) -> None:
-    """A verdict's branch names one of the block's own siblings at the rejected place, and settles
-    that place and the next at the target: no prepared continuation follows it."""
+    """A verdict's branch names one of the block's own siblings at the rejected place."""
     if branch == NO_TOKEN:
         return
     if accepted >= len(block.tokens) or not block.siblings or branch not in block.siblings[accepted]:
         raise InvalidRequest(f"feedback takes {branch} at place {accepted}, not a sibling this session drafted there")
-    if prepared_used:
-        raise InvalidRequest("feedback takes a sibling and a prepared continuation at once")
 
 
 def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: frozenset[int],
                 prepared: dict) -> tuple[list[tuple[float, PreparedKey]], float]:
     """The continuations worth preparing after a rejection in this outstanding block, most
     likely first (reach: the draft's chance that every token before it is accepted), and the
-    reach past it; none already prepared, none past the session's limit. A tree's siblings are
-    left out: the target settles them itself."""
+    reach past it; none already prepared, none past the session's limit. After a tree's sibling
+    as after a correction: the target takes it up when the verdict settles that token there."""
     block, candidates = item.block, []
     for j, options in enumerate(item.alternatives):
-        covered = block.siblings[j] if block.siblings else ()
         fits = limit - (block.base + j + 1) - 1 >= 1
         for token, q in options:
             key = (block.base, j, token)
-            worth = reach * q >= MIN_PREPARE_SCORE and token not in covered and token not in stop_token_ids
+            worth = reach * q >= MIN_PREPARE_SCORE and token not in stop_token_ids
             if worth and fits and key not in prepared:
                 candidates.append((reach * q, key))
         reach *= block.probs[j]

@@ -179,7 +179,7 @@ class Verifier:
         if not steps:
             return 0
         rows, features, elapsed = self.pool.timed_forward(steps, self.feature_layers)
-        self._observe(sum(len(new) for _, new, _ in steps), elapsed, any(len(new) > 1 for _, new, _ in steps),
+        self._observe(sum(len(new) for _, new, *_ in steps), elapsed, any(len(new) > 1 for _, new, *_ in steps),
                       len(steps))
         by_sequence = {id(session.sequence): session for session, _ in jobs}
         for (seq, new, *_), feats in zip(steps, features):

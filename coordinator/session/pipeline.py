@@ -235,7 +235,8 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         cap, was_paused = self._cap(), self.paused
         token, ready, deferred, pause = self._resolve_ahead(block, verdict, cap, was_paused)
         branched = verdict.branch != NO_TOKEN  # a tree's sibling settled the rejected place; token the next
-        self.draft_base = block.base + verdict.accepted + branched + (0 if deferred else 1)  # the draft's next block's
+        past = branched and ready is None  # one prepared after the sibling starts at the token after it
+        self.draft_base = block.base + verdict.accepted + past + (0 if deferred else 1)  # the draft's next block's
         settled, reason = self._clipped(self._new_tokens(block, verdict.accepted, token, verdict.branch))
         if reason is None and self.with_draft and not was_paused:
             # a cap of 0 that cannot pause yet: the draft still writes the next block, of one token
@@ -275,8 +276,9 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         token, ready, deferred = verdict.token, None, False
         if accepted < k:
             self._new_epoch()
-            if verdict.token != NO_TOKEN and verdict.branch == NO_TOKEN:  # a branch settles two places
-                ready = self.ahead.take_prepared((block.base, accepted, verdict.token))
+            if verdict.token != NO_TOKEN:  # prepared for the token settled at the rejected place
+                settled_there = verdict.branch if verdict.branch != NO_TOKEN else verdict.token
+                ready = self.ahead.take_prepared((block.base, accepted, settled_there))
         elif block.followup:
             deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
         # drafting no longer pays: pause at a verdict whose token is settled here (not a sampled
@@ -377,8 +379,9 @@ def _after(block: Block, n: int) -> Block:
     if n == 0:
         return block
     rows = block.q_rows[n:] if block.q_rows is not None else None
+    siblings = block.siblings[n:] if block.siblings is not None else None  # a tree's places after them keep theirs
     return Block(base=block.base + n, tokens=block.tokens[n:], probs=block.probs[n:], entropies=block.entropies[n:],
-                 q_rows=rows, epoch=block.epoch)
+                 q_rows=rows, epoch=block.epoch, siblings=siblings)
 
 
 def _on_whole_block(block: DraftedBlock, verdict: Verdict) -> Verdict:

@@ -251,6 +251,28 @@ def test_a_used_prepared_continuation_is_the_next_block_without_drafting_again()
         s.on_feedback(time.time(), 3, first.block.base, 3, 1, key[2], None, True, time.time())
 
 
+def test_a_continuation_prepared_after_a_sibling_follows_the_branch_that_takes_it():
+    """A tree's verdict takes the sibling a continuation was prepared after: that continuation is
+    the block in flight, its first place the token the target settled after the sibling (so the
+    draft does not know that token yet); unused, it is dropped (the target's next block starts past
+    that token), never sent again."""
+    for used in (True, False):
+        s = session(pipelined=True)
+        s.start(time.time())
+        sent = drain(s)
+        first = sent[0]
+        sibling = runner_up(first.block.tokens[1])
+        first.block.siblings = [[], [sibling], []]
+        ready = next(o for o in sent if o.prepared_for == (first.block.base, 1, sibling))
+        out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, used, time.time() + LATE, branch=sibling)
+        assert out == []
+        if used:
+            assert s.outstanding == [ready] and s.known == PROMPT + first.block.tokens[:1] + [sibling]
+        else:
+            assert s.outstanding == [] and s.known == PROMPT + first.block.tokens[:1] + [sibling, 42]
+            assert s.critical is not None and s.critical.draft.block.base == len(s.known)
+
+
 def test_a_prepared_continuation_it_never_made_cannot_be_used():
     s = session(pipelined=True, prepare=0)
     s.start(time.time())
