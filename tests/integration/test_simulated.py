@@ -34,7 +34,8 @@ def alone(models):
 
 
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
-@pytest.mark.parametrize("policy", [SVIP, PolicyConfig(name="constant", draft_length=4), PolicyConfig(name="auto")])
+@pytest.mark.parametrize("policy", [SVIP, PolicyConfig(name="constant", draft_length=4), PolicyConfig(name="auto"),
+                                    PolicyConfig(name="svip", threshold=0.6, tree="cape")])
 def test_the_output_is_the_targets_in_virtual_time(models, prompt_ids, alone, pipeline, policy):
     pair = make(models, pipeline, host_scale=1.0)
     requests = [GenerationRequest(ids, 24, policy=policy) for ids in prompt_ids.values()]
@@ -84,16 +85,17 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
     out = tmp_path / "out"
     code = main(["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
                  "--dataset", str(dataset), "--categories", "qa", "--prompts-per-category", "1", "--repeats", "1",
-                 "--max-new-tokens", "12", "--sim-sessions", "2", "--host-scale", "0",
+                 "--max-new-tokens", "12", "--sim-sessions", "2", "--host-scale", "0", "--tree", "cape",
                  "--emulate", "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=25gbe",
                  "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     doc = json.loads((out / "simulate.json").read_text())
-    assert [(r["sessions"], r["mode"]) for r in doc["rows"]] == [(n, m) for n in (1, 2) for m in ("alone", "sync",
-                                                                                                  "async")]
+    modes = ("alone", "sync", "async", "sync+cape", "async+cape")
+    assert [(r["sessions"], r["mode"]) for r in doc["rows"]] == [(n, m) for n in (1, 2) for m in modes]
     assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
     assert doc["header"]["target_device"] == "llama-3.1-70b@4xh100" and "| 1 | alone |" in captured.out
+    assert "a tree vs its chain" in captured.out and "| 2 | async+cape |" in captured.out
     base = ["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
             "--dataset", str(dataset), "--categories", "qa"]
     for extra, words in ((["--emulate", "target=llama-9b@h100"], "unknown model 'llama-9b'"),
