@@ -22,7 +22,7 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
-from svip_common.sampling import entropy, mask_padding, sample_indices, warp_probs
+from svip_common.sampling import add_bias, entropy, mask_padding, sample_indices, warp_probs
 from svip_common.trees import CAPE_WIDEST, MAX_TREE_NODES, cape_siblings
 
 
@@ -106,7 +106,10 @@ class Drafter:
         sampled), worked out for all of them at once and read to the host in one copy. A sampled
         token is drawn with the uniform keyed by its session's seed and its position."""
         sampling = blocks[0]._session.sampling
-        q = warp_probs(mask_padding(self._widen(logits), self.token_limit), sampling)  # [B, vocab]
+        logits = mask_padding(self._widen(logits), self.token_limit)
+        if any(b._session.sampling.logit_bias for b in blocks):  # each block's request's own
+            logits = torch.cat([add_bias(row[None], b._session.sampling.logit_bias) for row, b in zip(logits, blocks)])
+        q = warp_probs(logits, sampling)  # [B, vocab]
         if sampling.greedy:
             tokens = torch.argmax(q, dim=-1, keepdim=True)  # [B, 1]
         else:

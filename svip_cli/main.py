@@ -16,6 +16,7 @@ import sys
 from svip_common.auto_settings import WINDOW, AutoSettings
 from svip_common.contracts import (
     DRAFT_LENGTH_CAP,
+    INT32_MAX,
     POLICY_NAMES,
     GenerationRequest,
     Limits,
@@ -43,6 +44,18 @@ def _threshold(text: str) -> float | str:
         return float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"expected a number or 'auto', got {text!r}") from None
+
+
+def _logit_bias(text: str) -> tuple[tuple[int, float], ...]:
+    """ID=BIAS,ID=BIAS...: biases added to the logits at those token ids (checked with the request)."""
+    out = []
+    for item in filter(None, text.split(",")):
+        token, _, bias = item.partition("=")
+        try:
+            out.append((int(token), float(bias)))
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected ID=BIAS pairs separated by commas, got {item!r}") from None
+    return tuple(out)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -145,6 +158,9 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--top-k", type=int, default=0, help="0 = off")
     smp.add_argument("--top-p", type=float, default=1.0)
     smp.add_argument("--seed", type=int, help="random seed (default: drawn and reported)")
+    smp.add_argument("--logit-bias", type=_logit_bias, default=(), metavar="ID=BIAS,...",
+                     help="added to the target's and the draft's logits at these token ids, each in [-100, 100] "
+                     "(-100 bans a token), at most 300; output exact as the target alone's with the same bias")
     smp.add_argument("--n", type=int, default=1, help="independent samples of one prompt")
     gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
     run = gen.add_argument_group("batching")
@@ -532,7 +548,7 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
     request = GenerationRequest(
         prompt_ids=(0,),
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed),
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed, args.logit_bias),
         policy=PolicyConfig(
             name=args.policy,
             threshold=args.threshold,
@@ -543,7 +559,7 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
             tree=args.tree,
         ),
     )
-    request.validate(Limits(tokens=1, positions=None))
+    request.validate(Limits(tokens=INT32_MAX + 1, positions=None))  # the knobs alone; ids against the model later
     if getattr(args, "mode", "inprocess") == "distributed":  # before any worker starts
         check_wire_tree(args.tree, request.sampling.greedy)
     return request

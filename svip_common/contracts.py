@@ -26,6 +26,8 @@ INT32_MAX = 2**31 - 1  # integer fields travel as int32
 DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deployment may change it)
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the warped q turns NaN
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
+MAX_LOGIT_BIAS = 300  # a request's logit_bias entries at most (OpenAI's bound)
+LOGIT_BIAS_BOUND = 100.0  # each bias in [-100, 100] (OpenAI's): -100 bans a token, +100 all but forces it
 ORACLE = "oracle"  # benchmark-only ceiling: needs the target's own greedy continuation
 
 
@@ -37,6 +39,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = no top-k filter
     top_p: float = 1.0
     seed: int = 0
+    # added to the target's logits (and the draft's) at these ids before anything reads them:
+    # (token id, bias) pairs, ids distinct (svip_common/sampling.py: add_bias)
+    logit_bias: tuple[tuple[int, float], ...] = ()
 
     @property
     def greedy(self) -> bool:
@@ -57,6 +62,21 @@ class SamplingParams:
             raise InvalidRequest(f"top_p must be in (0, 1], got {self.top_p}")
         if not (0 <= self.seed < 2**63):
             raise InvalidRequest(f"seed must be in [0, 2^63), got {self.seed}")
+        self._validate_bias()
+
+    def _validate_bias(self) -> None:
+        """At most MAX_LOGIT_BIAS entries, distinct ids in [0, 2^31), each bias a finite number in
+        [-LOGIT_BIAS_BOUND, LOGIT_BIAS_BOUND] (ids against the vocabulary: GenerationRequest.validate)."""
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise InvalidRequest(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        ids = [token for token, _ in self.logit_bias]
+        if len(set(ids)) != len(ids):
+            raise InvalidRequest("logit_bias names a token id twice")
+        for token, bias in self.logit_bias:
+            if not 0 <= token <= INT32_MAX:
+                raise InvalidRequest(f"logit_bias token id {token} is outside [0, 2^31)")
+            if not (math.isfinite(bias) and abs(bias) <= LOGIT_BIAS_BOUND):
+                raise InvalidRequest(f"logit_bias for token {token} must be in [-100, 100], got {bias}")
 
 
 @dataclass(frozen=True)
@@ -133,6 +153,7 @@ class GenerationRequest:
         check_prompt_ids(self.prompt_ids, limits.tokens)
         check_length(len(self.prompt_ids), self.max_new_tokens, limits.positions, limits.kv_tokens)
         self.sampling.validate()
+        check_token_ids([token for token, _ in self.sampling.logit_bias], limits.tokens, "logit_bias token id")
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")

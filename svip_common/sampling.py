@@ -32,6 +32,19 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return torch.softmax(logits, dim=-1)
 
 
+def add_bias(rows: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
+    """rows [n, width] with a request's logit_bias added at its ids, every row alike (a new
+    tensor; the rows themselves when there is none). The one place a bias is applied: the
+    target's rows before they are judged, stored or warped, the draft's before it chooses."""
+    if not bias:
+        return rows
+    ids = torch.tensor([token for token, _ in bias], dtype=torch.long, device=rows.device)
+    values = torch.tensor([value for _, value in bias], dtype=rows.dtype, device=rows.device)
+    out = rows.clone()
+    out[..., ids] += values
+    return out
+
+
 def mask_padding(logits: torch.Tensor, limit: int) -> torch.Tensor:
     """logits [n, width] with every column at or past ``limit`` set to -inf, in place: ids that
     no tokenizer entry or no model of the pair has (a checkpoint's padding columns) are never

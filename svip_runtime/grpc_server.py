@@ -310,6 +310,7 @@ class SessionService:
         check_prompt_ids(msg.prompt_ids, self.limits.tokens)
         check_length(len(msg.prompt_ids), msg.max_new_tokens, self.limits.positions, self.limits.kv_tokens)
         check_token_ids(msg.stop_token_ids, self.limits.tokens, "stop token id")
+        check_token_ids(msg.sampling.logit_bias_ids, self.limits.tokens, "logit_bias token id")
 
     def admit(self, session_id: str, owner: SessionStream) -> None:
         """Before a session is made: a new id, within the caps per stream and per worker (each

@@ -23,7 +23,7 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import accept_greedy, accept_sampled, branch_sampled, residual
-from svip_common.sampling import mask_padding, sample_indices, warp_probs
+from svip_common.sampling import add_bias, mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import node_parents, sibling_nodes
 
@@ -107,7 +107,8 @@ class Verifier:
         if steps:
             self._observe(self.last_step_tokens, elapsed, prefilling, len(steps))
             self._sessions_per_step.update(len(jobs))
-        settled = {i: mask_padding(row, self.token_limit) for i, row in zip(owners, rows) if i is not None}
+        settled = {i: add_bias(mask_padding(row, self.token_limit), jobs[i][0].sampling.logit_bias)
+                   for i, row in zip(owners, rows) if i is not None}
         choices = self._greedy_choices(jobs, plans, settled)
         sampled = []  # (job index, session, base, block, logits): judged together below
         for i, plan in plans.items():  # a plan with no step: the stored row settles it
@@ -185,6 +186,7 @@ class Verifier:
         for (seq, new, *_), feats in zip(steps, features):
             by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
         rows = [mask_padding(row, self.token_limit) for row, (_, _, k) in zip(rows, steps) if k]
+        rows = [add_bias(row, session.sampling.logit_bias) for row, session in zip(rows, owners)]
         greedy = [i for i, session in enumerate(owners) if session.sampling.greedy]
         choices = torch.argmax(torch.cat([rows[i] for i in greedy]), dim=-1).tolist() if greedy else []
         choice_of = dict(zip(greedy, choices))

@@ -50,6 +50,11 @@ CASES: list[Case] = [
     *_cases("max_draft_length", [1, DRAFT_LENGTH_CAP], [0, DRAFT_LENGTH_CAP + 1]),
     *_cases("confidence", [0, 1, TINY], [1.0000001, -0.1, NAN], policy="confidence"),
     *_cases("policy", ["auto", "svip", "constant", "heuristic", "confidence", "none", ""], ["oracle", 3]),
+    *_cases("logit_bias", [{}, None, {"0": -100}, {"5": 100}, {"7": TINY}, {str(i): 1.0 for i in range(300)}],
+            [{str(i): 1.0 for i in range(301)}, {"5": 100.00001}, {"5": NAN}, {"5": INF}, {"5": "1"}, {"-1": 1},
+             {"x": 1}, {"2147483647": 1}, {"99999999999999999999": 1}, [], "5"]),
+    *_cases("tree", ["off", "cape", "auto"], ["deep", 1, None], temperature=0),
+    *_cases("tree", ["off"], ["cape", "auto"]),
     Case({"temperature": 0, "top_p": TINY, "top_k": 2**31 - 1, "seed": 2**63 - 1}, "ok"),
     Case({"temperature": HUGE, "top_p": TINY, "top_k": 1}, "ok"),
 ]

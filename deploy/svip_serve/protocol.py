@@ -12,7 +12,14 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 
-from svip_common.contracts import INT32_MAX, POLICY_NAMES, PolicyConfig, SamplingParams
+from svip_common.contracts import (
+    INT32_MAX,
+    LOGIT_BIAS_BOUND,
+    MAX_LOGIT_BIAS,
+    POLICY_NAMES,
+    PolicyConfig,
+    SamplingParams,
+)
 from svip_common.errors import InvalidRequest
 from svip_common.trees import TREES, check_wire_tree
 
@@ -205,7 +212,7 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     seed = _integer(body, "seed", None, lo=0, hi=2**63 - 1)
     if seed is None:
         seed = secrets.randbelow(2**31)
-    sampling = SamplingParams(temperature, top_k, top_p, seed)
+    sampling = SamplingParams(temperature, top_k, top_p, seed, _logit_bias(body.get("logit_bias")))
     policy = _policy(body, defaults)
     if "tree" not in body and not sampling.greedy:  # the deployment's default tree is for greedy requests
         policy = replace(policy, tree="off")
@@ -229,13 +236,34 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     )
 
 
+def _logit_bias(value) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias: an object from token ids (as strings) to a bias in [-100, 100], at most
+    300 entries (ids against the model's vocabulary: when the request is shaped)."""
+    if value is None:
+        return ()
+    if not isinstance(value, dict):
+        raise bad(f"'logit_bias' must be an object from token ids to numbers, got {_shown(value)}", "logit_bias")
+    if len(value) > MAX_LOGIT_BIAS:
+        raise bad(f"'logit_bias' has {len(value)} entries; at most {MAX_LOGIT_BIAS}", "logit_bias")
+    out = []
+    for key, bias in value.items():
+        if not (isinstance(key, str) and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX):
+            raise bad(f"'logit_bias' keys must be token ids, got {_shown(key)}", "logit_bias")
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+            raise bad(f"'logit_bias' values must be numbers, got {_shown(bias)}", "logit_bias")
+        if abs(bias) > LOGIT_BIAS_BOUND:
+            raise bad(f"'logit_bias' values must be in [-100, 100], got {bias:g} for {key}", "logit_bias")
+        out.append((int(key), float(bias)))
+    if len({token for token, _ in out}) != len(out):
+        raise bad("'logit_bias' names a token id twice", "logit_bias")
+    return tuple(out)
+
+
 def _refuse_unsupported(body: dict) -> None:
     """Parameters that would change the output: refused rather than silently ignored."""
     for name in ("presence_penalty", "frequency_penalty"):
         if _number(body, name, 0.0) != 0.0:
             raise bad(f"'{name}' is not supported (speculative decoding keeps the target's distribution as is)", name)
-    if body.get("logit_bias"):
-        raise bad("'logit_bias' is not supported", "logit_bias")
     for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "response_format"):
         value = body.get(name)
         if value not in (None, False, 0, "", [], {}) and not (name == "response_format" and value == {"type": "text"}):

@@ -83,11 +83,18 @@ def floats_from_proto(msg: pb.Tensor) -> list[float]:
 
 
 def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed)
+    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                             logit_bias_ids=[token for token, _ in s.logit_bias],
+                             logit_bias=[bias for _, bias in s.logit_bias])
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    params = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed)
+    """Checked (SamplingParams.validate): a bad field, or bias ids and values that do not pair up,
+    is an InvalidRequest (the bias's ids against the vocabulary: the worker's check_start)."""
+    if len(msg.logit_bias_ids) != len(msg.logit_bias):
+        raise InvalidRequest(f"logit_bias carries {len(msg.logit_bias_ids)} ids and {len(msg.logit_bias)} values")
+    bias = tuple(zip(msg.logit_bias_ids, msg.logit_bias))
+    params = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, bias)
     params.validate()
     return params
 

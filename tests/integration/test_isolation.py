@@ -165,9 +165,10 @@ def check_extremes(results, reqs, at, models) -> None:
         assert not isinstance(result, Exception), (request, result)
         assert result.finish_reason == "length" and len(result.token_ids) == request.max_new_tokens, request
         if i in at or top1(request):
-            key = (request.prompt_ids, request.max_new_tokens)
+            key = (request.prompt_ids, request.max_new_tokens, request.sampling.logit_bias)
             if key not in greedy:
-                plain = dataclasses.replace(request, sampling=SamplingParams(), policy=PolicyConfig(name="none"))
+                plain = dataclasses.replace(request, sampling=SamplingParams(logit_bias=request.sampling.logit_bias),
+                                            policy=PolicyConfig(name="none"))
                 greedy[key] = target_alone.generate(plain).token_ids
             assert result.token_ids == greedy[key], request
 

@@ -9,13 +9,15 @@ against the draft's own distribution must be rejected, so the test has power.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from scipy.stats import chisquare
 
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
-from svip_common.sampling import warp_probs
+from svip_common.sampling import add_bias, warp_probs
 
 ALPHA = 1e-3
 SAMPLES = 2500
@@ -29,11 +31,13 @@ CONFIGS = {
 @torch.inference_mode()
 def exact_marginals(model, prompt, sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """p(t1) and p(t2) = sum_x p(t1 = x) p(t2 | x), both [vocab], from the model alone."""
-    p1 = warp_probs(model(input_ids=torch.tensor([prompt])).logits[0, -1:], sampling)[0].double()
+    p1 = warp_probs(add_bias(model(input_ids=torch.tensor([prompt])).logits[0, -1:], sampling.logit_bias),
+                    sampling)[0].double()
     vocab = p1.shape[0]
     prefixes = torch.tensor([list(prompt)] * vocab)  # [vocab, n]
     inputs = torch.cat([prefixes, torch.arange(vocab)[:, None]], dim=1)  # [vocab, n + 1]
-    p2_given = warp_probs(model(input_ids=inputs).logits[:, -1], sampling).double()  # [vocab, vocab]
+    p2_given = warp_probs(add_bias(model(input_ids=inputs).logits[:, -1], sampling.logit_bias),
+                          sampling).double()  # [vocab, vocab]
     return p1, p1 @ p2_given
 
 
@@ -89,6 +93,26 @@ def test_first_tokens_follow_the_target(models, prompt_ids, config, tree):
     if tree != "off":
         assert sum(r.stats.branches for r in results) > SAMPLES // 20  # siblings really were taken
     assert_first_tokens_follow_the_target(models, prompt, sampling, results)
+
+
+@pytest.mark.slow
+def test_a_logit_bias_is_the_targets_distribution_biased(models, prompt_ids):
+    """logit_bias on the target's and the draft's logits at every drafted place: the first two
+    tokens fit the biased target's marginals, and (the test's power) not the unbiased target's."""
+    prompt = prompt_ids["medium"]
+    p1, _ = exact_marginals(models["target"].model, prompt, SamplingParams(temperature=1.0))
+    top = torch.topk(p1, 3).indices.tolist()  # ban the target's likeliest first token, favour its third
+    bias = tuple({30: 2.0, top[2]: 1.5, top[0]: -100.0}.items())
+    sampling = SamplingParams(temperature=1.0, logit_bias=bias)
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    policy = PolicyConfig(name="constant", draft_length=3)
+    requests = [GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=seed), policy=policy)
+                for seed in range(SAMPLES)]
+    results = engine.generate_many(requests, 50)
+    assert sum(r.stats.accepted_lengths[0] < r.stats.draft_lengths[0] for r in results) > SAMPLES // 20
+    assert_first_tokens_follow_the_target(models, prompt, sampling, results)
+    assert chi_square_pvalue([r.token_ids[0] for r in results], p1) < ALPHA
+    assert all(top[0] not in r.token_ids for r in results)  # banned
 
 
 def test_seeded_runs_reproduce(models, prompt_ids):

@@ -72,6 +72,12 @@ def test_params_round_trip_and_validate():
         convert.sampling_from_proto(pb.SamplingParams(temperature=1.0, top_p=0.0))
     with pytest.raises(InvalidRequest, match="unknown policy"):
         convert.policy_from_proto(pb.PolicyConfig(name="bogus", max_draft_length=4, draft_length=1))
+    biased = SamplingParams(seed=1, logit_bias=((5, -100.0), (9, 2.5)))
+    assert convert.sampling_from_proto(convert.sampling_to_proto(biased)) == biased
+    with pytest.raises(InvalidRequest, match="2 ids and 1 values"):
+        convert.sampling_from_proto(pb.SamplingParams(logit_bias_ids=[5, 9], logit_bias=[1.0]))
+    with pytest.raises(InvalidRequest, match="at most 300"):
+        convert.sampling_from_proto(pb.SamplingParams(top_p=1.0, logit_bias_ids=range(301), logit_bias=[1.0] * 301))
 
 
 def test_block_round_trip():

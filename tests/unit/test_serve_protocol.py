@@ -31,6 +31,29 @@ def test_extension_parameters_and_deployment_defaults():
     assert req.sampling.top_k == 5 and req.stop == ("\n\n",)
 
 
+def test_logit_bias_is_read_as_openai_sends_it():
+    req = parse_completion({**BASE, "logit_bias": {"50256": -100, "7": 2.5}})
+    assert req.sampling.logit_bias == ((50256, -100.0), (7, 2.5))
+    assert parse_completion(dict(BASE)).sampling.logit_bias == ()
+
+
+@pytest.mark.parametrize("value, words", [
+    ([1, 2], "must be an object"),
+    ({str(i): 1 for i in range(301)}, "at most 300"),
+    ({"x": 1}, "keys must be token ids"),
+    ({"-5": 1}, "keys must be token ids"),
+    ({"99999999999": 1}, "keys must be token ids"),
+    ({"5": "a"}, "values must be numbers"),
+    ({"5": True}, "values must be numbers"),
+    ({"5": 100.5}, "must be in \\[-100, 100\\]"),
+    ({"5": 1, "05": 2}, "twice"),
+])
+def test_a_bad_logit_bias_is_a_400_that_names_it(value, words):
+    with pytest.raises(ApiError, match=words) as err:
+        parse_completion({**BASE, "logit_bias": value})
+    assert err.value.status == 400 and err.value.param == "logit_bias"
+
+
 def test_a_deployments_default_tree_is_for_greedy_requests():
     """A request's `tree` overrides the deployment's; the default applies to greedy requests (a
     sampled one drafts chains across the workers), and a sampled request that names a tree is a 400."""
