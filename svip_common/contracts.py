@@ -27,6 +27,7 @@ DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deplo
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the warped q turns NaN
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
 MAX_LOGIT_BIAS = 300  # a request's logit_bias entries at most (OpenAI's bound)
+MAX_STOP_TOKEN_IDS = 64  # a request's stop_token_ids at most (each ends its output, as the model's EOS)
 LOGIT_BIAS_BOUND = 100.0  # each bias in [-100, 100] (OpenAI's): -100 bans a token, +100 all but forces it
 ORACLE = "oracle"  # benchmark-only ceiling: needs the target's own greedy continuation
 
@@ -154,6 +155,9 @@ class GenerationRequest:
         check_length(len(self.prompt_ids), self.max_new_tokens, limits.positions, limits.kv_tokens)
         self.sampling.validate()
         check_token_ids([token for token, _ in self.sampling.logit_bias], limits.tokens, "logit_bias token id")
+        if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise InvalidRequest(f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
+        check_token_ids(self.stop_token_ids, limits.tokens, "stop token id")
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")

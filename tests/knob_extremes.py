@@ -53,6 +53,8 @@ CASES: list[Case] = [
     *_cases("logit_bias", [{}, None, {"0": -100}, {"5": 100}, {"7": TINY}, {str(i): 1.0 for i in range(300)}],
             [{str(i): 1.0 for i in range(301)}, {"5": 100.00001}, {"5": NAN}, {"5": INF}, {"5": "1"}, {"-1": 1},
              {"x": 1}, {"2147483647": 1}, {"99999999999999999999": 1}, [], "5"]),
+    *_cases("stop_token_ids", [[], None, [0], [319], list(range(64))],
+            [[2**31 - 1], [-1], [2**31], list(range(65)), [1.5], ["5"], [True], 5]),
     *_cases("tree", ["off", "cape", "auto"], ["deep", 1, None], temperature=0),
     *_cases("tree", ["off"], ["cape", "auto"]),
     Case({"temperature": 0, "top_p": TINY, "top_k": 2**31 - 1, "seed": 2**63 - 1}, "ok"),
@@ -73,7 +75,8 @@ def generation_request(body: dict, prompt_ids: tuple[int, ...], limits: Limits) 
     from svip_serve.protocol import parse_completion
 
     api = parse_completion(body)
-    request = GenerationRequest(prompt_ids, api.max_tokens, api.sampling, api.policy, ignore_eos=True)
+    request = GenerationRequest(prompt_ids, api.max_tokens, api.sampling, api.policy, api.stop_token_ids,
+                                ignore_eos=True)
     return request.checked_for(True, limits)
 
 

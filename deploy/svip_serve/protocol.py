@@ -16,6 +16,7 @@ from svip_common.contracts import (
     INT32_MAX,
     LOGIT_BIAS_BOUND,
     MAX_LOGIT_BIAS,
+    MAX_STOP_TOKEN_IDS,
     POLICY_NAMES,
     PolicyConfig,
     SamplingParams,
@@ -56,6 +57,7 @@ class ApiRequest:
     max_tokens: int | None = None  # None: the deployment's default_max_tokens, within the context (chat)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()  # vLLM's extension: ids that end the output, as the model's EOS
     stream: bool = False
     include_usage: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
@@ -229,6 +231,7 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
         max_tokens=max_tokens,
         sampling=sampling,
         stop=_stop(body.get("stop")),
+        stop_token_ids=_stop_token_ids(body.get("stop_token_ids")),
         stream=_boolean(body, "stream", False),
         include_usage=_boolean(stream_options, "include_usage", False),
         policy=policy,
@@ -281,6 +284,19 @@ def _stop(value) -> tuple[str, ...]:
     if (longest := max((len(s) for s in stops), default=0)) > MAX_STOP_CHARS:
         raise bad(f"each 'stop' string is at most {MAX_STOP_CHARS} characters, got one of {longest}", "stop")
     return tuple(s for s in stops if s)
+
+
+def _stop_token_ids(value) -> tuple[int, ...]:
+    """At most MAX_STOP_TOKEN_IDS ids (within the vocabulary: when the request is shaped)."""
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in value):
+        raise bad(f"'stop_token_ids' must be an array of token ids, got {_shown(value)}", "stop_token_ids")
+    if len(value) > MAX_STOP_TOKEN_IDS:
+        raise bad(f"'stop_token_ids' holds at most {MAX_STOP_TOKEN_IDS} ids, got {len(value)}", "stop_token_ids")
+    if any(not 0 <= t <= INT32_MAX for t in value):
+        raise bad(f"'stop_token_ids' must be token ids in [0, 2^31), got {_shown(value)}", "stop_token_ids")
+    return tuple(value)
 
 
 def _policy(body: dict, defaults: PolicyConfig) -> PolicyConfig:

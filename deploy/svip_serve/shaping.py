@@ -67,7 +67,8 @@ class RequestShaping:
                     f"context of {ctx} tokens",
                     "max_tokens",
                 )
-            request = GenerationRequest(prompt_ids, max_tokens, req.sampling, req.policy, ignore_eos=req.ignore_eos)
+            request = GenerationRequest(prompt_ids, max_tokens, req.sampling, req.policy, req.stop_token_ids,
+                                        ignore_eos=req.ignore_eos)
             return self.resolve(request)
         except InvalidRequest as exc:
             raise bad(str(exc)) from None

@@ -163,6 +163,10 @@ def check_extremes(results, reqs, at, models) -> None:
             assert request.policy.threshold == "auto" and "in-process only" in str(result)
             continue
         assert not isinstance(result, Exception), (request, result)
+        if result.finish_reason == "stop":  # on one of its stop_token_ids, never sooner
+            assert result.token_ids[-1] in request.stop_token_ids, request
+            assert not set(result.token_ids[:-1]) & set(request.stop_token_ids), request
+            continue
         assert result.finish_reason == "length" and len(result.token_ids) == request.max_new_tokens, request
         if i in at or top1(request):
             key = (request.prompt_ids, request.max_new_tokens, request.sampling.logit_bias)
