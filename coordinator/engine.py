@@ -185,7 +185,7 @@ class EngineSession:
     def __init__(self, engine: SpeculativeEngine, request: GenerationRequest):
         self.request = request
         self.stop_ids = request.stop_ids(engine.target.eos_token_ids)
-        self.target = engine.verifier.open(request.sampling)
+        self.target = engine.verifier.open(request.sampling, len(request.prompt_ids), self.stop_ids)
         if engine.drafter is None or request.policy.name == "none":
             self.draft = NullDraftSession()
         else:

@@ -158,6 +158,11 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--top-k", type=int, default=0, help="0 = off")
     smp.add_argument("--top-p", type=float, default=1.0)
     smp.add_argument("--seed", type=int, help="random seed (default: drawn and reported)")
+    smp.add_argument("--presence-penalty", type=float, default=0.0,
+                     help="subtracted from a token's logit once it was generated, in [-2, 2] (0)")
+    smp.add_argument("--frequency-penalty", type=float, default=0.0,
+                     help="subtracted per time a token was generated, in [-2, 2] (0)")
+    smp.add_argument("--min-tokens", type=int, default=0, help="no stop token or EOS before this many tokens (0)")
     smp.add_argument("--logit-bias", type=_logit_bias, default=(), metavar="ID=BIAS,...",
                      help="added to the target's and the draft's logits at these token ids, each in [-100, 100] "
                      "(-100 bans a token), at most 300; output exact as the target alone's with the same bias")
@@ -548,7 +553,8 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
     request = GenerationRequest(
         prompt_ids=(0,),
         max_new_tokens=args.max_new_tokens,
-        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed, args.logit_bias),
+        sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed, args.logit_bias,
+                                args.presence_penalty, args.frequency_penalty, args.min_tokens),
         policy=PolicyConfig(
             name=args.policy,
             threshold=args.threshold,

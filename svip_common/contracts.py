@@ -28,6 +28,7 @@ GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
 MAX_LOGIT_BIAS = 300  # a request's logit_bias entries at most (OpenAI's bound)
 MAX_STOP_TOKEN_IDS = 64  # a request's stop_token_ids at most (each ends its output, as the model's EOS)
+PENALTY_BOUND = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's)
 LOGIT_BIAS_BOUND = 100.0  # each bias in [-100, 100] (OpenAI's): -100 bans a token, +100 all but forces it
 ORACLE = "oracle"  # benchmark-only ceiling: needs the target's own greedy continuation
 
@@ -43,6 +44,12 @@ class SamplingParams:
     # added to the target's logits (and the draft's) at these ids before anything reads them:
     # (token id, bias) pairs, ids distinct (svip_common/sampling.py: add_bias)
     logit_bias: tuple[tuple[int, float], ...] = ()
+    # OpenAI's penalties over the tokens generated before each place (not the prompt's), and
+    # min_tokens: the request's stop ids (EOS included) cannot be chosen before it has this many
+    # (svip_common/row_rules.py)
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
 
     @property
     def greedy(self) -> bool:
@@ -64,6 +71,12 @@ class SamplingParams:
         if not (0 <= self.seed < 2**63):
             raise InvalidRequest(f"seed must be in [0, 2^63), got {self.seed}")
         self._validate_bias()
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and abs(value) <= PENALTY_BOUND):
+                raise InvalidRequest(f"{name} must be in [-2, 2], got {value}")
+        if not 0 <= self.min_tokens <= INT32_MAX:
+            raise InvalidRequest(f"min_tokens must be in [0, 2^31), got {self.min_tokens}")
 
     def _validate_bias(self) -> None:
         """At most MAX_LOGIT_BIAS entries, distinct ids in [0, 2^31), each bias a finite number in

@@ -23,6 +23,7 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import accept_greedy, accept_sampled, branch_sampled, residual
+from svip_common.row_rules import RowRules
 from svip_common.sampling import add_bias, mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import node_parents, sibling_nodes
@@ -47,8 +48,10 @@ class Verifier:
         self.cost, self.decode_cost, self.plain_cost = StepCost(), StepCost(), StepCost()
         self._sessions_per_step = Ewma(0.1)  # recent sessions per verification step
 
-    def open(self, sampling: SamplingParams) -> TargetSession:
-        return TargetSession(self, sampling)
+    def open(self, sampling: SamplingParams, prompt_len: int = 0, stop_ids: frozenset[int] = frozenset()
+             ) -> TargetSession:
+        """prompt_len and stop_ids: the request's, for its penalties and min_tokens (row_rules.py)."""
+        return TargetSession(self, sampling, RowRules.of(sampling, prompt_len, stop_ids))
 
     def load(self, sessions: int | None = None) -> TargetLoad | None:
         """The target's current load, as load-aware speculation sees it (None: nothing measured
@@ -107,7 +110,7 @@ class Verifier:
         if steps:
             self._observe(self.last_step_tokens, elapsed, prefilling, len(steps))
             self._sessions_per_step.update(len(jobs))
-        settled = {i: add_bias(mask_padding(row, self.token_limit), jobs[i][0].sampling.logit_bias)
+        settled = {i: jobs[i][0].processed(mask_padding(row, self.token_limit), jobs[i][1], jobs[i][2], plans[i])
                    for i, row in zip(owners, rows) if i is not None}
         choices = self._greedy_choices(jobs, plans, settled)
         sampled = []  # (job index, session, base, block, logits): judged together below
@@ -163,9 +166,10 @@ class Verifier:
         (nothing is decided here). budget: at most this many tokens (a long prompt goes a chunk
         at a time). Returns how many sessions it advanced."""
         room = budget if budget is not None else float("inf")
-        steps, owners = [], []
+        steps, owners, before = [], [], []
         for session, committed in jobs:
-            plan = session.plan(committed, Block(base=len(committed), tokens=[], probs=[], entropies=[]))
+            empty = Block(base=len(committed), tokens=[], probs=[], entropies=[])
+            plan = session.plan(committed, empty)
             if plan.step is None or room < 1:
                 continue
             seq, new, _ = plan.step
@@ -176,6 +180,7 @@ class Verifier:
                 continue
             steps.append(plan.step)
             owners.append(session)
+            before.append((committed, empty, plan))
             room -= len(new)
         if not steps:
             return 0
@@ -186,7 +191,7 @@ class Verifier:
         for (seq, new, *_), feats in zip(steps, features):
             by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
         rows = [mask_padding(row, self.token_limit) for row, (_, _, k) in zip(rows, steps) if k]
-        rows = [add_bias(row, session.sampling.logit_bias) for row, session in zip(rows, owners)]
+        rows = [session.processed(row, *job) for row, session, job in zip(rows, owners, before)]
         greedy = [i for i, session in enumerate(owners) if session.sampling.greedy]
         choices = torch.argmax(torch.cat([rows[i] for i in greedy]), dim=-1).tolist() if greedy else []
         choice_of = dict(zip(greedy, choices))
@@ -245,8 +250,9 @@ class _Plan:
 
 
 class TargetSession:
-    def __init__(self, verifier: Verifier, sampling: SamplingParams):
+    def __init__(self, verifier: Verifier, sampling: SamplingParams, rules: RowRules | None = None):
         self.sampling = sampling
+        self.rules = rules if rules is not None else RowRules(0)  # penalties, min_tokens (row_rules.py)
         self._verifier = verifier
         self.sequence = verifier.pool.sequence()
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
@@ -374,6 +380,21 @@ class TargetSession:
             and self._pending_at == len(committed) == len(self.sequence)
             and self.sequence.tokens_equal(committed)
         )
+
+    def processed(self, rows: torch.Tensor, committed: Sequence[int], block: Block, plan: _Plan) -> torch.Tensor:
+        """This session's rows of a step as the request has them (its logit_bias, penalties and
+        min_tokens), before anything reads them: each row by the tokens before its own place."""
+        rows = add_bias(rows, self.sampling.logit_bias)
+        if not self.rules.active:
+            return rows
+        drafted = list(block.tokens)
+        if block.is_tree:  # each node's place follows its ancestors: the spine up to it, or a sibling's
+            paths = [drafted[: j + 1] for j in range(len(drafted))]
+            paths += [drafted[:i] + [t] for i, options in enumerate(block.siblings) for t in options]
+            paths = paths if plan.reuse else [[], *paths]
+        else:  # the block's places in order, the first one's row stored already when reused
+            paths = [drafted[:r] for r in range(1 if plan.reuse else 0, len(drafted) + 1)]
+        return self.rules.apply(rows, [[*committed, *path] for path in paths])
 
     def plan(self, committed: Sequence[int], block: Block) -> _Plan:
         """Target logits are needed for positions len(committed) .. len(committed) + len(block):

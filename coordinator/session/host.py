@@ -147,7 +147,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 GenerationRequest(start.prompt_ids, start.max_new_tokens, sampling, policy),
                 start.stop_token_ids,
                 self.limits,
-                self.verifier.open(sampling),
+                self.verifier.open(sampling, len(start.prompt_ids), start.stop_token_ids),
                 speculate,
                 start.pipeline,
                 self.clock(),

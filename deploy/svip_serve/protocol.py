@@ -17,6 +17,7 @@ from svip_common.contracts import (
     LOGIT_BIAS_BOUND,
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
+    PENALTY_BOUND,
     POLICY_NAMES,
     PolicyConfig,
     SamplingParams,
@@ -214,7 +215,13 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     seed = _integer(body, "seed", None, lo=0, hi=2**63 - 1)
     if seed is None:
         seed = secrets.randbelow(2**31)
-    sampling = SamplingParams(temperature, top_k, top_p, seed, _logit_bias(body.get("logit_bias")))
+    penalties = [_number(body, name, 0.0) for name in ("presence_penalty", "frequency_penalty")]
+    for name, value in zip(("presence_penalty", "frequency_penalty"), penalties):
+        if abs(value) > PENALTY_BOUND:
+            raise bad(f"'{name}' must be in [-2, 2], got {value:g}", name)
+    min_tokens = _integer(body, "min_tokens", 0, lo=0)
+    sampling = SamplingParams(temperature, top_k, top_p, seed, _logit_bias(body.get("logit_bias")), *penalties,
+                              min_tokens)
     policy = _policy(body, defaults)
     if "tree" not in body and not sampling.greedy:  # the deployment's default tree is for greedy requests
         policy = replace(policy, tree="off")
@@ -264,9 +271,6 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
 
 def _refuse_unsupported(body: dict) -> None:
     """Parameters that would change the output: refused rather than silently ignored."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0.0) != 0.0:
-            raise bad(f"'{name}' is not supported (speculative decoding keeps the target's distribution as is)", name)
     for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "response_format"):
         value = body.get(name)
         if value not in (None, False, 0, "", [], {}) and not (name == "response_format" and value == {"type": "text"}):

@@ -85,7 +85,8 @@ def floats_from_proto(msg: pb.Tensor) -> list[float]:
 def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
     return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
                              logit_bias_ids=[token for token, _ in s.logit_bias],
-                             logit_bias=[bias for _, bias in s.logit_bias])
+                             logit_bias=[bias for _, bias in s.logit_bias], presence_penalty=s.presence_penalty,
+                             frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens)
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -94,7 +95,8 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     if len(msg.logit_bias_ids) != len(msg.logit_bias):
         raise InvalidRequest(f"logit_bias carries {len(msg.logit_bias_ids)} ids and {len(msg.logit_bias)} values")
     bias = tuple(zip(msg.logit_bias_ids, msg.logit_bias))
-    params = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, bias)
+    params = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, bias, msg.presence_penalty,
+                            msg.frequency_penalty, msg.min_tokens)
     params.validate()
     return params
 

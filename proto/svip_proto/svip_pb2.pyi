@@ -27,20 +27,26 @@ class Tensor(_message.Message):
     def __init__(self, data: _Optional[bytes] = ..., dtype: _Optional[str] = ..., shape: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SamplingParams(_message.Message):
-    __slots__ = ("temperature", "top_k", "top_p", "seed", "logit_bias_ids", "logit_bias")
+    __slots__ = ("temperature", "top_k", "top_p", "seed", "logit_bias_ids", "logit_bias", "presence_penalty", "frequency_penalty", "min_tokens")
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_IDS_FIELD_NUMBER: _ClassVar[int]
     LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     temperature: float
     top_k: int
     top_p: float
     seed: int
     logit_bias_ids: _containers.RepeatedScalarFieldContainer[int]
     logit_bias: _containers.RepeatedScalarFieldContainer[float]
-    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Iterable[float]] = ...) -> None: ...
+    presence_penalty: float
+    frequency_penalty: float
+    min_tokens: int
+    def __init__(self, temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., logit_bias_ids: _Optional[_Iterable[int]] = ..., logit_bias: _Optional[_Iterable[float]] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., min_tokens: _Optional[int] = ...) -> None: ...
 
 class PolicyConfig(_message.Message):
     __slots__ = ("name", "threshold", "entropy_scale", "draft_length", "max_draft_length", "confidence", "tree")

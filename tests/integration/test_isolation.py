@@ -169,10 +169,10 @@ def check_extremes(results, reqs, at, models) -> None:
             continue
         assert result.finish_reason == "length" and len(result.token_ids) == request.max_new_tokens, request
         if i in at or top1(request):
-            key = (request.prompt_ids, request.max_new_tokens, request.sampling.logit_bias)
+            key = (request.prompt_ids, request.max_new_tokens, dataclasses.replace(request.sampling, seed=0))
             if key not in greedy:
-                plain = dataclasses.replace(request, sampling=SamplingParams(logit_bias=request.sampling.logit_bias),
-                                            policy=PolicyConfig(name="none"))
+                greedy_knobs = dataclasses.replace(request.sampling, temperature=0.0, top_k=0, top_p=1.0, seed=0)
+                plain = dataclasses.replace(request, sampling=greedy_knobs, policy=PolicyConfig(name="none"))
                 greedy[key] = target_alone.generate(plain).token_ids
             assert result.token_ids == greedy[key], request
 

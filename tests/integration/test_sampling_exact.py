@@ -36,8 +36,10 @@ def exact_marginals(model, prompt, sampling) -> tuple[torch.Tensor, torch.Tensor
     vocab = p1.shape[0]
     prefixes = torch.tensor([list(prompt)] * vocab)  # [vocab, n]
     inputs = torch.cat([prefixes, torch.arange(vocab)[:, None]], dim=1)  # [vocab, n + 1]
-    p2_given = warp_probs(add_bias(model(input_ids=inputs).logits[:, -1], sampling.logit_bias),
-                          sampling).double()  # [vocab, vocab]
+    second = add_bias(model(input_ids=inputs).logits[:, -1], sampling.logit_bias)
+    diagonal = torch.arange(vocab)  # after first token x, x was generated once: its penalties
+    second[diagonal, diagonal] -= sampling.frequency_penalty + sampling.presence_penalty
+    p2_given = warp_probs(second, sampling).double()  # [vocab, vocab]
     return p1, p1 @ p2_given
 
 
@@ -113,6 +115,23 @@ def test_a_logit_bias_is_the_targets_distribution_biased(models, prompt_ids):
     assert_first_tokens_follow_the_target(models, prompt, sampling, results)
     assert chi_square_pvalue([r.token_ids[0] for r in results], p1) < ALPHA
     assert all(top[0] not in r.token_ids for r in results)  # banned
+
+
+@pytest.mark.slow
+def test_penalties_are_the_targets_distribution_penalised(models, prompt_ids):
+    """Presence and frequency penalties on the target's rows by the tokens before each place, the
+    drafted ones included: the second token fits the penalised target's marginal, not the plain one's."""
+    sampling = SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=2.0)
+    prompt = prompt_ids["short"]  # its likeliest second token repeats the first: the penalties move it
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    policy = PolicyConfig(name="constant", draft_length=3)
+    requests = [GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=seed), policy=policy)
+                for seed in range(SAMPLES)]
+    results = engine.generate_many(requests, 50)
+    assert sum(r.stats.accepted_lengths[0] > 0 for r in results) > SAMPLES // 20  # drafted tokens accepted
+    assert_first_tokens_follow_the_target(models, prompt, sampling, results)
+    _, p2 = exact_marginals(models["target"].model, prompt, SamplingParams(temperature=1.0))
+    assert chi_square_pvalue([r.token_ids[1] for r in results], p2) < ALPHA
 
 
 def test_seeded_runs_reproduce(models, prompt_ids):

@@ -72,7 +72,8 @@ def test_params_round_trip_and_validate():
         convert.sampling_from_proto(pb.SamplingParams(temperature=1.0, top_p=0.0))
     with pytest.raises(InvalidRequest, match="unknown policy"):
         convert.policy_from_proto(pb.PolicyConfig(name="bogus", max_draft_length=4, draft_length=1))
-    biased = SamplingParams(seed=1, logit_bias=((5, -100.0), (9, 2.5)))
+    biased = SamplingParams(seed=1, logit_bias=((5, -100.0), (9, 2.5)), presence_penalty=0.5,
+                            frequency_penalty=-1.25, min_tokens=7)
     assert convert.sampling_from_proto(convert.sampling_to_proto(biased)) == biased
     with pytest.raises(InvalidRequest, match="2 ids and 1 values"):
         convert.sampling_from_proto(pb.SamplingParams(logit_bias_ids=[5, 9], logit_bias=[1.0]))

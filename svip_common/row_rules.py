@@ -1,0 +1,50 @@
+"""What a request changes in the target's rows place by place, beyond a fixed logit_bias: OpenAI's
+presence and frequency penalties over the tokens generated before the place, and min_tokens (the
+request's stop ids cannot be chosen before it has that many). A verification judges several
+places at once, so each row is adjusted by the tokens before its own place: the committed ones
+and the drafted path up to it (a tree's node: its ancestors), as the target decoding alone would
+have them there. Greedy output then equals the target alone's with the same knobs, and sampled
+output follows its distribution, whatever the draft proposed (target_worker/verifier.py applies
+it to every row before it is judged, stored or warped)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from svip_common.contracts import SamplingParams
+
+
+@dataclass(frozen=True)
+class RowRules:
+    prompt_len: int  # tokens before the first generated one
+    presence: float = 0.0
+    frequency: float = 0.0
+    min_tokens: int = 0
+    stop_ids: frozenset[int] = frozenset()
+
+    @classmethod
+    def of(cls, sampling: SamplingParams, prompt_len: int, stop_ids: frozenset[int]) -> RowRules:
+        return cls(prompt_len, sampling.presence_penalty, sampling.frequency_penalty, sampling.min_tokens,
+                   frozenset(stop_ids))
+
+    @property
+    def active(self) -> bool:
+        return bool(self.presence or self.frequency or (self.min_tokens and self.stop_ids))
+
+    def apply(self, rows: torch.Tensor, before: Sequence[Sequence[int]]) -> torch.Tensor:
+        """rows [n, width], row r the logits for the place after the tokens ``before[r]`` (the
+        whole sequence up to it, prompt included): a new tensor with the rules applied."""
+        out = rows.clone()
+        width = rows.shape[-1]
+        for r, tokens in enumerate(before):
+            generated = tokens[self.prompt_len:]
+            if generated and (self.presence or self.frequency):
+                counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=rows.device), minlength=width)
+                counts = counts[:width].to(rows.dtype)
+                out[r] -= self.frequency * counts + self.presence * (counts > 0).to(rows.dtype)
+            if len(generated) < self.min_tokens and self.stop_ids:
+                out[r, [t for t in self.stop_ids if t < width]] = float("-inf")
+        return out
