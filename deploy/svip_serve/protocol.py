@@ -275,6 +275,9 @@ def _refuse_unsupported(body: dict) -> None:
         value = body.get(name)
         if value not in (None, False, 0, "", [], {}) and not (name == "response_format" and value == {"type": "text"}):
             raise bad(f"'{name}' is not supported by this server", name)
+    if body.get("repetition_penalty") not in (None, 1, 1.0):  # vLLM's: over the prompt too; not yet here
+        raise bad("'repetition_penalty' is not supported by this server (presence_penalty and frequency_penalty "
+                  "are)", "repetition_penalty")
 
 
 def _stop(value) -> tuple[str, ...]:

@@ -93,6 +93,7 @@ def test_a_deployments_default_tree_is_for_greedy_requests():
     ({"presence_penalty": 2.5}, "presence_penalty", "must be in [-2, 2]"),
     ({"frequency_penalty": -2.01}, "frequency_penalty", "must be in [-2, 2]"),
     ({"min_tokens": -1}, "min_tokens", "must be in [0, 2^31)"),
+    ({"repetition_penalty": 1.2}, "repetition_penalty", "not supported"),
     ({"policy": "fastest"}, "policy", "must be one of"),
     ({"tree": "deep"}, "tree", "must be one of off, cape, auto"),
     ({"tree": ["cape"] * 10**5}, "tree", "must be one of"),
