@@ -189,7 +189,8 @@ class EngineSession:
         if engine.drafter is None or request.policy.name == "none":
             self.draft = NullDraftSession()
         else:
-            self.draft = engine.drafter.open(request.sampling, request.policy, tuple(self.stop_ids))
+            self.draft = engine.drafter.open(request.sampling, request.policy, tuple(self.stop_ids),
+                                             len(request.prompt_ids))
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.finish_reason: str | None = None

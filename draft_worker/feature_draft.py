@@ -190,8 +190,9 @@ class FeatureDrafter(Drafter):
         full = logits.new_full((logits.shape[0], self.width), float("-inf"))
         return full.index_copy_(1, self._columns, logits)
 
-    def open(self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int]
-             ) -> FeatureDraftSession:
+    def open(self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int],
+             prompt_len: int = 0) -> FeatureDraftSession:
+        """prompt_len: unused (the head drafts without the request's penalties; the target applies them)."""
         if policy.tree != "off":  # refused, never drafted as a chain in silence
             raise InvalidRequest(f"tree {policy.tree!r}: a feature head drafts chains only so far (tree 'off')")
         session = FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids)

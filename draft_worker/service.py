@@ -120,7 +120,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                 raise InvalidRequest("a draft session needs a drafting policy (not 'none')")
             self.admit(start.session_id, stream)
             session = PipelinedDraft(
-                session=self.drafter.open(start.sampling, start.policy, tuple(start.stop_token_ids)),
+                session=self.drafter.open(start.sampling, start.policy, tuple(start.stop_token_ids),
+                                          len(start.prompt_ids)),
                 prompt=list(start.prompt_ids), max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
                 pipelined=start.pipeline == "async", prepare=self.prepare, send_prepared=start.sampling.greedy,
                 epoch=start.epoch,
