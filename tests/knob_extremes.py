@@ -59,6 +59,7 @@ CASES: list[Case] = [
     *_cases("frequency_penalty", [0, -2, 2, 1e-300], [2.0000001, -2.5, NAN, -INF, []]),
     *_cases("min_tokens", [0, 1, 6, 2**31 - 1], [-1, 2**31, 1.5, "2"]),
     Case({"presence_penalty": 2, "frequency_penalty": 2, "min_tokens": 6, "temperature": 0}, "ok"),
+    *_cases("n", [1, 2, 8], [0, 9, -1, 1.5, "2", 2**31]),
     *_cases("tree", ["off", "cape", "auto"], ["deep", 1, None], temperature=0),
     *_cases("tree", ["off"], ["cape", "auto"]),
     Case({"temperature": 0, "top_p": TINY, "top_k": 2**31 - 1, "seed": 2**63 - 1}, "ok"),

@@ -26,6 +26,7 @@ from svip_common.errors import InvalidRequest
 from svip_common.trees import TREES, check_wire_tree
 
 MAX_STOP_STRINGS = 16
+MAX_CHOICES = 8  # a request's n at most: each choice holds its own KV pages and a place in the batch
 MAX_MESSAGES = 1024  # a chat's messages: each costs the template's own tokens, content or not
 MESSAGE_CHARS = 16  # what a message counts for besides its strings (the template's tokens around it)
 MAX_STOP_CHARS = 256  # each stop string: the text matcher holds back at most this many characters
@@ -63,6 +64,7 @@ class ApiRequest:
     include_usage: bool = False
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     ignore_eos: bool = False
+    n: int = 1  # choices of the prompt: choice i is the request alone with seed sample_seed(seed, i)
 
 
 # --- the body ------------------------------------------------------------------------------------
@@ -195,8 +197,10 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     if model is not None and not isinstance(model, str):
         raise bad(f"'model' must be a string, got {_shown(model)}", "model")
     n = _integer(body, "n", 1)
-    if n != 1:
-        raise bad(f"'n' must be 1: this server returns one choice per request, got {n}", "n")
+    if not 1 <= n <= MAX_CHOICES:
+        raise bad(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
+    if n > 1 and body.get("stream"):
+        raise bad("'n' above 1 is served without 'stream' only so far", "n")
     best_of = _integer(body, "best_of", 1)
     if best_of != 1:
         raise bad(f"'best_of' must be 1, got {best_of}", "best_of")
@@ -243,6 +247,7 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
         include_usage=_boolean(stream_options, "include_usage", False),
         policy=policy,
         ignore_eos=_boolean(body, "ignore_eos", False),
+        n=n,
     )
 
 
@@ -414,26 +419,31 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def response_body(kind: str, rid: str, model: str, text: str, finish_reason: str, usage_: dict, svip: dict) -> dict:
-    if kind == "completion":
-        choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
-        obj = "text_completion"
-    else:
-        choice = {
-            "index": 0,
-            "message": {"role": "assistant", "content": text},
-            "logprobs": None,
-            "finish_reason": finish_reason,
-        }
-        obj = "chat.completion"
+def choices_body(kind: str, rid: str, model: str, choices: list[tuple[str, str, dict]], usage_: dict) -> dict:
+    """choices: (text, finish_reason, svip stats) each, in index order; the top-level `svip` is the
+    first's, and with several each choice carries its own."""
+    out = []
+    for index, (text, finish_reason, svip) in enumerate(choices):
+        if kind == "completion":
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {
+                "index": index,
+                "message": {"role": "assistant", "content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
+        if len(choices) > 1:
+            choice["svip"] = svip
+        out.append(choice)
     return {
         "id": rid,
-        "object": obj,
+        "object": "text_completion" if kind == "completion" else "chat.completion",
         "created": int(time.time()),
         "model": model,
-        "choices": [choice],
+        "choices": out,
         "usage": usage_,
-        "svip": svip,
+        "svip": choices[0][2],
     }
 
 

@@ -27,17 +27,17 @@ from svip_serve.protocol import (
     ApiError,
     ApiRequest,
     bad,
+    choices_body,
     chunk_body,
     new_id,
     parse_chat,
     parse_completion,
     parse_json,
-    response_body,
     usage,
     usage_chunk,
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
-from svip_serve.shaping import RequestShaping
+from svip_serve.shaping import RequestShaping, choices
 
 # no /docs, /redoc or /openapi.json: the API faces the network, and its shape is OpenAI's
 api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible",
@@ -98,6 +98,18 @@ def _too_large(limit: int) -> ApiError:
     return ApiError(
         413, f"the request body is larger than this server's limit of {limit} bytes", code="request_too_large"
     )
+
+
+async def _all_or_none(runs: list) -> list:
+    """Every choice's text; one that fails cancels the others (their sessions end) and raises."""
+    tasks = [asyncio.ensure_future(run) for run in runs]
+    try:
+        return await asyncio.gather(*tasks)
+    except BaseException:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        raise
 
 
 def _sse(obj) -> str:
@@ -326,8 +338,8 @@ class SVIPServer:
                 raise _api_error(exc, "connect") from None
             try:
                 prompt = len(request.prompt_ids)  # by use: the prompt's pages; its key's share counts all of it
-                slot = self.admission.reserve(whole_pages(prompt + 1), ticket,
-                                              worst_kv_tokens=whole_pages(prompt + request.max_new_tokens))
+                slot = self.admission.reserve(req.n * whole_pages(prompt + 1), ticket,  # each choice its own
+                                              worst_kv_tokens=req.n * whole_pages(prompt + request.max_new_tokens))
             except ApiError:
                 self.metrics.record_rejected("busy")
                 raise
@@ -339,25 +351,25 @@ class SVIPServer:
         except ApiError:
             self.metrics.record_rejected("busy")
             raise
-        generation = Generation(engine, request, self.info.tokenizer, req.stop)
+        generations = [Generation(engine, r, self.info.tokenizer, req.stop) for r in choices(request, req.n)]
         rid = new_id(req.kind)
-        if req.stream:
-            return _SlotStreamingResponse(self._stream(req, generation, rid, slot, arrived), slot)
+        if req.stream:  # one choice (the parser refuses n > 1 with stream)
+            return _SlotStreamingResponse(self._stream(req, generations[0], rid, slot, arrived), slot)
         try:
             async with slot:
-                text = await generation.run()
+                texts = await _all_or_none([g.run() for g in generations])
         except (SvipError, ApiError) as exc:
             raise _api_error(exc, rid) from None
-        self._record(generation, arrived)
+        for generation in generations:
+            self._record(generation, arrived)
+        completion = sum(g.completion_tokens for g in generations)
         return JSONResponse(
-            response_body(
+            choices_body(
                 req.kind,
                 rid,
                 self.settings.served_name,
-                text,
-                generation.finish_reason,
-                self._usage(generation),
-                generation.stats(),
+                [(text, g.finish_reason, g.stats()) for text, g in zip(texts, generations)],
+                usage(len(request.prompt_ids), completion),
             )
         )
 

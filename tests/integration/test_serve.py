@@ -223,6 +223,22 @@ def test_seeded_sampling_is_reproducible(client):
     assert client.completions.create(**kw).choices[0].text == client.completions.create(**kw).choices[0].text
 
 
+def test_n_choices_each_equal_the_single_request_with_its_seed(client):
+    """n choices of one prompt: choice i is the request alone with seed sample_seed(seed, i), its
+    usage the prompt once and every choice's tokens; greedy choices are alike."""
+    from svip_common.randomness import sample_seed
+
+    kw = dict(model=MODEL, prompt=PROMPTS[1], max_tokens=16, temperature=0.9, extra_body={"ignore_eos": True})
+    many = client.completions.create(n=3, seed=77, **kw)
+    assert [c.index for c in many.choices] == [0, 1, 2]
+    singles = [client.completions.create(seed=sample_seed(77, i), **kw).choices[0].text for i in range(3)]
+    assert [c.text for c in many.choices] == singles and len(set(singles)) > 1
+    assert many.usage.completion_tokens == 3 * 16
+    greedy = client.chat.completions.create(model=MODEL, n=2, max_tokens=12, temperature=0,
+                                            messages=[{"role": "user", "content": PROMPTS[0]}])
+    assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+
+
 BAD = [
     ("completions", {"model": MODEL, "max_tokens": 5}, 400, "'prompt' is required"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be in [1, 2^31)"),
@@ -230,7 +246,8 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 0}, 400, "'top_p'"),
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "'top_p'"),
     ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
-    ("completions", {"model": MODEL, "prompt": "x", "n": 3}, 400, "'n' must be 1"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 9}, 400, "'n' must be in [1, 8]"),
+    ("completions", {"model": MODEL, "prompt": "x", "n": 2, "stream": True}, 400, "without 'stream'"),
     ("completions", {"model": MODEL, "prompt": "x " * 2100}, 400, "context"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 2100}, 400, "context"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "must be an integer"),
@@ -241,7 +258,7 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "draft_length": 0}, 400, "'draft_length' must be in [1, 2^31)"),
     ("chat/completions", {"model": MODEL}, 400, "'messages' is required"),
     ("chat/completions", {"model": MODEL, "messages": "hi"}, 400, "'messages' must be"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 2}, 400, "'n'"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}], "n": 9}, 400, "'n'"),
 ]
 
 
