@@ -38,6 +38,10 @@ class ServeMetrics:
         self.emitted = counter("spec_decode_num_emitted_tokens", "Tokens emitted (accepted, corrections, bonuses).")
         # SVIP's own
         self.discarded = counter("spec_decode_num_discarded_tokens", "Pre-drafted tokens dropped by rollbacks.")
+        self.tree_nodes = counter("spec_decode_num_tree_nodes",
+                                  "Nodes of token trees verified (drafted tokens and their siblings).")
+        self.branches = counter("spec_decode_num_branches", "Rounds where a token tree's sibling settled the "
+                                "rejected place (one token more that round).")
         self.pauses = counter("spec_decode_num_pauses",
                               "Times a session stopped drafting: it did not pay at the target's load.")
         self.both_busy = counter("spec_decode_overlap_seconds", "Time draft and target computed at once.")
@@ -97,6 +101,8 @@ class ServeMetrics:
             self.accepted_per_pos.inc(count, {**t, "position": str(pos)})
         self._inc(self.emitted, completion_tokens)
         self._inc(self.discarded, stats.discarded_tokens)
+        self._inc(self.tree_nodes, stats.tree_nodes)
+        self._inc(self.branches, stats.branches)
         self._inc(self.pauses, stats.pauses)
         self._inc(self.detached, stats.detached)
         self._inc(self.reattached, stats.reattached)

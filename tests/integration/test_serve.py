@@ -411,7 +411,10 @@ def test_backpressure_refuses_with_429_and_serves_the_rest(server, target_gate):
 
 
 def test_prometheus_metrics_carry_the_spec_decode_counters(server):
+    tree = {"model": MODEL, "prompt": PROMPTS[0], "max_tokens": 24, "temperature": 0, "tree": "cape"}
+    assert httpx.post(server["base"] + "/v1/completions", json=tree, timeout=600).status_code == 200
     names = (
+        "spec_decode_num_tree_nodes",
         "spec_decode_num_drafts",
         "spec_decode_num_draft_tokens",
         "spec_decode_num_accepted_tokens",
