@@ -105,3 +105,31 @@ class Generation:
             "wire_bytes": s.wire_bytes,
             "wall_s": round(s.wall_s, 6),
         }
+
+
+async def merged(generations: list[Generation]):
+    """The choices' text as each settles, (index, text), and (index, None) when that choice ends;
+    one that raises ends them all (the others cancelled, their sessions with them) and raises."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    async def pump(index: int, generation: Generation) -> None:
+        try:
+            async for text in generation.deltas():
+                queue.put_nowait((index, text))
+            queue.put_nowait((index, None))
+        except Exception as exc:  # noqa: BLE001 - handed to the consumer, which raises it
+            queue.put_nowait((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, g)) for i, g in enumerate(generations)]
+    try:
+        left = len(tasks)
+        while left:
+            index, item = await queue.get()
+            if isinstance(item, Exception):
+                raise item
+            left -= item is None
+            yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)

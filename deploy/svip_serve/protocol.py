@@ -199,8 +199,6 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     n = _integer(body, "n", 1)
     if not 1 <= n <= MAX_CHOICES:
         raise bad(f"'n' must be in [1, {MAX_CHOICES}], got {n}", "n")
-    if n > 1 and body.get("stream"):
-        raise bad("'n' above 1 is served without 'stream' only so far", "n")
     best_of = _integer(body, "best_of", 1)
     if best_of != 1:
         raise bad(f"'best_of' must be 1, got {best_of}", "best_of")
@@ -455,15 +453,16 @@ def chunk_body(
     text: str | None,
     finish_reason: str | None = None,
     first: bool = False,
+    index: int = 0,
 ) -> dict:
     if kind == "completion":
-        choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta = {} if text is None else {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 

@@ -21,7 +21,7 @@ from svip_common.kv_sizes import whole_pages
 from svip_serve.admission import RETRY_AFTER_S, Admission, Slot
 from svip_serve.auth import ApiKeys
 from svip_serve.draining import DrainWatch
-from svip_serve.generation import Generation
+from svip_serve.generation import Generation, merged
 from svip_serve.metrics import auto_state
 from svip_serve.protocol import (
     ApiError,
@@ -353,8 +353,8 @@ class SVIPServer:
             raise
         generations = [Generation(engine, r, self.info.tokenizer, req.stop) for r in choices(request, req.n)]
         rid = new_id(req.kind)
-        if req.stream:  # one choice (the parser refuses n > 1 with stream)
-            return _SlotStreamingResponse(self._stream(req, generations[0], rid, slot, arrived), slot)
+        if req.stream:
+            return _SlotStreamingResponse(self._stream(req, generations, rid, slot, arrived), slot)
         try:
             async with slot:
                 texts = await _all_or_none([g.run() for g in generations])
@@ -390,20 +390,31 @@ class SVIPServer:
             raise exc
         return req, request
 
-    async def _stream(self, req: ApiRequest, generation: Generation, rid: str, slot: Slot, arrived: float):
-        model, created = self.settings.served_name, int(time.time())
+    async def _stream(self, req: ApiRequest, generations: list[Generation], rid: str, slot: Slot, arrived: float):
+        """Each choice's text as it settles, tagged with its index; a choice's last chunk carries its
+        finish reason and svip stats, the last of them the usage of all."""
+        model, created, ended = self.settings.served_name, int(time.time()), 0
+        prompt = len(generations[0].request.prompt_ids)
         try:
             async with slot:  # admitted already: this only releases the place at the end
                 if req.kind == "chat":
-                    yield _sse(chunk_body(req.kind, rid, model, created, "", first=True))
-                async for delta in generation.deltas():
-                    yield _sse(chunk_body(req.kind, rid, model, created, delta))
-                last = chunk_body(req.kind, rid, model, created, None, generation.finish_reason)
-                last["usage"], last["svip"] = self._usage(generation), generation.stats()
-                yield _sse(last)
+                    for index in range(len(generations)):
+                        yield _sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index))
+                async for index, delta in merged(generations):
+                    if delta is not None:
+                        yield _sse(chunk_body(req.kind, rid, model, created, delta, index=index))
+                        continue
+                    generation, ended = generations[index], ended + 1
+                    last = chunk_body(req.kind, rid, model, created, None, generation.finish_reason, index=index)
+                    if ended == len(generations):
+                        last["usage"] = usage(prompt, sum(g.completion_tokens for g in generations))
+                    last["svip"] = generation.stats()
+                    yield _sse(last)
                 if req.include_usage:
-                    yield _sse(usage_chunk(req.kind, rid, model, created, self._usage(generation), generation.stats()))
-                self._record(generation, arrived)
+                    total = usage(prompt, sum(g.completion_tokens for g in generations))
+                    yield _sse(usage_chunk(req.kind, rid, model, created, total, generations[0].stats()))
+                for generation in generations:
+                    self._record(generation, arrived)
         except asyncio.CancelledError:  # the client went away: nobody to tell
             raise
         except Exception as exc:  # after the text already sent: an error event, then the end

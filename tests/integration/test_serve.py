@@ -237,6 +237,11 @@ def test_n_choices_each_equal_the_single_request_with_its_seed(client):
     greedy = client.chat.completions.create(model=MODEL, n=2, max_tokens=12, temperature=0,
                                             messages=[{"role": "user", "content": PROMPTS[0]}])
     assert len(greedy.choices) == 2 and greedy.choices[0].message.content == greedy.choices[1].message.content
+    streamed = ["", "", ""]
+    for chunk in client.completions.create(n=3, seed=77, stream=True, **kw):
+        for choice in chunk.choices:
+            streamed[choice.index] += choice.text
+    assert streamed == singles
 
 
 BAD = [
@@ -247,7 +252,6 @@ BAD = [
     ("completions", {"model": MODEL, "prompt": "x", "top_p": 1.5}, 400, "'top_p'"),
     ("completions", {"model": "gpt-4", "prompt": "x"}, 404, "does not exist"),
     ("completions", {"model": MODEL, "prompt": "x", "n": 9}, 400, "'n' must be in [1, 8]"),
-    ("completions", {"model": MODEL, "prompt": "x", "n": 2, "stream": True}, 400, "without 'stream'"),
     ("completions", {"model": MODEL, "prompt": "x " * 2100}, 400, "context"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 2100}, 400, "context"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": "5"}, 400, "must be an integer"),

@@ -85,7 +85,6 @@ def test_a_deployments_default_tree_is_for_greedy_requests():
     ({"top_p": 1.01}, "top_p", "(0, 1]"),
     ({"n": 9}, "n", "must be in [1, 8]"),
     ({"n": 0}, "n", "must be in [1, 8]"),
-    ({"n": 2, "stream": True}, "n", "without 'stream'"),
     ({"seed": -1}, "seed", "[0, 2^63)"),
     ({"seed": 2**64}, "seed", "[0, 2^63)"),
     ({"stop": 3}, "stop", "string or an array of strings"),
