@@ -13,3 +13,10 @@ POLICIES = {
     "auto": PolicyConfig(name="auto"),
     "none": PolicyConfig(name="none"),
 }
+# each a token tree (svip_common/trees.py): the depth by the policy, the width by CaPE or priced
+TREE_POLICIES = {
+    "svip-cape": PolicyConfig(name="svip", threshold=0.6, tree="cape"),
+    "constant-cape": PolicyConfig(name="constant", draft_length=4, tree="cape"),
+    "svip-auto": PolicyConfig(name="svip", threshold=0.6, tree="auto"),
+    "auto-cape": PolicyConfig(name="auto", tree="cape"),
+}

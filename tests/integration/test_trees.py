@@ -15,14 +15,9 @@ from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.trees import MAX_TREE_NODES
+from tests.policies import TREE_POLICIES
 
 MAX_NEW = 40
-TREE_POLICIES = {
-    "svip-cape": PolicyConfig(name="svip", threshold=0.6, tree="cape"),
-    "constant-cape": PolicyConfig(name="constant", draft_length=4, tree="cape"),
-    "svip-auto": PolicyConfig(name="svip", threshold=0.6, tree="auto"),
-    "auto-cape": PolicyConfig(name="auto", tree="cape"),
-}
 
 
 @pytest.fixture(scope="module")

@@ -15,14 +15,9 @@ from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParam
 from svip_common.errors import InvalidRequest
 from svip_common.trees import MAX_TREE_NODES
 from tests.integration.test_in_memory import DRAFT_FIRST, TARGET_FIRST, make_pair
+from tests.policies import TREE_POLICIES
 
 MAX_NEW = 32
-TREE_POLICIES = {
-    "svip-cape": PolicyConfig(name="svip", threshold=0.6, tree="cape"),
-    "constant-cape": PolicyConfig(name="constant", draft_length=4, tree="cape"),
-    "svip-auto": PolicyConfig(name="svip", threshold=0.6, tree="auto"),
-    "auto-cape": PolicyConfig(name="auto", tree="cape"),
-}
 
 
 @pytest.fixture(scope="module")
