@@ -39,7 +39,7 @@ def parse_plan_policies(spec: str) -> list[str]:
     bad = next((p for p in names if not _known(p)), None)
     if bad is not None or not names:
         raise InvalidRequest(f"--policies: svip, auto, confidence, heuristic and constant-K (K in 1..16), each "
-                             f"optionally +cape or +auto (a token tree, in process), got {bad or spec!r}")
+                             f"optionally +cape or +auto (a token tree), got {bad or spec!r}")
     return list(dict.fromkeys(names))
 
 
@@ -100,10 +100,7 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
         for name in policies:
             drafting = requests(policy_config(name, threshold), n)
             add(n, "in process", name, _in_process(engine, together, drafting, n))
-            if "+" in name:  # a token tree: the distributed pipeline drafts chains so far
-                progress.update(2)
-                continue
-            for mode in ("sync", "async"):
+            for mode in ("sync", "async"):  # a token tree too: greedy trees cross the workers
                 waves = simulated_waves(engine, emulation, drafting, n, mode)
                 add(n, mode, name, ((waves.tokens_per_s, waves.mean_request_s), waves.outputs))
     doc = {"header": header, "rows": rows, "advice": advice(rows), "exactness_violations": violations}

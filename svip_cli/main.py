@@ -252,7 +252,7 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--sessions", default="1,8,32", help="sessions in flight at once (1,8,32; at most 64)")
     plan.add_argument("--policies", default="svip,auto,constant-3",
                       help="svip (the pair's calibrated threshold), auto, confidence, heuristic, constant-K; "
-                           "each optionally +cape or +auto: a token tree (in-process rows only)")
+                           "each optionally +cape or +auto: a token tree")
     plan.add_argument("--out", default="plan-out", help="directory for plan.md, plan.json and plan.png")
 
 

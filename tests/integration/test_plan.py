@@ -29,7 +29,7 @@ def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_pa
     assert {(r["sessions"], r["placement"], r["policy"]) for r in doc["rows"]} == {
         (n, "target alone", "none") for n in (1, 2)} | {
         (n, p, policy) for n in (1, 2) for p in ("in process", "sync", "async")
-        for policy in ("svip", "constant-2")} | {(n, "in process", "constant-2+cape") for n in (1, 2)}  # in process
+        for policy in ("svip", "constant-2", "constant-2+cape")}
     assert all(r["tokens_per_s"] > 0 and r["mean_request_s"] > 0 for r in doc["rows"])
     for n in ("1", "2"):
         best = max((r for r in doc["rows"] if str(r["sessions"]) == n), key=lambda r: r["tokens_per_s"])
