@@ -29,7 +29,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draft_worker.drafter import BlockDraft, DraftSession
-from svip_common.contracts import NO_TOKEN
+from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.step_cost import UNLIMITED, Ewma
@@ -141,7 +141,7 @@ class PipelinedDraft:
                 f"feedback for a block at base {base} of {drafted} tokens that this session did not send")
         if accepted > drafted:
             raise InvalidRequest(f"feedback accepts {accepted} of {drafted} tokens")
-        _check_branch(self.outstanding[0].block, accepted, branch, prepared_used)
+        _check_branch(self.outstanding[0].block, accepted, branch)
         answered = self.outstanding.pop(0)
         block = answered.block
         self.session.feedback(drafted, accepted)
@@ -349,7 +349,7 @@ class PipelinedDraft:
         return self._stopped or len(self.known) >= self.limit
 
 
-def _check_branch(block, accepted: int, branch: int, prepared_used: bool) -> None:
+def _check_branch(block: Block, accepted: int, branch: int) -> None:
     """A verdict's branch names one of the block's own siblings at the rejected place."""
     if branch == NO_TOKEN:
         return
