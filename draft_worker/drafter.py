@@ -23,7 +23,7 @@ from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
 from svip_common.row_rules import RowRules
-from svip_common.sampling import add_bias, entropy, mask_padding, sample_indices, warp_probs
+from svip_common.sampling import entropy, mask_padding, sample_indices, warp_probs
 from svip_common.trees import CAPE_WIDEST, MAX_TREE_NODES, cape_siblings
 
 
@@ -108,9 +108,8 @@ class Drafter:
         token is drawn with the uniform keyed by its session's seed and its position."""
         sampling = blocks[0]._session.sampling
         logits = mask_padding(self._widen(logits), self.token_limit)
-        if any(b._session.sampling.logit_bias or b._session.rules.active for b in blocks):  # each request's own
-            logits = torch.cat([b._ruled(add_bias(row[None], b._session.sampling.logit_bias))
-                                for row, b in zip(logits, blocks)])
+        if any(b._session.rules.active for b in blocks):  # each request's own
+            logits = torch.cat([b._ruled(row[None]) for row, b in zip(logits, blocks)])
         q = warp_probs(logits, sampling)  # [B, vocab]
         if sampling.greedy:
             tokens = torch.argmax(q, dim=-1, keepdim=True)  # [B, 1]
@@ -133,16 +132,12 @@ class Drafter:
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int], prompt_len: int = 0
     ) -> DraftSession:
-        """prompt_len: the request's, for its penalties (the draft drafts under the target's rules)."""
-        session = DraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree)
-        session.rules = RowRules.of(sampling, prompt_len, frozenset(stop_token_ids))
-        return session
+        return DraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree, prompt_len)
 
 
 class DraftSession:
     tree = "off"  # "cape" / "auto": each block a token tree (svip_common/trees.py); else a chain
     node_price = 0.0  # tree "auto": a verified node's price in tokens (the caller sets it from the load)
-    rules = RowRules(0)  # the request's penalties and min_tokens, as the target applies them (row_rules.py)
 
     def __init__(
         self,
@@ -151,9 +146,12 @@ class DraftSession:
         policy: LengthPolicy,
         stop_token_ids: Sequence[int],
         tree: str = "off",
+        prompt_len: int = 0,
     ):
-        """tree: "cape" or "auto": each block a token tree (svip_common/trees.py); "off": a chain."""
+        """tree: "cape" or "auto": each block a token tree (svip_common/trees.py); "off": a chain.
+        prompt_len: the request's, for its penalties (the draft drafts under the target's rules)."""
         self.sampling = sampling
+        self.rules = RowRules.of(sampling, prompt_len, frozenset(stop_token_ids))  # row_rules.py
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tree = tree
@@ -238,10 +236,10 @@ class BlockDraft:
         self.error: Exception | None = None  # this block's own work failed in a batched step (``_fail``)
 
     def _ruled(self, row: torch.Tensor) -> torch.Tensor:
-        """The draft's row for its next place under the request's penalties and min_tokens (the
-        target's rules: what it would accept), by the block's tokens so far."""
+        """The draft's row for its next place under the request's logit_bias, penalties and
+        min_tokens (the target's rules: what it would accept), by the block's tokens so far."""
         rules = self._session.rules
-        return rules.apply(row, [self._context + self.block.tokens]) if rules.active else row
+        return rules.apply(row, [self._context + self.block.tokens] if rules.by_place else ())
 
     @property
     def pending_tokens(self) -> int:

@@ -1,11 +1,12 @@
-"""What a request changes in the target's rows place by place, beyond a fixed logit_bias: OpenAI's
-presence and frequency penalties over the tokens generated before the place, and min_tokens (the
-request's stop ids cannot be chosen before it has that many). A verification judges several
-places at once, so each row is adjusted by the tokens before its own place: the committed ones
-and the drafted path up to it (a tree's node: its ancestors), as the target decoding alone would
-have them there. Greedy output then equals the target alone's with the same knobs, and sampled
-output follows its distribution, whatever the draft proposed (target_worker/verifier.py applies
-it to every row before it is judged, stored or warped)."""
+"""What a request changes in a row of logits before anything reads it: its logit_bias (every place
+alike, sampling.add_bias), OpenAI's presence and frequency penalties over the tokens generated
+before the place, and min_tokens (the request's stop ids cannot be chosen before it has that
+many). A verification judges several places at once, so each row is adjusted by the tokens before
+its own place: the committed ones and the drafted path up to it (a tree's node: its ancestors),
+as the target decoding alone would have them there. Greedy output then equals the target alone's
+with the same knobs, and sampled output follows its distribution, whatever the draft proposed
+(target_worker/verifier.py applies them to every row before it is judged, stored or warped; the
+draft, draft_worker/drafter.py, before it chooses)."""
 
 from __future__ import annotations
 
@@ -15,11 +16,13 @@ from dataclasses import dataclass
 import torch
 
 from svip_common.contracts import SamplingParams
+from svip_common.sampling import add_bias
 
 
 @dataclass(frozen=True)
 class RowRules:
     prompt_len: int  # tokens before the first generated one
+    bias: tuple[tuple[int, float], ...] = ()  # logit_bias: (token id, bias) pairs
     presence: float = 0.0
     frequency: float = 0.0
     min_tokens: int = 0
@@ -27,17 +30,26 @@ class RowRules:
 
     @classmethod
     def of(cls, sampling: SamplingParams, prompt_len: int, stop_ids: frozenset[int]) -> RowRules:
-        return cls(prompt_len, sampling.presence_penalty, sampling.frequency_penalty, sampling.min_tokens,
-                   frozenset(stop_ids))
+        return cls(prompt_len, sampling.logit_bias, sampling.presence_penalty, sampling.frequency_penalty,
+                   sampling.min_tokens, frozenset(stop_ids))
+
+    @property
+    def by_place(self) -> bool:
+        """Some rule reads the tokens before a row's place (``apply``'s ``before``)."""
+        return bool(self.presence or self.frequency or (self.min_tokens and self.stop_ids))
 
     @property
     def active(self) -> bool:
-        return bool(self.presence or self.frequency or (self.min_tokens and self.stop_ids))
+        return bool(self.bias) or self.by_place
 
-    def apply(self, rows: torch.Tensor, before: Sequence[Sequence[int]]) -> torch.Tensor:
+    def apply(self, rows: torch.Tensor, before: Sequence[Sequence[int]] = ()) -> torch.Tensor:
         """rows [n, width], row r the logits for the place after the tokens ``before[r]`` (the
-        whole sequence up to it, prompt included): a new tensor with the rules applied."""
-        out = rows.clone()
+        whole sequence up to it, prompt included; read only when ``by_place``): the rows
+        themselves when no rule applies, else a new tensor with the rules applied."""
+        out = add_bias(rows, self.bias)
+        if not self.by_place:
+            return out
+        out = out.clone() if out is rows else out
         width = rows.shape[-1]
         for r, tokens in enumerate(before):
             generated = tokens[self.prompt_len:]

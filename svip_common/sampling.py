@@ -34,8 +34,8 @@ def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
 
 def add_bias(rows: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> torch.Tensor:
     """rows [n, width] with a request's logit_bias added at its ids, every row alike (a new
-    tensor; the rows themselves when there is none). The one place a bias is applied: the
-    target's rows before they are judged, stored or warped, the draft's before it chooses."""
+    tensor; the rows themselves when there is none). A request's rules apply it with the rest of
+    its knobs (row_rules.RowRules)."""
     if not bias:
         return rows
     ids = torch.tensor([token for token, _ in bias], dtype=torch.long, device=rows.device)

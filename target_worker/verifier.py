@@ -24,7 +24,7 @@ from svip_common.models import LoadedModel
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import accept_greedy, accept_sampled, branch_sampled, residual
 from svip_common.row_rules import RowRules
-from svip_common.sampling import add_bias, mask_padding, sample_indices, warp_probs
+from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import node_parents, sibling_nodes
 
@@ -252,7 +252,7 @@ class _Plan:
 class TargetSession:
     def __init__(self, verifier: Verifier, sampling: SamplingParams, rules: RowRules | None = None):
         self.sampling = sampling
-        self.rules = rules if rules is not None else RowRules(0)  # penalties, min_tokens (row_rules.py)
+        self.rules = rules if rules is not None else RowRules(0)  # logit_bias, penalties, min_tokens (row_rules.py)
         self._verifier = verifier
         self.sequence = verifier.pool.sequence()
         self._pending: torch.Tensor | None = None  # [1, vocab]: logits for position _pending_at
@@ -384,9 +384,8 @@ class TargetSession:
     def processed(self, rows: torch.Tensor, committed: Sequence[int], block: Block, plan: _Plan) -> torch.Tensor:
         """This session's rows of a step as the request has them (its logit_bias, penalties and
         min_tokens), before anything reads them: each row by the tokens before its own place."""
-        rows = add_bias(rows, self.sampling.logit_bias)
-        if not self.rules.active:
-            return rows
+        if not self.rules.by_place:
+            return self.rules.apply(rows)
         drafted = list(block.tokens)
         if block.is_tree:  # each node's place follows its ancestors: the spine up to it, or a sibling's
             paths = [drafted[: j + 1] for j in range(len(drafted))]
