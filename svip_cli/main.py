@@ -27,7 +27,7 @@ from svip_common.emulation import parse_emulation
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.pair_config import PairConfig
-from svip_common.randomness import sample_seed
+from svip_common.randomness import choices
 from svip_common.step_cost import IDLE_PREFILL_MODES, LOAD_AWARE_MODES
 from svip_common.trees import TREES, check_wire_tree
 
@@ -502,9 +502,7 @@ def _generate_all(args, engine, prompts, base_request, out) -> bool:
     requests = []
     for prompt in prompts:
         ids = encode(engine.target.tokenizer, prompt)
-        for i in range(args.n):
-            sampling = dataclasses.replace(base_request.sampling, seed=sample_seed(base_request.sampling.seed, i))
-            requests.append(dataclasses.replace(base_request, prompt_ids=ids, sampling=sampling))
+        requests += choices(dataclasses.replace(base_request, prompt_ids=ids), args.n)
     if args.batch_size > 1:
         results = engine.generate_many(requests, args.batch_size)
         return all([_write_result(args, engine, request, result, out) for request, result in zip(requests, results)])

@@ -5,6 +5,7 @@ what it is for, so a seeded request reproduces whatever the pipeline's timing, a
 is touched inside the token loop. The mixer is SplitMix64, whose outputs pass BigCrush.
 """
 
+import dataclasses
 import enum
 
 _MASK = (1 << 64) - 1
@@ -38,3 +39,11 @@ def uniform(seed: int, position: int, purpose: Purpose, index: int = 0) -> float
 def sample_seed(seed: int, index: int) -> int:
     """Seed of the index-th of n independent samples of one prompt (index 0 keeps the seed)."""
     return (seed + index) & ((1 << 63) - 1)
+
+
+def choices(request, n: int) -> list:
+    """The n independent samples of one request (a GenerationRequest): the i-th is the request
+    alone with seed sample_seed(seed, i), so each reproduces as a single request."""
+    return [dataclasses.replace(request, sampling=dataclasses.replace(request.sampling,
+                                                                      seed=sample_seed(request.sampling.seed, i)))
+            for i in range(n)]

@@ -14,10 +14,8 @@ from dataclasses import dataclass, field, replace
 
 from svip_common.contracts import (
     INT32_MAX,
-    LOGIT_BIAS_BOUND,
     MAX_LOGIT_BIAS,
     MAX_STOP_TOKEN_IDS,
-    PENALTY_BOUND,
     POLICY_NAMES,
     PolicyConfig,
     SamplingParams,
@@ -217,13 +215,12 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     seed = _integer(body, "seed", None, lo=0, hi=2**63 - 1)
     if seed is None:
         seed = secrets.randbelow(2**31)
-    penalties = [_number(body, name, 0.0) for name in ("presence_penalty", "frequency_penalty")]
-    for name, value in zip(("presence_penalty", "frequency_penalty"), penalties):
-        if abs(value) > PENALTY_BOUND:
-            raise bad(f"'{name}' must be in [-2, 2], got {value:g}", name)
-    min_tokens = _integer(body, "min_tokens", 0, lo=0)
-    sampling = SamplingParams(temperature, top_k, top_p, seed, _logit_bias(body.get("logit_bias")), *penalties,
-                              min_tokens)
+    knobs = {name: _number(body, name, 0.0) for name in ("presence_penalty", "frequency_penalty")}
+    knobs["logit_bias"] = _logit_bias(body.get("logit_bias"))
+    for name, value in knobs.items():  # their bounds: SamplingParams.validate, named as the field
+        _within_bounds(name, SamplingParams(**{name: value}))
+    sampling = SamplingParams(temperature, top_k, top_p, seed, **knobs,
+                              min_tokens=_integer(body, "min_tokens", 0, lo=0))
     policy = _policy(body, defaults)
     if "tree" not in body and not sampling.greedy:  # the deployment's default tree is for greedy requests
         policy = replace(policy, tree="off")
@@ -249,9 +246,17 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     )
 
 
+def _within_bounds(name: str, params: SamplingParams) -> None:
+    try:
+        params.validate()
+    except InvalidRequest as exc:
+        raise bad(str(exc), name) from None
+
+
 def _logit_bias(value) -> tuple[tuple[int, float], ...]:
-    """OpenAI's logit_bias: an object from token ids (as strings) to a bias in [-100, 100], at most
-    300 entries (ids against the model's vocabulary: when the request is shaped)."""
+    """OpenAI's logit_bias: an object from token ids (as strings) to numbers, read (its bounds:
+    SamplingParams.validate; its ids against the model's vocabulary: when the request is shaped).
+    The entries are counted before they are read."""
     if value is None:
         return ()
     if not isinstance(value, dict):
@@ -262,13 +267,9 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
     for key, bias in value.items():
         if not (isinstance(key, str) and key.isdigit() and len(key) <= 10 and int(key) <= INT32_MAX):
             raise bad(f"'logit_bias' keys must be token ids, got {_shown(key)}", "logit_bias")
-        if isinstance(bias, bool) or not isinstance(bias, (int, float)) or not math.isfinite(bias):
+        if isinstance(bias, bool) or not isinstance(bias, (int, float)):
             raise bad(f"'logit_bias' values must be numbers, got {_shown(bias)}", "logit_bias")
-        if abs(bias) > LOGIT_BIAS_BOUND:
-            raise bad(f"'logit_bias' values must be in [-100, 100], got {bias:g} for {key}", "logit_bias")
         out.append((int(key), float(bias)))
-    if len({token for token, _ in out}) != len(out):
-        raise bad("'logit_bias' names a token id twice", "logit_bias")
     return tuple(out)
 
 

@@ -18,6 +18,7 @@ from starlette.exceptions import HTTPException
 from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
 from svip_common.kv_sizes import whole_pages
+from svip_common.randomness import choices
 from svip_serve.admission import RETRY_AFTER_S, Admission, Slot
 from svip_serve.auth import ApiKeys
 from svip_serve.draining import DrainWatch
@@ -37,7 +38,7 @@ from svip_serve.protocol import (
     usage_chunk,
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
-from svip_serve.shaping import RequestShaping, choices
+from svip_serve.shaping import RequestShaping
 
 # no /docs, /redoc or /openapi.json: the API faces the network, and its shape is OpenAI's
 api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible",
@@ -110,6 +111,11 @@ async def _all_or_none(runs: list) -> list:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _usage(generations: list[Generation]) -> dict:
+    """A request's usage: its prompt once, every choice's tokens."""
+    return usage(len(generations[0].request.prompt_ids), sum(g.completion_tokens for g in generations))
 
 
 def _sse(obj) -> str:
@@ -362,14 +368,13 @@ class SVIPServer:
             raise _api_error(exc, rid) from None
         for generation in generations:
             self._record(generation, arrived)
-        completion = sum(g.completion_tokens for g in generations)
         return JSONResponse(
             choices_body(
                 req.kind,
                 rid,
                 self.settings.served_name,
                 [(text, g.finish_reason, g.stats()) for text, g in zip(texts, generations)],
-                usage(len(request.prompt_ids), completion),
+                _usage(generations),
             )
         )
 
@@ -394,7 +399,6 @@ class SVIPServer:
         """Each choice's text as it settles, tagged with its index; a choice's last chunk carries its
         finish reason and svip stats, the last of them the usage of all."""
         model, created, ended = self.settings.served_name, int(time.time()), 0
-        prompt = len(generations[0].request.prompt_ids)
         try:
             async with slot:  # admitted already: this only releases the place at the end
                 if req.kind == "chat":
@@ -407,12 +411,11 @@ class SVIPServer:
                     generation, ended = generations[index], ended + 1
                     last = chunk_body(req.kind, rid, model, created, None, generation.finish_reason, index=index)
                     if ended == len(generations):
-                        last["usage"] = usage(prompt, sum(g.completion_tokens for g in generations))
+                        last["usage"] = _usage(generations)
                     last["svip"] = generation.stats()
                     yield _sse(last)
                 if req.include_usage:
-                    total = usage(prompt, sum(g.completion_tokens for g in generations))
-                    yield _sse(usage_chunk(req.kind, rid, model, created, total, generations[0].stats()))
+                    yield _sse(usage_chunk(req.kind, rid, model, created, _usage(generations), generations[0].stats()))
                 for generation in generations:
                     self._record(generation, arrived)
         except asyncio.CancelledError:  # the client went away: nobody to tell
@@ -420,9 +423,6 @@ class SVIPServer:
         except Exception as exc:  # after the text already sent: an error event, then the end
             yield _sse(_api_error(exc, rid).body())
         yield "data: [DONE]\n\n"
-
-    def _usage(self, generation: Generation) -> dict:
-        return usage(len(generation.request.prompt_ids), generation.completion_tokens)
 
     def _record(self, generation: Generation, arrived: float) -> None:
         ttft = generation.first_token_at - arrived if generation.first_token_at is not None else None

@@ -5,12 +5,10 @@ a Serve replica (server.py); every refusal is a 400 or 404 that names the field.
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable
 
 from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest
-from svip_common.randomness import sample_seed
 from svip_serve import prompting
 from svip_serve.protocol import ApiError, ApiRequest, bad, rendered_chars
 from svip_serve.settings import ServeSettings
@@ -83,11 +81,3 @@ class RequestShaping:
             if limit is not None:
                 room.append(limit - prompt_tokens)
         return max(1, min(room))
-
-
-def choices(request: GenerationRequest, n: int) -> list[GenerationRequest]:
-    """The n choices of one request: choice i is the request alone with seed sample_seed(seed, i)
-    (choice 0 keeps the seed), so each reproduces as a single request (greedy: all alike)."""
-    return [dataclasses.replace(request, sampling=dataclasses.replace(request.sampling,
-                                                                      seed=sample_seed(request.sampling.seed, i)))
-            for i in range(n)]
