@@ -91,16 +91,19 @@ class _Dear:
 
 def test_a_tree_the_rules_refuse_gives_the_draft_up_not_the_output(models, prompt_ids, alone, monkeypatch):
     """A draft worker that sends a tree past the node cap: the target gives the draft up for that
-    session and settles the rest alone, exact."""
+    session and settles the rest alone, exact; a chain session batched beside it keeps its draft."""
     from draft_worker import drafter
 
     monkeypatch.setattr(drafter, "MAX_TREE_NODES", 4 * MAX_TREE_NODES)  # the draft side's bound, loosened
     monkeypatch.setattr(drafter, "cape_siblings", lambda p, ranked, room, reach=1.0, price=0.0: [t for t, _ in ranked])
     pair = make_pair(models, "sync", DRAFT_FIRST)
     policy = PolicyConfig(name="constant", draft_length=10, tree="cape")
-    result = pair.generate(GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=policy))
+    neighbour = GenerationRequest(prompt_ids["long"], MAX_NEW, policy=PolicyConfig(name="constant", draft_length=3))
+    result, beside = pair.generate_all([GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=policy), neighbour])
     assert result.token_ids == alone[prompt_ids["medium"]]
     assert result.stats.detached == 1
+    assert beside.token_ids == alone[prompt_ids["long"]]
+    assert beside.stats.detached == 0 and beside.stats.accepted_tokens > 0
 
 
 def test_a_sampled_tree_across_the_workers_is_refused_by_name(models, prompt_ids):
