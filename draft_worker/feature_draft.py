@@ -38,6 +38,7 @@ from svip_common.hub import split_revision
 from svip_common.kv_cache import wait_for_device
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
+from svip_common.row_rules import RowRules
 
 
 @dataclass
@@ -217,6 +218,7 @@ class FeatureDraftSession(DraftSession):
 
     def __init__(self, drafter: FeatureDrafter, sampling: SamplingParams, policy, stop_token_ids: Sequence[int]):
         self.sampling = sampling
+        self.rules = RowRules(0, sampling.logit_bias)  # the request's bias; its penalties: the target's alone
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
         self._drafter = drafter
