@@ -160,13 +160,18 @@ def test_sampled_tokens_follow_the_target_through_load_aware_pauses(models, prom
     """Mode "all", through the batched engine, with a load that flips between heavy and light
     every other step: blocks capped, sessions paused (the target draws alone) and resumed within
     the first tokens. The marginals are still the target's."""
-    from tests.integration.test_load_aware import HEAVY, LIGHT
+    from svip_common.step_cost import TargetLoad
+    from tests.integration.test_load_aware import HEAVY
 
+    # light enough that a drafted token pays however long this machine's draft forward takes (the
+    # gate weighs it by the target alone's rate: 1 token/s here), so the drafting the test asks for
+    # does not depend on the machine's speed
+    light = TargetLoad(plain_rate=1.0, verify_token_s=0.0001)
     sampling = CONFIGS["t1"]
     prompt = prompt_ids["medium"]
     engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="all")
     calls = iter(range(10**9))
-    engine.verifier.load = lambda sessions=None: HEAVY if next(calls) % 4 < 2 else LIGHT
+    engine.verifier.load = lambda sessions=None: HEAVY if next(calls) % 4 < 2 else light
     policy = PolicyConfig(name="constant", draft_length=3)
     requests = [
         GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
