@@ -4,7 +4,10 @@ A ``KVPool`` holds one model's keys and values for many sequences in fixed-size 
 paged KV cache): one tensor per key and value, [layers, slots, kv_heads, head_dim], a slot being
 a page's place for one token. A ``PagedSequence`` is one session's place in it: a page table and
 the tokens whose keys and values the pages hold. Rolling back after a rejection truncates the
-sequence and frees its whole pages past the new end; closing it frees everything.
+sequence and frees its whole pages past the new end; closing it frees everything. A sequence
+forks (``PagedSequence.fork``): the fork shares every page, each counted once in the pool, and a
+page either of them writes into while the other still holds it is copied first (copy on write), so
+a draft prepares several continuations of one prefix side by side without copying the prefix.
 
 ``KVPool.forward`` runs one forward over a ragged batch: every sequence's new tokens flattened
 into one row [1, total] with their own positions (vLLM's way: no padding to the longest), the new
@@ -82,6 +85,7 @@ class KVPool:
         self.values = [torch.zeros(shape, dtype=model.dtype, device=d) for d in devices]
         self.device = devices[0]  # where page tables live
         self._free = _FreePages(self.pages)
+        self._shared: dict[int, int] = {}  # a page held by more than one sequence: its other holders
         self.staging = StepBuffer(self.device)  # a forward's index inputs, in one copy
         self.max_forward_tokens = 0  # the most tokens any forward has held (max_batched_tokens bounds it)
         self.decoder = PoolDecoder.of(model) if flat else None
@@ -119,7 +123,31 @@ class KVPool:
         return self._free.take(n, after)
 
     def _give(self, pages: list[int]) -> None:
-        self._free.give(pages)
+        """A sequence lets go of these pages: each is free once its last holder has let go."""
+        free = []
+        for page in pages:
+            others = self._shared.get(page, 0)
+            if others > 1:
+                self._shared[page] = others - 1
+            elif others == 1:
+                del self._shared[page]
+            else:
+                free.append(page)
+        self._free.give(free)
+
+    def _share(self, pages: list[int]) -> None:
+        for page in pages:
+            self._shared[page] = self._shared.get(page, 0) + 1
+
+    def shared(self, page: int) -> bool:
+        return page in self._shared
+
+    def _copy_page(self, source: int, dest: int) -> None:
+        """Every layer's keys and values of one page into another."""
+        ps = self.page_size
+        for keys, values in zip(self.keys, self.values):
+            keys[dest * ps : (dest + 1) * ps] = keys[source * ps : (source + 1) * ps]
+            values[dest * ps : (dest + 1) * ps] = values[source * ps : (source + 1) * ps]
 
     def timed_forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]], layers: Sequence[int] = ()
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
@@ -229,7 +257,18 @@ class PagedSequence:
         return self.pages == list(range(first, first + len(self.pages)))
 
     def pages_needed(self, new_tokens: int) -> int:
-        return self.pool.pages_for(len(self.tokens) + new_tokens) - len(self.pages)
+        """Pages to take for new_tokens more: new ones, and the shared page they would write into
+        (copied first)."""
+        grow = self.pool.pages_for(len(self.tokens) + new_tokens) - len(self.pages)
+        return grow + (1 if new_tokens > 0 and self._shared_tail() is not None else 0)
+
+    def fork(self) -> PagedSequence:
+        """A sequence holding the same tokens in the same pages (none copied): what either writes
+        into a page the other holds is copied first (copy on write)."""
+        other = PagedSequence(self.pool)
+        other.pages, other.tokens = list(self.pages), list(self.tokens)
+        self.pool._share(self.pages)
+        return other
 
     def rollback(self, length: int) -> None:
         """Forget every token past the first ``length``; whole pages past it go back to the pool."""
@@ -262,6 +301,7 @@ class PagedSequence:
             self.rollback(base + spine)
             return
         place, node = base + accepted, base + branch_node
+        self._own(place // self.pool.page_size)
         slots = self._slots_upto(len(self.tokens))
         src, dst = slots[node : node + 1], slots[place : place + 1]
         for keys, values in zip(self.pool.keys, self.pool.values):
@@ -279,10 +319,29 @@ class PagedSequence:
         self.pages, self.tokens, self._slots = [], [], None
 
     def _grow(self, new_tokens: int) -> None:
+        tail = self._shared_tail()
+        if tail is not None:
+            self._own(tail)
         need = self.pages_needed(new_tokens)
         if need > 0:
             self.pages += self.pool._take(need, self.pages[-1] if self.pages else None)
             self._slots = None
+
+    def _shared_tail(self) -> int | None:
+        """The index of the page the next token goes into, if it is held and shared."""
+        index = len(self.tokens) // self.pool.page_size
+        return index if index < len(self.pages) and self.pool.shared(self.pages[index]) else None
+
+    def _own(self, index: int) -> None:
+        """Its page at ``index`` held by it alone: a shared one is copied into a page of its own."""
+        page = self.pages[index]
+        if not self.pool.shared(page):
+            return
+        (copy,) = self.pool._take(1, self.pages[index - 1] if index else None)
+        self.pool._copy_page(page, copy)
+        self.pool._give([page])
+        self.pages[index] = copy
+        self._slots = None
 
     def _slots_upto(self, length: int) -> torch.Tensor:
         """Its first ``length`` slots, on the host (a step's plan is built there and staged)."""

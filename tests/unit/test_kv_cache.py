@@ -156,6 +156,88 @@ def test_no_page_is_ever_held_by_two_live_sequences(model):
     assert pool.used_pages == 0
 
 
+@torch.inference_mode()
+def test_a_fork_shares_its_pages_and_copies_the_one_it_writes_into(model):
+    pool = KVPool(model, tokens=64, page_size=4)  # 16 pages
+    a = pool.sequence()
+    a.forward(TOKENS[:6], 1)  # 6 tokens: 2 pages, the second half full
+    b = a.fork()
+    assert b.pages == a.pages and b.tokens == a.tokens and pool.used_pages == 2  # nothing copied
+    assert b.pages_needed(1) == 1  # its next token goes into a shared page: copied first
+    b.rollback_to_prefix_of(TOKENS[:5] + [91, 92])
+    out_b = b.forward([91, 92, 93], 3)
+    assert pool.used_pages == 3 and b.pages[0] == a.pages[0] and b.pages[1] != a.pages[1]  # page 2 copied
+    out_a = a.forward(TOKENS[6:], 2)  # a's own pages were never written by b
+    assert torch.allclose(out_a, _full_logits(model, TOKENS)[-2:], atol=1e-4)
+    assert torch.allclose(out_b, _full_logits(model, TOKENS[:5] + [91, 92, 93])[-3:], atol=1e-4)
+    a.close()
+    assert pool.used_pages == 2  # the shared first page stays with b
+    assert torch.allclose(b.forward([94], 1), _full_logits(model, TOKENS[:5] + [91, 92, 93, 94])[-1:], atol=1e-4)
+    b.close()
+    assert pool.used_pages == 0 and pool.free_pages == 16
+
+
+@torch.inference_mode()
+def test_a_fork_on_a_page_boundary_copies_nothing(model):
+    pool = KVPool(model, tokens=64, page_size=4)
+    a = pool.sequence()
+    a.forward(TOKENS, 1)  # two full pages
+    b = a.fork()
+    assert b.pages_needed(1) == 1 and a.pages_needed(1) == 1  # a new page each, no copy
+    pool.forward([(a, [70], 1), (b, [71], 1)])
+    assert pool.used_pages == 4 and a.pages[:2] == b.pages[:2]
+    a.close()
+    b.close()
+    assert pool.used_pages == 0
+
+
+@torch.inference_mode()
+def test_a_full_pool_refuses_a_forks_copy_and_changes_nothing(model):
+    pool = KVPool(model, tokens=8, page_size=4)  # 2 pages
+    a = pool.sequence()
+    a.forward(TOKENS[:6], 1)
+    b = a.fork()
+    with pytest.raises(PoolFull, match="free pages"):
+        b.forward([50], 1)
+    assert len(b) == 6 and b.pages == a.pages and pool.used_pages == 2
+
+
+@torch.inference_mode()
+def test_forks_keep_every_page_counted_once_and_every_sequence_its_own_tokens(model):
+    """Random forks, ragged forwards, rollbacks and closes over a small pool: every live
+    sequence's next logits equal its tokens' forward from scratch, pages shared by forks are
+    counted once, and every page comes back when the last holder closes."""
+    import random
+
+    rng = random.Random(1)
+    pool = KVPool(model, tokens=128, page_size=4)  # 32 pages
+    live = [pool.sequence()]
+    pool.forward([(live[0], TOKENS, 1)])
+    for _ in range(80):
+        op, seq = rng.random(), rng.choice(live)
+        if op < 0.3 and len(live) < 5:
+            live.append(seq.fork())
+        elif op < 0.7:
+            steps = [(s, [rng.randrange(1, 200) for _ in range(rng.randint(1, 5))], 1)
+                     for s in rng.sample(live, min(2, len(live)))]
+            try:
+                rows = pool.forward(steps)
+            except PoolFull:
+                continue
+            for (s, _, _), row in zip(steps, rows):
+                assert torch.allclose(row, _full_logits(model, s.tokens)[-1:], atol=1e-4)
+        elif op < 0.9:
+            seq.rollback(rng.randint(1, len(seq)))
+        elif len(live) > 1:
+            seq.close()
+            live.remove(seq)
+        held = {p for s in live for p in s.pages}
+        assert pool.used_pages == len(held) and pool.used_pages + pool.free_pages == 32
+    for s in live:
+        s.close()
+    assert pool.used_pages == 0 and pool.free_pages == 32
+
+
 def test_the_pools_memory_is_what_the_setting_says(model):
     """--kv-cache-tokens N: keys and values for N tokens (whole pages) in every layer, allocated
     once; nothing grows with the sessions."""
