@@ -31,7 +31,7 @@ from typing import Protocol
 
 from coordinator.distributed import error_from_proto, resolved, start_message
 from coordinator.session.host import SessionHost
-from draft_worker.service import DraftService
+from draft_worker.service import PARALLEL, DraftService
 from svip_common.contracts import GenerationRequest, GenerationResult, GenerationStats, Limits
 from svip_common.models import LoadedModel, ModelInfo
 from svip_common.pair_config import PairConfig
@@ -149,20 +149,22 @@ class Pending:
 class InMemoryPair:
     def __init__(self, target: LoadedModel | ModelInfo, verifier, drafter, limits: Limits, pipeline: str = "async",
                  schedule: Schedule | None = None, clock: Callable[[], float] = time.time, prepare: int = 2,
-                 draft_clock: Callable[[], float] | None = None, **host_options):
+                 draft_clock: Callable[[], float] | None = None, parallel: int = PARALLEL, **host_options):
         """target: the target model (its end-of-sequence ids); verifier, drafter: the workers' models
         (target_worker/verifier.py, draft_worker/drafter.py; drafter None: the target alone);
         schedule: what happens next (InOrder() by default); clock: the time now, for the host and
         its sessions; draft_clock: the draft worker's (its timestamps and its steps' durations;
-        None: the machine's); host_options: the pair's configuration as flat options (PairConfig.of:
-        load_aware, idle_prefill, max_batched_tokens, the recovery's fields)."""
+        None: the machine's); prepare, parallel: the draft worker's (draft_worker/service.py);
+        host_options: the pair's configuration as flat options (PairConfig.of: load_aware,
+        idle_prefill, max_batched_tokens, the recovery's fields)."""
         self.target, self.limits, self.pipeline = target, limits, pipeline
         self.schedule = schedule or InOrder()
         self.clock = clock
         self.wires = {name: Wire() for name in DELIVERIES}
         self.wires["to_host"] = Wire()  # the caller's requests
         timing = {} if draft_clock is None else {"clock": draft_clock, "timer": draft_clock}
-        self.draft = None if drafter is None else DraftService(drafter, limits, prepare, compute=ManualLoop, **timing)
+        self.draft = None if drafter is None else DraftService(drafter, limits, prepare, compute=ManualLoop,
+                                                                 parallel=parallel, **timing)
         link = None if drafter is None else MemoryLink(self.wires["to_draft"])
         draft_path = getattr(getattr(drafter, "draft", None), "path", None)
         config = PairConfig.of(getattr(target, "path", "target"), draft_path, **host_options)

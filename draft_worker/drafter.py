@@ -63,11 +63,11 @@ class Drafter:
             if len(pending) > room and len(pending) > 1:
                 chunk = min(int(room), len(pending) - 1) if room >= 1 else 0
                 if chunk > 0:  # the prefix goes in; the rest, with the block's next token, later
-                    steps.append((d._session._seq, pending[:chunk], 0))
+                    steps.append((d._seq, pending[:chunk], 0))
                     d._pending = pending[chunk:]
                     room -= chunk
                 continue
-            steps.append((d._session._seq, pending, 1))
+            steps.append((d._seq, pending, 1))
             drafting.append(d)
             d._prefilling = len(pending) > PREFILL_TOKENS
             room -= len(pending)
@@ -136,6 +136,7 @@ class Drafter:
 
 
 class DraftSession:
+    can_fork = True  # blocks drafted side by side on forks of its cache (``begin(fork=True)``)
     tree = "off"  # "cape" / "auto": each block a token tree (svip_common/trees.py); else a chain
     node_price = 0.0  # tree "auto": a verified node's price in tokens (the caller sets it from the load)
 
@@ -177,12 +178,26 @@ class DraftSession:
             draft.step()
         return draft.block
 
-    def begin(self, committed: Sequence[int], budget: int, alternatives: bool = False) -> BlockDraft:
+    def begin(self, committed: Sequence[int], budget: int, alternatives: bool = False,
+              fork: bool = False) -> BlockDraft:
         """A block to draft after ``committed``, a forward at a time (``BlockDraft.step``); the
-        cache rolls back to what ``committed`` still shares. One at a time per session: beginning
-        another abandons this one. alternatives: keep each token's runners-up (to prepare
-        continuations for rejections)."""
-        return BlockDraft(self, committed, budget, alternatives)
+        cache rolls back to what ``committed`` still shares. One at a time on the session's cache:
+        beginning another there abandons this one. alternatives: keep each token's runners-up (to
+        prepare continuations for rejections). fork: drafted on a fork of the cache (its pages
+        shared, copied on write), beside the block on the cache itself; ``adopt`` or ``release``
+        the fork (``BlockDraft.cache``) when done with it."""
+        return BlockDraft(self, committed, budget, alternatives, self._seq.fork() if fork else None)
+
+    def adopt(self, cache) -> None:
+        """A fork's block is what comes next: the fork becomes the session's cache."""
+        if cache is not self._seq:
+            self._seq.close()
+            self._seq = cache
+
+    def release(self, cache) -> None:
+        """A fork no longer needed: its pages go back (the ones it shares stay with their holders)."""
+        if cache is not self._seq:
+            cache.close()
 
     def feedback(self, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
@@ -190,10 +205,11 @@ class DraftSession:
     def take_features(self, features: torch.Tensor | None, first: int) -> None:
         """A token draft reads no target features."""
 
-    def _resume(self, committed: Sequence[int]) -> list[int]:
-        """Roll the cache back to what ``committed`` still shares (all but its last token at
-        most, whose logits the block's first forward gives): the tokens the first forward takes in."""
-        kept = self._seq.rollback_to_prefix_of(committed, limit=len(committed) - 1)
+    def _resume(self, committed: Sequence[int], cache=None) -> list[int]:
+        """Roll the cache (the session's, or a fork of it) back to what ``committed`` still shares
+        (all but its last token at most, whose logits the block's first forward gives): the
+        tokens the first forward takes in."""
+        kept = (cache or self._seq).rollback_to_prefix_of(committed, limit=len(committed) - 1)
         return list(committed[kept:])
 
     @torch.inference_mode()
@@ -215,8 +231,11 @@ class BlockDraft:
     or the budget ends it. Keeps, per drafted token, the draft's next most likely tokens and
     their probabilities: where a rejection would most likely land, and what it would settle."""
 
-    def __init__(self, session: DraftSession, committed: Sequence[int], budget: int, alternatives: bool = False):
+    def __init__(self, session: DraftSession, committed: Sequence[int], budget: int, alternatives: bool = False,
+                 cache=None):
+        """cache: a fork of the session's cache to draft on (None: the session's own)."""
         self._session = session
+        self.cache = cache  # a fork: the owner adopts or releases it when done
         self._keep_alternatives = alternatives
         self._tree = session.tree != "off"
         self._price = session.node_price if session.tree == "auto" else 0.0
@@ -231,7 +250,7 @@ class BlockDraft:
         self._limit = min(session.policy.max_length(), budget)
         self._context = list(committed)  # what the block follows (the request's rules count it)
         self._q_rows: list[torch.Tensor] = []
-        self._pending = session._resume(committed) if self._limit > 0 else None
+        self._pending = session._resume(committed, cache) if self._limit > 0 else None
         self.done = self._pending is None  # nothing to draft from: the block stays empty
         self.error: Exception | None = None  # this block's own work failed in a batched step (``_fail``)
 
@@ -240,6 +259,11 @@ class BlockDraft:
         min_tokens (the target's rules: what it would accept), by the block's tokens so far."""
         rules = self._session.rules
         return rules.apply(row, [self._context + self.block.tokens] if rules.by_place else ())
+
+    @property
+    def _seq(self):
+        """The paged sequence this block is drafted on."""
+        return self.cache if self.cache is not None else self._session._seq
 
     @property
     def pending_tokens(self) -> int:

@@ -216,6 +216,8 @@ class FeatureDraftSession(DraftSession):
     features where they have arrived in place of the head's own, and builds the missing pairs
     from the target's features where known, else from the head's kept outputs."""
 
+    can_fork = False  # a head cache does not fork: its blocks are drafted one at a time
+
     def __init__(self, drafter: FeatureDrafter, sampling: SamplingParams, policy, stop_token_ids: Sequence[int]):
         self.sampling = sampling
         self.rules = RowRules(0, sampling.logit_bias)  # the request's bias; its penalties: the target's alone
@@ -257,14 +259,15 @@ class FeatureDraftSession(DraftSession):
         """Positions .. _known - 1 have the target's features (kept, or already fed)."""
         return self._stash_from + self._stash.shape[0] if self._stash is not None else self._offset + self._true
 
-    def _resume(self, committed: Sequence[int]):
+    def _resume(self, committed: Sequence[int], cache=None):
         """The block's first forward, for ``committed`` of length L: the pairs at the positions
         from the first one the cache cannot keep up to L - 2, whose output gives the first drafted
-        token. None when there is nothing to build them from (no target features yet: the first
-        round, whose block stays empty). When the target's features for positions the cache lacks
-        never came (the target settled tokens alone during a load-aware pause, or a re-attached
-        session), the head starts afresh from the first feature it has: it attends to what comes
-        after only, a shorter context, never a wrong one."""
+        token (cache: always None, as a head cache does not fork). None when there is nothing to
+        build them from (no target features yet: the first round, whose block stays empty). When
+        the target's features for positions the cache lacks never came (the target settled tokens
+        alone during a load-aware pause, or a re-attached session), the head starts afresh from
+        the first feature it has: it attends to what comes after only, a shorter context, never a
+        wrong one."""
         last = len(committed) - 2
         if last < 0:
             return None

@@ -19,6 +19,12 @@ one forward at a time (a feedback that arrives preempts the work):
   from the target's p row): kept, and sent as soon as the drawn correction matches. Either way
   every token is still verified by the target.
 
+Several of these are drafted side by side (``parallel``): each prepared continuation on a fork of
+the session's cache (pages shared, copied on write), the follow-up on the cache itself, one
+batched forward advancing them all. A fork is kept with its block until the verdict: the one the
+verdict calls for becomes the session's cache (its follow-up drafts on with nothing re-read), the
+rest go back to the pool. ``parallel`` 1 drafts one at a time on the session's cache.
+
 Load-aware speculation: the target's feedback caps the next blocks (``load_cap``); a cap of 0
 pauses the session, which drafts nothing until a Resume brings the tokens the target settled
 alone meanwhile.
@@ -61,12 +67,13 @@ class PipelinedDraft:
     stop_token_ids: frozenset[int]
     pipelined: bool  # async: work ahead while a block is verified
     prepare: int = 2  # prepared continuations per block at most (async); 0: follow-ups only
+    parallel: int = 1  # speculative blocks drafted side by side, each prepared one on a fork (async)
     send_prepared: bool = True  # greedy: send them ahead; sampled: keep them here
     known: list[int] = field(default_factory=list)  # committed, as the target's feedback settled it
     epoch: int = 0
     outstanding: list[DraftedBlock] = field(default_factory=list)  # main-line blocks sent, unanswered (<= 2)
     agenda: list[tuple[float, PreparedKey | None]] = field(default_factory=list)  # (score, prepared_for)
-    job: Job | None = None  # the speculative block in the making
+    jobs: list[Job] = field(default_factory=list)  # the speculative blocks in the making
     critical: Job | None = None  # the main-line block the target waits for, drafted before any speculation
     prepared: dict[PreparedKey, DraftedBlock] = field(default_factory=dict)  # (base, accepted, token) -> finished
     load_cap: int = UNLIMITED  # the most tokens a block may hold at the target's load (its latest word)
@@ -76,13 +83,8 @@ class PipelinedDraft:
     def __post_init__(self):
         self.known = list(self.prompt)
         self.limit = len(self.prompt) + self.max_new_tokens
-        # When is the verdict on the oldest outstanding block due? Its verification starts when it
-        # reaches the target or when the verdict before it was given, whichever is later; the wait
-        # from there is learnt. Speculation that would still run when the verdict is due is not
-        # started: a feedback that needs a new block then finds the draft free.
-        self._verifying_since = 0.0
-        self._verdict_wait = Ewma(EMA, empty=None)
-        self._forward_s = Ewma(EMA, empty=None)
+        self.timing = VerdictTiming()
+        self.forks = Forks(self.session)  # the forks finished prepared blocks were drafted on
 
     @property
     def cached_tokens(self) -> int:
@@ -90,8 +92,22 @@ class PipelinedDraft:
 
     def close(self) -> None:
         """The session ends: its pages go back to the draft's pool."""
-        self.job, self.critical, self.agenda, self.prepared = None, None, [], {}
+        self.release_forks()
+        self.jobs, self.critical, self.agenda, self.prepared = [], None, [], {}
         self.session.close()
+
+    def release_forks(self) -> bool:
+        """Give up the speculation held on forks (the pool is short): jobs drafting on one are
+        dropped, finished blocks keep only their tokens. Whether anything was given back."""
+        held = [job for job in self.jobs if job.draft.cache is not None]
+        for job in held:
+            self.jobs.remove(job)
+            self.session.release(job.draft.cache)
+        return self.forks.release_all() or bool(held)
+
+    @property
+    def _forking(self) -> bool:
+        return self.parallel > 1 and self.session.can_fork
 
     # --- messages: a start, a feedback -------------------------------------------------------------
     # Each takes the time now first and returns the blocks ready to send at once; a block that must
@@ -146,24 +162,29 @@ class PipelinedDraft:
         block = answered.block
         self.session.feedback(drafted, accepted)
         self.session.take_features(features, features_from)
-        self._learn_wait(answered, received_at)
+        self.timing.learn_wait(answered, received_at)
         if self.load_cap == 0 and (token == NO_TOKEN or prepared_used):
             raise InvalidRequest("a pause (load_cap 0) must settle its token at the target")
         if accepted == drafted and token == NO_TOKEN:  # the follow-up resolves what comes next
             if not answered.followup:
                 raise InvalidRequest("deferred feedback for a block that has no follow-up")
             self.known += block.tokens
-            self.prepared = {key: item for key, item in self.prepared.items() if key[0] != base}
-            if self.job is not None and not self.job.followup and self.job.prepared_for[0] == base:
-                self.job = None
+            for key in [key for key in self.prepared if key[0] == base]:
+                del self.prepared[key]
+                self.forks.release(key)
+            for job in [job for job in self.jobs if not job.followup and job.prepared_for[0] == base]:
+                self._cancel(job)
             if not self.outstanding:  # the target now waits for the follow-up: it is critical
-                if self.job is None:
-                    self._begin(None)
-                self.critical, self.job = self.job, None
+                followup = next((job for job in self.jobs if job.followup), None) or self._begin(None)
+                self.jobs.remove(followup)
+                self.critical = followup
                 self.critical.trigger_at = received_at
             self._plan()
             return []
         prepared, self.prepared, self.agenda = self.prepared, {}, []
+        for job in self.jobs:
+            self._cancel(job, drop=False)
+        self.jobs, self.critical = [], None
         resolved = NO_TOKEN
         if token == NO_TOKEN:
             if p_row is None or block.q_rows is None:
@@ -176,11 +197,14 @@ class PipelinedDraft:
         self.known = self.known[:base] + path + after
         self.epoch = epoch
         self.outstanding.clear()
-        self.job = self.critical = None
+        key = (base, accepted, token if branch == NO_TOKEN else branch)
+        ready = prepared.get(key) if accepted < drafted and self.load_cap != 0 else None
+        if ready is not None and (prepared_used or branch == NO_TOKEN):
+            self.forks.adopt(key)  # what comes next was drafted there: drafting goes on from it
+        self.forks.release_all()
         if self.load_cap == 0:  # paused: the target goes on alone until a Resume
             self.paused = True
             return []
-        ready = prepared.get((base, accepted, token if branch == NO_TOKEN else branch)) if accepted < drafted else None
         if prepared_used:
             if ready is None or ready.prepared_for is None or ready.reused:
                 raise InvalidRequest("feedback uses a prepared continuation this session did not send")
@@ -219,28 +243,24 @@ class PipelinedDraft:
 
     # --- the worker's batched steps: one forward for every session's next token ---------------------
 
-    def next_draft(self, now: float) -> BlockDraft | None:
-        """The block this session advances in the next batched step, which starts now: its
-        critical job, else the most likely continuation not yet drafted (if it would finish
-        before the verdict is due); None: nothing to do now."""
+    def next_drafts(self, now: float) -> list[BlockDraft]:
+        """The blocks this session advances in the next batched step, which starts now: its
+        critical job, else the most likely continuations not yet drafted, ``parallel`` at most
+        (if they would finish before the verdict is due); none: nothing to do now."""
         self.now = now
         if self.critical is not None:
-            return self.critical.draft
-        if self.paused:
-            return None
-        if self.job is None:
-            if not self.agenda or not self._time_for_a_forward():
-                return None
+            return [self.critical.draft]
+        if self.paused or not self.timing.room_for_a_forward(self.now, self.outstanding):
+            return []
+        while len(self.jobs) < (self.parallel if self._forking else 1) and self.agenda:
             _, prepared_for = self.agenda.pop(0)
             self._begin(prepared_for)
-        elif not self._time_for_a_forward():
-            return None
-        return self.job.draft
+        return [job.draft for job in self.jobs]
 
     def after_step(self, now: float, forward_s: float) -> list[DraftedBlock]:
         """What the step finished (it ended now and took forward_s): blocks to send now."""
         self.now = now
-        self._learn_forward(forward_s)
+        self.timing.forward_s.update(forward_s)
         if self.critical is not None:
             job = self.critical
             if not job.draft.done:
@@ -251,46 +271,25 @@ class PipelinedDraft:
             self.outstanding.append(item)
             self._plan()
             return [item]
-        job = self.job
-        if job is None or not job.draft.done:
-            return []
-        self.job = None
-        if not job.draft.block.tokens:
-            return []
-        item = self._outgoing(job.draft, job.started_at, job.prepared_for, 0.0)
-        if job.followup:
-            self.outstanding.append(item)
-            self._plan()  # its first places may be rejected too: prepare for them as well
-            return [item]
-        self.prepared[job.prepared_for] = item
-        return [item] if self.send_prepared else []
-
-    def work(self, now: float) -> list[DraftedBlock] | None:
-        """One forward of this session alone, at the time now (next_draft, then after_step, the
-        forward timed by the drafter's own account); None: nothing to do."""
-        draft = self.next_draft(now)
-        if draft is None:
-            return None
-        before = draft.compute_s
-        draft.step()
-        forward_s = draft.compute_s - before
-        return self.after_step(now + forward_s, forward_s)
-
-    def _time_for_a_forward(self) -> bool:
-        wait, forward_s = self._verdict_wait.value, self._forward_s.value
-        if wait is None or forward_s is None or not self.outstanding:
-            return True
-        due = max(self._verifying_since, self.outstanding[0].finished_at) + wait
-        return self.now + forward_s < due
-
-    def _learn_wait(self, answered: DraftedBlock, received_at: float) -> None:
-        since = max(self._verifying_since, answered.finished_at)
-        wait = received_at - since
-        self._verdict_wait.update(wait)
-        self._verifying_since = received_at
-
-    def _learn_forward(self, seconds: float) -> None:
-        self._forward_s.update(seconds)
+        finished = sorted((job for job in self.jobs if job.draft.done), key=lambda job: job.followup)
+        self.jobs = [job for job in self.jobs if not job.draft.done]
+        sent = []
+        for job in finished:  # prepared ones first: the follow-up's plan leaves them out
+            if not job.draft.block.tokens:
+                self._cancel(job, drop=False)
+                continue
+            item = self._outgoing(job.draft, job.started_at, job.prepared_for, 0.0)
+            if job.followup:
+                self.outstanding.append(item)
+                self._plan()  # its first places may be rejected too: prepare for them as well
+                sent.append(item)
+                continue
+            self.prepared[job.prepared_for] = item
+            if job.draft.cache is not None:
+                self.forks.held[job.prepared_for] = job.draft.cache
+            if self.send_prepared:
+                sent.append(item)
+        return sent
 
     def _plan(self) -> None:
         """What to prepare while the outstanding blocks are verified, most likely first: the
@@ -306,19 +305,31 @@ class PipelinedDraft:
             self.agenda += candidates[: self.prepare]
             if position == len(self.outstanding) - 1 and item.followup and len(self.outstanding) < 2:
                 self.agenda.append((reach, None))  # the follow-up: everything outstanding accepted
-        if self.job is not None:
-            self.agenda = [a for a in self.agenda if a[1] != self.job.prepared_for]
+        working = {job.prepared_for for job in self.jobs}
+        self.agenda = [a for a in self.agenda if a[1] not in working]
         self.agenda.sort(key=lambda c: -c[0])
 
-    def _begin(self, prepared_for: PreparedKey | None) -> None:
+    def _begin(self, prepared_for: PreparedKey | None) -> Job:
+        """A speculative job begins: the follow-up on the session's cache, a prepared
+        continuation on a fork of it when forking (else on the cache too, one job at a time)."""
         if prepared_for is None:  # the follow-up: after every outstanding block
             seq = self.known + [t for o in self.outstanding for t in o.block.tokens]
         else:
             base, j, token = prepared_for  # outstanding blocks follow one another from the known tokens
             sent = [t for o in self.outstanding for t in o.block.tokens]
             seq = self.known + sent[: base - len(self.known) + j] + [token]
-        draft = self.session.begin(seq, min(self.limit - len(seq) - 1, self.load_cap), alternatives=True)
-        self.job = Job(draft, prepared_for, self.now)
+        fork = prepared_for is not None and self._forking
+        draft = self.session.begin(seq, min(self.limit - len(seq) - 1, self.load_cap), alternatives=True, fork=fork)
+        job = Job(draft, prepared_for, self.now)
+        self.jobs.append(job)
+        return job
+
+    def _cancel(self, job: Job, drop: bool = True) -> None:
+        """A speculative job no longer wanted: its fork (if any) goes back; drop: out of the jobs."""
+        if job.draft.cache is not None:
+            self.session.release(job.draft.cache)
+        if drop:
+            self.jobs.remove(job)
 
     def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> DraftedBlock:
         block = draft.block
@@ -347,6 +358,69 @@ class PipelinedDraft:
 
     def _finished(self) -> bool:
         return self._stopped or len(self.known) >= self.limit
+
+
+class Forks:
+    """The forks of a session's cache that finished prepared blocks were drafted on, by the
+    rejection they assume, kept until the verdict: the one it calls for becomes the session's cache."""
+
+    def __init__(self, session: DraftSession):
+        self.session, self.held = session, {}
+
+    def adopt(self, key: PreparedKey) -> None:
+        if key in self.held:
+            self.session.adopt(self.held.pop(key))
+
+    def release(self, key: PreparedKey) -> None:
+        if key in self.held:
+            self.session.release(self.held.pop(key))
+
+    def release_all(self) -> bool:
+        held, self.held = self.held, {}
+        for cache in held.values():
+            self.session.release(cache)
+        return bool(held)
+
+
+class VerdictTiming:
+    """When is the verdict on the oldest outstanding block due? Its verification starts when it
+    reaches the target or when the verdict before it was given, whichever is later; the wait from
+    there is learnt, as is a forward's time. Speculation that would still run when the verdict is
+    due is not started: a feedback that needs a new block then finds the draft free."""
+
+    def __init__(self):
+        self.verifying_since = 0.0
+        self.verdict_wait = Ewma(EMA, empty=None)
+        self.forward_s = Ewma(EMA, empty=None)
+
+    def room_for_a_forward(self, now: float, outstanding: list[DraftedBlock]) -> bool:
+        wait, forward_s = self.verdict_wait.value, self.forward_s.value
+        if wait is None or forward_s is None or not outstanding:
+            return True
+        due = max(self.verifying_since, outstanding[0].finished_at) + wait
+        return now + forward_s < due
+
+    def learn_wait(self, answered: DraftedBlock, received_at: float) -> None:
+        self.verdict_wait.update(received_at - max(self.verifying_since, answered.finished_at))
+        self.verifying_since = received_at
+
+
+def work(draft: PipelinedDraft, now: float) -> list[DraftedBlock] | None:
+    """One forward of this session alone, at the time now (next_drafts, then after_step, the
+    forward timed by the drafter's own account); None: nothing to do."""
+    drafts = draft.next_drafts(now)
+    if not drafts:
+        return None
+    before = sum(d.compute_s for d in drafts)
+    if len(drafts) == 1:
+        drafts[0].step()  # raises its error
+    else:
+        drafts[0]._session._drafter.step(drafts)
+        for d in drafts:
+            if d.error is not None:
+                raise d.error
+    forward_s = sum(d.compute_s for d in drafts) - before
+    return draft.after_step(now + forward_s, forward_s)
 
 
 def _check_branch(block: Block, accepted: int, branch: int) -> None:

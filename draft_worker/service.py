@@ -28,6 +28,7 @@ from svip_runtime.step_metrics import StepMetrics
 from svip_runtime.wire_batch import BadBatch, pack_events, unpack
 
 log = logging.getLogger(__name__)
+PARALLEL = 3  # speculative blocks an async session drafts side by side: the follow-up and two prepared (pipelined.py)
 FEATURE_ROWS_CAP = 1 << 20  # rows of features a session may hold ahead where no context length is known
 
 
@@ -72,7 +73,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     role = "draft"
 
     def __init__(self, drafter: Drafter, limits, prepare: int = 2, compute=ComputeLoop, clock=time.time,
-                 timer=time.perf_counter):
+                 timer=time.perf_counter, parallel: int = PARALLEL):
         """compute: the loop that owns the sessions (SessionService); clock: the time now, for the
         sessions' timestamps; timer: what a step's duration is read from (the in-memory
         transport's simulation gives both as its own clock)."""
@@ -80,6 +81,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.clock, self.timer = clock, timer
         self.drafter = drafter
         self.prepare = prepare  # prepared continuations per block (async sessions)
+        self.parallel = parallel  # speculative blocks a session drafts side by side (async; pipelined.py)
+        self.forks_released = 0  # times a short pool took the speculation held on forks back
         self.step_metrics = StepMetrics("draft")
         self.shed = 0  # sessions given up because the KV pool was full
         self.sent_batches = 0  # messages that carried more than one event (one step's, for several sessions)
@@ -123,7 +126,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                 session=self.drafter.open(start.sampling, start.policy, tuple(start.stop_token_ids),
                                           len(start.prompt_ids)),
                 prompt=list(start.prompt_ids), max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
-                pipelined=start.pipeline == "async", prepare=self.prepare, send_prepared=start.sampling.greedy,
+                pipelined=start.pipeline == "async", prepare=self.prepare, parallel=self.parallel,
+                send_prepared=start.sampling.greedy,
                 epoch=start.epoch,
             )
             self.new_session(start.session_id, session, stream)
@@ -203,8 +207,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         draft by one token, critical blocks and speculation alike; each block stops at its own
         place (its policy, the cap, a stop token, the budget)."""
         now = self.clock()
-        batch = [(sid, session, draft) for sid, session in self.sessions.items()
-                 if (draft := session.next_draft(now)) is not None]
+        batch = [(sid, session, draft) for sid, session in self.sessions.items() for draft in session.next_drafts(now)]
         if not batch:
             return False
         started = self.timer()
@@ -216,30 +219,36 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             for session_id, _, _ in batch:
                 self._shed(session_id, f"the draft step failed: {type(exc).__name__}")
             return True
-        for session_id, _, draft in [item for item in batch if item[2].error is not None]:
+        failed = {sid: draft.error for sid, _, draft in batch if draft.error is not None}
+        for session_id, error in failed.items():
             log.error("draft session %s: its block failed on its own (%s: %s); the sessions beside it go on",
-                      session_id, type(draft.error).__name__, draft.error)
-            self._shed(session_id, f"its block failed: {type(draft.error).__name__}")
-        batch = [item for item in batch if item[2].error is None]
+                      session_id, type(error).__name__, error)
+            self._shed(session_id, f"its block failed: {type(error).__name__}")
+        batch = [item for item in batch if item[0] not in failed]
         if not batch:
             return True
         tokens = sum(draft.pending_tokens for _, _, draft in batch)
         elapsed = self.timer() - started
         now = self.clock()
-        for session_id, session, _ in batch:
+        for session_id, session in {sid: session for sid, session, _ in batch}.items():
             self._send(session_id, session, session.after_step(now, elapsed))
         self.step_metrics.record(len(batch), tokens, self.pool)
         return True
 
     def _step_within_pool(self, batch: list) -> list:
         """The draft forward over the batch. When the KV pool cannot hold it (nothing is changed
-        then), the youngest session gives up its draft work until the rest fits: its pages go back
-        and a shed Closed tells its target to go on alone. Older sessions keep their progress."""
+        then), the speculation held on forks goes first (every session's); then the youngest
+        session gives up its draft work until the rest fits: its pages go back and a shed Closed
+        tells its target to go on alone. Older sessions keep their progress."""
         while batch:
             try:
                 self.drafter.step([draft for _, _, draft in batch])
                 return batch
             except PoolFull as exc:
+                if any([session.release_forks() for session in self.sessions.values()]):
+                    self.forks_released += 1
+                    batch = [item for item in batch if item[2].cache is None]
+                    continue
                 youngest = next(reversed(self.sessions))
                 self._shed(youngest, str(exc))
                 batch = [item for item in batch if item[0] != youngest]

@@ -253,3 +253,18 @@ def test_the_target_admits_by_use_and_refuses_only_a_session_its_pool_cannot_hol
     with pytest.raises(Overloaded, match="KV pool holds 256 tokens; this session needs"):
         too_large.result()
     assert [p.result().token_ids for p in running] == [alone.generate(r).token_ids for r in requests]
+
+
+@pytest.mark.parametrize("room", [0, 16])
+def test_a_draft_pool_short_of_room_for_forks_takes_them_back_before_any_session(models, prompt_ids, alone, room):
+    """Prepared continuations drafted side by side hold forks of their session's cache: when the
+    draft's pool runs short, the forks go back (their blocks still serve) and no session is shed."""
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    longest = max(map(len, prompt_ids.values())) + MAX_NEW + 16  # a session and its block, a page to spare
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens, kv_cache_tokens=longest + room)
+    pair = InMemoryPair(models["target"], Verifier(models["target"], limits.tokens), drafter, limits, "async",
+                        DRAFT_FIRST, parallel=3, load_aware="off", idle_prefill="always")
+    for ids in prompt_ids.values():
+        request = GenerationRequest(ids, MAX_NEW, policy=POLICIES["svip"])
+        assert pair.generate(request).token_ids == alone.generate(request).token_ids
+    assert pair.draft.forks_released > 0 and pair.draft.shed == 0

@@ -17,7 +17,7 @@ import pytest
 
 from coordinator.engine import SpeculativeEngine
 from draft_worker.drafter import Drafter
-from draft_worker.pipelined import PipelinedDraft
+from draft_worker.pipelined import PipelinedDraft, work
 from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.step_cost import PROBE_FIRST, PROBE_TOKENS, TargetLoad
@@ -144,7 +144,7 @@ def _paused_draft(models) -> PipelinedDraft:
     drafter = Drafter(models["close_draft"], models["target"].vocab_size)
     session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=3), ())
     draft = PipelinedDraft(session, [5, 6, 7], 20, frozenset(), pipelined=False)
-    assert draft.start(0.0, load_cap=0) == [] and draft.paused and draft.next_draft(time.time()) is None
+    assert draft.start(0.0, load_cap=0) == [] and draft.paused and draft.next_drafts(time.time()) == []
     return draft
 
 
@@ -159,7 +159,7 @@ def test_the_draft_checks_a_resume(models):
     draft.on_resume(time.time(), 1, 3, [9, 10], 2, 0.0)
     assert draft.known == [5, 6, 7, 9, 10] and not draft.paused
     while draft.critical is not None:
-        draft.work(time.time())
+        work(draft, time.time())
     assert len(draft.outstanding[0].block) == 2  # the resumed cap
     with pytest.raises(InvalidRequest, match="not paused"):
         draft.on_resume(time.time(), 2, 5, [], 2, 0.0)
@@ -191,7 +191,7 @@ def test_the_draft_refuses_a_pause_that_leaves_the_token_to_it(models):
     draft = PipelinedDraft(session, [5, 6, 7], 20, frozenset(), pipelined=False)
     draft.start(0.0)
     while draft.critical is not None:
-        draft.work(time.time())
+        work(draft, time.time())
     sent = draft.outstanding[0].block
     with pytest.raises(InvalidRequest, match="must settle its token at the target"):
         draft.on_feedback(time.time(), 0, sent.base, len(sent), 0, NO_TOKEN, None, False, 0.0, load_cap=0)

@@ -17,7 +17,7 @@ import torch
 
 from coordinator.session.host import SessionHost
 from draft_worker.drafter import Drafter
-from draft_worker.pipelined import PipelinedDraft
+from draft_worker.pipelined import PipelinedDraft, work
 from svip_common.contracts import NO_TOKEN, Limits, PolicyConfig, SamplingParams
 from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2 as pb
@@ -182,8 +182,7 @@ def test_a_stale_or_parentless_prepared_block_is_never_verified(host, models, lo
     assert finished.stats.prepared_used == 0 and finished.stats.discarded_tokens == 1
 
 
-@pytest.fixture()
-def draft_session(models):
+def _pipelined(models, parallel: int) -> PipelinedDraft:
     drafter = Drafter(models["close_draft"], models["target"].vocab_size)
     policy = PolicyConfig(name="svip", threshold=0.6)
     session = drafter.open(SamplingParams(), policy, ())
@@ -194,13 +193,19 @@ def draft_session(models):
         stop_token_ids=frozenset(),
         pipelined=True,
         prepare=2,
+        parallel=parallel,
         send_prepared=True,
     )
 
 
+@pytest.fixture(params=[1, 3], ids=["one at a time", "side by side"])
+def draft_session(models, request):
+    return _pipelined(models, request.param)
+
+
 def _prepare_everything(draft: PipelinedDraft) -> list:
     sent = []
-    while (ready := draft.work(time.time())) is not None:
+    while (ready := work(draft, time.time())) is not None:
         sent += ready
     return sent
 
@@ -209,7 +214,7 @@ def _first_block(draft: PipelinedDraft):
     """Start the session and draft its first block (the critical job) a forward at a time."""
     sent = draft.start(0.0)
     while not sent:
-        sent = draft.work(time.time())
+        sent = work(draft, time.time())
     return sent[0]
 
 
@@ -251,6 +256,55 @@ def test_a_correction_nothing_was_prepared_for_is_drafted_from(draft_session):
     token = next(t for t in range(300) if (first.block.base, 0, t) not in assumed and t != first.block.tokens[0])
     now = time.time()
     assert draft_session.on_feedback(now, 1, first.block.base, len(first.block), 0, token, None, False, 0.0) == []
-    (fresh,) = draft_session.work(time.time())  # the critical job: drafted from the correction
+    (fresh,) = work(draft_session, time.time())  # the critical job: drafted from the correction
     assert fresh not in prepared and not fresh.reused and fresh.block.base == first.block.base + 1
     assert draft_session.known[-1] == token
+
+
+def test_continuations_drafted_side_by_side_on_forks_are_the_ones_drafted_one_at_a_time(models):
+    made = {}
+    for parallel in (1, 3):
+        draft = _pipelined(models, parallel)
+        _first_block(draft)
+        made[parallel] = {o.prepared_for: o.block.tokens for o in _prepare_everything(draft)}
+        pool = draft.session._drafter.pool
+        draft.close()
+        assert pool.used_pages == 0  # forks and all
+    both = made[1].keys() & made[3].keys()  # which ones depends on when the plan is redone
+    assert len(both) >= 3 and all(made[3][key] == made[1][key] for key in both)
+
+
+def test_the_fork_the_verdict_calls_for_becomes_the_sessions_cache(models):
+    draft = _pipelined(models, 3)
+    first = _first_block(draft)
+    prepared = [o for o in _prepare_everything(draft) if o.prepared_for is not None]
+    assert set(draft.forks.held) == {o.prepared_for for o in prepared}  # each on its own fork
+    base, j, token = prepared[0].prepared_for
+    late = time.time() + 3600.0  # a slow verdict: the next one leaves time to draft ahead
+    assert draft.on_feedback(time.time(), 1, base, len(first.block), j, token, None, True, late) == []
+    cached, expected = draft.session._seq.tokens, draft.known + prepared[0].block.tokens
+    assert len(cached) == len(expected) - 1 and cached == expected[:-1]  # its last token goes in next
+    pool = draft.session._drafter.pool
+    assert draft.forks.held == {} and pool.used_pages == len(draft.session._seq.pages)  # the rest went back
+    followup = next(o for o in _prepare_everything(draft) if o.prepared_for is None)  # from the adopted cache
+    assert followup.block.base == len(expected)
+    fresh = draft.session._drafter.open(SamplingParams(), PolicyConfig(name="svip", threshold=0.6), ())
+    assert fresh.propose(expected, len(followup.block)).tokens[: len(followup.block)] == followup.block.tokens
+    fresh.close()
+    draft.close()
+    assert pool.used_pages == 0
+
+
+def test_a_short_pool_takes_the_forks_back_and_their_blocks_still_serve(models):
+    draft = _pipelined(models, 3)
+    first = _first_block(draft)
+    prepared = [o for o in _prepare_everything(draft) if o.prepared_for is not None]
+    pool = draft.session._drafter.pool
+    assert draft.release_forks() and pool.used_pages == len(draft.session._seq.pages)
+    assert not draft.release_forks()  # nothing left to give
+    base, j, token = prepared[0].prepared_for
+    late = time.time() + 3600.0
+    assert draft.on_feedback(time.time(), 1, base, len(first.block), j, token, None, True, late) == []
+    assert draft.outstanding == [prepared[0]]  # its tokens were sent: the target verifies them
+    followup = next(o for o in _prepare_everything(draft) if o.prepared_for is None)  # as without forks
+    assert followup.block.base == prepared[0].block.base + len(prepared[0].block)

@@ -13,7 +13,7 @@ import time
 
 import pytest
 
-from draft_worker.pipelined import PipelinedDraft
+from draft_worker.pipelined import PipelinedDraft, work
 from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 
@@ -35,6 +35,8 @@ def runner_up(token: int) -> int:
 class ScriptedBlock:
     """A BlockDraft stand-in: `length` tokens of the script (or fewer: budget, stop token), each
     with q = 0.9 and one runner-up at q = 0.08."""
+
+    cache = None  # drafted on its session's own cache (no fork)
 
     def __init__(self, seq: list[int], budget: int, length: int, stop_ids: frozenset[int]):
         self.block = Block(base=len(seq), tokens=[], probs=[], entropies=[])
@@ -65,7 +67,7 @@ class ScriptedSession:
         self.cached_tokens = 0
         self.features: list = []  # (features, first) as a feature draft takes them in
 
-    def begin(self, seq, budget: int, alternatives: bool = False) -> ScriptedBlock:
+    def begin(self, seq, budget: int, alternatives: bool = False, fork: bool = False) -> ScriptedBlock:
         self.begun.append((tuple(seq), budget))
         return ScriptedBlock(list(seq), budget, self.length, self.stop_ids)
 
@@ -96,7 +98,7 @@ def drain(s: PipelinedDraft, steps: int = 100) -> list:
     """Run the session's forwards until it has nothing to do; every block it sends, in order."""
     sent = []
     for _ in range(steps):
-        out = s.work(time.time())
+        out = work(s, time.time())
         if out is None:
             return sent
         sent += out
@@ -113,7 +115,7 @@ def test_sync_drafts_a_block_then_waits_for_its_verdict():
     assert s.start(time.time()) == []  # the first block is a job for the batched steps
     (item,) = drain(s)
     assert item.block.base == len(PROMPT) and item.block.tokens == script(PROMPT, 3)
-    assert not item.followup and s.next_draft(time.time()) is None  # sync: nothing ahead of the verdict
+    assert not item.followup and s.next_drafts(time.time()) == []  # sync: nothing ahead of the verdict
 
 
 def test_a_full_acceptance_and_its_bonus_token_start_the_next_block_there():
@@ -173,7 +175,7 @@ def test_a_pause_drafts_nothing_until_a_resume_brings_the_targets_tokens():
     s.start(time.time())
     (first,) = drain(s)
     assert feedback(s, first.block, 3, 42, load_cap=0) == []
-    assert s.paused and s.next_draft(time.time()) is None and drain(s) == []
+    assert s.paused and s.next_drafts(time.time()) == [] and drain(s) == []
     with pytest.raises(InvalidRequest, match="base"):
         s.on_resume(time.time(), 1, len(s.known) + 1, [5], 4, time.time())
     with pytest.raises(InvalidRequest, match="load_cap 0"):
@@ -197,7 +199,7 @@ def test_the_budget_ends_the_output_with_an_empty_block_for_the_last_place():
     s.start(time.time())
     (first,) = drain(s)
     out = feedback(s, first.block, 3, 42)  # 4 tokens settled: the budget is spent
-    assert out == [] and len(s.known) == len(PROMPT) + 4 and s.next_draft(time.time()) is None
+    assert out == [] and len(s.known) == len(PROMPT) + 4 and s.next_drafts(time.time()) == []
     s2 = session(max_new_tokens=5)
     s2.start(time.time())
     (first,) = drain(s2)
@@ -300,6 +302,6 @@ def test_a_sampled_rejection_without_the_targets_row_is_refused():
 def test_close_drops_every_job_and_returns_the_pages():
     s = session(pipelined=True)
     s.start(time.time())
-    s.work(time.time())
+    work(s, time.time())
     s.close()
-    assert s.session.closed and s.job is None and s.critical is None and s.prepared == {}
+    assert s.session.closed and s.jobs == [] and s.critical is None and s.prepared == {}
