@@ -14,6 +14,7 @@ from svip_common.trees import TREES
 
 DEFAULT_EMULATION = "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms"
 DEVICE_SCALE = 3  # the default profile's steps, slowed until the embedded pair's forwards here keep within them
+MAX_PARALLEL = 8  # --draft-parallel's bound: blocks a session drafts side by side
 QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 
 
@@ -44,6 +45,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "beside its chains (greedy)")
     bench.add_argument("--host-scale", type=float, default=1.0,
                        help="simulate, device: the simulated host's work is this machine's times this (1; 0: none)")
+    bench.add_argument("--draft-parallel", type=int, default=None,
+                       help="simulate: speculative blocks an async session drafts side by side, each prepared "
+                       "continuation on a fork of its cache (default: the draft worker's, 3; 1: one at a time)")
     bench.add_argument("--sim-sessions", default="1,8", help="simulate, device: sessions in flight at once (1,8)")
     bench.add_argument("--target", help="target model (default: the embedded pair)")
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
@@ -228,6 +232,8 @@ def _check_emulation(args: argparse.Namespace) -> None:
                              "draft=MODEL@DEVICE")
     if not 0 <= args.host_scale <= 100:
         raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
+    if args.draft_parallel is not None and not 1 <= args.draft_parallel <= MAX_PARALLEL:
+        raise InvalidRequest(f"--draft-parallel must be in [1, {MAX_PARALLEL}], got {args.draft_parallel}")
 
 
 def prompts_for(categories: str | None, dataset: str | None, per_category: int) -> list:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
+from draft_worker.service import PARALLEL
 from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
 from svip_common.emulation import Emulation, parse_emulation
@@ -34,10 +35,11 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     threshold = engine.calibration().threshold
     policy = PolicyConfig(name="svip", threshold=threshold)
     tree = getattr(args, "tree", "off")
+    parallel = getattr(args, "draft_parallel", None) or PARALLEL
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     header.update(emulate=emulation.spec, emulated=emulation.describe(), target_device=target_step.name,
                   draft_device=draft_step.name, link=wire.name,
-                  host_scale=args.host_scale, svip_threshold=threshold, sessions=sessions,
+                  host_scale=args.host_scale, svip_threshold=threshold, sessions=sessions, draft_parallel=parallel,
                   sources={"target": target_step.shape.source, "draft": draft_step.shape.source,
                            "device": target_step.device.source, "link": wire.source})
     rows = []
@@ -46,13 +48,16 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
         for mode in modes(tree):
             pipeline, _, shape = mode.partition("+")
             asked = PolicyConfig(name="none") if mode == "alone" else replace(policy, tree=shape or "off")
-            rates = []
+            rates, covered = [], []
             for _ in range(args.repeats):
                 requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=asked)
                             for ids in encoded]
-                rates.append(simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale).tokens_per_s)
+                waves = simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale, parallel)
+                rates.append(waves.tokens_per_s)
+                covered.append(waves.covered)
                 progress.update(1)
-            rows.append({"sessions": n, "mode": mode, "tokens_per_s": statistics.median(rates)})
+            rows.append({"sessions": n, "mode": mode, "tokens_per_s": statistics.median(rates),
+                         "prepared_after_rejection": statistics.median(covered)})
     print(_report(header, rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -67,25 +72,31 @@ class Waves:
     tokens_per_s: float
     mean_request_s: float  # from its wave's start to its end
     outputs: list[list[int]]
+    covered: float = 0.0  # of the rounds after a rejection, the share a prepared continuation started
 
 
 def simulated_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int, mode: str,
-                    host_scale: float = 1.0) -> Waves:
+                    host_scale: float = 1.0, parallel: int = PARALLEL) -> Waves:
     """The requests in waves of n in flight together through the in-memory pair in virtual time
     (coordinator/simulated.py; mode alone: the target alone, else sync or async with the engine's
-    draft), a fresh pair per wave; host work measured here, times host_scale."""
+    draft), a fresh pair per wave; host work measured here, times host_scale; parallel: the
+    speculative blocks an async session drafts side by side (draft_worker/service.py)."""
     target, draft = engine.target, engine.drafter.draft
     limits = Limits(tokens=target.token_limit, positions=target.max_positions)
-    tokens, seconds, ends, outputs = 0, 0.0, [], []
+    tokens, seconds, ends, outputs, used, rejected = 0, 0.0, [], [], 0, 0
     for first in range(0, len(requests), n):
         drafter = None if mode == "alone" else Drafter(draft, target.vocab_size, limits.tokens)
         pair = SimulatedPair(target, Verifier(target, limits.tokens), drafter, limits,
-                             "sync" if mode == "alone" else mode, emulation, host_scale, load_aware="off")
+                             "sync" if mode == "alone" else mode, emulation, host_scale, load_aware="off",
+                             parallel=parallel)
         wave = pair.run_all(requests[first:first + n])
         tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
         ends += wave.per_request_s
-        outputs += [p.result().token_ids for p in pair.pending.values()]
-    return Waves(tokens / seconds, statistics.mean(ends), outputs)
+        results = [p.result() for p in pair.pending.values()]
+        outputs += [r.token_ids for r in results]
+        used += sum(r.stats.prepared_used for r in results)
+        rejected += sum(a < d for r in results for d, a in zip(r.stats.draft_lengths, r.stats.accepted_lengths))
+    return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected if rejected else 0.0)
 
 
 def _report(h: dict, rows: list[dict]) -> str:
@@ -97,14 +108,15 @@ def _report(h: dict, rows: list[dict]) -> str:
         f"{h['target']} and {h['draft']}; {h['prompts']} prompts, {h['max_new_tokens']} new tokens, greedy SVIP at "
         f"{h['svip_threshold']:.2f}, load-aware off; medians of {h['repeats']} repeats (virtual time)",
         "",
-        "| sessions | mode | tokens/s | vs the target alone | a tree vs its chain |",
-        "|---|---|---|---|---|",
+        "| sessions | mode | tokens/s | vs the target alone | a tree vs its chain | prepared after a rejection |",
+        "|---|---|---|---|---|---|",
     ]
     rate = {(r["sessions"], r["mode"]): r["tokens_per_s"] for r in rows}
     for r in rows:
         chain = r["mode"].partition("+")[0]
         versus = f"{r['tokens_per_s'] / rate[(r['sessions'], chain)]:.2f}x" if "+" in r["mode"] else ""
+        covered = f"{100 * r['prepared_after_rejection']:.0f}%" if r["mode"].startswith("async") else ""
         lines.append(f"| {r['sessions']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x | {versus} |")
+                     f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x | {versus} | {covered} |")
     lines += ["", "Figures from: " + "; ".join(f"{k}: {v}" for k, v in h["sources"].items())]
     return "\n".join(lines)

@@ -96,11 +96,15 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
     assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
     assert doc["header"]["target_device"] == "llama-3.1-70b@4xh100" and "| 1 | alone |" in captured.out
     assert "a tree vs its chain" in captured.out and "| 2 | async+cape |" in captured.out
+    assert doc["header"]["draft_parallel"] == 3 and "prepared after a rejection" in captured.out
+    assert all(0 <= r["prepared_after_rejection"] <= 1 for r in doc["rows"])
     base = ["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
             "--dataset", str(dataset), "--categories", "qa"]
     for extra, words in ((["--emulate", "target=llama-9b@h100"], "unknown model 'llama-9b'"),
                          (["--sim-sessions", "0"], "--sim-sessions: sessions in flight must be >= 1"),
                          (["--sim-sessions", "two"], "--sim-sessions: expected comma-separated integers"),
-                         (["--host-scale", "1000"], "--host-scale must be in [0, 100]")):
+                         (["--host-scale", "1000"], "--host-scale must be in [0, 100]"),
+                         (["--draft-parallel", "0"], "--draft-parallel must be in [1, 8]"),
+                         (["--draft-parallel", "9"], "--draft-parallel must be in [1, 8]")):
         assert main(base + extra) == 2
         assert words in capsys.readouterr().err
