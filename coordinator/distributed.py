@@ -113,7 +113,8 @@ class DistributedEngine:
         stats = convert.stats_from_proto(finished.stats) if finished is not None else GenerationStats()
         if restarts:
             stats.target_restarts, stats.reprefilled_tokens, stats.recover_s = restarts, reprefilled, recover_s
-        return GenerationResult(list(request.prompt_ids), out.generated, reason, stats)
+        logprobs = out.logprobs if request.logprobs is not None else None
+        return GenerationResult(list(request.prompt_ids), out.generated, reason, stats, logprobs=logprobs)
 
     async def _session(self, conn: WorkerConnection, request: GenerationRequest, out: _Output) -> pb.Finished:
         """One session on one target worker, to its Finished (or _StreamLost)."""
@@ -136,7 +137,9 @@ class DistributedEngine:
                     raise _StreamLost()
                 kind = event.WhichOneof("kind")
                 if kind == "settled" and not out.stopped:
-                    if out.take(list(event.settled.tokens)):  # the rest would be cut anyway: end the session
+                    settled = event.settled
+                    logprobs = convert.logprobs_from_proto(settled.tokens, settled.logprobs)
+                    if out.take(list(settled.tokens), logprobs):  # the rest would be cut anyway: end the session
                         conn.send(pb.GenerateRequest(cancel=pb.Cancel(session_id=session_id)))
                 elif kind == "finished":
                     finished = event.finished
@@ -219,11 +222,14 @@ class _Output:
     def __init__(self, on_tokens: OnTokens | None):
         self.on_tokens = on_tokens
         self.generated: list[int] = []
+        self.logprobs: list = []  # per generated token, when the request asked for them
         self.stopped = False
 
-    def take(self, tokens: list[int]) -> bool:
-        """Settled tokens; True once the caller's callback ended the output (a stop string)."""
+    def take(self, tokens: list[int], logprobs=()) -> bool:
+        """Settled tokens (and their logprobs); True once the caller's callback ended the output
+        (a stop string)."""
         self.generated += tokens
+        self.logprobs += logprobs
         if self.on_tokens is not None and self.on_tokens(tokens):
             self.stopped = True
         return self.stopped
@@ -245,6 +251,8 @@ def start_message(session_id: str, request: GenerationRequest, target: ModelInfo
         stop_token_ids=sorted(request.stop_ids(target.eos_token_ids)), max_new_tokens=request.max_new_tokens,
         pipeline=convert.PIPELINES[pipeline],
     )
+    if request.logprobs is not None:
+        start.logprobs = request.logprobs
     policy = request.policy
     if isinstance(policy.threshold, str):  # 'auto' with a policy that does not read it
         policy = dataclasses.replace(policy, threshold=PolicyConfig.threshold)

@@ -185,7 +185,7 @@ class EngineSession:
     def __init__(self, engine: SpeculativeEngine, request: GenerationRequest):
         self.request = request
         self.stop_ids = request.stop_ids(engine.target.eos_token_ids)
-        self.target = engine.verifier.open(request.sampling, len(request.prompt_ids), self.stop_ids)
+        self.target = engine.verifier.open(request.sampling, len(request.prompt_ids), self.stop_ids, request.logprobs)
         if engine.drafter is None or request.policy.name == "none":
             self.draft = NullDraftSession()
         else:
@@ -193,6 +193,7 @@ class EngineSession:
                                              len(request.prompt_ids))
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
+        self.logprobs = None if request.logprobs is None else []  # per generated token (target_worker/logprobs.py)
         self.finish_reason: str | None = None
         self.error: str | None = None  # finish_reason "error": what failed
         self.stats = GenerationStats()
@@ -253,6 +254,9 @@ class EngineSession:
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled
         self.generated += settled
+        if self.logprobs is not None:
+            self.logprobs += self.target.logprob_rows.settle(self.committed, len(self.committed) - len(settled),
+                                                             len(self.committed))
         self.stats.record_round(len(block), verdict.accepted, block.entropies[-1] if block.entropies else None)
         if block.siblings is not None:
             self.stats.record_tree(block.nodes, bool(branch))
@@ -274,7 +278,8 @@ class EngineSession:
         stats.wall_s = time.perf_counter() - self.started
         stats.draft_forwards, stats.target_forwards = self.draft.forwards, self.target.forwards
         stats.pauses = self.gate.pauses if self.gated else 0
-        return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats, self.error)
+        return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats, self.error,
+                                self.logprobs)
 
     def close(self) -> None:
         """Both sessions' pages go back to their pools."""

@@ -130,6 +130,7 @@ class Pending:
     session_id: str
     on_tokens: Callable[[list[int]], bool | None] | None = None
     generated: list[int] = dataclasses.field(default_factory=list)
+    logprobs: list = dataclasses.field(default_factory=list)  # per generated token, when asked for
     finished: pb.Finished | None = None
     error: Exception | None = None
     stopped: bool = False
@@ -143,7 +144,8 @@ class Pending:
             raise self.error
         reason = "stop" if self.stopped else self.finished.finish_reason
         stats = convert.stats_from_proto(self.finished.stats) if self.finished is not None else GenerationStats()
-        return GenerationResult(list(self.request.prompt_ids), self.generated, reason, stats)
+        logprobs = self.logprobs if self.request.logprobs is not None else None
+        return GenerationResult(list(self.request.prompt_ids), self.generated, reason, stats, logprobs=logprobs)
 
 
 class InMemoryPair:
@@ -323,6 +325,7 @@ class InMemoryPair:
             return
         if kind == "settled" and not pending.stopped:
             pending.generated += list(event.settled.tokens)
+            pending.logprobs += convert.logprobs_from_proto(event.settled.tokens, event.settled.logprobs)
             if pending.on_tokens is not None and pending.on_tokens(list(event.settled.tokens)):
                 pending.stopped = True
                 self.cancel(pending)

@@ -27,6 +27,7 @@ DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deplo
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the warped q turns NaN
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
 MAX_LOGIT_BIAS = 300  # a request's logit_bias entries at most (OpenAI's bound)
+MAX_LOGPROBS = 20  # a request's top alternatives per settled token at most (OpenAI's bound)
 MAX_STOP_TOKEN_IDS = 64  # a request's stop_token_ids at most (each ends its output, as the model's EOS)
 PENALTY_BOUND = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's)
 LOGIT_BIAS_BOUND = 100.0  # each bias in [-100, 100] (OpenAI's): -100 bans a token, +100 all but forces it
@@ -149,6 +150,7 @@ class GenerationRequest:
     policy: PolicyConfig = PolicyConfig()
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, besides the model's EOS
     ignore_eos: bool = False  # generate to max_new_tokens through the model's EOS (benchmarks)
+    logprobs: int | None = None  # each settled token's log-probability and this many top ones (None: none)
 
     def checked_for(self, has_draft: bool, limits: Limits) -> GenerationRequest:
         """This request validated against a deployment, with policy 'none' when no draft is loaded."""
@@ -171,9 +173,26 @@ class GenerationRequest:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
         check_token_ids(self.stop_token_ids, limits.tokens, "stop token id")
+        check_logprobs(self.logprobs)
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
+
+
+def check_logprobs(top: int | None) -> None:
+    if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
+        raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top alternatives per token), "
+                             f"got {top!r}")
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A settled token's log-probability under the target, and its place's top alternatives
+    (target_worker/logprobs.py says which distribution)."""
+
+    token: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (id, logprob), likeliest first
 
 
 def check_token_ids(ids, limit: int, what: str = "token id") -> None:
@@ -364,6 +383,7 @@ class GenerationResult:
     finish_reason: str  # "stop" (EOS / stop id), "length", or "error" (one of a batch failed on its own)
     stats: GenerationStats
     error: str | None = None  # with finish_reason "error": what failed (the batch's other requests went on)
+    logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked for them
 
 
 def clip_settled(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:

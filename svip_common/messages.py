@@ -37,6 +37,7 @@ class SessionStart:
     load_cap: int | None = None  # the first block's cap (0: start paused); None: the policy's own
     stop_rule: StopRule | None = None  # policy auto: the rule for the first blocks
     node_price: float | None = None  # tree auto: a verified node's price in tokens, for the first blocks
+    logprobs: int | None = None  # the caller's: each settled token's log-probability and this many top ones
 
     @property
     def speculates(self) -> bool:

@@ -27,6 +27,7 @@ from svip_common.row_rules import RowRules
 from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import node_parents, sibling_nodes
+from target_worker.logprobs import LogprobRows, block_rows
 
 
 class Verifier:
@@ -48,10 +49,13 @@ class Verifier:
         self.cost, self.decode_cost, self.plain_cost = StepCost(), StepCost(), StepCost()
         self._sessions_per_step = Ewma(0.1)  # recent sessions per verification step
 
-    def open(self, sampling: SamplingParams, prompt_len: int = 0, stop_ids: frozenset[int] = frozenset()
-             ) -> TargetSession:
-        """prompt_len and stop_ids: the request's, for its penalties and min_tokens (row_rules.py)."""
-        return TargetSession(self, sampling, RowRules.of(sampling, prompt_len, stop_ids))
+    def open(self, sampling: SamplingParams, prompt_len: int = 0, stop_ids: frozenset[int] = frozenset(),
+             logprobs: int | None = None) -> TargetSession:
+        """prompt_len and stop_ids: the request's, for its penalties and min_tokens (row_rules.py);
+        logprobs: the request's top alternatives per settled token (None: no logprobs; logprobs.py)."""
+        session = TargetSession(self, sampling, RowRules.of(sampling, prompt_len, stop_ids))
+        session.logprob_rows = None if logprobs is None else LogprobRows(logprobs)
+        return session
 
     def load(self, sessions: int | None = None) -> TargetLoad | None:
         """The target's current load, as load-aware speculation sees it (None: nothing measured
@@ -250,6 +254,8 @@ class _Plan:
 
 
 class TargetSession:
+    logprob_rows: LogprobRows | None = None  # the rows of places not yet settled, kept for their logprobs
+
     def __init__(self, verifier: Verifier, sampling: SamplingParams, rules: RowRules | None = None):
         self.sampling = sampling
         self.rules = rules if rules is not None else RowRules(0)  # logit_bias, penalties, min_tokens (row_rules.py)
@@ -287,6 +293,8 @@ class TargetSession:
         """A prefill (Verifier.prefill_next) computed the row for the place after the cached
         tokens; choice: its argmax, for a greedy session; forward_s: the forward's time."""
         self._pending, self._pending_at, self._passed, self._pending_choice = row, len(self.sequence), None, choice
+        if self.logprob_rows is not None:
+            self.logprob_rows.keep([(len(self.sequence), len(self.sequence), (), row[0])])
         self.forwards += 1
         self.forward_s += forward_s
 
@@ -430,6 +438,8 @@ class TargetSession:
             self.forward_s += elapsed
         self._pending, self._pending_at, self._passed = logits[-1:], len(self.sequence), None
         self._verifier.tokens_verified += block.nodes
+        if self.logprob_rows is not None:
+            self.logprob_rows.keep(block_rows(block.base, block.tokens, block.siblings, logits))
         return logits
 
     def judge_greedy(self, base: int, block: Block, plan: _Plan, choices: list[int], logits: torch.Tensor) -> Verdict:

@@ -36,6 +36,7 @@ class Verify:
 @dataclass(frozen=True)
 class Settle:
     tokens: tuple[int, ...]
+    logprobs: tuple = ()  # TokenLogprob per token, when the session asked for them
 
 
 @dataclass(frozen=True)

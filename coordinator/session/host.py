@@ -147,7 +147,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 GenerationRequest(start.prompt_ids, start.max_new_tokens, sampling, policy),
                 start.stop_token_ids,
                 self.limits,
-                self.verifier.open(sampling, len(start.prompt_ids), start.stop_token_ids),
+                self.verifier.open(sampling, len(start.prompt_ids), start.stop_token_ids, start.logprobs),
                 speculate,
                 start.pipeline,
                 self.clock(),
@@ -302,7 +302,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 self._ready.append((session_id, session, effect.block, effect.checked,
                                     (effect.received_at, effect.source)))
             elif isinstance(effect, Settle):
-                settled = pb.Settled(session_id=session_id, tokens=effect.tokens)
+                settled = pb.Settled(session_id=session_id, tokens=effect.tokens,
+                                     logprobs=convert.logprobs_to_proto(effect.logprobs))
                 self.owner(session_id).emit(pb.GenerateEvent(settled=settled))
             elif isinstance(effect, Finish):
                 stats = convert.stats_to_proto(effect.stats)

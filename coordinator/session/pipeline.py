@@ -356,7 +356,9 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         self.committed += tokens
         self.generated += tokens
         if tokens:
-            self._emit(Settle(tuple(tokens)))
+            rows, end = self.target.logprob_rows, len(self.committed)
+            logprobs = () if rows is None else tuple(rows.settle(self.committed, end - len(tokens), end))
+            self._emit(Settle(tuple(tokens), logprobs))
         if reason is not None:
             self._finish(reason)
 

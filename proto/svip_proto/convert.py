@@ -12,7 +12,16 @@ from array import array
 import torch
 
 from svip_common.acceptance import StopRule
-from svip_common.contracts import DRAFT_LENGTH_CAP, NO_TOKEN, Block, GenerationStats, PolicyConfig, SamplingParams
+from svip_common.contracts import (
+    DRAFT_LENGTH_CAP,
+    NO_TOKEN,
+    Block,
+    GenerationStats,
+    PolicyConfig,
+    SamplingParams,
+    TokenLogprob,
+    check_logprobs,
+)
 from svip_common.errors import InvalidRequest
 from svip_common.messages import (
     Cancel,
@@ -148,6 +157,7 @@ def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> Sessi
         load_cap=msg.load_cap if msg.HasField("load_cap") else None,
         stop_rule=stop_rule_from_proto(msg.stop_rule) if msg.HasField("stop_rule") else None,
         node_price=_node_price(msg.node_price) if msg.HasField("node_price") else None,
+        logprobs=_logprobs(msg.logprobs) if msg.HasField("logprobs") else None,
     )
 
 
@@ -168,7 +178,19 @@ def start_to_proto(start: SessionStart) -> pb.StartSession:
         msg.stop_rule.CopyFrom(stop_rule_to_proto(start.stop_rule))
     if start.node_price is not None:
         msg.node_price = start.node_price
+    if start.logprobs is not None:
+        msg.logprobs = start.logprobs
     return msg
+
+
+def logprobs_to_proto(logprobs) -> list[pb.TokenLogprob]:
+    return [pb.TokenLogprob(logprob=lp.logprob, top_ids=[i for i, _ in lp.top], top_logprobs=[v for _, v in lp.top])
+            for lp in logprobs]
+
+
+def logprobs_from_proto(tokens, msgs) -> list[TokenLogprob]:
+    """A Settled's logprobs with its tokens (a worker's own message: read as is)."""
+    return [TokenLogprob(token, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for token, m in zip(tokens, msgs)]
 
 
 def feedback_to_proto(feedback: Feedback) -> pb.Feedback:
@@ -223,6 +245,11 @@ def feedback_from_proto(msg: pb.Feedback, width: int) -> Feedback:
             node_price=_node_price(item.node_price) if item.HasField("node_price") else None,
         )
     return head
+
+
+def _logprobs(top: int) -> int:
+    check_logprobs(top)
+    return top
 
 
 def _node_price(price: float) -> float:

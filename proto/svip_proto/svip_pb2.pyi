@@ -75,7 +75,7 @@ class StopRule(_message.Message):
     def __init__(self, weights: _Optional[_Iterable[float]] = ..., stop_at: _Optional[float] = ...) -> None: ...
 
 class StartSession(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch", "stop_rule", "node_price")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch", "stop_rule", "node_price", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -87,6 +87,7 @@ class StartSession(_message.Message):
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     STOP_RULE_FIELD_NUMBER: _ClassVar[int]
     NODE_PRICE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -98,7 +99,8 @@ class StartSession(_message.Message):
     epoch: int
     stop_rule: StopRule
     node_price: float
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., node_price: _Optional[float] = ...) -> None: ...
+    logprobs: int
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., node_price: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
 
 class PreparedFor(_message.Message):
     __slots__ = ("base", "accepted", "token")
@@ -283,12 +285,24 @@ class GenerateRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class Settled(_message.Message):
-    __slots__ = ("session_id", "tokens")
+    __slots__ = ("session_id", "tokens", "logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("logprob", "top_ids", "top_logprobs")
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_IDS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    logprob: float
+    top_ids: _containers.RepeatedScalarFieldContainer[int]
+    top_logprobs: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, logprob: _Optional[float] = ..., top_ids: _Optional[_Iterable[int]] = ..., top_logprobs: _Optional[_Iterable[float]] = ...) -> None: ...
 
 class Round(_message.Message):
     __slots__ = ("drafted", "accepted", "wall_s", "draft_s", "target_s", "block_transit_s", "target_queue_s", "feedback_transit_s", "draft_queue_s", "overhead_s", "source")

@@ -1,0 +1,79 @@
+"""The target's log-probabilities of the tokens a request settles, for a request that asks for them
+(``GenerationRequest.logprobs``): each settled token's, and the ``top`` likeliest at its place.
+
+Every settled token has a row the target computed for its place, after exactly the tokens before
+it: the row a verification computed along the accepted path (a drafted token's, the correction's
+or the bonus token's, a tree's taken sibling's), or the row stored by a prefill. So speculation
+stays on: ``LogprobRows`` keeps each row the target computes, with the path it was computed
+after, until the place is settled, and reads the settled token's log-probability from it then.
+What is reported is the distribution the target's rows give with the request's own rules applied
+(logit_bias, penalties, min_tokens: what it decodes from), before any warping (temperature,
+top-k, top-p), as OpenAI and vLLM report theirs; equal to the target decoding alone, to float
+rounding (a batched row is not bitwise a row alone)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from svip_common.contracts import TokenLogprob
+
+Path = tuple[int, ...]
+
+
+class LogprobRows:
+    """The rows of the places not yet settled, each with the tokens it was computed after from
+    the base of its step (the tokens before the base were settled already then)."""
+
+    def __init__(self, top: int):
+        self.top = top
+        self._rows: dict[int, list[tuple[int, Path, torch.Tensor]]] = {}  # place -> [(base, path, row [vocab])]
+
+    def keep(self, rows: Sequence[tuple[int, int, Path, torch.Tensor]]) -> None:
+        """A step's rows: (place, base, path after the base, row). A place's rows from an earlier
+        step are dropped (a row is computed again only when the tokens before it changed)."""
+        fresh: dict[int, list] = {}
+        for place, base, path, row in rows:
+            fresh.setdefault(place, []).append((base, path, row))
+        self._rows.update(fresh)
+
+    def settle(self, sequence: Sequence[int], start: int, end: int) -> list[TokenLogprob]:
+        """The settled tokens sequence[start:end]: each one's log-probability and its place's top
+        alternatives, read in one pass; their rows are let go."""
+        if end <= start:
+            return []
+        rows = torch.stack([self._row(sequence, place) for place in range(start, end)]).float()
+        logprobs = torch.log_softmax(rows, dim=-1)
+        tokens = torch.tensor(sequence[start:end], device=logprobs.device)[:, None]
+        parts = [logprobs.gather(-1, tokens)]
+        if self.top:
+            best = torch.topk(logprobs, self.top, dim=-1)
+            parts += [best.indices.to(logprobs.dtype), best.values]
+        host = torch.cat(parts, dim=-1).tolist()
+        for place in [p for p in self._rows if p < end]:
+            del self._rows[place]
+        n = self.top
+        return [TokenLogprob(token, row[0], tuple(zip(map(int, row[1 : 1 + n]), row[1 + n :])))
+                for token, row in zip(sequence[start:end], host)]
+
+    def _row(self, sequence: Sequence[int], place: int) -> torch.Tensor:
+        for base, path, row in self._rows.get(place, ()):
+            if tuple(sequence[base:place]) == path:
+                return row
+        raise RuntimeError(f"no target row kept for place {place} after the settled tokens")
+
+
+def block_rows(base: int, drafted: Sequence[int], siblings: Sequence[Sequence[int]] | None,
+               logits: torch.Tensor) -> list[tuple[int, int, Path, torch.Tensor]]:
+    """A verification's rows as ``LogprobRows.keep`` takes them: logits [1 + nodes, vocab], the
+    row for the block's first place, then one after each node (the drafted tokens, then a tree's
+    siblings place by place)."""
+    drafted = tuple(drafted)
+    rows = [(base + j, base, drafted[:j], logits[j]) for j in range(len(drafted) + 1)]
+    at = len(drafted) + 1
+    for place, options in enumerate(siblings or ()):
+        for token in options:
+            rows.append((base + place + 1, base, (*drafted[:place], token), logits[at]))
+            at += 1
+    return rows
