@@ -22,7 +22,15 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from coordinator.client import BROKEN, WorkerConnection
-from svip_common.contracts import AUTO, GenerationRequest, GenerationResult, GenerationStats, Limits, PolicyConfig
+from svip_common.contracts import (
+    AUTO,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    Limits,
+    PolicyConfig,
+    TokenLogprob,
+)
 from svip_common.errors import InvalidRequest, Overloaded, WorkerError, WorkerUnavailable
 from svip_common.models import ModelInfo
 from svip_common.trees import check_wire_tree
@@ -31,8 +39,9 @@ from svip_proto import svip_pb2 as pb
 from svip_runtime.grpc_server import draft_stats
 from svip_runtime.tls import TlsFiles
 
-# on_tokens(tokens) is called with each settled piece; returning True ends the output there (a stop string)
-OnTokens = Callable[[list[int]], bool | None]
+# on_tokens(tokens, logprobs) is called with each settled piece (logprobs: TokenLogprob per token when the
+# request asked for them, else empty); returning True ends the output there (a stop string)
+OnTokens = Callable[[list[int], list[TokenLogprob]], bool | None]
 Recover = Callable[[], Awaitable[str]]  # the target worker's address once it serves again (WorkerUnavailable: never)
 log = logging.getLogger(__name__)
 DRAFT_STATS_WAIT_S = 5.0  # how long Stats waits for a replaced draft's address
@@ -230,7 +239,7 @@ class _Output:
         (a stop string)."""
         self.generated += tokens
         self.logprobs += logprobs
-        if self.on_tokens is not None and self.on_tokens(tokens):
+        if self.on_tokens is not None and self.on_tokens(tokens, list(logprobs)):
             self.stopped = True
         return self.stopped
 

@@ -182,7 +182,7 @@ class InMemoryPair:
     # --- the caller's end ---------------------------------------------------------------------------
 
     def submit(self, request: GenerationRequest, on_tokens=None) -> Pending:
-        """Start a request (it runs as ``run`` steps the pair); on_tokens(tokens) as DistributedEngine's."""
+        """Start a request (it runs as ``run`` steps the pair); on_tokens(tokens, logprobs) as DistributedEngine's."""
         request = resolved(request, self.draft is not None, self.limits)
         pending = Pending(request, uuid.uuid4().hex, on_tokens)
         self.pending[pending.session_id] = pending
@@ -324,9 +324,10 @@ class InMemoryPair:
         if pending is None or pending.done:
             return
         if kind == "settled" and not pending.stopped:
+            logprobs = convert.logprobs_from_proto(event.settled.tokens, event.settled.logprobs)
             pending.generated += list(event.settled.tokens)
-            pending.logprobs += convert.logprobs_from_proto(event.settled.tokens, event.settled.logprobs)
-            if pending.on_tokens is not None and pending.on_tokens(list(event.settled.tokens)):
+            pending.logprobs += logprobs
+            if pending.on_tokens is not None and pending.on_tokens(list(event.settled.tokens), logprobs):
                 pending.stopped = True
                 self.cancel(pending)
         elif kind == "finished":

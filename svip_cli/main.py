@@ -167,6 +167,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="added to the target's and the draft's logits at these token ids, each in [-100, 100] "
                      "(-100 bans a token), at most 300; output exact as the target alone's with the same bias")
     smp.add_argument("--n", type=int, default=1, help="independent samples of one prompt")
+    smp.add_argument("--logprobs", type=int, default=None, metavar="N",
+                     help="with --json: each output token's log-probability under the target (its logits with the "
+                     "request's bias and penalties, before temperature, top-k and top-p) and the top N at its "
+                     "place, N in [0, 20]; speculation stays on")
     gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
     run = gen.add_argument_group("batching")
     run.add_argument(
@@ -562,6 +566,7 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
             confidence=args.confidence,
             tree=args.tree,
         ),
+        logprobs=args.logprobs,
     )
     request.validate(Limits(tokens=INT32_MAX + 1, positions=None))  # the knobs alone; ids against the model later
     if getattr(args, "mode", "inprocess") == "distributed":  # before any worker starts
@@ -665,6 +670,8 @@ def _result_json(args, engine, request, result, text: str) -> dict:
         "prompt_token_ids": result.prompt_ids,
         "finish_reason": result.finish_reason,
         **({"error": result.error} if result.error is not None else {}),
+        **({"logprobs": [{"token": e.token, "logprob": e.logprob, "top": [list(t) for t in e.top]}
+                         for e in result.logprobs]} if result.logprobs is not None else {}),
         "stats": stats,
     }
 

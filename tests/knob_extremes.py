@@ -60,6 +60,8 @@ CASES: list[Case] = [
     *_cases("min_tokens", [0, 1, 6, 2**31 - 1], [-1, 2**31, 1.5, "2"]),
     Case({"presence_penalty": 2, "frequency_penalty": 2, "min_tokens": 6, "temperature": 0}, "ok"),
     *_cases("n", [1, 2, 8], [0, 9, -1, 1.5, "2", 2**31]),
+    *_cases("logprobs", [0, 1, 20, None], [21, -1, 1.5, "2", True, 2**31]),
+    Case({"logprobs": 20, "n": 8, "temperature": 0}, "ok"),
     *_cases("tree", ["off", "cape", "auto"], ["deep", 1, None], temperature=0),
     *_cases("tree", ["off"], ["cape", "auto"]),
     Case({"temperature": 0, "top_p": TINY, "top_k": 2**31 - 1, "seed": 2**63 - 1}, "ok"),
@@ -81,7 +83,7 @@ def generation_request(body: dict, prompt_ids: tuple[int, ...], limits: Limits) 
 
     api = parse_completion(body)
     request = GenerationRequest(prompt_ids, api.max_tokens, api.sampling, api.policy, api.stop_token_ids,
-                                ignore_eos=True)
+                                ignore_eos=True, logprobs=api.logprobs)
     return request.checked_for(True, limits)
 
 

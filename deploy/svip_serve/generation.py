@@ -7,7 +7,8 @@ from __future__ import annotations
 import asyncio
 import time
 
-from svip_common.contracts import GenerationRequest, GenerationResult
+from svip_common.contracts import GenerationRequest, GenerationResult, TokenLogprob
+from svip_serve.logprobs import body_for
 from svip_serve.text import TextStream
 
 _END = object()
@@ -17,13 +18,18 @@ class Generation:
     def __init__(self, engine, request: GenerationRequest, tokenizer, stops: tuple[str, ...]):
         self.engine, self.request = engine, request
         self.text = TextStream(tokenizer, stops)
+        self.tokenizer = tokenizer
         self.result: GenerationResult | None = None
         self.first_token_at: float | None = None
         self._queue: asyncio.Queue = asyncio.Queue()
+        self._logprobs: list[TokenLogprob] = []  # per settled token, when the request asked for them
+        self._logprobs_sent = 0  # of them, handed to a stream's chunks
+        self._logprob_chars = 0  # their tokens' text, in characters (a completion's text_offset)
 
-    def _on_tokens(self, token_ids: list[int]) -> bool:
+    def _on_tokens(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> bool:
         if self.first_token_at is None:
             self.first_token_at = time.monotonic()
+        self._logprobs += logprobs
         delta = self.text.push(token_ids)
         if delta:
             self._queue.put_nowait(delta)
@@ -81,6 +87,25 @@ class Generation:
     @property
     def completion_tokens(self) -> int:
         return self.text.token_count if self.text.stopped else len(self.result.token_ids)
+
+    def logprobs(self, kind: str) -> dict | None:
+        """The choice's ``logprobs`` field once the output ended: every output token's (to the stop
+        string's cut); None when the request asked for none."""
+        if self.request.logprobs is None:
+            return None
+        return body_for(kind, self.tokenizer, self._logprobs[: self.completion_tokens])
+
+    def logprobs_chunk(self, kind: str, final: bool = False) -> dict | None:
+        """A stream chunk's ``logprobs``: the tokens settled since the last chunk (to the stop
+        string's cut); final: the output ended, the rest of them."""
+        if self.request.logprobs is None:
+            return None
+        end = self.completion_tokens if final else min(len(self._logprobs), self.text.token_count)
+        entries = self._logprobs[self._logprobs_sent : max(end, self._logprobs_sent)]
+        body = body_for(kind, self.tokenizer, entries, self._logprob_chars)
+        self._logprobs_sent += len(entries)
+        self._logprob_chars += sum(len(t) for t in body.get("tokens", ()))
+        return body
 
     def stats(self) -> dict:
         """The request's speculative-decoding stats: the `svip` field of a response."""

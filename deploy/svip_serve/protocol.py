@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from svip_common.contracts import (
     INT32_MAX,
     MAX_LOGIT_BIAS,
+    MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
     POLICY_NAMES,
     PolicyConfig,
@@ -63,6 +64,7 @@ class ApiRequest:
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     ignore_eos: bool = False
     n: int = 1  # choices of the prompt: choice i is the request alone with seed sample_seed(seed, i)
+    logprobs: int | None = None  # the target's logprob of each token and this many top ones (None: none)
 
 
 # --- the body ------------------------------------------------------------------------------------
@@ -243,7 +245,21 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
         policy=policy,
         ignore_eos=_boolean(body, "ignore_eos", False),
         n=n,
+        logprobs=_logprobs(body, kind),
     )
+
+
+def _logprobs(body: dict, kind: str) -> int | None:
+    """Completions: ``logprobs`` N, the top N per token besides the token's own (0 included).
+    Chat: ``logprobs`` true, and ``top_logprobs`` N (0 unless sent; only with logprobs)."""
+    if kind == "completion":
+        return _integer(body, "logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    top = _integer(body, "top_logprobs", None, lo=0, hi=MAX_LOGPROBS)
+    if not _boolean(body, "logprobs", False):
+        if top is not None:
+            raise bad("'top_logprobs' needs 'logprobs': true", "top_logprobs")
+        return None
+    return top or 0
 
 
 def _within_bounds(name: str, params: SamplingParams) -> None:
@@ -275,7 +291,7 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
 
 def _refuse_unsupported(body: dict) -> None:
     """Parameters that would change the output: refused rather than silently ignored."""
-    for name in ("logprobs", "top_logprobs", "echo", "suffix", "tools", "functions", "response_format"):
+    for name in ("echo", "suffix", "tools", "functions", "response_format"):
         value = body.get(name)
         if value not in (None, False, 0, "", [], {}) and not (name == "response_format" and value == {"type": "text"}):
             raise bad(f"'{name}' is not supported by this server", name)
@@ -418,18 +434,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-def choices_body(kind: str, rid: str, model: str, choices: list[tuple[str, str, dict]], usage_: dict) -> dict:
-    """choices: (text, finish_reason, svip stats) each, in index order; the top-level `svip` is the
-    first's, and with several each choice carries its own."""
+def choices_body(kind: str, rid: str, model: str, choices: list[tuple[str, str, dict, dict | None]],
+                 usage_: dict) -> dict:
+    """choices: (text, finish_reason, svip stats, logprobs field) each, in index order; the
+    top-level `svip` is the first's, and with several each choice carries its own."""
     out = []
-    for index, (text, finish_reason, svip) in enumerate(choices):
+    for index, (text, finish_reason, svip, logprobs) in enumerate(choices):
         if kind == "completion":
-            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
             choice = {
                 "index": index,
                 "message": {"role": "assistant", "content": text},
-                "logprobs": None,
+                "logprobs": logprobs,
                 "finish_reason": finish_reason,
             }
         if len(choices) > 1:
@@ -455,15 +472,16 @@ def chunk_body(
     finish_reason: str | None = None,
     first: bool = False,
     index: int = 0,
+    logprobs: dict | None = None,
 ) -> dict:
     if kind == "completion":
-        choice = {"index": index, "text": text or "", "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta = {} if text is None else {"content": text}
         if first:
             delta["role"] = "assistant"
-        choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "chat.completion.chunk"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 

@@ -373,7 +373,7 @@ class SVIPServer:
                 req.kind,
                 rid,
                 self.settings.served_name,
-                [(text, g.finish_reason, g.stats()) for text, g in zip(texts, generations)],
+                [(text, g.finish_reason, g.stats(), g.logprobs(req.kind)) for text, g in zip(texts, generations)],
                 _usage(generations),
             )
         )
@@ -406,10 +406,12 @@ class SVIPServer:
                         yield _sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index))
                 async for index, delta in merged(generations):
                     if delta is not None:
-                        yield _sse(chunk_body(req.kind, rid, model, created, delta, index=index))
+                        yield _sse(chunk_body(req.kind, rid, model, created, delta, index=index,
+                                              logprobs=generations[index].logprobs_chunk(req.kind)))
                         continue
                     generation, ended = generations[index], ended + 1
-                    last = chunk_body(req.kind, rid, model, created, None, generation.finish_reason, index=index)
+                    last = chunk_body(req.kind, rid, model, created, None, generation.finish_reason, index=index,
+                                      logprobs=generation.logprobs_chunk(req.kind, final=True))
                     if ended == len(generations):
                         last["usage"] = _usage(generations)
                     last["svip"] = generation.stats()

@@ -68,7 +68,7 @@ class RequestShaping:
                     "max_tokens",
                 )
             request = GenerationRequest(prompt_ids, max_tokens, req.sampling, req.policy, req.stop_token_ids,
-                                        ignore_eos=req.ignore_eos)
+                                        ignore_eos=req.ignore_eos, logprobs=req.logprobs)
             return self.resolve(request)
         except InvalidRequest as exc:
             raise bad(str(exc)) from None

@@ -73,6 +73,8 @@ def reference(tokenizer, tmp_path_factory):
             str(MAX_NEW),
             "--temperature",
             "0",
+            "--logprobs",
+            "3",
             "--json",
         ],
         capture_output=True,
@@ -88,6 +90,35 @@ def sse_events(response: httpx.Response) -> list:
     assert all(line.startswith("data: ") for line in lines)
     assert lines[-1] == "data: [DONE]"
     return [json.loads(line[6:]) for line in lines[:-1]]
+
+
+def test_logprobs_are_the_targets_streamed_and_not(client, reference, tokenizer):
+    """The target's logprobs of each token with speculation on: equal to `svip generate --logprobs`
+    (in process), in a completion's shape and a chat's, streamed and not."""
+    ref = reference["prompts"][0]
+    r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0, logprobs=3)
+    lp = r.choices[0].logprobs
+    assert r.choices[0].text == ref["text"]
+    assert lp.token_logprobs == pytest.approx([e["logprob"] for e in ref["logprobs"]], abs=1e-4)
+    assert lp.tokens == [tokenizer.decode([t]) for t in ref["token_ids"]]
+    assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
+    assert all(max(top.values()) == pytest.approx(e["top"][0][1], abs=1e-4) for top, e in zip(lp.top_logprobs,
+                                                                                              ref["logprobs"]))
+    chat = reference["chat"]
+    expected = [e["logprob"] for e in chat["logprobs"]]
+    whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0,
+                                           logprobs=True, top_logprobs=2)
+    content = whole.choices[0].logprobs.content
+    assert [c.logprob for c in content] == pytest.approx(expected, abs=1e-4)
+    assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0,
+                                            logprobs=True, top_logprobs=2, stream=True)
+    streamed = [item for chunk in stream for choice in chunk.choices
+                if choice.logprobs is not None and choice.logprobs.content for item in choice.logprobs.content]
+    assert [c.logprob for c in streamed] == pytest.approx(expected, abs=1e-4)
+    assert [c.token for c in streamed] == [c.token for c in content]
+    plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert plain.choices[0].logprobs is None
 
 
 def test_completions_equal_svip_generate(client, reference):

@@ -90,7 +90,9 @@ def test_a_deployments_default_tree_is_for_greedy_requests():
     ({"stop": 3}, "stop", "string or an array of strings"),
     ({"stream": "yes"}, "stream", "true or false"),
     ({"model": 5}, "model", "must be a string"),
-    ({"logprobs": 3}, "logprobs", "not supported"),
+    ({"logprobs": 21}, "logprobs", "must be in [0, 21)"),
+    ({"logprobs": True}, "logprobs", "must be an integer"),
+    ({"echo": True}, "echo", "not supported"),
     ({"presence_penalty": 2.5}, "presence_penalty", "must be in [-2, 2]"),
     ({"frequency_penalty": -2.01}, "frequency_penalty", "must be in [-2, 2]"),
     ({"min_tokens": -1}, "min_tokens", "must be in [0, 2^31)"),
@@ -212,3 +214,30 @@ def test_the_served_name_is_never_a_filesystem_path(tmp_path):
     assert ServeSettings.from_args({}).served_name == "svip-pair"
     named = ServeSettings.from_args({"api_key_sha256": ["ops:" + "a" * 64, "b" * 64]})
     assert named.api_key_sha256 == ("ops:" + "a" * 64, "b" * 64)
+
+
+@pytest.mark.parametrize("patch, expected", [
+    ({}, None),
+    ({"logprobs": False}, None),
+    ({"logprobs": True}, 0),
+    ({"logprobs": True, "top_logprobs": 20}, 20),
+])
+def test_chat_logprobs_and_top_logprobs(patch, expected):
+    req = parse_chat({"messages": [{"role": "user", "content": "a"}], **patch})
+    assert req.logprobs == expected
+
+
+@pytest.mark.parametrize("patch, words", [
+    ({"top_logprobs": 3}, "'top_logprobs' needs 'logprobs': true"),
+    ({"logprobs": True, "top_logprobs": 21}, "must be in [0, 21)"),
+    ({"logprobs": 3}, "must be true or false"),
+])
+def test_bad_chat_logprobs_name_the_field(patch, words):
+    with pytest.raises(ApiError) as err:
+        parse_chat({"messages": [{"role": "user", "content": "a"}], **patch})
+    assert err.value.status == 400 and words in err.value.message
+
+
+def test_completion_logprobs_are_the_top_count():
+    assert parse_completion({**BASE, "logprobs": 5}).logprobs == 5
+    assert parse_completion(BASE).logprobs is None

@@ -1,0 +1,49 @@
+"""The target's logprobs (target_worker/logprobs.py: its distribution with the request's logit_bias
+and penalties, before temperature, top-k and top-p) in OpenAI's two shapes: a completion's
+``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``, and a chat's ``content`` list.
+A token's text is the tokenizer's decoding of that token alone (so a character split over tokens
+shows as its pieces, and its ``bytes`` are those of that text)."""
+
+from __future__ import annotations
+
+from svip_common.contracts import TokenLogprob
+
+
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
+    """offset: where the first entry's text starts in the choice's text (a stream's earlier chunks)."""
+    texts = [_text(tokenizer, e.token) for e in entries]
+    offsets, at = [], offset
+    for text in texts:
+        offsets.append(at)
+        at += len(text)
+    return {
+        "tokens": texts,
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{_text(tokenizer, t): v for t, v in e.top} for e in entries],
+        "text_offset": offsets,
+    }
+
+
+def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
+    return {
+        "content": [{**_item(tokenizer, e.token, e.logprob),
+                     "top_logprobs": [_item(tokenizer, t, v) for t, v in e.top]} for e in entries],
+        "refusal": None,
+    }
+
+
+def body_for(kind: str, tokenizer, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
+    """A choice's (or a stream chunk's) ``logprobs`` field: None when the request asked for none."""
+    if entries is None:
+        return None
+    return completion_logprobs(tokenizer, entries, offset) if kind == "completion" else chat_logprobs(
+        tokenizer, entries)
+
+
+def _item(tokenizer, token: int, logprob: float) -> dict:
+    text = _text(tokenizer, token)
+    return {"token": text, "logprob": logprob, "bytes": list(text.encode("utf-8"))}
+
+
+def _text(tokenizer, token: int) -> str:
+    return tokenizer.decode([token])
