@@ -100,7 +100,8 @@ class DistributedEngine:
                 finished = None  # the last piece settled the end; its Finished was lost with the worker
                 break
             part = dataclasses.replace(request, prompt_ids=tuple(request.prompt_ids) + tuple(out.generated),
-                                       max_new_tokens=request.max_new_tokens - len(out.generated))
+                                       max_new_tokens=request.max_new_tokens - len(out.generated),
+                                       prompt_logprobs=request.prompt_logprobs and out.prompt_logprobs is None)
             conn = self.target_conn
             try:
                 finished = await self._session(conn, part, out)
@@ -123,7 +124,8 @@ class DistributedEngine:
         if restarts:
             stats.target_restarts, stats.reprefilled_tokens, stats.recover_s = restarts, reprefilled, recover_s
         logprobs = out.logprobs if request.logprobs is not None else None
-        return GenerationResult(list(request.prompt_ids), out.generated, reason, stats, logprobs=logprobs)
+        return GenerationResult(list(request.prompt_ids), out.generated, reason, stats, logprobs=logprobs,
+                                prompt_logprobs=out.prompt_logprobs)
 
     async def _session(self, conn: WorkerConnection, request: GenerationRequest, out: _Output) -> pb.Finished:
         """One session on one target worker, to its Finished (or _StreamLost)."""
@@ -147,6 +149,9 @@ class DistributedEngine:
                 kind = event.WhichOneof("kind")
                 if kind == "settled" and not out.stopped:
                     settled = event.settled
+                    if settled.prompt_logprobs and out.prompt_logprobs is None:
+                        out.prompt_logprobs = convert.logprobs_from_proto(request.prompt_ids[1:],
+                                                                          settled.prompt_logprobs)
                     logprobs = convert.logprobs_from_proto(settled.tokens, settled.logprobs)
                     if out.take(list(settled.tokens), logprobs):  # the rest would be cut anyway: end the session
                         conn.send(pb.GenerateRequest(cancel=pb.Cancel(session_id=session_id)))
@@ -232,6 +237,7 @@ class _Output:
         self.on_tokens = on_tokens
         self.generated: list[int] = []
         self.logprobs: list = []  # per generated token, when the request asked for them
+        self.prompt_logprobs: list | None = None  # the first session's, when the request asked for them
         self.stopped = False
 
     def take(self, tokens: list[int], logprobs=()) -> bool:
@@ -262,6 +268,7 @@ def start_message(session_id: str, request: GenerationRequest, target: ModelInfo
     )
     if request.logprobs is not None:
         start.logprobs = request.logprobs
+    start.prompt_logprobs = request.prompt_logprobs
     policy = request.policy
     if isinstance(policy.threshold, str):  # 'auto' with a policy that does not read it
         policy = dataclasses.replace(policy, threshold=PolicyConfig.threshold)

@@ -194,6 +194,7 @@ class EngineSession:
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.logprobs = None if request.logprobs is None else []  # per generated token (target_worker/logprobs.py)
+        self.prompt_logprobs = self.target.score_prompt(request.prompt_ids) if request.prompt_logprobs else None
         self.finish_reason: str | None = None
         self.error: str | None = None  # finish_reason "error": what failed
         self.stats = GenerationStats()
@@ -279,7 +280,7 @@ class EngineSession:
         stats.draft_forwards, stats.target_forwards = self.draft.forwards, self.target.forwards
         stats.pauses = self.gate.pauses if self.gated else 0
         return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats, self.error,
-                                self.logprobs)
+                                self.logprobs, self.prompt_logprobs)
 
     def close(self) -> None:
         """Both sessions' pages go back to their pools."""

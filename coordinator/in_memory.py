@@ -131,6 +131,7 @@ class Pending:
     on_tokens: Callable[[list[int]], bool | None] | None = None
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)  # per generated token, when asked for
+    prompt_logprobs: list | None = None
     finished: pb.Finished | None = None
     error: Exception | None = None
     stopped: bool = False
@@ -145,7 +146,8 @@ class Pending:
         reason = "stop" if self.stopped else self.finished.finish_reason
         stats = convert.stats_from_proto(self.finished.stats) if self.finished is not None else GenerationStats()
         logprobs = self.logprobs if self.request.logprobs is not None else None
-        return GenerationResult(list(self.request.prompt_ids), self.generated, reason, stats, logprobs=logprobs)
+        return GenerationResult(list(self.request.prompt_ids), self.generated, reason, stats, logprobs=logprobs,
+                                prompt_logprobs=self.prompt_logprobs)
 
 
 class InMemoryPair:
@@ -324,6 +326,9 @@ class InMemoryPair:
         if pending is None or pending.done:
             return
         if kind == "settled" and not pending.stopped:
+            if event.settled.prompt_logprobs:
+                pending.prompt_logprobs = convert.logprobs_from_proto(pending.request.prompt_ids[1:],
+                                                                      event.settled.prompt_logprobs)
             logprobs = convert.logprobs_from_proto(event.settled.tokens, event.settled.logprobs)
             pending.generated += list(event.settled.tokens)
             pending.logprobs += logprobs

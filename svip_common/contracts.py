@@ -151,6 +151,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()  # extra ids that end generation, besides the model's EOS
     ignore_eos: bool = False  # generate to max_new_tokens through the model's EOS (benchmarks)
     logprobs: int | None = None  # each settled token's log-probability and this many top ones (None: none)
+    prompt_logprobs: bool = False  # each prompt token's too (after the first), from the prompt's prefill
 
     def checked_for(self, has_draft: bool, limits: Limits) -> GenerationRequest:
         """This request validated against a deployment, with policy 'none' when no draft is loaded."""
@@ -174,6 +175,8 @@ class GenerationRequest:
             raise InvalidRequest(f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
         check_token_ids(self.stop_token_ids, limits.tokens, "stop token id")
         check_logprobs(self.logprobs)
+        if self.prompt_logprobs and self.logprobs is None:
+            raise InvalidRequest("prompt_logprobs needs logprobs (the top alternatives' count)")
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
@@ -384,6 +387,7 @@ class GenerationResult:
     stats: GenerationStats
     error: str | None = None  # with finish_reason "error": what failed (the batch's other requests went on)
     logprobs: list[TokenLogprob] | None = None  # per generated token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # per prompt token after the first, when asked for
 
 
 def clip_settled(settled: list[int], budget: int, stop_ids: frozenset[int]) -> tuple[list[int], str | None]:

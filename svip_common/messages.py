@@ -38,6 +38,7 @@ class SessionStart:
     stop_rule: StopRule | None = None  # policy auto: the rule for the first blocks
     node_price: float | None = None  # tree auto: a verified node's price in tokens, for the first blocks
     logprobs: int | None = None  # the caller's: each settled token's log-probability and this many top ones
+    prompt_logprobs: bool = False  # the caller's: the prompt's too, from its prefill (needs logprobs)
 
     @property
     def speculates(self) -> bool:

@@ -11,12 +11,13 @@ session with its own prefix and its own block length.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
-from svip_common.contracts import NO_TOKEN, Block, SamplingParams, Verdict
+from svip_common.contracts import NO_TOKEN, Block, SamplingParams, TokenLogprob, Verdict
 from svip_common.errors import narrowed
 from svip_common.kv_cache import KVPool, PagedSequence, PoolFull
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
@@ -297,6 +298,25 @@ class TargetSession:
             self.logprob_rows.keep([(len(self.sequence), len(self.sequence), (), row[0])])
         self.forwards += 1
         self.forward_s += forward_s
+
+    @torch.inference_mode()
+    def score_prompt(self, prompt: Sequence[int]) -> list[TokenLogprob]:
+        """Prompt logprobs (a scoring request, OpenAI's echo): the prompt's prefill, in one forward
+        of its own that keeps every row, gives each prompt token after the first its log-probability
+        under the model alone (no request knob applies to a prompt's tokens) and its place's top
+        alternatives; the last row is stored for the first generated place, so generation goes on
+        from this prefill with nothing computed again."""
+        self.sequence.rollback(0)
+        started = time.perf_counter()
+        (rows,) = self._verifier.pool.forward([(self.sequence, list(prompt), len(prompt))])
+        rows = mask_padding(rows, self._verifier.token_limit)
+        scored = LogprobRows(self.logprob_rows.top)
+        scored.keep([(place, 0, tuple(prompt[:place]), rows[place - 1]) for place in range(1, len(prompt))])
+        empty = Block(base=len(prompt), tokens=[], probs=[], entropies=[])
+        last = self.processed(rows[-1:], prompt, empty, _Plan(None, False))
+        choice = int(torch.argmax(last, dim=-1)) if self.sampling.greedy else None
+        self.store_row(last, choice, time.perf_counter() - started)
+        return scored.settle(prompt, 1, len(prompt))
 
     def forget_row(self) -> None:
         """No row is stored: the sequence it was computed on is changing (a prompt chunk) or gone."""

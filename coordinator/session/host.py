@@ -158,10 +158,21 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             )
             self.new_session(sid, session, stream)
             self.pages.admit(sid, len(start.prompt_ids))
+            if start.prompt_logprobs:
+                self._score_prompt(sid, session, start.prompt_ids)
             self._step(sid, session.start, self._draft_available())
         else:  # cancel
             session_id = request.cancel.session_id
             self._step(session_id, self.session(session_id, stream).cancel)
+
+    def _score_prompt(self, session_id: str, session: SessionPipeline, prompt: tuple[int, ...]) -> None:
+        """Prompt logprobs, from the prompt's prefill (run now, alone): sent first, before any token."""
+        if session_id in self.pages.waiting:
+            raise Overloaded("the target's KV pool has no room for this scoring request's prompt now; "
+                             "send it again")
+        scored = session.target.score_prompt(prompt)
+        settled = pb.Settled(session_id=session_id, prompt_logprobs=convert.logprobs_to_proto(scored))
+        self.owner(session_id).emit(pb.GenerateEvent(settled=settled))
 
     def close_session(self, session_id: str, owner) -> None:
         super().close_session(session_id, owner)

@@ -158,6 +158,7 @@ def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> Sessi
         stop_rule=stop_rule_from_proto(msg.stop_rule) if msg.HasField("stop_rule") else None,
         node_price=_node_price(msg.node_price) if msg.HasField("node_price") else None,
         logprobs=_logprobs(msg.logprobs) if msg.HasField("logprobs") else None,
+        prompt_logprobs=_prompt_logprobs(msg),
     )
 
 
@@ -180,6 +181,7 @@ def start_to_proto(start: SessionStart) -> pb.StartSession:
         msg.node_price = start.node_price
     if start.logprobs is not None:
         msg.logprobs = start.logprobs
+    msg.prompt_logprobs = start.prompt_logprobs
     return msg
 
 
@@ -245,6 +247,12 @@ def feedback_from_proto(msg: pb.Feedback, width: int) -> Feedback:
             node_price=_node_price(item.node_price) if item.HasField("node_price") else None,
         )
     return head
+
+
+def _prompt_logprobs(msg: pb.StartSession) -> bool:
+    if msg.prompt_logprobs and not msg.HasField("logprobs"):
+        raise InvalidRequest("prompt_logprobs needs logprobs (the top alternatives' count)")
+    return msg.prompt_logprobs
 
 
 def _logprobs(top: int) -> int:

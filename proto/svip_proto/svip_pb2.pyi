@@ -75,7 +75,7 @@ class StopRule(_message.Message):
     def __init__(self, weights: _Optional[_Iterable[float]] = ..., stop_at: _Optional[float] = ...) -> None: ...
 
 class StartSession(_message.Message):
-    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch", "stop_rule", "node_price", "logprobs")
+    __slots__ = ("session_id", "prompt_ids", "sampling", "policy", "stop_token_ids", "max_new_tokens", "pipeline", "load_cap", "epoch", "stop_rule", "node_price", "logprobs", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -88,6 +88,7 @@ class StartSession(_message.Message):
     STOP_RULE_FIELD_NUMBER: _ClassVar[int]
     NODE_PRICE_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     prompt_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: SamplingParams
@@ -100,7 +101,8 @@ class StartSession(_message.Message):
     stop_rule: StopRule
     node_price: float
     logprobs: int
-    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., node_price: _Optional[float] = ..., logprobs: _Optional[int] = ...) -> None: ...
+    prompt_logprobs: bool
+    def __init__(self, session_id: _Optional[str] = ..., prompt_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[SamplingParams, _Mapping]] = ..., policy: _Optional[_Union[PolicyConfig, _Mapping]] = ..., stop_token_ids: _Optional[_Iterable[int]] = ..., max_new_tokens: _Optional[int] = ..., pipeline: _Optional[_Union[Pipeline, str]] = ..., load_cap: _Optional[int] = ..., epoch: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., node_price: _Optional[float] = ..., logprobs: _Optional[int] = ..., prompt_logprobs: _Optional[bool] = ...) -> None: ...
 
 class PreparedFor(_message.Message):
     __slots__ = ("base", "accepted", "token")
@@ -285,14 +287,16 @@ class GenerateRequest(_message.Message):
     def __init__(self, start: _Optional[_Union[StartSession, _Mapping]] = ..., cancel: _Optional[_Union[Cancel, _Mapping]] = ...) -> None: ...
 
 class Settled(_message.Message):
-    __slots__ = ("session_id", "tokens", "logprobs")
+    __slots__ = ("session_id", "tokens", "logprobs", "prompt_logprobs")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TOKENS_FIELD_NUMBER: _ClassVar[int]
     LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    PROMPT_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tokens: _containers.RepeatedScalarFieldContainer[int]
     logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
-    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
+    prompt_logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    def __init__(self, session_id: _Optional[str] = ..., tokens: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., prompt_logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("logprob", "top_ids", "top_logprobs")

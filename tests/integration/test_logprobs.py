@@ -130,3 +130,56 @@ def test_the_wire_refuses_logprobs_past_their_bound():
         convert.start_from_proto(start)
     start.logprobs = MAX_LOGPROBS
     assert convert.start_from_proto(start).logprobs == MAX_LOGPROBS
+
+
+@torch.inference_mode()
+def expected_prompt_logprobs(target, prompt):
+    logits = target.model(input_ids=torch.tensor([list(prompt)])).logits[0].float()
+    logits[:, target.token_limit:] = float("-inf")
+    return torch.log_softmax(logits, dim=-1)[:-1]
+
+
+def assert_the_prompts_own(target, result, top=TOP):
+    rows = expected_prompt_logprobs(target, result.prompt_ids)
+    assert len(result.prompt_logprobs) == len(result.prompt_ids) - 1
+    for i, lp in enumerate(result.prompt_logprobs):
+        assert lp.token == result.prompt_ids[i + 1]
+        assert lp.logprob == pytest.approx(rows[i, lp.token].item(), abs=1e-4)
+        assert [v for _, v in lp.top] == pytest.approx(torch.topk(rows[i], top).values.tolist(), abs=1e-4)
+
+
+def test_prompt_logprobs_cost_the_prefill_alone(models, prompt_ids):
+    """A scoring request (OpenAI's echo with logprobs): the prompt's tokens scored by its prefill,
+    which generation then goes on from: the target alone runs as many forwards as without."""
+    alone = SpeculativeEngine(models["target"], None)
+    for ids in prompt_ids.values():
+        scored = alone.generate(GenerationRequest(ids, 4, logprobs=TOP, prompt_logprobs=True))
+        plain = alone.generate(GenerationRequest(ids, 4, logprobs=TOP))
+        assert_the_prompts_own(models["target"], scored)
+        assert scored.token_ids == plain.token_ids and plain.prompt_logprobs is None
+        assert scored.stats.target_forwards == plain.stats.target_forwards
+        assert_the_targets_own(models["target"], scored)
+    one = alone.generate(GenerationRequest(prompt_ids["long"], 1, logprobs=0, prompt_logprobs=True))
+    assert one.stats.target_forwards == 1  # max_tokens 0 through Serve: this, its token dropped
+
+
+@pytest.mark.parametrize("where", ["in process", "sync", "async"])
+def test_prompt_logprobs_with_speculation(models, prompt_ids, where):
+    if where == "in process":
+        engine = SpeculativeEngine(models["target"], models["close_draft"])
+    else:
+        engine = make_pair(models, where, DRAFT_FIRST)
+    for ids in prompt_ids.values():
+        result = engine.generate(GenerationRequest(ids, MAX_NEW, policy=POLICIES["svip"], logprobs=TOP,
+                                                   prompt_logprobs=True))
+        assert_the_prompts_own(models["target"], result)
+        assert_the_targets_own(models["target"], result)
+
+
+def test_prompt_logprobs_need_logprobs(prompt_ids):
+    with pytest.raises(InvalidRequest, match="prompt_logprobs needs logprobs"):
+        GenerationRequest(prompt_ids["short"], 4, prompt_logprobs=True).validate(Limits(tokens=1000, positions=512))
+    start = pb.StartSession(session_id="s", prompt_ids=[1, 2], max_new_tokens=4, prompt_logprobs=True,
+                            sampling=convert.sampling_to_proto(SamplingParams()))
+    with pytest.raises(InvalidRequest, match="prompt_logprobs needs logprobs"):
+        convert.start_from_proto(start)
