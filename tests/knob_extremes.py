@@ -62,6 +62,10 @@ CASES: list[Case] = [
     *_cases("n", [1, 2, 8], [0, 9, -1, 1.5, "2", 2**31]),
     *_cases("logprobs", [0, 1, 20, None], [21, -1, 1.5, "2", True, 2**31]),
     Case({"logprobs": 20, "n": 8, "temperature": 0}, "ok"),
+    *_cases("echo", [True, False], ["yes", 1]),
+    Case({"echo": True, "max_tokens": 0, "logprobs": 20}, "ok"),
+    Case({"echo": True, "max_tokens": 0}, "ok"),
+    Case({"echo": True, "stream": True}, "400"),
     *_cases("tree", ["off", "cape", "auto"], ["deep", 1, None], temperature=0),
     *_cases("tree", ["off"], ["cape", "auto"]),
     Case({"temperature": 0, "top_p": TINY, "top_k": 2**31 - 1, "seed": 2**63 - 1}, "ok"),
@@ -82,8 +86,9 @@ def generation_request(body: dict, prompt_ids: tuple[int, ...], limits: Limits) 
     from svip_serve.protocol import parse_completion
 
     api = parse_completion(body)
-    request = GenerationRequest(prompt_ids, api.max_tokens, api.sampling, api.policy, api.stop_token_ids,
-                                ignore_eos=True, logprobs=api.logprobs)
+    request = GenerationRequest(prompt_ids, max(api.max_tokens, 1), api.sampling, api.policy, api.stop_token_ids,
+                                ignore_eos=True, logprobs=api.logprobs,
+                                prompt_logprobs=api.echo and api.logprobs is not None)
     return request.checked_for(True, limits)
 
 

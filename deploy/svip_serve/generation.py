@@ -15,8 +15,12 @@ _END = object()
 
 
 class Generation:
-    def __init__(self, engine, request: GenerationRequest, tokenizer, stops: tuple[str, ...]):
+    def __init__(self, engine, request: GenerationRequest, tokenizer, stops: tuple[str, ...], echo: str | None = None,
+                 score_only: bool = False):
+        """echo: the prompt's text, put first (completions' echo); score_only: max_tokens 0, the
+        one token the prompt's prefill settles is left out of the answer."""
         self.engine, self.request = engine, request
+        self.echo, self.score_only = echo, score_only
         self.text = TextStream(tokenizer, stops)
         self.tokenizer = tokenizer
         self.result: GenerationResult | None = None
@@ -75,10 +79,10 @@ class Generation:
         return "".join(parts)
 
     async def run(self) -> str:
-        """The whole text (non-streaming)."""
+        """The whole text (non-streaming), the echoed prompt first."""
         async for _ in self.deltas():
             pass
-        return self.text.text
+        return (self.echo or "") + ("" if self.score_only else self.text.text)
 
     @property
     def finish_reason(self) -> str:
@@ -86,6 +90,8 @@ class Generation:
 
     @property
     def completion_tokens(self) -> int:
+        if self.score_only:
+            return 0
         return self.text.token_count if self.text.stopped else len(self.result.token_ids)
 
     def logprobs(self, kind: str) -> dict | None:
@@ -93,7 +99,10 @@ class Generation:
         string's cut); None when the request asked for none."""
         if self.request.logprobs is None:
             return None
-        return body_for(kind, self.tokenizer, self._logprobs[: self.completion_tokens])
+        prompt = None
+        if self.request.prompt_logprobs and self.result.prompt_logprobs is not None:
+            prompt = (self.request.prompt_ids[0], self.result.prompt_logprobs)
+        return body_for(kind, self.tokenizer, self._logprobs[: self.completion_tokens], prompt=prompt)
 
     def logprobs_chunk(self, kind: str, final: bool = False) -> dict | None:
         """A stream chunk's ``logprobs``: the tokens settled since the last chunk (to the stop

@@ -9,17 +9,23 @@ from __future__ import annotations
 from svip_common.contracts import TokenLogprob
 
 
-def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0) -> dict:
-    """offset: where the first entry's text starts in the choice's text (a stream's earlier chunks)."""
-    texts = [_text(tokenizer, e.token) for e in entries]
+def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0,
+                        prompt: tuple[int, list[TokenLogprob]] | None = None) -> dict:
+    """offset: where the first entry's text starts in the choice's text (a stream's earlier chunks);
+    prompt: echo's (the prompt's first token, the logprobs of the rest), put first, the first
+    token's logprob and alternatives null (nothing comes before it), as OpenAI has them."""
+    first, before = (None, []) if prompt is None else prompt
+    entries = [*before, *entries]
+    texts = ([] if first is None else [_text(tokenizer, first)]) + [_text(tokenizer, e.token) for e in entries]
     offsets, at = [], offset
     for text in texts:
         offsets.append(at)
         at += len(text)
+    lead = [] if first is None else [None]
     return {
         "tokens": texts,
-        "token_logprobs": [e.logprob for e in entries],
-        "top_logprobs": [{_text(tokenizer, t): v for t, v in e.top} for e in entries],
+        "token_logprobs": lead + [e.logprob for e in entries],
+        "top_logprobs": lead + [{_text(tokenizer, t): v for t, v in e.top} for e in entries],
         "text_offset": offsets,
     }
 
@@ -32,11 +38,13 @@ def chat_logprobs(tokenizer, entries: list[TokenLogprob]) -> dict:
     }
 
 
-def body_for(kind: str, tokenizer, entries: list[TokenLogprob] | None, offset: int = 0) -> dict | None:
-    """A choice's (or a stream chunk's) ``logprobs`` field: None when the request asked for none."""
+def body_for(kind: str, tokenizer, entries: list[TokenLogprob] | None, offset: int = 0,
+             prompt: tuple[int, list[TokenLogprob]] | None = None) -> dict | None:
+    """A choice's (or a stream chunk's) ``logprobs`` field: None when the request asked for none;
+    prompt: a completion's echo (completion_logprobs)."""
     if entries is None:
         return None
-    return completion_logprobs(tokenizer, entries, offset) if kind == "completion" else chat_logprobs(
+    return completion_logprobs(tokenizer, entries, offset, prompt) if kind == "completion" else chat_logprobs(
         tokenizer, entries)
 
 

@@ -65,6 +65,7 @@ class ApiRequest:
     ignore_eos: bool = False
     n: int = 1  # choices of the prompt: choice i is the request alone with seed sample_seed(seed, i)
     logprobs: int | None = None  # the target's logprob of each token and this many top ones (None: none)
+    echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' logprobs) first
 
 
 # --- the body ------------------------------------------------------------------------------------
@@ -203,8 +204,9 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     if best_of != 1:
         raise bad(f"'best_of' must be 1, got {best_of}", "best_of")
     _refuse_unsupported(body)
+    echo = _echo(body, kind)
     max_tokens = _integer(body, "max_completion_tokens", None, lo=1) if kind == "chat" else None
-    max_tokens = _integer(body, "max_tokens", max_tokens, lo=1)
+    max_tokens = _integer(body, "max_tokens", max_tokens, lo=0 if echo else 1)  # 0: score the prompt alone
     if kind == "completion" and max_tokens is None:
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS
     temperature = _number(body, "temperature", 1.0)
@@ -246,7 +248,20 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
         ignore_eos=_boolean(body, "ignore_eos", False),
         n=n,
         logprobs=_logprobs(body, kind),
+        echo=echo,
     )
+
+
+def _echo(body: dict, kind: str) -> bool:
+    """Completions' echo: the prompt first (a scoring request: with logprobs and max_tokens 0)."""
+    if kind == "chat":
+        if body.get("echo") not in (None, False):
+            raise bad("'echo' is a completions parameter; chat does not take it", "echo")
+        return False
+    echo = _boolean(body, "echo", False)
+    if echo and _boolean(body, "stream", False):
+        raise bad("'echo' with 'stream' is not supported by this server; send it without 'stream'", "echo")
+    return echo
 
 
 def _logprobs(body: dict, kind: str) -> int | None:
@@ -291,7 +306,7 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
 
 def _refuse_unsupported(body: dict) -> None:
     """Parameters that would change the output: refused rather than silently ignored."""
-    for name in ("echo", "suffix", "tools", "functions", "response_format"):
+    for name in ("suffix", "tools", "functions", "response_format"):
         value = body.get(name)
         if value not in (None, False, 0, "", [], {}) and not (name == "response_format" and value == {"type": "text"}):
             raise bad(f"'{name}' is not supported by this server", name)

@@ -357,7 +357,11 @@ class SVIPServer:
         except ApiError:
             self.metrics.record_rejected("busy")
             raise
-        generations = [Generation(engine, r, self.info.tokenizer, req.stop) for r in choices(request, req.n)]
+        echo = None
+        if req.echo:
+            echo = req.prompt if isinstance(req.prompt, str) else self.info.tokenizer.decode(req.prompt)
+        generations = [Generation(engine, r, self.info.tokenizer, req.stop, echo, score_only=req.max_tokens == 0)
+                       for r in choices(request, req.n)]
         rid = new_id(req.kind)
         if req.stream:
             return _SlotStreamingResponse(self._stream(req, generations, rid, slot, arrived), slot)

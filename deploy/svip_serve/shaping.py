@@ -67,8 +67,10 @@ class RequestShaping:
                     f"context of {ctx} tokens",
                     "max_tokens",
                 )
-            request = GenerationRequest(prompt_ids, max_tokens, req.sampling, req.policy, req.stop_token_ids,
-                                        ignore_eos=req.ignore_eos, logprobs=req.logprobs)
+            # max_tokens 0 (echo): the prompt's prefill scores it and settles one token, dropped in the answer
+            request = GenerationRequest(prompt_ids, max(max_tokens, 1), req.sampling, req.policy, req.stop_token_ids,
+                                        ignore_eos=req.ignore_eos, logprobs=req.logprobs,
+                                        prompt_logprobs=req.echo and req.logprobs is not None)
             return self.resolve(request)
         except InvalidRequest as exc:
             raise bad(str(exc)) from None

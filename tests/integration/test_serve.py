@@ -121,6 +121,28 @@ def test_logprobs_are_the_targets_streamed_and_not(client, reference, tokenizer)
     assert plain.choices[0].logprobs is None
 
 
+def test_a_scoring_request_echoes_the_prompt_with_its_logprobs(client, tokenizer):
+    """An evaluation harness's loglikelihood request (echo, logprobs, max_tokens 0): the prompt's
+    tokens scored by the target, as one forward of the model gives them."""
+    import torch
+
+    from svip_common.models import load_model
+
+    prompt = PROMPTS[1]
+    ids = tokenizer(prompt)["input_ids"]
+    r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=0, echo=True, logprobs=1, temperature=0)
+    choice, lp = r.choices[0], r.choices[0].logprobs
+    assert choice.text == prompt and r.usage.completion_tokens == 0 and r.usage.prompt_tokens == len(ids)
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None and len(lp.tokens) == len(ids)
+    target = load_model(default_pair()[0])
+    with torch.inference_mode():
+        rows = torch.log_softmax(target.model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
+    assert lp.token_logprobs[1:] == pytest.approx([rows[i, t].item() for i, t in enumerate(ids[1:])], abs=1e-4)
+    more = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=1, temperature=0)
+    assert more.choices[0].text.startswith(prompt) and len(more.choices[0].logprobs.tokens) == len(ids) + 4
+    assert more.choices[0].logprobs.token_logprobs[: len(ids)][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+
+
 def test_completions_equal_svip_generate(client, reference):
     for prompt, ref in zip(PROMPTS[:4], reference["prompts"]):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0)

@@ -92,7 +92,7 @@ def test_a_deployments_default_tree_is_for_greedy_requests():
     ({"model": 5}, "model", "must be a string"),
     ({"logprobs": 21}, "logprobs", "must be in [0, 21)"),
     ({"logprobs": True}, "logprobs", "must be an integer"),
-    ({"echo": True}, "echo", "not supported"),
+    ({"echo": "yes"}, "echo", "must be true or false"),
     ({"presence_penalty": 2.5}, "presence_penalty", "must be in [-2, 2]"),
     ({"frequency_penalty": -2.01}, "frequency_penalty", "must be in [-2, 2]"),
     ({"min_tokens": -1}, "min_tokens", "must be in [0, 2^31)"),
@@ -241,3 +241,18 @@ def test_bad_chat_logprobs_name_the_field(patch, words):
 def test_completion_logprobs_are_the_top_count():
     assert parse_completion({**BASE, "logprobs": 5}).logprobs == 5
     assert parse_completion(BASE).logprobs is None
+
+
+def test_echo_is_for_completions_and_lets_max_tokens_be_zero():
+    req = parse_completion({**BASE, "echo": True, "max_tokens": 0, "logprobs": 1})
+    assert req.echo and req.max_tokens == 0 and req.logprobs == 1
+    for body, param, words in [
+        ({**BASE, "max_tokens": 0}, "max_tokens", "must be in [1, "),
+        ({**BASE, "echo": True, "stream": True}, "echo", "with 'stream' is not supported"),
+    ]:
+        with pytest.raises(ApiError) as err:
+            parse_completion(body)
+        assert err.value.param == param and words in err.value.message
+    with pytest.raises(ApiError) as err:
+        parse_chat({"messages": [{"role": "user", "content": "a"}], "echo": True})
+    assert err.value.param == "echo" and "chat does not take it" in err.value.message
