@@ -256,8 +256,7 @@ class EngineSession:
         self.committed += settled
         self.generated += settled
         if self.logprobs is not None:
-            self.logprobs += self.target.logprob_rows.settle(self.committed, len(self.committed) - len(settled),
-                                                             len(self.committed))
+            self.logprobs += self.target.settled_logprobs(self.committed, len(settled))
         self.stats.record_round(len(block), verdict.accepted, block.entropies[-1] if block.entropies else None)
         if block.siblings is not None:
             self.stats.record_tree(block.nodes, bool(branch))

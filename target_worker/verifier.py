@@ -299,6 +299,13 @@ class TargetSession:
         self.forwards += 1
         self.forward_s += forward_s
 
+    def settled_logprobs(self, sequence: Sequence[int], count: int) -> list[TokenLogprob]:
+        """The last ``count`` tokens of ``sequence`` were just settled: their logprobs, when the
+        request asked for them (target_worker/logprobs.py), else none."""
+        if self.logprob_rows is None:
+            return []
+        return self.logprob_rows.settle(sequence, len(sequence) - count, len(sequence))
+
     @torch.inference_mode()
     def score_prompt(self, prompt: Sequence[int]) -> list[TokenLogprob]:
         """Prompt logprobs (a scoring request, OpenAI's echo): the prompt's prefill, in one forward

@@ -168,11 +168,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def _score_prompt(self, session_id: str, session: SessionPipeline, prompt: tuple[int, ...]) -> None:
         """Prompt logprobs, from the prompt's prefill (run now, alone): sent first, before any token."""
         if session_id in self.pages.waiting:
-            raise Overloaded("the target's KV pool has no room for this scoring request's prompt now; "
-                             "send it again")
-        scored = session.target.score_prompt(prompt)
-        settled = pb.Settled(session_id=session_id, prompt_logprobs=convert.logprobs_to_proto(scored))
-        self.owner(session_id).emit(pb.GenerateEvent(settled=settled))
+            raise Overloaded(NO_ROOM_TO_SCORE)
+        self.owner(session_id).emit(_prompt_scored(session_id, session.target.score_prompt(prompt)))
 
     def close_session(self, session_id: str, owner) -> None:
         super().close_session(session_id, owner)
@@ -348,3 +345,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.GenerateEvent:
         return pb.GenerateEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
 
+
+NO_ROOM_TO_SCORE = "the target's KV pool has no room for this scoring request's prompt now; send it again"
+
+
+def _prompt_scored(session_id: str, scored) -> pb.GenerateEvent:
+    settled = pb.Settled(session_id=session_id, prompt_logprobs=convert.logprobs_to_proto(scored))
+    return pb.GenerateEvent(settled=settled)

@@ -356,9 +356,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         self.committed += tokens
         self.generated += tokens
         if tokens:
-            rows, end = self.target.logprob_rows, len(self.committed)
-            logprobs = () if rows is None else tuple(rows.settle(self.committed, end - len(tokens), end))
-            self._emit(Settle(tuple(tokens), logprobs))
+            self._emit(Settle(tuple(tokens), tuple(self.target.settled_logprobs(self.committed, len(tokens)))))
         if reason is not None:
             self._finish(reason)
 

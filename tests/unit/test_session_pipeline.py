@@ -75,6 +75,9 @@ class Target:
     def next_token(self, committed):
         return self.own.get(len(committed))
 
+    def settled_logprobs(self, sequence, count: int) -> list:
+        return []  # the request asked for none
+
     def close(self) -> None:
         self.closed = True
 
