@@ -163,6 +163,9 @@ def build_parser() -> argparse.ArgumentParser:
     smp.add_argument("--frequency-penalty", type=float, default=0.0,
                      help="subtracted per time a token was generated, in [-2, 2] (0)")
     smp.add_argument("--min-tokens", type=int, default=0, help="no stop token or EOS before this many tokens (0)")
+    smp.add_argument("--repetition-penalty", type=float, default=1.0,
+                     help="a token in the prompt or generated before has its logit divided by this where positive, "
+                     "multiplied where negative, in (0, 2] (1: off)")
     smp.add_argument("--logit-bias", type=_logit_bias, default=(), metavar="ID=BIAS,...",
                      help="added to the target's and the draft's logits at these token ids, each in [-100, 100] "
                      "(-100 bans a token), at most 300; output exact as the target alone's with the same bias")
@@ -556,7 +559,8 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
         prompt_ids=(0,),
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed, args.logit_bias,
-                                args.presence_penalty, args.frequency_penalty, args.min_tokens),
+                                args.presence_penalty, args.frequency_penalty, args.min_tokens,
+                                args.repetition_penalty),
         policy=PolicyConfig(
             name=args.policy,
             threshold=args.threshold,

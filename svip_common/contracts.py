@@ -29,7 +29,7 @@ AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py
 MAX_LOGIT_BIAS = 300  # a request's logit_bias entries at most (OpenAI's bound)
 MAX_LOGPROBS = 20  # a request's top alternatives per settled token at most (OpenAI's bound)
 MAX_STOP_TOKEN_IDS = 64  # a request's stop_token_ids at most (each ends its output, as the model's EOS)
-PENALTY_BOUND = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's)
+PENALTY_BOUND = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's); repetition_penalty in (0, 2]
 LOGIT_BIAS_BOUND = 100.0  # each bias in [-100, 100] (OpenAI's): -100 bans a token, +100 all but forces it
 ORACLE = "oracle"  # benchmark-only ceiling: needs the target's own greedy continuation
 
@@ -51,6 +51,9 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     min_tokens: int = 0
+    # vLLM's and transformers': a token in the prompt or generated before the place has its logit
+    # divided by this where positive, multiplied where negative (1: off; > 1 discourages repeats)
+    repetition_penalty: float = 1.0
 
     @property
     def greedy(self) -> bool:
@@ -78,6 +81,8 @@ class SamplingParams:
                 raise InvalidRequest(f"{name} must be in [-2, 2], got {value}")
         if not 0 <= self.min_tokens <= INT32_MAX:
             raise InvalidRequest(f"min_tokens must be in [0, 2^31), got {self.min_tokens}")
+        if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= PENALTY_BOUND):
+            raise InvalidRequest(f"repetition_penalty must be in (0, 2] (1 disables it), got {self.repetition_penalty}")
 
     def _validate_bias(self) -> None:
         """At most MAX_LOGIT_BIAS entries, distinct ids in [0, 2^31), each bias a finite number in

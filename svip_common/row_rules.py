@@ -1,6 +1,8 @@
 """What a request changes in a row of logits before anything reads it: its logit_bias (every place
-alike, sampling.add_bias), OpenAI's presence and frequency penalties over the tokens generated
-before the place, and min_tokens (the request's stop ids cannot be chosen before it has that
+alike, sampling.add_bias), the repetition penalty over every token before the place, the prompt's
+included (vLLM's and transformers': a seen token's logit divided by it where positive, multiplied
+where negative), then OpenAI's presence and frequency penalties over the tokens generated before
+the place, and min_tokens (the request's stop ids cannot be chosen before it has that
 many). A verification judges several places at once, so each row is adjusted by the tokens before
 its own place: the committed ones and the drafted path up to it (a tree's node: its ancestors),
 as the target decoding alone would have them there. Greedy output then equals the target alone's
@@ -27,16 +29,17 @@ class RowRules:
     frequency: float = 0.0
     min_tokens: int = 0
     stop_ids: frozenset[int] = frozenset()
+    repetition: float = 1.0
 
     @classmethod
     def of(cls, sampling: SamplingParams, prompt_len: int, stop_ids: frozenset[int]) -> RowRules:
         return cls(prompt_len, sampling.logit_bias, sampling.presence_penalty, sampling.frequency_penalty,
-                   sampling.min_tokens, frozenset(stop_ids))
+                   sampling.min_tokens, frozenset(stop_ids), sampling.repetition_penalty)
 
     @property
     def by_place(self) -> bool:
         """Some rule reads the tokens before a row's place (``apply``'s ``before``)."""
-        return bool(self.presence or self.frequency or (self.min_tokens and self.stop_ids))
+        return bool(self.presence or self.frequency or (self.min_tokens and self.stop_ids) or self.repetition != 1.0)
 
     @property
     def active(self) -> bool:
@@ -52,6 +55,10 @@ class RowRules:
         out = out.clone() if out is rows else out
         width = rows.shape[-1]
         for r, tokens in enumerate(before):
+            if self.repetition != 1.0 and tokens:
+                seen = torch.tensor(sorted({t for t in tokens if t < width}), dtype=torch.long, device=rows.device)
+                values = out[r, seen]
+                out[r, seen] = torch.where(values > 0, values / self.repetition, values * self.repetition)
             generated = tokens[self.prompt_len:]
             if generated and (self.presence or self.frequency):
                 counts = torch.bincount(torch.tensor(generated, dtype=torch.long, device=rows.device), minlength=width)

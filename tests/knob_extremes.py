@@ -58,6 +58,7 @@ CASES: list[Case] = [
     *_cases("presence_penalty", [0, -2, 2, TINY, -0.0], [2.0000001, -3, NAN, INF, "1"]),
     *_cases("frequency_penalty", [0, -2, 2, 1e-300], [2.0000001, -2.5, NAN, -INF, []]),
     *_cases("min_tokens", [0, 1, 6, 2**31 - 1], [-1, 2**31, 1.5, "2"]),
+    *_cases("repetition_penalty", [1, 2, TINY, 0.5, 1.3], [0, -0.0, -1, 2.0000001, NAN, INF, "1.2"]),
     Case({"presence_penalty": 2, "frequency_penalty": 2, "min_tokens": 6, "temperature": 0}, "ok"),
     *_cases("n", [1, 2, 8], [0, 9, -1, 1.5, "2", 2**31]),
     *_cases("logprobs", [0, 1, 20, None], [21, -1, 1.5, "2", True, 2**31]),

@@ -220,6 +220,7 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     if seed is None:
         seed = secrets.randbelow(2**31)
     knobs = {name: _number(body, name, 0.0) for name in ("presence_penalty", "frequency_penalty")}
+    knobs["repetition_penalty"] = _number(body, "repetition_penalty", 1.0)
     knobs["logit_bias"] = _logit_bias(body.get("logit_bias"))
     for name, value in knobs.items():  # their bounds: SamplingParams.validate, named as the field
         _within_bounds(name, SamplingParams(**{name: value}))
@@ -310,9 +311,6 @@ def _refuse_unsupported(body: dict) -> None:
         value = body.get(name)
         if value not in (None, False, 0, "", [], {}) and not (name == "response_format" and value == {"type": "text"}):
             raise bad(f"'{name}' is not supported by this server", name)
-    if body.get("repetition_penalty") not in (None, 1, 1.0):  # vLLM's: over the prompt too; not yet here
-        raise bad("'repetition_penalty' is not supported by this server (presence_penalty and frequency_penalty "
-                  "are)", "repetition_penalty")
 
 
 def _stop(value) -> tuple[str, ...]:

@@ -92,10 +92,13 @@ def floats_from_proto(msg: pb.Tensor) -> list[float]:
 
 
 def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
-    return pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
-                             logit_bias_ids=[token for token, _ in s.logit_bias],
-                             logit_bias=[bias for _, bias in s.logit_bias], presence_penalty=s.presence_penalty,
-                             frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens)
+    msg = pb.SamplingParams(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, seed=s.seed,
+                            logit_bias_ids=[token for token, _ in s.logit_bias],
+                            logit_bias=[bias for _, bias in s.logit_bias], presence_penalty=s.presence_penalty,
+                            frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens)
+    if s.repetition_penalty != 1.0:
+        msg.repetition_penalty = s.repetition_penalty
+    return msg
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
@@ -104,8 +107,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     if len(msg.logit_bias_ids) != len(msg.logit_bias):
         raise InvalidRequest(f"logit_bias carries {len(msg.logit_bias_ids)} ids and {len(msg.logit_bias)} values")
     bias = tuple(zip(msg.logit_bias_ids, msg.logit_bias))
+    repetition = msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0
     params = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, bias, msg.presence_penalty,
-                            msg.frequency_penalty, msg.min_tokens)
+                            msg.frequency_penalty, msg.min_tokens, repetition)
     params.validate()
     return params
 

@@ -1,4 +1,4 @@
-"""Presence and frequency penalties and min_tokens (issue 45), exact under speculation: each row
+"""Presence, frequency and repetition penalties and min_tokens (issue 45), exact under speculation: each row
 the target judges is adjusted by the tokens before its own place, the drafted path up to it
 included (svip_common/row_rules.py), so greedy output equals the target decoding alone with the
 same knobs, token for token, in process, batched, as token trees, and through the workers (the
@@ -21,6 +21,8 @@ KNOBS = {
     "frequency": dict(frequency_penalty=1.5),
     "presence": dict(presence_penalty=2.0),
     "both, negative": dict(presence_penalty=-0.5, frequency_penalty=0.8),
+    "repetition": dict(repetition_penalty=1.8),  # over the prompt's tokens too
+    "repetition below one, with presence": dict(repetition_penalty=0.6, presence_penalty=1.0),
 }
 
 

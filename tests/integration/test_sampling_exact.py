@@ -31,16 +31,27 @@ CONFIGS = {
 @torch.inference_mode()
 def exact_marginals(model, prompt, sampling) -> tuple[torch.Tensor, torch.Tensor]:
     """p(t1) and p(t2) = sum_x p(t1 = x) p(t2 | x), both [vocab], from the model alone."""
-    p1 = warp_probs(add_bias(model(input_ids=torch.tensor([prompt])).logits[0, -1:], sampling.logit_bias),
-                    sampling)[0].double()
+    first = add_bias(model(input_ids=torch.tensor([prompt])).logits[0, -1:], sampling.logit_bias)
+    seen = torch.zeros_like(first, dtype=torch.bool)
+    seen[:, list(prompt)] = True  # the repetition penalty's: the prompt's tokens, then the first one
+    p1 = warp_probs(_repetition(first, seen, sampling.repetition_penalty), sampling)[0].double()
     vocab = p1.shape[0]
     prefixes = torch.tensor([list(prompt)] * vocab)  # [vocab, n]
     inputs = torch.cat([prefixes, torch.arange(vocab)[:, None]], dim=1)  # [vocab, n + 1]
     second = add_bias(model(input_ids=inputs).logits[:, -1], sampling.logit_bias)
     diagonal = torch.arange(vocab)  # after first token x, x was generated once: its penalties
+    seen = seen.expand(vocab, -1).clone()
+    seen[diagonal, diagonal] = True
+    second = _repetition(second, seen, sampling.repetition_penalty)
     second[diagonal, diagonal] -= sampling.frequency_penalty + sampling.presence_penalty
     p2_given = warp_probs(second, sampling).double()  # [vocab, vocab]
     return p1, p1 @ p2_given
+
+
+def _repetition(logits: torch.Tensor, seen: torch.Tensor, penalty: float) -> torch.Tensor:
+    """The repetition penalty by hand: a seen token's logit divided where positive, multiplied where not."""
+    penalised = torch.where(logits > 0, logits / penalty, logits * penalty)
+    return torch.where(seen, penalised, logits)
 
 
 def assert_first_tokens_follow_the_target(models, prompt, sampling, results) -> None:
@@ -123,6 +134,23 @@ def test_penalties_are_the_targets_distribution_penalised(models, prompt_ids):
     drafted ones included: the second token fits the penalised target's marginal, not the plain one's."""
     sampling = SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=2.0)
     prompt = prompt_ids["short"]  # its likeliest second token repeats the first: the penalties move it
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    policy = PolicyConfig(name="constant", draft_length=3)
+    requests = [GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=seed), policy=policy)
+                for seed in range(SAMPLES)]
+    results = engine.generate_many(requests, 50)
+    assert sum(r.stats.accepted_lengths[0] > 0 for r in results) > SAMPLES // 20  # drafted tokens accepted
+    assert_first_tokens_follow_the_target(models, prompt, sampling, results)
+    _, p2 = exact_marginals(models["target"].model, prompt, SamplingParams(temperature=1.0))
+    assert chi_square_pvalue([r.token_ids[1] for r in results], p2) < ALPHA
+
+
+@pytest.mark.slow
+def test_the_repetition_penalty_is_the_targets_distribution_penalised(models, prompt_ids):
+    """The repetition penalty over the prompt and the tokens before each place, drafted ones
+    included: both first tokens fit the penalised target's marginals, the second not the plain one's."""
+    sampling = SamplingParams(temperature=1.0, repetition_penalty=2.0)
+    prompt = prompt_ids["short"]
     engine = SpeculativeEngine(models["target"], models["close_draft"])
     policy = PolicyConfig(name="constant", draft_length=3)
     requests = [GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=seed), policy=policy)

@@ -73,8 +73,11 @@ def test_params_round_trip_and_validate():
     with pytest.raises(InvalidRequest, match="unknown policy"):
         convert.policy_from_proto(pb.PolicyConfig(name="bogus", max_draft_length=4, draft_length=1))
     biased = SamplingParams(seed=1, logit_bias=((5, -100.0), (9, 2.5)), presence_penalty=0.5,
-                            frequency_penalty=-1.25, min_tokens=7)
+                            frequency_penalty=-1.25, min_tokens=7, repetition_penalty=1.25)
     assert convert.sampling_from_proto(convert.sampling_to_proto(biased)) == biased
+    assert not convert.sampling_to_proto(s).HasField("repetition_penalty")  # unset: 1, off
+    with pytest.raises(InvalidRequest, match="repetition_penalty must be in"):
+        convert.sampling_from_proto(pb.SamplingParams(top_p=1.0, repetition_penalty=0.0))  # set, not unset
     with pytest.raises(InvalidRequest, match="2 ids and 1 values"):
         convert.sampling_from_proto(pb.SamplingParams(logit_bias_ids=[5, 9], logit_bias=[1.0]))
     with pytest.raises(InvalidRequest, match="at most 300"):

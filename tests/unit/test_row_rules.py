@@ -32,3 +32,13 @@ def test_no_knob_no_rule():
     assert not RowRules.of(SamplingParams(), 3, frozenset({0})).active
     assert not RowRules.of(SamplingParams(min_tokens=4), 3, frozenset()).active
     assert RowRules.of(SamplingParams(frequency_penalty=-0.1), 3, frozenset()).active
+
+
+def test_repetition_divides_a_seen_tokens_positive_logit_and_multiplies_a_negative_one_prompt_included():
+    rules = RowRules.of(SamplingParams(repetition_penalty=2.0, presence_penalty=1.0), 2, frozenset())
+    rows = torch.tensor([[4.0, -4.0, 4.0, -4.0, 9.0]] * 2)
+    out = rules.apply(rows, [[0, 1], [0, 1, 2, 2]])
+    assert out[0].tolist() == [2.0, -8.0, 4.0, -4.0, 9.0]  # the prompt's 0 and 1 count; nothing generated yet
+    assert out[1].tolist() == [2.0, -8.0, 1.0, -4.0, 9.0]  # 2 seen: 4 / 2, then its presence penalty
+    assert RowRules.of(SamplingParams(repetition_penalty=0.5), 0, frozenset()).by_place
+    assert not RowRules.of(SamplingParams(repetition_penalty=1.0), 0, frozenset()).active
