@@ -129,28 +129,14 @@ def test_a_logit_bias_is_the_targets_distribution_biased(models, prompt_ids):
 
 
 @pytest.mark.slow
-def test_penalties_are_the_targets_distribution_penalised(models, prompt_ids):
-    """Presence and frequency penalties on the target's rows by the tokens before each place, the
-    drafted ones included: the second token fits the penalised target's marginal, not the plain one's."""
-    sampling = SamplingParams(temperature=1.0, presence_penalty=2.0, frequency_penalty=2.0)
+@pytest.mark.parametrize("knobs", [dict(presence_penalty=2.0, frequency_penalty=2.0), dict(repetition_penalty=2.0)],
+                         ids=["presence and frequency", "repetition"])
+def test_penalties_are_the_targets_distribution_penalised(models, prompt_ids, knobs):
+    """The penalties on the target's rows by the tokens before each place, the drafted ones
+    included (the repetition penalty's: the prompt's too): both first tokens fit the penalised
+    target's marginals, the second not the plain one's."""
+    sampling = SamplingParams(temperature=1.0, **knobs)
     prompt = prompt_ids["short"]  # its likeliest second token repeats the first: the penalties move it
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
-    policy = PolicyConfig(name="constant", draft_length=3)
-    requests = [GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=seed), policy=policy)
-                for seed in range(SAMPLES)]
-    results = engine.generate_many(requests, 50)
-    assert sum(r.stats.accepted_lengths[0] > 0 for r in results) > SAMPLES // 20  # drafted tokens accepted
-    assert_first_tokens_follow_the_target(models, prompt, sampling, results)
-    _, p2 = exact_marginals(models["target"].model, prompt, SamplingParams(temperature=1.0))
-    assert chi_square_pvalue([r.token_ids[1] for r in results], p2) < ALPHA
-
-
-@pytest.mark.slow
-def test_the_repetition_penalty_is_the_targets_distribution_penalised(models, prompt_ids):
-    """The repetition penalty over the prompt and the tokens before each place, drafted ones
-    included: both first tokens fit the penalised target's marginals, the second not the plain one's."""
-    sampling = SamplingParams(temperature=1.0, repetition_penalty=2.0)
-    prompt = prompt_ids["short"]
     engine = SpeculativeEngine(models["target"], models["close_draft"])
     policy = PolicyConfig(name="constant", draft_length=3)
     requests = [GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=seed), policy=policy)
