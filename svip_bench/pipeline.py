@@ -203,7 +203,7 @@ def _streamed(loop, engine, request: GenerationRequest) -> tuple:
     """The request through a distributed engine, and the time to its first settled token (ms)."""
     first: list[float] = []
 
-    def arrived(tokens: list[int]) -> bool:
+    def arrived(tokens: list[int], logprobs: list) -> bool:
         first.append(time.perf_counter())
         return False  # never a stop here
 
