@@ -148,12 +148,10 @@ class DistributedEngine:
                     raise _StreamLost()
                 kind = event.WhichOneof("kind")
                 if kind == "settled" and not out.stopped:
-                    settled = event.settled
-                    if settled.prompt_logprobs and out.prompt_logprobs is None:
-                        out.prompt_logprobs = convert.logprobs_from_proto(request.prompt_ids[1:],
-                                                                          settled.prompt_logprobs)
-                    logprobs = convert.logprobs_from_proto(settled.tokens, settled.logprobs)
-                    if out.take(list(settled.tokens), logprobs):  # the rest would be cut anyway: end the session
+                    logprobs, prompt_logprobs = convert.settled_logprobs(event.settled, request.prompt_ids)
+                    if prompt_logprobs is not None and out.prompt_logprobs is None:
+                        out.prompt_logprobs = prompt_logprobs
+                    if out.take(list(event.settled.tokens), logprobs):  # the rest would be cut anyway: end it
                         conn.send(pb.GenerateRequest(cancel=pb.Cancel(session_id=session_id)))
                 elif kind == "finished":
                     finished = event.finished
@@ -236,16 +234,16 @@ class _Output:
     def __init__(self, on_tokens: OnTokens | None):
         self.on_tokens = on_tokens
         self.generated: list[int] = []
-        self.logprobs: list = []  # per generated token, when the request asked for them
-        self.prompt_logprobs: list | None = None  # the first session's, when the request asked for them
+        self.logprobs: list[TokenLogprob] = []  # per generated token, when the request asked for them
+        self.prompt_logprobs: list[TokenLogprob] | None = None  # the first session's, when asked for
         self.stopped = False
 
-    def take(self, tokens: list[int], logprobs=()) -> bool:
-        """Settled tokens (and their logprobs); True once the caller's callback ended the output
-        (a stop string)."""
+    def take(self, tokens: list[int], logprobs: list[TokenLogprob]) -> bool:
+        """Settled tokens and their logprobs (none unless asked for); True once the caller's
+        callback ended the output (a stop string)."""
         self.generated += tokens
         self.logprobs += logprobs
-        if self.on_tokens is not None and self.on_tokens(tokens, list(logprobs)):
+        if self.on_tokens is not None and self.on_tokens(tokens, logprobs):
             self.stopped = True
         return self.stopped
 

@@ -29,7 +29,7 @@ import uuid
 from collections.abc import Callable
 from typing import Protocol
 
-from coordinator.distributed import error_from_proto, resolved, start_message
+from coordinator.distributed import OnTokens, error_from_proto, resolved, start_message
 from coordinator.session.host import SessionHost
 from draft_worker.service import PARALLEL, DraftService
 from svip_common.contracts import GenerationRequest, GenerationResult, GenerationStats, Limits
@@ -128,7 +128,7 @@ class Pending:
 
     request: GenerationRequest
     session_id: str
-    on_tokens: Callable[[list[int]], bool | None] | None = None
+    on_tokens: OnTokens | None = None
     generated: list[int] = dataclasses.field(default_factory=list)
     logprobs: list = dataclasses.field(default_factory=list)  # per generated token, when asked for
     prompt_logprobs: list | None = None
@@ -326,10 +326,9 @@ class InMemoryPair:
         if pending is None or pending.done:
             return
         if kind == "settled" and not pending.stopped:
-            if event.settled.prompt_logprobs:
-                pending.prompt_logprobs = convert.logprobs_from_proto(pending.request.prompt_ids[1:],
-                                                                      event.settled.prompt_logprobs)
-            logprobs = convert.logprobs_from_proto(event.settled.tokens, event.settled.logprobs)
+            logprobs, prompt_logprobs = convert.settled_logprobs(event.settled, pending.request.prompt_ids)
+            if prompt_logprobs is not None:
+                pending.prompt_logprobs = prompt_logprobs
             pending.generated += list(event.settled.tokens)
             pending.logprobs += logprobs
             if pending.on_tokens is not None and pending.on_tokens(list(event.settled.tokens), logprobs):

@@ -179,18 +179,20 @@ class GenerationRequest:
         if len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
             raise InvalidRequest(f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
         check_token_ids(self.stop_token_ids, limits.tokens, "stop token id")
-        check_logprobs(self.logprobs)
-        if self.prompt_logprobs and self.logprobs is None:
-            raise InvalidRequest("prompt_logprobs needs logprobs (the top alternatives' count)")
+        check_logprobs(self.logprobs, self.prompt_logprobs)
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
 
 
-def check_logprobs(top: int | None) -> None:
+def check_logprobs(top: int | None, prompt_logprobs: bool = False) -> None:
+    """A request's logprobs: None, or the top alternatives' count in [0, MAX_LOGPROBS]; the
+    prompt's only with them."""
     if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= MAX_LOGPROBS):
         raise InvalidRequest(f"logprobs must be an integer in [0, {MAX_LOGPROBS}] (top alternatives per token), "
                              f"got {top!r}")
+    if prompt_logprobs and top is None:
+        raise InvalidRequest("prompt_logprobs needs logprobs (the top alternatives' count)")
 
 
 @dataclass(frozen=True)

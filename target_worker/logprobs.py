@@ -43,25 +43,29 @@ class LogprobRows:
         alternatives, read in one pass; their rows are let go."""
         if end <= start:
             return []
-        rows = torch.stack([self._row(sequence, place) for place in range(start, end)]).float()
-        logprobs = torch.log_softmax(rows, dim=-1)
-        tokens = torch.tensor(sequence[start:end], device=logprobs.device)[:, None]
-        parts = [logprobs.gather(-1, tokens)]
-        if self.top:
-            best = torch.topk(logprobs, self.top, dim=-1)
-            parts += [best.indices.to(logprobs.dtype), best.values]
-        host = torch.cat(parts, dim=-1).tolist()
+        rows = torch.stack([self._row(sequence, place) for place in range(start, end)])
         for place in [p for p in self._rows if p < end]:
             del self._rows[place]
-        n = self.top
-        return [TokenLogprob(token, row[0], tuple(zip(map(int, row[1 : 1 + n]), row[1 + n :])))
-                for token, row in zip(sequence[start:end], host)]
+        return read_logprobs(rows, sequence[start:end], self.top)
 
     def _row(self, sequence: Sequence[int], place: int) -> torch.Tensor:
         for base, path, row in self._rows.get(place, ()):
             if tuple(sequence[base:place]) == path:
                 return row
         raise RuntimeError(f"no target row kept for place {place} after the settled tokens")
+
+
+def read_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
+    """Each token's log-probability under its row of logits [n, vocab] and the row's ``top``
+    likeliest, worked out together and read to the host in one copy."""
+    logprobs = torch.log_softmax(rows.float(), dim=-1)
+    parts = [logprobs.gather(-1, torch.tensor(list(tokens), device=logprobs.device)[:, None])]
+    if top:
+        best = torch.topk(logprobs, top, dim=-1)
+        parts += [best.indices.to(logprobs.dtype), best.values]
+    host = torch.cat(parts, dim=-1).tolist()
+    return [TokenLogprob(token, row[0], tuple(zip(map(int, row[1 : 1 + top]), row[1 + top :])))
+            for token, row in zip(tokens, host)]
 
 
 def block_rows(base: int, drafted: Sequence[int], siblings: Sequence[Sequence[int]] | None,

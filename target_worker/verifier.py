@@ -28,7 +28,7 @@ from svip_common.row_rules import RowRules
 from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import node_parents, sibling_nodes
-from target_worker.logprobs import LogprobRows, block_rows
+from target_worker.logprobs import LogprobRows, block_rows, read_logprobs
 
 
 class Verifier:
@@ -317,13 +317,12 @@ class TargetSession:
         started = time.perf_counter()
         (rows,) = self._verifier.pool.forward([(self.sequence, list(prompt), len(prompt))])
         rows = mask_padding(rows, self._verifier.token_limit)
-        scored = LogprobRows(self.logprob_rows.top)
-        scored.keep([(place, 0, tuple(prompt[:place]), rows[place - 1]) for place in range(1, len(prompt))])
+        scored = read_logprobs(rows[:-1], prompt[1:], self.logprob_rows.top)  # every row the prompt's own
         empty = Block(base=len(prompt), tokens=[], probs=[], entropies=[])
         last = self.processed(rows[-1:], prompt, empty, _Plan(None, False))
         choice = int(torch.argmax(last, dim=-1)) if self.sampling.greedy else None
         self.store_row(last, choice, time.perf_counter() - started)
-        return scored.settle(prompt, 1, len(prompt))
+        return scored
 
     def forget_row(self) -> None:
         """No row is stored: the sequence it was computed on is changing (a prompt chunk) or gone."""

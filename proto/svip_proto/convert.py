@@ -144,11 +144,13 @@ def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> Poli
 
 def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> SessionStart:
     """Checked against the worker's block cap: a bad policy or stop rule is INVALID_ARGUMENT, and
-    so is a tree for a sampled session (trees.check_wire_tree)."""
+    so is a tree for a sampled session (trees.check_wire_tree) and logprobs past their bound."""
     speculates = msg.policy.name not in ("", "none")
     sampling = sampling_from_proto(msg.sampling)
     if speculates:
         check_wire_tree(msg.policy.tree or "off", sampling.greedy)
+    logprobs = msg.logprobs if msg.HasField("logprobs") else None
+    check_logprobs(logprobs, msg.prompt_logprobs)
     return SessionStart(
         session_id=msg.session_id,
         prompt_ids=tuple(msg.prompt_ids),
@@ -161,8 +163,8 @@ def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> Sessi
         load_cap=msg.load_cap if msg.HasField("load_cap") else None,
         stop_rule=stop_rule_from_proto(msg.stop_rule) if msg.HasField("stop_rule") else None,
         node_price=_node_price(msg.node_price) if msg.HasField("node_price") else None,
-        logprobs=_logprobs(msg.logprobs) if msg.HasField("logprobs") else None,
-        prompt_logprobs=_prompt_logprobs(msg),
+        logprobs=logprobs,
+        prompt_logprobs=msg.prompt_logprobs,
     )
 
 
@@ -194,8 +196,14 @@ def logprobs_to_proto(logprobs) -> list[pb.TokenLogprob]:
             for lp in logprobs]
 
 
-def logprobs_from_proto(tokens, msgs) -> list[TokenLogprob]:
-    """A Settled's logprobs with its tokens (a worker's own message: read as is)."""
+def settled_logprobs(msg: pb.Settled, prompt_ids) -> tuple[list[TokenLogprob], list[TokenLogprob] | None]:
+    """A Settled's logprobs with its tokens, and the prompt's (None: not in this one); a worker's
+    own message, read as is."""
+    prompt = _logprobs_from_proto(prompt_ids[1:], msg.prompt_logprobs) if msg.prompt_logprobs else None
+    return _logprobs_from_proto(msg.tokens, msg.logprobs), prompt
+
+
+def _logprobs_from_proto(tokens, msgs) -> list[TokenLogprob]:
     return [TokenLogprob(token, m.logprob, tuple(zip(m.top_ids, m.top_logprobs))) for token, m in zip(tokens, msgs)]
 
 
@@ -251,17 +259,6 @@ def feedback_from_proto(msg: pb.Feedback, width: int) -> Feedback:
             node_price=_node_price(item.node_price) if item.HasField("node_price") else None,
         )
     return head
-
-
-def _prompt_logprobs(msg: pb.StartSession) -> bool:
-    if msg.prompt_logprobs and not msg.HasField("logprobs"):
-        raise InvalidRequest("prompt_logprobs needs logprobs (the top alternatives' count)")
-    return msg.prompt_logprobs
-
-
-def _logprobs(top: int) -> int:
-    check_logprobs(top)
-    return top
 
 
 def _node_price(price: float) -> float:
