@@ -101,8 +101,7 @@ class PipelinedDraft:
         dropped, finished blocks keep only their tokens. Whether anything was given back."""
         held = [job for job in self.jobs if job.draft.cache is not None]
         for job in held:
-            self.jobs.remove(job)
-            self.session.release(job.draft.cache)
+            self._cancel(job)
         return self.forks.release_all() or bool(held)
 
     @property
@@ -285,8 +284,7 @@ class PipelinedDraft:
                 sent.append(item)
                 continue
             self.prepared[job.prepared_for] = item
-            if job.draft.cache is not None:
-                self.forks.held[job.prepared_for] = job.draft.cache
+            self.forks.keep(job.prepared_for, job.draft.cache)
             if self.send_prepared:
                 sent.append(item)
         return sent
@@ -367,6 +365,11 @@ class Forks:
     def __init__(self, session: DraftSession):
         self.session, self.held = session, {}
 
+    def keep(self, key: PreparedKey, cache) -> None:
+        """A prepared block finished on this fork (None: on the session's own cache, nothing to keep)."""
+        if cache is not None:
+            self.held[key] = cache
+
     def adopt(self, key: PreparedKey) -> None:
         if key in self.held:
             self.session.adopt(self.held.pop(key))
@@ -412,13 +415,10 @@ def work(draft: PipelinedDraft, now: float) -> list[DraftedBlock] | None:
     if not drafts:
         return None
     before = sum(d.compute_s for d in drafts)
-    if len(drafts) == 1:
-        drafts[0].step()  # raises its error
-    else:
-        drafts[0]._session._drafter.step(drafts)
-        for d in drafts:
-            if d.error is not None:
-                raise d.error
+    draft.session._drafter.step(drafts)
+    for d in drafts:
+        if d.error is not None:
+            raise d.error
     forward_s = sum(d.compute_s for d in drafts) - before
     return draft.after_step(now + forward_s, forward_s)
 

@@ -37,6 +37,7 @@ class ScriptedBlock:
     with q = 0.9 and one runner-up at q = 0.08."""
 
     cache = None  # drafted on its session's own cache (no fork)
+    error = None  # its own work never fails
 
     def __init__(self, seq: list[int], budget: int, length: int, stop_ids: frozenset[int]):
         self.block = Block(base=len(seq), tokens=[], probs=[], entropies=[])
@@ -56,8 +57,19 @@ class ScriptedBlock:
         return self.done
 
 
+class ScriptedDrafter:
+    """A Drafter stand-in: a step advances each block by its script's next token."""
+
+    @staticmethod
+    def step(blocks) -> None:
+        for block in blocks:
+            block.step()
+
+
 class ScriptedSession:
     """A DraftSession stand-in: blocks of `length`, and a record of the verdicts it was told."""
+
+    _drafter = ScriptedDrafter()
 
     def __init__(self, length: int = 3, stop_ids: frozenset[int] = frozenset({STOP})):
         self.length, self.stop_ids = length, stop_ids
