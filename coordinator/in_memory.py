@@ -31,8 +31,8 @@ from typing import Protocol
 
 from coordinator.distributed import OnTokens, error_from_proto, resolved, start_message
 from coordinator.session.host import SessionHost
-from draft_worker.service import PARALLEL, DraftService
-from svip_common.contracts import GenerationRequest, GenerationResult, GenerationStats, Limits
+from draft_worker.service import DraftService
+from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, GenerationResult, GenerationStats, Limits
 from svip_common.models import LoadedModel, ModelInfo
 from svip_common.pair_config import PairConfig
 from svip_proto import convert
@@ -153,7 +153,7 @@ class Pending:
 class InMemoryPair:
     def __init__(self, target: LoadedModel | ModelInfo, verifier, drafter, limits: Limits, pipeline: str = "async",
                  schedule: Schedule | None = None, clock: Callable[[], float] = time.time, prepare: int = 2,
-                 draft_clock: Callable[[], float] | None = None, parallel: int = PARALLEL, **host_options):
+                 draft_clock: Callable[[], float] | None = None, parallel: int = DRAFT_PARALLEL, **host_options):
         """target: the target model (its end-of-sequence ids); verifier, drafter: the workers' models
         (target_worker/verifier.py, draft_worker/drafter.py; drafter None: the target alone);
         schedule: what happens next (InOrder() by default); clock: the time now, for the host and

@@ -29,6 +29,7 @@ class DraftActor(ModelActor):
         self.max_batched_tokens = config.max_batched_tokens
         self.target_path = config.target
         self.emulation = config.emulation()
+        self.parallel = config.draft_parallel
 
     def load(self) -> None:
         model_path, dtype, device = self._load_args
@@ -49,7 +50,7 @@ class DraftActor(ModelActor):
             )
         if self.emulation is not None:
             drafter.time_as(self.emulation.draft_timing())
-        return DraftService(drafter, self.limits)
+        return DraftService(drafter, self.limits, parallel=self.parallel)
 
     def register(self, server, service) -> None:
         pb_grpc.add_DraftWorkerServicer_to_server(service, server)

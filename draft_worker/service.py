@@ -15,7 +15,7 @@ from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
 from draft_worker.policies import AutoPolicy
 from svip_common.acceptance import StopRule
-from svip_common.contracts import NO_TOKEN, check_token_ids
+from svip_common.contracts import DRAFT_PARALLEL, NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.kv_cache import PoolFull
 from svip_common.messages import DraftedBlock, Feedback, Resume
@@ -28,7 +28,6 @@ from svip_runtime.step_metrics import StepMetrics
 from svip_runtime.wire_batch import BadBatch, pack_events, unpack
 
 log = logging.getLogger(__name__)
-PARALLEL = 3  # speculative blocks an async session drafts side by side: the follow-up and two prepared (pipelined.py)
 FEATURE_ROWS_CAP = 1 << 20  # rows of features a session may hold ahead where no context length is known
 
 
@@ -73,7 +72,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     role = "draft"
 
     def __init__(self, drafter: Drafter, limits, prepare: int = 2, compute=ComputeLoop, clock=time.time,
-                 timer=time.perf_counter, parallel: int = PARALLEL):
+                 timer=time.perf_counter, parallel: int = DRAFT_PARALLEL):
         """compute: the loop that owns the sessions (SessionService); clock: the time now, for the
         sessions' timestamps; timer: what a step's duration is read from (the in-memory
         transport's simulation gives both as its own clock)."""
@@ -84,7 +83,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.parallel = parallel  # speculative blocks a session drafts side by side (async; pipelined.py)
         self.forks_released = 0  # times a short pool took the speculation held on forks back
         self.step_metrics = StepMetrics("draft")
-        self.shed = 0  # sessions given up because the KV pool was full
+        self.shed = 0  # sessions whose draft work was given up (the KV pool full, a failed step)
         self.sent_batches = 0  # messages that carried more than one event (one step's, for several sessions)
         # target features sent ahead in chunks, per session, until the message they lead arrives
         self._chunks = FeatureChunks(limits.positions or FEATURE_ROWS_CAP)
@@ -253,6 +252,9 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                 self._shed(youngest, str(exc))
                 batch = [item for item in batch if item[0] != youngest]
         return batch
+
+    def add_stats(self, stats: pb.WorkerStats) -> None:
+        stats.forks_released, stats.sessions_shed = self.forks_released, self.shed
 
     def _shed(self, session_id: str, why: str) -> None:
         stream = self.owner(session_id)

@@ -9,12 +9,12 @@ import sys
 from pathlib import Path
 
 from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
+from svip_common.contracts import check_draft_parallel
 from svip_common.errors import InvalidRequest
 from svip_common.trees import TREES
 
 DEFAULT_EMULATION = "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms"
 DEVICE_SCALE = 3  # the default profile's steps, slowed until the embedded pair's forwards here keep within them
-MAX_PARALLEL = 8  # --draft-parallel's bound: blocks a session drafts side by side
 QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 
 
@@ -232,8 +232,8 @@ def _check_emulation(args: argparse.Namespace) -> None:
                              "draft=MODEL@DEVICE")
     if not 0 <= args.host_scale <= 100:
         raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
-    if args.draft_parallel is not None and not 1 <= args.draft_parallel <= MAX_PARALLEL:
-        raise InvalidRequest(f"--draft-parallel must be in [1, {MAX_PARALLEL}], got {args.draft_parallel}")
+    if args.draft_parallel is not None:
+        check_draft_parallel(args.draft_parallel, "--draft-parallel")
 
 
 def prompts_for(categories: str | None, dataset: str | None, per_category: int) -> list:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
-from draft_worker.service import PARALLEL
 from svip_bench.runner import Progress, encode_prompts
-from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
+from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, Limits, PolicyConfig
 from svip_common.emulation import Emulation, parse_emulation
 from target_worker.verifier import Verifier
 
@@ -35,7 +34,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     threshold = engine.calibration().threshold
     policy = PolicyConfig(name="svip", threshold=threshold)
     tree = getattr(args, "tree", "off")
-    parallel = getattr(args, "draft_parallel", None) or PARALLEL
+    parallel = getattr(args, "draft_parallel", None) or DRAFT_PARALLEL
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     header.update(emulate=emulation.spec, emulated=emulation.describe(), target_device=target_step.name,
                   draft_device=draft_step.name, link=wire.name,
@@ -76,7 +75,7 @@ class Waves:
 
 
 def simulated_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int, mode: str,
-                    host_scale: float = 1.0, parallel: int = PARALLEL) -> Waves:
+                    host_scale: float = 1.0, parallel: int = DRAFT_PARALLEL) -> Waves:
     """The requests in waves of n in flight together through the in-memory pair in virtual time
     (coordinator/simulated.py; mode alone: the target alone, else sync or async with the engine's
     draft), a fresh pair per wave; host work measured here, times host_scale; parallel: the

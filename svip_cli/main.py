@@ -16,7 +16,9 @@ import sys
 from svip_common.auto_settings import WINDOW, AutoSettings
 from svip_common.contracts import (
     DRAFT_LENGTH_CAP,
+    DRAFT_PARALLEL,
     INT32_MAX,
+    MAX_DRAFT_PARALLEL,
     POLICY_NAMES,
     GenerationRequest,
     Limits,
@@ -97,6 +99,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="distributed: while no block is ready, the target takes in what a waiting session needs "
         "first (its last verdict's token, its prompt): for a lone session where it pays (auto, default), "
         "always, or off",
+    )
+    models.add_argument(
+        "--draft-parallel",
+        type=int,
+        help=f"distributed, async: blocks a session drafts side by side on forked KV pages, its follow-up and the "
+        f"continuations prepared for a rejection ({DRAFT_PARALLEL}; 1: one at a time; at most {MAX_DRAFT_PARALLEL})",
     )
     models.add_argument(
         "--target-gpus",
@@ -339,6 +347,13 @@ def _add_serve_parser(sub) -> None:
         help="while no block is ready, the target takes in what waiting sessions need first (the last "
         "verdict's token, a new prompt): for a lone session where it pays (auto, default), always, or off",
     )
+    srv.add_argument(
+        "--draft-parallel",
+        type=int,
+        default=DRAFT_PARALLEL,
+        help=f"async: blocks a session drafts side by side on forked KV pages ({DRAFT_PARALLEL}; 1: one at a time; "
+        f"at most {MAX_DRAFT_PARALLEL})",
+    )
     srv.add_argument("--policy", default="auto", help=f"default length policy (auto): {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     srv.add_argument("--tree", choices=TREES, default="off",
@@ -467,7 +482,8 @@ def main(argv: list[str] | None = None) -> int:
 def _generate(args: argparse.Namespace) -> int:
     prompts = _prompt_sources(args)
     base_request = _request_template(args)
-    for flag in ("pipeline", "idle_prefill", "ray_address", "placement", "grpc_tls_dir", "insecure_workers"):
+    for flag in ("pipeline", "idle_prefill", "draft_parallel", "ray_address", "placement", "grpc_tls_dir",
+                 "insecure_workers"):
         if args.mode == "inprocess" and getattr(args, flag) is not None:
             raise InvalidRequest(f"--{flag.replace('_', '-')} applies to --mode distributed")
     out = _results_stream() if args.mode == "distributed" else sys.stdout
@@ -619,6 +635,7 @@ def _load_engine(args: argparse.Namespace):
             max_batched_tokens=args.max_batched_tokens, load_aware=getattr(args, "load_aware", "off"),
             insecure_workers=bool(getattr(args, "insecure_workers", False)), auto=_auto_settings(args),
             idle_prefill=getattr(args, "idle_prefill", None) or "auto", emulate=getattr(args, "emulate", None),
+            draft_parallel=DRAFT_PARALLEL if getattr(args, "draft_parallel", None) is None else args.draft_parallel,
         ).checked()
         return LocalDistributed(config, args.pipeline or "async", args.ray_address)
     target = load_model(target_path, args.dtype, args.device)
@@ -657,6 +674,7 @@ def _result_json(args, engine, request, result, text: str) -> dict:
         "mode": args.mode,
         "pipeline": (args.pipeline or "async") if args.mode == "distributed" else None,
         "idle_prefill": (args.idle_prefill or "auto") if args.mode == "distributed" else None,
+        "draft_parallel": (args.draft_parallel or DRAFT_PARALLEL) if args.mode == "distributed" else None,
         "target": engine.target.path,
         "draft": engine.draft_path,
         "dtype": args.dtype,

@@ -24,6 +24,8 @@ if TYPE_CHECKING:  # tensors ride on blocks and verdicts; the CLI reads this mod
 POLICY_NAMES = ("auto", "svip", "constant", "heuristic", "confidence", "none")
 INT32_MAX = 2**31 - 1  # integer fields travel as int32
 DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deployment may change it)
+DRAFT_PARALLEL = 3  # speculative blocks an async session drafts side by side: the follow-up and two prepared
+MAX_DRAFT_PARALLEL = 8  # a deployment's bound on them (each side-by-side block holds forked KV pages)
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the warped q turns NaN
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
 MAX_LOGIT_BIAS = 300  # a request's logit_bias entries at most (OpenAI's bound)
@@ -183,6 +185,12 @@ class GenerationRequest:
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
+
+
+def check_draft_parallel(parallel: int, name: str = "draft_parallel") -> None:
+    """A deployment's side-by-side blocks per async session: 1 (one at a time) to MAX_DRAFT_PARALLEL."""
+    if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_DRAFT_PARALLEL:
+        raise InvalidRequest(f"{name} must be an integer in [1, {MAX_DRAFT_PARALLEL}], got {parallel!r}")
 
 
 def check_logprobs(top: int | None, prompt_logprobs: bool = False) -> None:

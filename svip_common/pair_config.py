@@ -12,7 +12,7 @@ import math
 from dataclasses import dataclass, field
 
 from svip_common.auto_settings import AutoSettings
-from svip_common.contracts import DRAFT_LENGTH_CAP
+from svip_common.contracts import DRAFT_LENGTH_CAP, DRAFT_PARALLEL, check_draft_parallel
 from svip_common.emulation import Emulation, parse_emulation
 from svip_common.errors import InvalidRequest
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
@@ -58,6 +58,8 @@ class PairConfig:
     max_draft_length: int = DRAFT_LENGTH_CAP  # the longest block a request may ask for
     load_aware: str = "greedy"  # whose blocks follow the target's load: off, greedy, all (step_cost.py)
     idle_prefill: str = "auto"  # the target, idle, takes in what waiting sessions need first: auto, always, off
+    draft_parallel: int = DRAFT_PARALLEL  # blocks an async session drafts side by side on forked KV pages: its
+    # follow-up and the continuations prepared for a rejection (draft_worker/pipelined.py); 1: one at a time
     auto: AutoSettings = field(default_factory=AutoSettings)  # policy auto's knobs (auto_settings.py)
     recovery: Recovery = field(default_factory=Recovery)
     start_timeout_s: float = 600.0  # a worker loads its weights within this (a first download counts)
@@ -87,6 +89,7 @@ class PairConfig:
                 raise InvalidRequest(f"{name} must be > 0, got {getattr(self, name)}")
         check_load_aware(self.load_aware)
         check_idle_prefill(self.idle_prefill)
+        check_draft_parallel(self.draft_parallel)
         self.auto.check()
         self.recovery.checked()
         if self.emulate is not None:

@@ -56,6 +56,10 @@ class ServeMetrics:
         self.detached = counter("sessions_detached", "Times a session went on without its draft (lost or stalled).")
         self.reattached = counter("sessions_reattached", "Times a draft took a session up again.")
         self.worker_restarts = counter("worker_restarts", "Workers replaced under running sessions.", ("role",))
+        self.forks_released = counter("draft_forks_released", "Times the draft worker's short KV pool took back the "
+                                      "pages of continuations prepared side by side, before it would shed a session.")
+        self.sessions_shed = counter("draft_sessions_shed", "Sessions whose draft work the draft worker gave up (its "
+                                     "KV pool full, a failed step): they go on with the target alone.")
         self.reprefilled = counter("reprefilled_tokens", "Tokens prefilled again on a replaced target worker.")
         self.recover_time = histogram("time_to_recover_seconds", "A session's wait from its target worker's loss "
                                       "to going on on the replaced one.", LATENCY_BUCKETS)
@@ -82,7 +86,7 @@ class ServeMetrics:
         self.auto_weight = m.Gauge("svip_auto_weight",
                                    "Policy auto: the pair's acceptance model, one weight per feature.",
                                    tag_keys=tags + ("kind", "feature"))
-        self._restarts_seen: dict[str, int] = {}
+        self._totals = Totals()  # what the workers' own counts were when last read
         self.kv_usage = m.Gauge("svip_kv_cache_usage_perc",
                                 "Share of a worker's KV pool pages in use (vLLM's cache usage).",
                                 tag_keys=tags + ("role",))
@@ -132,6 +136,9 @@ class ServeMetrics:
             self.open_sessions.set(s.open_sessions, {**self.tags, "role": role})
             if s.kv_pages_total:
                 self.kv_usage.set(s.kv_pages_used / s.kv_pages_total, {**self.tags, "role": role})
+        if "draft" in stats:
+            self._inc(self.forks_released, self._totals.delta("forks_released", stats["draft"].forks_released))
+            self._inc(self.sessions_shed, self._totals.delta("sessions_shed", stats["draft"].sessions_shed))
 
     def set_auto(self, target) -> None:
         """target: the target's WorkerStats, which carry the pair's `auto` estimate."""
@@ -148,10 +155,8 @@ class ServeMetrics:
     def set_restarts(self, restarts: dict[str, int]) -> None:
         """restarts: role -> workers replaced so far (counted up to it)."""
         for role, count in restarts.items():
-            seen = self._restarts_seen.get(role, 0)
-            if count > seen:
-                self.worker_restarts.inc(count - seen, {**self.tags, "role": role})
-                self._restarts_seen[role] = count
+            if (more := self._totals.delta(f"restarts/{role}", count)) > 0:
+                self.worker_restarts.inc(more, {**self.tags, "role": role})
 
     def record_rejected(self, reason: str) -> None:
         self.rejected.inc(1, {**self.tags, "reason": reason})
@@ -163,6 +168,20 @@ class ServeMetrics:
     def _inc(self, counter, value: float) -> None:
         if value > 0:  # Ray counters refuse 0 increments
             counter.inc(value, self.tags)
+
+
+class Totals:
+    """Counters a worker keeps as running totals, turned into increments: what each total grew by
+    since it was last read. A total that went down belongs to a replaced worker, counting again
+    from 0: all of it is new."""
+
+    def __init__(self):
+        self._seen: dict[str, int] = {}
+
+    def delta(self, name: str, total: int) -> int:
+        seen = self._seen.get(name, 0)
+        self._seen[name] = total
+        return total if total < seen else total - seen
 
 
 def auto_state(target) -> dict:

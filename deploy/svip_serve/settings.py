@@ -10,7 +10,7 @@ from pathlib import Path
 
 from svip_assets import check_draft_kind
 from svip_common.auto_settings import AutoSettings
-from svip_common.contracts import DRAFT_LENGTH_CAP, POLICY_NAMES, PolicyConfig
+from svip_common.contracts import DRAFT_LENGTH_CAP, DRAFT_PARALLEL, POLICY_NAMES, PolicyConfig, check_draft_parallel
 from svip_common.errors import InvalidRequest
 from svip_common.hub import split_revision
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
@@ -42,6 +42,7 @@ class ServeSettings:
     max_batched_tokens: int = 512  # at most this many tokens in one target forward; longer prompts prefill in chunks
     load_aware: str = "greedy"  # whose blocks follow the target's load: off, greedy, all (svip_common/step_cost.py)
     idle_prefill: str = "auto"  # the target, idle, takes in what waiting sessions need first: auto, always, off
+    draft_parallel: int = DRAFT_PARALLEL  # blocks an async session drafts side by side (its follow-up, continuations)
     max_waiting: int = 32  # requests a replica holds for a free slot; past it: 429
     max_wait_s: float = 30.0  # a request that waited this long for a place gets 429
     max_requests_per_key: int = 0  # requests one API key may have running or waiting on a replica (0: no limit)
@@ -118,6 +119,7 @@ class ServeSettings:
                 raise InvalidRequest(f"{name} must be an integer >= 0, got {getattr(self, name)!r}")
         check_load_aware(self.load_aware)
         check_idle_prefill(self.idle_prefill)
+        check_draft_parallel(self.draft_parallel)
         if self.worker_cpus <= 0:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if not isinstance(self.allow_ignore_eos, bool):
@@ -171,6 +173,7 @@ class ServeSettings:
             worker_cpus=self.worker_cpus, packed=True, grpc_tls_dir=self.grpc_tls_dir,
             kv_cache_tokens=self.kv_cache_tokens, max_batched_tokens=self.max_batched_tokens,
             max_draft_length=self.draft_length_cap, load_aware=self.load_aware, idle_prefill=self.idle_prefill,
+            draft_parallel=self.draft_parallel,
             auto=self.auto(), recovery=recovery, start_timeout_s=self.worker_start_timeout_s, emulate=self.emulate,
         ).checked()
 

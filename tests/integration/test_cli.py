@@ -263,7 +263,8 @@ def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     env = {**os.environ, "PYTHONPATH": REPO}
     proc = subprocess.run(
         [sys.executable, "-m", "svip_cli", *args, "--mode", "distributed", "--pipeline", "async",
-         "--idle-prefill", "always", "--emulate", "target=llama-3.2-1b@h100,draft=qwen2.5-0.5b@h100"],
+         "--idle-prefill", "always", "--draft-parallel", "2",
+         "--emulate", "target=llama-3.2-1b@h100,draft=qwen2.5-0.5b@h100"],
         capture_output=True,
         env=env,
         cwd=REPO,
@@ -278,6 +279,7 @@ def test_distributed_mode_from_the_command_line(model_dirs, capsys):
     stats = distributed["stats"]
     assert stats["config"]["mode"] == "distributed" and stats["config"]["pipeline"] == "async"
     assert stats["config"]["idle_prefill"] == "always" and json.loads(out)["stats"]["config"]["idle_prefill"] is None
+    assert stats["config"]["draft_parallel"] == 2 and json.loads(out)["stats"]["config"]["draft_parallel"] is None
     assert stats["wire_bytes"] > 0 and "discarded_tokens" in stats and stats["timeline"]
     for role, model in (("target", "llama-3.2-1b@h100"), ("draft", "qwen2.5-0.5b@h100")):  # a device each
         assert f"{role} as {model}: " in proc.stderr, proc.stderr[-2000:]
@@ -317,7 +319,7 @@ def test_a_feature_heads_steps_are_timed_too_and_its_tokens_unchanged(capsys):
     assert forwards >= stats["target_forwards"] + stats["draft_forwards"] > stats["target_forwards"]
 
 
-@pytest.mark.parametrize("flag, value", [("--pipeline", "sync"), ("--idle-prefill", "off")])
+@pytest.mark.parametrize("flag, value", [("--pipeline", "sync"), ("--idle-prefill", "off"), ("--draft-parallel", "2")])
 def test_pipeline_settings_need_distributed_mode(capsys, model_dirs, flag, value):
     code, _, err = run_cli(capsys, "generate", "x", *pair_args(model_dirs), flag, value)
     assert code == 2 and f"{flag} applies to --mode distributed" in err
@@ -330,6 +332,7 @@ def test_pipeline_settings_need_distributed_mode(capsys, model_dirs, flag, value
         (["--port", "70000"], 2, "--port must be in 1..65535"),
         (["--metrics-port", "52365"], 2, "--metrics-port 52365 is where Ray's dashboard agent listens"),
         (["--max-in-flight", "0"], 2, "max_in_flight must be an integer >= 1"),
+        (["--draft-parallel", "9"], 2, "draft_parallel must be an integer in [1, 8], got 9"),
         (["--policy", "fastest"], 2, "policy must be one of"),
         (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),
         (["--draft", "/somewhere"], 2, "a draft was given without a target"),

@@ -15,6 +15,7 @@ from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.models import load_model_info
+from svip_runtime.grpc_server import draft_stats
 from tests.workers import in_process_workers
 
 DRAFT_POOL_TOKENS = 128
@@ -49,6 +50,7 @@ def test_a_full_draft_pool_sheds_its_youngest_sessions_and_every_output_stays_ex
     assert [r.token_ids for r in results[:-1]] == [alone.generate(r).token_ids for r in greedy]
     assert len(results[-1].token_ids) == 40 and results[-1].finish_reason == "length"
     assert draft.shed > 0 and sum(r.stats.detached for r in results) >= draft.shed
+    assert loop.run_until_complete(draft_stats(draft_address)).sessions_shed == draft.shed  # what Prometheus reads
     assert sum(r.stats.accepted_tokens for r in results) > 0  # the sessions that fit still speculated
     assert "shed" in caplog.text and "unhandled" not in caplog.text
     # a shed session goes on alone at once: no waiting out the stall deadline or a sampled hold

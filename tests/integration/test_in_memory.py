@@ -17,6 +17,7 @@ from coordinator.in_memory import DELIVERIES, STEPS, WORK, InMemoryPair, InOrder
 from draft_worker.drafter import Drafter
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
+from svip_proto import svip_pb2 as pb
 from target_worker.verifier import Verifier
 from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
 from tests.policies import POLICIES
@@ -268,3 +269,6 @@ def test_a_draft_pool_short_of_room_for_forks_takes_them_back_before_any_session
         request = GenerationRequest(ids, MAX_NEW, policy=POLICIES["svip"])
         assert pair.generate(request).token_ids == alone.generate(request).token_ids
     assert pair.draft.forks_released > 0 and pair.draft.shed == 0
+    stats = pb.WorkerStats()
+    pair.draft.add_stats(stats)  # what the draft's Stats answers, and Prometheus counts up
+    assert (stats.forks_released, stats.sessions_shed) == (pair.draft.forks_released, 0)

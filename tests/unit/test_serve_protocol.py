@@ -190,6 +190,8 @@ def test_admission_refuses_past_in_flight_plus_waiting():
     ({"max_requests_per_key": -1}, "max_requests_per_key"),
     ({"allow_ignore_eos": "yes"}, "allow_ignore_eos"),
     ({"idle_prefill": "sometimes"}, "idle prefill must be one of"),
+    ({"draft_parallel": 0}, "draft_parallel must be an integer in"),
+    ({"draft_parallel": 1_000_000}, "draft_parallel must be an integer in"),
     ({"health_check_period_s": 0}, "health_check_period_s"),
     ({"api_key_sha256": ["short-key"]}, "SHA-256 digests"),
 ])

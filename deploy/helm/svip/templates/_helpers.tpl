@@ -75,6 +75,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "max_batched_tokens" (int $v.serve.maxBatchedTokens)
   "load_aware" $v.decoding.loadAware
   "idle_prefill" $v.decoding.idlePrefill
+  "draft_parallel" (int $v.decoding.draftParallel)
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
   "tree" $v.decoding.tree
