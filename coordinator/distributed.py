@@ -33,7 +33,6 @@ from svip_common.contracts import (
 )
 from svip_common.errors import InvalidRequest, Overloaded, WorkerError, WorkerUnavailable
 from svip_common.models import ModelInfo
-from svip_common.trees import check_wire_tree
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_runtime.grpc_server import draft_stats
@@ -258,7 +257,6 @@ def resolved(request: GenerationRequest, speculates: bool, limits: Limits) -> Ge
 
 def start_message(session_id: str, request: GenerationRequest, target: ModelInfo, pipeline: str) -> pb.StartSession:
     """The StartSession the caller sends the target worker for a resolved request."""
-    check_wire_tree(request.policy.tree, request.sampling.greedy)  # refused, never dropped
     start = pb.StartSession(
         session_id=session_id, prompt_ids=request.prompt_ids, sampling=convert.sampling_to_proto(request.sampling),
         stop_token_ids=sorted(request.stop_ids(target.eos_token_ids)), max_new_tokens=request.max_new_tokens,

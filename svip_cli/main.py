@@ -31,7 +31,7 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.pair_config import PairConfig
 from svip_common.randomness import choices
 from svip_common.step_cost import IDLE_PREFILL_MODES, LOAD_AWARE_MODES
-from svip_common.trees import TREES, check_wire_tree
+from svip_common.trees import TREES
 
 
 class _Parser(argparse.ArgumentParser):
@@ -157,8 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--confidence", type=float, default=0.4, help="confidence: stop when q(token) < c (0.4)")
     pol.add_argument("--tree", choices=TREES, default="off",
                      help="each block a token tree, the policy deciding its depth (off: a chain, the "
-                          "default; across the workers, greedy requests only): cape: CaPE's siblings at each "
-                          "drafted place; auto: those of them that pay at the target's measured load")
+                          "default): cape: CaPE's siblings at each drafted place; auto: those of them that pay "
+                          "at the target's measured load")
     _add_auto_arguments(pol)
     smp = gen.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=128)
@@ -357,7 +357,7 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--policy", default="auto", help=f"default length policy (auto): {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     srv.add_argument("--tree", choices=TREES, default="off",
-                     help="default token tree for greedy requests (off): cape, auto (a request's `tree` overrides it)")
+                     help="default token tree (off): cape, auto (a request's `tree` overrides it)")
     _add_auto_arguments(srv)
     srv.add_argument(
         "--draft-length-cap",
@@ -589,8 +589,6 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
         logprobs=args.logprobs,
     )
     request.validate(Limits(tokens=INT32_MAX + 1, positions=None))  # the knobs alone; ids against the model later
-    if getattr(args, "mode", "inprocess") == "distributed":  # before any worker starts
-        check_wire_tree(args.tree, request.sampling.greedy)
     return request
 
 

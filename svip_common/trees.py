@@ -43,14 +43,6 @@ def check_tree(tree: str) -> None:
         raise InvalidRequest(f"unknown tree {tree!r}; choose one of {', '.join(TREES)}")
 
 
-def check_wire_tree(tree: str, greedy: bool) -> None:
-    """Across the workers a tree is drafted for greedy sessions only: a sampled tree's
-    multi-candidate rejection reads the draft's q rows, which stay on the draft worker there."""
-    if tree != "off" and not greedy:
-        raise InvalidRequest(f"tree {tree!r} with sampling runs in process only (svip generate --mode inprocess); "
-                             "across the workers a sampled session drafts chains: set tree 'off' or temperature 0")
-
-
 def check_siblings(tokens: Sequence[int], siblings: Sequence[Sequence[int]]) -> str | None:
     """What is wrong with a block's siblings, or None: one list per drafted place, at most
     MAX_TREE_NODES nodes with the spine, none equal to its place's drafted token or repeated there

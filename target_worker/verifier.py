@@ -536,7 +536,7 @@ def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tenso
             draws.append(row)
             keyed.append(uniform(seed, base + accepted, Purpose.RESOLVE))
             continue
-        r = residual(row, block.q_rows[accepted])
+        r = residual(row, block.q_rows[accepted].to(row.device))  # q rows off the wire: on the host
         node = None
         if block.is_tree and block.siblings[accepted]:
             options = block.siblings[accepted]
@@ -583,7 +583,7 @@ def _first_sampled(group: list[tuple[TargetSession, Sequence[int], Block]]) -> l
         if block.q_rows is None:
             verdicts.append(Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch, p_row=p[g]))
             continue
-        draws.append(residual(p[g], block.q_rows[0]))
+        draws.append(residual(p[g], block.q_rows[0].to(p.device)))
         keyed.append(uniform(seed, base, Purpose.RESOLVE))
         drawn.append(len(verdicts))
         verdicts.append(Verdict(base=base, accepted=0, token=NO_TOKEN, epoch=block.epoch))

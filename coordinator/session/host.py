@@ -228,7 +228,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         if session is None:  # a late event of an ended session
             return
         try:
-            message = convert.draft_event_from_proto(event)
+            message = convert.draft_event_from_proto(event, self.verifier.target.vocab_size)
         except InvalidRequest as exc:
             self._step(session_id, session.on_bad_draft_message, f"draft worker sent a bad block: {exc}")
             return

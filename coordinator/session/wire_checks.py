@@ -57,14 +57,20 @@ def check_block(drafted: DraftedBlock, committed: int, request: GenerationReques
         raise WorkerError("draft worker sent a sampled block without q(d) for every token")
     if checked.siblings is not None:
         _check_tree(checked, request, limits)
+    elif checked.q_rows is not None:
+        raise WorkerError("draft worker sent q rows with a chain (a rejection's correction is drawn on its side)")
     return checked
 
 
 def _check_tree(block: Block, request: GenerationRequest, limits: Limits) -> None:
-    """A tree only where the session asked for one and decodes greedily (a sampled tree's
-    multi-candidate rejection needs q rows, which stay with the draft); its siblings well formed."""
-    if request.policy.tree == "off" or not request.sampling.greedy:
+    """A tree only where the session asked for one; its siblings well formed; a sampled one's q
+    rows (their shape checked as they were read), which its multi-candidate rejection reads, and
+    a greedy one's none."""
+    if request.policy.tree == "off":
         raise WorkerError("draft worker sent a token tree for a session that drafts chains")
+    if block.is_tree and (block.q_rows is None) != request.sampling.greedy:
+        raise WorkerError("draft worker sent a sampled tree without its q rows" if block.q_rows is None
+                          else "draft worker sent q rows with a greedy tree")
     problem = check_siblings(block.tokens, block.siblings)
     if problem is None:
         try:

@@ -10,7 +10,7 @@ import re
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from svip_common.contracts import (
     INT32_MAX,
@@ -22,7 +22,7 @@ from svip_common.contracts import (
     SamplingParams,
 )
 from svip_common.errors import InvalidRequest
-from svip_common.trees import TREES, check_wire_tree
+from svip_common.trees import TREES
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 8  # a request's n at most: each choice holds its own KV pages and a place in the batch
@@ -227,12 +227,6 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     sampling = SamplingParams(temperature, top_k, top_p, seed, **knobs,
                               min_tokens=_integer(body, "min_tokens", 0, lo=0))
     policy = _policy(body, defaults)
-    if "tree" not in body and not sampling.greedy:  # the deployment's default tree is for greedy requests
-        policy = replace(policy, tree="off")
-    try:  # a sampled tree asked for by name: refused by name, never drafted as a chain in silence
-        check_wire_tree(policy.tree, sampling.greedy)
-    except InvalidRequest as exc:
-        raise bad(str(exc), "tree") from None
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
         raise bad(f"'stream_options' must be an object, got {_shown(stream_options)}", "stream_options")

@@ -34,7 +34,7 @@ from svip_common.messages import (
     Resume,
     SessionStart,
 )
-from svip_common.trees import MAX_NODE_PRICE, check_wire_tree
+from svip_common.trees import MAX_NODE_PRICE
 from svip_proto import svip_pb2 as pb
 
 PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}  # the pipeline modes by name, as the wire says them
@@ -144,11 +144,9 @@ def policy_from_proto(msg: pb.PolicyConfig, cap: int = DRAFT_LENGTH_CAP) -> Poli
 
 def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> SessionStart:
     """Checked against the worker's block cap: a bad policy or stop rule is INVALID_ARGUMENT, and
-    so is a tree for a sampled session (trees.check_wire_tree) and logprobs past their bound."""
+    so are logprobs past their bound."""
     speculates = msg.policy.name not in ("", "none")
     sampling = sampling_from_proto(msg.sampling)
-    if speculates:
-        check_wire_tree(msg.policy.tree or "off", sampling.greedy)
     logprobs = msg.logprobs if msg.HasField("logprobs") else None
     check_logprobs(logprobs, msg.prompt_logprobs)
     return SessionStart(
@@ -273,8 +271,7 @@ def p_row_to_proto(msg: pb.Feedback, p_row: torch.Tensor) -> None:
     p = p_row.detach().to("cpu", torch.float32).reshape(-1)  # one copy off the device, then the ids here
     ids = torch.nonzero(p)[:, 0]
     if 2 * len(ids) < len(p):
-        msg.p_nonzero.ids.CopyFrom(tensor_to_proto(ids.to(torch.int32)))
-        msg.p_nonzero.values.CopyFrom(tensor_to_proto(p[ids]))
+        msg.p_nonzero.CopyFrom(_sparse_row(p, ids))
     else:
         msg.p_row.CopyFrom(tensor_to_proto(p))
 
@@ -288,22 +285,70 @@ def p_row_from_proto(msg: pb.Feedback, width: int) -> torch.Tensor | None:
         p_row = tensor_from_proto(msg.p_row)
         if p_row.dtype != torch.float32 or tuple(p_row.shape) != (width,):
             raise InvalidRequest(f"p_row is {_described(p_row)}, expected float32 [{width}]")
-        if not bool((torch.isfinite(p_row) & (p_row >= 0)).all()) or not bool((p_row > 0).any()):
-            raise InvalidRequest("p_row values must be finite, at least 0, and some above 0")
+        _check_distribution(p_row, "p_row")
         return p_row
     if not msg.HasField("p_nonzero"):
         return None
-    ids, values = tensor_from_proto(msg.p_nonzero.ids), tensor_from_proto(msg.p_nonzero.values)
+    return _row_from_sparse(msg.p_nonzero, width, "p_nonzero")
+
+
+def q_rows_to_proto(msg: pb.Block, q_rows: torch.Tensor) -> None:
+    """A sampled tree's q rows [k, vocab] (float32 on the wire): each by its ids with mass
+    (q_nonzero) where that is smaller in all, as for a p row."""
+    q = q_rows.detach().to("cpu", torch.float32)
+    ids = [torch.nonzero(row)[:, 0] for row in q]
+    if 2 * sum(map(len, ids)) < q.numel():
+        msg.q_nonzero.extend(_sparse_row(row, nonzero) for row, nonzero in zip(q, ids))
+    else:
+        msg.q_rows.CopyFrom(tensor_to_proto(q))
+
+
+def q_rows_from_proto(msg: pb.Block, width: int | None) -> torch.Tensor | None:
+    """The block's q rows [k, width] float32 (None: it carries none); rows that are not one per
+    token of this width, or not distributions, are an InvalidRequest. width None: the reader reads
+    no q rows (a draft worker's own blocks), and one that carries them is refused."""
+    if not msg.HasField("q_rows") and not msg.q_nonzero:
+        return None
+    if width is None:
+        raise InvalidRequest("a block carries q rows where none are read")
+    k = len(msg.tokens)
+    if msg.HasField("q_rows"):
+        if msg.q_nonzero:
+            raise InvalidRequest("a block carries q_rows or q_nonzero, not both")
+        q = tensor_from_proto(msg.q_rows)
+        if q.dtype != torch.float32 or tuple(q.shape) != (k, width):
+            raise InvalidRequest(f"q_rows is {_described(q)}, expected float32 [{k}, {width}]")
+        for row in q:
+            _check_distribution(row, "q_rows")
+        return q
+    if len(msg.q_nonzero) != k:
+        raise InvalidRequest(f"block of {k} tokens carries {len(msg.q_nonzero)} q rows")
+    return torch.stack([_row_from_sparse(row, width, "q_nonzero") for row in msg.q_nonzero])
+
+
+def _sparse_row(row: torch.Tensor, ids: torch.Tensor) -> pb.SparseRow:
+    """A float32 row [vocab] on the host by its ids with mass (ids: its nonzero ones, ascending)."""
+    return pb.SparseRow(ids=tensor_to_proto(ids.to(torch.int32)), values=tensor_to_proto(row[ids]))
+
+
+def _row_from_sparse(msg: pb.SparseRow, width: int, name: str) -> torch.Tensor:
+    """A row [width] float32 from its ids with mass, checked (name: the field, for the message)."""
+    ids, values = tensor_from_proto(msg.ids), tensor_from_proto(msg.values)
     if ids.dtype != torch.int32 or values.dtype != torch.float32 or ids.dim() != 1 or ids.shape != values.shape:
-        raise InvalidRequest(f"p_nonzero needs int32 ids and float32 values of one length [n]; got {_described(ids)} "
+        raise InvalidRequest(f"{name} needs int32 ids and float32 values of one length [n]; got {_described(ids)} "
                              f"and {_described(values)}")
     if not 1 <= len(ids) <= width:
-        raise InvalidRequest(f"p_nonzero has {len(ids)} ids; a row of {width} has 1 to {width}")
+        raise InvalidRequest(f"{name} has {len(ids)} ids; a row of {width} has 1 to {width}")
     if int(ids[0]) < 0 or int(ids[-1]) >= width or (len(ids) > 1 and not bool((ids[1:] > ids[:-1]).all())):
-        raise InvalidRequest(f"p_nonzero ids must be ascending, each in [0, {width})")
+        raise InvalidRequest(f"{name} ids must be ascending, each in [0, {width})")
     if not bool((torch.isfinite(values) & (values > 0)).all()):
-        raise InvalidRequest("p_nonzero values must be finite and above 0")
+        raise InvalidRequest(f"{name} values must be finite and above 0")
     return torch.zeros(width, dtype=torch.float32).index_put_((ids.long(),), values)
+
+
+def _check_distribution(row: torch.Tensor, name: str) -> None:
+    if not bool((torch.isfinite(row) & (row >= 0)).all()) or not bool((row > 0).any()):
+        raise InvalidRequest(f"{name} values must be finite, at least 0, and some above 0")
 
 
 def _described(t: torch.Tensor) -> str:
@@ -405,6 +450,8 @@ def block_to_proto(session_id: str, block: Block, resolved_token: int = NO_TOKEN
     if block.is_tree:
         msg.sibling_counts.extend(len(options) for options in block.siblings)
         msg.sibling_tokens.extend(t for options in block.siblings for t in options)
+        if block.q_rows is not None:  # sampled: the target tries the siblings against max(0, p - q)
+            q_rows_to_proto(msg, block.q_rows)
     return msg
 
 
@@ -419,11 +466,12 @@ def drafted_to_proto(session_id: str, drafted: DraftedBlock, probs: bool = True)
     return msg
 
 
-def drafted_from_proto(msg: pb.Block) -> DraftedBlock:
-    """A malformed block (its q or entropies not one per token, a bad tensor) is an InvalidRequest."""
+def drafted_from_proto(msg: pb.Block, width: int | None = None) -> DraftedBlock:
+    """A malformed block (its q or entropies not one per token, a bad tensor, q rows not of the
+    target's vocabulary of ``width``) is an InvalidRequest."""
     p = msg.prepared_for
     return DraftedBlock(
-        block_from_proto(msg),
+        block_from_proto(msg, width),
         followup=msg.followup,
         resolved_token=msg.resolved_token if msg.HasField("resolved_token") else NO_TOKEN,
         prepared_for=(p.base, p.accepted, p.token) if msg.HasField("prepared_for") else None,
@@ -435,11 +483,12 @@ def drafted_from_proto(msg: pb.Block) -> DraftedBlock:
     )
 
 
-def draft_event_from_proto(event: pb.DraftEvent) -> DraftEvent:
-    """What the draft sent, in the project's terms (a malformed block is an InvalidRequest)."""
+def draft_event_from_proto(event: pb.DraftEvent, width: int | None = None) -> DraftEvent:
+    """What the draft sent, in the project's terms (a malformed block is an InvalidRequest; width:
+    the target's vocabulary, which a sampled tree's q rows span)."""
     kind = event.WhichOneof("kind")
     if kind == "block":
-        return drafted_from_proto(event.block)
+        return drafted_from_proto(event.block, width)
     if kind == "closed":
         return DraftClosed(event.closed.session_id, event.closed.shed)
     if kind == "error":
@@ -456,14 +505,14 @@ def stop_rule_from_proto(msg: pb.StopRule) -> StopRule:
     return StopRule(tuple(msg.weights), msg.stop_at).check()
 
 
-def block_from_proto(msg: pb.Block) -> Block:
+def block_from_proto(msg: pb.Block, width: int | None = None) -> Block:
     entropies = floats_from_proto(msg.entropies) if msg.HasField("entropies") else []
     probs = floats_from_proto(msg.q_probs) if msg.HasField("q_probs") else []
     k = len(msg.tokens)
     if len(entropies) not in (0, k) or len(probs) not in (0, k):
         raise InvalidRequest(f"block of {k} tokens carries {len(probs)} probabilities and {len(entropies)} entropies")
     return Block(base=msg.base, tokens=list(msg.tokens), probs=probs, entropies=entropies, epoch=msg.epoch,
-                 siblings=_siblings_from_proto(msg))
+                 siblings=_siblings_from_proto(msg), q_rows=q_rows_from_proto(msg, width))
 
 
 def _siblings_from_proto(msg: pb.Block) -> list[list[int]] | None:

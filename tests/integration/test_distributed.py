@@ -178,13 +178,17 @@ def test_sampling_distribution_through_the_pipeline(engines, models, prompt_ids,
         assert rejections > 0 and sum(r.stats.wire_bytes for r in results) < rejections * row / 2  # rows by ids
 
 
-def test_seeded_sampling_reproduces_across_runs(engines, prompt_ids, loop):
-    request = GenerationRequest(
-        prompt_ids["long"], 30, sampling=SamplingParams(temperature=0.9, seed=11), policy=POLICIES["svip"]
-    )
+@pytest.mark.parametrize("tree", ["off", "cape"])
+def test_seeded_sampling_reproduces_across_runs(engines, prompt_ids, loop, tree):
+    """tree cape: the blocks are token trees whose q rows cross gRPC; the target draws every
+    correction and sibling by the seed, as the draft draws a chain's."""
+    policy = dataclasses.replace(POLICIES["svip"], tree=tree)
+    request = GenerationRequest(prompt_ids["long"], 30, sampling=SamplingParams(temperature=0.9, seed=11),
+                                policy=policy)
     first = loop.run_until_complete(engines["async"].generate(request))
     second = loop.run_until_complete(engines["async"].generate(request))
-    assert first.token_ids == second.token_ids
+    assert first.token_ids == second.token_ids and first.stats.detached == 0
+    assert (first.stats.tree_nodes > first.stats.draft_tokens) == (tree == "cape")
 
 
 def test_cancelled_session_frees_both_caches(engines, prompt_ids, loop, target_gate):

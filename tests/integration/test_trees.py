@@ -1,8 +1,8 @@
 """Token trees in the in-process engine (issue 44): greedy output equals the target decoding alone,
 token for token, with CaPE's trees and with `auto`'s priced ones, one request at a time and
-batched; a sibling does cover rejections (a round settles one token more there); what trees do not
-run yet (a sampled tree across the workers) is refused with a message that says so, never drafted
-as a chain in silence. Trees across the workers: tests/integration/test_trees_wire.py."""
+batched; a sibling does cover rejections (a round settles one token more there); an unknown tree
+is refused by name. Trees across the workers: tests/integration/test_trees_wire.py; a feature
+head's tree, refused by name: tests/integration/test_feature_draft.py."""
 
 from __future__ import annotations
 
@@ -10,7 +10,6 @@ import dataclasses
 
 import pytest
 
-from coordinator.distributed import start_message
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
@@ -86,15 +85,10 @@ def test_a_trees_nodes_are_bounded_whatever_the_request(models, prompt_ids):
     assert seen and max(seen) <= MAX_TREE_NODES
 
 
-def test_what_trees_do_not_run_yet_is_refused_by_name(models, prompt_ids, model_dirs):
+def test_an_unknown_tree_is_refused_by_name(models, prompt_ids):
     engine = SpeculativeEngine(models["target"], models["close_draft"])
-    ids = prompt_ids["short"]
     with pytest.raises(InvalidRequest, match="unknown tree 'deep'"):
-        engine.generate(GenerationRequest(ids, 8, policy=PolicyConfig(name="svip", tree="deep")))
-    sampled = GenerationRequest(ids, 8, SamplingParams(temperature=0.8), PolicyConfig(name="svip", threshold=0.5,
-                                                                                      tree="cape"))
-    with pytest.raises(InvalidRequest, match="with sampling runs in process only"):
-        start_message("s", engine.resolve(sampled), models["target"], "async")
+        engine.generate(GenerationRequest(prompt_ids["short"], 8, policy=PolicyConfig(name="svip", tree="deep")))
 
 
 def test_a_seeded_sampled_tree_reproduces_one_at_a_time_and_batched(models, prompt_ids):

@@ -2,19 +2,22 @@
 feedback serialised through the wire contract): greedy output equals the target alone in sync and
 async mode, under orders that favour either worker and under random interleavings; siblings
 settle rejected places there as in process (the verdict's branch reaches the draft, which drafts
-on from the sibling); `auto` prices its nodes at the load the target sends; and a draft worker
-whose trees break the rules gives the draft up for that session, never the output."""
+on from the sibling); `auto` prices its nodes at the load the target sends; a draft worker
+whose trees break the rules gives the draft up for that session, never the output; and a sampled
+tree (its q rows on the wire) follows the target's distribution."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 
 from coordinator.engine import SpeculativeEngine
 from coordinator.in_memory import Seeded
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
-from svip_common.errors import InvalidRequest
 from svip_common.trees import MAX_TREE_NODES
 from tests.integration.test_in_memory import DRAFT_FIRST, TARGET_FIRST, make_pair
+from tests.integration.test_sampling_exact import assert_first_tokens_follow_the_target
 from tests.policies import TREE_POLICIES
 
 MAX_NEW = 32
@@ -106,9 +109,38 @@ def test_a_tree_the_rules_refuse_gives_the_draft_up_not_the_output(models, promp
     assert beside.stats.detached == 0 and beside.stats.accepted_tokens > 0
 
 
-def test_a_sampled_tree_across_the_workers_is_refused_by_name(models, prompt_ids):
-    pair = make_pair(models, "async")
-    request = GenerationRequest(prompt_ids["short"], 8, SamplingParams(temperature=0.8),
-                                PolicyConfig(name="svip", threshold=0.5, tree="cape"))
-    with pytest.raises(InvalidRequest, match="with sampling runs in process only"):
-        pair.generate(request)
+PLAIN, WARPED = SamplingParams(temperature=1.0), SamplingParams(temperature=0.8, top_k=40, top_p=0.9)
+
+
+@pytest.mark.parametrize("pipeline, sampling", [
+    ("async", PLAIN), ("sync", WARPED), pytest.param("async", WARPED, marks=pytest.mark.system),
+], ids=["plain-async", "warped-sync", "warped-async"])
+def test_a_sampled_tree_across_the_workers_follows_the_target(models, prompt_ids, pipeline, sampling):
+    """A sampled tree crosses the workers with the draft's q rows: the target tries the siblings
+    at a rejected place against the residual max(0, p - q) and draws the correction itself. The
+    first two tokens of 1,500 seeded requests, 50 in flight, their steps interleaved at random,
+    follow the target's exact marginals (not the draft's); siblings were taken; warped, the q rows
+    travel by their ids with mass."""
+    prompt = prompt_ids["medium"]
+    pair = make_pair(models, pipeline, Seeded(7 + len(pipeline)))
+    policy = PolicyConfig(name="constant", draft_length=3, tree="cape")
+    requests = [GenerationRequest(prompt, 3, dataclasses.replace(sampling, seed=s), policy) for s in range(1500)]
+    results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
+    assert sum(r.stats.branches for r in results) > len(requests) // 20  # siblings really were taken
+    assert all(r.stats.detached == 0 for r in results)  # the draft drafted every tree to the end
+    assert_first_tokens_follow_the_target(models, prompt, sampling, results)
+    nodes = sum(r.stats.tree_nodes for r in results)
+    if sampling.top_p < 1.0:
+        row = models["target"].vocab_size * 4  # a whole float32 q row
+        assert sum(r.stats.wire_bytes for r in results) < nodes * row / 4  # rows by ids
+
+
+def test_a_seeded_sampled_tree_across_the_workers_reproduces(models, prompt_ids):
+    """Every draw of a sampled tree's round is keyed by (seed, place, purpose), on either worker:
+    the same requests give the same tokens again, one at a time and batched."""
+    policy = PolicyConfig(name="svip", threshold=0.6, tree="cape")
+    requests = [GenerationRequest(ids, 24, SamplingParams(temperature=0.9, seed=7 + i), policy)
+                for i, ids in enumerate(prompt_ids.values())]
+    one = [make_pair(models, "sync").generate(r) for r in requests]
+    assert sum(r.stats.tree_nodes for r in one) > sum(r.stats.draft_tokens for r in one)  # trees were drafted
+    assert [r.token_ids for r in one] == [r.token_ids for r in make_pair(models, "sync").generate_all(requests)]

@@ -264,6 +264,54 @@ def test_a_p_row_with_few_ids_with_mass_travels_by_them_and_comes_back_the_same_
     assert convert.p_row_from_proto(pb.Feedback(session_id="s"), 4096) is None
 
 
+def test_a_sampled_trees_q_rows_travel_by_ids_with_mass_where_smaller_and_come_back_the_same_bits():
+    from svip_common.sampling import warp_probs
+
+    logits = torch.randn(3, 4096, generator=torch.Generator().manual_seed(5)) * 4
+    nucleus = warp_probs(logits, SamplingParams(temperature=0.7, top_p=0.9, seed=1))  # few ids with mass
+    everywhere = torch.softmax(logits, dim=-1)
+    for rows, sparse in ((nucleus, True), (everywhere, False)):
+        block = Block(base=4, tokens=[1, 2, 3], probs=[0.5] * 3, entropies=[0.1] * 3, q_rows=rows,
+                      siblings=[[7], [], [8, 9]])
+        msg = convert.block_to_proto("s", block)
+        assert bool(msg.q_nonzero) == sparse and msg.HasField("q_rows") != sparse
+        back = convert.block_from_proto(msg, 4096)
+        assert torch.equal(back.q_rows, rows.float()) and back.siblings == [[7], [], [8, 9]]
+    chain = Block(base=4, tokens=[1], probs=[0.5], entropies=[0.1], q_rows=everywhere[:1])
+    assert not convert.block_to_proto("s", chain).HasField("q_rows")  # a chain's q stays with the draft
+
+
+def _q_block(k=2, dense=None, sparse=()) -> pb.Block:
+    msg = pb.Block(session_id="s", base=3, tokens=list(range(1, k + 1)))
+    if dense is not None:
+        msg.q_rows.CopyFrom(convert.tensor_to_proto(dense))
+    msg.q_nonzero.extend(sparse)
+    return msg
+
+
+def _row(ids, values) -> pb.SparseRow:
+    return pb.SparseRow(ids=convert.tensor_to_proto(torch.tensor(ids, dtype=torch.int32)),
+                        values=convert.tensor_to_proto(torch.tensor(values, dtype=torch.float32)))
+
+
+@pytest.mark.parametrize("msg, width, words", [
+    (_q_block(dense=torch.full((2, 8), 0.125)), None, "q rows where none are read"),
+    (_q_block(dense=torch.full((2, 8), 0.125), sparse=[_row([1], [1.0])] * 2), 8, "q_rows or q_nonzero, not both"),
+    (_q_block(dense=torch.full((2, 7), 0.125)), 8, "q_rows is float32 [2, 7], expected float32 [2, 8]"),
+    (_q_block(dense=torch.full((3, 8), 0.125)), 8, "q_rows is float32 [3, 8], expected float32 [2, 8]"),
+    (_q_block(dense=torch.full((2, 8), 0.125, dtype=torch.float64)), 8, "q_rows is float64 [2, 8]"),
+    (_q_block(dense=torch.tensor([[0.5, -0.5] + [0.0] * 6] * 2)), 8, "finite, at least 0, and some above 0"),
+    (_q_block(dense=torch.zeros(2, 8)), 8, "finite, at least 0, and some above 0"),
+    (_q_block(sparse=[_row([1], [1.0])]), 8, "block of 2 tokens carries 1 q rows"),
+    (_q_block(sparse=[_row([1], [1.0]), _row([9], [1.0])]), 8, "q_nonzero ids must be ascending, each in [0, 8)"),
+    (_q_block(sparse=[_row([1], [1.0]), _row([2], [float("nan")])]), 8, "q_nonzero values must be finite"),
+], ids=["unread", "both", "width", "rows", "dtype", "negative", "no-mass", "count", "id-past-width", "nan"])
+def test_bad_q_rows_are_refused_in_one_line(msg, width, words):
+    with pytest.raises(InvalidRequest) as err:
+        convert.block_from_proto(msg, width)
+    assert words in str(err.value) and "\n" not in str(err.value)
+
+
 def _sparse(ids, values, ids_dtype=torch.int32, values_dtype=torch.float32) -> pb.Feedback:
     msg = pb.Feedback(session_id="s")
     msg.p_nonzero.ids.CopyFrom(convert.tensor_to_proto(torch.tensor(ids, dtype=ids_dtype)))

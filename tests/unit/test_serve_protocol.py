@@ -54,16 +54,14 @@ def test_a_bad_logit_bias_is_a_400_that_names_it(value, words):
     assert err.value.status == 400 and err.value.param == "logit_bias"
 
 
-def test_a_deployments_default_tree_is_for_greedy_requests():
-    """A request's `tree` overrides the deployment's; the default applies to greedy requests (a
-    sampled one drafts chains across the workers), and a sampled request that names a tree is a 400."""
+def test_a_deployments_default_tree_is_every_requests_unless_it_names_one():
+    """A request's `tree` overrides the deployment's; the default applies to greedy and sampled
+    requests alike (a sampled tree's q rows cross the workers)."""
     defaults = PolicyConfig(name="svip", threshold=0.4, tree="cape")
     assert parse_completion({**BASE, "temperature": 0}, defaults).policy.tree == "cape"
     assert parse_completion({**BASE, "temperature": 0, "tree": "auto"}, defaults).policy.tree == "auto"
-    assert parse_completion({**BASE, "temperature": 0.8}, defaults).policy.tree == "off"
+    assert parse_completion({**BASE, "temperature": 0.8}, defaults).policy.tree == "cape"
     assert parse_completion({**BASE, "temperature": 0.8, "tree": "off"}, defaults).policy.tree == "off"
-    with pytest.raises(ApiError, match="with sampling runs in process only"):
-        parse_completion({**BASE, "temperature": 0.8, "tree": "cape"}, defaults)
 
 
 @pytest.mark.parametrize("patch, param, words", [
@@ -101,7 +99,6 @@ def test_a_deployments_default_tree_is_for_greedy_requests():
     ({"policy": "fastest"}, "policy", "must be one of"),
     ({"tree": "deep"}, "tree", "must be one of off, cape, auto"),
     ({"tree": ["cape"] * 10**5}, "tree", "must be one of"),
-    ({"tree": "cape", "temperature": 0.7}, "tree", "with sampling runs in process only"),
 ])
 def test_bad_completion_fields_name_the_field(patch, param, words):
     body = {**BASE, **patch}

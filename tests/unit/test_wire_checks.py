@@ -7,6 +7,7 @@ import dataclasses
 import math
 
 import pytest
+import torch
 
 from coordinator.session.wire_checks import (
     MAX_PREPARED,
@@ -54,21 +55,27 @@ def test_a_bad_block_is_refused_naming_why(block, request_, message):
         check_block(block, 3, request_, LIMITS)
 
 
-def _tree(siblings, tokens=(5, 6)) -> DraftedBlock:
+def _tree(siblings, tokens=(5, 6), q_rows=None) -> DraftedBlock:
     return DraftedBlock(Block(base=3, tokens=list(tokens), probs=[0.9] * len(tokens), entropies=[0.1] * len(tokens),
-                              siblings=siblings))
+                              siblings=siblings, q_rows=q_rows))
 
 
 CAPE = GenerationRequest((1, 2, 3), 10, policy=PolicyConfig(name="svip", threshold=0.4, tree="cape"))
+SAMPLED_CAPE = dataclasses.replace(CAPE, sampling=SamplingParams(temperature=1.0))
+Q_ROWS = torch.full((2, 50), 1 / 50)  # a sampled tree's q at each place (their shape checked as they are read)
 
 
 def test_a_tree_where_the_session_asked_for_one_comes_back_whole():
     assert check_block(_tree([[7, 8], []]), 3, CAPE, LIMITS).siblings == [[7, 8], []]
+    assert check_block(_tree([[7, 8], []], q_rows=Q_ROWS), 3, SAMPLED_CAPE, LIMITS).q_rows is Q_ROWS
 
 
 @pytest.mark.parametrize("block, request_, message", [
     (_tree([[7], []]), GREEDY, "drafts chains"),
-    (_tree([[7], []]), dataclasses.replace(CAPE, sampling=SamplingParams(temperature=1.0)), "drafts chains"),
+    (_tree([[7], []]), dataclasses.replace(SAMPLED_CAPE, policy=GREEDY.policy), "drafts chains"),
+    (_tree([[7], []]), SAMPLED_CAPE, "a sampled tree without its q rows"),
+    (_tree([[7], []], q_rows=Q_ROWS), CAPE, "q rows with a greedy tree"),
+    (DraftedBlock(dataclasses.replace(_block([5, 6]).block, q_rows=Q_ROWS)), SAMPLED_CAPE, "q rows with a chain"),
     (_tree([[5], []]), CAPE, "repeat a token"),
     (_tree([[7, 7], []]), CAPE, "repeat a token"),
     (_tree([[7]]), CAPE, "1 lists of siblings for 2"),
