@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
-from svip_common.contracts import check_draft_parallel
+from svip_common.contracts import SamplingParams, check_draft_parallel
 from svip_common.errors import InvalidRequest
 from svip_common.trees import TREES
 
@@ -42,7 +42,10 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     )
     bench.add_argument("--tree", choices=TREES, default="off",
                        help="simulate: also each pipeline with SVIP's blocks as this token tree (cape, auto), "
-                       "beside its chains (greedy)")
+                       "beside its chains")
+    bench.add_argument("--temperature", type=float, default=0.0,
+                       help="simulate: sample at this temperature, each prompt seeded by its place (0: greedy, "
+                       "the default)")
     bench.add_argument("--host-scale", type=float, default=1.0,
                        help="simulate, device: the simulated host's work is this machine's times this (1; 0: none)")
     bench.add_argument("--draft-parallel", type=int, default=None,
@@ -221,6 +224,9 @@ def run(args: argparse.Namespace, load_engine) -> int:
 def _check_emulation(args: argparse.Namespace) -> None:
     """--emulate and --host-scale, checked before any model loads; simulate and device take the
     default spec when none is given (device slowed for this CPU), pipeline only times where asked."""
+    if args.temperature and args.mode != "simulate":
+        raise InvalidRequest("--temperature applies to --mode simulate")
+    SamplingParams(temperature=args.temperature).validate()
     if args.mode in ("simulate", "device") and args.emulate_spec is None:
         args.emulate_spec = DEFAULT_EMULATION + (f",scale={DEVICE_SCALE}" if args.mode == "device" else "")
     if args.emulate_spec is None or args.mode not in ("simulate", "device", "pipeline"):

@@ -15,7 +15,7 @@ from pathlib import Path
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
 from svip_bench.runner import Progress, encode_prompts
-from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, Limits, PolicyConfig
+from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.emulation import Emulation, parse_emulation
 from target_worker.verifier import Verifier
 
@@ -36,9 +36,11 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     tree = getattr(args, "tree", "off")
     parallel = getattr(args, "draft_parallel", None) or DRAFT_PARALLEL
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
+    temperature = getattr(args, "temperature", 0.0)
     header.update(emulate=emulation.spec, emulated=emulation.describe(), target_device=target_step.name,
                   draft_device=draft_step.name, link=wire.name,
                   host_scale=args.host_scale, svip_threshold=threshold, sessions=sessions, draft_parallel=parallel,
+                  temperature=temperature,
                   sources={"target": target_step.shape.source, "draft": draft_step.shape.source,
                            "device": target_step.device.source, "link": wire.source})
     rows = []
@@ -49,8 +51,8 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
             asked = PolicyConfig(name="none") if mode == "alone" else replace(policy, tree=shape or "off")
             rates, covered = [], []
             for _ in range(args.repeats):
-                requests = [GenerationRequest(ids, args.max_new_tokens, ignore_eos=True, policy=asked)
-                            for ids in encoded]
+                requests = [GenerationRequest(ids, args.max_new_tokens, SamplingParams(temperature, seed=i),
+                                              asked, ignore_eos=True) for i, ids in enumerate(encoded)]
                 waves = simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale, parallel)
                 rates.append(waves.tokens_per_s)
                 covered.append(waves.covered)
@@ -98,14 +100,19 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
     return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected if rejected else 0.0)
 
 
+def _decoding(temperature: float) -> str:
+    return "greedy" if not temperature else f"sampled (temperature {temperature:g}, seeded)"
+
+
 def _report(h: dict, rows: list[dict]) -> str:
     alone = {r["sessions"]: r["tokens_per_s"] for r in rows if r["mode"] == "alone"}
     lines = [
         f"Command: `{h['command']}`",
         f"Machine: {h['machine']} (host work measured here, times {h['host_scale']})",
         f"Simulated: {h['emulated']}; the tokens of "
-        f"{h['target']} and {h['draft']}; {h['prompts']} prompts, {h['max_new_tokens']} new tokens, greedy SVIP at "
-        f"{h['svip_threshold']:.2f}, load-aware off; medians of {h['repeats']} repeats (virtual time)",
+        f"{h['target']} and {h['draft']}; {h['prompts']} prompts, {h['max_new_tokens']} new tokens, "
+        f"{_decoding(h.get('temperature', 0.0))} SVIP at {h['svip_threshold']:.2f}, load-aware off; medians of "
+        f"{h['repeats']} repeats (virtual time)",
         "",
         "| sessions | mode | tokens/s | vs the target alone | a tree vs its chain | prepared after a rejection |",
         "|---|---|---|---|---|---|",

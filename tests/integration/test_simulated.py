@@ -100,11 +100,18 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
     assert all(0 <= r["prepared_after_rejection"] <= 1 for r in doc["rows"])
     base = ["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
             "--dataset", str(dataset), "--categories", "qa"]
+    sampled = ["--prompts-per-category", "1", "--repeats", "1", "--max-new-tokens", "12", "--sim-sessions", "1",
+               "--host-scale", "0", "--tree", "cape", "--temperature", "0.8", "--out", str(out)]
+    assert main(base + sampled) == 0
+    assert "sampled (temperature 0.8, seeded) SVIP" in capsys.readouterr().out
+    assert json.loads((out / "simulate.json").read_text())["header"]["temperature"] == 0.8
     for extra, words in ((["--emulate", "target=llama-9b@h100"], "unknown model 'llama-9b'"),
                          (["--sim-sessions", "0"], "--sim-sessions: sessions in flight must be >= 1"),
                          (["--sim-sessions", "two"], "--sim-sessions: expected comma-separated integers"),
                          (["--host-scale", "1000"], "--host-scale must be in [0, 100]"),
-                         (["--draft-parallel", "0"], "--draft-parallel must be in [1, 8]"),
-                         (["--draft-parallel", "9"], "--draft-parallel must be in [1, 8]")):
+                         (["--draft-parallel", "0"], "--draft-parallel must be an integer in [1, 8]"),
+                         (["--draft-parallel", "9"], "--draft-parallel must be an integer in [1, 8]"),
+                         (["--temperature", "-1"], "temperature must be a number >= 0"),
+                         (["--temperature", "0.5", "--mode", "policies"], "--temperature applies to --mode simulate")):
         assert main(base + extra) == 2
         assert words in capsys.readouterr().err
