@@ -68,7 +68,8 @@ class PipelinedDraft:
     pipelined: bool  # async: work ahead while a block is verified
     prepare: int = 2  # prepared continuations per block at most (async); 0: follow-ups only
     parallel: int = 1  # speculative blocks drafted side by side, each prepared one on a fork (async)
-    send_prepared: bool = True  # greedy: send them ahead; sampled: keep them here
+    send_prepared: bool = True  # where the target settles a rejected place (greedy, a sampled tree): send them
+    # ahead; where the draft draws the correction (a sampled chain): keep them here
     known: list[int] = field(default_factory=list)  # committed, as the target's feedback settled it
     epoch: int = 0
     outstanding: list[DraftedBlock] = field(default_factory=list)  # main-line blocks sent, unanswered (<= 2)

@@ -126,7 +126,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
                                           len(start.prompt_ids)),
                 prompt=list(start.prompt_ids), max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
                 pipelined=start.pipeline == "async", prepare=self.prepare, parallel=self.parallel,
-                send_prepared=start.sampling.greedy,
+                send_prepared=start.sampling.greedy or start.policy.tree != "off",  # the target settles the token
                 epoch=start.epoch,
             )
             self.new_session(start.session_id, session, stream)
