@@ -119,8 +119,9 @@ def test_a_sampled_tree_across_the_workers_follows_the_target(models, prompt_ids
     """A sampled tree crosses the workers with the draft's q rows: the target tries the siblings
     at a rejected place against the residual max(0, p - q) and draws the correction itself. The
     first two tokens of 1,500 seeded requests, 50 in flight, their steps interleaved at random,
-    follow the target's exact marginals (not the draft's); siblings were taken; warped, the q rows
-    travel by their ids with mass."""
+    follow the target's exact marginals (not the draft's); siblings were taken, and (async,
+    plain) continuations prepared for the target's draws were verified; warped, the q rows travel by their
+    ids with mass."""
     prompt = prompt_ids["medium"]
     pair = make_pair(models, pipeline, Seeded(7 + len(pipeline)))
     policy = PolicyConfig(name="constant", draft_length=3, tree="cape")
@@ -128,6 +129,8 @@ def test_a_sampled_tree_across_the_workers_follows_the_target(models, prompt_ids
     results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
     assert sum(r.stats.branches for r in results) > len(requests) // 20  # siblings really were taken
     assert all(r.stats.detached == 0 for r in results)  # the draft drafted every tree to the end
+    if pipeline == "async" and sampling is PLAIN:  # the target settles a tree's rejected place: one prepared serves
+        assert sum(r.stats.prepared_used for r in results) > 0
     assert_first_tokens_follow_the_target(models, prompt, sampling, results)
     nodes = sum(r.stats.tree_nodes for r in results)
     if sampling.top_p < 1.0:
