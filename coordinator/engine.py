@@ -134,9 +134,6 @@ class SpeculativeEngine:
         threshold 'auto' replaced by the pair's calibrated value."""
         request = request.checked_for(self.drafter is not None, self.limits)
         policy = request.policy
-        if policy.tree != "off" and self.feature_draft:
-            raise InvalidRequest(f"tree {policy.tree!r} drafts with a draft model only so far; a feature head "
-                                 "drafts chains (tree 'off')")
         if policy.threshold == AUTO:
             threshold = self.calibration().threshold_for(policy.entropy_scale) if self.drafter else 0.0
             request = dataclasses.replace(request, policy=dataclasses.replace(policy, threshold=threshold))

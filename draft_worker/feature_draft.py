@@ -33,7 +33,7 @@ from draft_worker.drafter import PREFILL_TOKENS, BlockDraft, Drafter, DraftSessi
 from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, load_head
 from draft_worker.policies import make_policy
 from svip_common.contracts import PolicyConfig, SamplingParams
-from svip_common.errors import InvalidRequest, ModelLoadError
+from svip_common.errors import ModelLoadError
 from svip_common.hub import split_revision
 from svip_common.kv_cache import wait_for_device
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
@@ -194,9 +194,7 @@ class FeatureDrafter(Drafter):
     def open(self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int],
              prompt_len: int = 0) -> FeatureDraftSession:
         """prompt_len: unused (the head drafts without the request's penalties; the target applies them)."""
-        if policy.tree != "off":  # refused, never drafted as a chain in silence
-            raise InvalidRequest(f"tree {policy.tree!r}: a feature head drafts chains only so far (tree 'off')")
-        session = FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids)
+        session = FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree)
         self._sessions.add(session)
         return session
 
@@ -218,8 +216,12 @@ class FeatureDraftSession(DraftSession):
 
     can_fork = False  # a head cache does not fork: its blocks are drafted one at a time
 
-    def __init__(self, drafter: FeatureDrafter, sampling: SamplingParams, policy, stop_token_ids: Sequence[int]):
+    def __init__(self, drafter: FeatureDrafter, sampling: SamplingParams, policy, stop_token_ids: Sequence[int],
+                 tree: str = "off"):
+        """tree: each block a token tree (svip_common/trees.py): its siblings are the head's
+        runners-up at each drafted place, leaves the head never feeds."""
         self.sampling = sampling
+        self.tree = tree
         self.rules = RowRules(0, sampling.logit_bias)  # the request's bias; its penalties: the target's alone
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)

@@ -158,7 +158,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     def _apply(self, session: PipelinedDraft, msg: Feedback, received_at: float) -> list[DraftedBlock]:
         if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
             check_token_ids([msg.token], self.limits.tokens, "feedback token id")
-        features, first = self._features(msg, msg.base + msg.accepted)
+        features, first = self._features(msg, msg.base + msg.accepted + (msg.branch != NO_TOKEN))  # a sibling's too
         _tune(session, msg.stop_rule)
         _price(session, msg.node_price)
         return session.on_feedback(self.clock(), msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, msg.p_row,

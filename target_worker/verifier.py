@@ -362,8 +362,10 @@ class TargetSession:
 
     def hand_features(self, verdict: Verdict) -> Verdict:
         """The verdict with the features of the positions it leaves committed and computed: up to
-        the last accepted drafted token (the verdict's own token has none yet)."""
-        end = -1 if self._features is None else verdict.base + verdict.accepted - self._features_from
+        the last accepted drafted token, or a tree's sibling taken after them (the verdict's own
+        token has none yet)."""
+        branched = verdict.branch != NO_TOKEN
+        end = -1 if self._features is None else verdict.base + verdict.accepted + branched - self._features_from
         if end <= 0:
             return verdict
         handed, rest, at = self._features[:end], self._features[end:], self._features_from
@@ -485,8 +487,19 @@ class TargetSession:
         last row is (logits: the step's rows, the place before the block first)."""
         k = len(block.tokens)
         self.sequence.keep_path(base, k, accepted, node)
+        self._keep_path_features(base, list(range(accepted)) + ([] if node is None else [node]))
         last = k - 1 if node is None else node  # the path's last node: its row is the next place's
         self._pending, self._pending_at = logits[1 + last : 2 + last], len(self.sequence)
+
+    def _keep_path_features(self, base: int, path: list[int]) -> None:
+        """A feature draft's input after a tree's verdict: of the features the step computed (a
+        row per node from ``base`` on, the tree's layout), those of the accepted path, at its
+        places; the other nodes' go."""
+        at = None if self._features is None else base - self._features_from
+        if at is None or not 0 <= at < len(self._features):
+            return
+        rows = torch.tensor([at + node for node in path], dtype=torch.long, device=self._features.device)
+        self._features = torch.cat([self._features[:at], self._features[rows]])
 
     def _judge_tree(self, base: int, block: Block, target_tokens: list[int], logits: torch.Tensor) -> Verdict:
         """A tree's verdict: the spine judged as a chain; where the target's choice parts from it,

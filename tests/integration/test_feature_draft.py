@@ -18,7 +18,6 @@ from coordinator.engine import SpeculativeEngine
 from draft_worker.feature_draft import FeatureDrafter, load_feature_draft
 from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, save_head
 from svip_common.contracts import Block, GenerationRequest, PolicyConfig, SamplingParams
-from svip_common.errors import InvalidRequest
 from svip_common.models import is_feature_head, load_model
 from target_worker.verifier import Verifier
 from tests.integration.test_sampling_exact import SAMPLES, assert_first_tokens_follow_the_target
@@ -362,9 +361,16 @@ def test_the_embedded_head_starts_auto_from_its_stored_prior():
     assert stored["weights"][-1] < 0  # the head's later places are accepted less: the fit says so
 
 
-def test_a_tree_is_refused_with_a_feature_head_by_name(models, heads, prompt_ids):
-    """Token trees draft with a draft model only so far (issue 44): a head's request for one is
-    refused with a message that says so, not drafted as a chain in silence."""
-    engine = SpeculativeEngine(models["target"], heads["full"])
-    with pytest.raises(InvalidRequest, match="feature head drafts chains"):
-        engine.generate(GenerationRequest(prompt_ids["short"], 8, policy=PolicyConfig(name="svip", tree="cape")))
+@pytest.mark.parametrize("head", ["full", "reduced"])
+@pytest.mark.parametrize("tree", ["cape", "auto"])
+def test_a_heads_token_tree_equals_target_alone(models, heads, prompt_ids, reference, head, tree):
+    """A feature head drafts token trees (issue 44): its runners-up at each place are the
+    siblings, leaves it never feeds; greedy output is the target's own, one request at a time
+    and batched."""
+    engine = SpeculativeEngine(models["target"], heads[head])
+    policy = PolicyConfig(name="constant", draft_length=3, tree=tree)
+    requests = [GenerationRequest(ids, MAX_NEW, policy=policy) for ids in prompt_ids.values()]
+    results = [engine.generate(r) for r in requests]
+    assert [r.token_ids for r in results] == [reference[name] for name in prompt_ids]
+    assert [r.token_ids for r in engine.generate_many(requests, len(requests))] == [r.token_ids for r in results]
+    assert sum(r.stats.tree_nodes for r in results) > sum(r.stats.draft_tokens for r in results)

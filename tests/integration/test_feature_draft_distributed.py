@@ -34,6 +34,8 @@ POLICIES = {
     "confidence": PolicyConfig(name="confidence", confidence=0.3),
     "auto": PolicyConfig(name="auto"),
 }
+TREE_POLICIES = {"svip-cape": PolicyConfig(name="svip", threshold=0.4, tree="cape"),
+                 "constant-auto": PolicyConfig(name="constant", draft_length=4, tree="auto")}
 PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def __init__(self):\n", "import os\n\nfor root, dirs")
 MAX_NEW = 40
 
@@ -74,14 +76,17 @@ def pair_for(target, head, mode: str, feature_layers=None, target_kv_tokens: int
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_greedy_equals_target_alone_across_workers(embedded, alone_tokens, mode):
+    """Every policy, chains and the head's token trees (their siblings the head's runners-up; a
+    sibling taken hands the head the target's feature there)."""
     target, head = embedded
     ids = [tuple(target.tokenizer(p)["input_ids"]) for p in PROMPTS]
     requests = [GenerationRequest(i, MAX_NEW, policy=policy, ignore_eos=True)
-                for policy in POLICIES.values() for i in ids]
+                for policy in [*POLICIES.values(), *TREE_POLICIES.values()] for i in ids]
     results = pair_for(target, head, mode).generate_all(requests)
     for request, result in zip(requests, results):
         assert result.token_ids == alone_tokens(request), (mode, request.policy.name)
         assert result.stats.detached == 0
+    assert sum(r.stats.branches for r in results) > 0  # siblings settled rejected places
     drafted = sum(r.stats.draft_tokens for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
     assert 0 < accepted < drafted  # rejections and acceptances both
@@ -210,12 +215,15 @@ def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", [pytest.param("sync", marks=pytest.mark.system), "async"])
-def test_sampled_tokens_follow_the_target_across_workers(models, prompt_ids, mode):
+@pytest.mark.parametrize("mode, tree", [pytest.param("sync", "off", marks=pytest.mark.system), ("async", "off"),
+                                        ("async", "cape")])
+def test_sampled_tokens_follow_the_target_across_workers(models, prompt_ids, mode, tree):
     """The head's draws across workers, each pipeline (async in README's tier, sync in the second,
     for time): the draft keeps q and draws each correction
     from the p row the target sends. The first two tokens' marginals fit the target's (the first from the target
-    alone, the round that brings the prompt's features; the second through the head's block)."""
+    alone, the round that brings the prompt's features; the second through the head's block). tree
+    cape: the head's blocks are token trees, their q rows on the wire; the target tries the siblings
+    at a rejected place and draws the correction itself."""
     from svip_common.contracts import SamplingParams
     from tests.integration.test_sampling_exact import ALPHA, chi_square_pvalue, exact_marginals
 
@@ -223,7 +231,8 @@ def test_sampled_tokens_follow_the_target_across_workers(models, prompt_ids, mod
     head = _as_loaded(random_head(target, seed=7, sharpness=0.05), target)
     prompt = prompt_ids["medium"]
     requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=s), ignore_eos=True,
-                                  policy=PolicyConfig(name="constant", draft_length=2)) for s in range(1500)]
+                                  policy=PolicyConfig(name="constant", draft_length=2, tree=tree))
+                for s in range(1500)]
     pair = pair_for(target, head, mode)
     results = []
     for i in range(0, len(requests), 100):
@@ -232,6 +241,8 @@ def test_sampled_tokens_follow_the_target_across_workers(models, prompt_ids, mod
     second = [r for r in results if len(r.stats.draft_lengths) > 1 and r.stats.draft_lengths[1]]
     assert sum(r.stats.accepted_lengths[1] == 0 for r in second) > len(results) // 10  # corrections drawn
     assert sum(r.stats.accepted_lengths[1] > 0 for r in second) > len(results) // 50  # and acceptances
+    trees = sum(r.stats.tree_nodes for r in results) > sum(r.stats.draft_tokens for r in results)
+    assert trees == (tree != "off")  # siblings (and q rows) crossed the wire
     p1, p2 = exact_marginals(target.model, prompt, SamplingParams(temperature=1.0))
     assert chi_square_pvalue([r.token_ids[0] for r in results], p1) > ALPHA
     assert chi_square_pvalue([r.token_ids[1] for r in results], p2) > ALPHA

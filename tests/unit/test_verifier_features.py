@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from svip_common.contracts import Block, SamplingParams
+from svip_common.contracts import NO_TOKEN, Block, SamplingParams
 from svip_common.kv_cache import KVPool
 from target_worker.verifier import Verifier
 
@@ -66,6 +66,45 @@ def test_verdicts_hand_over_the_features_of_what_they_commit(models, budget):
     nxt = choice()
     assert verify([nxt, (nxt + 1) % 50, 3]).accepted == 1  # accepted in part
     assert verify([(choice() + 1) % 50]).accepted == 0  # rejected
+    verify([])
+    joined = torch.cat(handed)
+    assert joined.shape[0] == len(committed) - 1
+    assert torch.allclose(joined, own_hidden(target.model, committed, layers)[:-1], rtol=1e-4, atol=1e-3)
+
+
+def test_a_trees_verdict_hands_over_the_features_of_its_accepted_path(models):
+    """A tree rejected at its second place, where a sibling is the target's choice: the verdict
+    hands the features of the accepted spine token and of the sibling, at their places (the other
+    nodes' go); then a tree accepted whole hands its spine's. Joined, the features cover the
+    committed positions once each and equal the model's own hidden states there."""
+    target = models["target"]
+    layers = (1, 2)
+    verifier = Verifier(target, kv_cache_tokens=1024, feature_layers=layers)
+    session = verifier.open(SamplingParams())
+    committed, handed = list(PROMPT), []
+
+    def choice(tokens):
+        with torch.inference_mode():
+            return target.model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax().item()
+
+    def verify(tokens, siblings=None):
+        block = Block(base=len(committed), tokens=tokens, probs=[0.5] * len(tokens), entropies=[0.1] * len(tokens),
+                      siblings=siblings)
+        verdict = verifier.verify_batch([(session, committed, block)])[0]
+        if verdict.features is not None:
+            assert verdict.features_from == sum(f.shape[0] for f in handed)
+            handed.append(verdict.features)
+        branch = [verdict.branch] if verdict.branch != NO_TOKEN else []
+        committed.extend([*tokens[: verdict.accepted], *branch, verdict.token])
+        return verdict
+
+    verify([])
+    first = choice(committed)
+    second = choice([*committed, first])
+    verdict = verify([first, (second + 1) % 50, 3], [[(first + 2) % 50], [(second + 3) % 50, second], [9]])
+    assert (verdict.accepted, verdict.branch) == (1, second)
+    nxt = choice(committed)
+    assert verify([nxt], [[(nxt + 1) % 50]]).branch == NO_TOKEN  # accepted whole
     verify([])
     joined = torch.cat(handed)
     assert joined.shape[0] == len(committed) - 1
