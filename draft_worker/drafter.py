@@ -17,6 +17,7 @@ import torch
 from draft_worker.policies import LengthPolicy, make_policy
 from svip_common.contracts import Block, PolicyConfig, SamplingParams, StepState
 from svip_common.errors import exit_on_device_failure, narrowed
+from svip_common.grammar_mask import grammar_tokenizer
 from svip_common.kv_cache import KVPool
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
@@ -129,6 +130,13 @@ class Drafter:
             for i, row in enumerate(host)
         ]
 
+    def grammar_tokenizer(self):
+        """The draft's tokenizer as structured output's matchers read it, over the target's
+        vocabulary (built once)."""
+        if getattr(self, "_grammar_tokenizer", None) is None:
+            self._grammar_tokenizer = grammar_tokenizer(self.draft.tokenizer, self.width)
+        return self._grammar_tokenizer
+
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int], prompt_len: int = 0
     ) -> DraftSession:
@@ -152,7 +160,8 @@ class DraftSession:
         """tree: "cape" or "auto": each block a token tree (svip_common/trees.py); "off": a chain.
         prompt_len: the request's, for its penalties (the draft drafts under the target's rules)."""
         self.sampling = sampling
-        self.rules = RowRules.of(sampling, prompt_len, frozenset(stop_token_ids))  # row_rules.py
+        tokenizer = drafter.grammar_tokenizer() if sampling.grammar is not None else None  # structured output
+        self.rules = RowRules.of(sampling, prompt_len, frozenset(stop_token_ids), tokenizer)  # row_rules.py
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
         self.tree = tree

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from svip_common.errors import InvalidRequest
+from svip_common.grammar import Grammar
 from svip_common.trees import check_tree
 
 if TYPE_CHECKING:  # tensors ride on blocks and verdicts; the CLI reads this module without loading torch
@@ -56,6 +57,9 @@ class SamplingParams:
     # vLLM's and transformers': a token in the prompt or generated before the place has its logit
     # divided by this where positive, multiplied where negative (1: off; > 1 discourages repeats)
     repetition_penalty: float = 1.0
+    # structured output: the tokens must follow this grammar (svip_common/grammar.py): every row, the
+    # target's and the draft's, masked to what it allows after the tokens generated before the place
+    grammar: Grammar | None = None
 
     @property
     def greedy(self) -> bool:
@@ -85,6 +89,8 @@ class SamplingParams:
             raise InvalidRequest(f"min_tokens must be in [0, 2^31), got {self.min_tokens}")
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= PENALTY_BOUND):
             raise InvalidRequest(f"repetition_penalty must be in (0, 2] (1 disables it), got {self.repetition_penalty}")
+        if self.grammar is not None:
+            self.grammar.validate()
 
     def _validate_bias(self) -> None:
         """At most MAX_LOGIT_BIAS entries, distinct ids in [0, 2^31), each bias a finite number in

@@ -23,6 +23,7 @@ from svip_common.contracts import (
     check_logprobs,
 )
 from svip_common.errors import InvalidRequest
+from svip_common.grammar import Grammar
 from svip_common.messages import (
     Cancel,
     DraftClosed,
@@ -98,6 +99,8 @@ def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
                             frequency_penalty=s.frequency_penalty, min_tokens=s.min_tokens)
     if s.repetition_penalty != 1.0:
         msg.repetition_penalty = s.repetition_penalty
+    if s.grammar is not None:
+        msg.grammar_kind, msg.grammar = s.grammar.kind, s.grammar.text
     return msg
 
 
@@ -108,8 +111,9 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
         raise InvalidRequest(f"logit_bias carries {len(msg.logit_bias_ids)} ids and {len(msg.logit_bias)} values")
     bias = tuple(zip(msg.logit_bias_ids, msg.logit_bias))
     repetition = msg.repetition_penalty if msg.HasField("repetition_penalty") else 1.0
+    grammar = Grammar(msg.grammar_kind, msg.grammar) if msg.grammar_kind or msg.grammar else None
     params = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, bias, msg.presence_penalty,
-                            msg.frequency_penalty, msg.min_tokens, repetition)
+                            msg.frequency_penalty, msg.min_tokens, repetition, grammar)
     params.validate()
     return params
 
