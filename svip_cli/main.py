@@ -12,6 +12,7 @@ import json
 import os
 import secrets
 import sys
+from pathlib import Path
 
 from svip_common.auto_settings import WINDOW, AutoSettings
 from svip_common.contracts import (
@@ -27,6 +28,7 @@ from svip_common.contracts import (
 )
 from svip_common.emulation import parse_emulation
 from svip_common.errors import InvalidRequest, SvipError
+from svip_common.grammar import Grammar
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.pair_config import PairConfig
 from svip_common.randomness import choices
@@ -182,6 +184,7 @@ def build_parser() -> argparse.ArgumentParser:
                      help="with --json: each output token's log-probability under the target (its logits with the "
                      "request's bias and penalties, before temperature, top-k and top-p) and the top N at its "
                      "place, N in [0, 20]; speculation stays on")
+    _add_grammar_arguments(gen.add_argument_group("structured output (at most one)"))
     gen.add_argument("--json", action="store_true", help="JSON Lines: one object per output")
     run = gen.add_argument_group("batching")
     run.add_argument(
@@ -215,6 +218,31 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(sub.add_parser("bench", help="benchmark length policies against each other and Hugging Face"))
     _add_plan_parser(sub)
     return parser
+
+
+def _add_grammar_arguments(group) -> None:
+    group.add_argument("--json-object", action="store_true",
+                       help="the output is a JSON object (OpenAI's response_format json_object)")
+    group.add_argument("--json-schema", metavar="SCHEMA",
+                       help="the output is JSON this schema accepts: a file, or the schema itself")
+    group.add_argument("--regex", metavar="PATTERN", help="the output matches this regular expression")
+    group.add_argument("--lark", metavar="GRAMMAR", help="the output follows this Lark grammar: a file, or its text")
+
+
+def _grammar(args: argparse.Namespace) -> Grammar | None:
+    """--json-object, --json-schema, --regex or --lark (at most one), as a grammar (checked with the request)."""
+    given = [flag for flag in ("json_object", "json_schema", "regex", "lark") if getattr(args, flag)]
+    if len(given) > 1:
+        raise InvalidRequest("give at most one of --json-object, --json-schema, --regex, --lark")
+    if not given:
+        return None
+    kind = given[0]
+    if kind == "json_object":
+        return Grammar("json_object")
+    text = getattr(args, kind)
+    if kind in ("json_schema", "lark") and Path(text).is_file():
+        text = Path(text).read_text()
+    return Grammar(kind, text)
 
 
 def _add_auto_arguments(group) -> None:
@@ -576,7 +604,7 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
         max_new_tokens=args.max_new_tokens,
         sampling=SamplingParams(args.temperature, args.top_k, args.top_p, seed, args.logit_bias,
                                 args.presence_penalty, args.frequency_penalty, args.min_tokens,
-                                args.repetition_penalty),
+                                args.repetition_penalty, _grammar(args)),
         policy=PolicyConfig(
             name=args.policy,
             threshold=args.threshold,

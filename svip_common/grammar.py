@@ -22,6 +22,9 @@ KINDS = ("json_object", "json_schema", "regex", "lark")
 MAX_GRAMMAR_BYTES = 64 * 1024  # a schema, regex or grammar's text at most
 MAX_SCHEMA_DEPTH = 32  # a JSON schema's nesting at most (objects and arrays inside each other)
 JSON_OBJECT = {"type": "object"}  # json_object: any JSON object
+# JSON as OpenAI writes it, one space after each separator and none elsewhere: a model may not pad
+# an answer with whitespace until it runs out of tokens (a schema's own "x-guidance" may say otherwise)
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 
 
 @dataclass(frozen=True)
@@ -44,7 +47,10 @@ class Grammar:
             _check_schema(self.text)
         from llguidance import LLMatcher
 
-        problem = LLMatcher.validate_grammar(self.compiled())
+        try:
+            problem = LLMatcher.validate_grammar(self.compiled())
+        except (ValueError, RuntimeError) as exc:  # what the compiler refuses before validating
+            problem = str(exc) or type(exc).__name__
         if problem:
             raise InvalidRequest(f"the {self.kind} does not compile: {problem.strip().splitlines()[0][:300]}")
 
@@ -53,9 +59,9 @@ class Grammar:
         from llguidance import LLMatcher
 
         if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema(JSON_OBJECT)
+            return LLMatcher.grammar_from_json_schema(JSON_OBJECT, defaults=JSON_LAYOUT)
         if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(self.text)
+            return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_LAYOUT)
         if self.kind == "regex":
             return LLMatcher.grammar_from_regex(self.text)
         return LLMatcher.grammar_from_lark(self.text)

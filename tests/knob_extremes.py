@@ -11,11 +11,16 @@ import dataclasses
 
 from svip_common.contracts import DRAFT_LENGTH_CAP, GREEDY_BELOW, GenerationRequest, Limits
 from svip_common.errors import InvalidRequest
+from svip_common.grammar import MAX_GRAMMAR_BYTES, MAX_SCHEMA_DEPTH
 
 NAN, INF = float("nan"), float("inf")
 TINY = 5e-324  # the smallest subnormal double
 HUGE = 1.7976931348623157e308  # the largest double
 BASE = {"prompt": "def f(", "max_tokens": 6, "temperature": 1.0, "seed": 1}
+SCHEMA = {"type": "object", "properties": {"a": {"type": "boolean"}}, "required": ["a"]}
+DEEP = {"type": "array", "items": {}}  # nested past the cap below
+for _ in range(MAX_SCHEMA_DEPTH):
+    DEEP = {"type": "array", "items": DEEP}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,6 +74,16 @@ CASES: list[Case] = [
     Case({"echo": True, "stream": True}, "400"),
     *_cases("tree", ["off", "cape", "auto"], ["deep", 1, None], temperature=0),
     *_cases("tree", ["off", "cape", "auto"], []),  # sampled: the trees' q rows cross the workers
+    *_cases("response_format", [{"type": "text"}, {"type": "json_object"},
+                                {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},
+                                {"type": "json_schema", "json_schema": {"name": "a", "strict": True, "schema": {}}}],
+            [{"type": "xml"}, "json", [], {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}},
+             {"type": "json_schema", "json_schema": {"schema": DEEP}},
+             {"type": "json_schema", "json_schema": {"schema": {"enum": ["x" * MAX_GRAMMAR_BYTES]}}}]),
+    *_cases("guided_regex", ["[a-z]{1,3}", "(x|y)*"], ["[a-", "", 5, "a" * (MAX_GRAMMAR_BYTES + 1)]),
+    *_cases("guided_json", [SCHEMA, '{"type": "integer"}'], [5, "{nope", DEEP]),
+    *_cases("guided_grammar", ['start: "a" | "bb"'], ["start: undefined", "", ["x"]]),
+    Case({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "400"),
     Case({"temperature": 0, "top_p": TINY, "top_k": 2**31 - 1, "seed": 2**63 - 1}, "ok"),
     Case({"temperature": HUGE, "top_p": TINY, "top_k": 1}, "ok"),
 ]

@@ -22,6 +22,7 @@ from svip_common.contracts import (
     SamplingParams,
 )
 from svip_common.errors import InvalidRequest
+from svip_common.grammar import Grammar
 from svip_common.trees import TREES
 
 MAX_STOP_STRINGS = 16
@@ -225,7 +226,7 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     for name, value in knobs.items():  # their bounds: SamplingParams.validate, named as the field
         _within_bounds(name, SamplingParams(**{name: value}))
     sampling = SamplingParams(temperature, top_k, top_p, seed, **knobs,
-                              min_tokens=_integer(body, "min_tokens", 0, lo=0))
+                              min_tokens=_integer(body, "min_tokens", 0, lo=0), grammar=_grammar(body))
     policy = _policy(body, defaults)
     stream_options = body.get("stream_options") or {}
     if not isinstance(stream_options, dict):
@@ -301,10 +302,58 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
 
 def _refuse_unsupported(body: dict) -> None:
     """Parameters that would change the output: refused rather than silently ignored."""
-    for name in ("suffix", "tools", "functions", "response_format"):
+    for name in ("suffix", "tools", "functions"):
         value = body.get(name)
-        if value not in (None, False, 0, "", [], {}) and not (name == "response_format" and value == {"type": "text"}):
+        if value not in (None, False, 0, "", [], {}):
             raise bad(f"'{name}' is not supported by this server", name)
+
+
+GUIDED = {"guided_json": "json_schema", "guided_regex": "regex", "guided_grammar": "lark"}  # vLLM's extra fields
+
+
+def _grammar(body: dict) -> Grammar | None:
+    """Structured output: OpenAI's response_format (text, json_object, json_schema) or one of
+    vLLM's guided_json / guided_regex / guided_grammar (Lark), at most one; bounded and compiled
+    here (svip_common/grammar.py), a 400 naming the field otherwise."""
+    given = [name for name in ("response_format", *GUIDED) if body.get(name) is not None]
+    if len(given) > 1:
+        raise bad(f"at most one of response_format, {', '.join(GUIDED)}; got {', '.join(given)}", given[1])
+    if not given:
+        return None
+    name, value = given[0], body[given[0]]
+    grammar = _response_format(value) if name == "response_format" else _guided(name, value)
+    if grammar is not None:
+        try:
+            grammar.validate()
+        except InvalidRequest as exc:
+            raise bad(str(exc), name) from None
+    return grammar
+
+
+def _response_format(value) -> Grammar | None:
+    if not isinstance(value, dict) or value.get("type") not in ("text", "json_object", "json_schema"):
+        raise bad("'response_format' must be {\"type\": \"text\"}, {\"type\": \"json_object\"} or "
+                  f"{{\"type\": \"json_schema\", \"json_schema\": {{...}}}}, got {_shown(value)}", "response_format")
+    if value["type"] == "text":
+        return None
+    if value["type"] == "json_object":
+        return Grammar("json_object")
+    spec = value.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("schema", {}), dict):
+        raise bad("'response_format.json_schema' must be an object with a 'schema' object", "response_format")
+    return Grammar.of_schema(spec.get("schema", {}))
+
+
+def _guided(name: str, value) -> Grammar:
+    if name == "guided_json":
+        if isinstance(value, str):
+            return Grammar("json_schema", value)
+        if not isinstance(value, dict):
+            raise bad(f"'guided_json' must be a JSON schema (an object, or one as a string), got {_shown(value)}", name)
+        return Grammar.of_schema(value)
+    if not isinstance(value, str):
+        raise bad(f"'{name}' must be a string, got {_shown(value)}", name)
+    return Grammar(GUIDED[name], value)
 
 
 def _stop(value) -> tuple[str, ...]:

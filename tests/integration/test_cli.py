@@ -26,6 +26,29 @@ def pair_args(model_dirs, draft=None) -> list[str]:
     return ["--target", model_dirs.target, "--draft", draft or model_dirs.close_draft]
 
 
+def test_structured_output_from_the_command_line(capsys, model_dirs, tmp_path):
+    """--json-schema (a file or the schema), --regex: the output follows it and equals the target
+    alone's with the same grammar; a grammar that does not compile, or two, is a one-line error."""
+    schema = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"],
+              "additionalProperties": False}
+    path = tmp_path / "schema.json"
+    path.write_text(json.dumps(schema))
+    for grammar in (["--json-schema", str(path)], ["--json-schema", json.dumps(schema)], ["--regex", "[a-z]{2,5}"]):
+        outputs = []
+        for draft in (model_dirs.close_draft, "none"):
+            code, out, err = run_cli(capsys, "generate", "def", *pair_args(model_dirs, draft), *grammar,
+                                     "--max-new-tokens", "40", "--json")
+            assert code == 0, err
+            outputs.append(json.loads(out))
+        assert outputs[0]["token_ids"] == outputs[1]["token_ids"] and outputs[0]["finish_reason"] == "stop"
+        if grammar[0] == "--json-schema":
+            assert json.loads(outputs[0]["text"]) in ({"ok": True}, {"ok": False})
+    for bad, words in ((["--regex", "[a-"], "the regex does not compile"),
+                       (["--regex", "a", "--json-object"], "at most one of --json-object")):
+        code, _, err = run_cli(capsys, "generate", "def", *pair_args(model_dirs), *bad)
+        assert code == 2 and words in err and err.count("\n") == 1, err
+
+
 def test_generate_json(capsys, model_dirs, models):
     code, out, err = run_cli(
         capsys, "generate", "def fibonacci(n):", *pair_args(model_dirs), "--max-new-tokens", "12", "--json"

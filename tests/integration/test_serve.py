@@ -13,9 +13,11 @@ import subprocess
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Literal
 
 import httpx
 import openai
+import pydantic
 import pytest
 from transformers import AutoTokenizer
 
@@ -344,6 +346,41 @@ def test_malformed_bodies(server, content, words):
 def test_unknown_route_and_method(server):
     assert httpx.get(f"{server['base']}/v1/nothing").json()["error"]["message"].endswith("Not Found")
     assert httpx.get(f"{server['base']}/v1/completions").status_code == 405
+
+
+class Answer(pydantic.BaseModel):
+    """A bounded answer (its enum and boolean close it within the tokens asked for)."""
+
+    color: Literal["red", "green", "blue"]
+    ok: bool
+
+
+def test_the_openai_sdks_parse_gets_its_pydantic_model_with_speculation_on(client, tokenizer):
+    """The SDK's `parse` sends the model's JSON schema (strict) as response_format: the answer
+    parses into the model, speculation drafted for it, and the same schema streamed gives the
+    same text."""
+    completion = client.chat.completions.parse(model=MODEL, messages=CHAT, response_format=Answer, temperature=0,
+                                               max_tokens=200)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop" and isinstance(choice.message.parsed, Answer), choice.message.content
+    assert completion.model_extra["svip"]["draft_tokens"] > 0
+    streamed = client.chat.completions.create(model=MODEL, messages=CHAT, temperature=0, max_tokens=200, stream=True,
+                                              response_format={"type": "json_schema", "json_schema": {
+                                                  "name": "Answer", "strict": True,
+                                                  "schema": {**Answer.model_json_schema(),
+                                                             "additionalProperties": False}}})
+    assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == choice.message.content
+
+
+@pytest.mark.parametrize("body, param", [
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, "response_format"),
+    ({"guided_regex": "[a-"}, "guided_regex"),
+    ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),
+])
+def test_a_bad_grammar_is_a_400_naming_its_field(server, body, param):
+    response = httpx.post(server["base"] + "/v1/chat/completions", timeout=60,
+                          json={"model": MODEL, "messages": CHAT, "max_tokens": 4, **body})
+    assert response.status_code == 400 and response.json()["error"]["param"] == param
 
 
 def test_the_openai_client_sees_errors_as_exceptions_and_the_server_keeps_serving(client, reference):

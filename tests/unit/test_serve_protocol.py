@@ -256,3 +256,24 @@ def test_echo_is_for_completions_and_lets_max_tokens_be_zero():
     with pytest.raises(ApiError) as err:
         parse_chat({"messages": [{"role": "user", "content": "a"}], "echo": True})
     assert err.value.param == "echo" and "chat does not take it" in err.value.message
+
+
+def test_structured_output_fields_become_the_requests_grammar():
+    """OpenAI's response_format and vLLM's guided_* fields, each as the grammar it names."""
+    from svip_common.grammar import Grammar
+
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    cases = [
+        ({"response_format": {"type": "text"}}, None),
+        ({"response_format": {"type": "json_object"}}, Grammar("json_object")),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}},
+         Grammar.of_schema(schema)),
+        ({"guided_json": schema}, Grammar.of_schema(schema)),
+        ({"guided_json": '{"type": "integer"}'}, Grammar("json_schema", '{"type": "integer"}')),
+        ({"guided_regex": "[0-9]+"}, Grammar("regex", "[0-9]+")),
+        ({"guided_grammar": 'start: "a"'}, Grammar("lark", 'start: "a"')),
+    ]
+    for patch, grammar in cases:
+        assert parse_completion({**BASE, **patch}).sampling.grammar == grammar, patch
+        assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **patch}).sampling.grammar \
+            == grammar
