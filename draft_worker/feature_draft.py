@@ -34,6 +34,7 @@ from draft_worker.feature_head import FeatureHead, HeadCache, HeadConfig, load_h
 from draft_worker.policies import make_policy
 from svip_common.contracts import PolicyConfig, SamplingParams
 from svip_common.errors import ModelLoadError
+from svip_common.grammar_mask import GrammarMask
 from svip_common.hub import split_revision
 from svip_common.kv_cache import wait_for_device
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
@@ -49,6 +50,7 @@ class LoadedHead:
     path: str
     head: FeatureHead
     embedding: torch.nn.Embedding | None = None
+    tokenizer: object | None = None  # the target's: structured output's masks (None: the head drafts unmasked)
 
     @property
     def model(self) -> torch.nn.Module:
@@ -69,7 +71,8 @@ def load_feature_draft(path: str, target: LoadedModel) -> LoadedHead:
     """The head at ``path`` in the target's dtype and on its device, checked against it (one-line
     ModelLoadError otherwise)."""
     model = target.model
-    return LoadedHead(path, load_head(path, model.config.get_text_config(decoder=True), model.dtype, model.device))
+    head = load_head(path, model.config.get_text_config(decoder=True), model.dtype, model.device)
+    return LoadedHead(path, head, tokenizer=target.tokenizer)
 
 
 def load_head_beside(path: str, target_path: str, dtype: str = "float32", device: str = "cpu") -> LoadedHead:
@@ -95,7 +98,18 @@ def load_head_beside(path: str, target_path: str, dtype: str = "float32", device
         raise ModelLoadError(f"{target_path}: {name} has shape {list(table.shape)}, the config says "
                              f"[{config.vocab_size}, {config.hidden_size}]")
     embedding = torch.nn.Embedding.from_pretrained(table.to(torch_dtype), freeze=True).to(device)
-    return LoadedHead(path, load_head(path, config, torch_dtype, device), embedding)
+    return LoadedHead(path, load_head(path, config, torch_dtype, device), embedding, _tokenizer_of(repo, revision))
+
+
+def _tokenizer_of(repo: str, revision: str | None):
+    """The target's tokenizer, for structured output's masks on the head's rows (None where the
+    checkpoint has none: the head then drafts unmasked, and the target's mask keeps the output exact)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(repo, revision=revision)
+    except (OSError, ValueError, KeyError):
+        return None
 
 
 def _embedding_file(target: str) -> tuple[str, Path]:
@@ -193,8 +207,9 @@ class FeatureDrafter(Drafter):
 
     def open(self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int],
              prompt_len: int = 0) -> FeatureDraftSession:
-        """prompt_len: unused (the head drafts without the request's penalties; the target applies them)."""
-        session = FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree)
+        """prompt_len: where the generated tokens start, for the grammar's mask (the head drafts
+        without the request's penalties; the target applies them)."""
+        session = FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree, prompt_len)
         self._sessions.add(session)
         return session
 
@@ -217,12 +232,15 @@ class FeatureDraftSession(DraftSession):
     can_fork = False  # a head cache does not fork: its blocks are drafted one at a time
 
     def __init__(self, drafter: FeatureDrafter, sampling: SamplingParams, policy, stop_token_ids: Sequence[int],
-                 tree: str = "off"):
+                 tree: str = "off", prompt_len: int = 0):
         """tree: each block a token tree (svip_common/trees.py): its siblings are the head's
         runners-up at each drafted place, leaves the head never feeds."""
         self.sampling = sampling
         self.tree = tree
-        self.rules = RowRules(0, sampling.logit_bias)  # the request's bias; its penalties: the target's alone
+        grammar = None  # the head drafts under the request's grammar where it has the target's tokenizer
+        if sampling.grammar is not None and drafter.draft.tokenizer is not None:
+            grammar = GrammarMask(sampling.grammar, drafter.grammar_tokenizer())
+        self.rules = RowRules(prompt_len, sampling.logit_bias, grammar=grammar)  # its bias; penalties: the target's
         self.policy = policy
         self.stop_token_ids = frozenset(stop_token_ids)
         self._drafter = drafter

@@ -151,3 +151,24 @@ def _masked_marginals(models, prompt, sampling, grammar) -> tuple[torch.Tensor, 
         rows = torch.stack([masked(second[i], [x]) for i, x in enumerate(allowed)])
         p2_given = warp_probs(rows, sampling).double()
     return p1, p1[allowed] @ p2_given
+
+
+def test_a_feature_head_drafts_under_the_grammar_and_the_output_is_the_target_alones(prompt_ids):
+    """The embedded target with its head: the head's rows masked as the target's (it has the
+    target's tokenizer), greedy output equal to the target alone's with the grammar, in process
+    and through both pipelines."""
+    from draft_worker.feature_draft import load_feature_draft
+    from svip_assets import default_head, default_pair
+    from svip_common.models import load_model
+    from tests.integration.test_feature_draft_distributed import pair_for
+
+    target = load_model(default_pair()[0])
+    head = load_feature_draft(default_head(), target)
+    requests = [GenerationRequest(tuple(target.tokenizer(text)["input_ids"]), MAX_NEW,
+                                  SamplingParams(grammar=GRAMMARS[name]), POLICIES["svip"])
+                for text in ("Reply in JSON:", "def parse(argv):") for name in ("json_schema", "regex")]
+    expected = [SpeculativeEngine(target, None).generate(r).token_ids for r in requests]
+    results = [SpeculativeEngine(target, head).generate(r) for r in requests]
+    assert [r.token_ids for r in results] == expected and sum(r.stats.accepted_tokens for r in results) > 0
+    for pipeline in ("sync", "async"):
+        assert [r.token_ids for r in pair_for(target, head, pipeline).generate_all(requests)] == expected
