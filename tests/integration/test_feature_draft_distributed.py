@@ -216,7 +216,7 @@ def test_ray_workers_load_a_head_beside_the_targets_checkpoint(loop):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mode, tree", [pytest.param("sync", "off", marks=pytest.mark.system), ("async", "off"),
-                                        ("async", "cape")])
+                                        pytest.param("async", "cape", marks=pytest.mark.system)])
 def test_sampled_tokens_follow_the_target_across_workers(models, prompt_ids, mode, tree):
     """The head's draws across workers, each pipeline (async in README's tier, sync in the second,
     for time): the draft keeps q and draws each correction

@@ -113,7 +113,8 @@ PLAIN, WARPED = SamplingParams(temperature=1.0), SamplingParams(temperature=0.8,
 
 
 @pytest.mark.parametrize("pipeline, sampling", [
-    ("async", PLAIN), ("sync", WARPED), pytest.param("async", WARPED, marks=pytest.mark.system),
+    ("async", PLAIN), pytest.param("sync", WARPED, marks=pytest.mark.system),
+    pytest.param("async", WARPED, marks=pytest.mark.system),
 ], ids=["plain-async", "warped-sync", "warped-async"])
 def test_a_sampled_tree_across_the_workers_follows_the_target(models, prompt_ids, pipeline, sampling):
     """A sampled tree crosses the workers with the draft's q rows: the target tries the siblings
