@@ -10,14 +10,16 @@ from svip_serve.protocol import ApiRequest, bad
 def prompt_ids(tokenizer, req: ApiRequest, model_name: str) -> tuple[int, ...]:
     if req.kind == "completion":
         return encode(tokenizer, req.prompt)
-    return chat_prompt_ids(tokenizer, req.messages, model_name)
+    return chat_prompt_ids(tokenizer, req.messages, model_name, req.tools)
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], model_name: str) -> tuple[int, ...]:
+def chat_prompt_ids(tokenizer, messages: list[dict], model_name: str,
+                    tools: list[dict] | None = None) -> tuple[int, ...]:
+    """tools: the request's function definitions, which the template renders where it knows how."""
     if not getattr(tokenizer, "chat_template", None):
         raise bad(f"the model {model_name!r} has no chat template; use /v1/completions", "messages")
     try:
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(messages, tools=tools, add_generation_prompt=True, tokenize=False)
     except Exception as exc:  # the template's own checks (jinja raise_exception) name the problem
         raise bad(f"the chat template rejected the messages: {exc}", "messages") from None
     ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template placed every special token

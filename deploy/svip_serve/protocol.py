@@ -10,7 +10,7 @@ import re
 import secrets
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from svip_common.contracts import (
     INT32_MAX,
@@ -24,6 +24,7 @@ from svip_common.contracts import (
 from svip_common.errors import InvalidRequest
 from svip_common.grammar import Grammar
 from svip_common.trees import TREES
+from svip_serve.tools import ToolsError, forced_tool, new_call_id, tool_call
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 8  # a request's n at most: each choice holds its own KV pages and a place in the batch
@@ -67,6 +68,8 @@ class ApiRequest:
     n: int = 1  # choices of the prompt: choice i is the request alone with seed sample_seed(seed, i)
     logprobs: int | None = None  # the target's logprob of each token and this many top ones (None: none)
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' logprobs) first
+    tools: list[dict] | None = None  # chat: the function definitions, for the chat template
+    tool_call: str | None = None  # chat: the function the answer calls (its arguments forced: svip_serve/tools.py)
 
 
 # --- the body ------------------------------------------------------------------------------------
@@ -204,7 +207,7 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
     best_of = _integer(body, "best_of", 1)
     if best_of != 1:
         raise bad(f"'best_of' must be 1, got {best_of}", "best_of")
-    _refuse_unsupported(body)
+    _refuse_unsupported(body, kind)
     echo = _echo(body, kind)
     max_tokens = _integer(body, "max_completion_tokens", None, lo=1) if kind == "chat" else None
     max_tokens = _integer(body, "max_tokens", max_tokens, lo=0 if echo else 1)  # 0: score the prompt alone
@@ -300,9 +303,10 @@ def _logit_bias(value) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
-def _refuse_unsupported(body: dict) -> None:
-    """Parameters that would change the output: refused rather than silently ignored."""
-    for name in ("suffix", "tools", "functions"):
+def _refuse_unsupported(body: dict, kind: str) -> None:
+    """Parameters that would change the output: refused rather than silently ignored (chat's
+    tools: svip_serve/tools.py)."""
+    for name in ("suffix", "functions", *(("tools", "tool_choice") if kind == "completion" else ())):
         value = body.get(name)
         if value not in (None, False, 0, "", [], {}):
             raise bad(f"'{name}' is not supported by this server", name)
@@ -464,6 +468,15 @@ def parse_chat(body, defaults: PolicyConfig = PolicyConfig()) -> ApiRequest:
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
         msg["content"] = _content(msg.get("content"), i)
     request.messages = messages
+    try:
+        request.tools, request.tool_call, arguments = forced_tool(body)
+    except ToolsError as exc:
+        raise bad(str(exc), exc.param) from None
+    if arguments is not None:
+        if request.sampling.grammar is not None:
+            raise bad("a forced 'tool_choice' sets the answer's format: send it without response_format or "
+                      "guided_*", "tool_choice")
+        request.sampling = replace(request.sampling, grammar=arguments)
     return request
 
 
@@ -491,20 +504,19 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def choices_body(kind: str, rid: str, model: str, choices: list[tuple[str, str, dict, dict | None]],
-                 usage_: dict) -> dict:
+                 usage_: dict, tool: str | None = None) -> dict:
     """choices: (text, finish_reason, svip stats, logprobs field) each, in index order; the
-    top-level `svip` is the first's, and with several each choice carries its own."""
+    top-level `svip` is the first's, and with several each choice carries its own. tool: the
+    function a chat's answer calls (its text the arguments)."""
     out = []
     for index, (text, finish_reason, svip, logprobs) in enumerate(choices):
         if kind == "completion":
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            choice = {
-                "index": index,
-                "message": {"role": "assistant", "content": text},
-                "logprobs": logprobs,
-                "finish_reason": finish_reason,
-            }
+            message = {"role": "assistant", "content": text}
+            if tool is not None:
+                message = {"role": "assistant", "content": None, "tool_calls": [tool_call(tool, text, new_call_id())]}
+            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         if len(choices) > 1:
             choice["svip"] = svip
         out.append(choice)
@@ -529,12 +541,18 @@ def chunk_body(
     first: bool = False,
     index: int = 0,
     logprobs: dict | None = None,
+    tool: tuple[str, str] | None = None,
 ) -> dict:
+    """tool: (the function a chat's answer calls, its call's id): the text is its arguments, in
+    the delta's tool_calls (the first chunk names the function)."""
     if kind == "completion":
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
         delta = {} if text is None else {"content": text}
+        if tool is not None and text is not None:
+            call = tool_call(tool[0], text, tool[1]) if first else {"function": {"arguments": text}}
+            delta = {"tool_calls": [{"index": 0, **call}]}
         if first:
             delta["role"] = "assistant"
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

@@ -39,6 +39,7 @@ from svip_serve.protocol import (
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
 from svip_serve.shaping import RequestShaping
+from svip_serve.tools import new_call_id
 
 # no /docs, /redoc or /openapi.json: the API faces the network, and its shape is OpenAI's
 api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible",
@@ -379,6 +380,7 @@ class SVIPServer:
                 self.settings.served_name,
                 [(text, g.finish_reason, g.stats(), g.logprobs(req.kind)) for text, g in zip(texts, generations)],
                 _usage(generations),
+                req.tool_call,
             )
         )
 
@@ -403,15 +405,17 @@ class SVIPServer:
         """Each choice's text as it settles, tagged with its index; a choice's last chunk carries its
         finish reason and svip stats, the last of them the usage of all."""
         model, created, ended = self.settings.served_name, int(time.time()), 0
+        calls = [None if req.tool_call is None else (req.tool_call, new_call_id()) for _ in generations]
         try:
             async with slot:  # admitted already: this only releases the place at the end
                 if req.kind == "chat":
                     for index in range(len(generations)):
-                        yield _sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index))
+                        yield _sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index,
+                                              tool=calls[index]))
                 async for index, delta in merged(generations):
                     if delta is not None:
                         yield _sse(chunk_body(req.kind, rid, model, created, delta, index=index,
-                                              logprobs=generations[index].logprobs_chunk(req.kind)))
+                                              logprobs=generations[index].logprobs_chunk(req.kind), tool=calls[index]))
                         continue
                     generation, ended = generations[index], ended + 1
                     last = chunk_body(req.kind, rid, model, created, None, generation.finish_reason, index=index,

@@ -372,7 +372,38 @@ def test_the_openai_sdks_parse_gets_its_pydantic_model_with_speculation_on(clien
     assert "".join(c.choices[0].delta.content or "" for c in streamed if c.choices) == choice.message.content
 
 
+class GetWeather(pydantic.BaseModel):
+    """Tell the weather in a city."""
+
+    city: Literal["Paris", "Oslo"]
+    celsius: bool
+
+
+def test_a_named_tool_choice_forces_the_functions_arguments(client):
+    """tools with a named tool_choice (as agent frameworks send them): the answer is that
+    function's call, its arguments JSON its parameters accept, streamed and not alike; the SDK's
+    parse reads them into the Pydantic model (pydantic_function_tool)."""
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    forced = {"type": "function", "function": {"name": "GetWeather"}}
+    completion = client.chat.completions.parse(model=MODEL, messages=CHAT, tools=tools, tool_choice=forced,
+                                               temperature=0, max_tokens=200)
+    choice = completion.choices[0]
+    call = choice.message.tool_calls[0]
+    assert choice.finish_reason == "stop" and choice.message.content is None
+    assert call.function.name == "GetWeather" and isinstance(call.function.parsed_arguments, GetWeather)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice=forced,
+                                            temperature=0, max_tokens=200, stream=True)
+    deltas = [c.choices[0].delta for c in stream if c.choices]
+    calls = [part for d in deltas for part in (d.tool_calls or [])]
+    assert calls[0].function.name == "GetWeather" and calls[0].id
+    assert "".join(part.function.arguments or "" for part in calls) == call.function.arguments
+
+
 @pytest.mark.parametrize("body, param", [
+    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: the model deciding
+    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, "response_format"),
     ({"guided_regex": "[a-"}, "guided_regex"),
     ({"response_format": {"type": "json_object"}, "guided_json": {}}, "guided_json"),

@@ -277,3 +277,45 @@ def test_structured_output_fields_become_the_requests_grammar():
         assert parse_completion({**BASE, **patch}).sampling.grammar == grammar, patch
         assert parse_chat({"model": "m", "messages": [{"role": "user", "content": "x"}], **patch}).sampling.grammar \
             == grammar
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "weather?"}]}
+
+
+def test_a_named_tool_choice_forces_its_functions_arguments():
+    from svip_common.grammar import Grammar
+
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    for choice in (named, "required"):
+        req = parse_chat({**CHAT_BODY, "tools": TOOLS, "tool_choice": choice})
+        assert req.tool_call == "get_weather" and req.tools == TOOLS
+        assert req.sampling.grammar == Grammar.of_schema(TOOLS[0]["function"]["parameters"])
+    req = parse_chat({**CHAT_BODY, "tools": TOOLS, "tool_choice": "none"})  # the template sees them; no call
+    assert (req.tool_call, req.sampling.grammar, req.tools) == (None, None, TOOLS)
+
+
+@pytest.mark.parametrize("patch, param, words", [
+    ({"tools": TOOLS}, "tool_choice", "the model deciding"),
+    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "the model deciding"),
+    ({"tools": TOOLS * 2, "tool_choice": "required"}, "tools", "repeats the function name"),
+    ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice", "not among"),
+    ({"tools": [{"type": "function", "function": {"name": "a b"}}], "tool_choice": "none"}, "tools", "letters"),
+    ({"tools": [{"type": "function", "function": {"name": "f"}}] * 129, "tool_choice": "none"}, "tools", "at most 128"),
+    ({"tools": "f", "tool_choice": "none"}, "tools", "an array"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
+      "tool_choice": "required"}, "tools", "does not compile"),
+    ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "sets the answer's format"),
+])
+def test_bad_tools_are_a_400_naming_the_field(patch, param, words):
+    with pytest.raises(ApiError, match=words) as err:
+        parse_chat({**CHAT_BODY, **patch})
+    assert err.value.status == 400 and err.value.param == param
+
+
+def test_tools_on_completions_are_refused():
+    with pytest.raises(ApiError, match="'tools' is not supported") as err:
+        parse_completion({**BASE, "tools": TOOLS})
+    assert err.value.param == "tools"
