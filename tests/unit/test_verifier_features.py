@@ -20,6 +20,28 @@ def own_hidden(model, tokens, layers):
     return torch.cat([out.hidden_states[i][0] for i in layers], dim=-1)
 
 
+class Rounds:
+    """A greedy session's rounds on a verifier handing over ``layers``' features: each verdict's
+    features kept in order (each starting where the last ended), its tokens committed."""
+
+    def __init__(self, target, layers, budget=None):
+        self.verifier = Verifier(target, kv_cache_tokens=1024, feature_layers=layers)
+        self.session = self.verifier.open(SamplingParams())
+        self.committed, self.handed, self.budget = list(PROMPT), [], budget
+
+    def verify(self, tokens, siblings=None):
+        block = Block(base=len(self.committed), tokens=tokens, probs=[0.5] * len(tokens),
+                      entropies=[0.1] * len(tokens), siblings=siblings)
+        while (verdict := self.verifier.verify_batch([(self.session, self.committed, block)], self.budget)[0]) is None:
+            pass  # a prefill chunk this step
+        if verdict.features is not None:
+            assert verdict.features_from == sum(f.shape[0] for f in self.handed)
+            self.handed.append(verdict.features)
+        branch = [verdict.branch] if verdict.branch != NO_TOKEN else []
+        self.committed.extend([*tokens[: verdict.accepted], *branch, verdict.token])
+        return verdict
+
+
 @torch.inference_mode()
 def test_a_pooled_forward_returns_the_models_own_hidden_states(models):
     model = models["target"].model
@@ -43,19 +65,8 @@ def test_verdicts_hand_over_the_features_of_what_they_commit(models, budget):
     own hidden states there."""
     target = models["target"]
     layers = (1, 2)
-    verifier = Verifier(target, kv_cache_tokens=1024, feature_layers=layers)
-    session = verifier.open(SamplingParams())
-    committed, handed = list(PROMPT), []
-
-    def verify(tokens):
-        block = Block(base=len(committed), tokens=tokens, probs=[0.5] * len(tokens), entropies=[0.1] * len(tokens))
-        while (verdict := verifier.verify_batch([(session, committed, block)], budget)[0]) is None:
-            pass  # a prefill chunk this step
-        if verdict.features is not None:
-            assert verdict.features_from == sum(f.shape[0] for f in handed)
-            handed.append(verdict.features)
-        committed.extend([*tokens[: verdict.accepted], verdict.token])
-        return verdict
+    rounds = Rounds(target, layers, budget)
+    committed, handed, verify = rounds.committed, rounds.handed, rounds.verify
 
     def choice():  # the target's next token after what is committed
         with torch.inference_mode():
@@ -79,24 +90,12 @@ def test_a_trees_verdict_hands_over_the_features_of_its_accepted_path(models):
     committed positions once each and equal the model's own hidden states there."""
     target = models["target"]
     layers = (1, 2)
-    verifier = Verifier(target, kv_cache_tokens=1024, feature_layers=layers)
-    session = verifier.open(SamplingParams())
-    committed, handed = list(PROMPT), []
+    rounds = Rounds(target, layers)
+    committed, handed, verify = rounds.committed, rounds.handed, rounds.verify
 
     def choice(tokens):
         with torch.inference_mode():
             return target.model(input_ids=torch.tensor([tokens])).logits[0, -1].argmax().item()
-
-    def verify(tokens, siblings=None):
-        block = Block(base=len(committed), tokens=tokens, probs=[0.5] * len(tokens), entropies=[0.1] * len(tokens),
-                      siblings=siblings)
-        verdict = verifier.verify_batch([(session, committed, block)])[0]
-        if verdict.features is not None:
-            assert verdict.features_from == sum(f.shape[0] for f in handed)
-            handed.append(verdict.features)
-        branch = [verdict.branch] if verdict.branch != NO_TOKEN else []
-        committed.extend([*tokens[: verdict.accepted], *branch, verdict.token])
-        return verdict
 
     verify([])
     first = choice(committed)
