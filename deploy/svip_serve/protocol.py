@@ -258,8 +258,9 @@ def _echo(body: dict, kind: str) -> bool:
             raise bad("'echo' is a completions parameter; chat does not take it", "echo")
         return False
     echo = _boolean(body, "echo", False)
-    if echo and _boolean(body, "stream", False):
-        raise bad("'echo' with 'stream' is not supported by this server; send it without 'stream'", "echo")
+    if echo and _boolean(body, "stream", False) and body.get("logprobs") is not None:
+        raise bad("'echo' with 'stream' and 'logprobs' is not supported by this server (the prompt's logprobs "
+                  "come with the whole answer); send it without 'stream'", "echo")
     return echo
 
 

@@ -412,7 +412,12 @@ class SVIPServer:
                     for index in range(len(generations)):
                         yield _sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index,
                                               tool=calls[index]))
+                for index, generation in enumerate(generations):  # a completion's echo: the prompt first
+                    if generation.echo:
+                        yield _sse(chunk_body(req.kind, rid, model, created, generation.echo, index=index))
                 async for index, delta in merged(generations):
+                    if delta is not None and generations[index].score_only:
+                        continue  # max_tokens 0: the one token the prefill settles is not the answer's
                     if delta is not None:
                         yield _sse(chunk_body(req.kind, rid, model, created, delta, index=index,
                                               logprobs=generations[index].logprobs_chunk(req.kind), tool=calls[index]))

@@ -145,6 +145,19 @@ def test_a_scoring_request_echoes_the_prompt_with_its_logprobs(client, tokenizer
     assert more.choices[0].logprobs.token_logprobs[: len(ids)][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
 
 
+def test_a_streamed_echo_sends_the_prompt_first(client):
+    """echo with stream: the prompt's own chunk, then the answer's, together the non-streamed text;
+    with max_tokens 0 the prompt alone."""
+    prompt = PROMPTS[1]
+    whole = client.completions.create(model=MODEL, prompt=prompt, max_tokens=8, echo=True, temperature=0)
+    chunks = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=8, echo=True, temperature=0, stream=True) if c.choices]
+    assert chunks[0] == prompt and "".join(chunks) == whole.choices[0].text
+    scored = [c.choices[0].text for c in client.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=0, echo=True, temperature=0, stream=True) if c.choices]
+    assert "".join(scored) == prompt
+
+
 def test_completions_equal_svip_generate(client, reference):
     for prompt, ref in zip(PROMPTS[:4], reference["prompts"]):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
