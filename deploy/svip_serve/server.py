@@ -391,10 +391,10 @@ class SVIPServer:
             body = await _json_body(
                 http, self.settings.max_request_bytes, self.settings.body_read_timeout_s, self._parse_pool
             )
-            req = parse(body, self.policy_defaults)
+            loop = asyncio.get_running_loop()  # off the event loop: compiling a request's grammar takes a while
+            req = await loop.run_in_executor(self._parse_pool, parse, body, self.policy_defaults)
             self.shaping.check_model(req.model)
             self.shaping.check(req)
-            loop = asyncio.get_running_loop()
             request = await loop.run_in_executor(self._tokenizer_pool, self.shaping.generation_request, req)
         except ApiError as exc:
             self.metrics.record_rejected("invalid")
