@@ -131,11 +131,8 @@ class Drafter:
         ]
 
     def grammar_tokenizer(self):
-        """The draft's tokenizer as structured output's matchers read it, over the target's
-        vocabulary (built once)."""
-        if getattr(self, "_grammar_tokenizer", None) is None:
-            self._grammar_tokenizer = grammar_tokenizer(self.draft.tokenizer, self.width)
-        return self._grammar_tokenizer
+        """The draft's tokenizer as structured output's matchers read it, over the target's vocabulary."""
+        return grammar_tokenizer(self.draft.tokenizer, self.width)
 
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int], prompt_len: int = 0

@@ -40,6 +40,7 @@ from svip_common.kv_cache import wait_for_device
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
 from svip_common.row_rules import RowRules
+from svip_common.sequences import common_prefix
 
 
 @dataclass
@@ -303,7 +304,7 @@ class FeatureDraftSession(DraftSession):
         last -= offset  # positions from here on count from the cache's first
         if last < 0:
             return None
-        valid = _common_prefix(fed, list(committed[offset + 1 :]))  # cached pairs whose tokens still hold
+        valid = common_prefix(fed, list(committed[offset + 1 :]))  # cached pairs whose tokens still hold
         keep = min(valid, last)  # the last pair is always fed again: its output is the first token's
         known = self._known - offset
         if known > true:
@@ -403,12 +404,3 @@ class _Pairs:
 
     def __len__(self) -> int:
         return len(self.ids) + len(self.chain)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    """How many leading items two token lists share: one list comparison (in C) when all do (every
-    block but one after a rejection), a walk from the start only when they differ."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    return next(i for i, (x, y) in enumerate(zip(a, b)) if x != y)

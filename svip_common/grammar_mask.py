@@ -13,18 +13,21 @@ Runs on the thread that owns the session (a worker's compute thread)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
 
 from svip_common.errors import InvalidRequest
 from svip_common.grammar import Grammar
+from svip_common.sequences import common_prefix
 
 
+@functools.lru_cache(maxsize=8)
 def grammar_tokenizer(tokenizer, width: int):
     """llguidance's view of a Hugging Face tokenizer (its vocabulary, its EOS), built once per
-    model: what a session's matcher needs. width: the model's logits (ids past the tokenizer's
-    are padding, never allowed)."""
+    model (cached by the tokenizer object): what a session's matcher needs. width: the model's
+    logits (ids past the tokenizer's are padding, never allowed)."""
     import llguidance.hf
 
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=min(len(tokenizer), width))
@@ -59,7 +62,7 @@ class GrammarMask:
 
     def _move_to(self, generated: Sequence[int]) -> None:
         taken = self._taken
-        common = _common_prefix(taken, generated)
+        common = common_prefix(taken, generated)
         if common < len(taken):
             self._matcher.rollback(len(taken) - common)
             del taken[common:]
@@ -68,10 +71,3 @@ class GrammarMask:
             ok = self._matcher.validate_tokens(rest)
             if ok and self._matcher.consume_tokens(rest[:ok]):
                 taken += rest[:ok]
-
-
-def _common_prefix(a: list[int], b: Sequence[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == list(b[:n]):
-        return n
-    return next(i for i in range(n) if a[i] != b[i])

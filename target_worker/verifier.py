@@ -50,22 +50,16 @@ class Verifier:
         # (plain_cost: one token per session)
         self.cost, self.decode_cost, self.plain_cost = StepCost(), StepCost(), StepCost()
         self._sessions_per_step = Ewma(0.1)  # recent sessions per verification step
-        self._grammar_tokenizer = None  # llguidance's view of the tokenizer, once a request has a grammar
 
     def open(self, sampling: SamplingParams, prompt_len: int = 0, stop_ids: frozenset[int] = frozenset(),
              logprobs: int | None = None) -> TargetSession:
         """prompt_len and stop_ids: the request's, for its penalties and min_tokens (row_rules.py);
         logprobs: the request's top alternatives per settled token (None: no logprobs; logprobs.py)."""
-        tokenizer = self.grammar_tokenizer() if sampling.grammar is not None else None
+        target = self.target
+        tokenizer = None if sampling.grammar is None else grammar_tokenizer(target.tokenizer, target.vocab_size)
         session = TargetSession(self, sampling, RowRules.of(sampling, prompt_len, stop_ids, tokenizer))
         session.logprob_rows = None if logprobs is None else LogprobRows(logprobs)
         return session
-
-    def grammar_tokenizer(self):
-        """The target's tokenizer as structured output's matchers read it (built once)."""
-        if self._grammar_tokenizer is None:
-            self._grammar_tokenizer = grammar_tokenizer(self.target.tokenizer, self.target.vocab_size)
-        return self._grammar_tokenizer
 
     def load(self, sessions: int | None = None) -> TargetLoad | None:
         """The target's current load, as load-aware speculation sees it (None: nothing measured

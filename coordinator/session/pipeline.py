@@ -65,6 +65,7 @@ from svip_common.messages import (
     DraftFailed,
     DraftRequest,
 )
+from svip_common.sequences import common_prefix
 from svip_common.step_cost import SessionGate, TargetLoad
 from target_worker.verifier import TargetSession
 
@@ -194,7 +195,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         self.verifying, self.waiting_since = block, None
         own = self.committed[block.base:]  # the target's own tokens, settled while it waited (fill)
         if own:
-            agreed = _common_prefix(block.tokens, own)
+            agreed = common_prefix(block.tokens, own)
             if agreed < len(own):  # the block parts from them: decided by them, no forward
                 self.target.judged_alone(len(block.tokens))
                 now = self.now
@@ -369,9 +370,6 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
     def _to_draft(self, request: DraftRequest) -> None:
         self._emit(ToDraft(request))
 
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
 def _after(block: Block, n: int) -> Block:
