@@ -386,6 +386,9 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     srv.add_argument("--tree", choices=TREES, default="off",
                      help="default token tree (off): cape, auto (a request's `tree` overrides it)")
+    srv.add_argument("--tool-call-parser", default="hermes",
+                     help="the format chat's tool_choice auto reads the model's calls in: hermes "
+                     "(<tool_call>{...}</tool_call>, default) or none (auto refused)")
     _add_auto_arguments(srv)
     srv.add_argument(
         "--draft-length-cap",

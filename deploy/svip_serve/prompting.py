@@ -10,7 +10,7 @@ from svip_serve.protocol import ApiRequest, bad
 def prompt_ids(tokenizer, req: ApiRequest, model_name: str) -> tuple[int, ...]:
     if req.kind == "completion":
         return encode(tokenizer, req.prompt)
-    return chat_prompt_ids(tokenizer, req.messages, model_name, req.tools)
+    return chat_prompt_ids(tokenizer, req.messages, model_name, None if req.tools is None else req.tools.tools)
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], model_name: str,

@@ -24,7 +24,7 @@ from svip_common.contracts import (
 from svip_common.errors import InvalidRequest
 from svip_common.grammar import Grammar
 from svip_common.trees import TREES
-from svip_serve.tools import ToolsError, forced_tool, new_call_id, tool_call
+from svip_serve.tools import MAX_TOOLS, ToolPlan, ToolsError, tool_plan
 
 MAX_STOP_STRINGS = 16
 MAX_CHOICES = 8  # a request's n at most: each choice holds its own KV pages and a place in the batch
@@ -68,8 +68,7 @@ class ApiRequest:
     n: int = 1  # choices of the prompt: choice i is the request alone with seed sample_seed(seed, i)
     logprobs: int | None = None  # the target's logprob of each token and this many top ones (None: none)
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' logprobs) first
-    tools: list[dict] | None = None  # chat: the function definitions, for the chat template
-    tool_call: str | None = None  # chat: the function the answer calls (its arguments forced: svip_serve/tools.py)
+    tools: ToolPlan | None = None  # chat: the function definitions and what tool_choice makes of the answer
 
 
 # --- the body ------------------------------------------------------------------------------------
@@ -455,7 +454,8 @@ def _prompt(value) -> str | list[int]:
     raise bad(f"'prompt' must be a string or an array of token ids, got {_shown(value)}", "prompt")
 
 
-def parse_chat(body, defaults: PolicyConfig = PolicyConfig()) -> ApiRequest:
+def parse_chat(body, defaults: PolicyConfig = PolicyConfig(), tool_parser: str = "hermes") -> ApiRequest:
+    """tool_parser: the format tool_choice auto reads calls in (the deployment's tool_call_parser)."""
     request = _common(body, "chat", defaults)
     messages = body.get("messages")
     if messages is None:
@@ -467,18 +467,45 @@ def parse_chat(body, defaults: PolicyConfig = PolicyConfig()) -> ApiRequest:
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict) or not isinstance(msg.get("role"), str):
             raise bad(f"messages[{i}] must be an object with a string 'role'", "messages")
-        msg["content"] = _content(msg.get("content"), i)
+        if msg["role"] == "assistant" and "tool_calls" in msg:
+            msg["tool_calls"] = _past_calls(msg["tool_calls"], i)
+            msg["content"] = "" if msg.get("content") is None else _content(msg["content"], i)
+        else:
+            msg["content"] = _content(msg.get("content"), i)
     request.messages = messages
     try:
-        request.tools, request.tool_call, arguments = forced_tool(body)
+        request.tools = tool_plan(body, tool_parser)
     except ToolsError as exc:
         raise bad(str(exc), exc.param) from None
+    arguments = None if request.tools is None else request.tools.grammar
     if arguments is not None:
         if request.sampling.grammar is not None:
             raise bad("a forced 'tool_choice' sets the answer's format: send it without response_format or "
                       "guided_*", "tool_choice")
         request.sampling = replace(request.sampling, grammar=arguments)
     return request
+
+
+def _past_calls(calls, i: int) -> list[dict]:
+    """An assistant message's earlier tool calls, their arguments as objects (as chat templates
+    render them); a 400 for any that is not a function call with a name and JSON object arguments."""
+    where = f"messages[{i}].tool_calls"
+    if not isinstance(calls, list) or len(calls) > MAX_TOOLS:
+        raise bad(f"{where} must be an array of at most {MAX_TOOLS} tool calls", "messages")
+    out = []
+    for j, call in enumerate(calls):
+        function = call.get("function") if isinstance(call, dict) else None
+        arguments = function.get("arguments") if isinstance(function, dict) else None
+        try:
+            parsed = json.loads(arguments) if isinstance(arguments, str) else arguments
+        except ValueError:
+            parsed = None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not isinstance(parsed, dict):
+            raise bad(f"{where}[{j}] must be {{\"type\": \"function\", \"function\": {{\"name\": ..., \"arguments\": "
+                      "a JSON object}}}", "messages")
+        out.append({**call, "function": {**function, "arguments": parsed}})
+    return out
 
 
 def _content(value, i: int) -> str:
@@ -505,18 +532,18 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
 
 
 def choices_body(kind: str, rid: str, model: str, choices: list[tuple[str, str, dict, dict | None]],
-                 usage_: dict, tool: str | None = None) -> dict:
+                 usage_: dict, tools: ToolPlan | None = None) -> dict:
     """choices: (text, finish_reason, svip stats, logprobs field) each, in index order; the
-    top-level `svip` is the first's, and with several each choice carries its own. tool: the
-    function a chat's answer calls (its text the arguments)."""
+    top-level `svip` is the first's, and with several each choice carries its own. tools: what a
+    chat's tools make of its text (calls read out of it: svip_serve/tools.py)."""
     out = []
     for index, (text, finish_reason, svip, logprobs) in enumerate(choices):
         if kind == "completion":
             choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
         else:
-            message = {"role": "assistant", "content": text}
-            if tool is not None:
-                message = {"role": "assistant", "content": None, "tool_calls": [tool_call(tool, text, new_call_id())]}
+            message, called = ({"role": "assistant", "content": text}, False) if tools is None else tools.message(text)
+            if called and finish_reason == "stop":
+                finish_reason = "tool_calls"
             choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
         if len(choices) > 1:
             choice["svip"] = svip
@@ -542,18 +569,14 @@ def chunk_body(
     first: bool = False,
     index: int = 0,
     logprobs: dict | None = None,
-    tool: tuple[str, str] | None = None,
+    calls: list[dict] | None = None,
 ) -> dict:
-    """tool: (the function a chat's answer calls, its call's id): the text is its arguments, in
-    the delta's tool_calls (the first chunk names the function)."""
+    """calls: the delta's tool_calls (svip_serve/tools.py's stream), in place of text."""
     if kind == "completion":
         choice = {"index": index, "text": text or "", "logprobs": logprobs, "finish_reason": finish_reason}
         obj = "text_completion"
     else:
-        delta = {} if text is None else {"content": text}
-        if tool is not None and text is not None:
-            call = tool_call(tool[0], text, tool[1]) if first else {"function": {"arguments": text}}
-            delta = {"tool_calls": [{"index": 0, **call}]}
+        delta = {"tool_calls": calls} if calls else ({} if text is None else {"content": text})
         if first:
             delta["role"] = "assistant"
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}

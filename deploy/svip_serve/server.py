@@ -5,6 +5,7 @@ loopback). Requests become GenerationRequests, tokens stream back as server-sent
 
 import asyncio
 import concurrent.futures
+import functools
 import json
 import logging
 import time
@@ -39,7 +40,7 @@ from svip_serve.protocol import (
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
 from svip_serve.shaping import RequestShaping
-from svip_serve.tools import new_call_id
+from svip_serve.tools import CallStream
 
 # no /docs, /redoc or /openapi.json: the API faces the network, and its shape is OpenAI's
 api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible",
@@ -112,6 +113,20 @@ async def _all_or_none(runs: list) -> list:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
         raise
+
+
+def _deltas(kind: str, rid: str, model: str, created: int, index: int, text: str | None, calls: CallStream | None,
+            logprobs: dict | None) -> list[dict]:
+    """A choice's chunks for a piece of its text (None: its end), the text read for tool calls where
+    the request has tools; the piece's logprobs on the first (on an empty delta where the reader
+    holds the text back)."""
+    if calls is None:
+        return [] if text is None else [chunk_body(kind, rid, model, created, text, index=index, logprobs=logprobs)]
+    parts = calls.finish() if text is None else calls.feed(text)
+    if not parts and logprobs is not None:
+        parts = [(None, None)]
+    return [chunk_body(kind, rid, model, created, content, index=index, logprobs=logprobs if k == 0 else None,
+                       calls=entries) for k, (content, entries) in enumerate(parts)]
 
 
 def _usage(generations: list[Generation]) -> dict:
@@ -203,6 +218,7 @@ class SVIPServer:
         )
         self.created = int(time.time())
         self.policy_defaults = settings.policy_defaults()
+        self._parse_chat = functools.partial(parse_chat, tool_parser=settings.tool_call_parser)
         self._health: str | None = None  # the last health check's finding: ok, recovering, unavailable
         self._health_lock = asyncio.Lock()
         # `svip serve` given SIGTERM or SIGINT asks its replicas to drain (svip_serve/draining.py)
@@ -320,7 +336,7 @@ class SVIPServer:
 
     @api.post("/v1/chat/completions")
     async def chat_completions(self, request: Request):
-        return await self._serve(request, parse_chat)
+        return await self._serve(request, self._parse_chat)
 
     # --- one request ----------------------------------------------------------------------------
 
@@ -380,7 +396,7 @@ class SVIPServer:
                 self.settings.served_name,
                 [(text, g.finish_reason, g.stats(), g.logprobs(req.kind)) for text, g in zip(texts, generations)],
                 _usage(generations),
-                req.tool_call,
+                req.tools,
             )
         )
 
@@ -405,13 +421,13 @@ class SVIPServer:
         """Each choice's text as it settles, tagged with its index; a choice's last chunk carries its
         finish reason and svip stats, the last of them the usage of all."""
         model, created, ended = self.settings.served_name, int(time.time()), 0
-        calls = [None if req.tool_call is None else (req.tool_call, new_call_id()) for _ in generations]
+        calls = [None if req.tools is None else CallStream(req.tools) for _ in generations]
         try:
             async with slot:  # admitted already: this only releases the place at the end
                 if req.kind == "chat":
-                    for index in range(len(generations)):
+                    for index, stream in enumerate(calls):
                         yield _sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index,
-                                              tool=calls[index]))
+                                              calls=stream and stream.opening()))
                 for index, generation in enumerate(generations):  # a completion's echo: the prompt first
                     if generation.echo:
                         yield _sse(chunk_body(req.kind, rid, model, created, generation.echo, index=index))
@@ -419,11 +435,17 @@ class SVIPServer:
                     if delta is not None and generations[index].score_only:
                         continue  # max_tokens 0: the one token the prefill settles is not the answer's
                     if delta is not None:
-                        yield _sse(chunk_body(req.kind, rid, model, created, delta, index=index,
-                                              logprobs=generations[index].logprobs_chunk(req.kind), tool=calls[index]))
+                        for chunk in _deltas(req.kind, rid, model, created, index, delta, calls[index],
+                                             generations[index].logprobs_chunk(req.kind)):
+                            yield _sse(chunk)
                         continue
+                    for chunk in _deltas(req.kind, rid, model, created, index, None, calls[index], None):
+                        yield _sse(chunk)
                     generation, ended = generations[index], ended + 1
-                    last = chunk_body(req.kind, rid, model, created, None, generation.finish_reason, index=index,
+                    reason = generation.finish_reason
+                    if calls[index] is not None and calls[index].called and reason == "stop":
+                        reason = "tool_calls"
+                    last = chunk_body(req.kind, rid, model, created, None, reason, index=index,
                                       logprobs=generation.logprobs_chunk(req.kind, final=True))
                     if ended == len(generations):
                         last["usage"] = _usage(generations)

@@ -17,6 +17,7 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.pair_config import PairConfig, Recovery, worker_emulation
 from svip_common.step_cost import check_idle_prefill, check_load_aware
 from svip_serve.auth import split_name
+from svip_serve.tools import TOOL_CALL_PARSERS
 
 EMBEDDED_MODEL_NAME = "svip-pair"
 REPLICA_CPUS = 0.5  # the replica only relays: asyncio, gRPC and tokenization
@@ -55,6 +56,7 @@ class ServeSettings:
     policy: str = "auto"  # request default; a request's `policy` overrides it
     threshold: float = 0.3
     tree: str = "off"  # request default: off, cape or auto (svip_common/trees.py); a request's `tree` overrides it
+    tool_call_parser: str = "hermes"  # the format chat's tool_choice auto reads calls in; none: auto refused
     auto_learn: bool = True  # policy auto: keep fitting the pair's estimate on live verdicts (off: its prior stays)
     auto_cost: float | None = None  # policy auto: a fixed cost of a drafted token (tau) in place of the measured one
     auto_window: int = 4096  # policy auto: verdicted tokens the live fit rests on
@@ -120,6 +122,9 @@ class ServeSettings:
         check_load_aware(self.load_aware)
         check_idle_prefill(self.idle_prefill)
         check_draft_parallel(self.draft_parallel)
+        if self.tool_call_parser not in TOOL_CALL_PARSERS:
+            raise InvalidRequest(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
+                                 f"got {self.tool_call_parser!r}")
         if self.worker_cpus <= 0:
             raise InvalidRequest(f"worker_cpus must be > 0, got {self.worker_cpus}")
         if not isinstance(self.allow_ignore_eos, bool):

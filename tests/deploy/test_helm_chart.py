@@ -331,6 +331,14 @@ def test_the_decoding_tree_reaches_the_app():
         assert ServeSettings.from_args(args).policy_defaults().tree == expected
 
 
+def test_the_tool_call_parser_reaches_the_app():
+    """decoding.toolCallParser: hermes by default (tool_choice auto reads calls), none refuses auto."""
+    for values, expected in (({}, "hermes"), ({"decoding": {"toolCallParser": "none"}}, "none")):
+        service = by_kind(render(values), "RayService")[0]
+        args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+        assert ServeSettings.from_args(args).tool_call_parser == expected
+
+
 def test_the_targets_idle_prefill_reaches_the_app():
     """decoding.idlePrefill: auto by default, as the operator sets it otherwise."""
     for values, expected in (({}, "auto"), ({"decoding": {"idlePrefill": "off"}}, "off")):
@@ -539,6 +547,7 @@ def test_the_charts_smoke_script_is_the_packages():
         ({"decoding": {"draftParallel": 0}}, "draftParallel"),
         ({"decoding": {"draftParallel": 9}}, "draftParallel"),
         ({"decoding": {"tree": "deep"}}, "tree"),
+        ({"decoding": {"toolCallParser": "mistral"}}, "toolCallParser"),
         ({"decoding": {"tree": False}}, "tree"),
     ],
 )

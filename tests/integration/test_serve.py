@@ -412,9 +412,49 @@ def test_a_named_tool_choice_forces_the_functions_arguments(client):
     assert "".join(part.function.arguments or "" for part in calls) == call.function.arguments
 
 
+def test_tools_without_a_choice_are_auto_and_leave_the_answer_the_targets(client, reference):
+    """tools as agent frameworks send them (tool_choice absent: auto): the model decides, its text
+    is only read for calls; this template does not render tools, so the answer is the plain chat's,
+    token for token, whole and streamed. An agent's next turn (its calls and their results) is served."""
+    tools = [openai.pydantic_function_tool(GetWeather)]
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, max_tokens=MAX_NEW, temperature=0)
+    assert r.choices[0].message.content == reference["chat"]["text"] and not r.choices[0].message.tool_calls
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice="auto",
+                                            max_tokens=MAX_NEW, temperature=0, stream=True)
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == reference["chat"]["text"]
+    call = {"id": "call_1", "type": "function", "function": {"name": "GetWeather", "arguments": '{"city": "Oslo"}'}}
+    turn = [*CHAT, {"role": "assistant", "content": None, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    assert client.chat.completions.create(model=MODEL, messages=turn, tools=tools, max_tokens=4).choices
+
+
+class GetTime(pydantic.BaseModel):
+    """Tell the time in a zone."""
+
+    zone: Literal["CET", "UTC"]
+
+
+def test_required_with_two_tools_answers_with_calls_of_them(client):
+    """tool_choice required with several tools: the answer is forced to calls of them (a JSON array
+    underneath), each naming one tool with arguments its schema accepts; streamed, the same calls."""
+    tools = [openai.pydantic_function_tool(GetWeather), openai.pydantic_function_tool(GetTime)]
+    models = {"GetWeather": GetWeather, "GetTime": GetTime}
+    r = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice="required",
+                                       temperature=0, max_tokens=200)
+    choice = r.choices[0]
+    assert choice.finish_reason == "tool_calls" and choice.message.content is None and choice.message.tool_calls
+    for call in choice.message.tool_calls:
+        models[call.function.name].model_validate_json(call.function.arguments)
+    stream = client.chat.completions.create(model=MODEL, messages=CHAT, tools=tools, tool_choice="required",
+                                            temperature=0, max_tokens=200, stream=True)
+    chunks = [c.choices[0] for c in stream if c.choices]
+    streamed = [part for c in chunks for part in (c.delta.tool_calls or [])]
+    assert [(p.index, p.function.name, p.function.arguments) for p in streamed] == \
+        [(i, c.function.name, c.function.arguments) for i, c in enumerate(choice.message.tool_calls)]
+    assert chunks[-1].finish_reason == "tool_calls"
+
+
 @pytest.mark.parametrize("body, param", [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tool_choice"),  # auto: the model deciding
-    ({"tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "auto"}, "tool_choice"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
       "tool_choice": "required"}, "tools"),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "foo"}}}}, "response_format"),

@@ -4,6 +4,7 @@ frees places however a request ends; app settings are checked before anything st
 from __future__ import annotations
 
 import asyncio
+import json
 
 import pytest
 
@@ -188,6 +189,7 @@ def test_admission_refuses_past_in_flight_plus_waiting():
     ({"allow_ignore_eos": "yes"}, "allow_ignore_eos"),
     ({"idle_prefill": "sometimes"}, "idle prefill must be one of"),
     ({"draft_parallel": 0}, "draft_parallel must be an integer in"),
+    ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of hermes, none"),
     ({"draft_parallel": 1_000_000}, "draft_parallel must be an integer in"),
     ({"health_check_period_s": 0}, "health_check_period_s"),
     ({"api_key_sha256": ["short-key"]}, "SHA-256 digests"),
@@ -280,6 +282,9 @@ def test_structured_output_fields_become_the_requests_grammar():
             == grammar
 
 
+DEEP = {"type": "object", "properties": {"a": {"type": "array", "items": {"type": "array", "items": {}}}}}
+for _ in range(13):
+    DEEP = {"type": "object", "properties": {"a": DEEP}}  # alone it nests 31 deep; among the calls, past 32
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
 CHAT_BODY = {"model": "m", "messages": [{"role": "user", "content": "weather?"}]}
@@ -291,15 +296,74 @@ def test_a_named_tool_choice_forces_its_functions_arguments():
     named = {"type": "function", "function": {"name": "get_weather"}}
     for choice in (named, "required"):
         req = parse_chat({**CHAT_BODY, "tools": TOOLS, "tool_choice": choice})
-        assert req.tool_call == "get_weather" and req.tools == TOOLS
+        assert (req.tools.mode, req.tools.name, req.tools.tools) == ("named", "get_weather", TOOLS)
         assert req.sampling.grammar == Grammar.of_schema(TOOLS[0]["function"]["parameters"])
     req = parse_chat({**CHAT_BODY, "tools": TOOLS, "tool_choice": "none"})  # the template sees them; no call
-    assert (req.tool_call, req.sampling.grammar, req.tools) == (None, None, TOOLS)
+    assert (req.tools.mode, req.sampling.grammar, req.tools.tools) == ("none", None, TOOLS)
+
+
+def test_auto_is_the_default_with_tools_and_leaves_the_tokens_free():
+    for body in ({**CHAT_BODY, "tools": TOOLS}, {**CHAT_BODY, "tools": TOOLS, "tool_choice": "auto"}):
+        req = parse_chat(body)
+        assert (req.tools.mode, req.tools.names, req.sampling.grammar) == ("auto", ("get_weather",), None)
+    req = parse_chat({**CHAT_BODY, "tools": TOOLS, "response_format": {"type": "json_object"}})
+    assert req.tools.mode == "auto" and req.sampling.grammar.kind == "json_object"  # the format wins
+
+
+TWO_TOOLS = TOOLS + [{"type": "function", "function": {"name": "get_time"}}]
+
+
+def test_required_with_several_tools_forces_an_array_of_their_calls():
+    from llguidance import LLMatcher
+
+    req = parse_chat({**CHAT_BODY, "tools": TWO_TOOLS, "tool_choice": "required"})
+    assert req.tools.mode == "required" and req.tools.names == ("get_weather", "get_time")
+    schema = json.loads(req.sampling.grammar.text)
+    assert schema["maxItems"] == 16 and len(schema["items"]["anyOf"]) == 2
+    one = parse_chat({**CHAT_BODY, "tools": TWO_TOOLS, "tool_choice": "required", "parallel_tool_calls": False})
+    assert json.loads(one.sampling.grammar.text)["maxItems"] == 1
+    matcher = LLMatcher.validate_grammar(req.sampling.grammar.compiled())
+    assert not matcher  # compiles
+
+
+def test_past_tool_calls_and_results_go_to_the_template():
+    """An agent's next turn: the assistant's calls (content null, arguments a JSON string) and the
+    tool's result; the template gets the arguments as an object, as chat templates render them."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Oslo"}'}}
+    messages = [{"role": "user", "content": "weather?"}, {"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "tool_call_id": "call_1", "content": "-3 C"}]
+    req = parse_chat({**CHAT_BODY, "messages": messages, "tools": TOOLS})
+    assert req.messages[1]["content"] == "" and req.messages[1]["tool_calls"][0]["function"]["arguments"] == \
+        {"city": "Oslo"}
+
+
+@pytest.mark.parametrize("calls", [
+    "x", [{"type": "function", "function": {"name": "f", "arguments": "not json"}}],
+    [{"type": "function", "function": {"arguments": "{}"}}], [{"type": "function"}], ["f"],
+    [{"type": "function", "function": {"name": "f", "arguments": "[1]"}}],
+    [{"type": "function", "function": {"name": "f", "arguments": "{}"}}] * 129,
+])
+def test_bad_past_tool_calls_are_a_400(calls):
+    messages = [{"role": "user", "content": "q"}, {"role": "assistant", "content": None, "tool_calls": calls}]
+    with pytest.raises(ApiError, match=r"messages\[1\]\.tool_calls") as err:
+        parse_chat({**CHAT_BODY, "messages": messages})
+    assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_auto_is_refused_by_name_where_the_deployment_reads_no_calls():
+    with pytest.raises(ApiError, match="tool_call_parser") as err:
+        parse_chat({**CHAT_BODY, "tools": TOOLS}, tool_parser="none")
+    assert err.value.param == "tool_choice"
+    required = parse_chat({**CHAT_BODY, "tools": TOOLS, "tool_choice": "required"}, tool_parser="none")
+    assert required.tools.mode == "named"
 
 
 @pytest.mark.parametrize("patch, param, words", [
-    ({"tools": TOOLS}, "tool_choice", "the model deciding"),
-    ({"tools": TOOLS, "tool_choice": "auto"}, "tool_choice", "the model deciding"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be 'auto', 'none', 'required'"),
+    ({"tools": TWO_TOOLS, "tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls",
+     "true or false"),
+    ({"tools": TWO_TOOLS + [{"type": "function", "function": {"name": "deep", "parameters": DEEP}}],
+      "tool_choice": "required"}, "tools", "nests"),
     ({"tools": TOOLS * 2, "tool_choice": "required"}, "tools", "repeats the function name"),
     ({"tool_choice": "required"}, "tool_choice", "needs 'tools'"),
     ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "tool_choice", "not among"),
@@ -309,6 +373,8 @@ def test_a_named_tool_choice_forces_its_functions_arguments():
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "foo"}}}],
       "tool_choice": "required"}, "tools", "does not compile"),
     ({"tools": TOOLS, "tool_choice": "required", "guided_regex": "a"}, "tool_choice", "sets the answer's format"),
+    ({"tools": TWO_TOOLS, "tool_choice": "required", "response_format": {"type": "json_object"}}, "tool_choice",
+     "sets the answer's format"),
 ])
 def test_bad_tools_are_a_400_naming_the_field(patch, param, words):
     with pytest.raises(ApiError, match=words) as err:

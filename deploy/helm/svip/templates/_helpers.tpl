@@ -79,6 +79,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
   "tree" $v.decoding.tree
+  "tool_call_parser" $v.decoding.toolCallParser
   "auto_learn" $v.decoding.auto.learn
   "auto_window" (int $v.decoding.auto.window)
   "max_wait_s" $v.serve.maxWaitS
