@@ -41,6 +41,7 @@ from svip_runtime.tls import TlsFiles
 # on_tokens(tokens, logprobs) is called with each settled piece (logprobs: TokenLogprob per token when the
 # request asked for them, else empty); returning True ends the output there (a stop string)
 OnTokens = Callable[[list[int], list[TokenLogprob]], bool | None]
+OnPrompt = Callable[[list[TokenLogprob]], None]  # the prompt's logprobs, before any token (echo's stream)
 Recover = Callable[[], Awaitable[str]]  # the target worker's address once it serves again (WorkerUnavailable: never)
 log = logging.getLogger(__name__)
 DRAFT_STATS_WAIT_S = 5.0  # how long Stats waits for a replaced draft's address
@@ -89,9 +90,12 @@ class DistributedEngine:
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
         return resolved(request, self.draft_address is not None, self.limits)
 
-    async def generate(self, request: GenerationRequest, on_tokens: OnTokens | None = None) -> GenerationResult:
+    async def generate(self, request: GenerationRequest, on_tokens: OnTokens | None = None,
+                       on_prompt: OnPrompt | None = None) -> GenerationResult:
+        """on_tokens: each settled piece as it settles; on_prompt: the prompt's logprobs (a request
+        with prompt_logprobs), once, before any token."""
         request = self.resolve(request)
-        out = _Output(on_tokens)
+        out = _Output(on_tokens, on_prompt)
         stop_ids = request.stop_ids(self.target.eos_token_ids)
         restarts, reprefilled, recover_s = 0, 0, 0.0
         while True:
@@ -149,7 +153,7 @@ class DistributedEngine:
                 if kind == "settled" and not out.stopped:
                     logprobs, prompt_logprobs = convert.settled_logprobs(event.settled, request.prompt_ids)
                     if prompt_logprobs is not None and out.prompt_logprobs is None:
-                        out.prompt_logprobs = prompt_logprobs
+                        out.scored(prompt_logprobs)
                     if out.take(list(event.settled.tokens), logprobs):  # the rest would be cut anyway: end it
                         conn.send(pb.GenerateRequest(cancel=pb.Cancel(session_id=session_id)))
                 elif kind == "finished":
@@ -230,12 +234,17 @@ class DistributedEngine:
 class _Output:
     """What a request has settled so far, across the sessions it took, and its stop-string cut."""
 
-    def __init__(self, on_tokens: OnTokens | None):
-        self.on_tokens = on_tokens
+    def __init__(self, on_tokens: OnTokens | None, on_prompt: OnPrompt | None = None):
+        self.on_tokens, self.on_prompt = on_tokens, on_prompt
         self.generated: list[int] = []
         self.logprobs: list[TokenLogprob] = []  # per generated token, when the request asked for them
         self.prompt_logprobs: list[TokenLogprob] | None = None  # the first session's, when asked for
         self.stopped = False
+
+    def scored(self, prompt_logprobs: list[TokenLogprob]) -> None:
+        self.prompt_logprobs = prompt_logprobs
+        if self.on_prompt is not None:
+            self.on_prompt(prompt_logprobs)
 
     def take(self, tokens: list[int], logprobs: list[TokenLogprob]) -> bool:
         """Settled tokens and their logprobs (none unless asked for); True once the caller's

@@ -29,6 +29,7 @@ class Generation:
         self._logprobs: list[TokenLogprob] = []  # per settled token, when the request asked for them
         self._logprobs_sent = 0  # of them, handed to a stream's chunks
         self._logprob_chars = 0  # their tokens' text, in characters (a completion's text_offset)
+        self._prompt_scored: list[TokenLogprob] | None = None  # echo with logprobs: the prompt's, from its prefill
 
     def _on_tokens(self, token_ids: list[int], logprobs: list[TokenLogprob]) -> bool:
         if self.first_token_at is None:
@@ -39,9 +40,13 @@ class Generation:
             self._queue.put_nowait(delta)
         return self.text.stopped  # True ends the session: the rest would be cut anyway
 
+    def _on_prompt(self, logprobs: list[TokenLogprob]) -> None:
+        self._prompt_scored = logprobs
+
     async def deltas(self):
         """Text as it settles. Raises what the pipeline raised (after the text before it)."""
-        task = asyncio.ensure_future(self.engine.generate(self.request, on_tokens=self._on_tokens))
+        on_prompt = self._on_prompt if self.request.prompt_logprobs else None
+        task = asyncio.ensure_future(self.engine.generate(self.request, on_tokens=self._on_tokens, on_prompt=on_prompt))
         task.add_done_callback(lambda _: self._queue.put_nowait(_END))
         try:
             while (text := await self._next_text()) is not _END:
@@ -103,6 +108,15 @@ class Generation:
         if self.request.prompt_logprobs and self.result.prompt_logprobs is not None:
             prompt = (self.request.prompt_ids[0], self.result.prompt_logprobs)
         return body_for(kind, self.tokenizer, self._logprobs[: self.completion_tokens], prompt=prompt)
+
+    def echo_logprobs(self, kind: str) -> dict | None:
+        """A streamed echo's chunk's ``logprobs``: the prompt's tokens' (the first one's null), once
+        its prefill scored them (before any token settles); the answer's offsets follow on."""
+        if self.request.logprobs is None or self._prompt_scored is None:
+            return None
+        body = body_for(kind, self.tokenizer, [], prompt=(self.request.prompt_ids[0], self._prompt_scored))
+        self._logprob_chars += sum(len(t) for t in body.get("tokens", ()))
+        return body
 
     def logprobs_chunk(self, kind: str, final: bool = False) -> dict | None:
         """A stream chunk's ``logprobs``: the tokens settled since the last chunk (to the stop

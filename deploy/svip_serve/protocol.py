@@ -256,11 +256,7 @@ def _echo(body: dict, kind: str) -> bool:
         if body.get("echo") not in (None, False):
             raise bad("'echo' is a completions parameter; chat does not take it", "echo")
         return False
-    echo = _boolean(body, "echo", False)
-    if echo and _boolean(body, "stream", False) and body.get("logprobs") is not None:
-        raise bad("'echo' with 'stream' and 'logprobs' is not supported by this server (the prompt's logprobs "
-                  "come with the whole answer); send it without 'stream'", "echo")
-    return echo
+    return _boolean(body, "echo", False)
 
 
 def _logprobs(body: dict, kind: str) -> int | None:

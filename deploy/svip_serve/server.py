@@ -428,10 +428,13 @@ class SVIPServer:
                     for index, stream in enumerate(calls):
                         yield _sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index,
                                               calls=stream and stream.opening()))
-                for index, generation in enumerate(generations):  # a completion's echo: the prompt first
-                    if generation.echo:
-                        yield _sse(chunk_body(req.kind, rid, model, created, generation.echo, index=index))
-                async for index, delta in merged(generations):
+                unechoed = {i for i, g in enumerate(generations) if g.echo}  # a completion's echo: the prompt first,
+                async for index, delta in merged(generations):  # once its prefill scored it (with logprobs)
+                    if index in unechoed:
+                        unechoed.discard(index)
+                        generation = generations[index]
+                        yield _sse(chunk_body(req.kind, rid, model, created, generation.echo, index=index,
+                                              logprobs=generation.echo_logprobs(req.kind)))
                     if delta is not None and generations[index].score_only:
                         continue  # max_tokens 0: the one token the prefill settles is not the answer's
                     if delta is not None:

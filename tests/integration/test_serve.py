@@ -158,6 +158,21 @@ def test_a_streamed_echo_sends_the_prompt_first(client):
     assert "".join(scored) == prompt
 
 
+@pytest.mark.parametrize("max_tokens", [0, 8])
+def test_a_streamed_echo_carries_the_prompts_logprobs_first(client, max_tokens):
+    """echo, stream and logprobs (a scoring harness that streams): the prompt's chunk carries its
+    tokens' logprobs (the first null), the answer's chunks theirs; joined, the non-streamed answer's."""
+    prompt = PROMPTS[1]
+    ask = dict(model=MODEL, prompt=prompt, max_tokens=max_tokens, echo=True, logprobs=2, temperature=0)
+    whole = client.completions.create(**ask).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
+    assert chunks[0].text == prompt and chunks[0].logprobs.token_logprobs[0] is None
+    parts = [c.logprobs for c in chunks if c.logprobs is not None]
+    for field in ("tokens", "token_logprobs", "text_offset"):
+        assert [v for p in parts for v in getattr(p, field)] == getattr(whole.logprobs, field), field
+    assert "".join(c.text for c in chunks) == whole.text
+
+
 def test_completions_equal_svip_generate(client, reference):
     for prompt, ref in zip(PROMPTS[:4], reference["prompts"]):
         r = client.completions.create(model=MODEL, prompt=prompt, max_tokens=MAX_NEW, temperature=0)
