@@ -30,6 +30,7 @@ from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import node_parents, sibling_nodes
 from target_worker.logprobs import LogprobRows, block_rows, read_logprobs
+from target_worker.prompt_sharing import PromptSharing
 
 
 class Verifier:
@@ -43,6 +44,7 @@ class Verifier:
         self.feature_layers = tuple(feature_layers)
         self.token_limit = target.token_limit if token_limit is None else token_limit  # ids it may emit
         self.pool = KVPool(target.model, kv_cache_tokens)
+        self.sharing = PromptSharing(self.pool.page_size, enabled=not self.feature_layers)  # prompt_sharing.py
         self.tokens_verified = 0  # drafted tokens, every session
         self.last_step_tokens = 0  # tokens in the last batched forward
         # a forward's time by its tokens (load-aware speculation): over every step (cost), over
@@ -59,6 +61,7 @@ class Verifier:
         tokenizer = None if sampling.grammar is None else grammar_tokenizer(target.tokenizer, target.vocab_size)
         session = TargetSession(self, sampling, RowRules.of(sampling, prompt_len, stop_ids, tokenizer))
         session.logprob_rows = None if logprobs is None else LogprobRows(logprobs)
+        self.sharing.add(session)
         return session
 
     def load(self, sessions: int | None = None) -> TargetLoad | None:
@@ -88,13 +91,19 @@ class Verifier:
         room = budget if budget is not None else float("inf")
         plans, steps, owners = {}, [], []  # owners[j]: the job step j settles (None: a prefill chunk)
         prefilling = False  # a prompt's tokens go through this forward
+        prompts: list[Sequence[int]] = []  # committed tokens this forward prefills (prompt_sharing.py)
         for i, (session, committed, block) in enumerate(jobs):
             if verdicts[i] is not None:
                 continue
+            self.sharing.take(session, committed)
+            if self.sharing.waits(session, committed, prompts):
+                continue  # an earlier job prefills its prompt: the next step forks it
             plan = session.plan(committed, block)
             tokens = len(plan.step[1]) if plan.step is not None else 0
             prefill = tokens - block.nodes - 1  # uncached committed tokens, but the last one
             prefilling |= prefill > 0
+            if prefill > 0:
+                prompts.append(committed)
             if tokens > room and (prefill > 0 or steps):  # else a lone block a little past the budget runs
                 chunk = min(int(room), prefill)
                 if chunk > 0:
@@ -174,13 +183,18 @@ class Verifier:
         (nothing is decided here). budget: at most this many tokens (a long prompt goes a chunk
         at a time). Returns how many sessions it advanced."""
         room = budget if budget is not None else float("inf")
-        steps, owners, before = [], [], []
+        steps, owners, before, prompts = [], [], [], []
         for session, committed in jobs:
+            self.sharing.take(session, committed)
+            if room < 1 or self.sharing.waits(session, committed, prompts):
+                continue
             empty = Block(base=len(committed), tokens=[], probs=[], entropies=[])
             plan = session.plan(committed, empty)
             if plan.step is None or room < 1:
                 continue
             seq, new, _ = plan.step
+            if len(new) > 1:
+                prompts.append(committed)
             if len(new) > room:  # a chunk of the prompt, its row later (a row stored before is not this one's)
                 steps.append((seq, new[: int(room)], 0))
                 session.forget_row()
@@ -281,6 +295,7 @@ class TargetSession:
 
     def close(self) -> None:
         """Give the session's pages back to the pool."""
+        self._verifier.sharing.discard(self)
         self.sequence.close()
         self.forget_row()
 

@@ -211,6 +211,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             )
         stats.auto_prior_cost = self.auto.prior_cost
         stats.preemptions = self.pages.preemptions
+        stats.prompt_tokens_shared = self.verifier.sharing.shared_tokens
 
     def load_cap(self, gate: SessionGate) -> int:
         """The most tokens a session's next block should hold at the load measured here (its

@@ -60,6 +60,8 @@ class ServeMetrics:
                                       "pages of continuations prepared side by side, before it would shed a session.")
         self.sessions_shed = counter("draft_sessions_shed", "Sessions whose draft work the draft worker gave up (its "
                                      "KV pool full, a failed step): they go on with the target alone.")
+        self.prompt_shared = counter("prompt_tokens_shared", "Prompt tokens the target took from another session's "
+                                     "KV pages (n choices, a common prefix) instead of prefilling them.")
         self.reprefilled = counter("reprefilled_tokens", "Tokens prefilled again on a replaced target worker.")
         self.recover_time = histogram("time_to_recover_seconds", "A session's wait from its target worker's loss "
                                       "to going on on the replaced one.", LATENCY_BUCKETS)
@@ -136,6 +138,9 @@ class ServeMetrics:
             self.open_sessions.set(s.open_sessions, {**self.tags, "role": role})
             if s.kv_pages_total:
                 self.kv_usage.set(s.kv_pages_used / s.kv_pages_total, {**self.tags, "role": role})
+        if "target" in stats:
+            shared = self._totals.delta("prompt_tokens_shared", stats["target"].prompt_tokens_shared)
+            self._inc(self.prompt_shared, shared)
         if "draft" in stats:
             self._inc(self.forks_released, self._totals.delta("forks_released", stats["draft"].forks_released))
             self._inc(self.sessions_shed, self._totals.delta("sessions_shed", stats["draft"].sessions_shed))

@@ -1,0 +1,64 @@
+"""Sessions that begin alike share the pages of what they share: a request's ``n`` choices (one
+prompt, a session each), requests behind one system prompt. A session whose cache is empty
+starts from the longest prefix of its committed tokens that an open session's cache holds (at
+least a page, never its last token, whose row it computes itself): a fork of that cache
+(svip_common/kv_cache.py, copy on write), rolled back to the prefix, so its prefill runs only the
+rest. A session that would prefill, in the same step, a page or more of what an earlier session
+of that step is prefilling waits one step instead and then forks it (``waits``): n choices sent at
+once prefill their prompt once.
+
+The keys and values shared are the target's for the same tokens at the same positions, as its
+own prefill computes them (a forward's rows do not depend on what else is in its batch beyond
+float rounding, as batching and chunked prefill already rely on): the output is unchanged. A
+feature draft's target (feature_layers) does not share: the draft needs every prompt position's
+features from the session's own forwards. Runs in the target worker's process (and in process)."""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+
+from svip_common.sequences import common_prefix
+
+
+class PromptSharing:
+    def __init__(self, page_size: int, enabled: bool = True):
+        self.page_size, self.enabled = page_size, enabled
+        self._sessions: weakref.WeakSet = weakref.WeakSet()  # open sessions (a closed one leaves)
+        self.shared_tokens = 0  # tokens sessions took from others' pages instead of computing them
+
+    def add(self, session) -> None:
+        self._sessions.add(session)
+
+    def discard(self, session) -> None:
+        self._sessions.discard(session)
+
+    def take(self, session, committed: Sequence[int]) -> int:
+        """A session with a page or more of ``committed`` uncached starts from the longest prefix of
+        it (but its last token) that another open session's cache holds, where that is a page more
+        than its own holds; the tokens taken (0: none)."""
+        held = common_prefix(session.sequence.tokens, committed) if self.enabled else 0
+        if not self.enabled or len(committed) - 1 - held < self.page_size:
+            return 0
+        best, source = held + self.page_size - 1, None
+        for other in list(self._sessions):
+            if other is not session and len(other.sequence) >= self.page_size:
+                shared = min(common_prefix(other.sequence.tokens, committed), len(committed) - 1)
+                if shared > best:
+                    best, source = shared, other
+        if source is None:
+            return 0
+        session.sequence.close()
+        session.sequence = source.sequence.fork()
+        session.sequence.rollback(best)
+        self.shared_tokens += best - held
+        return best - held
+
+    def waits(self, session, committed: Sequence[int], prefilling: list[Sequence[int]]) -> bool:
+        """Whether the session waits a step: an earlier session of this step prefills a page or
+        more of its committed tokens beyond what its cache holds (the next step forks them)."""
+        if not self.enabled or not prefilling:
+            return False
+        held = common_prefix(session.sequence.tokens, committed)
+        return any(min(common_prefix(other, committed), len(committed) - 1) >= held + self.page_size
+                   for other in prefilling)
