@@ -33,13 +33,25 @@ def grammar_tokenizer(tokenizer, width: int):
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=min(len(tokenizer), width))
 
 
+@functools.lru_cache(maxsize=64)
+def compiled_matcher(grammar: Grammar, tokenizer):
+    """A grammar compiled for a tokenizer, its lexer warmed by a first mask: never moved itself,
+    each session takes a copy (``deep_copy``, microseconds), so requests that send the same
+    schema (an application's response_format, a tool's parameters) compile it once per worker,
+    not once per session on the step that opens it."""
+    from llguidance import LLMatcher
+
+    matcher = LLMatcher(tokenizer, grammar.compiled(), log_level=0)
+    if not matcher.is_error():
+        matcher.compute_bitmask()
+    return matcher
+
+
 class GrammarMask:
     """One session's grammar: the tokens allowed after any path of generated tokens."""
 
     def __init__(self, grammar: Grammar, tokenizer):
-        from llguidance import LLMatcher
-
-        self._matcher = LLMatcher(tokenizer, grammar.compiled(), log_level=0)
+        self._matcher = compiled_matcher(grammar, tokenizer).deep_copy()
         if self._matcher.is_error():
             raise InvalidRequest(f"the {grammar.kind} does not compile: {self._matcher.get_error()[:300]}")
         self._eos = list(tokenizer.eos_tokens)

@@ -131,6 +131,25 @@ def _check_allowed(models, grammar: Grammar, tokens: list[int]) -> None:
         assert mask.allowed(tokens[:i], target.vocab_size, "cpu")[token], (i, token)
 
 
+def test_sessions_of_one_grammar_compile_it_once_and_move_apart(models):
+    """A worker compiles a grammar once (compiled_matcher) and each session moves its own copy: one
+    session's path leaves another's mask, and the compiled one, where they were."""
+    from svip_common.grammar_mask import compiled_matcher
+
+    target = models["target"]
+    tokenizer = grammar_tokenizer(target.tokenizer, target.vocab_size)
+    grammar = Grammar("regex", "(ab|ba)+c")
+    compiled_matcher.cache_clear()
+    first, second = GrammarMask(grammar, tokenizer), GrammarMask(grammar, tokenizer)
+    assert compiled_matcher.cache_info().misses == 1 and compiled_matcher.cache_info().hits == 1
+    start = first.allowed([], target.vocab_size, "cpu")
+    path = [int(start.nonzero()[0])]
+    moved = first.allowed(path, target.vocab_size, "cpu")
+    assert not torch.equal(moved, start)
+    assert torch.equal(second.allowed([], target.vocab_size, "cpu"), start)
+    assert torch.equal(GrammarMask(grammar, tokenizer).allowed([], target.vocab_size, "cpu"), start)
+
+
 def _masked_marginals(models, prompt, sampling, grammar) -> tuple[torch.Tensor, torch.Tensor]:
     """p(t1) and p(t2) = sum_x p(t1 = x) p(t2 | x) of the target with each place's mask."""
     target = models["target"]
