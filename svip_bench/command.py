@@ -8,6 +8,7 @@ import shlex
 import sys
 from pathlib import Path
 
+from svip_bench.choices import MAX_CHOICES
 from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
 from svip_common.contracts import SamplingParams, check_draft_parallel
 from svip_common.errors import InvalidRequest
@@ -21,7 +22,7 @@ QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--mode",
-        choices=["policies", "pipeline", "serve", "replay", "simulate", "device"],
+        choices=["policies", "pipeline", "serve", "replay", "simulate", "device", "choices"],
         default="policies",
         help="policies: length policies and Hugging Face side by side (default); "
         "pipeline: in-process vs distributed sync vs async, concurrency, timeline; "
@@ -45,7 +46,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "beside its chains")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="simulate: sample at this temperature, each prompt seeded by its place (0: greedy, "
-                       "the default)")
+                       "the default); choices: the choices' temperature (0: 0.8)")
+    bench.add_argument("--n", type=int, default=4, help="choices: a request's choices, its prompt's pages shared "
+                       f"or apart (4; at most {MAX_CHOICES})")
     bench.add_argument("--host-scale", type=float, default=1.0,
                        help="simulate, device: the simulated host's work is this machine's times this (1; 0: none)")
     bench.add_argument("--draft-parallel", type=int, default=None,
@@ -168,6 +171,10 @@ def run(args: argparse.Namespace, load_engine) -> int:
         from svip_bench import pipeline
 
         return pipeline.run(engine, prompts, args, header)
+    if args.mode == "choices":
+        from svip_bench import choices
+
+        return choices.run(engine, prompts, args, header)
     if args.mode == "serve":
         from svip_bench import serve
 
@@ -224,8 +231,10 @@ def run(args: argparse.Namespace, load_engine) -> int:
 def _check_emulation(args: argparse.Namespace) -> None:
     """--emulate and --host-scale, checked before any model loads; simulate and device take the
     default spec when none is given (device slowed for this CPU), pipeline only times where asked."""
-    if args.temperature and args.mode != "simulate":
-        raise InvalidRequest("--temperature applies to --mode simulate")
+    if args.temperature and args.mode not in ("simulate", "choices"):
+        raise InvalidRequest("--temperature applies to --mode simulate and choices")
+    if not 1 <= args.n <= MAX_CHOICES:
+        raise InvalidRequest(f"--n must be in [1, {MAX_CHOICES}], got {args.n}")
     SamplingParams(temperature=args.temperature).validate()
     if args.mode in ("simulate", "device") and args.emulate_spec is None:
         args.emulate_spec = DEFAULT_EMULATION + (f",scale={DEVICE_SCALE}" if args.mode == "device" else "")

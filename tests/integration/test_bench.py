@@ -110,6 +110,27 @@ def test_replay_bench_replays_every_policy_without_the_wall_clock(tmp_path, mode
     assert "| auto |" in captured.out and "oracle over it" in captured.out
 
 
+def test_choices_bench_shares_the_prompt_and_keeps_every_output(tmp_path, model_dirs, capsys):
+    dataset = tmp_path / "spec.jsonl"
+    rows = [{"question_id": 0, "category": "qa", "prompt": "question: " + "def f(x): return x + 1. " * 8}]
+    dataset.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    out = tmp_path / "out"
+    code = main(["bench", "--mode", "choices", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--dataset", str(dataset), "--categories", "qa", "--prompts-per-category", "1",
+                 "--max-new-tokens", "8", "--n", "3", "--repeats", "1", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads((out / "choices.json").read_text())
+    prompt = doc["header"]["prompt_tokens"][0]
+    assert doc["header"]["prompt_tokens_shared"] == 2 * (prompt - 1)
+    rows = doc["rows"]
+    assert rows["apart"]["target_forward_tokens"] - rows["shared"]["target_forward_tokens"] == 2 * (prompt - 1)
+    assert "Command: `svip bench" in captured.out and "| shared |" in captured.out
+    assert main(["bench", "--mode", "choices", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--n", "9"]) == 2
+    assert "--n must be in [1, 8], got 9" in capsys.readouterr().err
+
+
 def test_bench_rejects_bad_arguments(capsys, model_dirs, tmp_path):
     assert (
         main(["bench", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--categories", "poetry"]) == 2

@@ -1,0 +1,75 @@
+"""`svip bench --mode choices`: a request's n choices (sampled, each its seed's request) through
+the in-process batch, the target's prompt pages shared between them (target_worker/
+prompt_sharing.py) and apart, alternating, each prompt's choices together. Prints its command, the
+machine, wall-time medians, their ratio and the tokens the target's forwards held; every choice's
+output must be the same both ways (it stops with an error otherwise)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from pathlib import Path
+
+from svip_bench.runner import Progress, encode_prompts
+from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.errors import SvipError
+from svip_common.randomness import choices
+
+WAYS = ("shared", "apart")
+MAX_CHOICES = 8  # as the Serve API's n
+
+
+def run(engine, prompts, args, header: dict) -> int:
+    n, temperature = args.n, args.temperature or 0.8
+    encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
+    policy = PolicyConfig(name="svip", threshold=engine.calibration().threshold)
+    header.update(n=n, temperature=temperature, prompt_tokens=[len(ids) for ids in encoded],
+                  svip_threshold=policy.threshold)
+    seconds, forwarded, shared_tokens, outputs = {w: [] for w in WAYS}, {}, 0, {}
+    progress = Progress(args.repeats * len(WAYS))
+    for _ in range(args.repeats):
+        for way in WAYS:
+            engine.verifier.sharing.enabled = way == "shared"
+            before, shared_before = engine.verifier.pool.forward_tokens, engine.verifier.sharing.shared_tokens
+            start, got = time.perf_counter(), []
+            for i, ids in enumerate(encoded):
+                request = GenerationRequest(ids, args.max_new_tokens, SamplingParams(temperature, seed=i), policy,
+                                            ignore_eos=True)
+                got += [r.token_ids for r in engine.batch(n).generate_all(choices(request, n))]
+            seconds[way].append(time.perf_counter() - start)
+            forwarded[way] = engine.verifier.pool.forward_tokens - before
+            if way == "shared":
+                shared_tokens = engine.verifier.sharing.shared_tokens - shared_before
+            if outputs.setdefault(way, got) != got or outputs.get("shared", got) != got:
+                raise SvipError("a choice's output changed with prompt sharing (or between repeats): a bug")
+            progress.update(1)
+    engine.verifier.sharing.enabled = True
+    rows = {w: {"seconds": statistics.median(seconds[w]), "target_forward_tokens": forwarded[w]} for w in WAYS}
+    header["prompt_tokens_shared"] = shared_tokens
+    print(_report(header, rows))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "choices.json").write_text(json.dumps({"header": header, "rows": rows}, indent=1))
+    return 0
+
+
+def _report(h: dict, rows: dict) -> str:
+    tokens = h["prompts"] * h["n"] * h["max_new_tokens"]
+    lines = [
+        f"Command: `{h['command']}`",
+        f"Machine: {h['machine']}",
+        f"{h['target']} and {h['draft']}; {h['prompts']} prompts of {h['prompt_tokens']} tokens, n = {h['n']} "
+        f"choices each (sampled at temperature {h['temperature']:g}, seeded), {h['max_new_tokens']} new tokens, "
+        f"SVIP at {h['svip_threshold']:.2f}; medians of {h['repeats']} repeats; every output the same both ways",
+        "",
+        "| prompt pages | wall s | tokens/s | target forward tokens | vs apart |",
+        "|---|---|---|---|---|",
+    ]
+    apart = rows["apart"]["seconds"]
+    for way in WAYS:
+        row = rows[way]
+        lines.append(f"| {way} | {row['seconds']:.2f} | {tokens / row['seconds']:.1f} | "
+                     f"{row['target_forward_tokens']} | {apart / row['seconds']:.2f}x |")
+    lines.append(f"\nPrompt tokens taken from another choice's pages: {h['prompt_tokens_shared']}.")
+    return "\n".join(lines)
