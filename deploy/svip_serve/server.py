@@ -326,6 +326,7 @@ class SVIPServer:
             restarts=self.engine.recoveries.restarts,
             draft_replacements=target.draft_replacements,
             draft_lost=target.draft_lost or None,
+            prompt_tokens_shared=target.prompt_tokens_shared,
             auto=auto_state(target),
         )
         return JSONResponse(out)

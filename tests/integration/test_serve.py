@@ -327,6 +327,25 @@ def test_n_choices_each_equal_the_single_request_with_its_seed(client):
     assert streamed == singles
 
 
+def test_n_choices_share_their_prompts_pages_on_the_target(server, client, tokenizer, target_gate):
+    """The choices reach the target as sessions of one prompt: held before any verification until
+    all four are open, the later ones fork the first's prompt pages (the workers' stats count them)
+    instead of prefilling it, and each choice is still its seed's single request."""
+    from svip_common.randomness import sample_seed
+
+    prompt = " ".join(PROMPTS) * 2
+    length = len(tokenizer(prompt)["input_ids"])
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=64, temperature=0.9, extra_body={"ignore_eos": True})
+    before = workers(server)["target"]["prompt_tokens_shared"]
+    with target_gate.held(steps=0), ThreadPoolExecutor(1) as pool:
+        many = pool.submit(client.completions.create, n=4, seed=5, **kw)
+        wait_until(lambda: workers(server)["target"]["open_sessions"] == 4, what="the four choices open")
+        target_gate.release()
+        texts = [c.text for c in many.result().choices]
+    assert workers(server)["target"]["prompt_tokens_shared"] - before >= length - 1 - 16
+    assert texts == [client.completions.create(seed=sample_seed(5, i), **kw).choices[0].text for i in range(4)]
+
+
 BAD = [
     ("completions", {"model": MODEL, "max_tokens": 5}, 400, "'prompt' is required"),
     ("completions", {"model": MODEL, "prompt": "x", "max_tokens": 0}, 400, "'max_tokens' must be in [1, 2^31)"),
