@@ -388,7 +388,7 @@ def _add_serve_parser(sub) -> None:
                      help="default token tree (off): cape, auto (a request's `tree` overrides it)")
     srv.add_argument("--tool-call-parser", default="hermes",
                      help="the format chat's tool_choice auto reads the model's calls in: hermes "
-                     "(<tool_call>{...}</tool_call>, default) or none (auto refused)")
+                     "(<tool_call>{...}</tool_call>, default), llama3_json (Llama 3.x's JSON) or none (auto refused)")
     _add_auto_arguments(srv)
     srv.add_argument(
         "--draft-length-cap",

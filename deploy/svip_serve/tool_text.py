@@ -1,6 +1,7 @@
 """Tool calls read out of a chat answer's text, as it streams: ``HermesCalls`` for ``tool_choice``
 ``auto`` (the model decides; a call is ``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``,
-the format of the Hermes and Qwen chat templates, vLLM's ``hermes`` parser) and ``ArrayCalls`` for
+the format of the Hermes and Qwen chat templates, vLLM's ``hermes`` parser), ``Llama3Calls`` for
+``auto`` with Llama 3.x's JSON calls (vLLM's ``llama3_json``) and ``ArrayCalls`` for
 ``required`` (the answer is forced by a grammar to a JSON array of ``{"name", "parameters"}``, as
 vLLM forces it). Reading never changes the tokens: speculation stays exact, the text is only
 split into content and calls.
@@ -95,12 +96,16 @@ class HermesCalls:
         return [Call(call["name"], json.dumps(arguments, ensure_ascii=False))]
 
 
-class ArrayCalls:
-    """A JSON array of ``{"name": ..., "parameters": {...}}``, each item a call once it is whole; what
-    does not parse by the end (max_tokens cut it) is content."""
+class JsonCalls:
+    """Call objects one after another, ``{"name": ..., KEY: {...}}`` with the arguments under one of
+    ``keys``, each a call once it is whole; ``between``: what may separate them, ``close``: what
+    ends them. The first object that is not a call of one of ``names`` (None: any) ends the reading;
+    what is unread by the end (that object on, or a tail max_tokens cut) is content."""
 
-    def __init__(self):
-        self._text, self._at, self._done = "", 0, False
+    def __init__(self, names=None, keys=("parameters",), between=" \n\t[,", close: str | None = "]"):
+        self._names = None if names is None else frozenset(names)
+        self._keys, self._between, self._close = keys, between, close
+        self._text, self._at, self._done, self._stuck = "", 0, False, False
         self._decoder = json.JSONDecoder()
 
     def feed(self, text: str) -> list:
@@ -115,24 +120,68 @@ class ArrayCalls:
 
     def _items(self) -> list:
         events = []
-        while not self._done and (call := self._next()) is not None:
+        while not self._done and not self._stuck and (call := self._next()) is not None:
             events.append(call)
         return events
 
     def _next(self) -> Call | None:
-        at = _skip(self._text, self._at, " \n\t[,")
-        if at < len(self._text) and self._text[at] == "]":
+        at = _skip(self._text, self._at, self._between)
+        if self._close is not None and at < len(self._text) and self._text[at] == self._close:
             self._at, self._done = at + 1, True
             return None
         try:
             item, end = self._decoder.raw_decode(self._text, at)
         except ValueError:
+            return None  # not whole yet
+        key = next((k for k in self._keys if isinstance(item, dict) and k in item), None)
+        name = item.get("name") if isinstance(item, dict) else None
+        if key is None or not isinstance(item[key], dict) or not isinstance(name, str) \
+                or (self._names is not None and name not in self._names):
+            self._at, self._stuck = at, True  # not a call: from here on, content
             return None
-        if not isinstance(item, dict) or not isinstance(item.get("name"), str) \
-                or not isinstance(item.get("parameters"), dict):
-            return None  # the grammar allows only calls; a different text is told whole at the end
         self._at = end
-        return Call(item["name"], json.dumps(item["parameters"], ensure_ascii=False))
+        return Call(name, json.dumps(item[key], ensure_ascii=False))
+
+
+class ArrayCalls(JsonCalls):
+    """tool_choice required: the grammar's JSON array of {"name": ..., "parameters": {...}} calls."""
+
+    def __init__(self):
+        super().__init__()
+
+
+PYTHON_TAG = "<|python_tag|>"
+
+
+class Llama3Calls:
+    """Llama 3.x's JSON tool calls (vLLM's ``llama3_json``): an answer that begins with a JSON
+    object (after ``<|python_tag|>``, where the text keeps it) is calls of ``names``, separated by
+    ``;``, their arguments under "parameters" (as Llama's template asks) or "arguments"; any other
+    answer is content as written."""
+
+    def __init__(self, names):
+        self._calls = JsonCalls(names, keys=("parameters", "arguments"), between=" \n\t;", close=None)
+        self._head, self._kind = "", None  # the text before its kind is known; "calls" or "content"
+
+    def feed(self, text: str) -> list:
+        if self._kind == "content":
+            return [text] if text else []
+        if self._kind == "calls":
+            return self._calls.feed(text)
+        self._head += text
+        lead = self._head.lstrip()
+        if lead.startswith(PYTHON_TAG) or lead.startswith("{"):
+            self._kind = "calls"
+            return self._calls.feed(lead.removeprefix(PYTHON_TAG))
+        if not lead or PYTHON_TAG.startswith(lead):
+            return []  # not known yet
+        self._kind = "content"
+        return [self._head]
+
+    def finish(self) -> list:
+        if self._kind == "calls":
+            return self._calls.finish()
+        return [self._head] if self._kind is None and self._head else []
 
 
 def _skip(text: str, at: int, chars: str) -> int:

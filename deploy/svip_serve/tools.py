@@ -6,7 +6,8 @@
 - ``required`` with several tools: the answer is forced to a JSON array of calls, each
   ``{"name": ..., "parameters": ...}`` for one of the tools (vLLM's way), read out as it streams.
 - ``auto`` (the default with tools, as OpenAI's): the model decides; its text is read for calls in
-  the deployment's tool-call format (``tool_call_parser``: ``hermes``; ``none`` refuses ``auto``).
+  the deployment's tool-call format (``tool_call_parser``: ``hermes``, the Hermes and Qwen
+  templates' tags, or ``llama3_json``, Llama 3.x's JSON; ``none`` refuses ``auto``).
   With a ``response_format`` too, the format masks the text and no call can be written.
 - ``none``: the tools go to the chat template only.
 
@@ -22,12 +23,13 @@ from dataclasses import dataclass
 
 from svip_common.errors import InvalidRequest
 from svip_common.grammar import Grammar
-from svip_serve.tool_text import ArrayCalls, HermesCalls, read_all
+from svip_serve.tool_text import ArrayCalls, HermesCalls, Llama3Calls, read_all
 
 MAX_TOOLS = 128  # OpenAI's bound on a request's tools
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 ANY_OBJECT = {"type": "object"}  # a function without parameters takes any object
-TOOL_CALL_PARSERS = ("hermes", "none")  # the formats tool_choice auto reads calls in; none: auto refused
+TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")  # the formats tool_choice auto reads calls in; none: refused
+AUTO_READERS = {"hermes": HermesCalls, "llama3_json": Llama3Calls}
 MAX_PARALLEL_CALLS = 16  # tool_choice required: calls in one answer at most (one without parallel_tool_calls)
 
 
@@ -52,12 +54,13 @@ class ToolPlan:
     name: str | None = None  # named: the function called
     grammar: Grammar | None = None  # named and required: what the answer's tokens must follow
     names: tuple[str, ...] = ()  # the functions' names
+    parser: str = "hermes"  # auto: the format the model's calls are read in (TOOL_CALL_PARSERS)
 
     def reader(self):
         """A fresh reader of the answer's calls (svip_serve/tool_text.py), or None: the text is
         content (none) or one call's arguments (named)."""
         if self.mode == "auto":
-            return HermesCalls(self.names)
+            return AUTO_READERS[self.parser](self.names)
         return ArrayCalls() if self.mode == "required" else None
 
     def message(self, text: str) -> tuple[dict, bool]:
@@ -124,7 +127,7 @@ def tool_plan(body: dict, parser: str = "hermes") -> ToolPlan | None:
         if parser == "none":
             raise bad("'tool_choice' 'auto' needs the deployment's tool_call_parser (it is 'none'): name a function, "
                       "send 'required' or 'none'", "tool_choice")
-        return ToolPlan(tools, "auto", names=names)
+        return ToolPlan(tools, "auto", names=names, parser=parser)
     if choice == "required" and len(functions) > 1:
         parallel = body.get("parallel_tool_calls", True)
         if not isinstance(parallel, bool):

@@ -356,7 +356,7 @@ def test_pipeline_settings_need_distributed_mode(capsys, model_dirs, flag, value
         (["--max-in-flight", "0"], 2, "max_in_flight must be an integer >= 1"),
         (["--draft-parallel", "9"], 2, "draft_parallel must be an integer in [1, 8], got 9"),
         (["--policy", "fastest"], 2, "policy must be one of"),
-        (["--tool-call-parser", "mistral"], 2, "tool_call_parser must be one of hermes, none, got 'mistral'"),
+        (["--tool-call-parser", "mistral"], 2, "must be one of hermes, llama3_json, none, got 'mistral'"),
         (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),
         (["--draft", "/somewhere"], 2, "a draft was given without a target"),
         (["--target", "/somewhere", "--draft", "eagle"], 2, "draft 'eagle' is the embedded target's feature head"),

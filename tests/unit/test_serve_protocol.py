@@ -189,7 +189,7 @@ def test_admission_refuses_past_in_flight_plus_waiting():
     ({"allow_ignore_eos": "yes"}, "allow_ignore_eos"),
     ({"idle_prefill": "sometimes"}, "idle prefill must be one of"),
     ({"draft_parallel": 0}, "draft_parallel must be an integer in"),
-    ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of hermes, none"),
+    ({"tool_call_parser": "mistral"}, "tool_call_parser must be one of hermes, llama3_json, none"),
     ({"draft_parallel": 1_000_000}, "draft_parallel must be an integer in"),
     ({"health_check_period_s": 0}, "health_check_period_s"),
     ({"api_key_sha256": ["short-key"]}, "SHA-256 digests"),
@@ -348,6 +348,11 @@ def test_bad_past_tool_calls_are_a_400(calls):
     with pytest.raises(ApiError, match=r"messages\[1\]\.tool_calls") as err:
         parse_chat({**CHAT_BODY, "messages": messages})
     assert err.value.status == 400 and err.value.param == "messages"
+
+
+def test_auto_reads_calls_in_the_deployments_format():
+    assert parse_chat({**CHAT_BODY, "tools": TOOLS}, tool_parser="llama3_json").tools.parser == "llama3_json"
+    assert parse_chat({**CHAT_BODY, "tools": TOOLS}).tools.parser == "hermes"
 
 
 def test_auto_is_refused_by_name_where_the_deployment_reads_no_calls():

@@ -5,7 +5,7 @@ import json
 
 import pytest
 
-from svip_serve.tool_text import ArrayCalls, Call, HermesCalls, read_all
+from svip_serve.tool_text import ArrayCalls, Call, HermesCalls, Llama3Calls, read_all
 from svip_serve.tools import CallStream, ToolPlan
 
 NAMES = ("get_weather", "get_time")
@@ -75,6 +75,27 @@ def test_an_array_cut_short_keeps_its_unread_tail_as_content():
         assert read_in(ArrayCalls, parts) == (', {"name": "get_ti', [Call("get_weather", ARGS)])
 
 
+LLAMA_CALL = '{"name": "get_weather", "parameters": {"city": "Oslo"}}'
+
+
+@pytest.mark.parametrize("text, content, calls", [
+    (LLAMA_CALL, "", [Call("get_weather", ARGS)]),
+    ("<|python_tag|>" + LLAMA_CALL, "", [Call("get_weather", ARGS)]),
+    ("\n " + LLAMA_CALL + "; " + LLAMA_CALL.replace("get_weather", "get_time").replace("parameters", "arguments"), "",
+     [Call("get_weather", ARGS), Call("get_time", ARGS)]),
+    ("The weather is fine " + LLAMA_CALL, "The weather is fine " + LLAMA_CALL, []),  # a call only at the start
+    ("<b>bold</b>", "<b>bold</b>", []),
+    ('{"answer": 42}', '{"answer": 42}', []),  # JSON, not a call: content as written
+    (LLAMA_CALL + '; {"name": "rm_rf", "parameters": {}}', '{"name": "rm_rf", "parameters": {}}',
+     [Call("get_weather", ARGS)]),
+    ('{"name": "get_weather", "parameters": {"ci', '{"name": "get_weather", "parameters": {"ci', []),  # cut short
+    ("   ", "   ", []),
+])
+def test_llama3_json_calls_are_read_alike_in_any_pieces(text, content, calls):
+    for parts in pieces(text):
+        assert read_in(Llama3Calls, parts, NAMES) == (content, calls)
+
+
 def test_a_stream_numbers_its_calls_and_says_it_called():
     stream = CallStream(ToolPlan([], "auto", names=NAMES))
     assert stream.opening() is None
@@ -103,3 +124,5 @@ def test_a_whole_answers_message():
     message, called = ToolPlan([], "named", name="get_time", names=NAMES).message("{}")
     assert not called and message["content"] is None and message["tool_calls"][0]["function"]["arguments"] == "{}"
     assert ToolPlan([], "none", names=NAMES).message(CALL) == ({"role": "assistant", "content": CALL}, False)
+    message, called = ToolPlan([], "auto", names=NAMES, parser="llama3_json").message(LLAMA_CALL)
+    assert called and message["content"] is None and message["tool_calls"][0]["function"]["arguments"] == ARGS
