@@ -21,6 +21,7 @@ from svip_common.grammar_mask import grammar_tokenizer
 from svip_common.kv_cache import KVPool
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
+from svip_common.prompt_sharing import PromptSharing
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
 from svip_common.row_rules import RowRules
@@ -40,6 +41,7 @@ class Drafter:
         self.width = target_vocab_size  # q is laid over the target's vocabulary
         self.token_limit = min(draft.token_limit, target_vocab_size) if token_limit is None else token_limit
         self.pool = KVPool(draft.model, kv_cache_tokens)
+        self.sharing = PromptSharing(self.pool.page_size)  # sessions that begin alike (svip_common/prompt_sharing.py)
         self.timing = None  # device timing on this machine (svip_common/device_timing.py)
 
     def time_as(self, timing) -> None:
@@ -58,9 +60,13 @@ class Drafter:
         if not live:
             return
         room = self.max_batched_tokens if self.max_batched_tokens is not None else float("inf")
-        steps, drafting = [], []
+        steps, drafting, prompts = [], [], []  # prompts: what this forward prefills (prompt_sharing.py)
         for d in live:
+            if d.cache is None and self._shared(d, prompts):
+                continue  # an earlier block of this step prefills its prompt: the next step forks it
             pending = d._pending
+            if len(pending) > 1:
+                prompts.append(d._context)
             if len(pending) > room and len(pending) > 1:
                 chunk = min(int(room), len(pending) - 1) if room >= 1 else 0
                 if chunk > 0:  # the prefix goes in; the rest, with the block's next token, later
@@ -75,6 +81,16 @@ class Drafter:
         rows, _, elapsed = self.pool.timed_forward(steps)
         rows = [row for row, (_, _, k) in zip(rows, steps) if k]
         self._absorb_rows(drafting, rows, elapsed / len(steps))  # each block's part of the forward
+
+    def _shared(self, d: BlockDraft, prompts: list[Sequence[int]]) -> bool:
+        """A block on its session's own cache starts from another session's pages of its prompt
+        where they hold a page more (its pending tokens shrink to the rest); True: it waits a step
+        for an earlier block of this one that prefills a page more of it."""
+        if d.pending_tokens <= self.pool.page_size:
+            return False
+        if self.sharing.take(d._session, d._context):
+            d._pending = d._session._resume(d._context)
+        return self.sharing.waits(d._session, d._context, prompts)
 
     def _absorb_rows(self, drafting: list[BlockDraft], rows: list[torch.Tensor], share: float) -> None:
         """Each drafting block's next token from its row of logits [1, draft_vocab], chosen in
@@ -137,7 +153,9 @@ class Drafter:
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int], prompt_len: int = 0
     ) -> DraftSession:
-        return DraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree, prompt_len)
+        session = DraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree, prompt_len)
+        self.sharing.add(session)
+        return session
 
 
 class DraftSession:
@@ -173,8 +191,18 @@ class DraftSession:
     def cached_tokens(self) -> int:
         return len(self._seq)
 
+    @property
+    def sequence(self):
+        """The session's own cache (what another session may share: svip_common/prompt_sharing.py)."""
+        return self._seq
+
+    @sequence.setter
+    def sequence(self, cache) -> None:
+        self._seq = cache
+
     def close(self) -> None:
         """Give the session's pages back to the pool."""
+        self._drafter.sharing.discard(self)
         self._seq.close()
 
     def propose(self, committed: Sequence[int], budget: int) -> Block:

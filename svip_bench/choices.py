@@ -1,6 +1,6 @@
 """`svip bench --mode choices`: a request's n choices (sampled, each its seed's request) through
-the in-process batch, the target's prompt pages shared between them (target_worker/
-prompt_sharing.py) and apart, alternating, each prompt's choices together. Prints its command, the
+the in-process batch, the prompt's pages shared between them on the target and the draft
+(svip_common/prompt_sharing.py) and apart, alternating, each prompt's choices together. Prints its command, the
 machine, wall-time medians, their ratio and the tokens the target's forwards held; every choice's
 output must be the same both ways (it stops with an error otherwise)."""
 
@@ -26,26 +26,30 @@ def run(engine, prompts, args, header: dict) -> int:
     policy = PolicyConfig(name="svip", threshold=engine.calibration().threshold)
     header.update(n=n, temperature=temperature, prompt_tokens=[len(ids) for ids in encoded],
                   svip_threshold=policy.threshold)
-    seconds, forwarded, shared_tokens, outputs = {w: [] for w in WAYS}, {}, 0, {}
+    seconds, forwarded, shared_tokens, outputs = {w: [] for w in WAYS}, {}, {}, {}
+    workers = {"target": engine.verifier, "draft": engine.drafter}
     progress = Progress(args.repeats * len(WAYS))
     for _ in range(args.repeats):
         for way in WAYS:
-            engine.verifier.sharing.enabled = way == "shared"
-            before, shared_before = engine.verifier.pool.forward_tokens, engine.verifier.sharing.shared_tokens
+            for worker in workers.values():
+                worker.sharing.enabled = way == "shared"
+            before = {k: (w.pool.forward_tokens, w.sharing.shared_tokens) for k, w in workers.items()}
             start, got = time.perf_counter(), []
             for i, ids in enumerate(encoded):
                 request = GenerationRequest(ids, args.max_new_tokens, SamplingParams(temperature, seed=i), policy,
                                             ignore_eos=True)
                 got += [r.token_ids for r in engine.batch(n).generate_all(choices(request, n))]
             seconds[way].append(time.perf_counter() - start)
-            forwarded[way] = engine.verifier.pool.forward_tokens - before
+            forwarded[way] = {k: w.pool.forward_tokens - before[k][0] for k, w in workers.items()}
             if way == "shared":
-                shared_tokens = engine.verifier.sharing.shared_tokens - shared_before
+                shared_tokens = {k: w.sharing.shared_tokens - before[k][1] for k, w in workers.items()}
             if outputs.setdefault(way, got) != got or outputs.get("shared", got) != got:
                 raise SvipError("a choice's output changed with prompt sharing (or between repeats): a bug")
             progress.update(1)
-    engine.verifier.sharing.enabled = True
-    rows = {w: {"seconds": statistics.median(seconds[w]), "target_forward_tokens": forwarded[w]} for w in WAYS}
+    for worker in workers.values():
+        worker.sharing.enabled = True
+    rows = {w: {"seconds": statistics.median(seconds[w]), "target_forward_tokens": forwarded[w]["target"],
+                "draft_forward_tokens": forwarded[w]["draft"]} for w in WAYS}
     header["prompt_tokens_shared"] = shared_tokens
     print(_report(header, rows))
     out = Path(args.out)
@@ -63,13 +67,15 @@ def _report(h: dict, rows: dict) -> str:
         f"choices each (sampled at temperature {h['temperature']:g}, seeded), {h['max_new_tokens']} new tokens, "
         f"SVIP at {h['svip_threshold']:.2f}; medians of {h['repeats']} repeats; every output the same both ways",
         "",
-        "| prompt pages | wall s | tokens/s | target forward tokens | vs apart |",
-        "|---|---|---|---|---|",
+        "| prompt pages | wall s | tokens/s | target forward tokens | draft forward tokens | vs apart |",
+        "|---|---|---|---|---|---|",
     ]
     apart = rows["apart"]["seconds"]
     for way in WAYS:
         row = rows[way]
-        lines.append(f"| {way} | {row['seconds']:.2f} | {tokens / row['seconds']:.1f} | "
-                     f"{row['target_forward_tokens']} | {apart / row['seconds']:.2f}x |")
-    lines.append(f"\nPrompt tokens taken from another choice's pages: {h['prompt_tokens_shared']}.")
+        lines.append(f"| {way} | {row['seconds']:.2f} | {tokens / row['seconds']:.1f} | {row['target_forward_tokens']} "
+                     f"| {row['draft_forward_tokens']} | {apart / row['seconds']:.2f}x |")
+    shared = h["prompt_tokens_shared"]
+    lines.append(f"\nPrompt tokens taken from another choice's pages: {shared['target']} on the target, "
+                 f"{shared['draft']} on the draft.")
     return "\n".join(lines)

@@ -23,6 +23,7 @@ from svip_common.grammar_mask import grammar_tokenizer
 from svip_common.kv_cache import KVPool, PagedSequence, PoolFull
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel
+from svip_common.prompt_sharing import PromptSharing
 from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import accept_greedy, accept_sampled, branch_sampled, residual
 from svip_common.row_rules import RowRules
@@ -30,7 +31,6 @@ from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import node_parents, sibling_nodes
 from target_worker.logprobs import LogprobRows, block_rows, read_logprobs
-from target_worker.prompt_sharing import PromptSharing
 
 
 class Verifier:

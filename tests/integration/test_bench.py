@@ -122,9 +122,11 @@ def test_choices_bench_shares_the_prompt_and_keeps_every_output(tmp_path, model_
     assert code == 0, captured.err
     doc = json.loads((out / "choices.json").read_text())
     prompt = doc["header"]["prompt_tokens"][0]
-    assert doc["header"]["prompt_tokens_shared"] == 2 * (prompt - 1)
+    assert doc["header"]["prompt_tokens_shared"] == {"target": 2 * (prompt - 1), "draft": 2 * (prompt - 1)}
     rows = doc["rows"]
-    assert rows["apart"]["target_forward_tokens"] - rows["shared"]["target_forward_tokens"] == 2 * (prompt - 1)
+    for worker in ("target", "draft"):
+        saved = rows["apart"][f"{worker}_forward_tokens"] - rows["shared"][f"{worker}_forward_tokens"]
+        assert saved == 2 * (prompt - 1), worker
     assert "Command: `svip bench" in captured.out and "| shared |" in captured.out
     assert main(["bench", "--mode", "choices", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
                  "--n", "9"]) == 2

@@ -1,17 +1,19 @@
 """Sessions that begin alike share the pages of what they share: a request's ``n`` choices (one
-prompt, a session each), requests behind one system prompt. A session whose cache is empty
-starts from the longest prefix of its committed tokens that an open session's cache holds (at
-least a page, never its last token, whose row it computes itself): a fork of that cache
-(svip_common/kv_cache.py, copy on write), rolled back to the prefix, so its prefill runs only the
-rest. A session that would prefill, in the same step, a page or more of what an earlier session
-of that step is prefilling waits one step instead and then forks it (``waits``): n choices sent at
-once prefill their prompt once.
+prompt, a session each), requests behind one system prompt. A session with a page or more of its
+committed tokens uncached starts from the longest prefix of them that another open session's
+cache holds (at least a page more than its own, never its last token, whose row it computes
+itself): a fork of that cache (svip_common/kv_cache.py, copy on write), rolled back to the
+prefix, so its prefill runs only the rest. A session that would prefill, in the same step, a page
+or more of what an earlier session of that step is prefilling waits one step instead and then
+forks it (``waits``): n choices sent at once prefill their prompt once. One worker's sessions (a
+pool's): the target's verifier and the draft's drafter each keep one ``PromptSharing``; a session
+is anything with a ``sequence`` (its PagedSequence).
 
-The keys and values shared are the target's for the same tokens at the same positions, as its
-own prefill computes them (a forward's rows do not depend on what else is in its batch beyond
-float rounding, as batching and chunked prefill already rely on): the output is unchanged. A
-feature draft's target (feature_layers) does not share: the draft needs every prompt position's
-features from the session's own forwards. Runs in the target worker's process (and in process)."""
+The keys and values shared are the model's for the same tokens at the same positions, as its own
+prefill computes them (a forward's rows do not depend on what else is in its batch beyond float
+rounding, as batching and chunked prefill already rely on): the output is unchanged. A feature
+draft's target (feature_layers) does not share: the draft needs every prompt position's features
+from the session's own forwards. No torch here."""
 
 from __future__ import annotations
 
