@@ -89,17 +89,23 @@ def test_bench_runs_the_feature_draft_rows_beside_the_small_drafts(tmp_path, mod
     assert "--head applies to --mode policies" in capsys.readouterr().err
 
 
-def test_replay_bench_replays_every_policy_without_the_wall_clock(tmp_path, model_dirs, capsys):
+def run_mode(tmp_path, model_dirs, capsys, mode: str, prompts: list[str], *flags: str):
+    """`svip bench --mode MODE` on a dataset of these qa prompts; (its JSON, what it printed)."""
     dataset = tmp_path / "spec.jsonl"
-    rows = [{"question_id": i, "category": "qa", "prompt": f"question {i}: def f(x):"} for i in range(2)]
+    rows = [{"question_id": i, "category": "qa", "prompt": p} for i, p in enumerate(prompts)]
     dataset.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
     out = tmp_path / "out"
-    code = main(["bench", "--mode", "replay", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
-                 "--dataset", str(dataset), "--categories", "qa,code", "--prompts-per-category", "2",
-                 "--max-new-tokens", "24", "--ks", "2,4", "--thresholds", "0.5", "--out", str(out)])
+    code = main(["bench", "--mode", mode, "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                 "--dataset", str(dataset), *flags, "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
-    doc = json.loads((out / "replay.json").read_text())
+    return json.loads((out / f"{mode}.json").read_text()), captured
+
+
+def test_replay_bench_replays_every_policy_without_the_wall_clock(tmp_path, model_dirs, capsys):
+    doc, captured = run_mode(tmp_path, model_dirs, capsys, "replay", [f"question {i}: def f(x):" for i in range(2)],
+                             "--categories", "qa,code", "--prompts-per-category", "2", "--max-new-tokens", "24",
+                             "--ks", "2,4", "--thresholds", "0.5")
     rows = doc["speedup"]["all"]
     assert set(rows) == {"constant-2", "constant-4", "heuristic", "confidence", "svip", "svip-auto", "svip-0.5",
                          "auto", "defaults", "oracle"}
@@ -111,16 +117,9 @@ def test_replay_bench_replays_every_policy_without_the_wall_clock(tmp_path, mode
 
 
 def test_choices_bench_shares_the_prompt_and_keeps_every_output(tmp_path, model_dirs, capsys):
-    dataset = tmp_path / "spec.jsonl"
-    rows = [{"question_id": 0, "category": "qa", "prompt": "question: " + "def f(x): return x + 1. " * 8}]
-    dataset.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    out = tmp_path / "out"
-    code = main(["bench", "--mode", "choices", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
-                 "--dataset", str(dataset), "--categories", "qa", "--prompts-per-category", "1",
-                 "--max-new-tokens", "8", "--n", "3", "--repeats", "1", "--out", str(out)])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err
-    doc = json.loads((out / "choices.json").read_text())
+    doc, captured = run_mode(tmp_path, model_dirs, capsys, "choices", ["question: " + "def f(x): return x + 1. " * 8],
+                             "--categories", "qa", "--prompts-per-category", "1", "--max-new-tokens", "8", "--n", "3",
+                             "--repeats", "1")
     prompt = doc["header"]["prompt_tokens"][0]
     assert doc["header"]["prompt_tokens_shared"] == {"target": 2 * (prompt - 1), "draft": 2 * (prompt - 1)}
     rows = doc["rows"]
