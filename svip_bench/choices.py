@@ -17,7 +17,6 @@ from svip_common.errors import SvipError
 from svip_common.randomness import choices
 
 WAYS = ("shared", "apart")
-MAX_CHOICES = 8  # as the Serve API's n
 
 
 def run(engine, prompts, args, header: dict) -> int:

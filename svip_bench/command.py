@@ -8,9 +8,8 @@ import shlex
 import sys
 from pathlib import Path
 
-from svip_bench.choices import MAX_CHOICES
 from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
-from svip_common.contracts import SamplingParams, check_draft_parallel
+from svip_common.contracts import MAX_CHOICES, SamplingParams, check_draft_parallel
 from svip_common.errors import InvalidRequest
 from svip_common.trees import TREES
 

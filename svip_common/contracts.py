@@ -27,6 +27,7 @@ INT32_MAX = 2**31 - 1  # integer fields travel as int32
 DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deployment may change it)
 DRAFT_PARALLEL = 3  # speculative blocks an async session drafts side by side: the follow-up and two prepared
 MAX_DRAFT_PARALLEL = 8  # a deployment's bound on them (each side-by-side block holds forked KV pages)
+MAX_CHOICES = 8  # a request's n at most: each choice is a session (a place in the batch, its pages past the prompt)
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the warped q turns NaN
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
 MAX_LOGIT_BIAS = 300  # a request's logit_bias entries at most (OpenAI's bound)

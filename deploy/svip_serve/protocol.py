@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 
 from svip_common.contracts import (
     INT32_MAX,
+    MAX_CHOICES,
     MAX_LOGIT_BIAS,
     MAX_LOGPROBS,
     MAX_STOP_TOKEN_IDS,
@@ -27,7 +28,6 @@ from svip_common.trees import TREES
 from svip_serve.tools import MAX_TOOLS, ToolPlan, ToolsError, tool_plan
 
 MAX_STOP_STRINGS = 16
-MAX_CHOICES = 8  # a request's n at most: each choice is a session (a place in the batch, its own pages past the prompt)
 MAX_MESSAGES = 1024  # a chat's messages: each costs the template's own tokens, content or not
 MESSAGE_CHARS = 16  # what a message counts for besides its strings (the template's tokens around it)
 MAX_STOP_CHARS = 256  # each stop string: the text matcher holds back at most this many characters
