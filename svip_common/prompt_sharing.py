@@ -39,8 +39,10 @@ class PromptSharing:
         """A session with a page or more of ``committed`` uncached starts from the longest prefix of
         it (but its last token) that another open session's cache holds, where that is a page more
         than its own holds; the tokens taken (0: none)."""
-        held = common_prefix(session.sequence.tokens, committed) if self.enabled else 0
-        if not self.enabled or len(committed) - 1 - held < self.page_size:
+        if not self._may_prefill(session, committed):
+            return 0
+        held = common_prefix(session.sequence.tokens, committed)
+        if len(committed) - 1 - held < self.page_size:
             return 0
         best, source = held + self.page_size - 1, None
         for other in list(self._sessions):
@@ -56,10 +58,17 @@ class PromptSharing:
         self.shared_tokens += best - held
         return best - held
 
+    def _may_prefill(self, session, committed: Sequence[int]) -> bool:
+        """Whether the session's cache is more than a page shorter than its committed tokens: the
+        usual decode step is not (nothing is looked up there, whatever the context's length; a
+        cache that parted from its committed tokens at an earlier place is looked at once it is
+        that short, as after an eviction)."""
+        return self.enabled and len(committed) - len(session.sequence) > self.page_size
+
     def waits(self, session, committed: Sequence[int], prefilling: list[Sequence[int]]) -> bool:
         """Whether the session waits a step: an earlier session of this step prefills a page or
         more of its committed tokens beyond what its cache holds (the next step forks them)."""
-        if not self.enabled or not prefilling:
+        if not prefilling or not self._may_prefill(session, committed):
             return False
         held = common_prefix(session.sequence.tokens, committed)
         return any(min(common_prefix(other, committed), len(committed) - 1) >= held + self.page_size
