@@ -120,6 +120,9 @@ def tool_plan(body: dict, parser: str = "hermes") -> ToolPlan | None:
         return None
     functions = _functions(tools)
     names = tuple(functions)
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
     choice = "auto" if choice is None else choice
     if choice == "none":
         return ToolPlan(tools, "none", names=names)
@@ -129,9 +132,6 @@ def tool_plan(body: dict, parser: str = "hermes") -> ToolPlan | None:
                       "send 'required' or 'none'", "tool_choice")
         return ToolPlan(tools, "auto", names=names, parser=parser)
     if choice == "required" and len(functions) > 1:
-        parallel = body.get("parallel_tool_calls", True)
-        if not isinstance(parallel, bool):
-            raise bad("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
         schema = _calls_schema(functions, MAX_PARALLEL_CALLS if parallel else 1)
         grammar = _checked(Grammar.of_schema(schema), "the tools")
         return ToolPlan(tools, "required", grammar=grammar, names=names)

@@ -367,6 +367,7 @@ def test_auto_is_refused_by_name_where_the_deployment_reads_no_calls():
     ({"tools": TOOLS, "tool_choice": "sometimes"}, "tool_choice", "must be 'auto', 'none', 'required'"),
     ({"tools": TWO_TOOLS, "tool_choice": "required", "parallel_tool_calls": "yes"}, "parallel_tool_calls",
      "true or false"),
+    ({"tools": TOOLS, "parallel_tool_calls": 1}, "parallel_tool_calls", "true or false"),
     ({"tools": TWO_TOOLS + [{"type": "function", "function": {"name": "deep", "parameters": DEEP}}],
       "tool_choice": "required"}, "tools", "nests"),
     ({"tools": TOOLS * 2, "tool_choice": "required"}, "tools", "repeats the function name"),
