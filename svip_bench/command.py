@@ -143,6 +143,8 @@ def run(args: argparse.Namespace, load_engine) -> int:
             setattr(args, key, value)
     if args.prompts_per_category < 1 or args.repeats < 1 or args.max_new_tokens < 1:
         raise InvalidRequest("--prompts-per-category, --repeats and --max-new-tokens must be >= 1")
+    if not 1 <= args.n <= MAX_CHOICES:
+        raise InvalidRequest(f"--n must be in [1, {MAX_CHOICES}], got {args.n}")
     if args.head is not None and (args.long or args.mode != "policies"):
         raise InvalidRequest("--head applies to --mode policies (without --long)")
     ks = _parse_ks(args.ks)
@@ -232,8 +234,6 @@ def _check_emulation(args: argparse.Namespace) -> None:
     default spec when none is given (device slowed for this CPU), pipeline only times where asked."""
     if args.temperature and args.mode not in ("simulate", "choices"):
         raise InvalidRequest("--temperature applies to --mode simulate and choices")
-    if not 1 <= args.n <= MAX_CHOICES:
-        raise InvalidRequest(f"--n must be in [1, {MAX_CHOICES}], got {args.n}")
     SamplingParams(temperature=args.temperature).validate()
     if args.mode in ("simulate", "device") and args.emulate_spec is None:
         args.emulate_spec = DEFAULT_EMULATION + (f",scale={DEVICE_SCALE}" if args.mode == "device" else "")

@@ -371,7 +371,6 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         self._emit(ToDraft(request))
 
 
-
 def _after(block: Block, n: int) -> Block:
     """The block's tokens after its first n (which the target settled alone), at their place."""
     if n == 0:

@@ -25,7 +25,7 @@ from svip_common.contracts import (
 from svip_common.errors import InvalidRequest
 from svip_common.grammar import Grammar
 from svip_common.trees import TREES
-from svip_serve.tools import MAX_TOOLS, ToolPlan, ToolsError, tool_plan
+from svip_serve.tools import MAX_TOOLS, ToolPlan, ToolsError, finish_reason, tool_plan
 
 MAX_STOP_STRINGS = 16
 MAX_MESSAGES = 1024  # a chat's messages: each costs the template's own tokens, content or not
@@ -533,14 +533,13 @@ def choices_body(kind: str, rid: str, model: str, choices: list[tuple[str, str, 
     top-level `svip` is the first's, and with several each choice carries its own. tools: what a
     chat's tools make of its text (calls read out of it: svip_serve/tools.py)."""
     out = []
-    for index, (text, finish_reason, svip, logprobs) in enumerate(choices):
+    for index, (text, reason, svip, logprobs) in enumerate(choices):
         if kind == "completion":
-            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": reason}
         else:
             message, called = ({"role": "assistant", "content": text}, False) if tools is None else tools.message(text)
-            if called and finish_reason == "stop":
-                finish_reason = "tool_calls"
-            choice = {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+            choice = {"index": index, "message": message, "logprobs": logprobs,
+                      "finish_reason": finish_reason(reason, called)}
         if len(choices) > 1:
             choice["svip"] = svip
         out.append(choice)

@@ -40,7 +40,7 @@ from svip_serve.protocol import (
 )
 from svip_serve.settings import DRAFT_BUNDLE, TARGET_BUNDLE, ServeSettings
 from svip_serve.shaping import RequestShaping
-from svip_serve.tools import CallStream
+from svip_serve.tools import CallStream, finish_reason
 
 # no /docs, /redoc or /openapi.json: the API faces the network, and its shape is OpenAI's
 api = FastAPI(title="svip", summary="SVIP speculative decoding, OpenAI-compatible",
@@ -446,9 +446,7 @@ class SVIPServer:
                     for chunk in _deltas(req.kind, rid, model, created, index, None, calls[index], None):
                         yield _sse(chunk)
                     generation, ended = generations[index], ended + 1
-                    reason = generation.finish_reason
-                    if calls[index] is not None and calls[index].called and reason == "stop":
-                        reason = "tool_calls"
+                    reason = finish_reason(generation.finish_reason, calls[index] is not None and calls[index].called)
                     last = chunk_body(req.kind, rid, model, created, None, reason, index=index,
                                       logprobs=generation.logprobs_chunk(req.kind, final=True))
                     if ended == len(generations):

@@ -94,14 +94,14 @@ class CallStream:
     def feed(self, text: str) -> list[tuple[str | None, list[dict] | None]]:
         if self._named_id is not None:
             return [(None, [{"index": 0, "function": {"arguments": text}}])]
-        return self._told(text if self._reader is None else self._reader.feed(text))
+        return self._told([text] if self._reader is None else self._reader.feed(text))
 
     def finish(self) -> list[tuple[str | None, list[dict] | None]]:
         return [] if self._reader is None else self._told(self._reader.finish())
 
     def _told(self, events) -> list[tuple[str | None, list[dict] | None]]:
         out = []
-        for event in [events] if isinstance(events, str) else events:
+        for event in events:
             if isinstance(event, str):
                 out.append((event, None))
                 continue
@@ -154,6 +154,11 @@ def _checked(grammar: Grammar, what: str) -> Grammar:
     except InvalidRequest as exc:
         raise bad(f"{what}: {exc}", "tools") from None
     return grammar
+
+
+def finish_reason(reason: str, called: bool) -> str:
+    """A choice's finish_reason: "tool_calls" where the model called (its text ended as text would), as OpenAI's."""
+    return "tool_calls" if called and reason == "stop" else reason
 
 
 def tool_call(name: str, arguments: str, call_id: str) -> dict:

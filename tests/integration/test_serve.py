@@ -168,8 +168,12 @@ def test_a_streamed_echo_carries_the_prompts_logprobs_first(client, max_tokens):
     chunks = [c.choices[0] for c in client.completions.create(**ask, stream=True) if c.choices]
     assert chunks[0].text == prompt and chunks[0].logprobs.token_logprobs[0] is None
     parts = [c.logprobs for c in chunks if c.logprobs is not None]
-    for field in ("tokens", "token_logprobs", "text_offset"):
+    for field in ("tokens", "text_offset"):
         assert [v for p in parts for v in getattr(p, field)] == getattr(whole.logprobs, field), field
+    # the logprobs to float rounding, as the other logprob tests: a token verified in a block of another
+    # length in the other run is another product's rounding
+    streamed = [v for p in parts for v in p.token_logprobs]
+    assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-4)
     assert "".join(c.text for c in chunks) == whole.text
 
 
