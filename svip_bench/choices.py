@@ -1,4 +1,5 @@
-"""`svip bench --mode choices`: a request's n choices (sampled, each its seed's request) through
+"""`svip bench --mode choices`: a request's n choices (greedy by default: sampled ones share no
+pages, svip_common/prompt_sharing.py says why; each choice its seed's request) through
 the in-process batch, the prompt's pages shared between them on the target and the draft
 (svip_common/prompt_sharing.py) and apart, alternating, each prompt's choices together. Prints its command, the
 machine, wall-time medians, their ratio and the tokens the target's forwards held; every choice's
@@ -20,7 +21,7 @@ WAYS = ("shared", "apart")
 
 
 def run(engine, prompts, args, header: dict) -> int:
-    n, temperature = args.n, args.temperature or 0.8
+    n, temperature = args.n, args.temperature  # greedy by default: sampled sessions share no pages
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     policy = PolicyConfig(name="svip", threshold=engine.calibration().threshold)
     header.update(n=n, temperature=temperature, prompt_tokens=[len(ids) for ids in encoded],
@@ -57,13 +58,17 @@ def run(engine, prompts, args, header: dict) -> int:
     return 0
 
 
+def _decoding(temperature: float) -> str:
+    return "greedy" if not temperature else f"sampled at temperature {temperature:g}, seeded"
+
+
 def _report(h: dict, rows: dict) -> str:
     tokens = h["prompts"] * h["n"] * h["max_new_tokens"]
     lines = [
         f"Command: `{h['command']}`",
         f"Machine: {h['machine']}",
         f"{h['target']} and {h['draft']}; {h['prompts']} prompts of {h['prompt_tokens']} tokens, n = {h['n']} "
-        f"choices each (sampled at temperature {h['temperature']:g}, seeded), {h['max_new_tokens']} new tokens, "
+        f"choices each ({_decoding(h['temperature'])}), {h['max_new_tokens']} new tokens, "
         f"SVIP at {h['svip_threshold']:.2f}; medians of {h['repeats']} repeats; every output the same both ways",
         "",
         "| prompt pages | wall s | tokens/s | target forward tokens | draft forward tokens | vs apart |",

@@ -13,7 +13,14 @@ The keys and values shared are the model's for the same tokens at the same posit
 prefill computes them (a forward's rows do not depend on what else is in its batch beyond float
 rounding, as batching and chunked prefill already rely on): the output is unchanged. A feature
 draft's target (feature_layers) does not share: the draft needs every prompt position's features
-from the session's own forwards. No torch here."""
+from the session's own forwards.
+
+Greedy sessions only. A forked session computes its last prompt token in a forward of its own,
+where its own prefill would have computed it among the rest: the same values to float rounding,
+not always to the bit. A sampled request's tokens follow the target's distribution either way,
+but a seeded one must reproduce, and whether another session held its prompt at that moment is
+not the request's to decide (CI caught a seeded tree request drawing another token at place 12
+when the draft forked a cache its previous run had not yet closed). No torch here."""
 
 from __future__ import annotations
 
@@ -63,7 +70,7 @@ class PromptSharing:
         usual decode step is not (nothing is looked up there, whatever the context's length; a
         cache that parted from its committed tokens at an earlier place is looked at once it is
         that short, as after an eviction)."""
-        return self.enabled and len(committed) - len(session.sequence) > self.page_size
+        return self.enabled and session.sampling.greedy and len(committed) - len(session.sequence) > self.page_size
 
     def waits(self, session, committed: Sequence[int], prefilling: list[Sequence[int]]) -> bool:
         """Whether the session waits a step: an earlier session of this step prefills a page or

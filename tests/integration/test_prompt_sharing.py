@@ -43,11 +43,12 @@ def test_n_choices_in_one_batch_prefill_their_prompt_once(models, prompt_ids, sa
     shared, verifier, drafter = batch_run(models, requests, sharing=True)
     apart, alone, draft_alone = batch_run(models, requests, sharing=False)
     assert [r.token_ids for r in shared] == [r.token_ids for r in apart]
-    prefix = len(requests[0].prompt_ids) - 1
-    assert verifier.sharing.shared_tokens == (N - 1) * prefix and alone.sharing.shared_tokens == 0
-    assert alone.pool.forward_tokens - verifier.pool.forward_tokens == (N - 1) * prefix
-    assert drafter.sharing.shared_tokens == (N - 1) * prefix and draft_alone.sharing.shared_tokens == 0
-    assert draft_alone.pool.forward_tokens - drafter.pool.forward_tokens == (N - 1) * prefix
+    # greedy: the prompt once; sampled: none shared (a seeded draw must not rest on another session's cache)
+    saved = 0 if sampled else (N - 1) * (len(requests[0].prompt_ids) - 1)
+    assert verifier.sharing.shared_tokens == saved and alone.sharing.shared_tokens == 0
+    assert alone.pool.forward_tokens - verifier.pool.forward_tokens == saved
+    assert drafter.sharing.shared_tokens == saved and draft_alone.sharing.shared_tokens == 0
+    assert draft_alone.pool.forward_tokens - drafter.pool.forward_tokens == saved
     for pool in (verifier.pool, drafter.pool):  # every shared page back once its last holder closed
         assert pool.free_pages == pool.pages
 
@@ -64,9 +65,12 @@ def test_n_choices_through_the_workers_share_and_equal_them_apart(models, prompt
     got, want = pair.generate_all(requests), apart.generate_all(requests)
     assert [r.token_ids for r in got] == [r.token_ids for r in want]
     shared, alone = pair.host.verifier, apart.host.verifier
-    assert shared.sharing.shared_tokens > 0 and shared.pool.forward_tokens < alone.pool.forward_tokens
     drafter, draft_alone = pair.draft.drafter, apart.draft.drafter
-    if schedule != "target first":  # there the target never waits: it fills every round and the draft never runs
+    if sampled:  # a seeded draw must not rest on another session's cache: nothing shared
+        assert shared.sharing.shared_tokens == drafter.sharing.shared_tokens == 0
+    else:
+        assert shared.sharing.shared_tokens > 0 and shared.pool.forward_tokens < alone.pool.forward_tokens
+    if schedule != "target first" and not sampled:  # target first: the target fills every round, no draft runs
         assert drafter.sharing.shared_tokens > 0 and drafter.pool.forward_tokens < draft_alone.pool.forward_tokens
     stats = pb.WorkerStats()
     pair.host.add_stats(stats)  # what the target's Stats answers, and Prometheus counts up
