@@ -21,7 +21,6 @@ from svip_common.auto_prior import estimate_from, stored_prior
 from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import (
     AUTO,
-    NO_TOKEN,
     Block,
     GenerationRequest,
     GenerationResult,
@@ -35,6 +34,7 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
 from svip_common.step_cost import UNLIMITED, Ewma, SessionGate, check_load_aware, load_aware_for
 from svip_common.trees import node_price
+from svip_common.trees import priced as tree_priced
 from target_worker.verifier import Verifier
 
 # Called after each round with the block, its verdict and the tokens it settled (streaming,
@@ -228,7 +228,7 @@ class EngineSession:
         place, and at load no more than pay (0: this round runs as the target alone)."""
         cap = UNLIMITED
         engine = self._engine
-        priced = self.request.policy.tree == "auto"
+        priced = tree_priced(self.request.policy.tree)
         load = engine.verifier.load(engine.in_step) if self.gated or self.stop is not None or priced else None
         if priced:
             self.draft.node_price = 0.0 if load is None else node_price(load.plain_rate, load.verify_token_s)
@@ -247,7 +247,7 @@ class EngineSession:
             self.gate.record(len(block), verdict.accepted, drafting_s)
         if self.stop is not None:
             self.stop.record(block.entropies, block.probs, verdict.accepted, drafting_s)
-        branch = [verdict.branch] if verdict.branch != NO_TOKEN else []  # a tree's sibling at the rejected place
+        branch = list(verdict.branch)  # a tree's nodes taken from the rejected place on
         settled = [*block.tokens[: verdict.accepted], *branch, verdict.token]
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled
@@ -256,7 +256,7 @@ class EngineSession:
             self.logprobs += self.target.settled_logprobs(self.committed, len(settled))
         self.stats.record_round(len(block), verdict.accepted, block.entropies[-1] if block.entropies else None)
         if block.siblings is not None:
-            self.stats.record_tree(block.nodes, bool(branch))
+            self.stats.record_tree(block.nodes, len(branch))
         return settled
 
     def fail(self, exc: Exception) -> None:

@@ -26,11 +26,15 @@ from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
 from svip_common.row_rules import RowRules
 from svip_common.sampling import entropy, mask_padding, sample_indices, warp_probs
-from svip_common.trees import CAPE_WIDEST, MAX_TREE_NODES, cape_siblings
+from svip_common.trees import CAPE_WIDEST, GROWN_WIDEST, MAX_TREE_NODES, cape_siblings, grown_children
+from svip_common.trees import grows as tree_grows
+from svip_common.trees import priced as tree_priced
 
 
 class Drafter:
     """The draft model and its KV pool, shared by the sessions it opens."""
+
+    grows = True  # trees deep and deep-auto: a block's siblings get children of their own (a forward over them)
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, token_limit: int | None = None,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None):
@@ -61,6 +65,8 @@ class Drafter:
             return
         room = self.max_batched_tokens if self.max_batched_tokens is not None else float("inf")
         steps, drafting, prompts = [], [], []  # prompts: what this forward prefills (prompt_sharing.py)
+        growing = [d for d in live if d._grow_parents]  # a deep tree: a forward over the spine's siblings
+        live = [d for d in live if not d._grow_parents]
         for d in live:
             if d.cache is None and self._shared(d, prompts):
                 continue  # an earlier block of this step prefills its prompt: the next step forks it
@@ -78,9 +84,13 @@ class Drafter:
             drafting.append(d)
             d._prefilling = len(pending) > PREFILL_TOKENS
             room -= len(pending)
+        steps += [(d._seq, d._grow_tokens, len(d._grow_tokens), d._grow_parents) for d in growing]
         rows, _, elapsed = self.pool.timed_forward(steps)
-        rows = [row for row, (_, _, k) in zip(rows, steps) if k]
+        grown_rows = rows[len(rows) - len(growing):] if growing else []
+        rows = [row for row, (_, _, k) in zip(rows[: len(rows) - len(growing)], steps) if k]
         self._absorb_rows(drafting, rows, elapsed / len(steps))  # each block's part of the forward
+        for d, row in zip(growing, grown_rows):
+            self._grow(d, row, elapsed / len(steps))
 
     def _shared(self, d: BlockDraft, prompts: list[Sequence[int]]) -> bool:
         """A block on its session's own cache starts from another session's pages of its prompt
@@ -113,6 +123,25 @@ class Drafter:
                 except Exception as exc:  # its policy's own work (should_stop): this block alone
                     exit_on_device_failure(exc)
                     draft._fail(exc)
+
+    def _grow(self, d: BlockDraft, rows: torch.Tensor, forward_s: float) -> None:
+        """A deep tree: the children of the block's siblings from their rows [siblings, vocab],
+        under the request's rules along each sibling's path; the nodes the forward added go."""
+        d._seq.rollback(d.block.base + len(d.block) - 1)  # the siblings' keys and values: the spine's stay
+        try:
+            logits = mask_padding(self._widen(rows), self.token_limit)
+            rules = d._session.rules
+            if rules.active:  # each sibling's row by its own path
+                paths = [d._context + list(path) for path in d._grow_paths] if rules.by_place else ()
+                logits = rules.apply(logits, paths)
+            q = warp_probs(logits, d._session.sampling)
+            top = torch.topk(q, min(GROWN_WIDEST, q.shape[-1]), dim=-1)
+            ranked = [list(zip(ids, probs)) for ids, probs in zip(top.indices.tolist(), top.values.tolist())]
+        except Exception as exc:  # this request's own values: this block alone
+            exit_on_device_failure(exc)
+            d._fail(exc)
+            return
+        d._grown(ranked, forward_s)
 
     def _widen(self, logits: torch.Tensor) -> torch.Tensor:
         """The draft's logits [B, draft_vocab] laid over the target's vocabulary [B, width]."""
@@ -272,8 +301,16 @@ class BlockDraft:
         self.cache = cache  # a fork: the owner adopts or releases it when done
         self._keep_alternatives = alternatives
         self._tree = session.tree != "off"
-        self._price = session.node_price if session.tree == "auto" else 0.0
+        self._price = session.node_price if tree_priced(session.tree) else 0.0
         self._reach = 1.0  # the draft's chance that its tokens so far are all accepted
+        self._grows = tree_grows(session.tree) and session._drafter.grows
+        self._sibling_reach: list[float] = []  # per sibling, in layout order: its path's probability under the draft
+        # a deep tree, while the block waits for the forward over its siblings: their tokens, their
+        # parents as that tree step takes them (anchored in the cached spine), their paths and node indices
+        self._grow_tokens: list[int] = []
+        self._grow_parents: list[int] = []
+        self._grow_paths: list[tuple[int, ...]] = []
+        self._grow_nodes: list[int] = []
         self._runners_up = max(ALTERNATIVES if alternatives else 0, CAPE_WIDEST - 1 if self._tree else 0)
         base = len(committed)
         self.block = Block(base=base, tokens=[], probs=[], entropies=[], siblings=[] if self._tree else None)
@@ -341,14 +378,57 @@ class BlockDraft:
             self.alternatives.append(others[:ALTERNATIVES])
         if self._tree:  # CaPE's siblings at this place, the block's nodes bounded
             room = MAX_TREE_NODES - self._limit - sum(map(len, block.siblings))
-            block.siblings.append(cape_siblings(prob, others, room, self._reach, self._price))
+            kept = cape_siblings(prob, others, room, self._reach, self._price)
+            block.siblings.append(kept)
+            q_of = dict(others)
+            self._sibling_reach += [self._reach * q_of[t] for t in kept]
             self._reach *= prob
         if q is not None:
             self._q_rows.append(q)
         self.done = step.index >= self._limit or token in s.stop_token_ids or s.policy.should_stop(step)
         if self.done and self._q_rows:
             block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
+        if self.done and self._grows:
+            self._plan_growth()
         self._pending = [token]
+        spent = forward_s + time.perf_counter() - started
+        self.compute_s += spent
+        s.compute_s += spent
+
+
+    def _plan_growth(self) -> None:
+        """A deep tree, the spine done: the siblings that may have children (a place after them
+        within the block's limit, not a stop token, room for a node) wait for a forward over them
+        (``Drafter.step``), each under its spine prefix in the cache: the block is not done."""
+        block, s = self.block, self._session
+        k = len(block.tokens)
+        room = MAX_TREE_NODES - block.nodes
+        node = k
+        for place, options in enumerate(block.siblings):
+            for token in options:
+                if place + 1 < self._limit and token not in s.stop_token_ids and len(self._grow_nodes) < room:
+                    self._grow_tokens.append(token)
+                    self._grow_parents.append(place - k)  # the cached spine token before its place
+                    self._grow_paths.append((*block.tokens[:place], token))
+                    self._grow_nodes.append(node)
+                node += 1
+        self.done = not self._grow_nodes
+
+    def _grown(self, ranked: list[list[tuple[int, float]]], forward_s: float) -> None:
+        """The forward over the siblings gave each its most likely next tokens (ranked, with q):
+        the children whose path pays (trees.grown_children), the block's nodes bounded; done."""
+        s, block = self._session, self.block
+        started = time.perf_counter()
+        reach = dict(zip(range(len(block.tokens), block.nodes), self._sibling_reach))
+        grown: list[tuple[int, int]] = []
+        for node, options in zip(self._grow_nodes, ranked):
+            room = MAX_TREE_NODES - block.nodes - len(grown)
+            grown += [(node, t) for t in grown_children(options, reach[node], self._price, room)]
+        block.grown = grown or None
+        self._grow_tokens, self._grow_parents, self._grow_paths, self._grow_nodes = [], [], [], []
+        self.done = True
+        s.forwards += 1
+        s.forward_s += forward_s
         spent = forward_s + time.perf_counter() - started
         self.compute_s += spent
         s.compute_s += spent

@@ -140,6 +140,8 @@ def _embedding_file(target: str) -> tuple[str, Path]:
 class FeatureDrafter(Drafter):
     """A feature head beside the target's embedding table, shared by the sessions it opens."""
 
+    grows = False  # trees deep and deep-auto: the head's keep CaPE's siblings (priced for deep-auto); none grow
+
     def __init__(self, head: LoadedHead, embedding: torch.nn.Embedding, target_vocab_size: int, token_limit: int,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS):
         """kv_cache_tokens: what the head caches are reported against (they grow with their sessions)."""

@@ -39,6 +39,7 @@ from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.step_cost import UNLIMITED, Ewma
+from svip_common.trees import sibling_nodes
 
 MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
 EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
@@ -145,10 +146,10 @@ class PipelinedDraft:
 
     def on_feedback(self, now: float, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
                     prepared_used: bool, received_at: float, load_cap: int | None = None,
-                    features=None, features_from: int = 0, branch: int = NO_TOKEN) -> list[DraftedBlock]:
+                    features=None, features_from: int = 0, branch: tuple[int, ...] = ()) -> list[DraftedBlock]:
         """Apply the verdict on the oldest outstanding block (checked at once). features: the
-        target's at positions features_from.. (a feature draft's input); branch: a tree's sibling
-        the target settled at the rejected place (token is then the place after it)."""
+        target's at positions features_from.. (a feature draft's input); branch: a tree's nodes the
+        target settled from the rejected place on (token is then the place after them)."""
         self.now = now
         if load_cap is not None:
             self.load_cap = load_cap
@@ -190,16 +191,16 @@ class PipelinedDraft:
             if p_row is None or block.q_rows is None:
                 raise InvalidRequest("a sampled rejection needs the target's p row")
             token = resolved = self.session.resolve_correction(block, accepted, p_row)
-        path = block.tokens[:accepted] + ([branch] if branch != NO_TOKEN else [])
+        path = block.tokens[:accepted] + list(branch)
         # a continuation prepared after a sibling and used: the token after the sibling is its
         # first place's, settled by the verdict on it
-        after = [] if branch != NO_TOKEN and prepared_used else [token]
+        after = [] if branch and prepared_used else [token]
         self.known = self.known[:base] + path + after
         self.epoch = epoch
         self.outstanding.clear()
-        key = (base, accepted, token if branch == NO_TOKEN else branch)
-        ready = prepared.get(key) if accepted < drafted and self.load_cap != 0 else None
-        if ready is not None and (prepared_used or branch == NO_TOKEN):
+        key = (base, accepted, branch[0] if branch else token)  # prepared there: after a branch of one node at most
+        ready = prepared.get(key) if accepted < drafted and self.load_cap != 0 and len(branch) <= 1 else None
+        if ready is not None and (prepared_used or not branch):
             self.forks.adopt(key)  # what comes next was drafted there: drafting goes on from it
         self.forks.release_all()
         if self.load_cap == 0:  # paused: the target goes on alone until a Resume
@@ -212,7 +213,7 @@ class PipelinedDraft:
             self.outstanding.append(ready)
             self._plan()
             return []
-        if ready is not None and branch == NO_TOKEN:  # prepared here, not used there (late, or sampled): send it
+        if ready is not None and not branch:  # prepared here, not used there (late, or sampled): send it
             ready.block.epoch, ready.prepared_for, ready.reused = epoch, None, True
             ready.resolved_token, ready.trigger_at = resolved, received_at
             self.outstanding.append(ready)
@@ -424,12 +425,22 @@ def work(draft: PipelinedDraft, now: float) -> list[DraftedBlock] | None:
     return draft.after_step(now + forward_s, forward_s)
 
 
-def _check_branch(block: Block, accepted: int, branch: int) -> None:
-    """A verdict's branch names one of the block's own siblings at the rejected place."""
-    if branch == NO_TOKEN:
+def _check_branch(block: Block, accepted: int, branch: tuple[int, ...]) -> None:
+    """A verdict's branch is a path of the block's own nodes: a sibling at the rejected place,
+    then nodes grown below it, each a child of the one before."""
+    if not branch:
         return
-    if accepted >= len(block.tokens) or not block.siblings or branch not in block.siblings[accepted]:
-        raise InvalidRequest(f"feedback takes {branch} at place {accepted}, not a sibling this session drafted there")
+    if accepted >= len(block.tokens) or not block.siblings or branch[0] not in block.siblings[accepted]:
+        raise InvalidRequest(f"feedback takes {branch[0]} at place {accepted}, "
+                             "not a sibling this session drafted there")
+    node = sibling_nodes(len(block.tokens), block.siblings)[(accepted, branch[0])]
+    grown = {(parent, token): at for at, (parent, token) in
+             enumerate(block.grown or (), start=block.nodes - len(block.grown or ()))}
+    for depth, token in enumerate(branch[1:], start=1):
+        node = grown.get((node, token))
+        if node is None:
+            raise InvalidRequest(f"feedback takes {token} at place {accepted + depth}, "
+                                 "not a node this session grew there")
 
 
 def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: frozenset[int],

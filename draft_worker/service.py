@@ -19,6 +19,7 @@ from svip_common.contracts import DRAFT_PARALLEL, NO_TOKEN, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.kv_cache import PoolFull
 from svip_common.messages import DraftedBlock, Feedback, Resume
+from svip_common.trees import priced as tree_priced
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -158,7 +159,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     def _apply(self, session: PipelinedDraft, msg: Feedback, received_at: float) -> list[DraftedBlock]:
         if msg.token != NO_TOKEN:  # the target's token goes into this model's embedding next
             check_token_ids([msg.token], self.limits.tokens, "feedback token id")
-        features, first = self._features(msg, msg.base + msg.accepted + (msg.branch != NO_TOKEN))  # a sibling's too
+        features, first = self._features(msg, msg.base + msg.accepted + len(msg.branch))  # a branch's too
         _tune(session, msg.stop_rule)
         _price(session, msg.node_price)
         return session.on_feedback(self.clock(), msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, msg.p_row,
@@ -280,8 +281,8 @@ def _price(session: PipelinedDraft, price: float | None) -> None:
     if price is None:
         return
     tree = getattr(session.session, "tree", "off")
-    if tree != "auto":
-        raise InvalidRequest(f"a node price for a session of tree {tree!r} (only auto takes one)")
+    if not tree_priced(tree):
+        raise InvalidRequest(f"a node price for a session of tree {tree!r} (only auto and deep-auto take one)")
     session.session.node_price = price
 
 

@@ -41,8 +41,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         "forwards keep within those steps; svip_common/emulation.py)",
     )
     bench.add_argument("--tree", choices=TREES, default="off",
-                       help="simulate: also each pipeline with SVIP's blocks as this token tree (cape, auto), "
-                       "beside its chains")
+                       help="simulate: also each pipeline with SVIP's blocks as this token tree "
+                       "(cape, auto, deep, deep-auto), beside its chains")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="simulate: sample at this temperature, each prompt seeded by its place (0: greedy, "
                        "the default); choices: the choices' temperature (sampled sessions share no pages)")

@@ -39,7 +39,7 @@ def parse_plan_policies(spec: str) -> list[str]:
     bad = next((p for p in names if not _known(p)), None)
     if bad is not None or not names:
         raise InvalidRequest(f"--policies: svip, auto, confidence, heuristic and constant-K (K in 1..16), each "
-                             f"optionally +cape or +auto (a token tree), got {bad or spec!r}")
+                             f"optionally +cape, +auto, +deep or +deep-auto (a token tree), got {bad or spec!r}")
     return list(dict.fromkeys(names))
 
 

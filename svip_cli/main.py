@@ -160,7 +160,8 @@ def build_parser() -> argparse.ArgumentParser:
     pol.add_argument("--tree", choices=TREES, default="off",
                      help="each block a token tree, the policy deciding its depth (off: a chain, the "
                           "default): cape: CaPE's siblings at each drafted place; auto: those of them that pay "
-                          "at the target's measured load")
+                          "at the target's measured load; deep: cape and each sibling's own next token; "
+                          "deep-auto: those nodes of it that pay")
     _add_auto_arguments(pol)
     smp = gen.add_argument_group("sampling")
     smp.add_argument("--max-new-tokens", type=int, default=128)
@@ -295,7 +296,7 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--sessions", default="1,8,32", help="sessions in flight at once (1,8,32; at most 64)")
     plan.add_argument("--policies", default="svip,auto,constant-3",
                       help="svip (the pair's calibrated threshold), auto, confidence, heuristic, constant-K; "
-                           "each optionally +cape or +auto: a token tree")
+                           "each optionally +cape, +auto, +deep or +deep-auto: a token tree")
     plan.add_argument("--out", default="plan-out", help="directory for plan.md, plan.json and plan.png")
 
 
@@ -385,7 +386,7 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--policy", default="auto", help=f"default length policy (auto): {', '.join(POLICY_NAMES)}")
     srv.add_argument("--threshold", type=float, default=0.3, help="default svip threshold (0.3)")
     srv.add_argument("--tree", choices=TREES, default="off",
-                     help="default token tree (off): cape, auto (a request's `tree` overrides it)")
+                     help="default token tree (off): cape, auto, deep, deep-auto (a request's `tree` overrides it)")
     srv.add_argument("--tool-call-parser", default="hermes",
                      help="the format chat's tool_choice auto reads the model's calls in: hermes "
                      "(<tool_call>{...}</tool_call>, default), llama3_json (Llama 3.x's JSON) or none (auto refused)")

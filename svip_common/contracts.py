@@ -272,6 +272,8 @@ class Block:
     epoch: int = 0
     # a token tree (svip_common/trees.py): per drafted place, the siblings of its token there (None: a chain)
     siblings: list[list[int]] | None = None
+    # trees deep and deep-auto: nodes grown below the siblings, (parent node, token) each, after the siblings
+    grown: list[tuple[int, int]] | None = None
 
     @property
     def is_tree(self) -> bool:
@@ -280,8 +282,8 @@ class Block:
 
     @property
     def nodes(self) -> int:
-        """The tokens the target verifies: the drafted ones and their siblings."""
-        return len(self.tokens) + (sum(map(len, self.siblings)) if self.siblings else 0)
+        """The tokens the target verifies: the drafted ones, their siblings and the nodes grown below those."""
+        return len(self.tokens) + (sum(map(len, self.siblings)) if self.siblings else 0) + len(self.grown or ())
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -296,13 +298,13 @@ class Verdict:
     position (a correction if accepted < len(block), else a bonus). ``token`` is NO_TOKEN when
     the correction is left to the draft side, which holds q: then ``p_row`` is the target's
     warped p at the rejected position, [vocab]. A tree block's verdict may take a sibling at the
-    rejected place (``branch``): then ``token`` settles the place after it."""
+    rejected place and nodes grown below it (``branch``): then ``token`` settles the place after them."""
 
     base: int
     accepted: int
     token: int
     epoch: int = 0
-    branch: int = NO_TOKEN  # a tree: the sibling settled at place base + accepted (NO_TOKEN: none)
+    branch: tuple[int, ...] = ()  # a tree: the tokens settled from place base + accepted on, off the spine
     p_row: torch.Tensor | None = field(default=None, compare=False, repr=False)
     # a feature draft's input (the verifier's feature_layers): the target's hidden states at
     # positions features_from.. that this verdict leaves committed, [n, layers x hidden]
@@ -342,6 +344,7 @@ class GenerationStats:
     discarded_tokens: int = 0  # pre-drafted tokens never verified (stale, or prepared and not used)
     tree_nodes: int = 0  # token trees: the nodes verified, drafted tokens and siblings
     branches: int = 0  # rounds where a sibling covered the rejected place (one more token settled)
+    branch_tokens: int = 0  # tokens those rounds settled off the spine: the siblings, and nodes grown below them
     prepared_sent: int = 0  # prepared continuations that reached the target in time
     prepared_used: int = 0  # of them, verified with no round trip
     prepared_used_late: int = 0  # prepared continuations the draft sent again as the next block
@@ -362,10 +365,12 @@ class GenerationStats:
     wire_bytes_per_round: float = 0.0
     timeline: list[tuple[str, float, float]] = field(default_factory=list)  # (worker, start, end), s from start
 
-    def record_tree(self, nodes: int, branched: bool) -> None:
-        """A tree block's nodes (its drafted tokens and their siblings), and whether a sibling was taken."""
+    def record_tree(self, nodes: int, branch: int) -> None:
+        """A tree block's nodes (its drafted tokens, their siblings, the nodes grown below them), and
+        the tokens its verdict took off the spine (0: none)."""
         self.tree_nodes += nodes
-        self.branches += branched
+        self.branches += branch > 0
+        self.branch_tokens += branch
 
     def record_round(self, drafted: int, accepted: int, stop_entropy: float | None) -> None:
         """A verified block: its length, what was accepted, the entropy where drafting stopped."""

@@ -57,7 +57,7 @@ from svip_common.errors import ModelLoadError, SvipError
 from svip_common.kv_sizes import PAGE_SIZE
 from svip_common.pool_decoder import PoolDecoder
 from svip_common.test_hooks import forward_delay
-from svip_common.trees import ancestors_mask, depths
+from svip_common.trees import ancestors_mask, anchors, depths
 
 ATTENTION = "svip_ragged"
 
@@ -197,7 +197,7 @@ class KVPool:
             start = len(seq)
             keep += range(len(ids) + len(new) - k, len(ids) + len(new))
             ids += new
-            positions += [start + d for d in depths(tree[0])] if tree else range(start, start + len(new))
+            positions += _tree_positions(start, tree[0]) if tree else range(start, start + len(new))
         self.max_forward_tokens = max(self.max_forward_tokens, len(ids))
         self.forward_tokens += len(ids)
         meta = _Ragged.plan(self, [(step[0], len(step[1]), *step[3:]) for step in steps],
@@ -292,25 +292,28 @@ class PagedSequence:
         self.rollback(keep)
         return keep
 
-    def keep_path(self, base: int, spine: int, accepted: int, branch_node: int | None) -> None:
+    def keep_path(self, base: int, spine: int, accepted: int, branch: Sequence[int] = ()) -> None:
         """After a tree step from ``base`` (its nodes held from there: the spine's ``spine``
-        tokens, then the siblings): the siblings are forgotten, and where one was taken at the
-        place after the ``accepted`` spine tokens (branch_node: its index among the nodes), its
-        keys and values move into that place and the spine past it goes. A node's keys and values
-        are exactly what a chain through it holds there (each attended to its ancestors only, at
-        its depth), so what stays is the accepted path as a chain would have computed it."""
-        if branch_node is None:
+        tokens, then the nodes off it): those are forgotten, and where some were taken after the
+        ``accepted`` spine tokens (branch: their indices among the nodes, a sibling at the place
+        after them, then its child, ...), their keys and values move into those places and the
+        spine past them goes. A node's keys and values are exactly what a chain through it holds
+        there (each attended to its ancestors only, at its depth), so what stays is the accepted
+        path as a chain would have computed it."""
+        if not branch:
             self.rollback(base + spine)
             return
-        place, node = base + accepted, base + branch_node
-        self._own(place // self.pool.page_size)
+        place = base + accepted
+        for index in range(place // self.pool.page_size, (place + len(branch) - 1) // self.pool.page_size + 1):
+            self._own(index)
         slots = self._slots_upto(len(self.tokens))
-        src, dst = slots[node : node + 1], slots[place : place + 1]
+        src = slots[torch.tensor([base + node for node in branch])]
+        dst = slots[place : place + len(branch)]  # before every source: a node off the spine lies past it
         for keys, values in zip(self.pool.keys, self.pool.values):
             keys.index_copy_(0, dst.to(keys.device), keys.index_select(0, src.to(keys.device)))
             values.index_copy_(0, dst.to(values.device), values.index_select(0, src.to(values.device)))
-        self.tokens[place] = self.tokens[node]
-        self.rollback(place + 1)
+        self.tokens[place : place + len(branch)] = [self.tokens[base + node] for node in branch]
+        self.rollback(place + len(branch))
 
     def tokens_equal(self, sequence: Sequence[int]) -> bool:
         return len(self.tokens) == len(sequence) and self.tokens == list(sequence)
@@ -424,10 +427,18 @@ class _FreePages:
             del self._starts[bisect_left(self._starts, page + 1)]
 
 
+def _tree_positions(cached: int, parents: Sequence[int]) -> list[int]:
+    """A tree step's positions: each node's anchor's (a cached token: trees.anchors) plus one plus its depth."""
+    return [cached + anchor + 1 + depth for anchor, depth in zip(anchors(parents), depths(parents))]
+
+
 def _tree_mask(cached: int, parents: Sequence[int]) -> torch.Tensor:
-    """A tree step's mask [new, cached + new]: every cached key, and each node's ancestors and itself."""
+    """A tree step's mask [new, cached + new]: the cached keys up to each node's anchor (all of
+    them for a node below the last cached token), and each node's ancestors and itself."""
     tree = torch.tensor(ancestors_mask(parents), dtype=torch.bool).reshape(len(parents), len(parents))
-    return torch.cat([torch.ones(len(parents), cached, dtype=torch.bool), tree], dim=1)
+    seen = torch.tensor([cached + anchor + 1 for anchor in anchors(parents)])
+    before = torch.arange(cached)[None, :] < seen[:, None]
+    return torch.cat([before, tree], dim=1)
 
 
 @dataclass
@@ -566,8 +577,8 @@ class _Ragged:
     @staticmethod
     def plan(pool: KVPool, steps: Sequence[tuple], inputs: Sequence[Sequence[int]] = ()) -> _Ragged:
         """steps: (sequence, new tokens[, parents]) after each sequence has grown its pages for
-        them (parents: a tree step's, each new token's parent among them, -1: the cached tokens;
-        attended alone, under its own mask); inputs: integer lists the forward takes as tensors,
+        them (parents: a tree step's, each new token's parent among them, -j: the j-th cached
+        token from the end, trees.anchors; under its own mask); inputs: integer lists the forward takes as tensors,
         staged in the same copy."""
         writes, start, short, long_, trees = [], 0, [], [], {}
         for seq, n, *tree in steps:

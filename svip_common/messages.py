@@ -66,7 +66,7 @@ class Feedback:
     # a feature draft's input: the target's hidden states at positions features_from.. (the verdict's)
     features: torch.Tensor | None = field(default=None, repr=False)
     features_from: int = 0
-    branch: int = NO_TOKEN  # a tree: the sibling settled at base + accepted (token is the place after it)
+    branch: tuple[int, ...] = ()  # a tree: the tokens settled from base + accepted on, off the spine
     node_price: float | None = None  # tree auto: a verified node's price in tokens at the target's load
 
     def chain(self) -> list[Feedback]:

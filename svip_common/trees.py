@@ -20,9 +20,23 @@ at a drafted place, the spine's token among them, by the draft's probability of 
 verification is memory-bound (a GPU at small batches) a node costs almost nothing and CaPE's width
 stays; where it is compute-bound (this CPU, large batches) the tree shrinks toward the chain.
 
+Tree "deep" grows the tree a level below the siblings, as EAGLE-2's trees grow past the first
+level (Li et al. 2024): after the spine, one more draft forward over the siblings (each attending
+to its own ancestors) gives each sibling's most likely next token, its *grown* child. "deep-auto"
+keeps of those nodes, as "auto" keeps siblings, the ones whose path's probability under the
+draft (the reach to the sibling's place, times q of the sibling, times q of the child) pays for
+its verification at the target's load. Measured on the embedded pair: each sibling's top child
+settles most of what its top three do (2.79 against 2.83 tokens a round) at half the nodes.
+Where the target takes a sibling, the walk goes on into its children: a round can then settle
+two tokens past the rejected place, not one. A child below a sibling is not drafted by sampling:
+greedy takes it where it is the target's own choice; sampled, it is tried as a sibling is
+(branch_sampled), against the target's p at the sibling's row, so every place still follows the
+target's distribution.
+
 Layout of a tree block's nodes in the verifier's forward: the spine in order, then each place's
-siblings in place order. ``parents`` gives each node's parent among them (-1: the token before
-the block); a node's position is the block's base plus its depth.
+siblings in place order, then the grown nodes, each after its parent. ``parents`` gives each
+node's parent among them (-1: the token before the block); a node's position is the block's base
+plus its depth.
 """
 
 from __future__ import annotations
@@ -31,11 +45,22 @@ from collections.abc import Sequence
 
 from svip_common.errors import InvalidRequest
 
-TREES = ("off", "cape", "auto")
+TREES = ("off", "cape", "auto", "deep", "deep-auto")
 CAPE_BINS = ((0.3, 8), (0.6, 6), (0.8, 4))  # (top-1 probability under, candidates kept)
 CAPE_WIDEST = 8  # candidates at a place when the draft is least sure
 MAX_TREE_NODES = 64  # a block's nodes at most (spine and siblings): a request cannot make a step wider
+GROWN_WIDEST = 1  # deep trees: a sibling's children at most
 MAX_NODE_PRICE = 1e6  # a node's price in tokens beyond any load (above 1, no sibling pays): the wire's bound
+
+
+def priced(tree: str) -> bool:
+    """Whether the tree's width is priced at the target's load (``node_price``)."""
+    return tree in ("auto", "deep-auto")
+
+
+def grows(tree: str) -> bool:
+    """Whether the tree grows nodes below its siblings (a draft forward over them)."""
+    return tree in ("deep", "deep-auto")
 
 
 def check_tree(tree: str) -> None:
@@ -55,6 +80,23 @@ def check_siblings(tokens: Sequence[int], siblings: Sequence[Sequence[int]]) -> 
     for place, (token, options) in enumerate(zip(tokens, siblings)):
         if token in options or len(set(options)) != len(options):
             return f"siblings at place {place} repeat a token there"
+    return None
+
+
+def check_grown(spine: int, siblings: Sequence[Sequence[int]], grown: Sequence[tuple[int, int]]) -> str | None:
+    """What is wrong with a block's grown nodes, or None: each (parent, token) a child of a node
+    off the spine laid before it, no token twice among one node's children, the block's nodes at
+    most MAX_TREE_NODES."""
+    first = spine + sum(map(len, siblings))
+    if first + len(grown) > MAX_TREE_NODES:
+        return f"a tree of {first + len(grown)} nodes; the cap is {MAX_TREE_NODES}"
+    seen = set()
+    for at, (parent, token) in enumerate(grown, start=first):
+        if not spine <= parent < at:
+            return f"grown node {at} has parent {parent}, not a node off the spine laid before it"
+        if (parent, token) in seen:
+            return f"grown node {at} repeats token {token} under node {parent}"
+        seen.add((parent, token))
     return None
 
 
@@ -81,12 +123,57 @@ def node_price(plain_rate: float, verify_token_s: float) -> float:
     return plain_rate * verify_token_s
 
 
-def node_parents(spine: int, siblings: Sequence[Sequence[int]]) -> list[int]:
+def grown_children(ranked: Sequence[tuple[int, float]], reach: float, price: float, room: int) -> list[int]:
+    """Deep trees: a sibling's children, from its row's most likely tokens (ranked, with q),
+    where the sibling's path had probability ``reach`` under the draft: those whose path pays at
+    ``price`` (reach times q above it), GROWN_WIDEST at most, and no more than ``room``."""
+    return [token for token, q in ranked[: min(GROWN_WIDEST, max(room, 0))] if reach * q > price]
+
+
+def node_parents(spine: int, siblings: Sequence[Sequence[int]], grown: Sequence[tuple[int, int]] = ()) -> list[int]:
     """Each node's parent among the nodes (-1: the token before the block), in the layout above."""
     parents = [i - 1 for i in range(spine)]
     for place, options in enumerate(siblings):
         parents += [place - 1] * len(options)
-    return parents
+    return parents + [parent for parent, _ in grown]
+
+
+def node_tokens(tokens: Sequence[int], siblings: Sequence[Sequence[int]] | None,
+                grown: Sequence[tuple[int, int]] | None = None) -> list[int]:
+    """Every node's token, in the layout above."""
+    return [*tokens, *(t for options in siblings or () for t in options), *(t for _, t in grown or ())]
+
+
+def node_paths(tokens: Sequence[int], siblings: Sequence[Sequence[int]] | None,
+               grown: Sequence[tuple[int, int]] | None = None) -> list[tuple[int, ...]]:
+    """Each node's path: the tokens from the block's first place through the node's own."""
+    parents = node_parents(len(tokens), siblings or (), grown or ())
+    paths: list[tuple[int, ...]] = []
+    for parent, token in zip(parents, node_tokens(tokens, siblings, grown)):
+        paths.append((*(paths[parent] if parent >= 0 else ()), token))
+    return paths
+
+
+def children_of(parents: Sequence[int]) -> dict[int, list[int]]:
+    """Each node's children among the nodes, in layout order (-1: the token before the block)."""
+    out: dict[int, list[int]] = {}
+    for node, parent in enumerate(parents):
+        out.setdefault(parent, []).append(node)
+    return out
+
+
+def greedy_path(parents: Sequence[int], tokens: Sequence[int], choices: Sequence[int]) -> list[int]:
+    """The nodes greedy verification takes: from the token before the block, while the last node
+    taken has a child whose token is the target's choice at that node's row (choices: the row
+    before the block, then one per node), that child. The spine's nodes come first, then the
+    branch off it; output equals the target alone's, as each node taken is its own choice."""
+    children, path, at = children_of(parents), [], -1
+    while True:
+        node = next((n for n in children.get(at, ()) if tokens[n] == choices[1 + at]), None)
+        if node is None:
+            return path
+        path.append(node)
+        at = node
 
 
 def sibling_nodes(spine: int, siblings: Sequence[Sequence[int]]) -> dict[tuple[int, int], int]:
@@ -100,10 +187,21 @@ def sibling_nodes(spine: int, siblings: Sequence[Sequence[int]]) -> dict[tuple[i
 
 
 def depths(parents: Sequence[int]) -> list[int]:
-    """Each node's depth (0: a child of the token before the block); parents come before children."""
+    """Each node's depth (0: a child of a cached token); parents come before children."""
     out: list[int] = []
     for parent in parents:
         out.append(0 if parent < 0 else out[parent] + 1)
+    return out
+
+
+def anchors(parents: Sequence[int]) -> list[int]:
+    """A tree step's nodes hang from cached tokens: a root's parent -j is the j-th cached token
+    from the end (-1: the last), and each node hangs from its root's. Returns each node's
+    (negative) anchor: the node sees the cached keys up to its anchor's, and its position is its
+    anchor's plus one plus its depth (a draft's tree forward over siblings whose spine is cached)."""
+    out: list[int] = []
+    for parent in parents:
+        out.append(parent if parent < 0 else out[parent])
     return out
 
 

@@ -18,6 +18,7 @@ from collections.abc import Sequence
 import torch
 
 from svip_common.contracts import TokenLogprob
+from svip_common.trees import node_paths
 
 Path = tuple[int, ...]
 
@@ -69,15 +70,12 @@ def read_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int) -> list[T
 
 
 def block_rows(base: int, drafted: Sequence[int], siblings: Sequence[Sequence[int]] | None,
-               logits: torch.Tensor) -> list[tuple[int, int, Path, torch.Tensor]]:
+               logits: torch.Tensor, grown: Sequence[tuple[int, int]] | None = None,
+               ) -> list[tuple[int, int, Path, torch.Tensor]]:
     """A verification's rows as ``LogprobRows.keep`` takes them: logits [1 + nodes, vocab], the
     row for the block's first place, then one after each node (the drafted tokens, then a tree's
-    siblings place by place)."""
-    drafted = tuple(drafted)
-    rows = [(base + j, base, drafted[:j], logits[j]) for j in range(len(drafted) + 1)]
-    at = len(drafted) + 1
-    for place, options in enumerate(siblings or ()):
-        for token in options:
-            rows.append((base + place + 1, base, (*drafted[:place], token), logits[at]))
-            at += 1
+    siblings place by place, then the nodes grown below them)."""
+    rows = [(base, base, (), logits[0])]
+    for node, path in enumerate(node_paths(drafted, siblings, grown)):
+        rows.append((base + len(path), base, path, logits[1 + node]))
     return rows

@@ -29,7 +29,7 @@ from svip_common.rejection import accept_greedy, accept_sampled, branch_sampled,
 from svip_common.row_rules import RowRules
 from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
-from svip_common.trees import node_parents, sibling_nodes
+from svip_common.trees import children_of, greedy_path, node_parents, node_paths, node_tokens
 from target_worker.logprobs import LogprobRows, block_rows, read_logprobs
 
 
@@ -380,10 +380,10 @@ class TargetSession:
 
     def hand_features(self, verdict: Verdict) -> Verdict:
         """The verdict with the features of the positions it leaves committed and computed: up to
-        the last accepted drafted token, or a tree's sibling taken after them (the verdict's own
+        the last accepted drafted token, or a tree's nodes taken after them (the verdict's own
         token has none yet)."""
-        branched = verdict.branch != NO_TOKEN
-        end = -1 if self._features is None else verdict.base + verdict.accepted + branched - self._features_from
+        taken = verdict.base + verdict.accepted + len(verdict.branch)
+        end = -1 if self._features is None else taken - self._features_from
         if end <= 0:
             return verdict
         handed, rest, at = self._features[:end], self._features[end:], self._features_from
@@ -441,9 +441,8 @@ class TargetSession:
         if not self.rules.by_place:
             return self.rules.apply(rows)
         drafted = list(block.tokens)
-        if block.is_tree:  # each node's place follows its ancestors: the spine up to it, or a sibling's
-            paths = [drafted[: j + 1] for j in range(len(drafted))]
-            paths += [drafted[:i] + [t] for i, options in enumerate(block.siblings) for t in options]
+        if block.is_tree:  # each node's place follows its ancestors: its path from the block's first place
+            paths = [list(path) for path in node_paths(drafted, block.siblings, block.grown)]
             paths = paths if plan.reuse else [[], *paths]
         else:  # the block's places in order, the first one's row stored already when reused
             paths = [drafted[:r] for r in range(1 if plan.reuse else 0, len(drafted) + 1)]
@@ -463,10 +462,10 @@ class TargetSession:
             return _Plan(None, True)
         if block.is_tree:  # a tree: every node, each under its ancestors only (svip_common/trees.py)
             before = list(committed[kept:]) if not reuse else []
-            nodes = [*drafted, *(t for options in block.siblings for t in options)]
+            nodes = node_tokens(drafted, block.siblings, block.grown)
             parents = [i - 1 for i in range(len(before))]
             parents += [p + len(before) if p >= 0 else len(before) - 1
-                        for p in node_parents(len(drafted), block.siblings)]
+                        for p in node_parents(len(drafted), block.siblings, block.grown or ())]
             return _Plan((self.sequence, before + nodes, len(nodes) + (not reuse), parents), reuse)
         if reuse:
             return _Plan((self.sequence, list(drafted), len(drafted)), True)
@@ -485,7 +484,7 @@ class TargetSession:
         self._pending, self._pending_at, self._passed = logits[-1:], len(self.sequence), None
         self._verifier.tokens_verified += block.nodes
         if self.logprob_rows is not None:
-            self.logprob_rows.keep(block_rows(block.base, block.tokens, block.siblings, logits))
+            self.logprob_rows.keep(block_rows(block.base, block.tokens, block.siblings, logits, block.grown))
         return logits
 
     def judge_greedy(self, base: int, block: Block, plan: _Plan, choices: list[int], logits: torch.Tensor) -> Verdict:
@@ -499,14 +498,14 @@ class TargetSession:
         accepted = accept_greedy(target_tokens, block.tokens)
         return Verdict(base=base, accepted=accepted, token=target_tokens[accepted], epoch=block.epoch)
 
-    def keep_tree_path(self, base: int, block: Block, accepted: int, node: int | None, logits: torch.Tensor) -> None:
+    def keep_tree_path(self, base: int, block: Block, accepted: int, branch: list[int], logits: torch.Tensor) -> None:
         """After a tree's verdict: the cache keeps the accepted path (the spine's accepted tokens
-        and the sibling taken, node, if any), and the row of its last node is stored, as a chain's
+        and the nodes taken off it, branch), and the row of its last node is stored, as a chain's
         last row is (logits: the step's rows, the place before the block first)."""
         k = len(block.tokens)
-        self.sequence.keep_path(base, k, accepted, node)
-        self._keep_path_features(base, list(range(accepted)) + ([] if node is None else [node]))
-        last = k - 1 if node is None else node  # the path's last node: its row is the next place's
+        self.sequence.keep_path(base, k, accepted, branch)
+        self._keep_path_features(base, list(range(accepted)) + branch)
+        last = branch[-1] if branch else k - 1  # the path's last node: its row is the next place's
         self._pending, self._pending_at = logits[1 + last : 2 + last], len(self.sequence)
 
     def _keep_path_features(self, base: int, path: list[int]) -> None:
@@ -520,19 +519,44 @@ class TargetSession:
         self._features = torch.cat([self._features[:at], self._features[rows]])
 
     def _judge_tree(self, base: int, block: Block, target_tokens: list[int], logits: torch.Tensor) -> Verdict:
-        """A tree's verdict: the spine judged as a chain; where the target's choice parts from it,
-        a sibling equal to that choice is taken and its own row settles the next place. The cache
-        keeps the accepted path (its last row stored, as a chain's is)."""
+        """A tree's verdict: from the token before the block, each node whose token is the
+        target's choice at its parent's row is taken (the spine's as a chain's, then a sibling at
+        the rejected place, then nodes grown below it); the target's choice at the last one's row
+        settles the next place. The cache keeps the path taken (its last row stored, as a chain's is)."""
         k = len(block.tokens)
-        spine = target_tokens[: k + 1]  # the target's choice at each place along the spine
-        accepted = accept_greedy(spine, block.tokens)
-        node = sibling_nodes(k, block.siblings).get((accepted, spine[accepted])) if accepted < k else None
-        self.keep_tree_path(base, block, accepted, node, logits)
-        self._pending_choice = target_tokens[1 + (k - 1 if node is None else node)]
-        if node is None:
-            return Verdict(base=base, accepted=accepted, token=spine[accepted], epoch=block.epoch)
-        return Verdict(base=base, accepted=accepted, token=target_tokens[1 + node], epoch=block.epoch,
-                       branch=spine[accepted])
+        tokens = node_tokens(block.tokens, block.siblings, block.grown)
+        path = greedy_path(node_parents(k, block.siblings, block.grown or ()), tokens, target_tokens)
+        accepted = sum(node < k for node in path)
+        branch = path[accepted:]
+        self.keep_tree_path(base, block, accepted, branch, logits)
+        last = path[-1] if path else -1
+        self._pending_choice = target_tokens[1 + (branch[-1] if branch else k - 1)]
+        return Verdict(base=base, accepted=accepted, token=target_tokens[1 + last], epoch=block.epoch,
+                       branch=tuple(tokens[node] for node in branch))
+
+
+def _branch_sampled(session: TargetSession, base: int, block: Block, accepted: int, r: torch.Tensor,
+                    p: torch.Tensor, start: int) -> tuple[list[int], torch.Tensor, int]:
+    """A sampled tree below its rejected place: the siblings there tried against the residual r,
+    then, below a sibling taken, the nodes grown from it against the target's p at its row, and
+    so on down (each a fixed candidate, tried as branch_sampled tries one, so every place follows
+    p). Returns the nodes taken, the row the next token is drawn from (what is left of the last
+    one tried, or p at the last node's row) and its position. p: the group's rows, this block's
+    from ``start`` (the place before the block first)."""
+    k, seed = len(block.tokens), session.sampling.seed
+    tokens = node_tokens(block.tokens, block.siblings, block.grown)
+    children = children_of(node_parents(k, block.siblings, block.grown or ()))
+    path, at, place = [], accepted - 1, base + accepted
+    while options := [node for node in children.get(at, ()) if node >= k]:
+        coins = [uniform(seed, place, Purpose.BRANCH, j) for j in range(len(options))]
+        taken, r = branch_sampled(r, [tokens[node] for node in options], coins)
+        if taken is None:
+            break
+        at = next(node for node in options if tokens[node] == taken)
+        path.append(at)
+        place += 1
+        r = p[start + 1 + at]
+    return path, r, place
 
 
 def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tensor]]) -> list[Verdict]:
@@ -550,40 +574,31 @@ def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tenso
     cols = [t for _, _, _, block, _ in group for t in block.tokens]
     p_drafted = p[torch.tensor(rows, dtype=torch.long), torch.tensor(cols, dtype=torch.long)].tolist() if rows else []
     outcomes, draws, keyed = [], [], []  # per session: (base, block, accepted, the p row it is owed, or None)
-    branches = []  # per session: the sibling a tree took at the rejected place, or NO_TOKEN
+    branches = []  # per session: the tokens a tree took from the rejected place on
     for (_, session, base, block, logits), start in zip(group, starts):
         k, seed = len(block), session.sampling.seed
         mine, p_drafted = p_drafted[:k], p_drafted[k:]
         accepted = accept_sampled(mine, block.probs, [uniform(seed, base + i, Purpose.ACCEPT) for i in range(k)])
         row = p[start + accepted]
-        branches.append(NO_TOKEN)
+        branches.append(())
         if accepted < k and block.q_rows is None:  # the draft draws the correction: it gets the p row
             outcomes.append((base, block, accepted, row))
             continue
         outcomes.append((base, block, accepted, None))
         if accepted == k:
             if block.is_tree:
-                session.keep_tree_path(base, block, accepted, None, logits)
+                session.keep_tree_path(base, block, accepted, [], logits)
             draws.append(row)
             keyed.append(uniform(seed, base + accepted, Purpose.RESOLVE))
             continue
         r = residual(row, block.q_rows[accepted].to(row.device))  # q rows off the wire: on the host
-        node = None
-        if block.is_tree and block.siblings[accepted]:
-            options = block.siblings[accepted]
-            coins = [uniform(seed, base + accepted, Purpose.BRANCH, j) for j in range(len(options))]
-            taken, r = branch_sampled(r, options, coins)
-            if taken is not None:
-                node = sibling_nodes(k, block.siblings)[(accepted, taken)]
-                branches[-1] = taken
-        if block.is_tree:
-            session.keep_tree_path(base, block, accepted, node, logits)
-        if node is None:
-            draws.append(r)
-            keyed.append(uniform(seed, base + accepted, Purpose.RESOLVE))
-        else:  # the place after the sibling: the target's p there, given it
-            draws.append(p[start + 1 + node])
-            keyed.append(uniform(seed, base + accepted + 1, Purpose.RESOLVE))
+        place = base + accepted
+        if block.is_tree:  # nodes off the spine from here: each place's draw, given them
+            branch, r, place = _branch_sampled(session, base, block, accepted, r, p, start)
+            branches[-1] = tuple(node_tokens(block.tokens, block.siblings, block.grown)[node] for node in branch)
+            session.keep_tree_path(base, block, accepted, branch, logits)
+        draws.append(r)
+        keyed.append(uniform(seed, place, Purpose.RESOLVE))
     tokens = iter(
         sample_indices(torch.stack(draws), torch.tensor(keyed, dtype=torch.float64, device=p.device)).tolist()
         if draws else []

@@ -72,7 +72,7 @@ CASES: list[Case] = [
     Case({"echo": True, "max_tokens": 0, "logprobs": 20}, "ok"),
     Case({"echo": True, "max_tokens": 0}, "ok"),
     Case({"echo": True, "stream": True, "logprobs": 20}, "ok"),
-    *_cases("tree", ["off", "cape", "auto"], ["deep", 1, None], temperature=0),
+    *_cases("tree", ["off", "cape", "auto", "deep", "deep-auto"], ["deepest", 1, None], temperature=0),
     *_cases("tree", ["off", "cape", "auto"], []),  # sampled: the trees' q rows cross the workers
     *_cases("response_format", [{"type": "text"}, {"type": "json_object"},
                                 {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}},

@@ -13,10 +13,13 @@ POLICIES = {
     "auto": PolicyConfig(name="auto"),
     "none": PolicyConfig(name="none"),
 }
-# each a token tree (svip_common/trees.py): the depth by the policy, the width by CaPE or priced
+# each a token tree (svip_common/trees.py): the depth by the policy, the width by CaPE or priced, and
+# deep trees' nodes grown below the siblings (priced too)
 TREE_POLICIES = {
     "svip-cape": PolicyConfig(name="svip", threshold=0.6, tree="cape"),
     "constant-cape": PolicyConfig(name="constant", draft_length=4, tree="cape"),
     "svip-auto": PolicyConfig(name="svip", threshold=0.6, tree="auto"),
     "auto-cape": PolicyConfig(name="auto", tree="cape"),
+    "svip-deep": PolicyConfig(name="svip", threshold=0.6, tree="deep"),
+    "constant-deep-auto": PolicyConfig(name="constant", draft_length=4, tree="deep-auto"),
 }

@@ -23,7 +23,7 @@ class FeedbackChain:
             deferred: bool, cap: int | None, stop_rule: StopRule | None, node_price: float | None = None) -> None:
         """Queue a decided verdict's feedback. token: the place after the accepted tokens as
         settled here (NO_TOKEN: the follow-up settles it when deferred, else the draft draws it
-        from the p row), after the verdict's branch if a tree's sibling was taken; cap: load-aware
+        from the p row), after the verdict's branch if a tree's nodes were taken; cap: load-aware
         speculation's cap on the next blocks; stop_rule: auto's; node_price: tree auto's."""
         feedback = Feedback(
             session_id=self.session_id,

@@ -235,8 +235,8 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         self._record(block, verdict.accepted)
         cap, was_paused = self._cap(), self.paused
         token, ready, deferred, pause = self._resolve_ahead(block, verdict, cap, was_paused)
-        branched = verdict.branch != NO_TOKEN  # a tree's sibling settled the rejected place; token the next
-        past = branched and ready is None  # one prepared after the sibling starts at the token after it
+        branched = bool(verdict.branch)  # a tree's sibling (and nodes below it) settled from the rejected place on
+        past = len(verdict.branch) - (ready is not None and branched)  # one prepared after the sibling starts after it
         self.draft_base = block.base + verdict.accepted + past + (0 if deferred else 1)  # the draft's next block's
         settled, reason = self._clipped(self._new_tokens(block, verdict.accepted, token, verdict.branch))
         if reason is None and self.with_draft and not was_paused:
@@ -245,7 +245,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
             self._send_feedback(block, verdict, token, ready is not None, deferred, next_cap)
         self.log.round(block, verdict.accepted, timing, decided)
         if block.block.siblings is not None:
-            self.stats.record_tree(block.block.nodes, branched)
+            self.stats.record_tree(block.block.nodes, len(verdict.branch))
         self._commit(settled, reason)
         if pause:
             self._pause()
@@ -255,11 +255,11 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         waiting = not self.done and self.verifying is None and not self.paused and self.with_draft
         self.waiting_since = decided if waiting else None
 
-    def _new_tokens(self, block: DraftedBlock, accepted: int, token: int, branch: int = NO_TOKEN) -> list[int]:
-        """What a verdict settles that is not committed yet: the accepted tokens, a tree's sibling
-        taken at the rejected place (branch) and the next place's token (NO_TOKEN: none here),
+    def _new_tokens(self, block: DraftedBlock, accepted: int, token: int, branch: tuple[int, ...] = ()) -> list[int]:
+        """What a verdict settles that is not committed yet: the accepted tokens, a tree's nodes
+        taken from the rejected place on (branch) and the next place's token (NO_TOKEN: none here),
         less those the target settled alone while it waited."""
-        path = list(block.tokens[:accepted]) + ([branch] if branch != NO_TOKEN else [])
+        path = list(block.tokens[:accepted]) + list(branch)
         decided = path + ([token] if token != NO_TOKEN else [])
         return decided[len(self.committed) - block.base:]
 
@@ -277,8 +277,8 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         token, ready, deferred = verdict.token, None, False
         if accepted < k:
             self._new_epoch()
-            if verdict.token != NO_TOKEN:  # prepared for the token settled at the rejected place
-                settled_there = verdict.branch if verdict.branch != NO_TOKEN else verdict.token
+            if verdict.token != NO_TOKEN and len(verdict.branch) <= 1:  # prepared for the token settled there
+                settled_there = verdict.branch[0] if verdict.branch else verdict.token
                 ready = self.ahead.take_prepared((block.base, accepted, settled_there))
         elif block.followup:
             deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place

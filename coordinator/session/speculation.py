@@ -12,6 +12,7 @@ from coordinator.session.effects import DraftAnswered
 from svip_common.acceptance import StopRule
 from svip_common.messages import DraftedBlock
 from svip_common.trees import node_price
+from svip_common.trees import priced as tree_priced
 
 
 class SpeculationBudget:
@@ -33,8 +34,8 @@ class SpeculationBudget:
         self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s, round_tokens)
 
     def _node_price(self) -> float | None:
-        """tree auto: a verified node's price in tokens at the target's load now (None: not auto)."""
-        if self.request.policy.tree != "auto":
+        """trees auto and deep-auto: a verified node's price in tokens at the target's load now (None: unpriced)."""
+        if not tree_priced(self.request.policy.tree):
             return None
         load = self._load()
         return 0.0 if load is None else node_price(load.plain_rate, load.verify_token_s)

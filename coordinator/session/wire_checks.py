@@ -10,7 +10,8 @@ import math
 from svip_common.contracts import Block, GenerationRequest, Limits, check_token_ids
 from svip_common.errors import InvalidRequest, WorkerError
 from svip_common.messages import DraftedBlock
-from svip_common.trees import check_siblings
+from svip_common.trees import check_grown, check_siblings
+from svip_common.trees import grows as tree_grows
 
 PREPARED_REACH_BLOCKS = 3  # a prepared block's parent lies within this many blocks of the committed tokens
 MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares two per block)
@@ -71,10 +72,13 @@ def _check_tree(block: Block, request: GenerationRequest, limits: Limits) -> Non
     if block.is_tree and (block.q_rows is None) != request.sampling.greedy:
         raise WorkerError("draft worker sent a sampled tree without its q rows" if block.q_rows is None
                           else "draft worker sent q rows with a greedy tree")
-    problem = check_siblings(block.tokens, block.siblings)
+    if block.grown and not tree_grows(request.policy.tree):
+        raise WorkerError("draft worker sent grown nodes for a session whose trees do not grow")
+    problem = check_siblings(block.tokens, block.siblings) or check_grown(len(block), block.siblings, block.grown or ())
     if problem is None:
         try:
             check_token_ids([t for options in block.siblings for t in options], limits.tokens, "sibling token id")
+            check_token_ids([t for _, t in block.grown or ()], limits.tokens, "grown token id")
         except InvalidRequest as exc:
             problem = str(exc)
     if problem is not None:

@@ -39,9 +39,11 @@ class ServeMetrics:
         # SVIP's own
         self.discarded = counter("spec_decode_num_discarded_tokens", "Pre-drafted tokens dropped by rollbacks.")
         self.tree_nodes = counter("spec_decode_num_tree_nodes",
-                                  "Nodes of token trees verified (drafted tokens and their siblings).")
+                                  "Nodes of token trees verified (drafted tokens, siblings, nodes grown below).")
         self.branches = counter("spec_decode_num_branches", "Rounds where a token tree's sibling settled the "
                                 "rejected place (one token more that round).")
+        self.branch_tokens = counter("spec_decode_num_branch_tokens", "Tokens token trees settled off the spine "
+                                     "(a sibling, and the nodes grown below it that were taken).")
         self.pauses = counter("spec_decode_num_pauses",
                               "Times a session stopped drafting: it did not pay at the target's load.")
         self.both_busy = counter("spec_decode_overlap_seconds", "Time draft and target computed at once.")
@@ -109,6 +111,7 @@ class ServeMetrics:
         self._inc(self.discarded, stats.discarded_tokens)
         self._inc(self.tree_nodes, stats.tree_nodes)
         self._inc(self.branches, stats.branches)
+        self._inc(self.branch_tokens, stats.branch_tokens)
         self._inc(self.pauses, stats.pauses)
         self._inc(self.detached, stats.detached)
         self._inc(self.reattached, stats.reattached)

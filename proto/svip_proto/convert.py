@@ -221,8 +221,7 @@ def _chain_to_proto(chain: list[Feedback]) -> pb.Feedback:
         msg = pb.Feedback(session_id=item.session_id, epoch=item.epoch, base=item.base, drafted=item.drafted,
                           accepted=item.accepted, token=item.token, prepared_used=item.prepared_used,
                           sent_at=item.sent_at)
-        if item.branch != NO_TOKEN:
-            msg.branch = item.branch
+        msg.branch_tokens.extend(item.branch)
         if item.node_price is not None:
             msg.node_price = item.node_price
         if item.load_cap is not None:
@@ -257,7 +256,7 @@ def feedback_from_proto(msg: pb.Feedback, width: int) -> Feedback:
             p_row=p_row_from_proto(item, width), sent_at=item.sent_at, then=head,
             features=tensor_from_proto(item.features) if item.HasField("features") else None,
             features_from=item.features_from,
-            branch=item.branch if item.HasField("branch") else NO_TOKEN,
+            branch=tuple(item.branch_tokens),
             node_price=_node_price(item.node_price) if item.HasField("node_price") else None,
         )
     return head
@@ -454,6 +453,8 @@ def block_to_proto(session_id: str, block: Block, resolved_token: int = NO_TOKEN
     if block.is_tree:
         msg.sibling_counts.extend(len(options) for options in block.siblings)
         msg.sibling_tokens.extend(t for options in block.siblings for t in options)
+        msg.grown_parents.extend(parent for parent, _ in block.grown or ())
+        msg.grown_tokens.extend(token for _, token in block.grown or ())
         if block.q_rows is not None:  # sampled: the target tries the siblings against max(0, p - q)
             q_rows_to_proto(msg, block.q_rows)
     return msg
@@ -516,7 +517,19 @@ def block_from_proto(msg: pb.Block, width: int | None = None) -> Block:
     if len(entropies) not in (0, k) or len(probs) not in (0, k):
         raise InvalidRequest(f"block of {k} tokens carries {len(probs)} probabilities and {len(entropies)} entropies")
     return Block(base=msg.base, tokens=list(msg.tokens), probs=probs, entropies=entropies, epoch=msg.epoch,
-                 siblings=_siblings_from_proto(msg), q_rows=q_rows_from_proto(msg, width))
+                 siblings=_siblings_from_proto(msg), grown=_grown_from_proto(msg), q_rows=q_rows_from_proto(msg, width))
+
+
+def _grown_from_proto(msg: pb.Block) -> list[tuple[int, int]] | None:
+    """Trees deep and deep-auto: the grown nodes (None: none); parents and ids that are not one each are an
+    InvalidRequest (what they may be: wire_checks.py)."""
+    parents, ids = list(msg.grown_parents), list(msg.grown_tokens)
+    if not parents and not ids:
+        return None
+    if len(parents) != len(ids) or not msg.sibling_counts:
+        raise InvalidRequest(f"block carries {len(parents)} grown parents for {len(ids)} grown ids"
+                             + ("" if msg.sibling_counts else ", and no siblings to grow them from"))
+    return list(zip(parents, ids))
 
 
 def _siblings_from_proto(msg: pb.Block) -> list[list[int]] | None:
@@ -576,6 +589,7 @@ def stats_to_proto(s: GenerationStats) -> pb.SessionStats:
         reattached=s.reattached,
         tree_nodes=s.tree_nodes,
         branches=s.branches,
+        branch_tokens=s.branch_tokens,
         wall_s=s.wall_s,
         wire_bytes=s.wire_bytes,
         target_forwards=s.target_forwards,
@@ -619,6 +633,7 @@ def stats_from_proto(msg: pb.SessionStats) -> GenerationStats:
         reattached=msg.reattached,
         tree_nodes=msg.tree_nodes,
         branches=msg.branches,
+        branch_tokens=msg.branch_tokens,
         draft_busy_s=msg.draft_busy_s,
         target_busy_s=msg.target_busy_s,
         both_busy_s=msg.both_busy_s,

@@ -121,7 +121,7 @@ class PreparedFor(_message.Message):
     def __init__(self, base: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "prepared_for", "started_at", "finished_at", "draft_s", "trigger_at", "reused", "sibling_counts", "sibling_tokens", "q_rows", "q_nonzero")
+    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "prepared_for", "started_at", "finished_at", "draft_s", "trigger_at", "reused", "sibling_counts", "sibling_tokens", "q_rows", "q_nonzero", "grown_parents", "grown_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -140,6 +140,8 @@ class Block(_message.Message):
     SIBLING_TOKENS_FIELD_NUMBER: _ClassVar[int]
     Q_ROWS_FIELD_NUMBER: _ClassVar[int]
     Q_NONZERO_FIELD_NUMBER: _ClassVar[int]
+    GROWN_PARENTS_FIELD_NUMBER: _ClassVar[int]
+    GROWN_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -158,10 +160,12 @@ class Block(_message.Message):
     sibling_tokens: _containers.RepeatedScalarFieldContainer[int]
     q_rows: Tensor
     q_nonzero: _containers.RepeatedCompositeFieldContainer[SparseRow]
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ..., sibling_counts: _Optional[_Iterable[int]] = ..., sibling_tokens: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Union[Tensor, _Mapping]] = ..., q_nonzero: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ...) -> None: ...
+    grown_parents: _containers.RepeatedScalarFieldContainer[int]
+    grown_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ..., sibling_counts: _Optional[_Iterable[int]] = ..., sibling_tokens: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Union[Tensor, _Mapping]] = ..., q_nonzero: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., grown_parents: _Optional[_Iterable[int]] = ..., grown_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero", "branch", "node_price")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero", "node_price", "branch_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -177,8 +181,8 @@ class Feedback(_message.Message):
     FEATURES_FIELD_NUMBER: _ClassVar[int]
     FEATURES_FROM_FIELD_NUMBER: _ClassVar[int]
     P_NONZERO_FIELD_NUMBER: _ClassVar[int]
-    BRANCH_FIELD_NUMBER: _ClassVar[int]
     NODE_PRICE_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -194,9 +198,9 @@ class Feedback(_message.Message):
     features: Tensor
     features_from: int
     p_nonzero: SparseRow
-    branch: int
     node_price: float
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ..., branch: _Optional[int] = ..., node_price: _Optional[float] = ...) -> None: ...
+    branch_tokens: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ..., node_price: _Optional[float] = ..., branch_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class SparseRow(_message.Message):
     __slots__ = ("ids", "values")
@@ -355,7 +359,7 @@ class Span(_message.Message):
     def __init__(self, worker: _Optional[str] = ..., start: _Optional[float] = ..., end: _Optional[float] = ...) -> None: ...
 
 class SessionStats(_message.Message):
-    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s", "pauses", "detached", "reattached", "tree_nodes", "branches")
+    __slots__ = ("rounds", "stop_entropies", "discarded_tokens", "prepared_sent", "prepared_used", "prepared_used_late", "wall_s", "wire_bytes", "timeline", "target_forwards", "draft_forwards", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s", "pauses", "detached", "reattached", "tree_nodes", "branches", "branch_tokens")
     ROUNDS_FIELD_NUMBER: _ClassVar[int]
     STOP_ENTROPIES_FIELD_NUMBER: _ClassVar[int]
     DISCARDED_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -377,6 +381,7 @@ class SessionStats(_message.Message):
     REATTACHED_FIELD_NUMBER: _ClassVar[int]
     TREE_NODES_FIELD_NUMBER: _ClassVar[int]
     BRANCHES_FIELD_NUMBER: _ClassVar[int]
+    BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     rounds: _containers.RepeatedCompositeFieldContainer[Round]
     stop_entropies: _containers.RepeatedScalarFieldContainer[float]
     discarded_tokens: int
@@ -398,7 +403,8 @@ class SessionStats(_message.Message):
     reattached: int
     tree_nodes: int
     branches: int
-    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., pauses: _Optional[int] = ..., detached: _Optional[int] = ..., reattached: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branches: _Optional[int] = ...) -> None: ...
+    branch_tokens: int
+    def __init__(self, rounds: _Optional[_Iterable[_Union[Round, _Mapping]]] = ..., stop_entropies: _Optional[_Iterable[float]] = ..., discarded_tokens: _Optional[int] = ..., prepared_sent: _Optional[int] = ..., prepared_used: _Optional[int] = ..., prepared_used_late: _Optional[int] = ..., wall_s: _Optional[float] = ..., wire_bytes: _Optional[int] = ..., timeline: _Optional[_Iterable[_Union[Span, _Mapping]]] = ..., target_forwards: _Optional[int] = ..., draft_forwards: _Optional[int] = ..., draft_busy_s: _Optional[float] = ..., target_busy_s: _Optional[float] = ..., both_busy_s: _Optional[float] = ..., draft_wait_s: _Optional[float] = ..., target_wait_s: _Optional[float] = ..., pauses: _Optional[int] = ..., detached: _Optional[int] = ..., reattached: _Optional[int] = ..., tree_nodes: _Optional[int] = ..., branches: _Optional[int] = ..., branch_tokens: _Optional[int] = ...) -> None: ...
 
 class Finished(_message.Message):
     __slots__ = ("session_id", "finish_reason", "stats")

@@ -546,7 +546,7 @@ def test_the_charts_smoke_script_is_the_packages():
         ({"decoding": {"idlePrefill": "sometimes"}}, "idlePrefill"),
         ({"decoding": {"draftParallel": 0}}, "draftParallel"),
         ({"decoding": {"draftParallel": 9}}, "draftParallel"),
-        ({"decoding": {"tree": "deep"}}, "tree"),
+        ({"decoding": {"tree": "deepest"}}, "tree"),
         ({"decoding": {"toolCallParser": "mistral"}}, "toolCallParser"),
         ({"decoding": {"tree": False}}, "tree"),
     ],

@@ -188,7 +188,7 @@ def test_n_samples_are_seeded_from_seed_and_index(capsys, model_dirs):
         (["x", "--draft-length", "0"], "draft length must be in [1, 64], got 0"),
         (["x", "--max-new-tokens", "many"], "invalid int value: 'many'"),
         (["x", "--n", "0"], "--n must be >= 1"),
-        (["x", "--tree", "deep"], "invalid choice: 'deep'"),
+        (["x", "--tree", "deepest"], "invalid choice: 'deepest'"),
         (["x", "--batch-size", "0"], "--batch-size must be >= 1, got 0"),
         (["x", "--kv-cache-tokens", "16", "--max-new-tokens", "40"], "does not fit the KV cache of 16 tokens"),
         (["x", "--load-aware", "sometimes"], "invalid choice: 'sometimes'"),

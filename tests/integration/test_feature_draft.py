@@ -362,11 +362,11 @@ def test_the_embedded_head_starts_auto_from_its_stored_prior():
 
 
 @pytest.mark.parametrize("head", ["full", "reduced"])
-@pytest.mark.parametrize("tree", ["cape", "auto"])
+@pytest.mark.parametrize("tree", ["cape", "auto", "deep"])
 def test_a_heads_token_tree_equals_target_alone(models, heads, prompt_ids, reference, head, tree):
     """A feature head drafts token trees (issue 44): its runners-up at each place are the
-    siblings, leaves it never feeds; greedy output is the target's own, one request at a time
-    and batched."""
+    siblings, leaves it never feeds (deep grows none below them on a head: its trees are CaPE's);
+    greedy output is the target's own, one request at a time and batched."""
     engine = SpeculativeEngine(models["target"], heads[head])
     policy = PolicyConfig(name="constant", draft_length=3, tree=tree)
     requests = [GenerationRequest(ids, MAX_NEW, policy=policy) for ids in prompt_ids.values()]
@@ -374,3 +374,4 @@ def test_a_heads_token_tree_equals_target_alone(models, heads, prompt_ids, refer
     assert [r.token_ids for r in results] == [reference[name] for name in prompt_ids]
     assert [r.token_ids for r in engine.generate_many(requests, len(requests))] == [r.token_ids for r in results]
     assert sum(r.stats.tree_nodes for r in results) > sum(r.stats.draft_tokens for r in results)
+    assert sum(r.stats.branch_tokens for r in results) == sum(r.stats.branches for r in results)  # none grown

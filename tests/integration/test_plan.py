@@ -63,8 +63,8 @@ def test_the_virtual_device_counts_each_forward_at_its_step_not_this_machines_ti
 @pytest.mark.parametrize("call, words", [
     (lambda: parse_plan_policies("svip,fastest"), "--policies: svip, auto"),
     (lambda: parse_plan_policies("constant-99"), "constant-K (K in 1..16)"),
-    (lambda: parse_plan_policies("svip+deep"), "optionally +cape or +auto"),
-    (lambda: parse_plan_policies("svip+off"), "optionally +cape or +auto"),
+    (lambda: parse_plan_policies("svip+deepest"), "optionally +cape, +auto, +deep or +deep-auto"),
+    (lambda: parse_plan_policies("svip+off"), "optionally +cape, +auto, +deep or +deep-auto"),
     (lambda: parse_sessions("0,8"), "--sessions: session counts must be in [1, 64]"),
     (lambda: parse_sessions("1,100"), "--sessions: session counts must be in [1, 64]"),
     (lambda: parse_sessions("one"), "--sessions: expected comma-separated integers"),

@@ -82,16 +82,20 @@ def chi_square_pvalue(samples: list[int], probs: torch.Tensor) -> float:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("tree", ["off", "cape"])
+@pytest.mark.parametrize("tree", ["off", "cape", "deep"])
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_first_tokens_follow_the_target(models, prompt_ids, config, tree):
     """SAMPLES seeded requests through the batched engine (50 at a time: its steps are what make
     2,500 draws affordable); the first ALONE of them, run one at a time, are the same draws token
     for token (seeds key every draw by position), so the fit holds for both paths. tree cape: each
     block a token tree, its siblings tried at a rejected place by multi-candidate rejection
-    (svip_common/rejection.py, branch_sampled); some are taken, and the fit still holds."""
+    (svip_common/rejection.py, branch_sampled); some are taken, and the fit still holds. tree
+    deep: below a sibling taken, its grown child is tried the same way against the target's p
+    at the sibling's row; some are taken too (on the short prompt, where this pair's siblings are
+    taken most: a grown child in about one round in fifty at t1; warped, its first token is
+    all but certain there, and the medium prompt takes none)."""
     sampling = CONFIGS[config]
-    prompt = prompt_ids["medium"]
+    prompt = prompt_ids["short" if (tree, config) == ("deep", "t1") else "medium"]
     engine = SpeculativeEngine(models["target"], models["close_draft"])
     policy = PolicyConfig(name="constant", draft_length=3, tree=tree)
     requests = [
@@ -105,6 +109,8 @@ def test_first_tokens_follow_the_target(models, prompt_ids, config, tree):
     assert rejections > SAMPLES // 10  # corrections really happened
     if tree != "off":
         assert sum(r.stats.branches for r in results) > SAMPLES // 20  # siblings really were taken
+    if tree == "deep" and config == "t1":  # and children grown below them (warped, top-k cuts most of them)
+        assert sum(r.stats.branch_tokens - r.stats.branches for r in results) > 0
     assert_first_tokens_follow_the_target(models, prompt, sampling, results)
 
 

@@ -2,9 +2,10 @@
 feedback serialised through the wire contract): greedy output equals the target alone in sync and
 async mode, under orders that favour either worker and under random interleavings; siblings
 settle rejected places there as in process (the verdict's branch reaches the draft, which drafts
-on from the sibling); `auto` prices its nodes at the load the target sends; a draft worker
-whose trees break the rules gives the draft up for that session, never the output; and a sampled
-tree (its q rows on the wire) follows the target's distribution."""
+on from the sibling, or from the child grown below it: tree deep); `auto` prices its nodes at
+the load the target sends; a draft worker whose trees break the rules gives the draft up for that
+session, never the output; and a sampled tree (its q rows on the wire) follows the target's
+distribution."""
 
 from __future__ import annotations
 
@@ -72,6 +73,19 @@ def test_siblings_settle_rejected_places_across_the_workers(models, prompt_ids, 
         if name == "tree":
             assert sum(r.stats.branches for r in results) > 0
     assert per_round["tree"] > per_round["chain"]
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_deep_branch_reaches_the_draft_across_the_workers(models, prompt_ids, alone, pipeline):
+    """tree deep: the grown nodes cross the wire with their block, and a verdict that takes a
+    sibling and its child tells the draft both (the feedback's branch path), which drafts on
+    after them: output exact, and some rounds settle two tokens off the spine."""
+    policy = PolicyConfig(name="constant", draft_length=3, tree="deep")
+    results = make_pair(models, pipeline, DRAFT_FIRST).generate_all(
+        [GenerationRequest(ids, MAX_NEW, policy=policy) for ids in prompt_ids.values()])
+    assert [r.token_ids for r in results] == [alone[ids] for ids in prompt_ids.values()]
+    assert all(r.stats.detached == 0 for r in results)
+    assert sum(r.stats.branch_tokens - r.stats.branches for r in results) > 0
 
 
 def test_auto_prices_nodes_at_the_load_the_target_sends(models, prompt_ids, alone):

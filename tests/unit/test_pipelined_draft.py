@@ -161,12 +161,29 @@ def test_a_branch_settles_the_sibling_and_the_token_after_it():
     (first,) = drain(s)
     first.block.siblings = [[], [runner_up(first.block.tokens[1])], []]
     with pytest.raises(InvalidRequest, match="not a sibling"):
-        feedback(s, first.block, 1, 42, branch=runner_up(first.block.tokens[0]))
+        feedback(s, first.block, 1, 42, branch=(runner_up(first.block.tokens[0]),))
     sibling = first.block.siblings[1][0]
-    assert feedback(s, first.block, 1, 42, branch=sibling) == []
+    assert feedback(s, first.block, 1, 42, branch=(sibling,)) == []
     assert s.known == PROMPT + first.block.tokens[:1] + [sibling, 42] and s.session.verdicts == [(3, 1)]
     (second,) = drain(s)
     assert second.block.base == len(PROMPT) + 3 and s.session.begun[-1][0] == tuple(s.known)
+
+
+def test_a_deep_branch_settles_the_sibling_its_grown_child_and_the_token_after_them():
+    """A deep tree's verdict takes a sibling and the child grown below it: the draft knows both
+    and the target's token after them; a child it never grew there is refused."""
+    s = session()
+    s.start(time.time())
+    (first,) = drain(s)
+    sibling = runner_up(first.block.tokens[1])
+    first.block.siblings = [[], [sibling], []]
+    first.block.grown = [(3, 77)]  # node 3 is the sibling
+    with pytest.raises(InvalidRequest, match="78 at place 2, not a node this session grew there"):
+        feedback(s, first.block, 1, 42, branch=(sibling, 78))
+    assert feedback(s, first.block, 1, 42, branch=(sibling, 77)) == []
+    assert s.known == PROMPT + first.block.tokens[:1] + [sibling, 77, 42]
+    (second,) = drain(s)
+    assert second.block.base == len(PROMPT) + 4 and s.session.begun[-1][0] == tuple(s.known)
 
 
 @pytest.mark.parametrize("base, drafted, accepted, message", [
@@ -278,7 +295,8 @@ def test_a_continuation_prepared_after_a_sibling_follows_the_branch_that_takes_i
         sibling = runner_up(first.block.tokens[1])
         first.block.siblings = [[], [sibling], []]
         ready = next(o for o in sent if o.prepared_for == (first.block.base, 1, sibling))
-        out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, used, time.time() + LATE, branch=sibling)
+        out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, used, time.time() + LATE,
+                            branch=(sibling,))
         assert out == []
         if used:
             assert s.outstanding == [ready] and s.known == PROMPT + first.block.tokens[:1] + [sibling]

@@ -205,6 +205,18 @@ def test_a_tree_block_travels_with_its_siblings_and_a_chain_without():
     assert not chain.sibling_counts and convert.block_from_proto(chain).siblings is None
 
 
+def test_a_deep_trees_grown_nodes_travel_with_it():
+    tree = Block(base=4, tokens=[5, 6], probs=[], entropies=[0.1, 0.2], siblings=[[8], [9]], grown=[(2, 11), (3, 12)])
+    back = convert.block_from_proto(convert.block_to_proto("s", tree, probs=False))
+    assert (back.siblings, back.grown, back.nodes) == ([[8], [9]], [(2, 11), (3, 12)], 6)
+    msg = pb.Block(session_id="s", base=4, tokens=[5], sibling_counts=[1], sibling_tokens=[8], grown_parents=[1, 1],
+                   grown_tokens=[9])
+    with pytest.raises(InvalidRequest, match="2 grown parents for 1 grown ids"):
+        convert.block_from_proto(msg)
+    with pytest.raises(InvalidRequest, match="no siblings to grow them from"):
+        convert.block_from_proto(pb.Block(session_id="s", base=4, tokens=[5], grown_parents=[1], grown_tokens=[9]))
+
+
 @pytest.mark.parametrize("counts, ids", [([2, 0], [8, 9, 10]), ([1], [8]), ([1, 1, 1, 1], [8, 9, 10, 11])])
 def test_sibling_counts_that_do_not_fit_the_block_are_invalid(counts, ids):
     msg = pb.Block(session_id="s", base=4, tokens=[5, 6, 7], sibling_counts=counts, sibling_tokens=ids)
@@ -213,9 +225,9 @@ def test_sibling_counts_that_do_not_fit_the_block_are_invalid(counts, ids):
 
 
 def test_a_branch_and_a_node_price_travel_with_their_verdict():
-    head = Feedback("s", 1, 10, 4, 1, 7, branch=9, node_price=0.25, then=Feedback("s", 1, 13, 2, 2, 3))
+    head = Feedback("s", 1, 10, 4, 1, 7, branch=(9, 4), node_price=0.25, then=Feedback("s", 1, 13, 2, 2, 3))
     back = convert.feedback_from_proto(convert.draft_request_to_proto(head).feedback, 2)
-    assert [(f.branch, f.node_price) for f in back.chain()] == [(9, 0.25), (-1, None)]
+    assert [(f.branch, f.node_price) for f in back.chain()] == [((9, 4), 0.25), ((), None)]
     for price in (-1.0, math.nan, 1e7):
         msg = convert.draft_request_to_proto(dataclasses.replace(head, node_price=price, then=None)).feedback
         with pytest.raises(InvalidRequest, match="node_price"):

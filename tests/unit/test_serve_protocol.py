@@ -98,7 +98,7 @@ def test_a_deployments_default_tree_is_every_requests_unless_it_names_one():
     ({"repetition_penalty": 0}, "repetition_penalty", "must be in (0, 2]"),
     ({"repetition_penalty": 2.5}, "repetition_penalty", "must be in (0, 2]"),
     ({"policy": "fastest"}, "policy", "must be one of"),
-    ({"tree": "deep"}, "tree", "must be one of off, cape, auto"),
+    ({"tree": "deepest"}, "tree", "must be one of off, cape, auto, deep, deep-auto"),
     ({"tree": ["cape"] * 10**5}, "tree", "must be one of"),
 ])
 def test_bad_completion_fields_name_the_field(patch, param, words):

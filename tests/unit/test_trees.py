@@ -10,10 +10,16 @@ import torch
 from svip_common.kv_cache import KVPool
 from svip_common.trees import (
     ancestors_mask,
+    anchors,
     cape_candidates,
     cape_siblings,
+    check_grown,
     depths,
+    greedy_path,
+    grown_children,
     node_parents,
+    node_paths,
+    node_tokens,
     sibling_nodes,
 )
 
@@ -30,6 +36,41 @@ def test_the_layout_of_a_cape_tree():
     mask = ancestors_mask(parents)
     assert mask[4] == [True, False, False, False, True, False]  # 50 sees the spine's first token and itself
     assert mask[2] == [True, True, True, False, False, False]
+
+
+GROWN = [(3, 44), (4, 55), (5, 56)]  # deep: 40's child 44, 50's child 55, 51's child 56
+
+
+def test_the_layout_of_a_deep_tree_and_the_path_greedy_takes():
+    parents = node_parents(len(SPINE), SIBLINGS, GROWN)
+    assert parents == [-1, 0, 1, -1, 0, 0, 3, 4, 5]
+    assert depths(parents)[6:] == [1, 2, 2]  # each grown node a place past its sibling
+    assert node_tokens(SPINE, SIBLINGS, GROWN) == [7, 31, 12, 40, 50, 51, 44, 55, 56]
+    assert node_paths(SPINE, SIBLINGS, GROWN)[7] == (7, 50, 55)
+    tokens = node_tokens(SPINE, SIBLINGS, GROWN)
+
+    def choices(*taken):  # the target's choice at each row (before the block, then each node): these along a path
+        out = [0] * (1 + len(tokens))
+        for at, token in taken:
+            out[1 + at] = token
+        return out
+
+    assert greedy_path(parents, tokens, choices((-1, 7), (0, 31), (1, 12))) == [0, 1, 2]  # the spine, whole
+    assert greedy_path(parents, tokens, choices((-1, 7), (0, 50), (4, 55))) == [0, 4, 7]  # a sibling, its child
+    assert greedy_path(parents, tokens, choices((-1, 7), (0, 51), (5, 99))) == [0, 5]  # its child not the choice
+    assert greedy_path(parents, tokens, choices((-1, 40), (3, 44))) == [3, 6]  # off the spine at the first place
+    assert greedy_path(parents, tokens, choices((-1, 99))) == []
+
+
+def test_grown_nodes_are_checked_and_kept_by_what_their_path_pays():
+    assert check_grown(len(SPINE), SIBLINGS, GROWN) is None
+    assert "not a node off the spine" in check_grown(len(SPINE), SIBLINGS, [(2, 9)])
+    assert "repeats token 9 under node 3" in check_grown(len(SPINE), SIBLINGS, [(3, 9), (3, 9)])
+    ranked = [(9, 0.5), (8, 0.3)]
+    assert grown_children(ranked, reach=1.0, price=0.0, room=5) == [9]  # its most likely child
+    assert grown_children(ranked, reach=0.3, price=0.2, room=5) == []  # 0.15 does not pay 0.2
+    assert grown_children(ranked, reach=0.5, price=0.2, room=5) == [9]  # 0.25 pays 0.2
+    assert grown_children(ranked, reach=1.0, price=0.0, room=0) == []
 
 
 @pytest.mark.parametrize("p, kept", [(0.1, 8), (0.29, 8), (0.3, 6), (0.59, 6), (0.6, 4), (0.79, 4), (0.8, 2), (1.0, 2)])
@@ -72,12 +113,47 @@ def test_keeping_a_branch_leaves_the_cache_a_chain_through_it_would_hold(models)
     seq.forward(PREFIX, 1)
     nodes = SPINE + [t for options in SIBLINGS for t in options]
     pool.forward([(seq, nodes, len(nodes), node_parents(len(SPINE), SIBLINGS))])
-    seq.keep_path(len(PREFIX), len(SPINE), 1, sibling_nodes(len(SPINE), SIBLINGS)[(1, 51)])
+    seq.keep_path(len(PREFIX), len(SPINE), 1, [sibling_nodes(len(SPINE), SIBLINGS)[(1, 51)]])
     assert seq.tokens == PREFIX + [7, 51]
     after = seq.forward([9, 10], 2)
     assert torch.allclose(after, _chain_rows(model, PREFIX + [7, 51, 9, 10], 2), atol=1e-4)
-    seq.keep_path(len(PREFIX) + 2, 2, 0, None)  # no branch: the spine is kept as a chain's is
+    seq.keep_path(len(PREFIX) + 2, 2, 0)  # no branch: the spine is kept as a chain's is
     assert seq.tokens == PREFIX + [7, 51, 9, 10]
+
+
+@pytest.mark.parametrize("flat", [True, False], ids=["flat decoder", "model modules"])
+@torch.inference_mode()
+def test_a_tree_step_anchored_in_the_cache_gives_each_node_its_chains_row(models, flat):
+    """The draft's forward over a deep tree's siblings: the spine but its last token is cached,
+    and each sibling hangs from the cached token before its place (a negative parent): every
+    row is what a chain through the sibling gives, and a child below one sits a place further."""
+    model = models["target"].model
+    pool = KVPool(model, tokens=256, page_size=4, flat=flat)
+    seq = pool.sequence()
+    seq.forward(PREFIX + SPINE[:-1], 1)
+    k = len(SPINE)
+    nodes = [40, 50, 51, 55]  # siblings at places 0, 1, 1, and 50's child
+    parents = [0 - k, 1 - k, 1 - k, 1]
+    assert anchors(parents) == [-3, -2, -2, -2]
+    rows = pool.forward([(seq, nodes, len(nodes), parents)])[0]
+    paths = [[40], SPINE[:1] + [50], SPINE[:1] + [51], SPINE[:1] + [50, 55]]
+    for row, path in zip(rows, paths):
+        assert torch.allclose(row, _chain_rows(model, PREFIX + path, 1)[0], atol=1e-4), path
+    assert seq.tokens == PREFIX + SPINE[:-1] + nodes  # the caller rolls them back (the drafter does)
+
+
+@torch.inference_mode()
+def test_keeping_a_deep_branch_leaves_the_cache_a_chain_through_it_would_hold(models):
+    model = models["target"].model
+    pool = KVPool(model, tokens=256, page_size=4)
+    seq = pool.sequence()
+    seq.forward(PREFIX, 1)
+    nodes = node_tokens(SPINE, SIBLINGS, GROWN)
+    pool.forward([(seq, nodes, len(nodes), node_parents(len(SPINE), SIBLINGS, GROWN))])
+    seq.keep_path(len(PREFIX), len(SPINE), 1, [4, 7])  # 7, then 50 and its child 55
+    assert seq.tokens == PREFIX + [7, 50, 55]
+    after = seq.forward([9, 10], 2)
+    assert torch.allclose(after, _chain_rows(model, PREFIX + [7, 50, 55, 9, 10], 2), atol=1e-4)
 
 
 @pytest.mark.parametrize("flat", [True, False], ids=["flat decoder", "model modules"])

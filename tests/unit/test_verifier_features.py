@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from svip_common.contracts import NO_TOKEN, Block, SamplingParams
+from svip_common.contracts import Block, SamplingParams
 from svip_common.kv_cache import KVPool
 from target_worker.verifier import Verifier
 
@@ -37,8 +37,7 @@ class Rounds:
         if verdict.features is not None:
             assert verdict.features_from == sum(f.shape[0] for f in self.handed)
             self.handed.append(verdict.features)
-        branch = [verdict.branch] if verdict.branch != NO_TOKEN else []
-        self.committed.extend([*tokens[: verdict.accepted], *branch, verdict.token])
+        self.committed.extend([*tokens[: verdict.accepted], *verdict.branch, verdict.token])
         return verdict
 
 
@@ -101,9 +100,9 @@ def test_a_trees_verdict_hands_over_the_features_of_its_accepted_path(models):
     first = choice(committed)
     second = choice([*committed, first])
     verdict = verify([first, (second + 1) % 50, 3], [[(first + 2) % 50], [(second + 3) % 50, second], [9]])
-    assert (verdict.accepted, verdict.branch) == (1, second)
+    assert (verdict.accepted, verdict.branch) == (1, (second,))
     nxt = choice(committed)
-    assert verify([nxt], [[(nxt + 1) % 50]]).branch == NO_TOKEN  # accepted whole
+    assert verify([nxt], [[(nxt + 1) % 50]]).branch == ()  # accepted whole
     verify([])
     joined = torch.cat(handed)
     assert joined.shape[0] == len(committed) - 1

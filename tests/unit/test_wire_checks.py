@@ -60,13 +60,21 @@ def _tree(siblings, tokens=(5, 6), q_rows=None) -> DraftedBlock:
                               siblings=siblings, q_rows=q_rows))
 
 
+def _deep(grown, siblings=([7], [])) -> DraftedBlock:
+    tree = _tree([list(options) for options in siblings])
+    tree.block.grown = list(grown)
+    return tree
+
+
 CAPE = GenerationRequest((1, 2, 3), 10, policy=PolicyConfig(name="svip", threshold=0.4, tree="cape"))
+DEEP = dataclasses.replace(CAPE, policy=PolicyConfig(name="svip", threshold=0.4, tree="deep"))
 SAMPLED_CAPE = dataclasses.replace(CAPE, sampling=SamplingParams(temperature=1.0))
 Q_ROWS = torch.full((2, 50), 1 / 50)  # a sampled tree's q at each place (their shape checked as they are read)
 
 
 def test_a_tree_where_the_session_asked_for_one_comes_back_whole():
     assert check_block(_tree([[7, 8], []]), 3, CAPE, LIMITS).siblings == [[7, 8], []]
+    assert check_block(_deep([(2, 9), (2, 10), (3, 9)]), 3, DEEP, LIMITS).grown == [(2, 9), (2, 10), (3, 9)]
     assert check_block(_tree([[7, 8], []], q_rows=Q_ROWS), 3, SAMPLED_CAPE, LIMITS).q_rows is Q_ROWS
 
 
@@ -81,6 +89,12 @@ def test_a_tree_where_the_session_asked_for_one_comes_back_whole():
     (_tree([[7]]), CAPE, "1 lists of siblings for 2"),
     (_tree([[7, 50], []]), CAPE, "sibling token id"),
     (_tree([list(range(7, 7 + MAX_TREE_NODES)), []]), CAPE, f"the cap is {MAX_TREE_NODES}"),
+    (_deep([(2, 9)]), CAPE, "trees do not grow"),
+    (_deep([(1, 9)]), DEEP, "not a node off the spine"),  # node 1 is the spine's second token
+    (_deep([(3, 9)]), DEEP, "not a node off the spine"),  # node 3 is itself
+    (_deep([(2, 9), (2, 9)]), DEEP, "repeats token 9 under node 2"),
+    (_deep([(2, 50)]), DEEP, "grown token id"),
+    (_deep([(2, 9)] + [(3, t) for t in range(MAX_TREE_NODES)]), DEEP, f"the cap is {MAX_TREE_NODES}"),
 ])
 def test_a_bad_tree_is_refused_naming_why(block, request_, message):
     limits = Limits(tokens=50 + MAX_TREE_NODES, positions=None, max_draft_length=4) if "cap" in message else LIMITS
