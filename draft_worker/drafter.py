@@ -26,7 +26,7 @@ from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
 from svip_common.row_rules import RowRules
 from svip_common.sampling import entropy, mask_padding, sample_indices, warp_probs
-from svip_common.trees import CAPE_WIDEST, GROWN_WIDEST, MAX_TREE_NODES, cape_siblings, grown_children
+from svip_common.trees import CAPE_WIDEST, GROWN_WIDEST, MAX_TREE_NODES, cape_siblings, grown_children, sibling_nodes
 from svip_common.trees import grows as tree_grows
 from svip_common.trees import priced as tree_priced
 
@@ -65,9 +65,12 @@ class Drafter:
             return
         room = self.max_batched_tokens if self.max_batched_tokens is not None else float("inf")
         steps, drafting, prompts = [], [], []  # prompts: what this forward prefills (prompt_sharing.py)
-        growing = [d for d in live if d._grow_parents]  # a deep tree: a forward over the spine's siblings
-        live = [d for d in live if not d._grow_parents]
+        riding = []  # deep trees: (block, its step) whose last place's siblings ride in this forward
         for d in live:
+            if d._riders and d._spine_done:  # the last place's siblings: a forward of their own
+                steps.append((d._seq, [t for _, t in d._riders], len(d._riders), [-1] * len(d._riders)))
+                riding.append((d, len(steps) - 1))
+                continue
             if d.cache is None and self._shared(d, prompts):
                 continue  # an earlier block of this step prefills its prompt: the next step forks it
             pending = d._pending
@@ -80,17 +83,22 @@ class Drafter:
                     d._pending = pending[chunk:]
                     room -= chunk
                 continue
-            steps.append((d._seq, pending, 1))
-            drafting.append(d)
+            if d._riders:  # the last place's siblings beside its token: each a child of the token before
+                riders = [t for _, t in d._riders]
+                steps.append((d._seq, pending + riders, 1 + len(riders), [-1] * (1 + len(riders))))
+                riding.append((d, len(steps) - 1))
+            else:
+                steps.append((d._seq, pending, 1))
+            drafting.append((d, len(steps) - 1))
             d._prefilling = len(pending) > PREFILL_TOKENS
             room -= len(pending)
-        steps += [(d._seq, d._grow_tokens, len(d._grow_tokens), d._grow_parents) for d in growing]
         rows, _, elapsed = self.pool.timed_forward(steps)
-        grown_rows = rows[len(rows) - len(growing):] if growing else []
-        rows = [row for row, (_, _, k) in zip(rows[: len(rows) - len(growing)], steps) if k]
-        self._absorb_rows(drafting, rows, elapsed / len(steps))  # each block's part of the forward
-        for d, row in zip(growing, grown_rows):
-            self._grow(d, row, elapsed / len(steps))
+        share = elapsed / len(steps)  # each block's part of the forward
+        for d, at in riding:  # before the spine's rows: absorbing them sets the next place's riders
+            riders = rows[at][-len(d._riders):]
+            d._seq.rollback(len(d._seq) - len(d._riders))  # the siblings' keys and values go
+            self._grow(d, riders, share if d._spine_done else 0.0)
+        self._absorb_rows([d for d, _ in drafting], [rows[at][:1] for _, at in drafting], share)
 
     def _shared(self, d: BlockDraft, prompts: list[Sequence[int]]) -> bool:
         """A block on its session's own cache starts from another session's pages of its prompt
@@ -125,14 +133,14 @@ class Drafter:
                     draft._fail(exc)
 
     def _grow(self, d: BlockDraft, rows: torch.Tensor, forward_s: float) -> None:
-        """A deep tree: the children of the block's siblings from their rows [siblings, vocab],
-        under the request's rules along each sibling's path; the nodes the forward added go."""
-        d._seq.rollback(d.block.base + len(d.block) - 1)  # the siblings' keys and values: the spine's stay
+        """A deep tree: the children of the block's riders (its last place's siblings) from their
+        rows [riders, vocab], under the request's rules along each sibling's path."""
         try:
             logits = mask_padding(self._widen(rows), self.token_limit)
             rules = d._session.rules
             if rules.active:  # each sibling's row by its own path
-                paths = [d._context + list(path) for path in d._grow_paths] if rules.by_place else ()
+                spine = d.block.tokens
+                paths = [d._context + spine[:place] + [t] for place, t in d._riders] if rules.by_place else ()
                 logits = rules.apply(logits, paths)
             q = warp_probs(logits, d._session.sampling)
             top = torch.topk(q, min(GROWN_WIDEST, q.shape[-1]), dim=-1)
@@ -304,13 +312,13 @@ class BlockDraft:
         self._price = session.node_price if tree_priced(session.tree) else 0.0
         self._reach = 1.0  # the draft's chance that its tokens so far are all accepted
         self._grows = tree_grows(session.tree) and session._drafter.grows
-        self._sibling_reach: list[float] = []  # per sibling, in layout order: its path's probability under the draft
-        # a deep tree, while the block waits for the forward over its siblings: their tokens, their
-        # parents as that tree step takes them (anchored in the cached spine), their paths and node indices
-        self._grow_tokens: list[int] = []
-        self._grow_parents: list[int] = []
-        self._grow_paths: list[tuple[int, ...]] = []
-        self._grow_nodes: list[int] = []
+        # a deep tree: the last place's siblings, (place, token), whose rows the next forward gives
+        # (beside the spine's next token, or alone once the spine is done); their paths' probability
+        # under the draft; the children grown so far, (place, sibling) -> tokens
+        self._riders: list[tuple[int, int]] = []
+        self._sibling_reach: dict[tuple[int, int], float] = {}
+        self._children: dict[tuple[int, int], list[int]] = {}
+        self._spine_done = False
         self._runners_up = max(ALTERNATIVES if alternatives else 0, CAPE_WIDEST - 1 if self._tree else 0)
         base = len(committed)
         self.block = Block(base=base, tokens=[], probs=[], entropies=[], siblings=[] if self._tree else None)
@@ -377,61 +385,59 @@ class BlockDraft:
         if self._keep_alternatives:
             self.alternatives.append(others[:ALTERNATIVES])
         if self._tree:  # CaPE's siblings at this place, the block's nodes bounded
-            room = MAX_TREE_NODES - self._limit - sum(map(len, block.siblings))
+            room = MAX_TREE_NODES - self._limit - sum(map(len, block.siblings)) - self._grown_nodes
             kept = cape_siblings(prob, others, room, self._reach, self._price)
             block.siblings.append(kept)
-            q_of = dict(others)
-            self._sibling_reach += [self._reach * q_of[t] for t in kept]
+            q_of, place = dict(others), len(block.tokens) - 1
+            self._sibling_reach.update({(place, t): self._reach * q_of[t] for t in kept})
+            if self._grows:  # their rows come with the next forward (a place after them, not a stop token)
+                self._riders = [(place, t) for t in kept if place + 1 < self._limit and t not in s.stop_token_ids]
             self._reach *= prob
         if q is not None:
             self._q_rows.append(q)
         self.done = step.index >= self._limit or token in s.stop_token_ids or s.policy.should_stop(step)
         if self.done and self._q_rows:
             block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
-        if self.done and self._grows:
-            self._plan_growth()
+        if self.done and self._grows:  # the last place's siblings still to grow: a forward of their own
+            self._spine_done, self.done = True, not self._riders
+            if self.done:
+                self._finish_tree()
         self._pending = [token]
         spent = forward_s + time.perf_counter() - started
         self.compute_s += spent
         s.compute_s += spent
 
 
-    def _plan_growth(self) -> None:
-        """A deep tree, the spine done: the siblings that may have children (a place after them
-        within the block's limit, not a stop token, room for a node) wait for a forward over them
-        (``Drafter.step``), each under its spine prefix in the cache: the block is not done."""
-        block, s = self.block, self._session
-        k = len(block.tokens)
-        room = MAX_TREE_NODES - block.nodes
-        node = k
-        for place, options in enumerate(block.siblings):
-            for token in options:
-                if place + 1 < self._limit and token not in s.stop_token_ids and len(self._grow_nodes) < room:
-                    self._grow_tokens.append(token)
-                    self._grow_parents.append(place - k)  # the cached spine token before its place
-                    self._grow_paths.append((*block.tokens[:place], token))
-                    self._grow_nodes.append(node)
-                node += 1
-        self.done = not self._grow_nodes
+    @property
+    def _grown_nodes(self) -> int:
+        return sum(map(len, self._children.values()))
 
     def _grown(self, ranked: list[list[tuple[int, float]]], forward_s: float) -> None:
-        """The forward over the siblings gave each its most likely next tokens (ranked, with q):
-        the children whose path pays (trees.grown_children), the block's nodes bounded; done."""
+        """The riders' rows gave each its most likely next tokens (ranked, with q): the children
+        whose path pays (trees.grown_children), the block's nodes bounded. Once the spine is
+        done, this was the block's last forward: its tree is finished."""
         s, block = self._session, self.block
         started = time.perf_counter()
-        reach = dict(zip(range(len(block.tokens), block.nodes), self._sibling_reach))
-        grown: list[tuple[int, int]] = []
-        for node, options in zip(self._grow_nodes, ranked):
-            room = MAX_TREE_NODES - block.nodes - len(grown)
-            grown += [(node, t) for t in grown_children(options, reach[node], self._price, room)]
-        block.grown = grown or None
-        self._grow_tokens, self._grow_parents, self._grow_paths, self._grow_nodes = [], [], [], []
-        self.done = True
-        s.forwards += 1
-        s.forward_s += forward_s
+        for rider, options in zip(self._riders, ranked):
+            room = MAX_TREE_NODES - self._limit - sum(map(len, block.siblings)) - self._grown_nodes
+            kept = grown_children(options, self._sibling_reach[rider], self._price, room)
+            if kept:
+                self._children[rider] = kept
+        self._riders = []
+        if self._spine_done:
+            self.done = True
+            self._finish_tree()
+            s.forwards += 1
+            s.forward_s += forward_s
         spent = forward_s + time.perf_counter() - started
         self.compute_s += spent
         s.compute_s += spent
+
+    def _finish_tree(self) -> None:
+        """The block's grown nodes in the tree's layout: (the sibling's node, child), by parent."""
+        nodes = sibling_nodes(len(self.block.tokens), self.block.siblings)
+        grown = sorted((nodes[rider], child) for rider, children in self._children.items() for child in children)
+        self.block.grown = grown or None
 
 
 class NullDraftSession:

@@ -39,13 +39,14 @@ from svip_common import kv_cache
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.models import load_model
+from svip_common.trees import TREES
 
 PROMPT_TOKENS = 200  # each prompt's last tokens
 
 
 def engines(target, draft, head=None, trees: bool = False) -> dict:
     """head: a feature head loaded for the target (its rows: SVIP at the paper's 0.3, confidence);
-    trees: SVIP's blocks as token trees too, CaPE's and auto's (svip_common/trees.py)."""
+    trees: SVIP's blocks as token trees too, each of svip_common/trees.py's."""
     from coordinator.engine import SpeculativeEngine
 
     rows = {
@@ -54,7 +55,7 @@ def engines(target, draft, head=None, trees: bool = False) -> dict:
         "defaults": (SpeculativeEngine(target, draft, load_aware="greedy"), PolicyConfig()),
     }
     if trees:
-        for tree in ("cape", "auto"):
+        for tree in TREES[1:]:
             rows[f"svip (0.4), tree {tree}"] = (SpeculativeEngine(target, draft),
                                                 PolicyConfig(name="svip", threshold=0.4, tree=tree))
     if head is not None:
@@ -80,7 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", help="also a feature head: its directory, or 'eagle' (the embedded target's own)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampled, seeded")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus kept")
-    parser.add_argument("--trees", action="store_true", help="also SVIP's blocks as token trees (cape, auto)")
+    parser.add_argument("--trees", action="store_true",
+                        help="also SVIP's blocks as token trees (cape, auto, deep, deep-auto)")
     args = parser.parse_args(argv)
     sampling = SamplingParams(args.temperature, 0, args.top_p)
     try:

@@ -57,7 +57,7 @@ from svip_common.errors import ModelLoadError, SvipError
 from svip_common.kv_sizes import PAGE_SIZE
 from svip_common.pool_decoder import PoolDecoder
 from svip_common.test_hooks import forward_delay
-from svip_common.trees import ancestors_mask, anchors, depths
+from svip_common.trees import ancestors_mask, depths
 
 ATTENTION = "svip_ragged"
 
@@ -197,7 +197,7 @@ class KVPool:
             start = len(seq)
             keep += range(len(ids) + len(new) - k, len(ids) + len(new))
             ids += new
-            positions += _tree_positions(start, tree[0]) if tree else range(start, start + len(new))
+            positions += [start + d for d in depths(tree[0])] if tree else range(start, start + len(new))
         self.max_forward_tokens = max(self.max_forward_tokens, len(ids))
         self.forward_tokens += len(ids)
         meta = _Ragged.plan(self, [(step[0], len(step[1]), *step[3:]) for step in steps],
@@ -427,18 +427,10 @@ class _FreePages:
             del self._starts[bisect_left(self._starts, page + 1)]
 
 
-def _tree_positions(cached: int, parents: Sequence[int]) -> list[int]:
-    """A tree step's positions: each node's anchor's (a cached token: trees.anchors) plus one plus its depth."""
-    return [cached + anchor + 1 + depth for anchor, depth in zip(anchors(parents), depths(parents))]
-
-
 def _tree_mask(cached: int, parents: Sequence[int]) -> torch.Tensor:
-    """A tree step's mask [new, cached + new]: the cached keys up to each node's anchor (all of
-    them for a node below the last cached token), and each node's ancestors and itself."""
+    """A tree step's mask [new, cached + new]: every cached key, and each node's ancestors and itself."""
     tree = torch.tensor(ancestors_mask(parents), dtype=torch.bool).reshape(len(parents), len(parents))
-    seen = torch.tensor([cached + anchor + 1 for anchor in anchors(parents)])
-    before = torch.arange(cached)[None, :] < seen[:, None]
-    return torch.cat([before, tree], dim=1)
+    return torch.cat([torch.ones(len(parents), cached, dtype=torch.bool), tree], dim=1)
 
 
 @dataclass
@@ -577,8 +569,8 @@ class _Ragged:
     @staticmethod
     def plan(pool: KVPool, steps: Sequence[tuple], inputs: Sequence[Sequence[int]] = ()) -> _Ragged:
         """steps: (sequence, new tokens[, parents]) after each sequence has grown its pages for
-        them (parents: a tree step's, each new token's parent among them, -j: the j-th cached
-        token from the end, trees.anchors; under its own mask); inputs: integer lists the forward takes as tensors,
+        them (parents: a tree step's, each new token's parent among them, -1: the cached tokens;
+        attended alone, under its own mask); inputs: integer lists the forward takes as tensors,
         staged in the same copy."""
         writes, start, short, long_, trees = [], 0, [], [], {}
         for seq, n, *tree in steps:

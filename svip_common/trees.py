@@ -21,12 +21,15 @@ verification is memory-bound (a GPU at small batches) a node costs almost nothin
 stays; where it is compute-bound (this CPU, large batches) the tree shrinks toward the chain.
 
 Tree "deep" grows the tree a level below the siblings, as EAGLE-2's trees grow past the first
-level (Li et al. 2024): after the spine, one more draft forward over the siblings (each attending
-to its own ancestors) gives each sibling's most likely next token, its *grown* child. "deep-auto"
-keeps of those nodes, as "auto" keeps siblings, the ones whose path's probability under the
-draft (the reach to the sibling's place, times q of the sibling, times q of the child) pays for
-its verification at the target's load. Measured on the embedded pair: each sibling's top child
-settles most of what its top three do (2.79 against 2.83 tokens a round) at half the nodes.
+level (Li et al. 2024): each sibling gets the draft's most likely next token after it, its
+*grown* child. A sibling's row comes from the draft's next forward, which takes it beside the
+spine's next token (both children of the last cached token: tokens, no extra forward); the last
+place's siblings, whose spine is done, get a forward of their own. "deep-auto" keeps of those
+nodes, as "auto" keeps siblings, the ones whose path's probability under the draft (the reach to
+the sibling's place, times q of the sibling, times q of the child) pays for its verification at
+the target's load. Measured on the embedded pair: each sibling's top child settles most of what
+its top three do (2.79 against 2.83 tokens a round) at half the nodes, and the last place's
+children settle nearly all of it (SVIP stops where the draft is unsure: where siblings are taken).
 Where the target takes a sibling, the walk goes on into its children: a round can then settle
 two tokens past the rejected place, not one. A child below a sibling is not drafted by sampling:
 greedy takes it where it is the target's own choice; sampled, it is tried as a sibling is
@@ -187,21 +190,10 @@ def sibling_nodes(spine: int, siblings: Sequence[Sequence[int]]) -> dict[tuple[i
 
 
 def depths(parents: Sequence[int]) -> list[int]:
-    """Each node's depth (0: a child of a cached token); parents come before children."""
+    """Each node's depth (0: a child of the token before the block); parents come before children."""
     out: list[int] = []
     for parent in parents:
         out.append(0 if parent < 0 else out[parent] + 1)
-    return out
-
-
-def anchors(parents: Sequence[int]) -> list[int]:
-    """A tree step's nodes hang from cached tokens: a root's parent -j is the j-th cached token
-    from the end (-1: the last), and each node hangs from its root's. Returns each node's
-    (negative) anchor: the node sees the cached keys up to its anchor's, and its position is its
-    anchor's plus one plus its depth (a draft's tree forward over siblings whose spine is cached)."""
-    out: list[int] = []
-    for parent in parents:
-        out.append(parent if parent < 0 else out[parent])
     return out
 
 

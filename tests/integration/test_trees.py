@@ -9,11 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
+import torch
 
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
-from svip_common.trees import MAX_TREE_NODES
+from svip_common.trees import MAX_TREE_NODES, node_paths
 from tests.policies import TREE_POLICIES
 
 MAX_NEW = 40
@@ -73,6 +74,29 @@ def test_nodes_grown_below_siblings_settle_a_place_further(models, prompt_ids, a
                 assert settled[verdict.accepted : verdict.accepted + 3] == [*verdict.branch, verdict.token][:3]
         assert result.stats.branch_tokens == sum(len(verdict.branch) for _, verdict, _ in rounds)
     assert grown > 0 and deeper > 0
+
+
+@torch.inference_mode()
+def test_each_grown_child_is_the_drafts_own_next_token_after_its_sibling(models, prompt_ids):
+    """A deep tree's children come from rows computed beside the spine's next token (siblings of
+    earlier places) or in a forward of their own (the last place's): each is the draft's most
+    likely token after its sibling's path, as a plain forward of that path gives it."""
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    draft = models["close_draft"].model
+    places = set()
+    for ids in prompt_ids.values():
+        rounds = []
+        engine.generate(GenerationRequest(ids, 24, policy=PolicyConfig(name="constant", draft_length=4, tree="deep")),
+                        on_round=lambda block, verdict, settled: rounds.append((block, settled)))
+        committed = list(ids)
+        for block, settled in rounds:
+            paths = node_paths(block.tokens, block.siblings, block.grown)
+            for parent, child in block.grown or ():
+                row = draft(input_ids=torch.tensor([committed + list(paths[parent])])).logits[0, -1]
+                assert child == int(row[: models["target"].vocab_size].argmax())
+                places.add(len(paths[parent]) == len(block.tokens))  # True: the last place's sibling
+            committed += settled
+    assert places == {True, False}  # both ways of growing were seen
 
 
 @pytest.mark.parametrize("tree", ["cape", "auto", "deep"])

@@ -10,7 +10,6 @@ import torch
 from svip_common.kv_cache import KVPool
 from svip_common.trees import (
     ancestors_mask,
-    anchors,
     cape_candidates,
     cape_siblings,
     check_grown,
@@ -119,27 +118,6 @@ def test_keeping_a_branch_leaves_the_cache_a_chain_through_it_would_hold(models)
     assert torch.allclose(after, _chain_rows(model, PREFIX + [7, 51, 9, 10], 2), atol=1e-4)
     seq.keep_path(len(PREFIX) + 2, 2, 0)  # no branch: the spine is kept as a chain's is
     assert seq.tokens == PREFIX + [7, 51, 9, 10]
-
-
-@pytest.mark.parametrize("flat", [True, False], ids=["flat decoder", "model modules"])
-@torch.inference_mode()
-def test_a_tree_step_anchored_in_the_cache_gives_each_node_its_chains_row(models, flat):
-    """The draft's forward over a deep tree's siblings: the spine but its last token is cached,
-    and each sibling hangs from the cached token before its place (a negative parent): every
-    row is what a chain through the sibling gives, and a child below one sits a place further."""
-    model = models["target"].model
-    pool = KVPool(model, tokens=256, page_size=4, flat=flat)
-    seq = pool.sequence()
-    seq.forward(PREFIX + SPINE[:-1], 1)
-    k = len(SPINE)
-    nodes = [40, 50, 51, 55]  # siblings at places 0, 1, 1, and 50's child
-    parents = [0 - k, 1 - k, 1 - k, 1]
-    assert anchors(parents) == [-3, -2, -2, -2]
-    rows = pool.forward([(seq, nodes, len(nodes), parents)])[0]
-    paths = [[40], SPINE[:1] + [50], SPINE[:1] + [51], SPINE[:1] + [50, 55]]
-    for row, path in zip(rows, paths):
-        assert torch.allclose(row, _chain_rows(model, PREFIX + path, 1)[0], atol=1e-4), path
-    assert seq.tokens == PREFIX + SPINE[:-1] + nodes  # the caller rolls them back (the drafter does)
 
 
 @torch.inference_mode()
