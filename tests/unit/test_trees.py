@@ -104,34 +104,27 @@ def test_a_tree_steps_rows_are_what_chains_through_each_node_give(models, flat):
     assert torch.allclose(beside[0], _chain_rows(model, PREFIX[:3], 1)[0], atol=1e-4)  # its neighbour unchanged
 
 
+@pytest.mark.parametrize("grown, branch, kept", [
+    ((), [4], [7, 50]),  # CaPE: 7, then the sibling 50
+    ((), [5], [7, 51]),
+    (GROWN, [4, 7], [7, 50, 55]),  # deep: 7, then 50 and its child 55
+    (GROWN, [3, 6], [40, 44]),  # off the spine at the first place, two deep
+], ids=["sibling 50", "sibling 51", "sibling and child", "first place, two deep"])
 @torch.inference_mode()
-def test_keeping_a_branch_leaves_the_cache_a_chain_through_it_would_hold(models):
+def test_keeping_a_branch_leaves_the_cache_a_chain_through_it_would_hold(models, grown, branch, kept):
     model = models["target"].model
     pool = KVPool(model, tokens=256, page_size=4)
     seq = pool.sequence()
     seq.forward(PREFIX, 1)
-    nodes = SPINE + [t for options in SIBLINGS for t in options]
-    pool.forward([(seq, nodes, len(nodes), node_parents(len(SPINE), SIBLINGS))])
-    seq.keep_path(len(PREFIX), len(SPINE), 1, [sibling_nodes(len(SPINE), SIBLINGS)[(1, 51)]])
-    assert seq.tokens == PREFIX + [7, 51]
+    nodes = node_tokens(SPINE, SIBLINGS, grown)
+    pool.forward([(seq, nodes, len(nodes), node_parents(len(SPINE), SIBLINGS, grown))])
+    accepted = len(kept) - len(branch)
+    seq.keep_path(len(PREFIX), len(SPINE), accepted, branch)
+    assert seq.tokens == PREFIX + kept
     after = seq.forward([9, 10], 2)
-    assert torch.allclose(after, _chain_rows(model, PREFIX + [7, 51, 9, 10], 2), atol=1e-4)
-    seq.keep_path(len(PREFIX) + 2, 2, 0)  # no branch: the spine is kept as a chain's is
-    assert seq.tokens == PREFIX + [7, 51, 9, 10]
-
-
-@torch.inference_mode()
-def test_keeping_a_deep_branch_leaves_the_cache_a_chain_through_it_would_hold(models):
-    model = models["target"].model
-    pool = KVPool(model, tokens=256, page_size=4)
-    seq = pool.sequence()
-    seq.forward(PREFIX, 1)
-    nodes = node_tokens(SPINE, SIBLINGS, GROWN)
-    pool.forward([(seq, nodes, len(nodes), node_parents(len(SPINE), SIBLINGS, GROWN))])
-    seq.keep_path(len(PREFIX), len(SPINE), 1, [4, 7])  # 7, then 50 and its child 55
-    assert seq.tokens == PREFIX + [7, 50, 55]
-    after = seq.forward([9, 10], 2)
-    assert torch.allclose(after, _chain_rows(model, PREFIX + [7, 50, 55, 9, 10], 2), atol=1e-4)
+    assert torch.allclose(after, _chain_rows(model, PREFIX + kept + [9, 10], 2), atol=1e-4)
+    seq.keep_path(len(PREFIX) + len(kept), 2, 0)  # no branch: the spine is kept as a chain's is
+    assert seq.tokens == PREFIX + kept + [9, 10]
 
 
 @pytest.mark.parametrize("flat", [True, False], ids=["flat decoder", "model modules"])
