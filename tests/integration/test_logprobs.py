@@ -109,10 +109,11 @@ def test_through_the_workers(models, prompt_ids, pipeline, schedule, sampling):
         assert_the_targets_own(models["target"], result)
 
 
-def test_a_tree_through_the_workers(models, prompt_ids):
+@pytest.mark.parametrize("tree", ["svip-cape", "svip-deep"])
+def test_a_tree_through_the_workers(models, prompt_ids, tree):
     pair = make_pair(models, "async", DRAFT_FIRST)
     for ids in prompt_ids.values():
-        result = pair.generate(GenerationRequest(ids, MAX_NEW, policy=TREE_POLICIES["svip-cape"], logprobs=TOP))
+        result = pair.generate(GenerationRequest(ids, MAX_NEW, policy=TREE_POLICIES[tree], logprobs=TOP))
         assert_the_targets_own(models["target"], result)
 
 

@@ -50,7 +50,7 @@ def cases(models, prompt_ids):
     return out
 
 
-@pytest.mark.parametrize("tree", ["off", "cape"])
+@pytest.mark.parametrize("tree", ["off", "cape", "deep"])
 def test_in_process_one_at_a_time_and_batched(models, cases, tree):
     engine = SpeculativeEngine(models["target"], models["close_draft"])
     requests = [dataclasses.replace(r, policy=dataclasses.replace(r.policy, tree=tree)) for _, r, _ in cases]

@@ -46,10 +46,12 @@ def _request(ids, grammar, policy=POLICIES["svip"], sampling=SamplingParams()) -
 
 @pytest.mark.parametrize("grammar", list(GRAMMARS))
 def test_greedy_equals_the_target_alone_with_the_grammar_in_process(models, prompt_ids, alone, grammar):
-    """One at a time and batched, chains and CaPE's trees: the target alone's tokens, which the grammar allows."""
+    """One at a time and batched, chains, CaPE's trees and deep ones: the target alone's tokens, which the
+    grammar allows (a deep tree's children drafted under it along their siblings' paths)."""
     engine = SpeculativeEngine(models["target"], models["close_draft"])
     requests = [_request(ids, GRAMMARS[grammar], policy)
-                for ids in prompt_ids.values() for policy in (POLICIES["svip"], TREE_POLICIES["constant-cape"])]
+                for ids in prompt_ids.values()
+                for policy in (POLICIES["svip"], TREE_POLICIES["constant-cape"], TREE_POLICIES["svip-deep"])]
     expected = [alone.generate(r).token_ids for r in requests]
     results = [engine.generate(r) for r in requests]
     assert [r.token_ids for r in results] == expected

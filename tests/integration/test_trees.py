@@ -124,9 +124,10 @@ def test_trees_chains_and_sampled_trees_in_one_batch_equal_each_alone(models, pr
     assert [r.token_ids for r in engine.generate_many(requests, len(requests))] == alone
 
 
-def test_a_trees_nodes_are_bounded_whatever_the_request(models, prompt_ids):
+@pytest.mark.parametrize("tree", ["cape", "deep"])
+def test_a_trees_nodes_are_bounded_whatever_the_request(models, prompt_ids, tree):
     engine = SpeculativeEngine(models["target"], models["random_draft"])  # unsure everywhere: the widest trees
-    policy = PolicyConfig(name="constant", draft_length=40, max_draft_length=40, tree="cape")
+    policy = PolicyConfig(name="constant", draft_length=40, max_draft_length=40, tree=tree)
     seen = []
     request = GenerationRequest(prompt_ids["short"], 60, policy=policy)
     engine.generate(request, on_round=lambda block, verdict, settled: seen.append(block.nodes))
