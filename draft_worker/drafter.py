@@ -59,7 +59,9 @@ class Drafter:
     def step(self, drafts: Sequence[BlockDraft]) -> None:
         """One draft forward that advances every unfinished block by one token, within
         max_batched_tokens: a block whose pending tokens (a prompt's prefill) do not fit the room
-        left gets a chunk of them and no token this step (the first always advances)."""
+        left gets a chunk of them and no token this step (the first always advances). A deep
+        tree's last place's siblings ride beside its token (their rows give their children), or
+        go alone once its spine is done."""
         live = [d for d in drafts if not d.done]
         if not live:
             return
@@ -70,6 +72,7 @@ class Drafter:
             if d._riders and d._spine_done:  # the last place's siblings: a forward of their own
                 steps.append((d._seq, [t for _, t in d._riders], len(d._riders), [-1] * len(d._riders)))
                 riding.append((d, len(steps) - 1))
+                room -= len(d._riders)
                 continue
             if d.cache is None and self._shared(d, prompts):
                 continue  # an earlier block of this step prefills its prompt: the next step forks it
@@ -91,7 +94,7 @@ class Drafter:
                 steps.append((d._seq, pending, 1))
             drafting.append((d, len(steps) - 1))
             d._prefilling = len(pending) > PREFILL_TOKENS
-            room -= len(pending)
+            room -= len(pending) + len(d._riders)
         rows, _, elapsed = self.pool.timed_forward(steps)
         share = elapsed / len(steps)  # each block's part of the forward
         for d, at in riding:  # before the spine's rows: absorbing them sets the next place's riders
