@@ -14,6 +14,7 @@ import pytest
 from svip_bench.methods import Run
 from svip_bench.report import summarize
 from svip_cli.main import main
+from svip_common.trees import TREES
 
 pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
 
@@ -438,9 +439,9 @@ def test_the_batched_bench_runs_each_policy_at_each_batch_size_exactly(tmp_path,
     assert len(rows) == 3 and all(r["exact"] and r["per_session_tokens_per_s"] > 0 for r in rows)
     assert batched.main([*pair, *args, "--batches", "1,4", "--alternate", "--repeats", "2", "--trees"]) == 0
     rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # warm, alternating, with trees
-    assert len(rows) == 10 and all(r["exact"] and r["tokens_per_s"] > 0 for r in rows)
+    assert len(rows) == 2 * (3 + len(TREES) - 1) and all(r["exact"] and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["over_alone"] == 1.0 and r["tokens_per_round"] == 1.0 for r in rows if r["policy"] == "target alone")
-    assert {r["policy"] for r in rows} >= {"svip (0.4), tree cape", "svip (0.4), tree auto"}
+    assert {r["policy"] for r in rows} >= {f"svip (0.4), tree {tree}" for tree in TREES[1:]}
     with pytest.raises(SystemExit):
         batched.main([*pair, *args, "--packing", "--alternate"])
     assert "not allowed with" in capsys.readouterr().err
