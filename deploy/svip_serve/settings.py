@@ -55,7 +55,7 @@ class ServeSettings:
     max_queued_requests: int = 64  # Serve's own queue per proxy when every replica is full; past it: 429
     policy: str = "auto"  # request default; a request's `policy` overrides it
     threshold: float = 0.3
-    tree: str = "off"  # request default: off, cape or auto (svip_common/trees.py); a request's `tree` overrides it
+    tree: str = "off"  # request default: one of svip_common/trees.py TREES; a request's `tree` overrides it
     tool_call_parser: str = "hermes"  # the format chat's tool_choice auto reads calls in; none: auto refused
     auto_learn: bool = True  # policy auto: keep fitting the pair's estimate on live verdicts (off: its prior stays)
     auto_cost: float | None = None  # policy auto: a fixed cost of a drafted token (tau) in place of the measured one
