@@ -247,8 +247,7 @@ class EngineSession:
             self.gate.record(len(block), verdict.accepted, drafting_s)
         if self.stop is not None:
             self.stop.record(block.entropies, block.probs, verdict.accepted, drafting_s)
-        branch = list(verdict.branch)  # a tree's nodes taken from the rejected place on
-        settled = [*block.tokens[: verdict.accepted], *branch, verdict.token]
+        settled = [*block.tokens[: verdict.accepted], *verdict.branch, verdict.token]  # branch: a tree's, off the spine
         settled, self.finish_reason = clip_settled(settled, self.budget, self.stop_ids)
         self.committed += settled
         self.generated += settled
@@ -256,7 +255,7 @@ class EngineSession:
             self.logprobs += self.target.settled_logprobs(self.committed, len(settled))
         self.stats.record_round(len(block), verdict.accepted, block.entropies[-1] if block.entropies else None)
         if block.siblings is not None:
-            self.stats.record_tree(block.nodes, len(branch))
+            self.stats.record_tree(block.nodes, len(verdict.branch))
         return settled
 
     def fail(self, exc: Exception) -> None:

@@ -34,7 +34,7 @@ from svip_common.trees import priced as tree_priced
 class Drafter:
     """The draft model and its KV pool, shared by the sessions it opens."""
 
-    grows = True  # trees deep and deep-auto: a block's siblings get children of their own (a forward over them)
+    grows = True  # trees deep and deep-auto: a block's siblings get children of their own (rows from its forwards)
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, token_limit: int | None = None,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None):

@@ -39,7 +39,7 @@ from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.step_cost import UNLIMITED, Ewma
-from svip_common.trees import sibling_nodes
+from svip_common.trees import children_of, node_parents, node_tokens
 
 MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
 EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
@@ -430,17 +430,17 @@ def _check_branch(block: Block, accepted: int, branch: tuple[int, ...]) -> None:
     then nodes grown below it, each a child of the one before."""
     if not branch:
         return
-    if accepted >= len(block.tokens) or not block.siblings or branch[0] not in block.siblings[accepted]:
+    k = len(block.tokens)
+    if accepted >= k or not block.siblings:
         raise InvalidRequest(f"feedback takes {branch[0]} at place {accepted}, "
                              "not a sibling this session drafted there")
-    node = sibling_nodes(len(block.tokens), block.siblings)[(accepted, branch[0])]
-    grown = {(parent, token): at for at, (parent, token) in
-             enumerate(block.grown or (), start=block.nodes - len(block.grown or ()))}
-    for depth, token in enumerate(branch[1:], start=1):
-        node = grown.get((node, token))
-        if node is None:
-            raise InvalidRequest(f"feedback takes {token} at place {accepted + depth}, "
-                                 "not a node this session grew there")
+    tokens = node_tokens(block.tokens, block.siblings, block.grown)
+    children, at = children_of(node_parents(k, block.siblings, block.grown or ())), accepted - 1
+    for depth, token in enumerate(branch):
+        at = next((node for node in children.get(at, ()) if node >= k and tokens[node] == token), None)
+        if at is None:
+            what = "a sibling this session drafted" if depth == 0 else "a node this session grew"
+            raise InvalidRequest(f"feedback takes {token} at place {accepted + depth}, not {what} there")
 
 
 def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: frozenset[int],

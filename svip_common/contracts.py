@@ -342,7 +342,7 @@ class GenerationStats:
     # "paused" (load-aware: the target alone while drafting does not pay), "filled" (the target's own token
     # while the session waited on its draft's block)
     discarded_tokens: int = 0  # pre-drafted tokens never verified (stale, or prepared and not used)
-    tree_nodes: int = 0  # token trees: the nodes verified, drafted tokens and siblings
+    tree_nodes: int = 0  # token trees: the nodes verified, drafted tokens, siblings and nodes grown below them
     branches: int = 0  # rounds where a sibling covered the rejected place (one more token settled)
     branch_tokens: int = 0  # tokens those rounds settled off the spine: the siblings, and nodes grown below them
     prepared_sent: int = 0  # prepared continuations that reached the target in time

@@ -51,7 +51,7 @@ from svip_common.errors import InvalidRequest
 TREES = ("off", "cape", "auto", "deep", "deep-auto")
 CAPE_BINS = ((0.3, 8), (0.6, 6), (0.8, 4))  # (top-1 probability under, candidates kept)
 CAPE_WIDEST = 8  # candidates at a place when the draft is least sure
-MAX_TREE_NODES = 64  # a block's nodes at most (spine and siblings): a request cannot make a step wider
+MAX_TREE_NODES = 64  # a block's nodes at most (spine, siblings, grown): a request cannot make a step wider
 GROWN_WIDEST = 1  # deep trees: a sibling's children at most
 MAX_NODE_PRICE = 1e6  # a node's price in tokens beyond any load (above 1, no sibling pays): the wire's bound
 
@@ -62,7 +62,7 @@ def priced(tree: str) -> bool:
 
 
 def grows(tree: str) -> bool:
-    """Whether the tree grows nodes below its siblings (a draft forward over them)."""
+    """Whether the tree grows nodes below its siblings (their rows from the draft's forwards)."""
     return tree in ("deep", "deep-auto")
 
 

@@ -536,11 +536,11 @@ class TargetSession:
 
 
 def _branch_sampled(session: TargetSession, base: int, block: Block, accepted: int, r: torch.Tensor,
-                    p: torch.Tensor, start: int) -> tuple[list[int], torch.Tensor, int]:
+                    p: torch.Tensor, start: int) -> tuple[list[int], tuple[int, ...], torch.Tensor, int]:
     """A sampled tree below its rejected place: the siblings there tried against the residual r,
     then, below a sibling taken, the nodes grown from it against the target's p at its row, and
     so on down (each a fixed candidate, tried as branch_sampled tries one, so every place follows
-    p). Returns the nodes taken, the row the next token is drawn from (what is left of the last
+    p). Returns the nodes taken and their tokens, the row the next token is drawn from (what is left of the last
     one tried, or p at the last node's row) and its position. p: the group's rows, this block's
     from ``start`` (the place before the block first)."""
     k, seed = len(block.tokens), session.sampling.seed
@@ -556,7 +556,7 @@ def _branch_sampled(session: TargetSession, base: int, block: Block, accepted: i
         path.append(at)
         place += 1
         r = p[start + 1 + at]
-    return path, r, place
+    return path, tuple(tokens[node] for node in path), r, place
 
 
 def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tensor]]) -> list[Verdict]:
@@ -594,8 +594,7 @@ def _judge_sampled(group: list[tuple[int, TargetSession, int, Block, torch.Tenso
         r = residual(row, block.q_rows[accepted].to(row.device))  # q rows off the wire: on the host
         place = base + accepted
         if block.is_tree:  # nodes off the spine from here: each place's draw, given them
-            branch, r, place = _branch_sampled(session, base, block, accepted, r, p, start)
-            branches[-1] = tuple(node_tokens(block.tokens, block.siblings, block.grown)[node] for node in branch)
+            branch, branches[-1], r, place = _branch_sampled(session, base, block, accepted, r, p, start)
             session.keep_tree_path(base, block, accepted, branch, logits)
         draws.append(r)
         keyed.append(uniform(seed, place, Purpose.RESOLVE))
