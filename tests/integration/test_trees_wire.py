@@ -163,6 +163,22 @@ def test_a_sampled_tree_across_the_workers_follows_the_target(models, prompt_ids
         assert sum(r.stats.wire_bytes for r in results) < nodes * row / 4  # rows by ids
 
 
+def test_a_sampled_deep_tree_across_the_workers_follows_the_target(models, prompt_ids):
+    """A sampled deep tree crosses the workers with its grown children: below a taken sibling the
+    target tries its child against p at the sibling's row and tells the draft the two-token
+    branch. The first two tokens of 1,500 seeded requests (async, interleaved at random, the short
+    prompt, where this pair's siblings are taken most) follow the target's marginals, and grown
+    children were taken."""
+    prompt = prompt_ids["short"]
+    pair = make_pair(models, "async", Seeded(11))
+    policy = PolicyConfig(name="constant", draft_length=3, tree="deep")
+    requests = [GenerationRequest(prompt, 3, dataclasses.replace(PLAIN, seed=s), policy) for s in range(1500)]
+    results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
+    assert all(r.stats.detached == 0 for r in results)
+    assert sum(r.stats.branch_tokens - r.stats.branches for r in results) > 0  # a child below a sibling taken
+    assert_first_tokens_follow_the_target(models, prompt, PLAIN, results)
+
+
 def test_a_seeded_sampled_tree_across_the_workers_reproduces(models, prompt_ids):
     """Every draw of a sampled tree's round is keyed by (seed, place, purpose), on either worker:
     the same requests give the same tokens again, one at a time and batched."""
