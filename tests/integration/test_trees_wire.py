@@ -163,6 +163,22 @@ def test_a_sampled_tree_across_the_workers_follows_the_target(models, prompt_ids
         assert sum(r.stats.wire_bytes for r in results) < nodes * row / 4  # rows by ids
 
 
+def test_grown_nodes_the_rules_refuse_give_the_draft_up_not_the_output(models, prompt_ids, alone, monkeypatch):
+    """A draft worker whose deep trees repeat a child under its sibling: the target gives the draft
+    up for that session and settles the rest alone, exact; a chain session beside it keeps its draft."""
+    from draft_worker import drafter
+
+    monkeypatch.setattr(drafter, "grown_children", lambda ranked, reach, price, room: [ranked[0][0]] * 2)
+    pair = make_pair(models, "sync", DRAFT_FIRST)
+    policy = PolicyConfig(name="constant", draft_length=3, tree="deep")
+    neighbour = GenerationRequest(prompt_ids["long"], MAX_NEW, policy=PolicyConfig(name="constant", draft_length=3))
+    result, beside = pair.generate_all([GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=policy), neighbour])
+    assert result.token_ids == alone[prompt_ids["medium"]]
+    assert result.stats.detached == 1
+    assert beside.token_ids == alone[prompt_ids["long"]]
+    assert beside.stats.detached == 0 and beside.stats.accepted_tokens > 0
+
+
 def test_a_sampled_deep_tree_across_the_workers_follows_the_target(models, prompt_ids):
     """A sampled deep tree crosses the workers with its grown children: below a taken sibling the
     target tries its child against p at the sibling's row and tells the draft the two-token
