@@ -191,15 +191,19 @@ class PipelinedDraft:
             if p_row is None or block.q_rows is None:
                 raise InvalidRequest("a sampled rejection needs the target's p row")
             token = resolved = self.session.resolve_correction(block, accepted, p_row)
-        path = block.tokens[:accepted] + list(branch)
-        # a continuation prepared after a sibling and used: the token after the sibling is its
-        # first place's, settled by the verdict on it
-        after = [] if branch and prepared_used else [token]
-        self.known = self.known[:base] + path + after
+        # a continuation prepared after a sibling and used: it begins with the nodes taken below
+        # the sibling, then the token after them, settled by the verdict on it
+        used_after_sibling = bool(branch) and prepared_used
+        path = block.tokens[:accepted] + list(branch[:1] if used_after_sibling else branch)
+        self.known = self.known[:base] + path + ([] if used_after_sibling else [token])
         self.epoch = epoch
         self.outstanding.clear()
-        key = (base, accepted, branch[0] if branch else token)  # prepared there: after a branch of one node at most
-        ready = prepared.get(key) if accepted < drafted and self.load_cap != 0 and len(branch) <= 1 else None
+        key = (base, accepted, branch[0] if branch else token)  # prepared there: after a branch's sibling
+        usable = accepted < drafted and self.load_cap != 0 and (len(branch) <= 1 or prepared_used)
+        ready = prepared.get(key) if usable else None
+        if used_after_sibling and ready is not None and ready.block.tokens[: len(branch) - 1] != list(branch[1:]):
+            raise InvalidRequest(f"feedback uses the continuation prepared after {branch[0]}, which does not begin "
+                                 f"with the branch's nodes below it {list(branch[1:])}")
         if ready is not None and (prepared_used or not branch):
             self.forks.adopt(key)  # what comes next was drafted there: drafting goes on from it
         self.forks.release_all()

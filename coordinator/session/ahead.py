@@ -36,9 +36,14 @@ class AheadBlocks:
         self.prepared[key] = (block, received_at)
         self.stats.prepared_sent += 1
 
-    def take_prepared(self, key: PreparedKey) -> Waiting | None:
-        """The prepared continuation that assumed this verdict, if the draft wrote one."""
-        return self.prepared.pop(key, None)
+    def take_prepared(self, key: PreparedKey, then: tuple[int, ...] = ()) -> Waiting | None:
+        """The prepared continuation that assumed this verdict, if the draft wrote one. then: the
+        tokens the verdict settled past the key's (a tree's nodes grown below the sibling it
+        names): taken only if its block begins with them."""
+        waiting = self.prepared.get(key)
+        if waiting is None or list(waiting[0].tokens[: len(then)]) != list(then):
+            return None
+        return self.prepared.pop(key)
 
     def drop_prepared(self, base: int | None = None) -> None:
         """Forget the prepared continuations of the block at ``base`` (None: all of them)."""

@@ -235,8 +235,9 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         self._record(block, verdict.accepted)
         cap, was_paused = self._cap(), self.paused
         token, ready, deferred, pause = self._resolve_ahead(block, verdict, cap, was_paused)
-        branched = bool(verdict.branch)  # a tree's sibling (and nodes below it) settled from the rejected place on
-        past = len(verdict.branch) - (ready is not None and branched)  # one prepared after the sibling starts after it
+        # a tree's sibling (and nodes below it) settled from the rejected place on; one prepared
+        # after the sibling starts right after it
+        past = 0 if ready is not None else len(verdict.branch)
         self.draft_base = block.base + verdict.accepted + past + (0 if deferred else 1)  # the draft's next block's
         settled, reason = self._clipped(self._new_tokens(block, verdict.accepted, token, verdict.branch))
         if reason is None and self.with_draft and not was_paused:
@@ -277,9 +278,11 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         token, ready, deferred = verdict.token, None, False
         if accepted < k:
             self._new_epoch()
-            if verdict.token != NO_TOKEN and len(verdict.branch) <= 1:  # prepared for the token settled there
-                settled_there = verdict.branch[0] if verdict.branch else verdict.token
-                ready = self.ahead.take_prepared((block.base, accepted, settled_there))
+            if verdict.token != NO_TOKEN:  # prepared for the token settled there
+                if verdict.branch:  # after the sibling taken, beginning with the nodes taken below it
+                    ready = self.ahead.take_prepared((block.base, accepted, verdict.branch[0]), verdict.branch[1:])
+                else:
+                    ready = self.ahead.take_prepared((block.base, accepted, verdict.token))
         elif block.followup:
             deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
         # drafting no longer pays: pause at a verdict whose token is settled here (not a sampled

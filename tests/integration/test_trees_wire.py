@@ -88,6 +88,30 @@ def test_a_deep_branch_reaches_the_draft_across_the_workers(models, prompt_ids, 
     assert sum(r.stats.branch_tokens - r.stats.branches for r in results) > 0
 
 
+def test_a_continuation_prepared_after_a_sibling_serves_its_deep_branch_across_the_workers(
+        models, prompt_ids, alone, monkeypatch):
+    """async, tree deep: where the verdict takes a sibling and the child grown below it, the
+    continuation prepared after that sibling begins with the child (the draft's choice after the
+    sibling, both ways) and is verified next, with no round trip: some are, and the output stays
+    the target alone's."""
+    from coordinator.session.ahead import AheadBlocks
+
+    taken = []
+    take = AheadBlocks.take_prepared
+
+    def spied(self, key, then=()):
+        waiting = take(self, key, then)
+        taken.append((then, waiting is not None))
+        return waiting
+
+    monkeypatch.setattr(AheadBlocks, "take_prepared", spied)
+    policy = PolicyConfig(name="constant", draft_length=3, tree="deep")
+    results = make_pair(models, "async", DRAFT_FIRST).generate_all(
+        [GenerationRequest(ids, MAX_NEW, policy=policy) for ids in prompt_ids.values()])
+    assert [r.token_ids for r in results] == [alone[ids] for ids in prompt_ids.values()]
+    assert any(then and found for then, found in taken)
+
+
 def test_auto_prices_nodes_at_the_load_the_target_sends(models, prompt_ids, alone):
     """The target's feedback carries tree auto's node price: at a price above any sibling's chance
     the draft sends chains (no sibling pays), and the output stays the target alone's."""

@@ -305,6 +305,34 @@ def test_a_continuation_prepared_after_a_sibling_follows_the_branch_that_takes_i
             assert s.critical is not None and s.critical.draft.block.base == len(s.known)
 
 
+def test_a_continuation_prepared_after_a_sibling_serves_a_deep_branch_that_begins_it():
+    """A deep tree's verdict takes a sibling and the child grown below it: the continuation
+    prepared after that sibling begins with the child (both are the draft's choice after it), so
+    the target may verify it next. The draft then knows the path up to the sibling: the
+    continuation's own verdict settles the child and the token after it. One that does not begin
+    with the child cannot be used."""
+    for child_fits in (True, False):
+        s = session(pipelined=True)
+        s.start(time.time())
+        sent = drain(s)
+        first = sent[0]
+        sibling = runner_up(first.block.tokens[1])
+        ready = next(o for o in sent if o.prepared_for == (first.block.base, 1, sibling))
+        child = ready.block.tokens[0] if child_fits else runner_up(ready.block.tokens[0])
+        first.block.siblings = [[], [sibling], []]
+        first.block.grown = [(3, child)]  # node 3: the sibling, after the spine's three
+        branch = (sibling, child)
+        if not child_fits:
+            with pytest.raises(InvalidRequest, match="does not begin"):
+                s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, True, time.time() + LATE,
+                              branch=branch)
+            continue
+        out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, True, time.time() + LATE,
+                            branch=branch)
+        assert out == [] and s.outstanding == [ready] and ready.block.epoch == 3
+        assert s.known == PROMPT + first.block.tokens[:1] + [sibling] and ready.block.base == len(s.known)
+
+
 def test_a_prepared_continuation_it_never_made_cannot_be_used():
     s = session(pipelined=True, prepare=0)
     s.start(time.time())

@@ -225,6 +225,36 @@ def test_a_prepared_continuation_is_verified_next_when_the_rejection_matches_it(
     assert h.session.ahead.prepared == {}  # the other one is void
 
 
+@pytest.mark.parametrize("prepared, used, checked", [
+    ([30, 40, 42], True, (7, [42])),  # begins with the child and the target's token: verified after them
+    ([30, 41], True, None),  # begins with the child only: decided by the target's token, no forward
+    ([31, 40], False, None),  # begins with another token: not the continuation the branch calls for
+])
+def test_a_continuation_prepared_after_a_sibling_serves_a_deep_branch_that_begins_it(prepared, used, checked):
+    """A deep tree's verdict takes a sibling (20) and the child grown below it (30), then settles
+    40: the continuation prepared after the sibling is verified next if it begins with the child,
+    after the tokens the verdict settled (the draft's next block starts right after the sibling)."""
+    h = Harness(pipeline="async")
+    h.start()
+    h.deliver(h.block([11, 12, 13]))
+    h.deliver(h.block(prepared, base=5, prepared_for=(3, 1, 20)))
+    block, (received_at, source) = h.queue.pop(0)
+    h.checked.pop(0)
+    h.do.verified(block, Verdict(3, 1, 40, branch=(20, 30)), received_at, source, h.clock, h.clock)
+    fb = h.draft.last("feedback")
+    assert fb.prepared_used is used and (fb.accepted, fb.branch, fb.token) == (1, (20, 30), 40)
+    assert h.tokens[:4] == [11, 20, 30, 40]
+    if not used:
+        assert h.queue == [] and h.session.draft_base == 7  # the draft's next block: after the token
+        return
+    assert h.session.stats.prepared_used == 1
+    if checked is None:  # parted from the target's 40: decided at once, one accepted (the child)
+        assert h.queue == [] and h.draft.last("feedback").accepted == 1 and h.tokens == [11, 20, 30, 40]
+        return
+    (verified, (_, source)), = h.queue
+    assert source == "prepared" and verified is not block and (h.checked[0].base, list(h.checked[0].tokens)) == checked
+
+
 @pytest.mark.parametrize("bad, why", [
     (dict(draft_s=math.nan), "draft_s"),
     (dict(base=2), "base 2"),
