@@ -2,13 +2,14 @@
 
     python -m svip_bench.batched [--requests 16] [--batches 1,16] [--max-new-tokens 64] [--repeats N]
                                  [--packing | --alternate] [--json] [--head DIR|eagle]
-                                 [--temperature T --top-p P] [--trees]
+                                 [--temperature T --top-p P] [--trees [TREE,...]]
 
 The embedded pair (unless --target / --draft), --requests Spec-Bench prompts (their last 200
 tokens), --max-new-tokens each with ignore_eos, greedy, through ``SpeculativeEngine.generate_many``
 at each batch size: the target alone, SVIP at its calibrated threshold 0.4, and the defaults (no
 policy: auto, with the load gate as `svip generate` runs it); with --head, a feature head at SVIP 0.3 and
-the confidence stop. Prints its command, the machine and
+the confidence stop; with --trees, SVIP's blocks as token trees too (every tree, or those named).
+Prints its command, the machine and
 one row per policy and batch size; every output must equal the target alone's (exit 1 otherwise).
 Two commits are compared by running this file against each (``PYTHONPATH=<checkout>``), alternately;
 --packing compares, in one process, packed attention with one attention call per session, each
@@ -29,6 +30,7 @@ import json
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 
 import torch
 
@@ -44,9 +46,9 @@ from svip_common.trees import TREES
 PROMPT_TOKENS = 200  # each prompt's last tokens
 
 
-def engines(target, draft, head=None, trees: bool = False) -> dict:
+def engines(target, draft, head=None, trees: Sequence[str] = ()) -> dict:
     """head: a feature head loaded for the target (its rows: SVIP at the paper's 0.3, confidence);
-    trees: SVIP's blocks as token trees too, each of svip_common/trees.py's."""
+    trees: SVIP's blocks as these token trees too (svip_common/trees.py)."""
     from coordinator.engine import SpeculativeEngine
 
     rows = {
@@ -54,10 +56,9 @@ def engines(target, draft, head=None, trees: bool = False) -> dict:
         "svip (0.4)": (SpeculativeEngine(target, draft), PolicyConfig(name="svip", threshold=0.4)),
         "defaults": (SpeculativeEngine(target, draft, load_aware="greedy"), PolicyConfig()),
     }
-    if trees:
-        for tree in TREES[1:]:
-            rows[f"svip (0.4), tree {tree}"] = (SpeculativeEngine(target, draft),
-                                                PolicyConfig(name="svip", threshold=0.4, tree=tree))
+    for tree in trees:
+        rows[f"svip (0.4), tree {tree}"] = (SpeculativeEngine(target, draft),
+                                            PolicyConfig(name="svip", threshold=0.4, tree=tree))
     if head is not None:
         with_head = SpeculativeEngine(target, head)
         rows["head: svip (0.3)"] = (with_head, PolicyConfig(name="svip", threshold=0.3))
@@ -81,9 +82,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--head", help="also a feature head: its directory, or 'eagle' (the embedded target's own)")
     parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy (default); else sampled, seeded")
     parser.add_argument("--top-p", type=float, default=1.0, help="with --temperature: the nucleus kept")
-    parser.add_argument("--trees", action="store_true",
-                        help="also SVIP's blocks as token trees (cape, auto, deep, deep-auto)")
+    parser.add_argument("--trees", nargs="?", const=",".join(TREES[1:]), default="",
+                        help="also SVIP's blocks as token trees: these, comma-separated (alone: cape, auto, deep, "
+                             "deep-auto)")
     args = parser.parse_args(argv)
+    args.trees = [t for t in args.trees.split(",") if t]
+    if any(t not in TREES[1:] for t in args.trees):
+        parser.error(f"--trees takes some of {', '.join(TREES[1:])}")
     sampling = SamplingParams(args.temperature, 0, args.top_p)
     try:
         sampling.validate()

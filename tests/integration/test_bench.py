@@ -442,12 +442,15 @@ def test_the_batched_bench_runs_each_policy_at_each_batch_size_exactly(tmp_path,
     assert len(rows) == 2 * (3 + len(TREES) - 1) and all(r["exact"] and r["tokens_per_s"] > 0 for r in rows)
     assert all(r["over_alone"] == 1.0 and r["tokens_per_round"] == 1.0 for r in rows if r["policy"] == "target alone")
     assert {r["policy"] for r in rows} >= {f"svip (0.4), tree {tree}" for tree in TREES[1:]}
+    assert batched.main([*pair, *args, "--batches", "4", "--alternate", "--trees", "auto,deep-auto"]) == 0
+    rows = [json.loads(line) for line in capsys.readouterr().out.splitlines()]  # the trees named only
+    assert [r["policy"] for r in rows][3:] == ["svip (0.4), tree auto", "svip (0.4), tree deep-auto"]
     with pytest.raises(SystemExit):
         batched.main([*pair, *args, "--packing", "--alternate"])
     assert "not allowed with" in capsys.readouterr().err
     for bad, why in ((["--batches", "0"], "--batches"), (["--batches", "1,x"], "--batches"),
                      (["--repeats", "0"], "--repeats"),
-                     (["--batches", "99999"], "--batches")):
+                     (["--batches", "99999"], "--batches"), (["--trees", "auto,oak"], "--trees")):
         with pytest.raises(SystemExit):
             batched.main([*pair, *args, *bad])
         assert why in capsys.readouterr().err
