@@ -201,9 +201,8 @@ class PipelinedDraft:
         key = (base, accepted, branch[0] if branch else token)  # prepared there: after a branch's sibling
         usable = accepted < drafted and self.load_cap != 0 and (len(branch) <= 1 or prepared_used)
         ready = prepared.get(key) if usable else None
-        if used_after_sibling and ready is not None and ready.block.tokens[: len(branch) - 1] != list(branch[1:]):
-            raise InvalidRequest(f"feedback uses the continuation prepared after {branch[0]}, which does not begin "
-                                 f"with the branch's nodes below it {list(branch[1:])}")
+        if used_after_sibling and ready is not None:
+            _check_begins_branch(ready.block, branch)
         if ready is not None and (prepared_used or not branch):
             self.forks.adopt(key)  # what comes next was drafted there: drafting goes on from it
         self.forks.release_all()
@@ -445,6 +444,14 @@ def _check_branch(block: Block, accepted: int, branch: tuple[int, ...]) -> None:
         if at is None:
             what = "a sibling this session drafted" if depth == 0 else "a node this session grew"
             raise InvalidRequest(f"feedback takes {token} at place {accepted + depth}, not {what} there")
+
+
+def _check_begins_branch(block: Block, branch: tuple[int, ...]) -> None:
+    """A continuation prepared after a branch's sibling serves the branch only if it begins with
+    the nodes the branch took below that sibling."""
+    if block.tokens[: len(branch) - 1] != list(branch[1:]):
+        raise InvalidRequest(f"feedback uses the continuation prepared after {branch[0]}, which does not begin "
+                             f"with the branch's nodes below it {list(branch[1:])}")
 
 
 def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: frozenset[int],

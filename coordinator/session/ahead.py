@@ -36,12 +36,13 @@ class AheadBlocks:
         self.prepared[key] = (block, received_at)
         self.stats.prepared_sent += 1
 
-    def take_prepared(self, key: PreparedKey, then: tuple[int, ...] = ()) -> Waiting | None:
-        """The prepared continuation that assumed this verdict, if the draft wrote one. then: the
-        tokens the verdict settled past the key's (a tree's nodes grown below the sibling it
-        names): taken only if its block begins with them."""
+    def take_prepared(self, base: int, accepted: int, token: int, branch: tuple[int, ...] = ()) -> Waiting | None:
+        """The prepared continuation that assumed this verdict, if the draft wrote one: after the
+        token settled at the rejected place, or after a tree's sibling taken there (branch) if
+        it begins with the nodes the branch took below the sibling."""
+        key, then = ((base, accepted, branch[0]), list(branch[1:])) if branch else ((base, accepted, token), [])
         waiting = self.prepared.get(key)
-        if waiting is None or list(waiting[0].tokens[: len(then)]) != list(then):
+        if waiting is None or list(waiting[0].tokens[: len(then)]) != then:
             return None
         return self.prepared.pop(key)
 

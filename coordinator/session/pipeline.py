@@ -278,11 +278,8 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects)
         token, ready, deferred = verdict.token, None, False
         if accepted < k:
             self._new_epoch()
-            if verdict.token != NO_TOKEN:  # prepared for the token settled there
-                if verdict.branch:  # after the sibling taken, beginning with the nodes taken below it
-                    ready = self.ahead.take_prepared((block.base, accepted, verdict.branch[0]), verdict.branch[1:])
-                else:
-                    ready = self.ahead.take_prepared((block.base, accepted, verdict.token))
+            if verdict.token != NO_TOKEN:  # prepared for the token (or the sibling) settled there
+                ready = self.ahead.take_prepared(block.base, accepted, verdict.token, verdict.branch)
         elif block.followup:
             deferred, token = True, NO_TOKEN  # the follow-up's first token settles the next place
         # drafting no longer pays: pause at a verdict whose token is settled here (not a sampled

@@ -99,9 +99,9 @@ def test_a_continuation_prepared_after_a_sibling_serves_its_deep_branch_across_t
     taken = []
     take = AheadBlocks.take_prepared
 
-    def spied(self, key, then=()):
-        waiting = take(self, key, then)
-        taken.append((then, waiting is not None))
+    def spied(self, base, accepted, token, branch=()):
+        waiting = take(self, base, accepted, token, branch)
+        taken.append((branch[1:], waiting is not None))
         return waiting
 
     monkeypatch.setattr(AheadBlocks, "take_prepared", spied)

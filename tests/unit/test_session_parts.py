@@ -46,8 +46,8 @@ def test_prepared_blocks_are_taken_by_their_verdict_and_dropped_by_base():
     ahead.keep_prepared((10, 1, 6), _block(12, 4), 1.0)
     ahead.keep_prepared((20, 0, 5), _block(21, 3), 1.0)
     assert stats.prepared_sent == 3
-    assert ahead.take_prepared((10, 2, 5)) is None  # no block assumed that verdict
-    assert len(ahead.take_prepared((10, 1, 5))[0].tokens) == 2
+    assert ahead.take_prepared(10, 2, 5) is None  # no block assumed that verdict
+    assert len(ahead.take_prepared(10, 1, 5)[0].tokens) == 2
     ahead.drop_prepared(10)  # the other continuation of the same block is void
     assert list(ahead.prepared) == [(20, 0, 5)] and stats.discarded_tokens == 4
     ahead.hold_followup(_block(30, 1), 1.0)
