@@ -24,6 +24,7 @@ import json
 import time
 import weakref
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,7 +141,7 @@ def _embedding_file(target: str) -> tuple[str, Path]:
 class FeatureDrafter(Drafter):
     """A feature head beside the target's embedding table, shared by the sessions it opens."""
 
-    grows = False  # trees deep and deep-auto: the head's keep CaPE's siblings (priced for deep-auto); none grow
+    grows = True  # trees deep and deep-auto: the last place's siblings get children (a head forward each)
 
     def __init__(self, head: LoadedHead, embedding: torch.nn.Embedding, target_vocab_size: int, token_limit: int,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS):
@@ -162,17 +163,34 @@ class FeatureDrafter(Drafter):
     def step(self, drafts: Sequence[BlockDraft]) -> None:
         """Advance every unfinished block by one token: the head's layer once for every session
         that feeds the token it just drafted (each attends its own cache), a block's first forward
-        (its pairs) per session; then the LM head and the choice for all of them at once."""
+        (its pairs) per session; then the LM head and the choice for all of them at once. A deep
+        tree whose spine is done grows its last place's siblings instead (``_grown_rows``)."""
         live = [d for d in drafts if not d.done]
         if not live:
             return
+        growing = [d for d in live if d._spine_done]  # its spine done and not yet: siblings to grow
+        drafting = [d for d in live if not d._spine_done]
+        shapes = [(len(d._riders), len(d._session._cache)) for d in growing]
+        shapes += [(len(d._pending), len(d._session._cache)) for d in drafting]
         started = time.perf_counter()
-        if self.timing is None:
-            rows = self._forward(live)
-        else:
-            with self.timing.forward([(len(d._pending), len(d._session._cache)) for d in live]):
-                rows = self._forward(live)
-        self._absorb_rows(live, rows, (time.perf_counter() - started) / len(live))
+        with nullcontext() if self.timing is None else self.timing.forward(shapes):
+            grown = [self._grown_rows(d) for d in growing]
+            rows = self._forward(drafting) if drafting else []
+        share = (time.perf_counter() - started) / len(live)
+        for d, logits in zip(growing, grown):
+            self._grow(d, logits, share)
+        self._absorb_rows(drafting, rows, share)
+
+    def _grown_rows(self, d: BlockDraft) -> torch.Tensor:
+        """A deep tree's last place: its siblings, each beside the head's output before that place
+        (what the spine's token there is fed with), in one forward where none attends another;
+        their rows of logits [siblings, draft_vocab]. The siblings of earlier places stay leaves:
+        their rows would cost forwards of their own too."""
+        session = d._session
+        feature = session._last_output()
+        ids = torch.tensor([token for _, token in d._riders], dtype=torch.long, device=feature.device)
+        hidden = self.head.beside(self.embedding(ids), feature.expand(len(ids), -1), session._cache)
+        return self.head.logits(hidden)
 
     def _forward(self, live: list[BlockDraft]) -> list[torch.Tensor]:
         """The step's forward: each block's row of the head's logits [1, draft_vocab]."""
@@ -237,7 +255,8 @@ class FeatureDraftSession(DraftSession):
     def __init__(self, drafter: FeatureDrafter, sampling: SamplingParams, policy, stop_token_ids: Sequence[int],
                  tree: str = "off", prompt_len: int = 0):
         """tree: each block a token tree (svip_common/trees.py): its siblings are the head's
-        runners-up at each drafted place, leaves the head never feeds."""
+        runners-up at each drafted place; deep trees feed the last place's to the head for a
+        child each (FeatureDrafter._grown_rows)."""
         self.sampling = sampling
         self.tree = tree
         grammar = None  # the head drafts under the request's grammar where it has the target's tokenizer

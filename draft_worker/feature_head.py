@@ -175,6 +175,17 @@ class _Attention(nn.Module):
         mask = torch.ones(t, total, dtype=torch.bool, device=x.device).tril(total - t)
         return self.attend(q, k, v, mask)[0]
 
+    def beside(self, x: torch.Tensor, cache: HeadCache) -> torch.Tensor:
+        """x [n, 2h]: n alternatives for the one position after what ``cache`` holds, each
+        attending the cache and itself, not each other -> [n, h]; the cache is left as it was."""
+        n, length = x.shape[0], len(cache)
+        q, k, v = self.project(x[None], torch.full((n,), length, device=x.device))
+        keys, values = cache.extend(k, v)
+        cache.rollback(length)
+        mask = torch.cat([torch.ones(n, length, dtype=torch.bool, device=x.device),
+                          torch.eye(n, dtype=torch.bool, device=x.device)], dim=1)
+        return self.attend(q, keys, values, mask)[0]
+
     def decode_rows(self, x: torch.Tensor, positions: torch.Tensor, caches: list[HeadCache]) -> torch.Tensor:
         """One new position per sequence: x [B, 2h] at positions [B], each after what its own cache
         holds -> [B, h]. The projections for all at once; each sequence attends its own keys."""
@@ -219,6 +230,9 @@ class _MidLayer(nn.Module):
     def decode_rows(self, embeds, features, positions, caches):
         return self._after_attention(features, self.self_attn.decode_rows(self._inputs(embeds, features), positions,
                                                                           caches))
+
+    def beside(self, embeds, features, cache):
+        return self._after_attention(features, self.self_attn.beside(self._inputs(embeds, features), cache))
 
     def two_steps(self, embeds, features, next_embeds):
         """Training: [B, T, h] pairs (target feature at j, embedding of token j + 1) for positions
@@ -312,6 +326,12 @@ class FeatureHead(nn.Module):
         """Training (batched, no cache): the first and second drafting steps over whole windows;
         see ``_MidLayer.two_steps``."""
         return self.midlayer.two_steps(embeds, features, next_embeds)
+
+    def beside(self, embeds: torch.Tensor, features: torch.Tensor, cache: HeadCache) -> torch.Tensor:
+        """Pairs for one position after what ``cache`` holds, alternatives to each other (a deep
+        tree's siblings): embeds [n, h], features [n, h] -> the head's hidden states [n, h], each
+        what ``forward`` gives for its pair alone; the cache is left as it was."""
+        return self.midlayer.beside(embeds, features, cache)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Over the head's vocabulary [T, draft_vocab]; ``target_ids`` maps its indices."""

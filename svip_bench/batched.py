@@ -8,7 +8,8 @@ The embedded pair (unless --target / --draft), --requests Spec-Bench prompts (th
 tokens), --max-new-tokens each with ignore_eos, greedy, through ``SpeculativeEngine.generate_many``
 at each batch size: the target alone, SVIP at its calibrated threshold 0.4, and the defaults (no
 policy: auto, with the load gate as `svip generate` runs it); with --head, a feature head at SVIP 0.3 and
-the confidence stop; with --trees, SVIP's blocks as token trees too (every tree, or those named).
+the confidence stop; with --trees, SVIP's blocks as token trees too (every tree, or those named; the
+head's as well).
 Prints its command, the machine and
 one row per policy and batch size; every output must equal the target alone's (exit 1 otherwise).
 Two commits are compared by running this file against each (``PYTHONPATH=<checkout>``), alternately;
@@ -48,7 +49,7 @@ PROMPT_TOKENS = 200  # each prompt's last tokens
 
 def engines(target, draft, head=None, trees: Sequence[str] = ()) -> dict:
     """head: a feature head loaded for the target (its rows: SVIP at the paper's 0.3, confidence);
-    trees: SVIP's blocks as these token trees too (svip_common/trees.py)."""
+    trees: SVIP's blocks as these token trees too (svip_common/trees.py), the head's as well."""
     from coordinator.engine import SpeculativeEngine
 
     rows = {
@@ -63,6 +64,8 @@ def engines(target, draft, head=None, trees: Sequence[str] = ()) -> dict:
         with_head = SpeculativeEngine(target, head)
         rows["head: svip (0.3)"] = (with_head, PolicyConfig(name="svip", threshold=0.3))
         rows["head: confidence (0.4)"] = (with_head, PolicyConfig(name="confidence"))
+        for tree in trees:
+            rows[f"head: svip (0.3), tree {tree}"] = (with_head, PolicyConfig(name="svip", threshold=0.3, tree=tree))
     return rows
 
 

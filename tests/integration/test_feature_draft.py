@@ -365,13 +365,37 @@ def test_the_embedded_head_starts_auto_from_its_stored_prior():
 @pytest.mark.parametrize("tree", ["cape", "auto", "deep"])
 def test_a_heads_token_tree_equals_target_alone(models, heads, prompt_ids, reference, head, tree):
     """A feature head drafts token trees (issue 44): its runners-up at each place are the
-    siblings, leaves it never feeds (deep grows none below them on a head: its trees are CaPE's);
-    greedy output is the target's own, one request at a time and batched."""
+    siblings; deep trees give the last place's a child each (the rest stay leaves); greedy output
+    is the target's own, one request at a time and batched."""
     engine = SpeculativeEngine(models["target"], heads[head])
-    policy = PolicyConfig(name="constant", draft_length=3, tree=tree)
+    # a constant block's last place is its cap, which no child may pass: deep grows below SVIP's
+    policy = PolicyConfig(name="svip", threshold=0.3, tree=tree) if tree == "deep" else \
+        PolicyConfig(name="constant", draft_length=3, tree=tree)
     requests = [GenerationRequest(ids, MAX_NEW, policy=policy) for ids in prompt_ids.values()]
-    results = [engine.generate(r) for r in requests]
+    grown = []
+    results = [engine.generate(r, on_round=lambda block, verdict, settled: grown.append(len(block.grown or ())))
+               for r in requests]
     assert [r.token_ids for r in results] == [reference[name] for name in prompt_ids]
     assert [r.token_ids for r in engine.generate_many(requests, len(requests))] == [r.token_ids for r in results]
     assert sum(r.stats.tree_nodes for r in results) > sum(r.stats.draft_tokens for r in results)
-    assert sum(r.stats.branch_tokens for r in results) == sum(r.stats.branches for r in results)  # none grown
+    assert (sum(grown) > 0) == (tree == "deep")
+
+
+def test_the_embedded_heads_deep_trees_settle_children_and_stay_exact(prompt_ids):
+    """The embedded pair's trained head, tree deep: its last places' siblings get children
+    (each the head's own choice after its sibling: tests/unit/test_feature_head.py, beside),
+    rounds take them (a sibling and its child settled past a rejection), and greedy output is
+    the target alone's."""
+    from svip_assets import default_head, default_pair
+
+    target = load_model(default_pair()[0])
+    engine = SpeculativeEngine(target, load_feature_draft(default_head(), target))
+    alone = SpeculativeEngine(target, None)
+    policy = PolicyConfig(name="svip", threshold=0.3, tree="deep")
+    taken, grown = 0, []
+    for ids in prompt_ids.values():
+        result = engine.generate(GenerationRequest(ids, MAX_NEW, policy=policy),
+                                 on_round=lambda block, verdict, settled: grown.append(len(block.grown or ())))
+        assert result.token_ids == alone.generate(GenerationRequest(ids, MAX_NEW)).token_ids
+        taken += result.stats.branch_tokens - result.stats.branches
+    assert sum(grown) > 0 and taken > 0

@@ -35,7 +35,8 @@ POLICIES = {
     "auto": PolicyConfig(name="auto"),
 }
 TREE_POLICIES = {"svip-cape": PolicyConfig(name="svip", threshold=0.4, tree="cape"),
-                 "constant-auto": PolicyConfig(name="constant", draft_length=4, tree="auto")}
+                 "constant-auto": PolicyConfig(name="constant", draft_length=4, tree="auto"),
+                 "svip-deep": PolicyConfig(name="svip", threshold=0.3, tree="deep")}
 PROMPTS = ("def parse_args(argv):\n", "class Stack:\n    def __init__(self):\n", "import os\n\nfor root, dirs")
 MAX_NEW = 40
 
@@ -77,7 +78,8 @@ def pair_for(target, head, mode: str, feature_layers=None, target_kv_tokens: int
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_greedy_equals_target_alone_across_workers(embedded, alone_tokens, mode):
     """Every policy, chains and the head's token trees (their siblings the head's runners-up; a
-    sibling taken hands the head the target's feature there)."""
+    sibling taken hands the head the target's feature there; deep: the last place's siblings'
+    children cross the wire, and rounds take them)."""
     target, head = embedded
     ids = [tuple(target.tokenizer(p)["input_ids"]) for p in PROMPTS]
     requests = [GenerationRequest(i, MAX_NEW, policy=policy, ignore_eos=True)
@@ -87,6 +89,8 @@ def test_greedy_equals_target_alone_across_workers(embedded, alone_tokens, mode)
         assert result.token_ids == alone_tokens(request), (mode, request.policy.name)
         assert result.stats.detached == 0
     assert sum(r.stats.branches for r in results) > 0  # siblings settled rejected places
+    deep = [r for request, r in zip(requests, results) if request.policy.tree == "deep"]
+    assert sum(r.stats.branch_tokens - r.stats.branches for r in deep) > 0  # grown children taken
     drafted = sum(r.stats.draft_tokens for r in results)
     accepted = sum(r.stats.accepted_tokens for r in results)
     assert 0 < accepted < drafted  # rejections and acceptances both

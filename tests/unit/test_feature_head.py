@@ -148,6 +148,29 @@ def test_one_token_in_many_sequences_at_once_is_each_alone():
         assert torch.allclose(a.values, b.values, atol=1e-5)
 
 
+def test_alternatives_beside_one_another_are_each_alone_and_leave_the_cache_as_it_was():
+    """beside (a deep tree's siblings at one place): row i is what the cached forward gives pair i
+    alone after the same history, none attends another, and the cache keeps its length and keys."""
+    torch.manual_seed(2)
+    head = FeatureHead(small_config()).eval()
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.1)
+        history = torch.randn(7, 32), torch.randn(7, 32)
+        cache = HeadCache()
+        head(*history, cache)
+        keys = cache.keys.clone()
+        embeds, feats = torch.randn(4, 32), torch.randn(1, 32).expand(4, -1)
+        alone = []
+        for i in range(4):
+            alone.append(head(embeds[i : i + 1], feats[i : i + 1], cache))
+            cache.rollback(7)
+        rows = head.beside(embeds, feats, cache)
+    assert torch.allclose(rows, torch.cat(alone), atol=1e-5)
+    assert torch.equal(head.logits(rows).argmax(-1), head.logits(torch.cat(alone)).argmax(-1))
+    assert len(cache) == 7 and torch.equal(cache.keys, keys)
+
+
 def test_a_head_for_the_embedded_target_fits_it(tmp_path, target_config):
     c = HeadConfig.for_target(target_config)
     assert c.hidden_size == target_config.hidden_size and c.vocab_size == target_config.vocab_size
