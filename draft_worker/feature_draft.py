@@ -141,7 +141,7 @@ def _embedding_file(target: str) -> tuple[str, Path]:
 class FeatureDrafter(Drafter):
     """A feature head beside the target's embedding table, shared by the sessions it opens."""
 
-    grows = True  # trees deep and deep-auto: the last place's siblings get children (a head forward each)
+    grows = True  # trees deep and deep-auto: the last place's siblings get a child each (one head forward for all)
 
     def __init__(self, head: LoadedHead, embedding: torch.nn.Embedding, target_vocab_size: int, token_limit: int,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS):
@@ -168,7 +168,7 @@ class FeatureDrafter(Drafter):
         live = [d for d in drafts if not d.done]
         if not live:
             return
-        growing = [d for d in live if d._spine_done]  # its spine done and not yet: siblings to grow
+        growing = [d for d in live if d._spine_done]  # spines done, blocks not: the last place's siblings to grow
         drafting = [d for d in live if not d._spine_done]
         shapes = [(len(d._riders), len(d._session._cache)) for d in growing]
         shapes += [(len(d._pending), len(d._session._cache)) for d in drafting]
