@@ -282,19 +282,26 @@ def test_a_used_prepared_continuation_is_the_next_block_without_drafting_again()
         s.on_feedback(time.time(), 3, first.block.base, 3, 1, key[2], None, True, time.time())
 
 
+def prepared_after_a_sibling():
+    """An async session's first block, made a tree with one sibling at its second place (the
+    runner-up a continuation was prepared after), and that continuation: (session, block, sibling,
+    continuation)."""
+    s = session(pipelined=True)
+    s.start(time.time())
+    sent = drain(s)
+    first = sent[0]
+    sibling = runner_up(first.block.tokens[1])
+    first.block.siblings = [[], [sibling], []]
+    return s, first, sibling, next(o for o in sent if o.prepared_for == (first.block.base, 1, sibling))
+
+
 def test_a_continuation_prepared_after_a_sibling_follows_the_branch_that_takes_it():
     """A tree's verdict takes the sibling a continuation was prepared after: that continuation is
     the block in flight, its first place the token the target settled after the sibling (so the
     draft does not know that token yet); unused, it is dropped (the target's next block starts past
     that token), never sent again."""
     for used in (True, False):
-        s = session(pipelined=True)
-        s.start(time.time())
-        sent = drain(s)
-        first = sent[0]
-        sibling = runner_up(first.block.tokens[1])
-        first.block.siblings = [[], [sibling], []]
-        ready = next(o for o in sent if o.prepared_for == (first.block.base, 1, sibling))
+        s, first, sibling, ready = prepared_after_a_sibling()
         out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, used, time.time() + LATE,
                             branch=(sibling,))
         assert out == []
@@ -312,14 +319,8 @@ def test_a_continuation_prepared_after_a_sibling_serves_a_deep_branch_that_begin
     continuation's own verdict settles the child and the token after it. One that does not begin
     with the child cannot be used."""
     for child_fits in (True, False):
-        s = session(pipelined=True)
-        s.start(time.time())
-        sent = drain(s)
-        first = sent[0]
-        sibling = runner_up(first.block.tokens[1])
-        ready = next(o for o in sent if o.prepared_for == (first.block.base, 1, sibling))
+        s, first, sibling, ready = prepared_after_a_sibling()
         child = ready.block.tokens[0] if child_fits else runner_up(ready.block.tokens[0])
-        first.block.siblings = [[], [sibling], []]
         first.block.grown = [(3, child)]  # node 3: the sibling, after the spine's three
         branch = (sibling, child)
         if not child_fits:
