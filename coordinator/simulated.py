@@ -16,6 +16,7 @@ machine (the issue on cluster timings asks for both)."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 
@@ -72,8 +73,10 @@ class SimulatedPair(InMemoryPair):
         self.arrivals: dict[str, list[float]] = {name: [] for name in self.wires}
         self.finished_at: dict[str, float] = {}
         self._device(verifier.pool, "target", emulation.target)
-        if drafter is not None:
+        if drafter is not None and drafter.pool is not None:
             self._device(drafter.pool, "draft", emulation.draft)
+        elif drafter is not None:  # a feature head: no pool, its steps timed whole
+            drafter.time_as(_OnTimeline(self, self.timelines["draft"], emulation.draft))
 
     def _device(self, pool, worker: str, step: StepModel) -> None:
         """The pool's forwards take the step model's time on the worker's timeline."""
@@ -206,3 +209,24 @@ class SimulatedPair(InMemoryPair):
         kind = event.WhichOneof("kind")
         if kind in ("finished", "error"):
             self.finished_at[getattr(event, kind).session_id] = self.now
+
+
+class _OnTimeline:
+    """A feature head's device timing in the simulation (it has no pool whose forwards to time):
+    each of its steps lasts its step model's time on the draft's timeline, as a pool's forward
+    does in ``SimulatedPair._device``."""
+
+    virtual = True
+
+    def __init__(self, pair: SimulatedPair, timeline: Timeline, step: StepModel):
+        self.pair, self.timeline, self.step = pair, timeline, step
+        self.last_s = 0.0  # the last step's simulated time (what the drafter reports it took)
+
+    @contextlib.contextmanager
+    def forward(self, sequences):
+        started = time.perf_counter()
+        yield
+        self.timeline.device_wall_s += time.perf_counter() - started
+        seconds = self.last_s = self.step.forward_s(sequences) * self.pair.scale
+        self.timeline.forward_s += seconds
+        self.timeline.clock.now += seconds

@@ -176,7 +176,10 @@ class FeatureDrafter(Drafter):
         with nullcontext() if self.timing is None else self.timing.forward(shapes):
             grown = [self._grown_rows(d) for d in growing]
             rows = self._forward(drafting) if drafting else []
-        share = (time.perf_counter() - started) / len(live)
+        elapsed = time.perf_counter() - started
+        if self.timing is not None and self.timing.virtual:  # a virtual device's time, as a pool's forward reports it
+            elapsed = self.timing.last_s
+        share = elapsed / len(live)
         for d, logits in zip(growing, grown):
             self._grow(d, logits, share)
         self._absorb_rows(drafting, rows, share)

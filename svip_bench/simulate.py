@@ -14,6 +14,7 @@ from pathlib import Path
 
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
+from draft_worker.feature_draft import FeatureDrafter
 from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.emulation import Emulation, parse_emulation
@@ -82,12 +83,12 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
     (coordinator/simulated.py; mode alone: the target alone, else sync or async with the engine's
     draft), a fresh pair per wave; host work measured here, times host_scale; parallel: the
     speculative blocks an async session drafts side by side (draft_worker/service.py)."""
-    target, draft = engine.target, engine.drafter.draft
+    target = engine.target
     limits = Limits(tokens=target.token_limit, positions=target.max_positions)
     tokens, seconds, ends, outputs, used, rejected = 0, 0.0, [], [], 0, 0
     for first in range(0, len(requests), n):
-        drafter = None if mode == "alone" else Drafter(draft, target.vocab_size, limits.tokens)
-        pair = SimulatedPair(target, Verifier(target, limits.tokens), drafter, limits,
+        verifier, drafter = _workers(engine, limits, with_draft=mode != "alone")
+        pair = SimulatedPair(target, verifier, drafter, limits,
                              "sync" if mode == "alone" else mode, emulation, host_scale, load_aware="off",
                              parallel=parallel)
         wave = pair.run_all(requests[first:first + n])
@@ -98,6 +99,19 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
         used += sum(r.stats.prepared_used for r in results)
         rejected += sum(a < d for r in results for d, a in zip(r.stats.draft_lengths, r.stats.accepted_lengths))
     return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected if rejected else 0.0)
+
+
+def _workers(engine, limits: Limits, with_draft: bool) -> tuple[Verifier, Drafter | None]:
+    """A fresh verifier and drafter for the engine's pair: its draft model, or its feature head
+    (the target then hands the head's layers over with each verdict)."""
+    target, drafter = engine.target, engine.drafter
+    if not with_draft:
+        return Verifier(target, limits.tokens), None
+    if isinstance(drafter, FeatureDrafter):
+        head = drafter.draft
+        return (Verifier(target, limits.tokens, feature_layers=head.head.config.target_layers),
+                FeatureDrafter(head, drafter.embedding, target.vocab_size, limits.tokens))
+    return Verifier(target, limits.tokens), Drafter(drafter.draft, target.vocab_size, limits.tokens)
 
 
 def _decoding(temperature: float) -> str:

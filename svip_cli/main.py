@@ -318,8 +318,8 @@ def _plan(args: argparse.Namespace) -> int:
         raise InvalidRequest("--prompts-per-category must be in 1..100 and --max-new-tokens in 1..4096")
     torch.set_num_threads(1)
     engine = _load_engine(argparse.Namespace(**{**vars(args), "emulate": None}))
-    if engine.drafter is None or engine.feature_draft:
-        raise InvalidRequest("svip plan needs a draft model (a feature head is not planned yet)")
+    if engine.drafter is None:
+        raise InvalidRequest("svip plan needs a draft: a model or a feature head (--draft)")
     prompts = prompts_for(args.categories, args.dataset, args.prompts_per_category)
     header = {"command": "svip " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "machine": machine_description(),
               "target": engine.target.path, "draft": engine.draft_path, "prompts": len(prompts),

@@ -38,6 +38,23 @@ def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_pa
     assert (out / "plan.png").stat().st_size > 1000
 
 
+def test_plan_plans_a_feature_head_in_every_placement(tmp_path, capsys):
+    """--draft eagle: the embedded target's head, on the devices of an EAGLE-3 head, in process
+    (its steps on the virtual device beside the target's) and across the workers (the simulated
+    clock times its steps whole), chains and deep trees, every output the target alone's."""
+    out = tmp_path / "plan"
+    code = main(["plan", "--draft", "eagle", "--emulate",
+                 "target=llama-3.1-8b@h100,draft=eagle3-llama-3.1-8b@h100,link=0.1ms", "--categories", "code",
+                 "--prompts-per-category", "1", "--max-new-tokens", "8", "--sessions", "1",
+                 "--policies", "svip,svip+deep", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err[-2000:]
+    doc = json.loads((out / "plan.json").read_text())
+    assert doc["exactness_violations"] == []
+    assert {(r["placement"], r["policy"]) for r in doc["rows"]} == {("target alone", "none")} | {
+        (p, policy) for p in ("in process", "sync", "async") for policy in ("svip", "svip+deep")}
+
+
 def test_the_virtual_device_counts_each_forward_at_its_step_not_this_machines_time(model_dirs, models, prompt_ids):
     """In process on a virtual device, a run's time is its forwards' modelled time plus the host
     work, whatever this CPU takes for them: a device ten times slower adds nine times the modelled

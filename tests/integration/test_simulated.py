@@ -115,3 +115,31 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
                          (["--temperature", "0.5", "--mode", "policies"], "--temperature applies to --mode simulate")):
         assert main(base + extra) == 2
         assert words in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_feature_head_drafts_in_virtual_time_too(pipeline):
+    """The embedded target's head, which has no KV pool: each of its steps lasts its step model's
+    time on the draft's timeline (a whole step, as device timing counts it), so with no host work
+    counted two runs take the same time; the output is the target alone's, its deep trees too."""
+    from draft_worker.feature_draft import FeatureDrafter, load_feature_draft
+    from svip_assets import default_head, default_pair
+    from svip_common.models import load_model
+
+    target = load_model(default_pair()[0])
+    head = load_feature_draft(default_head(), target)
+    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
+    spec = parse_emulation("target=llama-3.1-8b@h100,draft=eagle3-llama-3.1-8b@h100,link=1ms")
+    ids = tuple(target.tokenizer("def parse_args(argv):\n")["input_ids"])
+    requests = [GenerationRequest(ids, 24, policy=PolicyConfig(name="svip", threshold=0.3, tree=tree), ignore_eos=True)
+                for tree in ("off", "deep")]
+    expected = SpeculativeEngine(target, None).generate(requests[0]).token_ids
+    runs = []
+    for _ in range(2):
+        drafter = FeatureDrafter(head, target.model.get_input_embeddings(), target.vocab_size, limits.tokens)
+        verifier = Verifier(target, limits.tokens, feature_layers=head.head.config.target_layers)
+        pair = SimulatedPair(target, verifier, drafter, limits, pipeline, spec, 0.0, load_aware="off")
+        runs.append(pair.run_all(requests))
+        assert [p.result().token_ids for p in pair.pending.values()] == [expected, expected]
+        assert sum(p.result().stats.draft_tokens for p in pair.pending.values()) > 0
+    assert runs[0].makespan_s == runs[1].makespan_s and runs[0].busy_s["draft"] > 0
