@@ -285,7 +285,8 @@ def _add_plan_parser(sub) -> None:
                       help="the devices: target=MODEL@[Nx]DEVICE,draft=MODEL@[Nx]DEVICE,link=LINK "
                       f"({DEFAULT_EMULATION})")
     plan.add_argument("--target", help="target model whose tokens are used (default: the embedded pair)")
-    plan.add_argument("--draft", help="draft model (default: the embedded pair)")
+    plan.add_argument("--draft", help="draft model, or a feature head's directory ('eagle': the embedded target's own; "
+                      "emulate it as eagle3-llama-3.1-8b@DEVICE) (default: the embedded pair)")
     plan.add_argument("--dtype", default="float32")
     plan.add_argument("--device", default="cpu")
     plan.add_argument("--dataset", help="spec-bench.jsonl for sample prompts (default ../shared/specbench/...)")
