@@ -388,12 +388,11 @@ class BlockDraft:
         if self._keep_alternatives:
             self.alternatives.append(others[:ALTERNATIVES])
         if self._tree:  # CaPE's siblings at this place, the block's nodes bounded
-            room = MAX_TREE_NODES - self._limit - sum(map(len, block.siblings)) - self._grown_nodes
-            kept = cape_siblings(prob, others, room, self._reach, self._price)
+            kept = cape_siblings(prob, others, self._room, self._reach, self._price)
             block.siblings.append(kept)
-            q_of, place = dict(others), len(block.tokens) - 1
-            self._sibling_reach.update({(place, t): self._reach * q_of[t] for t in kept})
             if self._grows:  # their rows come with the next forward (a place after them, not a stop token)
+                q_of, place = dict(others), len(block.tokens) - 1
+                self._sibling_reach.update({(place, t): self._reach * q_of[t] for t in kept})
                 self._riders = [(place, t) for t in kept if place + 1 < self._limit and t not in s.stop_token_ids]
             self._reach *= prob
         if q is not None:
@@ -410,20 +409,20 @@ class BlockDraft:
         self.compute_s += spent
         s.compute_s += spent
 
-
     @property
-    def _grown_nodes(self) -> int:
-        return sum(map(len, self._children.values()))
+    def _room(self) -> int:
+        """Nodes the block may still add off its spine (the spine's whole cap held back for it)."""
+        grown = sum(map(len, self._children.values()))
+        return MAX_TREE_NODES - self._limit - sum(map(len, self.block.siblings)) - grown
 
     def _grown(self, ranked: list[list[tuple[int, float]]], forward_s: float) -> None:
         """The riders' rows gave each its most likely next tokens (ranked, with q): the children
         whose path pays (trees.grown_children), the block's nodes bounded. Once the spine is
         done, this was the block's last forward: its tree is finished."""
-        s, block = self._session, self.block
+        s = self._session
         started = time.perf_counter()
         for rider, options in zip(self._riders, ranked):
-            room = MAX_TREE_NODES - self._limit - sum(map(len, block.siblings)) - self._grown_nodes
-            kept = grown_children(options, self._sibling_reach[rider], self._price, room)
+            kept = grown_children(options, self._sibling_reach[rider], self._price, self._room)
             if kept:
                 self._children[rider] = kept
         self._riders = []

@@ -438,7 +438,7 @@ def _check_branch(block: Block, accepted: int, branch: tuple[int, ...]) -> None:
         raise InvalidRequest(f"feedback takes {branch[0]} at place {accepted}, "
                              "not a sibling this session drafted there")
     tokens = node_tokens(block.tokens, block.siblings, block.grown)
-    children, at = children_of(node_parents(k, block.siblings, block.grown or ())), accepted - 1
+    children, at = children_of(node_parents(k, block.siblings, block.grown)), accepted - 1
     for depth, token in enumerate(branch):
         at = next((node for node in children.get(at, ()) if node >= k and tokens[node] == token), None)
         if at is None:

@@ -133,12 +133,13 @@ def grown_children(ranked: Sequence[tuple[int, float]], reach: float, price: flo
     return [token for token, q in ranked[: min(GROWN_WIDEST, max(room, 0))] if reach * q > price]
 
 
-def node_parents(spine: int, siblings: Sequence[Sequence[int]], grown: Sequence[tuple[int, int]] = ()) -> list[int]:
+def node_parents(spine: int, siblings: Sequence[Sequence[int]] | None,
+                 grown: Sequence[tuple[int, int]] | None = None) -> list[int]:
     """Each node's parent among the nodes (-1: the token before the block), in the layout above."""
     parents = [i - 1 for i in range(spine)]
-    for place, options in enumerate(siblings):
+    for place, options in enumerate(siblings or ()):
         parents += [place - 1] * len(options)
-    return parents + [parent for parent, _ in grown]
+    return parents + [parent for parent, _ in grown or ()]
 
 
 def node_tokens(tokens: Sequence[int], siblings: Sequence[Sequence[int]] | None,
@@ -150,7 +151,7 @@ def node_tokens(tokens: Sequence[int], siblings: Sequence[Sequence[int]] | None,
 def node_paths(tokens: Sequence[int], siblings: Sequence[Sequence[int]] | None,
                grown: Sequence[tuple[int, int]] | None = None) -> list[tuple[int, ...]]:
     """Each node's path: the tokens from the block's first place through the node's own."""
-    parents = node_parents(len(tokens), siblings or (), grown or ())
+    parents = node_parents(len(tokens), siblings, grown)
     paths: list[tuple[int, ...]] = []
     for parent, token in zip(parents, node_tokens(tokens, siblings, grown)):
         paths.append((*(paths[parent] if parent >= 0 else ()), token))

@@ -465,7 +465,7 @@ class TargetSession:
             nodes = node_tokens(drafted, block.siblings, block.grown)
             parents = [i - 1 for i in range(len(before))]
             parents += [p + len(before) if p >= 0 else len(before) - 1
-                        for p in node_parents(len(drafted), block.siblings, block.grown or ())]
+                        for p in node_parents(len(drafted), block.siblings, block.grown)]
             return _Plan((self.sequence, before + nodes, len(nodes) + (not reuse), parents), reuse)
         if reuse:
             return _Plan((self.sequence, list(drafted), len(drafted)), True)
@@ -525,7 +525,7 @@ class TargetSession:
         settles the next place. The cache keeps the path taken (its last row stored, as a chain's is)."""
         k = len(block.tokens)
         tokens = node_tokens(block.tokens, block.siblings, block.grown)
-        path = greedy_path(node_parents(k, block.siblings, block.grown or ()), tokens, target_tokens)
+        path = greedy_path(node_parents(k, block.siblings, block.grown), tokens, target_tokens)
         accepted = sum(node < k for node in path)
         branch = path[accepted:]
         self.keep_tree_path(base, block, accepted, branch, logits)
@@ -545,7 +545,7 @@ def _branch_sampled(session: TargetSession, base: int, block: Block, accepted: i
     from ``start`` (the place before the block first)."""
     k, seed = len(block.tokens), session.sampling.seed
     tokens = node_tokens(block.tokens, block.siblings, block.grown)
-    children = children_of(node_parents(k, block.siblings, block.grown or ()))
+    children = children_of(node_parents(k, block.siblings, block.grown))
     path, at, place = [], accepted - 1, base + accepted
     while options := [node for node in children.get(at, ()) if node >= k]:
         coins = [uniform(seed, place, Purpose.BRANCH, j) for j in range(len(options))]

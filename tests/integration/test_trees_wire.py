@@ -147,8 +147,15 @@ def test_a_tree_the_rules_refuse_gives_the_draft_up_not_the_output(models, promp
 
     monkeypatch.setattr(drafter, "MAX_TREE_NODES", 4 * MAX_TREE_NODES)  # the draft side's bound, loosened
     monkeypatch.setattr(drafter, "cape_siblings", lambda p, ranked, room, reach=1.0, price=0.0: [t for t, _ in ranked])
+    _gives_the_draft_up_beside_a_chain(models, prompt_ids, alone, PolicyConfig(name="constant", draft_length=10,
+                                                                                tree="cape"))
+
+
+def _gives_the_draft_up_beside_a_chain(models, prompt_ids, alone, policy: PolicyConfig) -> None:
+    """A tree session whose draft worker breaks the rules, batched beside a chain session (sync,
+    the draft first): the tree's draft is given up and its output stays exact; the chain keeps its
+    draft and its own exact output."""
     pair = make_pair(models, "sync", DRAFT_FIRST)
-    policy = PolicyConfig(name="constant", draft_length=10, tree="cape")
     neighbour = GenerationRequest(prompt_ids["long"], MAX_NEW, policy=PolicyConfig(name="constant", draft_length=3))
     result, beside = pair.generate_all([GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=policy), neighbour])
     assert result.token_ids == alone[prompt_ids["medium"]]
@@ -193,14 +200,8 @@ def test_grown_nodes_the_rules_refuse_give_the_draft_up_not_the_output(models, p
     from draft_worker import drafter
 
     monkeypatch.setattr(drafter, "grown_children", lambda ranked, reach, price, room: [ranked[0][0]] * 2)
-    pair = make_pair(models, "sync", DRAFT_FIRST)
-    policy = PolicyConfig(name="constant", draft_length=3, tree="deep")
-    neighbour = GenerationRequest(prompt_ids["long"], MAX_NEW, policy=PolicyConfig(name="constant", draft_length=3))
-    result, beside = pair.generate_all([GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=policy), neighbour])
-    assert result.token_ids == alone[prompt_ids["medium"]]
-    assert result.stats.detached == 1
-    assert beside.token_ids == alone[prompt_ids["long"]]
-    assert beside.stats.detached == 0 and beside.stats.accepted_tokens > 0
+    _gives_the_draft_up_beside_a_chain(models, prompt_ids, alone, PolicyConfig(name="constant", draft_length=3,
+                                                                                tree="deep"))
 
 
 def test_a_sampled_deep_tree_across_the_workers_follows_the_target(models, prompt_ids):
