@@ -381,6 +381,23 @@ def test_a_heads_token_tree_equals_target_alone(models, heads, prompt_ids, refer
     assert (sum(grown) > 0) == (tree == "deep")
 
 
+def test_a_heads_seeded_sampled_deep_tree_reproduces_one_at_a_time_and_batched(models, heads, prompt_ids):
+    """Sampled deep trees with a head: every draw keyed by (seed, place, purpose), the grown
+    children's coins too, so a request draws the same tokens alone, again, and in a batch;
+    children were grown. (The walk that judges them is the draft model's: its chi-square,
+    tests/integration/test_sampling_exact.py, is drafter-agnostic.)"""
+    engine = SpeculativeEngine(models["target"], heads["full"])
+    policy = PolicyConfig(name="svip", threshold=0.3, tree="deep")
+    requests = [GenerationRequest(ids, 24, SamplingParams(temperature=0.9, seed=7 + i), policy)
+                for i, ids in enumerate(prompt_ids.values())]
+    grown = []
+    one = [engine.generate(r, on_round=lambda block, verdict, settled: grown.append(len(block.grown or ())))
+           for r in requests]
+    assert sum(grown) > 0
+    assert [r.token_ids for r in one] == [engine.generate(r).token_ids for r in requests]
+    assert [r.token_ids for r in one] == [r.token_ids for r in engine.generate_many(requests, len(requests))]
+
+
 def test_the_embedded_heads_deep_trees_settle_children_and_stay_exact(prompt_ids):
     """The embedded pair's trained head, tree deep: its last places' siblings get children
     (each the head's own choice after its sibling: tests/unit/test_feature_head.py, beside),
