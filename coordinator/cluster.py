@@ -25,8 +25,10 @@ RECOVER_TIMEOUT_S = 120.0  # a replaced worker serves again within this (restart
 # Ray's dashboard agent always listens on this port (ray_constants.DEFAULT_DASHBOARD_AGENT_LISTEN_PORT;
 # ray.init cannot move it): a metrics port there makes Ray refuse to start.
 RAY_AGENT_PORT = 52365
-# ray.init's message when its raylet missed Ray's fixed startup wait; init_local_ray starts again.
-RAY_SLOW_START = "timed out during startup"
+# ray.init's messages when a process it started missed its wait, on which init_local_ray starts again:
+# the raylet missed Ray's fixed 30 s to register; the GCS never published its port (its forked child
+# once hung before exec: Ray runs Python in the child, and this process had gRPC threads).
+RAY_SLOW_STARTS = ("timed out during startup", "Timed out waiting for file")
 RAY_START_ATTEMPTS = 2
 
 
@@ -62,12 +64,13 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
             ray.init(**options)
             return
         except Exception as error:
-            if RAY_SLOW_START not in str(error) or attempt == RAY_START_ATTEMPTS:
+            if not any(message in str(error) for message in RAY_SLOW_STARTS):
                 raise
-            # Ray waits a fixed 30 s for its raylet to register (ray/_private/node.py, not
-            # configurable); a busy machine once missed it. The processes that attempt started
-            # are this process's children and nobody else's: stop them, then start afresh.
+            # The processes that attempt started are this process's children and nobody else's
+            # (a stuck one would hold its port and files): stop them, then start afresh or give up.
             stopped = _stop_children(_child_pids() - started_before)
+            if attempt == RAY_START_ATTEMPTS:
+                raise
             log.warning("Ray did not start (%s): stopped the %d processes it left, starting again", error, stopped)
 
 

@@ -75,3 +75,44 @@ def test_a_raylet_that_misses_rays_startup_wait_is_started_again_and_the_first_a
         out, err = proc.communicate("\n", timeout=300)
     assert proc.returncode == 0, err[-3000:]
     assert "Ray did not start" in err and "timed out during startup" in err, err[-3000:]
+
+
+# The first GCS never publishes its port, as a forked child that hung before exec once did: a
+# stand-in that only sleeps takes its place, and that attempt's wait for the port is one second.
+FIRST_GCS_NEVER_PUBLISHES = (
+    "import logging, os, sys\n"
+    "logging.basicConfig()\n"
+    "import ray, ray._private.services as services, psutil\n"
+    "from coordinator.cluster import init_local_ray\n"
+    "real_start, stand_ins = services.start_gcs_server, []\n"
+    "def start_gcs_server(*args, **kwargs):\n"
+    "    if stand_ins:\n"
+    "        os.environ['RAY_gcs_server_port_wait_time_s'] = '120'\n"
+    "        return real_start(*args, **kwargs)\n"
+    "    os.environ['RAY_gcs_server_port_wait_time_s'] = '1'\n"
+    "    quiet = open(os.devnull, 'w')\n"  # the test reads this process's pipes to their end
+    "    info = services.start_ray_process([sys.executable, '-c', 'import time; time.sleep(3600)'], 'gcs_server',\n"
+    "                                      stdout_file=quiet, stderr_file=quiet, fate_share=True)\n"
+    "    stand_ins.append(info.process.pid)\n"
+    "    return info\n"
+    "services.start_gcs_server = start_gcs_server\n"
+    "init_local_ray()\n"
+    "assert ray.get(ray.remote(lambda: 'ok').remote()) == 'ok'\n"
+    "names = [p.name() for p in psutil.Process().children(recursive=True)]\n"
+    "print(names.count('gcs_server'), names.count('raylet'), psutil.pid_exists(stand_ins[0]), flush=True)\n"
+    "input()\n"
+    "ray.shutdown()\n"
+)
+
+
+def test_a_gcs_that_never_publishes_its_port_is_stopped_and_ray_started_again():
+    proc = subprocess.Popen([sys.executable, "-c", FIRST_GCS_NEVER_PUBLISHES], cwd=REPO, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        seen = proc.stdout.readline().split()
+        assert seen == ["1", "1", "False"], proc.stderr.read()[-3000:] if not seen else seen
+        assert_loopback_listeners()
+    finally:
+        out, err = proc.communicate("\n", timeout=300)
+    assert proc.returncode == 0, err[-3000:]
+    assert "Ray did not start" in err and "Timed out waiting for file" in err, err[-3000:]
