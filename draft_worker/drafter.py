@@ -78,9 +78,10 @@ class Drafter:
                 continue  # an earlier block of this step prefills its prompt: the next step forks it
             pending = d._pending
             if len(pending) > 1:
-                prompts.append(d._context)
-            if len(pending) > room and len(pending) > 1:
-                chunk = min(int(room), len(pending) - 1) if room >= 1 else 0
+                prompts.append((d._session, d._context))
+            splits = self.sharing.splits(d._session, len(pending))  # its last token: next step
+            if (len(pending) > room or splits) and len(pending) > 1:
+                chunk = int(min(room, len(pending) - 1)) if room >= 1 else 0
                 if chunk > 0:  # the prefix goes in; the rest, with the block's next token, later
                     steps.append((d._seq, pending[:chunk], 0))
                     d._pending = pending[chunk:]
@@ -194,7 +195,7 @@ class Drafter:
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int], prompt_len: int = 0
     ) -> DraftSession:
         session = DraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree, prompt_len)
-        self.sharing.add(session)
+        self.sharing.add(session, prompt_len)
         return session
 
 

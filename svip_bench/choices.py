@@ -1,9 +1,10 @@
-"""`svip bench --mode choices`: a request's n choices (greedy by default: sampled ones share no
-pages, svip_common/prompt_sharing.py says why; each choice its seed's request) through
-the in-process batch, the prompt's pages shared between them on the target and the draft
-(svip_common/prompt_sharing.py) and apart, alternating, each prompt's choices together. Prints its command, the
-machine, wall-time medians, their ratio and the tokens the target's forwards held; every choice's
-output must be the same both ways (it stops with an error otherwise)."""
+"""`svip bench --mode choices`: a request's n choices (greedy by default, or sampled with
+--temperature; each choice its seed's request) through the in-process batch, the prompt's pages
+shared between them on the target and the draft (svip_common/prompt_sharing.py) and apart (no
+session forks another's pages; sampled ones still split their prefill, as deployed), alternating,
+each prompt's choices together. Prints its command, the machine, wall-time medians, their ratio
+and the tokens the target's forwards held; every choice's output must be the same both ways (it
+stops with an error otherwise)."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ WAYS = ("shared", "apart")
 
 
 def run(engine, prompts, args, header: dict) -> int:
-    n, temperature = args.n, args.temperature  # greedy by default: sampled sessions share no pages
+    n, temperature = args.n, args.temperature
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     policy = PolicyConfig(name="svip", threshold=engine.calibration().threshold)
     header.update(n=n, temperature=temperature, prompt_tokens=[len(ids) for ids in encoded],
@@ -32,7 +33,7 @@ def run(engine, prompts, args, header: dict) -> int:
     for _ in range(args.repeats):
         for way in WAYS:
             for worker in workers.values():
-                worker.sharing.enabled = way == "shared"
+                worker.sharing.forks = way == "shared"
             before = {k: (w.pool.forward_tokens, w.sharing.shared_tokens) for k, w in workers.items()}
             start, got = time.perf_counter(), []
             for i, ids in enumerate(encoded):
@@ -47,7 +48,7 @@ def run(engine, prompts, args, header: dict) -> int:
                 raise SvipError("a choice's output changed with prompt sharing (or between repeats): a bug")
             progress.update(1)
     for worker in workers.values():
-        worker.sharing.enabled = True
+        worker.sharing.forks = True
     rows = {w: {"seconds": statistics.median(seconds[w]), "target_forward_tokens": forwarded[w]["target"],
                 "draft_forward_tokens": forwarded[w]["draft"]} for w in WAYS}
     header["prompt_tokens_shared"] = shared_tokens

@@ -45,7 +45,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "(cape, auto, deep, deep-auto), beside its chains")
     bench.add_argument("--temperature", type=float, default=0.0,
                        help="simulate: sample at this temperature, each prompt seeded by its place (0: greedy, "
-                       "the default); choices: the choices' temperature (sampled sessions share no pages)")
+                       "the default); choices: the choices' temperature (sampled ones share too, each its "
+                       "seed's to the bit)")
     bench.add_argument("--n", type=int, default=4, help="choices: a request's choices, its prompt's pages shared "
                        f"or apart (4; at most {MAX_CHOICES})")
     bench.add_argument("--host-scale", type=float, default=1.0,

@@ -15,12 +15,19 @@ rounding, as batching and chunked prefill already rely on): the output is unchan
 draft's target (feature_layers) does not share: the draft needs every prompt position's features
 from the session's own forwards.
 
-Greedy sessions only. A forked session computes its last prompt token in a forward of its own,
-where its own prefill would have computed it among the rest: the same values to float rounding,
-not always to the bit. A sampled request's tokens follow the target's distribution either way,
-but a seeded one must reproduce, and whether another session held its prompt at that moment is
-not the request's to decide (CI caught a seeded tree request drawing another token at place 12
-when the draft forked a cache its previous run had not yet closed). No torch here."""
+A sampled session's draws must reproduce from its seed alone, whether or not another session
+held its prompt at that moment (CI once caught a seeded tree request drawing another token at
+place 12 when the draft forked a cache its previous run had not yet closed): a fork must compute
+what the session alone would have, to the bit. So a sampled session prefills a page or more in two
+forwards (``splits``): every uncached token but the last, then the last in a forward of its own,
+as a fork of its prompt does; and it forks only a sampled session whose prompt had its length and
+its tokens but the last, whose own split prefill therefore computed the same rows in the same shapes (``_may_fork``): a request's n choices, the same request twice. Not a prefix of
+another prompt, a greedy session's or a scoring request's (``computed_whole``): their prefill
+computed those rows in a longer forward, equal only to float rounding. What a split costs: one
+more forward of a token per sampled session, on each side. (In a batch, the other rows of a
+forward move a row's last bits as well, as in any batched engine: a seed reproduces to the bit
+where the batch does, and to float rounding otherwise.)
+No torch here."""
 
 from __future__ import annotations
 
@@ -33,11 +40,22 @@ from svip_common.sequences import common_prefix
 class PromptSharing:
     def __init__(self, page_size: int, enabled: bool = True):
         self.page_size, self.enabled = page_size, enabled
+        # False: no session forks another's pages, sampled ones still split (a measurement's
+        # "apart", whose outputs equal the shared ones': svip bench --mode choices)
+        self.forks = True
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # open sessions (a closed one leaves)
+        self._prompt_lens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a session's prompt's length
         self.shared_tokens = 0  # tokens sessions took from others' pages instead of computing them
 
-    def add(self, session) -> None:
+    def add(self, session, prompt_len: int = 0) -> None:
+        """An open session; prompt_len: its prompt's (0: not known, and a sampled one forks none of it)."""
         self._sessions.add(session)
+        self._prompt_lens[session] = prompt_len
+
+    def computed_whole(self, session) -> None:
+        """The session's prompt went through one forward, its last token in it (a scoring request's
+        prefill): a sampled session forks none of it."""
+        self._prompt_lens[session] = 0
 
     def discard(self, session) -> None:
         self._sessions.discard(session)
@@ -55,7 +73,7 @@ class PromptSharing:
         for other in list(self._sessions):
             if other is not session and len(other.sequence) >= self.page_size:
                 shared = min(common_prefix(other.sequence.tokens, committed), len(committed) - 1)
-                if shared > best:
+                if shared > best and self._may_fork(session, other, committed, shared):
                     best, source = shared, other
         if source is None:
             return 0
@@ -70,13 +88,32 @@ class PromptSharing:
         usual decode step is not (nothing is looked up there, whatever the context's length; a
         cache that parted from its committed tokens at an earlier place is looked at once it is
         that short, as after an eviction)."""
-        return self.enabled and session.sampling.greedy and len(committed) - len(session.sequence) > self.page_size
+        return self.enabled and self.forks and len(committed) - len(session.sequence) > self.page_size
 
-    def waits(self, session, committed: Sequence[int], prefilling: list[Sequence[int]]) -> bool:
-        """Whether the session waits a step: an earlier session of this step prefills a page or
-        more of its committed tokens beyond what its cache holds (the next step forks them)."""
+    def _may_fork(self, session, other, committed: Sequence[int], shared: int) -> bool:
+        """Whether the session may take ``shared`` of its committed tokens from the other's cache: a
+        greedy one, any; a sampled one, all but its last, from a sampled session whose prompt had
+        its length (so that its rows are those the session's own split prefill computes)."""
+        if session.sampling.greedy:
+            return True
+        return (not other.sampling.greedy and shared == len(committed) - 1
+                and self._prompt_lens.get(other) == len(committed))
+
+    def splits(self, session, uncached: int) -> bool:
+        """Whether a session whose cache lacks ``uncached`` of its committed tokens computes all but
+        the last of them first, and the last in a forward of its own: a sampled one that could have
+        forked them (a page and more), so that its rows are the same either way."""
+        return self.enabled and not session.sampling.greedy and uncached - 1 >= self.page_size
+
+    def waits(self, session, committed: Sequence[int], prefilling: list[tuple[object, Sequence[int]]]) -> bool:
+        """Whether the session waits a step: an earlier session of this step (prefilling: each one's
+        session and committed tokens) prefills a page or more of its committed tokens beyond what
+        its cache holds, which it may fork (the next step forks them)."""
         if not prefilling or not self._may_prefill(session, committed):
             return False
         held = common_prefix(session.sequence.tokens, committed)
-        return any(min(common_prefix(other, committed), len(committed) - 1) >= held + self.page_size
-                   for other in prefilling)
+        for other, tokens in prefilling:
+            shared = min(common_prefix(tokens, committed), len(committed) - 1)
+            if shared >= held + self.page_size and self._may_fork(session, other, committed, shared):
+                return True
+        return False

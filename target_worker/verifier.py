@@ -61,7 +61,7 @@ class Verifier:
         tokenizer = None if sampling.grammar is None else grammar_tokenizer(target.tokenizer, target.vocab_size)
         session = TargetSession(self, sampling, RowRules.of(sampling, prompt_len, stop_ids, tokenizer))
         session.logprob_rows = None if logprobs is None else LogprobRows(logprobs)
-        self.sharing.add(session)
+        self.sharing.add(session, prompt_len)
         return session
 
     def load(self, sessions: int | None = None) -> TargetLoad | None:
@@ -103,11 +103,12 @@ class Verifier:
             prefill = tokens - block.nodes - 1  # uncached committed tokens, but the last one
             prefilling |= prefill > 0
             if prefill > 0:
-                prompts.append(committed)
-            if tokens > room and (prefill > 0 or steps):  # else a lone block a little past the budget runs
-                chunk = min(int(room), prefill)
+                prompts.append((session, committed))
+            splits = self.sharing.splits(session, prefill + 1)  # its last token and the block: next step
+            if splits or tokens > room and (prefill > 0 or steps):  # else a lone block a little past the budget runs
+                chunk = int(min(room, prefill))
                 if chunk > 0:
-                    seq, new, _ = plan.step
+                    seq, new = plan.step[:2]  # a tree's step carries its parents too
                     steps.append((seq, new[:chunk], 0))
                     owners.append(None)
                     session.forget_row()
@@ -194,11 +195,13 @@ class Verifier:
                 continue
             seq, new, _ = plan.step
             if len(new) > 1:
-                prompts.append(committed)
-            if len(new) > room:  # a chunk of the prompt, its row later (a row stored before is not this one's)
-                steps.append((seq, new[: int(room)], 0))
+                prompts.append((session, committed))
+            cut = len(new) - 1 if self.sharing.splits(session, len(new)) else len(new)  # the last: next step
+            if len(new) > room or cut < len(new):  # a chunk of the prompt, its row later (a row stored before
+                chunk = int(min(room, cut))  # is not this one's)
+                steps.append((seq, new[:chunk], 0))
                 session.forget_row()
-                room = 0
+                room -= chunk
                 continue
             steps.append(plan.step)
             owners.append(session)
@@ -332,6 +335,7 @@ class TargetSession:
         alternatives; the last row is stored for the first generated place, so generation goes on
         from this prefill with nothing computed again."""
         self.sequence.rollback(0)
+        self._verifier.sharing.computed_whole(self)
         started = time.perf_counter()
         (rows,) = self._verifier.pool.forward([(self.sequence, list(prompt), len(prompt))])
         rows = mask_padding(rows, self._verifier.token_limit)
@@ -349,8 +353,12 @@ class TargetSession:
     def verify(self, committed: Sequence[int], block: Block) -> Verdict:
         """Settle the block. When the block's q rows live on the draft side (distributed
         sampling), a rejection returns ``token = -1`` and ``p_row``, and the draft side draws the
-        correction from norm(max(0, p_row - q))."""
-        return self._verifier.verify_batch([(self, committed, block)])[0]
+        correction from norm(max(0, p_row - q)). A sampled session's split prefill takes a
+        forward before the block's (svip_common/prompt_sharing.py)."""
+        verdict = None
+        while verdict is None:
+            verdict = self._verifier.verify_batch([(self, committed, block)])[0]
+        return verdict
 
     def judge_first(self, committed: Sequence[int], block: Block) -> Verdict | None:
         """This block's early verdict, or None: it needs its forward (``Verifier.judge_first``)."""

@@ -1,7 +1,8 @@
 """Sessions that begin alike share the pages of what they share, on the target and on the draft
 (svip_common/prompt_sharing.py): a request's n choices prefill their prompt once on each, greedy
-and sampled outputs unchanged, in the in-process batch and through the workers (the in-memory
-transport under orders that favour either side); the pages come back when the last holder closes."""
+outputs unchanged and sampled ones each its seed's alone to the bit, in the in-process batch and
+through the workers (the in-memory transport under orders that favour either side); the pages
+come back when the last holder closes."""
 
 from __future__ import annotations
 
@@ -32,19 +33,28 @@ def batch_run(models, requests, sharing: bool):
     from coordinator.engine import SpeculativeEngine
 
     engine = SpeculativeEngine(models["target"], models["close_draft"])
-    engine.verifier.sharing.enabled = engine.drafter.sharing.enabled = sharing
+    engine.verifier.sharing.forks = engine.drafter.sharing.forks = sharing
     results = engine.batch(N).generate_all(requests)
     return results, engine.verifier, engine.drafter
 
 
+def each_alone(models, requests):
+    """Each request in an engine of its own, prompt sharing on as deployed: nothing to share with."""
+    from coordinator.engine import SpeculativeEngine
+
+    return [SpeculativeEngine(models["target"], models["close_draft"]).generate(r) for r in requests]
+
+
 @pytest.mark.parametrize("sampled", [False, True])
 def test_n_choices_in_one_batch_prefill_their_prompt_once(models, prompt_ids, sampled):
+    """Greedy or sampled, each choice equals its request alone (a sampled one to the bit: its seed
+    reproduces whoever held the prompt), and the prompt is computed once on each side."""
     requests = choice_requests(prompt_ids, sampled)
     shared, verifier, drafter = batch_run(models, requests, sharing=True)
     apart, alone, draft_alone = batch_run(models, requests, sharing=False)
     assert [r.token_ids for r in shared] == [r.token_ids for r in apart]
-    # greedy: the prompt once; sampled: none shared (a seeded draw must not rest on another session's cache)
-    saved = 0 if sampled else (N - 1) * (len(requests[0].prompt_ids) - 1)
+    assert [r.token_ids for r in shared] == [r.token_ids for r in each_alone(models, requests)]
+    saved = (N - 1) * (len(requests[0].prompt_ids) - 1)
     assert verifier.sharing.shared_tokens == saved and alone.sharing.shared_tokens == 0
     assert alone.pool.forward_tokens - verifier.pool.forward_tokens == saved
     assert drafter.sharing.shared_tokens == saved and draft_alone.sharing.shared_tokens == 0
@@ -61,16 +71,15 @@ def test_n_choices_through_the_workers_share_and_equal_them_apart(models, prompt
     requests = choice_requests(prompt_ids, sampled)
     pair = make_pair(models, pipeline, order)
     apart = make_pair(models, pipeline, order)
-    apart.host.verifier.sharing.enabled = apart.draft.drafter.sharing.enabled = False
-    got, want = pair.generate_all(requests), apart.generate_all(requests)
-    assert [r.token_ids for r in got] == [r.token_ids for r in want]
+    apart.host.verifier.sharing.forks = apart.draft.drafter.sharing.forks = False
+    got = pair.generate_all(requests)
+    assert [r.token_ids for r in got] == [r.token_ids for r in apart.generate_all(requests)]
+    solo = make_pair(models, pipeline, order)  # each request alone, sharing on: a sampled one to the bit
+    assert [r.token_ids for r in got] == [solo.generate_all([r])[0].token_ids for r in requests]
     shared, alone = pair.host.verifier, apart.host.verifier
     drafter, draft_alone = pair.draft.drafter, apart.draft.drafter
-    if sampled:  # a seeded draw must not rest on another session's cache: nothing shared
-        assert shared.sharing.shared_tokens == drafter.sharing.shared_tokens == 0
-    else:
-        assert shared.sharing.shared_tokens > 0 and shared.pool.forward_tokens < alone.pool.forward_tokens
-    if schedule != "target first" and not sampled:  # target first: the target fills every round, no draft runs
+    assert shared.sharing.shared_tokens > 0 and shared.pool.forward_tokens < alone.pool.forward_tokens
+    if schedule != "target first":  # target first: the target fills every round, no draft runs
         assert drafter.sharing.shared_tokens > 0 and drafter.pool.forward_tokens < draft_alone.pool.forward_tokens
     stats = pb.WorkerStats()
     pair.host.add_stats(stats)  # what the target's Stats answers, and Prometheus counts up
@@ -105,3 +114,61 @@ def test_the_greedy_reference_holds(models, prompt_ids):
     shared, *_ = batch_run(models, requests, sharing=True)
     alone = SpeculativeEngine(models["target"], None).generate(dataclasses.replace(requests[0]))
     assert all(r.token_ids == alone.token_ids for r in shared)
+
+
+# Prompt lengths at which a prompt computed in one forward gives its last row other bits than
+# computed in two (every token but the last, then the last with the block), on this machine's
+# kernels: a fork that took the wrong rows shows in the logprobs' bits. Runs alone only: a batch's
+# other rows move a row's last bits too, as in any batched engine (docs/architecture.md).
+ROUNDING_LENGTHS = (34, 48, 62)
+
+
+def seeded(prompt_ids, length: int, greedy: bool = False) -> GenerationRequest:
+    sampling = SamplingParams() if greedy else SamplingParams(temperature=0.8, top_p=0.9, seed=11)
+    return GenerationRequest(prompt(prompt_ids)[:length], 12, sampling=sampling, policy=PolicyConfig(name="svip"),
+                             ignore_eos=True, logprobs=2)
+
+
+def bits(result) -> tuple:
+    return result.token_ids, [(t.token, t.logprob, tuple(t.top)) for t in result.logprobs]
+
+
+def beside_a_holder(models, holder: GenerationRequest, request: GenerationRequest):
+    """The request run alone while the holder's session stays open, one round in (its prompt in
+    both caches, idle, as a finished request's draft session may still be): what each side shared."""
+    from coordinator.engine import SpeculativeEngine
+
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    held = engine.open(holder)
+    try:
+        block = held.propose()
+        held.settle(block, held.target.verify(held.committed, block))
+        result = engine.generate(request)
+    finally:
+        held.close()
+    return result, engine.verifier.sharing.shared_tokens, engine.drafter.sharing.shared_tokens
+
+
+def test_a_sampled_request_that_forks_its_prompt_equals_itself_alone_to_the_bit(models, prompt_ids):
+    """A seeded request and the same request again while the first one's sessions are still open:
+    the second forks the prompt on each side and draws, with the target's logprobs as floats,
+    exactly what it draws alone (it computes its last prompt token in a forward of its own after
+    the rest, as a fork does: the split, prompt_sharing.py)."""
+    for length in ROUNDING_LENGTHS:
+        request = seeded(prompt_ids, length)
+        got, target_shared, draft_shared = beside_a_holder(models, request, request)
+        assert target_shared == draft_shared == length - 1
+        assert bits(got) == bits(each_alone(models, [request])[0]), length
+
+
+def test_a_sampled_request_forks_no_prompt_computed_in_another_shape(models, prompt_ids):
+    """A greedy session's prompt or a scoring request's (one forward, its last token in it) or a
+    longer prompt's prefix holds other bits than a sampled request's own split prefill: it forks
+    none of them (on the draft, the scoring request's prompt is split as any other)."""
+    for length in ROUNDING_LENGTHS:
+        request = seeded(prompt_ids, length)
+        scoring = dataclasses.replace(request, prompt_logprobs=True)
+        for holder in (seeded(prompt_ids, length, greedy=True), seeded(prompt_ids, length + 20), scoring):
+            got, target_shared, draft_shared = beside_a_holder(models, holder, request)
+            assert target_shared == 0 and draft_shared == (length - 1 if holder is scoring else 0)
+            assert bits(got) == bits(each_alone(models, [request])[0]), length

@@ -331,16 +331,17 @@ def test_n_choices_each_equal_the_single_request_with_its_seed(client):
     assert streamed == singles
 
 
-def test_n_choices_share_their_prompts_pages_on_the_target(server, client, tokenizer, target_gate):
+@pytest.mark.parametrize("temperature", [0, 0.8])
+def test_n_choices_share_their_prompts_pages_on_the_target(server, client, tokenizer, target_gate, temperature):
     """The choices reach the target as sessions of one prompt: held before any verification until
     all four are open, the later ones fork the first's prompt pages (the workers' stats count them)
-    instead of prefilling it, and each is still the single request (greedy: sampled sessions share
-    no pages, svip_common/prompt_sharing.py)."""
+    instead of prefilling it, and each is still the single request, greedy or sampled with its seed
+    (svip_common/prompt_sharing.py)."""
     from svip_common.randomness import sample_seed
 
     prompt = " ".join(PROMPTS) * 2
     length = len(tokenizer(prompt)["input_ids"])
-    kw = dict(model=MODEL, prompt=prompt, max_tokens=64, temperature=0, extra_body={"ignore_eos": True})
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=64, temperature=temperature, extra_body={"ignore_eos": True})
     before = workers(server)["target"]["prompt_tokens_shared"]
     with target_gate.held(steps=0), ThreadPoolExecutor(1) as pool:
         many = pool.submit(client.completions.create, n=4, seed=5, **kw)
