@@ -21,12 +21,13 @@ place 12 when the draft forked a cache its previous run had not yet closed): a f
 what the session alone would have, to the bit. So a sampled session prefills a page or more in two
 forwards (``splits``): every uncached token but the last, then the last in a forward of its own,
 as a fork of its prompt does; and it forks only a sampled session whose prompt had its length and
-its tokens but the last, whose own split prefill therefore computed the same rows in the same shapes (``_may_fork``): a request's n choices, the same request twice. Not a prefix of
-another prompt, a greedy session's or a scoring request's (``computed_whole``): their prefill
-computed those rows in a longer forward, equal only to float rounding. What a split costs: one
-more forward of a token per sampled session, on each side. (In a batch, the other rows of a
-forward move a row's last bits as well, as in any batched engine: a seed reproduces to the bit
-where the batch does, and to float rounding otherwise.)
+its tokens but the last, whose own split prefill therefore computed the same rows in the same
+shapes (``_may_fork``): a request's n choices, the same request twice. Not a prefix of another
+prompt, a greedy session's or a scoring request's (``computed_whole``): their prefill computed
+those rows in a longer forward, equal only to float rounding. What a split costs: one more
+forward of a token per sampled session, on each side. (In a batch, the other rows of a forward
+move a row's last bits as well, as in any batched engine: a seed reproduces to the bit where the
+batch does, and to float rounding otherwise.)
 No torch here."""
 
 from __future__ import annotations
