@@ -39,6 +39,18 @@ def test_a_process_that_imported_ray_first_still_gets_a_loopback_cluster():
     assert proc.returncode == 0, err[-2000:]
 
 
+# Each script below makes the first attempt fail, then starts Ray, runs a task, prints its
+# children's counts (one GCS, one raylet: the first attempt's are gone) and its own checks(),
+# and holds the cluster up while the test looks at its listeners.
+STARTED_AGAIN = (
+    "init_local_ray()\n"
+    "assert ray.get(ray.remote(lambda: 'ok').remote()) == 'ok'\n"
+    "names = [p.name() for p in psutil.Process().children(recursive=True)]\n"
+    "print(names.count('gcs_server'), names.count('raylet'), *checks(), flush=True)\n"
+    "input()\n"
+    "ray.shutdown()\n"
+)
+
 # The first ray.init finds its raylet late past Ray's fixed 30 s wait (ray/_private/node.py), as a
 # busy machine once made it: the first registration check fails and node.py's clock reads 31 s on.
 FIRST_START_MISSES_THE_WAIT = (
@@ -55,27 +67,8 @@ FIRST_START_MISSES_THE_WAIT = (
     "    return real_get_node(*args, **kwargs)\n"
     "services.get_node = get_node\n"
     "node.time = types.SimpleNamespace(sleep=time.sleep, monotonic=lambda: time.monotonic() + late['s'])\n"
-    "init_local_ray()\n"
-    "assert ray.get(ray.remote(lambda: 'ok').remote()) == 'ok'\n"
-    "names = [p.name() for p in psutil.Process().children(recursive=True)]\n"
-    "print(names.count('gcs_server'), names.count('raylet'), flush=True)\n"
-    "input()\n"
-    "ray.shutdown()\n"
-)
-
-
-def test_a_raylet_that_misses_rays_startup_wait_is_started_again_and_the_first_attempt_leaves_nothing():
-    proc = subprocess.Popen([sys.executable, "-c", FIRST_START_MISSES_THE_WAIT], cwd=REPO, text=True,
-                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
-    try:
-        counts = proc.stdout.readline().split()
-        assert counts == ["1", "1"], proc.stderr.read()[-3000:] if not counts else counts  # one GCS, one raylet
-        assert_loopback_listeners()
-    finally:
-        out, err = proc.communicate("\n", timeout=300)
-    assert proc.returncode == 0, err[-3000:]
-    assert "Ray did not start" in err and "timed out during startup" in err, err[-3000:]
-
+    "def checks(): return ()\n"
+) + STARTED_AGAIN
 
 # The first GCS never publishes its port, as a forked child that hung before exec once did: a
 # stand-in that only sleeps takes its place, and that attempt's wait for the port is one second.
@@ -96,23 +89,29 @@ FIRST_GCS_NEVER_PUBLISHES = (
     "    stand_ins.append(info.process.pid)\n"
     "    return info\n"
     "services.start_gcs_server = start_gcs_server\n"
-    "init_local_ray()\n"
-    "assert ray.get(ray.remote(lambda: 'ok').remote()) == 'ok'\n"
-    "names = [p.name() for p in psutil.Process().children(recursive=True)]\n"
-    "print(names.count('gcs_server'), names.count('raylet'), psutil.pid_exists(stand_ins[0]), flush=True)\n"
-    "input()\n"
-    "ray.shutdown()\n"
-)
+    "def checks(): return (psutil.pid_exists(stand_ins[0]),)\n"  # whether the stand-in still lives
+) + STARTED_AGAIN
 
 
-def test_a_gcs_that_never_publishes_its_port_is_stopped_and_ray_started_again():
-    proc = subprocess.Popen([sys.executable, "-c", FIRST_GCS_NEVER_PUBLISHES], cwd=REPO, text=True,
+def started_again(script: str, because: str) -> list[str]:
+    """Run the script; what it printed after its counts, once the first attempt failed (its
+    message naming ``because``) and the second started a loopback cluster that ran a task."""
+    proc = subprocess.Popen([sys.executable, "-c", script], cwd=REPO, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     try:
         seen = proc.stdout.readline().split()
-        assert seen == ["1", "1", "False"], proc.stderr.read()[-3000:] if not seen else seen
+        assert seen[:2] == ["1", "1"], proc.stderr.read()[-3000:] if not seen else seen  # one GCS, one raylet
         assert_loopback_listeners()
     finally:
         out, err = proc.communicate("\n", timeout=300)
     assert proc.returncode == 0, err[-3000:]
-    assert "Ray did not start" in err and "Timed out waiting for file" in err, err[-3000:]
+    assert "Ray did not start" in err and because in err, err[-3000:]
+    return seen[2:]
+
+
+def test_a_raylet_that_misses_rays_startup_wait_is_started_again_and_the_first_attempt_leaves_nothing():
+    assert started_again(FIRST_START_MISSES_THE_WAIT, "timed out during startup") == []
+
+
+def test_a_gcs_that_never_publishes_its_port_is_stopped_and_ray_started_again():
+    assert started_again(FIRST_GCS_NEVER_PUBLISHES, "Timed out waiting for file") == ["False"]  # the stand-in gone
