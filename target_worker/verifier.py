@@ -86,7 +86,9 @@ class Verifier:
         tokens in the forward (the step's max_batched_tokens): a job whose uncached prompt does
         not fit is prefilled by a chunk and answers None (verify it again in a later step), so a
         long prompt never stalls the others and no forward, the first job's included, holds more
-        than the budget (but a lone block that only fits past it); the first job always advances."""
+        than the budget (but a lone block that only fits past it); the first job always advances.
+        A sampled job's prompt answers None too, its last token left for the next step with the
+        block (``PromptSharing.splits``)."""
         verdicts = self.judge_first(jobs)
         room = budget if budget is not None else float("inf")
         plans, steps, owners = {}, [], []  # owners[j]: the job step j settles (None: a prefill chunk)
@@ -105,7 +107,7 @@ class Verifier:
             if prefill > 0:
                 prompts.append((session, committed))
             splits = self.sharing.splits(session, prefill + 1)  # its last token and the block: next step
-            if splits or tokens > room and (prefill > 0 or steps):  # else a lone block a little past the budget runs
+            if splits or (tokens > room and (prefill > 0 or steps)):  # else a lone block a little past the budget runs
                 chunk = int(min(room, prefill))
                 if chunk > 0:
                     seq, new = plan.step[:2]  # a tree's step carries its parents too
