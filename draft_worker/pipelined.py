@@ -39,7 +39,7 @@ from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.step_cost import UNLIMITED, Ewma
-from svip_common.trees import children_of, node_parents, node_tokens
+from svip_common.trees import begins_branch, children_of, node_parents, node_tokens
 
 MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
 EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
@@ -449,7 +449,7 @@ def _check_branch(block: Block, accepted: int, branch: tuple[int, ...]) -> None:
 def _check_begins_branch(block: Block, branch: tuple[int, ...]) -> None:
     """A continuation prepared after a branch's sibling serves the branch only if it begins with
     the nodes the branch took below that sibling."""
-    if block.tokens[: len(branch) - 1] != list(branch[1:]):
+    if not begins_branch(block.tokens, branch):
         raise InvalidRequest(f"feedback uses the continuation prepared after {branch[0]}, which does not begin "
                              f"with the branch's nodes below it {list(branch[1:])}")
 

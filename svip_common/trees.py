@@ -133,6 +133,13 @@ def grown_children(ranked: Sequence[tuple[int, float]], reach: float, price: flo
     return [token for token, q in ranked[: min(GROWN_WIDEST, max(room, 0))] if reach * q > price]
 
 
+def begins_branch(tokens: Sequence[int], branch: Sequence[int]) -> bool:
+    """Whether a continuation prepared after a branch's sibling (branch[0]), whose first tokens
+    are ``tokens``, begins with the nodes the branch took below that sibling (it then serves the
+    branch: the draft chose them after the sibling, as it chose the continuation); no branch: yes."""
+    return not branch or list(tokens[: len(branch) - 1]) == list(branch[1:])
+
+
 def node_parents(spine: int, siblings: Sequence[Sequence[int]] | None,
                  grown: Sequence[tuple[int, int]] | None = None) -> list[int]:
     """Each node's parent among the nodes (-1: the token before the block), in the layout above."""

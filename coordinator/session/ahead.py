@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from svip_common.contracts import GenerationStats
 from svip_common.messages import DraftedBlock, PreparedKey
+from svip_common.trees import begins_branch
 
 Waiting = tuple[DraftedBlock, float]  # a block and when it was received
 
@@ -40,9 +41,9 @@ class AheadBlocks:
         """The prepared continuation that assumed this verdict, if the draft wrote one: after the
         token settled at the rejected place, or after a tree's sibling taken there (branch) if
         it begins with the nodes the branch took below the sibling."""
-        key, then = ((base, accepted, branch[0]), list(branch[1:])) if branch else ((base, accepted, token), [])
+        key = (base, accepted, branch[0] if branch else token)
         waiting = self.prepared.get(key)
-        if waiting is None or list(waiting[0].tokens[: len(then)]) != then:
+        if waiting is None or not begins_branch(waiting[0].tokens, branch):
             return None
         return self.prepared.pop(key)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -17,15 +18,23 @@ from svip_common.errors import InvalidRequest
 SPEC = "target=llama-3.1-8b@h100,draft=llama-3.2-1b@h100,link=25gbe"
 
 
-def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_path, model_dirs, capsys):
-    out = tmp_path / "plan"
-    code = main(["plan", "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--emulate", SPEC,
-                 "--prompts-per-category", "2", "--max-new-tokens", "8", "--sessions", "1,2",
-                 "--policies", "svip,constant-2,constant-2+cape", "--out", str(out)])
+def run_plan(capsys, *args: str) -> tuple[dict, object]:
+    """`svip plan` with these arguments (--out among them): its plan.json, with no output that
+    differs from the target alone's, and what it printed."""
+    out = args[args.index("--out") + 1]
+    code = main(["plan", *args])
     captured = capsys.readouterr()
     assert code == 0, captured.err[-2000:]
-    doc = json.loads((out / "plan.json").read_text())
+    doc = json.loads((Path(out) / "plan.json").read_text())
     assert doc["exactness_violations"] == []
+    return doc, captured
+
+
+def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_path, model_dirs, capsys):
+    out = tmp_path / "plan"
+    doc, captured = run_plan(capsys, "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--emulate",
+                             SPEC, "--prompts-per-category", "2", "--max-new-tokens", "8", "--sessions", "1,2",
+                             "--policies", "svip,constant-2,constant-2+cape", "--out", str(out))
     assert {(r["sessions"], r["placement"], r["policy"]) for r in doc["rows"]} == {
         (n, "target alone", "none") for n in (1, 2)} | {
         (n, p, policy) for n in (1, 2) for p in ("in process", "sync", "async")
@@ -42,15 +51,10 @@ def test_plan_plans_a_feature_head_in_every_placement(tmp_path, capsys):
     """--draft eagle: the embedded target's head, on the devices of an EAGLE-3 head, in process
     (its steps on the virtual device beside the target's) and across the workers (the simulated
     clock times its steps whole), chains and deep trees, every output the target alone's."""
-    out = tmp_path / "plan"
-    code = main(["plan", "--draft", "eagle", "--emulate",
-                 "target=llama-3.1-8b@h100,draft=eagle3-llama-3.1-8b@h100,link=0.1ms", "--categories", "code",
-                 "--prompts-per-category", "1", "--max-new-tokens", "8", "--sessions", "1",
-                 "--policies", "svip,svip+deep", "--out", str(out)])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err[-2000:]
-    doc = json.loads((out / "plan.json").read_text())
-    assert doc["exactness_violations"] == []
+    doc, _ = run_plan(capsys, "--draft", "eagle", "--emulate",
+                      "target=llama-3.1-8b@h100,draft=eagle3-llama-3.1-8b@h100,link=0.1ms", "--categories", "code",
+                      "--prompts-per-category", "1", "--max-new-tokens", "8", "--sessions", "1",
+                      "--policies", "svip,svip+deep", "--out", str(tmp_path / "plan"))
     assert {(r["placement"], r["policy"]) for r in doc["rows"]} == {("target alone", "none")} | {
         (p, policy) for p in ("in process", "sync", "async") for policy in ("svip", "svip+deep")}
 
