@@ -269,7 +269,7 @@ def start_message(session_id: str, request: GenerationRequest, target: ModelInfo
     start = pb.StartSession(
         session_id=session_id, prompt_ids=request.prompt_ids, sampling=convert.sampling_to_proto(request.sampling),
         stop_token_ids=sorted(request.stop_ids(target.eos_token_ids)), max_new_tokens=request.max_new_tokens,
-        pipeline=convert.PIPELINES[pipeline],
+        pipeline=convert.PIPELINES[pipeline], cache_scope=request.cache_scope,
     )
     if request.logprobs is not None:
         start.logprobs = request.logprobs

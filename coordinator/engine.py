@@ -182,12 +182,13 @@ class EngineSession:
     def __init__(self, engine: SpeculativeEngine, request: GenerationRequest):
         self.request = request
         self.stop_ids = request.stop_ids(engine.target.eos_token_ids)
-        self.target = engine.verifier.open(request.sampling, len(request.prompt_ids), self.stop_ids, request.logprobs)
+        self.target = engine.verifier.open(request.sampling, len(request.prompt_ids), self.stop_ids, request.logprobs,
+                                           request.cache_scope)
         if engine.drafter is None or request.policy.name == "none":
             self.draft = NullDraftSession()
         else:
             self.draft = engine.drafter.open(request.sampling, request.policy, tuple(self.stop_ids),
-                                             len(request.prompt_ids))
+                                             len(request.prompt_ids), request.cache_scope)
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.logprobs = None if request.logprobs is None else []  # per generated token (target_worker/logprobs.py)

@@ -192,10 +192,12 @@ class Drafter:
         return grammar_tokenizer(self.draft.tokenizer, self.width)
 
     def open(
-        self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int], prompt_len: int = 0
+        self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int], prompt_len: int = 0,
+        cache_scope: str = "",
     ) -> DraftSession:
+        """cache_scope: the sessions it may share KV pages with (svip_common/prompt_sharing.py)."""
         session = DraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree, prompt_len)
-        self.sharing.add(session, prompt_len)
+        self.sharing.add(session, prompt_len, cache_scope)
         return session
 
 

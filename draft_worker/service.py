@@ -124,7 +124,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             self.admit(start.session_id, stream)
             session = PipelinedDraft(
                 session=self.drafter.open(start.sampling, start.policy, tuple(start.stop_token_ids),
-                                          len(start.prompt_ids)),
+                                          len(start.prompt_ids), start.cache_scope),
                 prompt=list(start.prompt_ids), max_new_tokens=start.max_new_tokens, stop_token_ids=start.stop_token_ids,
                 pipelined=start.pipeline == "async", prepare=self.prepare, parallel=self.parallel,
                 send_prepared=start.sampling.greedy or start.policy.tree != "off",  # the target settles the token

@@ -32,6 +32,7 @@ GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)
 MAX_LOGIT_BIAS = 300  # a request's logit_bias entries at most (OpenAI's bound)
 MAX_LOGPROBS = 20  # a request's top alternatives per settled token at most (OpenAI's bound)
+MAX_CACHE_SCOPE = 128  # a cache scope's characters at most (the server sends a 64-character digest)
 MAX_STOP_TOKEN_IDS = 64  # a request's stop_token_ids at most (each ends its output, as the model's EOS)
 PENALTY_BOUND = 2.0  # presence and frequency penalties in [-2, 2] (OpenAI's); repetition_penalty in (0, 2]
 LOGIT_BIAS_BOUND = 100.0  # each bias in [-100, 100] (OpenAI's): -100 bans a token, +100 all but forces it
@@ -166,6 +167,10 @@ class GenerationRequest:
     ignore_eos: bool = False  # generate to max_new_tokens through the model's EOS (benchmarks)
     logprobs: int | None = None  # each settled token's log-probability and this many top ones (None: none)
     prompt_logprobs: bool = False  # each prompt token's too (after the first), from the prompt's prefill
+    # sessions share KV pages only with sessions of the same scope (svip_common/prompt_sharing.py): the
+    # server's is a digest of the API key (or the request, where the API is open) and the request's
+    # cache_salt; "" is one user's (the CLI, the in-process engine)
+    cache_scope: str = ""
 
     def checked_for(self, has_draft: bool, limits: Limits) -> GenerationRequest:
         """This request validated against a deployment, with policy 'none' when no draft is loaded."""
@@ -189,6 +194,7 @@ class GenerationRequest:
             raise InvalidRequest(f"{len(self.stop_token_ids)} stop token ids; at most {MAX_STOP_TOKEN_IDS}")
         check_token_ids(self.stop_token_ids, limits.tokens, "stop token id")
         check_logprobs(self.logprobs, self.prompt_logprobs)
+        check_cache_scope(self.cache_scope)
         self.policy.validate(limits.max_draft_length)
         if self.policy.name == ORACLE and not self.sampling.greedy:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
@@ -198,6 +204,13 @@ def check_draft_parallel(parallel: int, name: str = "draft_parallel") -> None:
     """A deployment's side-by-side blocks per async session: 1 (one at a time) to MAX_DRAFT_PARALLEL."""
     if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_DRAFT_PARALLEL:
         raise InvalidRequest(f"{name} must be an integer in [1, {MAX_DRAFT_PARALLEL}], got {parallel!r}")
+
+
+def check_cache_scope(scope: str) -> None:
+    """A session's sharing scope: a string of at most MAX_CACHE_SCOPE characters."""
+    if not isinstance(scope, str) or len(scope) > MAX_CACHE_SCOPE:
+        shown = f"{len(scope)} characters" if isinstance(scope, str) else repr(type(scope).__name__)
+        raise InvalidRequest(f"cache_scope must be a string of at most {MAX_CACHE_SCOPE} characters, got {shown}")
 
 
 def check_logprobs(top: int | None, prompt_logprobs: bool = False) -> None:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from svip_common.acceptance import StopRule
-from svip_common.contracts import NO_TOKEN, Block, PolicyConfig, SamplingParams
+from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, PolicyConfig, SamplingParams
 
 PreparedKey = tuple[int, int, int]  # (parent base, accepted, correction): the verdict a prepared block assumes
 
@@ -39,10 +39,16 @@ class SessionStart:
     node_price: float | None = None  # tree auto: a verified node's price in tokens, for the first blocks
     logprobs: int | None = None  # the caller's: each settled token's log-probability and this many top ones
     prompt_logprobs: bool = False  # the caller's: the prompt's too, from its prefill (needs logprobs)
+    cache_scope: str = ""  # the caller's: sessions share KV pages only within one scope (prompt_sharing.py)
 
     @property
     def speculates(self) -> bool:
         return self.policy.name != "none"
+
+    def request(self, policy: PolicyConfig) -> GenerationRequest:
+        """The request this start runs, under the policy the worker gives it."""
+        return GenerationRequest(self.prompt_ids, self.max_new_tokens, self.sampling, policy,
+                                 cache_scope=self.cache_scope)
 
 
 @dataclass

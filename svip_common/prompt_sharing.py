@@ -28,6 +28,11 @@ those rows in a longer forward, equal only to float rounding. What a split costs
 forward of a token per sampled session, on each side. (In a batch, the other rows of a forward
 move a row's last bits as well, as in any batched engine: a seed reproduces to the bit where the
 batch does, and to float rounding otherwise.)
+Tenants stay apart: a session shares only with sessions of its own scope (``cache_scope``: the
+server's is a digest of the API key, or of the request where the API is open, and of the request's
+cache_salt; a request's n choices always share one). Across scopes nothing is forked and nothing
+waits, so neither the pages, the counter nor a prefill's time tell one tenant what another's
+prompt holds.
 No torch here."""
 
 from __future__ import annotations
@@ -46,12 +51,15 @@ class PromptSharing:
         self.forks = True
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # open sessions (a closed one leaves)
         self._prompt_lens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a session's prompt's length
+        self._scopes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a session's cache scope
         self.shared_tokens = 0  # tokens sessions took from others' pages instead of computing them
 
-    def add(self, session, prompt_len: int = 0) -> None:
-        """An open session; prompt_len: its prompt's (0: not known, and a sampled one forks none of it)."""
+    def add(self, session, prompt_len: int = 0, scope: str = "") -> None:
+        """An open session; prompt_len: its prompt's (0: not known, and a sampled one forks none of it);
+        scope: the sessions it may share with (those of the same scope)."""
         self._sessions.add(session)
         self._prompt_lens[session] = prompt_len
+        self._scopes[session] = scope
 
     def computed_whole(self, session) -> None:
         """The session's prompt went through one forward, its last token in it (a scoring request's
@@ -92,9 +100,12 @@ class PromptSharing:
         return self.enabled and self.forks and len(committed) - len(session.sequence) > self.page_size
 
     def _may_fork(self, session, other, committed: Sequence[int], shared: int) -> bool:
-        """Whether the session may take ``shared`` of its committed tokens from the other's cache: a
-        greedy one, any; a sampled one, all but its last, from a sampled session whose prompt had
-        its length (so that its rows are those the session's own split prefill computes)."""
+        """Whether the session may take ``shared`` of its committed tokens from the other's cache:
+        never across scopes; a greedy one, any; a sampled one, all but its last, from a sampled
+        session whose prompt had its length (so that its rows are those the session's own split
+        prefill computes)."""
+        if self._scopes.get(session, "") != self._scopes.get(other, ""):
+            return False
         if session.sampling.greedy:
             return True
         return (not other.sampling.greedy and shared == len(committed) - 1

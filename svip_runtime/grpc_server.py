@@ -381,6 +381,9 @@ async def open_channel(role: str, address: str, tls: TlsFiles | None) -> grpc.ai
     except asyncio.TimeoutError:
         await channel.close()
         raise WorkerUnavailable(f"{role} worker at {address} is unreachable") from None
+    except BaseException:  # the caller went away (cancelled) while it connected: the channel goes too
+        await channel.close()
+        raise
     return channel
 
 

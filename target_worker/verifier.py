@@ -54,14 +54,15 @@ class Verifier:
         self._sessions_per_step = Ewma(0.1)  # recent sessions per verification step
 
     def open(self, sampling: SamplingParams, prompt_len: int = 0, stop_ids: frozenset[int] = frozenset(),
-             logprobs: int | None = None) -> TargetSession:
+             logprobs: int | None = None, cache_scope: str = "") -> TargetSession:
         """prompt_len and stop_ids: the request's, for its penalties and min_tokens (row_rules.py);
-        logprobs: the request's top alternatives per settled token (None: no logprobs; logprobs.py)."""
+        logprobs: the request's top alternatives per settled token (None: no logprobs; logprobs.py);
+        cache_scope: the sessions it may share KV pages with (svip_common/prompt_sharing.py)."""
         target = self.target
         tokenizer = None if sampling.grammar is None else grammar_tokenizer(target.tokenizer, target.vocab_size)
         session = TargetSession(self, sampling, RowRules.of(sampling, prompt_len, stop_ids, tokenizer))
         session.logprob_rows = None if logprobs is None else LogprobRows(logprobs)
-        self.sharing.add(session, prompt_len)
+        self.sharing.add(session, prompt_len, cache_scope)
         return session
 
     def load(self, sessions: int | None = None) -> TargetLoad | None:

@@ -84,6 +84,7 @@ CASES: list[Case] = [
     *_cases("guided_json", [SCHEMA, '{"type": "integer"}'], [5, "{nope", DEEP]),
     *_cases("guided_grammar", ['start: "a" | "bb"'], ["start: undefined", "", ["x"]]),
     Case({"response_format": {"type": "json_object"}, "guided_regex": "a"}, "400"),
+    *_cases("cache_salt", [None, "a", "x" * 256, "\u0000\U0001f600"], ["", "x" * 257, 5, ["a"], {"a": 1}]),
     Case({"temperature": 0, "top_p": TINY, "top_k": 2**31 - 1, "seed": 2**63 - 1}, "ok"),
     Case({"temperature": HUGE, "top_p": TINY, "top_k": 1}, "ok"),
 ]

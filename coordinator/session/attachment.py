@@ -119,6 +119,7 @@ class DraftAttachment:
             load_cap=cap,
             stop_rule=self._stop_rule(),
             node_price=self._node_price(),
+            cache_scope=r.cache_scope,
         )
         self.draft_base = len(self.committed)
         self._to_draft(start)

@@ -23,7 +23,7 @@ from coordinator.session.idle_work import IdleWork
 from coordinator.session.pages import PageLine
 from coordinator.session.pipeline import SessionPipeline
 from svip_common.acceptance import AutoEstimate, SessionStop
-from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.contracts import PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError
 from svip_common.kv_cache import PoolFull
 from svip_common.kv_sizes import whole_pages
@@ -141,13 +141,13 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                                  f"needs {tokens} (its prompt and max_new_tokens)")
             speculate = start.speculates and self.draft is not None
             policy = start.policy if speculate else PolicyConfig(name="none")
-            sid, sampling = start.session_id, start.sampling
+            sid, sampling, scope = start.session_id, start.sampling, start.cache_scope
             session = SessionPipeline(
                 sid,
-                GenerationRequest(start.prompt_ids, start.max_new_tokens, sampling, policy),
+                start.request(policy),
                 start.stop_token_ids,
                 self.limits,
-                self.verifier.open(sampling, len(start.prompt_ids), start.stop_token_ids, start.logprobs),
+                self.verifier.open(sampling, len(start.prompt_ids), start.stop_token_ids, start.logprobs, scope),
                 speculate,
                 start.pipeline,
                 self.clock(),

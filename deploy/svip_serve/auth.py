@@ -14,6 +14,7 @@ import hashlib
 import hmac
 import os
 import re
+import secrets
 
 from svip_common.errors import InvalidRequest
 from svip_serve.protocol import ApiError
@@ -88,3 +89,12 @@ class ApiKeys:
 def _unauthorized(message: str) -> ApiError:
     return ApiError(401, message, type_="invalid_request_error", code="invalid_api_key",
                     headers={"WWW-Authenticate": "Bearer"})
+
+
+def sharing_scope(key: str | None, salt: str | None = None) -> str:
+    """The KV-sharing scope of a request (svip_common/prompt_sharing.py): its API key's id, or the
+    request itself where the API is open (key None: nobody's prompt is known to be its own), narrowed
+    by the request's cache_salt; hashed, so the workers never hold a key's name. A request's n
+    choices share one scope."""
+    owner = f"key:{key}" if key is not None else f"request:{secrets.token_hex(16)}"
+    return hashlib.sha256(f"{owner}\0{salt or ''}".encode()).hexdigest()

@@ -190,14 +190,3 @@ class Totals:
         seen = self._seen.get(name, 0)
         self._seen[name] = total
         return total if total < seen else total - seen
-
-
-def auto_state(target) -> dict:
-    """The pair's `auto` estimate from the target's WorkerStats, as /v1/svip/workers shows it."""
-    out = {"prior_cost": round(target.auto_prior_cost, 4)}
-    for kind, state in (("greedy", target.auto_greedy), ("sampled", target.auto_sampled)):
-        out[kind] = {"weights": dict(zip(FEATURES, (round(w, 4) for w in state.weights))),
-                     "observed_tokens": state.observed_tokens, "fits": state.fits,
-                     "predicted_acceptance": round(state.predicted_acceptance, 4),
-                     "observed_acceptance": round(state.observed_acceptance, 4)}
-    return out

@@ -32,6 +32,7 @@ MAX_MESSAGES = 1024  # a chat's messages: each costs the template's own tokens, 
 MESSAGE_CHARS = 16  # what a message counts for besides its strings (the template's tokens around it)
 MAX_STOP_CHARS = 256  # each stop string: the text matcher holds back at most this many characters
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+MAX_CACHE_SALT = 256  # a request's cache_salt, in characters (it is hashed into the sharing scope)
 
 
 class ApiError(Exception):
@@ -69,6 +70,7 @@ class ApiRequest:
     logprobs: int | None = None  # the target's logprob of each token and this many top ones (None: none)
     echo: bool = False  # completions: the prompt's text (and with logprobs, its tokens' logprobs) first
     tools: ToolPlan | None = None  # chat: the function definitions and what tool_choice makes of the answer
+    cache_salt: str | None = None  # vLLM's: requests share KV pages only with requests of the same salt (and key)
 
 
 # --- the body ------------------------------------------------------------------------------------
@@ -247,7 +249,19 @@ def _common(body: dict, kind: str, defaults: PolicyConfig) -> ApiRequest:
         n=n,
         logprobs=_logprobs(body, kind),
         echo=echo,
+        cache_salt=_cache_salt(body),
     )
+
+
+def _cache_salt(body: dict) -> str | None:
+    """vLLM's cache_salt: a non-empty string of at most MAX_CACHE_SALT characters (None: not sent)."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT:
+        shown = f"{len(salt)} characters" if isinstance(salt, str) else _shown(salt)
+        raise bad(f"'cache_salt' must be a string of 1 to {MAX_CACHE_SALT} characters, got {shown}", "cache_salt")
+    return salt
 
 
 def _echo(body: dict, kind: str) -> bool:

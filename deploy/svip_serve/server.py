@@ -5,6 +5,7 @@ loopback). Requests become GenerationRequests, tokens stream back as server-sent
 
 import asyncio
 import concurrent.futures
+import dataclasses
 import functools
 import json
 import logging
@@ -21,10 +22,10 @@ from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnav
 from svip_common.kv_sizes import whole_pages
 from svip_common.randomness import choices
 from svip_serve.admission import RETRY_AFTER_S, Admission, Slot
-from svip_serve.auth import ApiKeys
+from svip_serve.auth import ApiKeys, sharing_scope
 from svip_serve.draining import DrainWatch
+from svip_serve.fresh_stats import WORKER_STATS_FRESH_S, FreshStats
 from svip_serve.generation import Generation, merged
-from svip_serve.metrics import auto_state
 from svip_serve.protocol import (
     ApiError,
     ApiRequest,
@@ -134,7 +135,19 @@ def _usage(generations: list[Generation]) -> dict:
     return usage(len(generations[0].request.prompt_ids), sum(g.completion_tokens for g in generations))
 
 
-def _sse(obj) -> str:
+def workers_body(stats: dict, restarts: int) -> dict:
+    """/v1/svip/workers' answer from the workers' WorkerStats (role -> stats): their load alone."""
+    out = {role: {"open_sessions": s.open_sessions, "cached_tokens": s.cached_tokens,
+                  "tokens_processed": s.tokens_processed, "kv_pages_used": s.kv_pages_used,
+                  "kv_pages_total": s.kv_pages_total, "kv_page_tokens": s.kv_page_tokens}
+           for role, s in stats.items()}
+    target = stats["target"]
+    out["target"].update(restarts=restarts, draft_replacements=target.draft_replacements,
+                         draft_lost=target.draft_lost or None)
+    return out
+
+
+def _sse_text(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
 
@@ -220,6 +233,7 @@ class SVIPServer:
         self.policy_defaults = settings.policy_defaults()
         self._parse_chat = functools.partial(parse_chat, tool_parser=settings.tool_call_parser)
         self._health: str | None = None  # the last health check's finding: ok, recovering, unavailable
+        self._worker_stats = FreshStats(WORKER_STATS_FRESH_S)
         self._health_lock = asyncio.Lock()
         # `svip serve` given SIGTERM or SIGINT asks its replicas to drain (svip_serve/draining.py)
         replica = serve.get_replica_context().replica_id.unique_id
@@ -307,29 +321,18 @@ class SVIPServer:
 
     @api.get("/v1/svip/workers")
     async def workers(self, request: Request) -> JSONResponse:
-        """This replica's workers: open sessions, cached tokens and KV pages (none used when idle)."""
-        self.api_keys.check(request.headers.get("authorization"))
-        stats = await (await self._engine()).worker_stats()
-        out = {
-            role: {
-                "open_sessions": s.open_sessions,
-                "cached_tokens": s.cached_tokens,
-                "tokens_processed": s.tokens_processed,
-                "kv_pages_used": s.kv_pages_used,
-                "kv_pages_total": s.kv_pages_total,
-                "kv_page_tokens": s.kv_page_tokens,
-            }
-            for role, s in stats.items()
-        }
-        target = stats["target"]
-        out["target"].update(
-            restarts=self.engine.recoveries.restarts,
-            draft_replacements=target.draft_replacements,
-            draft_lost=target.draft_lost or None,
-            prompt_tokens_shared=target.prompt_tokens_shared,
-            auto=auto_state(target),
-        )
-        return JSONResponse(out)
+        """This replica's workers: open sessions, cached tokens and KV pages (none used when idle).
+        Counted against the key as a request is; concurrent calls share one probe of the workers,
+        and a probe serves every call within WORKER_STATS_FRESH_S of it. What tells of other
+        tenants' sessions (the prompt tokens sessions shared, the pair's learnt `auto` state) is
+        the operator's: on the metrics port only (review H-1)."""
+        key = self.api_keys.check(request.headers.get("authorization"))
+        ticket = self.admission.enter(key)
+        try:
+            stats = await self._worker_stats.get(await self._engine())
+        finally:
+            ticket.release()
+        return JSONResponse(workers_body(stats, self.engine.recoveries.restarts))
 
     @api.post("/v1/completions")
     async def completions(self, request: Request):
@@ -356,6 +359,7 @@ class SVIPServer:
             raise
         try:
             req, request = await self._read_request(http, parse)
+            request = dataclasses.replace(request, cache_scope=sharing_scope(key, req.cache_salt))
             try:
                 engine = await self._engine()
             except SvipError as exc:
@@ -420,47 +424,56 @@ class SVIPServer:
 
     async def _stream(self, req: ApiRequest, generations: list[Generation], rid: str, slot: Slot, arrived: float):
         """Each choice's text as it settles, tagged with its index; a choice's last chunk carries its
-        finish reason and svip stats, the last of them the usage of all."""
+        finish reason and svip stats. The usage of all is sent once: with stream_options'
+        include_usage as OpenAI sends it (``usage: null`` on every chunk, the counts in a last chunk
+        whose choices are empty), so clients that add chunks up count each token once; without it,
+        on the last choice's last chunk."""
         model, created, ended = self.settings.served_name, int(time.time()), 0
+
+        def sse(obj: dict) -> str:
+            if req.include_usage:
+                obj.setdefault("usage", None)
+            return _sse_text(obj)
+
         calls = [None if req.tools is None else CallStream(req.tools) for _ in generations]
         try:
             async with slot:  # admitted already: this only releases the place at the end
                 if req.kind == "chat":
                     for index, stream in enumerate(calls):
-                        yield _sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index,
+                        yield sse(chunk_body(req.kind, rid, model, created, "", first=True, index=index,
                                               calls=stream and stream.opening()))
                 unechoed = {i for i, g in enumerate(generations) if g.echo}  # a completion's echo: the prompt first,
                 async for index, delta in merged(generations):  # once its prefill scored it (with logprobs)
                     if index in unechoed:
                         unechoed.discard(index)
                         generation = generations[index]
-                        yield _sse(chunk_body(req.kind, rid, model, created, generation.echo, index=index,
+                        yield sse(chunk_body(req.kind, rid, model, created, generation.echo, index=index,
                                               logprobs=generation.echo_logprobs(req.kind)))
                     if delta is not None and generations[index].score_only:
                         continue  # max_tokens 0: the one token the prefill settles is not the answer's
                     if delta is not None:
                         for chunk in _deltas(req.kind, rid, model, created, index, delta, calls[index],
                                              generations[index].logprobs_chunk(req.kind)):
-                            yield _sse(chunk)
+                            yield sse(chunk)
                         continue
                     for chunk in _deltas(req.kind, rid, model, created, index, None, calls[index], None):
-                        yield _sse(chunk)
+                        yield sse(chunk)
                     generation, ended = generations[index], ended + 1
                     reason = finish_reason(generation.finish_reason, calls[index] is not None and calls[index].called)
                     last = chunk_body(req.kind, rid, model, created, None, reason, index=index,
                                       logprobs=generation.logprobs_chunk(req.kind, final=True))
-                    if ended == len(generations):
+                    if ended == len(generations) and not req.include_usage:
                         last["usage"] = _usage(generations)
                     last["svip"] = generation.stats()
-                    yield _sse(last)
+                    yield sse(last)
                 if req.include_usage:
-                    yield _sse(usage_chunk(req.kind, rid, model, created, _usage(generations), generations[0].stats()))
+                    yield sse(usage_chunk(req.kind, rid, model, created, _usage(generations), generations[0].stats()))
                 for generation in generations:
                     self._record(generation, arrived)
         except asyncio.CancelledError:  # the client went away: nobody to tell
             raise
         except Exception as exc:  # after the text already sent: an error event, then the end
-            yield _sse(_api_error(exc, rid).body())
+            yield _sse_text(_api_error(exc, rid).body())
         yield "data: [DONE]\n\n"
 
     def _record(self, generation: Generation, arrived: float) -> None:

@@ -20,6 +20,7 @@ from svip_common.contracts import (
     PolicyConfig,
     SamplingParams,
     TokenLogprob,
+    check_cache_scope,
     check_logprobs,
 )
 from svip_common.errors import InvalidRequest
@@ -153,6 +154,7 @@ def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> Sessi
     sampling = sampling_from_proto(msg.sampling)
     logprobs = msg.logprobs if msg.HasField("logprobs") else None
     check_logprobs(logprobs, msg.prompt_logprobs)
+    check_cache_scope(msg.cache_scope)
     return SessionStart(
         session_id=msg.session_id,
         prompt_ids=tuple(msg.prompt_ids),
@@ -167,6 +169,7 @@ def start_from_proto(msg: pb.StartSession, cap: int = DRAFT_LENGTH_CAP) -> Sessi
         node_price=_node_price(msg.node_price) if msg.HasField("node_price") else None,
         logprobs=logprobs,
         prompt_logprobs=msg.prompt_logprobs,
+        cache_scope=msg.cache_scope,
     )
 
 
@@ -180,6 +183,7 @@ def start_to_proto(start: SessionStart) -> pb.StartSession:
         max_new_tokens=start.max_new_tokens,
         pipeline=PIPELINES[start.pipeline],
         epoch=start.epoch,
+        cache_scope=start.cache_scope,
     )
     if start.load_cap is not None:
         msg.load_cap = start.load_cap

@@ -172,3 +172,50 @@ def test_a_sampled_request_forks_no_prompt_computed_in_another_shape(models, pro
             got, target_shared, draft_shared = beside_a_holder(models, holder, request)
             assert target_shared == 0 and draft_shared == (length - 1 if holder is scoring else 0)
             assert bits(got) == bits(each_alone(models, [request])[0]), length
+
+
+def scoped(request: GenerationRequest, scope: str) -> GenerationRequest:
+    return dataclasses.replace(request, cache_scope=scope)
+
+
+@pytest.mark.parametrize("sampled", [False, True])
+def test_tenants_share_no_pages_and_one_tenants_requests_do(models, prompt_ids, sampled):
+    """Review H-1: sessions of two scopes (two API keys) with one prompt, open at once, fork nothing
+    of each other's on either side, nor wait for each other, so nothing one computes shortens the
+    other's prefill; two requests of one scope share as before. Outputs are each its own alone."""
+    requests = choice_requests(prompt_ids, sampled)[:2]
+    apart, verifier, drafter = batch_run(models, [scoped(requests[0], "alice"), scoped(requests[1], "bob")], True)
+    assert verifier.sharing.shared_tokens == drafter.sharing.shared_tokens == 0
+    together, verifier, drafter = batch_run(models, [scoped(r, "alice") for r in requests], True)
+    assert verifier.sharing.shared_tokens == drafter.sharing.shared_tokens == len(requests[0].prompt_ids) - 1
+    assert [r.token_ids for r in apart] == [r.token_ids for r in together]
+    assert [r.token_ids for r in apart] == [r.token_ids for r in each_alone(models, requests)]
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_the_scope_travels_to_both_workers(models, prompt_ids, pipeline):
+    """Through the workers' wire (StartSession.cache_scope, caller to target to draft): another
+    tenant's open session with the same prompt is forked by neither side, a same-scope one by both."""
+    request = dataclasses.replace(choice_requests(prompt_ids, sampled=False)[0], max_new_tokens=8)
+    for other, shares in (("bob", False), ("alice", True)):
+        pair = make_pair(models, pipeline, DRAFT_FIRST)
+        got = pair.generate_all([scoped(request, "alice"), scoped(request, other)])
+        assert got[0].token_ids == got[1].token_ids
+        target, draft = pair.host.verifier.sharing.shared_tokens, pair.draft.drafter.sharing.shared_tokens
+        assert (target > 0 and draft > 0) if shares else (target == draft == 0), other
+
+
+def test_a_scope_past_its_bound_is_refused_by_name(prompt_ids):
+    from svip_common.contracts import MAX_CACHE_SCOPE, Limits
+    from svip_common.errors import InvalidRequest
+    from svip_proto import convert
+
+    request = scoped(GenerationRequest(prompt_ids["short"], 4), "x" * (MAX_CACHE_SCOPE + 1))
+    with pytest.raises(InvalidRequest, match="cache_scope must be a string of at most 128 characters"):
+        request.validate(Limits(tokens=1000, positions=512))
+    start = pb.StartSession(session_id="s", prompt_ids=[1, 2], max_new_tokens=4, cache_scope="x" * 129,
+                            sampling=convert.sampling_to_proto(SamplingParams()))
+    with pytest.raises(InvalidRequest, match="cache_scope"):
+        convert.start_from_proto(start)
+    start.cache_scope = "x" * MAX_CACHE_SCOPE
+    assert convert.start_from_proto(start).cache_scope == "x" * MAX_CACHE_SCOPE

@@ -28,6 +28,7 @@ from tests.knob_extremes import CASES as EXTREMES
 from tests.loopback import assert_loopback_listeners
 from tests.request_mix import REQUESTS, WARMUP, rss_by_process, run_mix, settle
 from tests.serving import svip_serve
+from tests.tolerances import float32_tolerance
 
 pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
 
@@ -48,6 +49,14 @@ def server():
 @pytest.fixture(scope="module")
 def client(server):
     return openai.OpenAI(base_url=server["base"] + "/v1", api_key="unused", max_retries=0, timeout=600)
+
+
+def approx(expected: list):
+    """The embedded target's logprobs to float32's rounding over its depth and width (tests/tolerances.py)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(default_pair()[0])
+    return pytest.approx(expected, abs=float32_tolerance(config, [v for v in expected if v is not None]))
 
 
 @pytest.fixture(scope="module")
@@ -101,23 +110,22 @@ def test_logprobs_are_the_targets_streamed_and_not(client, reference, tokenizer)
     r = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=MAX_NEW, temperature=0, logprobs=3)
     lp = r.choices[0].logprobs
     assert r.choices[0].text == ref["text"]
-    assert lp.token_logprobs == pytest.approx([e["logprob"] for e in ref["logprobs"]], abs=1e-4)
+    assert lp.token_logprobs == approx([e["logprob"] for e in ref["logprobs"]])
     assert lp.tokens == [tokenizer.decode([t]) for t in ref["token_ids"]]
     assert lp.text_offset[0] == 0 and lp.text_offset[1] == len(lp.tokens[0])
-    assert all(max(top.values()) == pytest.approx(e["top"][0][1], abs=1e-4) for top, e in zip(lp.top_logprobs,
-                                                                                              ref["logprobs"]))
+    assert [max(top.values()) for top in lp.top_logprobs] == approx([e["top"][0][1] for e in ref["logprobs"]])
     chat = reference["chat"]
     expected = [e["logprob"] for e in chat["logprobs"]]
     whole = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0,
                                            logprobs=True, top_logprobs=2)
     content = whole.choices[0].logprobs.content
-    assert [c.logprob for c in content] == pytest.approx(expected, abs=1e-4)
+    assert [c.logprob for c in content] == approx(expected)
     assert all(len(c.top_logprobs) == 2 and c.bytes == list(c.token.encode()) for c in content)
     stream = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0,
                                             logprobs=True, top_logprobs=2, stream=True)
     streamed = [item for chunk in stream for choice in chunk.choices
                 if choice.logprobs is not None and choice.logprobs.content for item in choice.logprobs.content]
-    assert [c.logprob for c in streamed] == pytest.approx(expected, abs=1e-4)
+    assert [c.logprob for c in streamed] == approx(expected)
     assert [c.token for c in streamed] == [c.token for c in content]
     plain = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
     assert plain.choices[0].logprobs is None
@@ -139,10 +147,10 @@ def test_a_scoring_request_echoes_the_prompt_with_its_logprobs(client, tokenizer
     target = load_model(default_pair()[0])
     with torch.inference_mode():
         rows = torch.log_softmax(target.model(input_ids=torch.tensor([ids])).logits[0].float(), dim=-1)
-    assert lp.token_logprobs[1:] == pytest.approx([rows[i, t].item() for i, t in enumerate(ids[1:])], abs=1e-4)
+    assert lp.token_logprobs[1:] == approx([rows[i, t].item() for i, t in enumerate(ids[1:])])
     more = client.completions.create(model=MODEL, prompt=prompt, max_tokens=4, echo=True, logprobs=1, temperature=0)
     assert more.choices[0].text.startswith(prompt) and len(more.choices[0].logprobs.tokens) == len(ids) + 4
-    assert more.choices[0].logprobs.token_logprobs[: len(ids)][1:] == pytest.approx(lp.token_logprobs[1:], abs=1e-4)
+    assert more.choices[0].logprobs.token_logprobs[: len(ids)][1:] == approx(lp.token_logprobs[1:])
 
 
 def test_a_streamed_echo_sends_the_prompt_first(client):
@@ -173,7 +181,7 @@ def test_a_streamed_echo_carries_the_prompts_logprobs_first(client, max_tokens):
     # the logprobs to float rounding, as the other logprob tests: a token verified in a block of another
     # length in the other run is another product's rounding
     streamed = [v for p in parts for v in p.token_logprobs]
-    assert streamed[0] is None and streamed[1:] == pytest.approx(whole.logprobs.token_logprobs[1:], abs=1e-4)
+    assert streamed[0] is None and streamed[1:] == approx(whole.logprobs.token_logprobs[1:])
     assert "".join(c.text for c in chunks) == whole.text
 
 
@@ -230,6 +238,7 @@ def test_raw_stream_is_server_sent_events_ending_in_done(server, reference):
         reference["prompts"][0]["token_ids"]
     )
     assert "svip" in events[-1] and "svip" in events[-2] and events[-2]["choices"][0]["finish_reason"]
+    assert all("usage" in e and e["usage"] is None for e in events[:-1])  # null before, as OpenAI sends it
 
 
 def test_chat_uses_the_chat_template(client, reference):
@@ -244,6 +253,35 @@ def test_chat_uses_the_chat_template(client, reference):
     assert chunks[0].choices[0].delta.role == "assistant"
     assert "".join(c.choices[0].delta.content or "" for c in chunks) == ref["text"]
     assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+
+
+def test_a_streams_usage_is_sent_once_as_openai_sends_it(client, reference):
+    """stream_options include_usage: every chunk's usage is null but the last one's, whose choices
+    are empty (OpenAI's shape), so a client adding chunks up counts each token once; n choices too."""
+    ref = reference["chat"]
+    for n in (1, 2):
+        chunks = list(client.chat.completions.create(
+            model=MODEL, messages=CHAT, max_tokens=MAX_NEW, temperature=0, stream=True, n=n,
+            stream_options={"include_usage": True}))
+        counted = [c for c in chunks if c.usage is not None]
+        assert len(counted) == 1 and counted[0] is chunks[-1] and chunks[-1].choices == []
+        assert chunks[-1].usage.completion_tokens == n * len(ref["token_ids"])
+        assert chunks[-1].usage.prompt_tokens == len(ref["prompt_token_ids"])
+
+
+def test_langchains_chunk_sum_counts_each_token_once(server, reference):
+    """LangChain's ChatOpenAI(stream_usage=True) adds up the usage of every chunk it reads."""
+    from langchain_openai import ChatOpenAI
+
+    chat = ChatOpenAI(model=MODEL, base_url=server["base"] + "/v1", api_key="unused", temperature=0,
+                      max_tokens=MAX_NEW, stream_usage=True, max_retries=0, timeout=600)
+    total = None
+    for chunk in chat.stream([(m["role"], m["content"]) for m in CHAT]):
+        total = chunk if total is None else total + chunk
+    ref = reference["chat"]
+    assert total.content == ref["text"]
+    assert total.usage_metadata["output_tokens"] == len(ref["token_ids"])
+    assert total.usage_metadata["input_tokens"] == len(ref["prompt_token_ids"])
 
 
 def test_stop_strings_cut_the_text(client, reference):
@@ -342,14 +380,41 @@ def test_n_choices_share_their_prompts_pages_on_the_target(server, client, token
     prompt = " ".join(PROMPTS) * 2
     length = len(tokenizer(prompt)["input_ids"])
     kw = dict(model=MODEL, prompt=prompt, max_tokens=64, temperature=temperature, extra_body={"ignore_eos": True})
-    before = workers(server)["target"]["prompt_tokens_shared"]
+    before = shared_total(server)
     with target_gate.held(steps=0), ThreadPoolExecutor(1) as pool:
         many = pool.submit(client.completions.create, n=4, seed=5, **kw)
         wait_until(lambda: workers(server)["target"]["open_sessions"] == 4, what="the four choices open")
         target_gate.release()
         texts = [c.text for c in many.result().choices]
-    assert workers(server)["target"]["prompt_tokens_shared"] - before >= length - 1 - 16
+    wait_until(lambda: shared_total(server) - before >= 3 * (length - 1 - 16), what="the metrics port's count")
     assert texts == [client.completions.create(seed=sample_seed(5, i), **kw).choices[0].text for i in range(4)]
+
+
+def test_requests_apart_share_nothing_where_the_api_is_open(server, client, tokenizer, target_gate):
+    """Review H-1: with no API key every request is a tenant of its own: two requests of one prompt,
+    open at once, fork none of each other's pages; a request's own two choices do. The count is
+    the metrics port's alone: /v1/svip/workers shows neither it nor auto's learnt state."""
+    prompt = " ".join(reversed(PROMPTS)) * 2
+    length = len(tokenizer(prompt)["input_ids"])
+    kw = dict(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, extra_body={"ignore_eos": True})
+    before = shared_total(server)
+    with target_gate.held(steps=0), ThreadPoolExecutor(2) as pool:
+        apart = [pool.submit(client.completions.create, **kw) for _ in range(2)]
+        wait_until(lambda: workers(server)["target"]["open_sessions"] == 2, what="both requests open")
+        target_gate.release()
+        texts = [f.result().choices[0].text for f in apart]
+    both = client.completions.create(n=2, **kw)
+    assert [c.text for c in both.choices] == texts
+    wait_until(lambda: shared_total(server) - before >= length - 1 - 16, what="the choices' share counted")
+    assert shared_total(server) - before <= length - 1  # the two choices' alone: the requests apart took none
+    assert {"prompt_tokens_shared", "auto"}.isdisjoint(workers(server)["target"])
+
+
+def shared_total(server) -> float:
+    """ray_svip_prompt_tokens_shared_total on the metrics port (0 before the first share)."""
+    text = httpx.get(server["metrics"], timeout=60).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("ray_svip_prompt_tokens_shared_total{"))
 
 
 BAD = [

@@ -392,3 +392,45 @@ def test_tools_on_completions_are_refused():
     with pytest.raises(ApiError, match="'tools' is not supported") as err:
         parse_completion({**BASE, "tools": TOOLS})
     assert err.value.param == "tools"
+
+
+def test_the_sharing_scope_is_the_keys_and_salts_and_a_lone_requests_where_the_api_is_open():
+    """Review H-1: requests of one key (and one salt) share a scope, other keys or salts never; with
+    no key every request is a scope of its own; the scope names no key."""
+    from svip_serve.auth import sharing_scope
+
+    assert sharing_scope("alice") == sharing_scope("alice") != sharing_scope("bob")
+    assert sharing_scope("alice", "s1") == sharing_scope("alice", "s1") != sharing_scope("alice", "s2")
+    assert sharing_scope("alice", "s1") != sharing_scope("alice") == sharing_scope("alice", "")
+    assert sharing_scope(None) != sharing_scope(None) and sharing_scope(None, "s") != sharing_scope(None, "s")
+    assert "alice" not in sharing_scope("alice") and len(sharing_scope("alice")) == 64
+
+
+def test_worker_stats_are_probed_once_for_calls_at_once_and_within_the_fresh_window():
+    from svip_serve.fresh_stats import FreshStats
+
+    class Engine:
+        def __init__(self):
+            self.calls, self.gate = 0, asyncio.Event()
+
+        async def worker_stats(self):
+            self.calls += 1
+            await self.gate.wait()
+            return {"n": self.calls}
+
+    async def run():
+        now = [0.0]
+        engine, fresh = Engine(), FreshStats(0.25, clock=lambda: now[0])
+        waiters = [asyncio.ensure_future(fresh.get(engine)) for _ in range(50)]
+        await asyncio.sleep(0)
+        waiters[0].cancel()  # a caller that went away leaves the probe to the others
+        await asyncio.sleep(0)
+        engine.gate.set()
+        answers = await asyncio.gather(*waiters[1:])
+        assert engine.calls == 1 and all(a == {"n": 1} for a in answers)
+        now[0] = 0.2
+        assert await fresh.get(engine) == {"n": 1} and engine.calls == 1
+        now[0] = 0.3
+        assert await fresh.get(engine) == {"n": 2} and engine.calls == 2
+
+    asyncio.run(run())
