@@ -188,8 +188,9 @@ class Drafter:
         ]
 
     def grammar_tokenizer(self):
-        """The draft's tokenizer as structured output's matchers read it, over the target's vocabulary."""
-        return grammar_tokenizer(self.draft.tokenizer, self.width)
+        """The draft's tokenizer as structured output's matchers read it, over the target's vocabulary
+        (None: it has none)."""
+        return None if self.draft.tokenizer is None else grammar_tokenizer(self.draft.tokenizer, self.width)
 
     def open(
         self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int], prompt_len: int = 0,

@@ -230,9 +230,10 @@ class FeatureDrafter(Drafter):
         return full.index_copy_(1, self._columns, logits)
 
     def open(self, sampling: SamplingParams, policy: PolicyConfig, stop_token_ids: Sequence[int],
-             prompt_len: int = 0) -> FeatureDraftSession:
+             prompt_len: int = 0, cache_scope: str = "") -> FeatureDraftSession:
         """prompt_len: where the generated tokens start, for the grammar's mask (the head drafts
-        without the request's penalties; the target applies them)."""
+        without the request's penalties; the target applies them); cache_scope: unread, a head's
+        sessions share no pages (each holds its own features)."""
         session = FeatureDraftSession(self, sampling, make_policy(policy), stop_token_ids, policy.tree, prompt_len)
         self._sessions.add(session)
         return session

@@ -77,7 +77,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         """compute: the loop that owns the sessions (SessionService); clock: the time now, for the
         sessions' timestamps; timer: what a step's duration is read from (the in-memory
         transport's simulation gives both as its own clock)."""
-        super().__init__(limits, compute)
+        # what idle() reads is made before the compute thread starts (in super().__init__)
         self.clock, self.timer = clock, timer
         self.drafter = drafter
         self.prepare = prepare  # prepared continuations per block (async sessions)
@@ -88,6 +88,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.sent_batches = 0  # messages that carried more than one event (one step's, for several sessions)
         # target features sent ahead in chunks, per session, until the message they lead arrives
         self._chunks = FeatureChunks(limits.positions or FEATURE_ROWS_CAP)
+        super().__init__(limits, compute, drafter.grammar_tokenizer)
 
     @property
     def pool(self):

@@ -399,6 +399,9 @@ def _add_serve_parser(sub) -> None:
         help=f"the longest block a request may ask for ({DRAFT_LENGTH_CAP})",
     )
     srv.add_argument("--max-request-bytes", type=int, default=4 * 1024 * 1024, help="largest request body (4 MiB)")
+    srv.add_argument("--max-grammar-compile-ms", type=int, default=250,
+                     help="a request's grammar (response_format, tools) that takes longer to compile is a 400; an "
+                          "API key may spend 16 times this a minute on the server's parse thread (250)")
     srv.add_argument(
         "--worker-restarts",
         type=int,

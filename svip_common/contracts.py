@@ -73,7 +73,9 @@ class SamplingParams:
         set), so their rows can be warped in one batched call."""
         return (0.0, 0, 1.0) if self.greedy else (self.temperature, self.top_k, self.top_p)
 
-    def validate(self) -> None:
+    def validate(self, compile_grammar: bool = True) -> None:
+        """compile_grammar False: a grammar's bounds alone (a worker reading the wire builds its
+        matcher off its compute thread, and a grammar that does not compile fails its session)."""
         if not math.isfinite(self.temperature) or self.temperature < 0:
             raise InvalidRequest(f"temperature must be a number >= 0, got {self.temperature}")
         if not 0 <= self.top_k <= INT32_MAX:
@@ -92,7 +94,7 @@ class SamplingParams:
         if not (math.isfinite(self.repetition_penalty) and 0 < self.repetition_penalty <= PENALTY_BOUND):
             raise InvalidRequest(f"repetition_penalty must be in (0, 2] (1 disables it), got {self.repetition_penalty}")
         if self.grammar is not None:
-            self.grammar.validate()
+            self.grammar.validate() if compile_grammar else self.grammar.check_bounds()
 
     def _validate_bias(self) -> None:
         """At most MAX_LOGIT_BIAS entries, distinct ids in [0, 2^31), each bias a finite number in

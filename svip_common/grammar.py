@@ -9,11 +9,21 @@ validates a list of tokens without taking them, takes them, and rolls back any n
 what verifying a drafted block and rejecting its tail needs; and its own limits (``LLParserLimits``:
 lexer fuel per step, grammar size) bound the work one request's grammar costs a step, so a
 hostile schema cannot slow its neighbours. No torch here: the CLI and the Serve parser check a
-grammar before any model loads."""
+grammar before any model loads.
+
+What a grammar costs to compile is bounded too (review H-2): bytes bound a grammar's text, not the
+time its lexer takes to build (a 62 KB schema of 1,300 `"format": "uri"` fields took 0.6-0.8 s), so
+``validate`` times the compile on the calling thread's CPU clock (``compile_seconds``), which the
+server holds to a budget (svip_serve/compile_budget.py, `--max-grammar-compile-ms`). A grammar's
+verdict is cached by its kind and text, so the replica's second check and a request's n choices
+cost a lookup; the workers build their matchers off their compute threads
+(svip_runtime/grammar_waits.py)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import time
 from dataclasses import dataclass
 
 from svip_common.errors import InvalidRequest
@@ -33,7 +43,18 @@ class Grammar:
     text: str = ""  # json_schema: the schema as JSON; regex: the pattern; lark: the grammar; json_object: ""
 
     def validate(self) -> None:
-        """Bounded and compiling (InvalidRequest names what is wrong)."""
+        """Bounded and compiling (InvalidRequest names what is wrong); the compile's verdict cached."""
+        self.check_bounds()
+        problem, _ = _compile_check(self.kind, self.text)
+        if problem:
+            raise InvalidRequest(f"the {self.kind} does not compile: {problem}")
+
+    def compile_seconds(self) -> float:
+        """The CPU seconds its compile took, on the thread that first validated it."""
+        return _compile_check(self.kind, self.text)[1]
+
+    def check_bounds(self) -> None:
+        """Its kind, size and nesting (no compile: what the workers check on the wire)."""
         if self.kind not in KINDS:
             raise InvalidRequest(f"unknown grammar kind {self.kind!r}; choose one of {', '.join(KINDS)}")
         size = len(self.text.encode("utf-8", "surrogatepass"))
@@ -45,30 +66,45 @@ class Grammar:
             raise InvalidRequest(f"an empty {self.kind}")
         if self.kind == "json_schema":
             _check_schema(self.text)
-        from llguidance import LLMatcher
-
-        try:
-            problem = LLMatcher.validate_grammar(self.compiled())
-        except (ValueError, RuntimeError) as exc:  # what the compiler refuses before validating
-            problem = str(exc) or type(exc).__name__
-        if problem:
-            raise InvalidRequest(f"the {self.kind} does not compile: {problem.strip().splitlines()[0][:300]}")
+        if self.kind == "lark" and "%json" in self.text:  # its schema would escape MAX_SCHEMA_DEPTH (L-6)
+            raise InvalidRequest("a lark grammar may not embed %json; send the schema as response_format "
+                                 "json_schema")
 
     def compiled(self) -> str:
         """The grammar in llguidance's terms."""
-        from llguidance import LLMatcher
-
-        if self.kind == "json_object":
-            return LLMatcher.grammar_from_json_schema(JSON_OBJECT, defaults=JSON_LAYOUT)
-        if self.kind == "json_schema":
-            return LLMatcher.grammar_from_json_schema(self.text, defaults=JSON_LAYOUT)
-        if self.kind == "regex":
-            return LLMatcher.grammar_from_regex(self.text)
-        return LLMatcher.grammar_from_lark(self.text)
+        return _compiled(self.kind, self.text)
 
     @classmethod
     def of_schema(cls, schema: dict) -> Grammar:
         return cls("json_schema", json.dumps(schema, separators=(",", ":")))
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(kind: str, text: str) -> str:
+    from llguidance import LLMatcher
+
+    if kind == "json_object":
+        return LLMatcher.grammar_from_json_schema(JSON_OBJECT, defaults=JSON_LAYOUT)
+    if kind == "json_schema":
+        return LLMatcher.grammar_from_json_schema(text, defaults=JSON_LAYOUT)
+    if kind == "regex":
+        return LLMatcher.grammar_from_regex(text)
+    return LLMatcher.grammar_from_lark(text)
+
+
+@functools.lru_cache(maxsize=256)
+def _compile_check(kind: str, text: str) -> tuple[str, float]:
+    """What the compiler says of a bounded grammar ("" when it compiles) and the CPU seconds it
+    took on this thread (llguidance compiles on the calling thread, the GIL released)."""
+    from llguidance import LLMatcher
+
+    started = time.thread_time()
+    try:
+        problem = LLMatcher.validate_grammar(_compiled(kind, text))
+    except (ValueError, RuntimeError) as exc:  # what the compiler refuses before validating
+        problem = str(exc) or type(exc).__name__
+    seconds = time.thread_time() - started
+    return (problem.strip().splitlines()[0][:300] if problem.strip() else ""), seconds
 
 
 def _check_schema(text: str) -> None:

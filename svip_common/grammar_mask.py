@@ -13,7 +13,9 @@ Runs on the thread that owns the session (a worker's compute thread)."""
 
 from __future__ import annotations
 
+import collections
 import functools
+import threading
 from collections.abc import Sequence
 
 import torch
@@ -33,18 +35,86 @@ def grammar_tokenizer(tokenizer, width: int):
     return llguidance.hf.from_tokenizer(tokenizer, n_vocab=min(len(tokenizer), width))
 
 
-@functools.lru_cache(maxsize=64)
-def compiled_matcher(grammar: Grammar, tokenizer):
-    """A grammar compiled for a tokenizer, its lexer warmed by a first mask: never moved itself,
-    each session takes a copy (``deep_copy``, microseconds), so requests that send the same
-    schema (an application's response_format, a tool's parameters) compile it once per worker,
-    not once per session on the step that opens it."""
+class CompiledGrammars:
+    """A process's grammars compiled for a tokenizer, each lexer warmed by a first mask: never moved
+    itself, each session takes a copy (``deep_copy``, microseconds), so requests that send the same
+    schema (an application's response_format, a tool's parameters) compile it once per worker.
+    The last MAX_KEPT that compiled are kept (one in error is not: L-6); a worker compiles a start's
+    grammar off its compute thread and holds it (``hold``) until the start is handled, so no other
+    compile pushes it out meanwhile. Thread-safe: compiles run on a worker's compile thread."""
+
+    MAX_KEPT = 64
+
+    def __init__(self):
+        self._kept: collections.OrderedDict = collections.OrderedDict()  # (grammar, tokenizer) -> matcher
+        self._held: dict = {}  # (grammar, tokenizer) -> [matcher, holders]
+        self._lock = threading.Lock()
+        self.compiles = 0  # grammars compiled (each found again was not)
+
+    def ready(self, grammar: Grammar, tokenizer) -> bool:
+        """Whether get() would answer without compiling."""
+        with self._lock:
+            return (grammar, tokenizer) in self._held or (grammar, tokenizer) in self._kept
+
+    def get(self, grammar: Grammar, tokenizer):
+        """The compiled matcher (one in error: the session's start names the problem);
+        InvalidRequest where the compiler refuses the grammar outright."""
+        key = (grammar, tokenizer)
+        with self._lock:
+            if key in self._held:
+                found = self._held[key][0]
+                if isinstance(found, InvalidRequest):
+                    raise found
+                return found
+            if key in self._kept:
+                self._kept.move_to_end(key)
+                return self._kept[key]
+        matcher = _compile(grammar, tokenizer)  # outside the lock: a compile takes a while
+        self.compiles += 1
+        if not matcher.is_error():
+            with self._lock:
+                self._kept[key] = matcher
+                while len(self._kept) > self.MAX_KEPT:
+                    self._kept.popitem(last=False)
+        return matcher
+
+    def hold(self, grammar: Grammar, tokenizer) -> None:
+        """Compile (or find) it and keep it, in error too (its refusal as well), until release()."""
+        try:
+            matcher = self.get(grammar, tokenizer)
+        except InvalidRequest as exc:
+            matcher = exc
+        with self._lock:
+            self._held.setdefault((grammar, tokenizer), [matcher, 0])[1] += 1
+
+    def release(self, grammar: Grammar, tokenizer) -> None:
+        with self._lock:
+            held = self._held.get((grammar, tokenizer))
+            if held is not None:
+                held[1] -= 1
+                if held[1] <= 0:
+                    del self._held[(grammar, tokenizer)]
+
+
+def _compile(grammar: Grammar, tokenizer):
     from llguidance import LLMatcher
 
-    matcher = LLMatcher(tokenizer, grammar.compiled(), log_level=0)
+    try:
+        compiled = grammar.compiled()
+    except (ValueError, RuntimeError) as exc:  # what the compiler refuses before building
+        raise InvalidRequest(f"the {grammar.kind} does not compile: {str(exc)[:300]}") from None
+    matcher = LLMatcher(tokenizer, compiled, log_level=0)
     if not matcher.is_error():
         matcher.compute_bitmask()
     return matcher
+
+
+COMPILED = CompiledGrammars()  # the process's: both workers' sessions and the in-process engine's
+
+
+def compiled_matcher(grammar: Grammar, tokenizer):
+    """A grammar compiled for a tokenizer (COMPILED's): what a session copies."""
+    return COMPILED.get(grammar, tokenizer)
 
 
 class GrammarMask:

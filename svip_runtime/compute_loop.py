@@ -7,6 +7,10 @@ what it wants sent back to the loop (``Outlet.send``). Between messages the thre
 work in small units (a draft forward at a time), so a message that arrives never waits for more
 than one unit.
 
+Work that one request chose and that takes long (compiling its grammar) never runs on the compute
+thread: ``aside(fn, then)`` runs fn on the loop's aside thread and posts then(its future) back,
+so every other session keeps stepping meanwhile.
+
 The compute thread wakes the event loop once per burst of sends, not once per message. (Running it
 at a lower priority than the I/O threads, nice +10, was measured and left out: no change in the
 round's transit or overhead on this 2-core machine, see docs/benchmarks.md.)
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import concurrent.futures
 import logging
 import queue
 import threading
@@ -31,6 +36,7 @@ class ComputeLoop:
         when there is nothing to do (the thread then sleeps until something is posted)."""
         self._idle = idle
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
+        self._aside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-aside")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -38,9 +44,14 @@ class ComputeLoop:
         """From any thread: call fn(*args) on the compute thread, after what was posted before."""
         self._inbox.put((fn, args))
 
+    def aside(self, fn: Callable[[], object], then: Callable[[concurrent.futures.Future], object]) -> None:
+        """Run fn() off the compute thread (one at a time, in order), then post then(its future)."""
+        self._aside.submit(fn).add_done_callback(lambda future: self.post(then, future))
+
     def stop(self) -> None:
         self._inbox.put(_STOP)
         self._thread.join(timeout=10)
+        self._aside.shutdown(wait=False, cancel_futures=True)
 
     def on_thread(self) -> bool:
         return threading.current_thread() is self._thread
@@ -84,6 +95,10 @@ class ManualLoop:
     def post(self, fn: Callable[..., object], *args) -> None:
         (self._during if self._during is not None else self.inbox).append((fn, args))
 
+    def aside(self, fn: Callable[[], object], then: Callable[[concurrent.futures.Future], object]) -> None:
+        """As ComputeLoop's, in order with what is posted: fn runs when the item it posts is run."""
+        self.post(lambda: then(_future_of(fn)))
+
     def stop(self) -> None:
         self.inbox.clear()
 
@@ -119,6 +134,15 @@ class ManualLoop:
         """What the last held unit posted joins the inbox, after what arrived meanwhile."""
         self.inbox.extend(self.held)
         self.held = []
+
+
+def _future_of(fn: Callable[[], object]) -> concurrent.futures.Future:
+    future: concurrent.futures.Future = concurrent.futures.Future()
+    try:
+        future.set_result(fn())
+    except Exception as exc:  # noqa: BLE001 - handed to whoever reads the future
+        future.set_exception(exc)
+    return future
 
 
 class Outlet:

@@ -4,6 +4,7 @@ message size limits, the standard health service) and the session-multiplexing s
 from __future__ import annotations
 
 import asyncio
+import functools
 import ipaddress
 import logging
 import threading
@@ -17,10 +18,12 @@ from grpc_health.v1._async import HealthServicer
 from svip_common import test_hooks
 from svip_common.contracts import Limits, check_length, check_prompt_ids, check_token_ids
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
+from svip_common.grammar import Grammar
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.compute_loop import ComputeLoop, Outlet
+from svip_runtime.grammar_waits import GrammarWaits
 from svip_runtime.tls import TlsFiles
 from svip_runtime.wire_batch import take_burst
 
@@ -103,6 +106,7 @@ class SessionStream:
         self._read_count = 0  # requests read (the event loop counts them)
         self._handled = 0  # of them, handled (the compute thread counts them)
         self._waiting_for_room = False  # the reader waits: the compute thread wakes it when it frees room
+        self.closed = False  # the peer went away (set on the compute thread: close_owned)
 
     def emit(self, event) -> None:
         """From the compute thread: send an event on this stream."""
@@ -191,9 +195,11 @@ class SessionService:
 
     role = ""
 
-    def __init__(self, limits: Limits, compute: Callable[..., ComputeLoop] = ComputeLoop):
+    def __init__(self, limits: Limits, compute: Callable[..., ComputeLoop] = ComputeLoop, grammar_tokenizer=None):
         """compute(name, idle=): the loop that owns the sessions (a thread; the in-memory
-        transport's ManualLoop runs it by hand)."""
+        transport's ManualLoop runs it by hand); grammar_tokenizer(): the model's tokenizer as
+        structured output's matchers read it (grammar_mask.grammar_tokenizer)."""
+        self._grammar_tokenizer = grammar_tokenizer
         self.limits = limits
         self.sessions: dict = {}
         self._owners: dict[str, SessionStream] = {}
@@ -202,6 +208,7 @@ class SessionService:
         self.compute_probe_s = COMPUTE_PROBE_S
         self.max_sessions_per_stream, self.max_sessions_per_worker = MAX_SESSIONS_PER_STREAM, MAX_SESSIONS_PER_WORKER
         self.compute = compute(f"{self.role}-compute", idle=self.idle)
+        self.grammar_waits = GrammarWaits(self.compute)
         self.test_hooks = test_hooks.announce(self.role)  # none in production; loud when set
 
     async def close(self) -> None:
@@ -288,10 +295,14 @@ class SessionService:
             self._receive_one(stream, request, received_at)
 
     def _receive_one(self, stream: SessionStream, request, received_at: float) -> None:
-        """One request of a stream: handled, or answered with an error event for its session."""
+        """One request of a stream: handled (once its session's grammar is compiled: grammar_waits.py),
+        or answered with an error event for its session."""
         session_id = ""
         try:
             session_id = session_id_of(request)
+            resume = functools.partial(self._resumed, stream, request, received_at)
+            if self.grammar_waits.waits(session_id, self.grammar_needed(request), resume):
+                return
             self.handle(request, stream, received_at)
         except Refused as exc:  # nothing of any session is touched
             stream.emit(self.error_event(session_id, grpc.StatusCode.INVALID_ARGUMENT, str(exc)))
@@ -304,6 +315,27 @@ class SessionService:
                 self.error_event(session_id, grpc.StatusCode.INTERNAL, "internal worker error (see the worker's log)")
             )
             self.close_session(session_id, stream)
+
+    def _resumed(self, stream: SessionStream, request, received_at: float) -> None:
+        """A request that waited for its session's grammar, handled now (unless its stream closed)."""
+        if not stream.closed:
+            self._receive_one(stream, request, received_at)
+
+    def grammar_needed(self, request) -> tuple | None:
+        """The (grammar, llguidance tokenizer) a request's start compiles (None: none, or one past
+        its bounds, which handling it refuses by name)."""
+        if request.WhichOneof("kind") != "start" or self._grammar_tokenizer is None:
+            return None
+        sampling = request.start.sampling
+        if not (sampling.grammar_kind or sampling.grammar):
+            return None
+        grammar = Grammar(sampling.grammar_kind, sampling.grammar)
+        try:
+            grammar.check_bounds()
+        except InvalidRequest:
+            return None
+        tokenizer = self._grammar_tokenizer()
+        return None if tokenizer is None else (grammar, tokenizer)
 
     def check_start(self, msg: pb.StartSession) -> None:
         """A StartSession within this worker's limits: ids, context, block cap."""
@@ -351,6 +383,7 @@ class SessionService:
         session.close()
 
     def close_owned(self, owner: SessionStream) -> None:
+        owner.closed = True  # what waits for a grammar on it is dropped, not started
         for session_id in [sid for sid, o in self._owners.items() if o is owner]:
             self.close_session(session_id, owner)
 

@@ -58,12 +58,16 @@ class Verifier:
         """prompt_len and stop_ids: the request's, for its penalties and min_tokens (row_rules.py);
         logprobs: the request's top alternatives per settled token (None: no logprobs; logprobs.py);
         cache_scope: the sessions it may share KV pages with (svip_common/prompt_sharing.py)."""
-        target = self.target
-        tokenizer = None if sampling.grammar is None else grammar_tokenizer(target.tokenizer, target.vocab_size)
+        tokenizer = None if sampling.grammar is None else self.grammar_tokenizer()
         session = TargetSession(self, sampling, RowRules.of(sampling, prompt_len, stop_ids, tokenizer))
         session.logprob_rows = None if logprobs is None else LogprobRows(logprobs)
         self.sharing.add(session, prompt_len, cache_scope)
         return session
+
+    def grammar_tokenizer(self):
+        """The target's tokenizer as structured output's matchers read it (None: it has none)."""
+        target = self.target
+        return None if target.tokenizer is None else grammar_tokenizer(target.tokenizer, target.vocab_size)
 
     def load(self, sessions: int | None = None) -> TargetLoad | None:
         """The target's current load, as load-aware speculation sees it (None: nothing measured

@@ -69,7 +69,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.clock = clock
         config = config.checked()
         self.idle_work = IdleWork(verifier, config.idle_prefill, config.max_batched_tokens, clock)
-        super().__init__(limits, compute)
+        super().__init__(limits, compute, verifier.grammar_tokenizer)
         self.verifier = verifier
         self.max_batched_tokens = config.max_batched_tokens
         self.load_aware = config.load_aware

@@ -23,6 +23,7 @@ from svip_common.kv_sizes import whole_pages
 from svip_common.randomness import choices
 from svip_serve.admission import RETRY_AFTER_S, Admission, Slot
 from svip_serve.auth import ApiKeys, sharing_scope
+from svip_serve.compile_budget import CompileBudget
 from svip_serve.draining import DrainWatch
 from svip_serve.fresh_stats import WORKER_STATS_FRESH_S, FreshStats
 from svip_serve.generation import Generation, merged
@@ -232,6 +233,7 @@ class SVIPServer:
         self.created = int(time.time())
         self.policy_defaults = settings.policy_defaults()
         self._parse_chat = functools.partial(parse_chat, tool_parser=settings.tool_call_parser)
+        self.compile_budget = CompileBudget(settings.max_grammar_compile_ms / 1000)
         self._health: str | None = None  # the last health check's finding: ok, recovering, unavailable
         self._worker_stats = FreshStats(WORKER_STATS_FRESH_S)
         self._health_lock = asyncio.Lock()
@@ -358,7 +360,7 @@ class SVIPServer:
             self.metrics.record_rejected("busy")
             raise
         try:
-            req, request = await self._read_request(http, parse)
+            req, request = await self._read_request(http, parse, key)
             request = dataclasses.replace(request, cache_scope=sharing_scope(key, req.cache_salt))
             try:
                 engine = await self._engine()
@@ -405,7 +407,7 @@ class SVIPServer:
             )
         )
 
-    async def _read_request(self, http: Request, parse) -> tuple[ApiRequest, GenerationRequest]:
+    async def _read_request(self, http: Request, parse, key: str | None) -> tuple[ApiRequest, GenerationRequest]:
         """The body read, parsed and checked, the prompt tokenized: the request as the client sent
         it and as it runs. ApiError for whatever this deployment refuses."""
         try:
@@ -413,7 +415,8 @@ class SVIPServer:
                 http, self.settings.max_request_bytes, self.settings.body_read_timeout_s, self._parse_pool
             )
             loop = asyncio.get_running_loop()  # off the event loop: compiling a request's grammar takes a while
-            req = await loop.run_in_executor(self._parse_pool, parse, body, self.policy_defaults)
+            req = await loop.run_in_executor(self._parse_pool, self.compile_budget.parse, key, parse, body,
+                                             self.policy_defaults)
             self.shaping.check_model(req.model)
             self.shaping.check(req)
             request = await loop.run_in_executor(self._tokenizer_pool, self.shaping.generation_request, req)

@@ -62,6 +62,7 @@ class ServeSettings:
     auto_window: int = 4096  # policy auto: verdicted tokens the live fit rests on
     draft_length_cap: int = DRAFT_LENGTH_CAP  # cap on a request's draft_length / max_draft_length (and any block)
     max_request_bytes: int = 4 * 1024 * 1024  # a larger body is refused with 413 before it is parsed
+    max_grammar_compile_ms: int = 250  # a request's grammar that takes longer to compile is a 400 (a key: 16x a minute)
     api_key_sha256: tuple[str, ...] = ()  # SHA-256 (hex) of the API keys; $SVIP_API_KEY adds more; none: open
     grpc_tls_dir: str | None = None  # mutual TLS between a pipeline's workers: ca.crt, tls.crt, tls.key (every node)
     worker_start_timeout_s: float = 600.0
@@ -108,6 +109,7 @@ class ServeSettings:
             "max_in_flight",
             "draft_length_cap",
             "max_request_bytes",
+            "max_grammar_compile_ms",
             "kv_cache_tokens",
             "max_batched_tokens",
             "default_max_tokens",

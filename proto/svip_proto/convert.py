@@ -106,8 +106,10 @@ def sampling_to_proto(s: SamplingParams) -> pb.SamplingParams:
 
 
 def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
-    """Checked (SamplingParams.validate): a bad field, or bias ids and values that do not pair up,
-    is an InvalidRequest (the bias's ids against the vocabulary: the worker's check_start)."""
+    """Checked (SamplingParams.validate, a grammar's bounds but not its compile: the worker builds
+    its matcher off the compute thread, svip_runtime/grammar_waits.py): a bad field, or bias ids and
+    values that do not pair up, is an InvalidRequest (the bias's ids against the vocabulary: the
+    worker's check_start)."""
     if len(msg.logit_bias_ids) != len(msg.logit_bias):
         raise InvalidRequest(f"logit_bias carries {len(msg.logit_bias_ids)} ids and {len(msg.logit_bias)} values")
     bias = tuple(zip(msg.logit_bias_ids, msg.logit_bias))
@@ -115,7 +117,7 @@ def sampling_from_proto(msg: pb.SamplingParams) -> SamplingParams:
     grammar = Grammar(msg.grammar_kind, msg.grammar) if msg.grammar_kind or msg.grammar else None
     params = SamplingParams(msg.temperature, msg.top_k, msg.top_p, msg.seed, bias, msg.presence_penalty,
                             msg.frequency_penalty, msg.min_tokens, repetition, grammar)
-    params.validate()
+    params.validate(compile_grammar=False)
     return params
 
 

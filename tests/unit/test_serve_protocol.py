@@ -434,3 +434,34 @@ def test_worker_stats_are_probed_once_for_calls_at_once_and_within_the_fresh_win
         assert await fresh.get(engine) == {"n": 2} and engine.calls == 2
 
     asyncio.run(run())
+
+
+def test_a_grammar_past_the_compile_budget_is_refused_by_name_and_a_key_past_its_minute_waits():
+    """Review H-2: the replica holds a grammar to its compile time (not only its bytes) and a key to
+    its parse time a minute; other keys go on. Deterministic: budgets of zero and of an hour."""
+    from svip_serve.compile_budget import KEY_BUDGETS, CompileBudget
+
+    schema = {"type": "object", "properties": {f"f{i}": {"type": "string", "format": "uri"} for i in range(40)}}
+    body = {**BASE, "response_format": {"type": "json_schema", "json_schema": {"name": "s", "schema": schema}}}
+    with pytest.raises(ApiError) as err:
+        CompileBudget(0.0).parse("alice", parse_completion, body)
+    assert err.value.status == 400 and err.value.param == "response_format"
+    assert "to compile; this deployment allows 0 ms" in err.value.message
+    assert parse_completion(body).sampling.grammar.compile_seconds() > 0  # timed once, cached since
+    assert CompileBudget(3600.0).parse("alice", parse_completion, body).sampling.grammar is not None
+    now = [0.0]
+    budget = CompileBudget(0.5, clock=lambda: now[0])
+    budget._charge("alice", KEY_BUDGETS * 0.5 + 1)  # a minute's worth spent, and a second more
+    with pytest.raises(ApiError) as err:
+        budget.parse("alice", parse_completion, dict(BASE))
+    assert err.value.status == 429 and err.value.code == "parse_budget" and "Retry-After" in err.value.headers
+    assert budget.parse("bob", parse_completion, dict(BASE)).prompt == BASE["prompt"]  # another key goes on
+    now[0] = 60.0  # a minute later the spend has drained
+    assert budget.parse("alice", parse_completion, dict(BASE)).prompt == BASE["prompt"]
+
+
+def test_a_lark_grammar_may_not_embed_json_past_the_schema_bounds():
+    """Review L-6: Lark's %json would carry a schema past MAX_SCHEMA_DEPTH; requests send schemas as
+    response_format instead."""
+    with pytest.raises(ApiError, match="may not embed %json"):
+        parse_completion({**BASE, "guided_grammar": 'start: %json {"type": "object"}'})
