@@ -26,7 +26,15 @@ from svip_common.randomness import Purpose, uniform
 from svip_common.rejection import recover
 from svip_common.row_rules import RowRules
 from svip_common.sampling import entropy, mask_padding, sample_indices, warp_probs
-from svip_common.trees import CAPE_WIDEST, GROWN_WIDEST, MAX_TREE_NODES, cape_siblings, grown_children, sibling_nodes
+from svip_common.trees import (
+    CAPE_WIDEST,
+    GROWN_WIDEST,
+    MAX_TREE_NODES,
+    cape_siblings,
+    grown_children,
+    q_rows_within,
+    sibling_nodes,
+)
 from svip_common.trees import grows as tree_grows
 from svip_common.trees import priced as tree_priced
 
@@ -334,6 +342,8 @@ class BlockDraft:
         self.prefill_s = 0.0  # of compute_s, the forward that took in a prefix of many tokens
         self._prefilling = False
         self._limit = min(session.policy.max_length(), budget)
+        if self._tree and not session.sampling.greedy:  # its q rows cross the wire: a byte budget (trees.py)
+            self._limit = min(self._limit, q_rows_within(session._drafter.width))
         self._context = list(committed)  # what the block follows (the request's rules count it)
         self._q_rows: list[torch.Tensor] = []
         self._pending = session._resume(committed, cache) if self._limit > 0 else None

@@ -53,7 +53,16 @@ CAPE_BINS = ((0.3, 8), (0.6, 6), (0.8, 4))  # (top-1 probability under, candidat
 CAPE_WIDEST = 8  # candidates at a place when the draft is least sure
 MAX_TREE_NODES = 64  # a block's nodes at most (spine, siblings, grown): a request cannot make a step wider
 GROWN_WIDEST = 1  # deep trees: a sibling's children at most
+# a sampled tree carries its q rows to the target (each spine place's, float32 over the vocabulary):
+# at most this many bytes a block, so its spine holds at most MAX_Q_BYTES // (4 * width) places
+# (6 at a 152k vocabulary: 37 MiB and 144 ms of the target's compute thread a block before, review H-3)
+MAX_Q_BYTES = 4 << 20
 MAX_NODE_PRICE = 1e6  # a node's price in tokens beyond any load (above 1, no sibling pays): the wire's bound
+
+
+def q_rows_within(width: int) -> int:
+    """The spine places whose q rows (dense float32, the worst case) fit MAX_Q_BYTES at this width."""
+    return max(1, MAX_Q_BYTES // (4 * width))
 
 
 def priced(tree: str) -> bool:

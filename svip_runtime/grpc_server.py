@@ -25,7 +25,7 @@ from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.compute_loop import ComputeLoop, Outlet
 from svip_runtime.grammar_waits import GrammarWaits
 from svip_runtime.tls import TlsFiles
-from svip_runtime.wire_batch import take_burst
+from svip_runtime.wire_batch import Bursts
 
 MAX_MESSAGE_BYTES = 64 * 1024 * 1024  # a full-vocabulary float32 row is ~600 KB at 152k tokens
 GRPC_OPTIONS = [
@@ -115,12 +115,12 @@ class SessionStream:
     async def run(self, requests: AsyncIterator) -> AsyncIterator:
         compute = self._service.compute
         reader = asyncio.create_task(self._read(requests))
-        out = self.outlet.queue
+        bursts = Bursts(self.outlet.queue, _END)
         try:
-            while (event := await out.get()) is not _END:
-                burst, ended = take_burst(out, event, _END)
+            while True:
+                burst, ended = await bursts.take()
                 self._check_room()
-                for message in self._service.pack(burst):
+                for message in self._service.pack(burst) if burst else ():
                     yield message
                 if ended:
                     break

@@ -26,18 +26,38 @@ class BadBatch(InvalidRequest):
     message of its type, or a batch inside it."""
 
 
-def take_burst(queue: asyncio.Queue, first, end) -> tuple[list, bool]:
-    """``first`` and whatever else already waits in ``queue`` (at most MAX_BATCH in all, and no
-    more once they hold MAX_BURST_BYTES), and whether ``end`` (the stream's last item, not
-    returned) was among them. Items are serialised messages (bytes) or protobuf messages."""
-    burst, size = [first], wire_size(first)
-    while len(burst) < MAX_BATCH and size < MAX_BURST_BYTES and not queue.empty():
-        item = queue.get_nowait()
-        if item is end:
-            return burst, True
-        burst.append(item)
-        size += wire_size(item)
-    return burst, False
+_NOTHING = object()
+
+
+class Bursts:
+    """A queue's items as bursts: the next item and whatever else already waits (at most MAX_BATCH,
+    and never past MAX_BURST_BYTES together: an item that would take a burst past it starts the
+    next one, so a burst is one large item at most, never a full burst plus it: the review's N2
+    residual), until ``end`` (the stream's last item, not returned). Items are serialised messages
+    (bytes) or protobuf messages."""
+
+    def __init__(self, queue: asyncio.Queue, end):
+        self.queue, self.end = queue, end
+        self._next = _NOTHING  # an item taken that starts the next burst
+
+    async def take(self) -> tuple[list, bool]:
+        """The next burst (empty only at the end) and whether the end came after it."""
+        first, self._next = self._next, _NOTHING
+        if first is _NOTHING:
+            first = await self.queue.get()
+        if first is self.end:
+            return [], True
+        burst, size = [first], wire_size(first)
+        while len(burst) < MAX_BATCH and not self.queue.empty():
+            item = self.queue.get_nowait()
+            if item is self.end:
+                return burst, True
+            if size + wire_size(item) > MAX_BURST_BYTES:
+                self._next = item
+                break
+            burst.append(item)
+            size += wire_size(item)
+        return burst, False
 
 
 def wire_size(item) -> int:

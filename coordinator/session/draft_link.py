@@ -20,7 +20,7 @@ from svip_proto import svip_pb2 as pb
 from svip_runtime.compute_loop import Outlet
 from svip_runtime.grpc_server import open_channel
 from svip_runtime.tls import TlsFiles
-from svip_runtime.wire_batch import BadBatch, pack_requests, take_burst, unpack
+from svip_runtime.wire_batch import BadBatch, Bursts, pack_requests, unpack
 
 log = logging.getLogger(__name__)
 _SERVICE = pb.DESCRIPTOR.services_by_name["DraftWorker"]
@@ -63,11 +63,12 @@ class DraftLink:
 
     async def _requests(self):
         """What the compute thread sent, a burst (one step's, for every session) as one message."""
-        queue = self._outlet.queue
-        while (request := await queue.get()) is not None:
-            burst, ended = take_burst(queue, request, None)
-            self.sent_batches += len(burst) > 1
-            yield pack_requests(burst)
+        bursts = Bursts(self._outlet.queue, None)
+        while True:
+            burst, ended = await bursts.take()
+            if burst:
+                self.sent_batches += len(burst) > 1
+                yield pack_requests(burst)
             if ended:
                 return
 

@@ -36,7 +36,7 @@ from svip_common.messages import (
     Resume,
     SessionStart,
 )
-from svip_common.trees import MAX_NODE_PRICE
+from svip_common.trees import MAX_NODE_PRICE, MAX_Q_BYTES
 from svip_proto import svip_pb2 as pb
 
 PIPELINES = {"sync": pb.PIPELINE_SYNC, "async": pb.PIPELINE_ASYNC}  # the pipeline modes by name, as the wire says them
@@ -314,21 +314,25 @@ def q_rows_to_proto(msg: pb.Block, q_rows: torch.Tensor) -> None:
 
 def q_rows_from_proto(msg: pb.Block, width: int | None) -> torch.Tensor | None:
     """The block's q rows [k, width] float32 (None: it carries none); rows that are not one per
-    token of this width, or not distributions, are an InvalidRequest. width None: the reader reads
-    no q rows (a draft worker's own blocks), and one that carries them is refused."""
+    token of this width, or not distributions, or past MAX_Q_BYTES, are an InvalidRequest. width
+    None: the reader reads no q rows (a draft worker's own blocks), and one that carries them is
+    refused. Checked in one pass over the rows (review H-3: a loop of row checks cost the target's
+    compute thread 144 ms a block at a 152k vocabulary)."""
     if not msg.HasField("q_rows") and not msg.q_nonzero:
         return None
     if width is None:
         raise InvalidRequest("a block carries q rows where none are read")
     k = len(msg.tokens)
+    carried = len(msg.q_rows.data) + sum(len(r.ids.data) + len(r.values.data) for r in msg.q_nonzero)
+    if carried > MAX_Q_BYTES and k > 1:  # one row always fits: the draft's spine is never cut below it
+        raise InvalidRequest(f"a block carries {carried} bytes of q rows; at most {MAX_Q_BYTES}")
     if msg.HasField("q_rows"):
         if msg.q_nonzero:
             raise InvalidRequest("a block carries q_rows or q_nonzero, not both")
         q = tensor_from_proto(msg.q_rows)
         if q.dtype != torch.float32 or tuple(q.shape) != (k, width):
             raise InvalidRequest(f"q_rows is {_described(q)}, expected float32 [{k}, {width}]")
-        for row in q:
-            _check_distribution(row, "q_rows")
+        _check_distribution(q, "q_rows")
         return q
     if len(msg.q_nonzero) != k:
         raise InvalidRequest(f"block of {k} tokens carries {len(msg.q_nonzero)} q rows")
@@ -355,9 +359,12 @@ def _row_from_sparse(msg: pb.SparseRow, width: int, name: str) -> torch.Tensor:
     return torch.zeros(width, dtype=torch.float32).index_put_((ids.long(),), values)
 
 
-def _check_distribution(row: torch.Tensor, name: str) -> None:
-    if not bool((torch.isfinite(row) & (row >= 0)).all()) or not bool((row > 0).any()):
-        raise InvalidRequest(f"{name} values must be finite, at least 0, and some above 0")
+def _check_distribution(rows: torch.Tensor, name: str) -> None:
+    """A row [width], or rows [k, width], each finite, at least 0, with some mass and a finite sum."""
+    rows = rows.reshape(-1, rows.shape[-1])
+    sums = rows.sum(dim=-1)
+    if not bool((torch.isfinite(rows) & (rows >= 0)).all()) or not bool((torch.isfinite(sums) & (sums > 0)).all()):
+        raise InvalidRequest(f"{name} values must be finite, at least 0, and some above 0 in every row")
 
 
 def _described(t: torch.Tensor) -> str:
