@@ -192,7 +192,8 @@ class EngineSession:
         self.committed = list(request.prompt_ids)
         self.generated: list[int] = []
         self.logprobs = None if request.logprobs is None else []  # per generated token (target_worker/logprobs.py)
-        self.prompt_logprobs = self.target.score_prompt(request.prompt_ids) if request.prompt_logprobs else None
+        if request.prompt_logprobs:  # read as its prefill runs (target_worker/logprobs.py)
+            self.target.score(request.prompt_ids, request.logprobs)
         self.finish_reason: str | None = None
         self.error: str | None = None  # finish_reason "error": what failed
         self.stats = GenerationStats()
@@ -275,8 +276,9 @@ class EngineSession:
         stats.wall_s = time.perf_counter() - self.started
         stats.draft_forwards, stats.target_forwards = self.draft.forwards, self.target.forwards
         stats.pauses = self.gate.pauses if self.gated else 0
+        scoring = self.target.scoring
         return GenerationResult(list(self.request.prompt_ids), self.generated, self.finish_reason, stats, self.error,
-                                self.logprobs, self.prompt_logprobs)
+                                self.logprobs, None if scoring is None else scoring.scored)
 
     def close(self) -> None:
         """Both sessions' pages go back to their pools."""

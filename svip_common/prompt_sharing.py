@@ -23,7 +23,7 @@ forwards (``splits``): every uncached token but the last, then the last in a for
 as a fork of its prompt does; and it forks only a sampled session whose prompt had its length and
 its tokens but the last, whose own split prefill therefore computed the same rows in the same
 shapes (``_may_fork``): a request's n choices, the same request twice. Not a prefix of another
-prompt, a greedy session's or a scoring request's (``computed_whole``): their prefill computed
+prompt, a greedy session's or a scoring request's (``computes_own``): their prefill computed
 those rows in a longer forward, equal only to float rounding. What a split costs: one more
 forward of a token per sampled session, on each side. (In a batch, the other rows of a forward
 move a row's last bits as well, as in any batched engine: a seed reproduces to the bit where the
@@ -52,6 +52,7 @@ class PromptSharing:
         self._sessions: weakref.WeakSet = weakref.WeakSet()  # open sessions (a closed one leaves)
         self._prompt_lens: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a session's prompt's length
         self._scopes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a session's cache scope
+        self._own: weakref.WeakSet = weakref.WeakSet()  # sessions that compute their whole prompt (computes_own)
         self.shared_tokens = 0  # tokens sessions took from others' pages instead of computing them
 
     def add(self, session, prompt_len: int = 0, scope: str = "") -> None:
@@ -61,10 +62,12 @@ class PromptSharing:
         self._prompt_lens[session] = prompt_len
         self._scopes[session] = scope
 
-    def computed_whole(self, session) -> None:
-        """The session's prompt went through one forward, its last token in it (a scoring request's
-        prefill): a sampled session forks none of it."""
+    def computes_own(self, session) -> None:
+        """A scoring request's session: it computes every row of its prompt itself (it forks none:
+        each row is scored), in the shapes of a chunked prefill, so a sampled session forks none of
+        it either."""
         self._prompt_lens[session] = 0
+        self._own.add(session)
 
     def discard(self, session) -> None:
         self._sessions.discard(session)
@@ -97,7 +100,8 @@ class PromptSharing:
         usual decode step is not (nothing is looked up there, whatever the context's length; a
         cache that parted from its committed tokens at an earlier place is looked at once it is
         that short, as after an eviction)."""
-        return self.enabled and self.forks and len(committed) - len(session.sequence) > self.page_size
+        return (self.enabled and self.forks and len(committed) - len(session.sequence) > self.page_size
+                and session not in self._own)
 
     def _may_fork(self, session, other, committed: Sequence[int], shared: int) -> bool:
         """Whether the session may take ``shared`` of its committed tokens from the other's cache:

@@ -56,6 +56,37 @@ class LogprobRows:
         raise RuntimeError(f"no target row kept for place {place} after the settled tokens")
 
 
+class PromptScores:
+    """A scoring request's prompt logprobs (OpenAI's echo): every prompt token's after the first,
+    read as its prefill computes the rows, a chunk at a time (at most the step's max_batched_tokens),
+    each chunk's rows read to their tokens' logprobs and top alternatives at once and dropped, so the
+    prompt's [L, vocab] logits are never held and a long prompt's scoring interleaves with the other
+    sessions' steps (review M-1: one unchunked forward of up to 16k tokens kept every row). The
+    prefill keeps the prompt's last token for the step that verifies the first block, as a sampled
+    session's split prefill does; its row is the first generated place's."""
+
+    def __init__(self, prompt: Sequence[int], top: int):
+        self.prompt, self.top = tuple(prompt), top
+        self.scored: list[TokenLogprob] = []
+        self.sent = False  # the worker sent them to the caller
+
+    @property
+    def pending(self) -> bool:
+        return len(self.scored) < len(self.prompt) - 1
+
+    def rows_to_keep(self, start: int, count: int) -> int:
+        """Of a chunk computing positions [start, start + count) of the prompt, how many of its last
+        rows score tokens not scored yet (a chunk recomputed after an eviction scores nothing again)."""
+        return max(0, start + count - max(start, len(self.scored)))
+
+    def take(self, first: int, rows: torch.Tensor) -> None:
+        """rows [n, vocab]: the rows of positions first.. (each the place of the next prompt token)."""
+        if first != len(self.scored):
+            raise RuntimeError(f"prompt rows from position {first}; {len(self.scored)} scored so far")
+        tokens = self.prompt[first + 1 : first + 1 + rows.shape[0]]
+        self.scored += read_logprobs(rows[: len(tokens)], tokens, self.top)
+
+
 def read_logprobs(rows: torch.Tensor, tokens: Sequence[int], top: int) -> list[TokenLogprob]:
     """Each token's log-probability under its row of logits [n, vocab] and the row's ``top``
     likeliest, worked out together and read to the host in one copy."""

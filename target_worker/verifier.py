@@ -11,7 +11,6 @@ session with its own prefix and its own block length.
 from __future__ import annotations
 
 import dataclasses
-import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,7 +29,7 @@ from svip_common.row_rules import RowRules
 from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import children_of, greedy_path, node_parents, node_paths, node_tokens
-from target_worker.logprobs import LogprobRows, block_rows, read_logprobs
+from target_worker.logprobs import LogprobRows, PromptScores, block_rows
 
 
 class Verifier:
@@ -97,6 +96,7 @@ class Verifier:
         verdicts = self.judge_first(jobs)
         room = budget if budget is not None else float("inf")
         plans, steps, owners = {}, [], []  # owners[j]: the job step j settles (None: a prefill chunk)
+        scorers = {}  # step j -> the session whose prompt chunk it is
         prefilling = False  # a prompt's tokens go through this forward
         prompts: list[Sequence[int]] = []  # committed tokens this forward prefills (prompt_sharing.py)
         for i, (session, committed, block) in enumerate(jobs):
@@ -111,14 +111,14 @@ class Verifier:
             prefilling |= prefill > 0
             if prefill > 0:
                 prompts.append((session, committed))
-            splits = self.sharing.splits(session, prefill + 1)  # its last token and the block: next step
+            # its last token and the block: next step (a sampled prompt's split, or a prompt it scores)
+            splits = self.sharing.splits(session, prefill + 1) or session.scoring_pending
             if splits or (tokens > room and (prefill > 0 or steps)):  # else a lone block a little past the budget runs
                 chunk = int(min(room, prefill))
                 if chunk > 0:
-                    seq, new = plan.step[:2]  # a tree's step carries its parents too
-                    steps.append((seq, new[:chunk], 0))
+                    steps.append(session.prompt_chunk(*plan.step[:2], chunk))  # a tree's step carries its parents too
                     owners.append(None)
-                    session.forget_row()
+                    scorers[len(steps) - 1] = session
                     room -= chunk
                 continue
             plans[i] = plan
@@ -135,6 +135,8 @@ class Verifier:
         if steps:
             self._observe(self.last_step_tokens, elapsed, prefilling, len(steps))
             self._sessions_per_step.update(len(jobs))
+        for j, session in scorers.items():
+            session.scored_rows(steps[j], rows[j])
         settled = {i: jobs[i][0].processed(mask_padding(row, self.token_limit), jobs[i][1], jobs[i][2], plans[i])
                    for i, row in zip(owners, rows) if i is not None}
         choices = self._greedy_choices(jobs, plans, settled)
@@ -192,6 +194,7 @@ class Verifier:
         at a time). Returns how many sessions it advanced."""
         room = budget if budget is not None else float("inf")
         steps, owners, before, prompts = [], [], [], []
+        scorers = {}  # step j -> the session whose prompt chunk it is
         for session, committed in jobs:
             self.sharing.take(session, committed)
             if room < 1 or self.sharing.waits(session, committed, prompts):
@@ -203,12 +206,14 @@ class Verifier:
             seq, new, _ = plan.step
             if len(new) > 1:
                 prompts.append((session, committed))
-            cut = len(new) - 1 if self.sharing.splits(session, len(new)) else len(new)  # the last: next step
+            splits = self.sharing.splits(session, len(new)) or session.scoring_pending
+            cut = len(new) - 1 if splits else len(new)  # the last: next step
             if len(new) > room or cut < len(new):  # a chunk of the prompt, its row later (a row stored before
                 chunk = int(min(room, cut))  # is not this one's)
-                steps.append((seq, new[:chunk], 0))
-                session.forget_row()
-                room -= chunk
+                if chunk > 0:
+                    steps.append(session.prompt_chunk(seq, new, chunk))
+                    scorers[len(steps) - 1] = session
+                    room -= chunk
                 continue
             steps.append(plan.step)
             owners.append(session)
@@ -222,7 +227,9 @@ class Verifier:
         by_sequence = {id(session.sequence): session for session, _ in jobs}
         for (seq, new, *_), feats in zip(steps, features):
             by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
-        rows = [mask_padding(row, self.token_limit) for row, (_, _, k) in zip(rows, steps) if k]
+        for j, session in scorers.items():
+            session.scored_rows(steps[j], rows[j])
+        rows = [mask_padding(row, self.token_limit) for j, row in enumerate(rows) if j not in scorers and steps[j][2]]
         rows = [session.processed(row, *job) for row, session, job in zip(rows, owners, before)]
         greedy = [i for i, session in enumerate(owners) if session.sampling.greedy]
         choices = torch.argmax(torch.cat([rows[i] for i in greedy]), dim=-1).tolist() if greedy else []
@@ -283,6 +290,7 @@ class _Plan:
 
 class TargetSession:
     logprob_rows: LogprobRows | None = None  # the rows of places not yet settled, kept for their logprobs
+    scoring: PromptScores | None = None  # a scoring request's prompt logprobs, read as its prefill computes them
 
     def __init__(self, verifier: Verifier, sampling: SamplingParams, rules: RowRules | None = None):
         self.sampling = sampling
@@ -334,24 +342,28 @@ class TargetSession:
             return []
         return self.logprob_rows.settle(sequence, len(sequence) - count, len(sequence))
 
-    @torch.inference_mode()
-    def score_prompt(self, prompt: Sequence[int]) -> list[TokenLogprob]:
-        """Prompt logprobs (a scoring request, OpenAI's echo): the prompt's prefill, in one forward
-        of its own that keeps every row, gives each prompt token after the first its log-probability
-        under the model alone (no request knob applies to a prompt's tokens) and its place's top
-        alternatives; the last row is stored for the first generated place, so generation goes on
-        from this prefill with nothing computed again."""
-        self.sequence.rollback(0)
-        self._verifier.sharing.computed_whole(self)
-        started = time.perf_counter()
-        (rows,) = self._verifier.pool.forward([(self.sequence, list(prompt), len(prompt))])
-        rows = mask_padding(rows, self._verifier.token_limit)
-        scored = read_logprobs(rows[:-1], prompt[1:], self.logprob_rows.top)  # every row the prompt's own
-        empty = Block(base=len(prompt), tokens=[], probs=[], entropies=[])
-        last = self.processed(rows[-1:], prompt, empty, _Plan(None, False))
-        choice = int(torch.argmax(last, dim=-1)) if self.sampling.greedy else None
-        self.store_row(last, choice, time.perf_counter() - started)
-        return scored
+    def score(self, prompt: Sequence[int], top: int) -> None:
+        """A scoring request (OpenAI's echo): its prefill reads every prompt token's logprob after
+        the first, a chunk at a time (logprobs.PromptScores), before its first block is verified."""
+        self.scoring = PromptScores(prompt, top)
+        self._verifier.sharing.computes_own(self)
+
+    @property
+    def scoring_pending(self) -> bool:
+        return self.scoring is not None and self.scoring.pending
+
+    def prompt_chunk(self, seq: PagedSequence, new: Sequence[int], chunk: int) -> tuple:
+        """A prefill chunk's step: its first ``chunk`` new tokens, keeping the rows that score them
+        where the session scores its prompt; ``scored_rows`` takes the rows after the forward."""
+        self.forget_row()
+        keep = self.scoring.rows_to_keep(len(seq), chunk) if self.scoring_pending else 0
+        return seq, new[:chunk], keep
+
+    def scored_rows(self, step: tuple, rows: torch.Tensor) -> None:
+        """A prompt chunk's kept rows (``prompt_chunk``), scored and let go."""
+        seq, new, keep = step
+        if keep:
+            self.scoring.take(len(seq) - keep, mask_padding(rows, self._verifier.token_limit))
 
     def forget_row(self) -> None:
         """No row is stored: the sequence it was computed on is changing (a prompt chunk) or gone."""

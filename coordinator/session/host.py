@@ -158,18 +158,12 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             )
             self.new_session(sid, session, stream)
             self.pages.admit(sid, len(start.prompt_ids))
-            if start.prompt_logprobs:
-                self._score_prompt(sid, session, start.prompt_ids)
+            if start.prompt_logprobs:  # read as its prefill runs, in the steps (target_worker/logprobs.py)
+                session.target.score(start.prompt_ids, start.logprobs)
             self._step(sid, session.start, self._draft_available())
         else:  # cancel
             session_id = request.cancel.session_id
             self._step(session_id, self.session(session_id, stream).cancel)
-
-    def _score_prompt(self, session_id: str, session: SessionPipeline, prompt: tuple[int, ...]) -> None:
-        """Prompt logprobs, from the prompt's prefill (run now, alone): sent first, before any token."""
-        if session_id in self.pages.waiting:
-            raise Overloaded(NO_ROOM_TO_SCORE)
-        self.owner(session_id).emit(_prompt_scored(session_id, session.target.score_prompt(prompt)))
 
     def close_session(self, session_id: str, owner) -> None:
         super().close_session(session_id, owner)
@@ -303,7 +297,13 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         return effects
 
     def _apply(self, session_id: str, session: SessionPipeline, effects: list[Effect]) -> None:
-        """A session's effects, in order: the transport's half of its protocol."""
+        """A session's effects, in order: the transport's half of its protocol; a scoring
+        request's prompt logprobs first, once its prefill has read them all."""
+        scoring = session.target.scoring
+        if scoring is not None and not scoring.pending and not scoring.sent:
+            scoring.sent = True
+            settled = pb.Settled(session_id=session_id, prompt_logprobs=convert.logprobs_to_proto(scoring.scored))
+            self.owner(session_id).emit(pb.GenerateEvent(settled=settled))
         for effect in effects:
             if isinstance(effect, ToDraft):
                 session.log.wire_bytes += self.draft.send(session_id, effect.request)
@@ -345,11 +345,3 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
 
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.GenerateEvent:
         return pb.GenerateEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
-
-
-NO_ROOM_TO_SCORE = "the target's KV pool has no room for this scoring request's prompt now; send it again"
-
-
-def _prompt_scored(session_id: str, scored) -> pb.GenerateEvent:
-    settled = pb.Settled(session_id=session_id, prompt_logprobs=convert.logprobs_to_proto(scored))
-    return pb.GenerateEvent(settled=settled)

@@ -8,6 +8,8 @@ by name, at the caller and on the wire."""
 
 from __future__ import annotations
 
+import collections
+
 import pytest
 import torch
 
@@ -188,3 +190,34 @@ def test_prompt_logprobs_need_logprobs(prompt_ids):
                             sampling=convert.sampling_to_proto(SamplingParams()))
     with pytest.raises(InvalidRequest, match="prompt_logprobs needs logprobs"):
         convert.start_from_proto(start)
+
+
+def test_a_long_scoring_request_runs_in_chunks_beside_a_streaming_neighbour(models, prompt_ids, monkeypatch):
+    """Review M-1: echo + logprobs over a long prompt is read a prefill chunk at a time inside the
+    target's steps (never one forward over the whole prompt holding every row): no forward holds
+    more than max_batched_tokens, the neighbour's blocks ride the same forwards meanwhile, and the
+    scores are the model's own."""
+    budget = 16
+    long_prompt = (prompt_ids["long"] * 8)[:300]
+    pair = make_pair(models, "async", TARGET_FIRST, max_batched_tokens=budget)
+    forwards = []  # per target forward: the tokens each sequence took in
+    real = pair.host.verifier.pool.timed_forward
+
+    def recorded(steps, layers=()):
+        forwards.append([(id(seq), len(new)) for seq, new, *_ in steps])
+        return real(steps, layers)
+
+    monkeypatch.setattr(pair.host.verifier.pool, "timed_forward", recorded)
+    neighbour = GenerationRequest(prompt_ids["medium"], 40, policy=POLICIES["svip"], ignore_eos=True)
+    scoring = GenerationRequest(long_prompt, 4, logprobs=TOP, prompt_logprobs=True)
+    beside, scored = pair.generate_all([neighbour, scoring])
+    totals = collections.Counter()
+    for step in forwards:
+        totals.update(dict(step))
+    prompt_seq = max(totals, key=totals.get)  # the scoring request's sequence took the most tokens
+    chunked = [step for step in forwards if dict(step).get(prompt_seq, 0) > 1]
+    assert len(chunked) >= len(long_prompt) // budget  # the prompt went through in chunks,
+    assert all(sum(n for _, n in step) <= budget for step in chunked)  # none past the step's budget,
+    assert sum(len(step) > 1 for step in chunked) >= len(chunked) // 2  # the neighbour's steps beside them
+    assert_the_prompts_own(models["target"], scored)
+    assert beside.token_ids == SpeculativeEngine(models["target"], None).generate(neighbour).token_ids
