@@ -152,8 +152,8 @@ class Drafter:
             rules = d._session.rules
             if rules.active:  # each sibling's row by its own path
                 spine = d.block.tokens
-                paths = [d._context + spine[:place] + [t] for place, t in d._riders] if rules.by_place else ()
-                logits = rules.apply(logits, paths)
+                paths = [spine[:place] + [t] for place, t in d._riders] if rules.by_place else ()
+                logits = rules.apply(logits, d._context, paths)
             q = warp_probs(logits, d._session.sampling)
             top = torch.topk(q, min(GROWN_WIDEST, q.shape[-1]), dim=-1)
             ranked = [list(zip(ids, probs)) for ids, probs in zip(top.indices.tolist(), top.values.tolist())]
@@ -354,7 +354,7 @@ class BlockDraft:
         """The draft's row for its next place under the request's logit_bias, penalties and
         min_tokens (the target's rules: what it would accept), by the block's tokens so far."""
         rules = self._session.rules
-        return rules.apply(row, [self._context + self.block.tokens] if rules.by_place else ())
+        return rules.apply(row, self._context, [self.block.tokens] if rules.by_place else ())
 
     @property
     def _seq(self):

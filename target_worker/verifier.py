@@ -473,7 +473,7 @@ class TargetSession:
             paths = paths if plan.reuse else [[], *paths]
         else:  # the block's places in order, the first one's row stored already when reused
             paths = [drafted[:r] for r in range(1 if plan.reuse else 0, len(drafted) + 1)]
-        return self.rules.apply(rows, [[*committed, *path] for path in paths])
+        return self.rules.apply(rows, committed, paths)
 
     def plan(self, committed: Sequence[int], block: Block) -> _Plan:
         """Target logits are needed for positions len(committed) .. len(committed) + len(block):
