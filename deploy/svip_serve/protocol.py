@@ -432,22 +432,33 @@ def parse_completion(body, defaults: PolicyConfig = PolicyConfig()) -> ApiReques
     return request
 
 
-def rendered_chars(messages: list[dict]) -> int:
-    """What a chat's messages put through the template, in characters: every string in them
-    (roles, names, contents, whatever else a template may render), and MESSAGE_CHARS a message
-    for the template's own text around it (20,000 empty messages once counted 0 and tokenized to
-    100,006 ids)."""
-    return sum(MESSAGE_CHARS + _string_chars(m) for m in messages)
+def rendered_chars(messages: list[dict], tools: list[dict] | None = None) -> int:
+    """What a chat's messages (and its tools) put through the template, in characters: every value
+    in them, strings and the rest as JSON writes them (a past call's arguments render with
+    `tojson`: a 2 MB array of numbers once counted 81 characters and tokenized to 2,000,044 ids,
+    review M-3), and MESSAGE_CHARS a message for the template's own text around it (20,000 empty
+    messages once counted 0 and tokenized to 100,006 ids)."""
+    return sum(MESSAGE_CHARS + _value_chars(m) for m in messages) + _value_chars(tools or [])
 
 
-def _string_chars(value) -> int:
-    if isinstance(value, str):
-        return len(value)
-    if isinstance(value, dict):
-        return sum(_string_chars(k) + _string_chars(v) for k, v in value.items())
-    if isinstance(value, list):
-        return sum(_string_chars(v) for v in value)
-    return 0
+def _value_chars(value) -> int:
+    """A value's characters as a template renders it: a string's own, a number's as JSON writes
+    it, a container's items and one separator each (iteratively: no recursion limit)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            total += 1 + len(item)
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            total += 1 + len(item)
+            stack.extend(item)
+        else:
+            total += len(json.dumps(item))
+    return total
 
 
 def _prompt(value) -> str | list[int]:

@@ -46,7 +46,8 @@ class RequestShaping:
         ctx = self.context
         if ctx is None:
             return
-        chars = len(req.prompt) if isinstance(req.prompt, str) else rendered_chars(req.messages or ())
+        tools = None if req.tools is None else req.tools.tools
+        chars = len(req.prompt) if isinstance(req.prompt, str) else rendered_chars(req.messages or (), tools)
         if chars > ctx * MAX_CHARS_PER_TOKEN:
             raise bad(
                 f"the prompt is {chars} characters, far more than fits the model's context of {ctx} tokens",
@@ -56,7 +57,8 @@ class RequestShaping:
     def generation_request(self, req: ApiRequest) -> GenerationRequest:
         """The request tokenized and sized (on the tokenizer's thread)."""
         try:
-            prompt_ids = prompting.prompt_ids(self.tokenizer, req, self.settings.served_name)
+            most = None if self.context is None else self.context * MAX_CHARS_PER_TOKEN
+            prompt_ids = prompting.prompt_ids(self.tokenizer, req, self.settings.served_name, most)
             ctx = self.context
             if ctx is not None and len(prompt_ids) >= ctx:
                 raise bad(f"the prompt is {len(prompt_ids)} tokens; the model's context is {ctx} tokens", "prompt")

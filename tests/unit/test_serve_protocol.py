@@ -465,3 +465,26 @@ def test_a_lark_grammar_may_not_embed_json_past_the_schema_bounds():
     response_format instead."""
     with pytest.raises(ApiError, match="may not embed %json"):
         parse_completion({**BASE, "guided_grammar": 'start: %json {"type": "object"}'})
+
+
+def test_what_the_template_renders_is_counted_numbers_and_tools_too(models):
+    """Review M-3: a past call's arguments of a million numbers counted as 81 characters and
+    tokenized to 2,000,044 ids on the replica's one tokenizer thread. Numbers count as JSON writes
+    them, the tools too; and a chat rendered past the bound is a 400 before it is tokenized."""
+    from svip_serve.protocol import rendered_chars
+
+    numbers = {"a": [0] * 1_000_000}
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": json.dumps(numbers)}}
+    req = parse_chat({"messages": [{"role": "user", "content": "x"},
+                                   {"role": "assistant", "content": "", "tool_calls": [call]}]})
+    assert rendered_chars(req.messages) > 2_000_000
+    tool = {"type": "function", "function": {"name": "g", "parameters": {"type": "object", "description": "d" * 9000}}}
+    assert rendered_chars([{"role": "user", "content": "x"}], [tool]) > 9000
+    tokenizer = models["target"].tokenizer
+    tokenizer.chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    try:
+        with pytest.raises(ApiError, match="render to 50001 characters"):
+            chat_prompt_ids(tokenizer, [{"role": "user", "content": "y" * 50_001}], "tiny", max_chars=50_000)
+        assert chat_prompt_ids(tokenizer, [{"role": "user", "content": "y" * 10}], "tiny", max_chars=50_000)
+    finally:
+        tokenizer.chat_template = None
