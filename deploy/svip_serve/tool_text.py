@@ -107,10 +107,35 @@ class JsonCalls:
         self._keys, self._between, self._close = keys, between, close
         self._text, self._at, self._done, self._stuck = "", 0, False, False
         self._decoder = json.JSONDecoder()
+        # the text scanned once, as it arrives, for where an object closes at the top (review M-4: it
+        # was decoded again from the open call's start at every "}", quadratic on the event loop)
+        self._depth, self._in_string, self._escaped = 0, False, False
 
     def feed(self, text: str) -> list:
         self._text += text
-        return self._items() if "}" in text else []  # an item can only end at a closing brace
+        if self._done or self._stuck or not self._closes(text):
+            return []
+        return self._items()  # decoded once it is whole: each item once
+
+    def _closes(self, text: str) -> bool:
+        """Whether the text closes an object at the top level, its braces counted outside strings."""
+        closed = False
+        for ch in text:
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif ch == "\\":
+                    self._escaped = True
+                elif ch == '"':
+                    self._in_string = False
+            elif ch == '"':
+                self._in_string = True
+            elif ch == "{":
+                self._depth += 1
+            elif ch == "}":  # (a stray one stays at the top: the decode then says what it is)
+                self._depth = max(self._depth - 1, 0)
+                closed |= self._depth == 0
+        return closed
 
     def finish(self) -> list:
         events = self._items()
