@@ -2,7 +2,12 @@
 grows (not its worst case up front); when a step finds too few, the newest session gives its pages
 back and waits in line, to be recomputed from its committed tokens once there is room again,
 oldest first. A session also starts in line when there is no room for its prompt, or when others
-already wait. Decides who yields and who goes next; the host runs the steps (host.py)."""
+already wait. Decides who yields and who goes next; the host runs the steps (host.py).
+
+Who yields (review L-4: a large late session could be evicted again mid-recompute, each time the
+others grew, its chunks wasted): the newest session that is not still computing its committed
+tokens (a resumed or new one more than a page behind them) and has yielded fewer than
+MAX_YIELDS times; only when every holder is one of those, the newest of them."""
 
 from __future__ import annotations
 
@@ -11,6 +16,7 @@ import logging
 
 log = logging.getLogger(__name__)
 WATERMARK_DIVISOR = 50  # a session starts or resumes only while 1/50 of the pool stays free after it
+MAX_YIELDS = 3  # a session that gave its pages back this often is the last to give them back again
 
 
 class PageLine:
@@ -20,6 +26,7 @@ class PageLine:
         self._started: dict[str, int] = {}  # session id -> when it started (the newest yields first)
         self.waiting: dict[str, int] = {}  # session id -> its place in line for pages (FIFO)
         self.preemptions = 0  # sessions that gave their pages back for a step to fit
+        self.yields: dict[str, int] = {}  # session id -> times it gave its pages back
 
     def admit(self, session_id: str, prompt_tokens: int) -> None:
         """A new session: in line if others wait, or if its prompt has no room now."""
@@ -30,6 +37,7 @@ class PageLine:
     def forget(self, session_id: str) -> None:
         self._started.pop(session_id, None)
         self.waiting.pop(session_id, None)
+        self.yields.pop(session_id, None)
 
     def room_for(self, tokens: int) -> bool:
         """Whether ``tokens`` more fit the pool now, with the watermark left over (so that the
@@ -66,10 +74,16 @@ class PageLine:
                    and (sid in stepping or sessions[sid].target.cached_tokens)]
         if not holding:
             return False
-        victim = max(holding, key=self._started.get)
+        victim = max(holding, key=lambda sid: self._yields_first(sid, sessions[sid]))
         sessions[victim].target.evict()
         self.waiting[victim] = next(self._order)
         self.preemptions += 1
+        self.yields[victim] = self.yields.get(victim, 0) + 1
         log.info("session %s gave its KV pages back for the step to fit (%d free of %d); it waits its turn",
                  victim, self.pool.free_pages, self.pool.pages)
         return True
+
+    def _yields_first(self, session_id: str, session) -> tuple[bool, bool, int]:
+        """Greater yields first: done computing its committed tokens, under MAX_YIELDS, newest."""
+        computing = len(session.committed) - session.target.cached_tokens > self.pool.page_size
+        return not computing, self.yields.get(session_id, 0) < MAX_YIELDS, self._started.get(session_id, -1)

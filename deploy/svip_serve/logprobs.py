@@ -2,11 +2,17 @@
 and penalties, before temperature, top-k and top-p) in OpenAI's two shapes: a completion's
 ``tokens`` / ``token_logprobs`` / ``top_logprobs`` / ``text_offset``, and a chat's ``content`` list.
 A token's text is the tokenizer's decoding of that token alone (so a character split over tokens
-shows as its pieces, and its ``bytes`` are those of that text)."""
+shows as its pieces, and its ``bytes`` are those of that text). Each id's text is decoded once per
+tokenizer and kept (the vocabulary is finite: review L-3 measured 3 us a decode, 344k of them for one
+request of n 8 x 2,047 tokens x 21 ids)."""
 
 from __future__ import annotations
 
+import weakref
+
 from svip_common.contracts import TokenLogprob
+
+_TEXTS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> {id: its text alone}
 
 
 def completion_logprobs(tokenizer, entries: list[TokenLogprob], offset: int = 0,
@@ -54,4 +60,10 @@ def _item(tokenizer, token: int, logprob: float) -> dict:
 
 
 def _text(tokenizer, token: int) -> str:
-    return tokenizer.decode([token])
+    texts = _TEXTS.get(tokenizer)
+    if texts is None:
+        texts = _TEXTS.setdefault(tokenizer, {})
+    text = texts.get(token)
+    if text is None:
+        text = texts[token] = tokenizer.decode([token])
+    return text

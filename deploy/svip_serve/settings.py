@@ -38,7 +38,7 @@ class ServeSettings:
     worker_cpus: float = 1.0  # logical CPUs each worker reserves
     pipeline: str = "async"
     num_replicas: int = 1  # one pipeline (draft + target) per replica
-    max_in_flight: int = 16  # sessions generating at once on a replica's pipeline (each worker batches their forwards)
+    max_in_flight: int = 16  # requests generating at once on a replica's pipeline (each of n choices a session)
     kv_cache_tokens: int = DEFAULT_KV_TOKENS  # each worker's KV pool; admission counts prompt + max_tokens against it
     max_batched_tokens: int = 512  # at most this many tokens in one target forward; longer prompts prefill in chunks
     load_aware: str = "greedy"  # whose blocks follow the target's load: off, greedy, all (svip_common/step_cost.py)
