@@ -55,6 +55,7 @@ class ToolPlan:
     grammar: Grammar | None = None  # named and required: what the answer's tokens must follow
     names: tuple[str, ...] = ()  # the functions' names
     parser: str = "hermes"  # auto: the format the model's calls are read in (TOOL_CALL_PARSERS)
+    parallel: bool = True  # parallel_tool_calls: false keeps an answer's first call alone (auto too: review I-3)
 
     def reader(self):
         """A fresh reader of the answer's calls (svip_serve/tool_text.py), or None: the text is
@@ -72,6 +73,7 @@ class ToolPlan:
         if reader is None:
             return {"role": "assistant", "content": text}, False
         content, calls = read_all(reader, text)
+        calls = calls if self.parallel else calls[:1]
         message = {"role": "assistant", "content": content}
         if calls:
             message["tool_calls"] = [tool_call(c.name, c.arguments, new_call_id()) for c in calls]
@@ -105,6 +107,8 @@ class CallStream:
             if isinstance(event, str):
                 out.append((event, None))
                 continue
+            if self._calls and not self._plan.parallel:
+                continue  # parallel_tool_calls false: the first call alone
             out.append((None, [{"index": self._calls, **tool_call(event.name, event.arguments, new_call_id())}]))
             self._calls, self.called = self._calls + 1, True
         return out
@@ -130,7 +134,7 @@ def tool_plan(body: dict, parser: str = "hermes") -> ToolPlan | None:
         if parser == "none":
             raise bad("'tool_choice' 'auto' needs the deployment's tool_call_parser (it is 'none'): name a function, "
                       "send 'required' or 'none'", "tool_choice")
-        return ToolPlan(tools, "auto", names=names, parser=parser)
+        return ToolPlan(tools, "auto", names=names, parser=parser, parallel=parallel)
     if choice == "required" and len(functions) > 1:
         schema = _calls_schema(functions, MAX_PARALLEL_CALLS if parallel else 1)
         grammar = _checked(Grammar.of_schema(schema), "the tools")

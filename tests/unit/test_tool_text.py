@@ -146,3 +146,18 @@ def test_a_long_call_is_decoded_once_not_at_every_brace(reader, monkeypatch):
     calls = [e for e in events if isinstance(e, Call)]
     assert len(calls) == 1 and len(json.loads(calls[0].arguments)) == 4097
     assert json.loads(calls[0].arguments)["k7"] == {"s": '}{\\"}'}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call_alone_with_auto_too():
+    """Review I-3: parallel_tool_calls false held only for required; auto returned every call the
+    text held. Now both a whole answer and a stream keep the first."""
+    from svip_serve.tools import tool_plan
+
+    tools = [{"type": "function", "function": {"name": n, "parameters": {"type": "object"}}} for n in NAMES]
+    plan = tool_plan({"tools": tools, "parallel_tool_calls": False})
+    message, called = plan.message(CALL + CALL)
+    assert called and len(message["tool_calls"]) == 1
+    stream = CallStream(plan)
+    entries = [p[1] for p in stream.feed(CALL + CALL) + stream.finish() if p[1]]
+    assert len(entries) == 1 and entries[0][0]["index"] == 0
+    assert len(tool_plan({"tools": tools}).message(CALL + CALL)[0]["tool_calls"]) == 2
