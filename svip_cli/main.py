@@ -470,6 +470,8 @@ def _add_serve_parser(sub) -> None:
         default=10.0,
         help="Serve checks each pipeline this often; three failures in a row replace it (10)",
     )
+    srv.add_argument("--allow-open", action="store_true",
+                     help="serve with no API key on an address other than loopback (refused otherwise)")
     srv.add_argument(
         "--allow-ignore-eos",
         action="store_true",
@@ -489,8 +491,20 @@ def _serve(args: argparse.Namespace) -> int:
     given = {f.name: getattr(args, f.name) for f in dataclasses.fields(ServeSettings) if hasattr(args, f.name)}
     given["num_replicas"] = args.replicas
     given["api_key_sha256"] = tuple(sorted({named_digest(k) for k in args.api_key + keys_from_env()}))
+    if not given["api_key_sha256"] and not _loopback(args.host) and not args.allow_open:
+        raise InvalidRequest(f"--host {args.host} faces the network and no API key is set: give one (--api-key, "
+                             "$SVIP_API_KEY), or pass --allow-open to serve it open")
     settings = ServeSettings.from_args(given)
     return serve_forever(settings, args.host, args.port, args.metrics_port)
+
+
+def _loopback(host: str) -> bool:
+    import ipaddress
+
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return host == "localhost"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,7 +140,8 @@ def workers_body(stats: dict, restarts: int) -> dict:
     """/v1/svip/workers' answer from the workers' WorkerStats (role -> stats): their load alone."""
     out = {role: {"open_sessions": s.open_sessions, "cached_tokens": s.cached_tokens,
                   "tokens_processed": s.tokens_processed, "kv_pages_used": s.kv_pages_used,
-                  "kv_pages_total": s.kv_pages_total, "kv_page_tokens": s.kv_page_tokens}
+                  "kv_pages_total": s.kv_pages_total, "kv_page_tokens": s.kv_page_tokens,
+                  "test_hooks": list(s.test_hooks) or None}  # never set in production: seen if they are
            for role, s in stats.items()}
     target = stats["target"]
     out["target"].update(restarts=restarts, draft_replacements=target.draft_replacements,

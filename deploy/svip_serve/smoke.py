@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 import time
 import urllib.error
@@ -19,6 +20,8 @@ def _call(url: str, body: dict | None = None) -> dict:
     data = None if body is None else json.dumps(body).encode()
     headers = {"Content-Type": "application/json"}
     key = os.environ.get("SVIP_API_KEY", "").split(",")[0].strip()
+    named = re.match(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}:(.+)$", key)  # `name:KEY` names the key (auth.py)
+    key = named.group(1) if named else key
     if key:
         headers["Authorization"] = f"Bearer {key}"
     request = urllib.request.Request(url, data=data, headers=headers)

@@ -399,3 +399,12 @@ def test_serve_refuses_a_port_in_use(capsys):
         port = busy.getsockname()[1]
         code, _, err = run_cli(capsys, "serve", "--port", str(port))
     assert code == 1 and f"cannot listen on 127.0.0.1:{port}" in err
+
+
+def test_serve_refuses_an_open_api_on_a_network_address(capsys, monkeypatch):
+    """`svip serve --host 0.0.0.0` without a key started with one quiet line; now it is refused by
+    name (before anything starts) unless --allow-open says so."""
+    monkeypatch.delenv("SVIP_API_KEY", raising=False)
+    code, _, err = run_cli(capsys, "serve", "--host", "0.0.0.0")
+    assert code == 2 and "--host 0.0.0.0 faces the network and no API key is set" in err
+    assert "--allow-open" in err

@@ -366,3 +366,16 @@ def _read_response(sock: socket.socket) -> str:
         assert chunk, f"the connection closed mid-body: {body!r}"
         body += chunk
     return (head + b"\r\n\r\n" + body).decode()
+
+
+def test_the_helm_test_smoke_check_sends_a_named_keys_secret(server):
+    """Review I-5: the key Secret's first entry may name its key (`alice:KEY`, as values.yaml
+    suggests); the smoke check (helm test) sends the key itself, not the name with it."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "SVIP_URL": server["base"], "SVIP_MODEL": "wide", "SVIP_API_KEY": f"alice:{KEYS[0]},x"}
+    out = subprocess.run([sys.executable, "-m", "svip_serve.smoke"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert out.returncode == 0 and "svip smoke: ok" in out.stdout, out.stdout + out.stderr
