@@ -10,7 +10,7 @@ many sessions by one token each in one forward; each block still stops at its ow
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -349,6 +349,11 @@ class BlockDraft:
         self._pending = session._resume(committed, cache) if self._limit > 0 else None
         self.done = self._pending is None  # nothing to draft from: the block stays empty
         self.error: Exception | None = None  # this block's own work failed in a batched step (``_fail``)
+        # a block the target is not waiting for (async's follow-up, a prepared continuation) drafts on
+        # past its policy's stop while extends() says so (draft_worker/pipelined.py); the policy's
+        # stops it passed are counted: the places it expects a rejection
+        self.extends: Callable[[], bool] | None = None
+        self.extended = 0
 
     def _ruled(self, row: torch.Tensor) -> torch.Tensor:
         """The draft's row for its next place under the request's logit_bias, penalties and
@@ -411,7 +416,10 @@ class BlockDraft:
             self._reach *= prob
         if q is not None:
             self._q_rows.append(q)
-        self.done = step.index >= self._limit or token in s.stop_token_ids or s.policy.should_stop(step)
+        stop = s.policy.should_stop(step)
+        if stop and self.extends is not None and self.extends():  # off the critical path: its own clock
+            stop, self.extended = False, self.extended + 1
+        self.done = step.index >= self._limit or token in s.stop_token_ids or stop
         if self.done and self._q_rows:
             block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
         if self.done and self._grows:  # the last place's siblings still to grow: a forward of their own

@@ -19,6 +19,17 @@ one forward at a time (a feedback that arrives preempts the work):
   from the target's p row): kept, and sent as soon as the drawn correction matches. Either way
   every token is still verified by the target.
 
+Two clocks. The block the target waits for (critical) ends where the length policy ends it: SVIP
+prices a drafted token as if it sat on the critical path, and there it does. A block the target is
+not waiting for (the follow-up, a prepared continuation) is off that path: it drafts on past the
+policy's stops while another forward fits before the verdict it waits on is due (PEARL's
+post-verify), the stops it passed marking where the draft expects a rejection; a follow-up that
+becomes critical past a stop leaves at once. What it delays is priced by the worker's step
+(service.py): a token drafted past a stop never rides a step that carries a block some target waits
+for, so at several sessions speculation ahead for one never holds up another's critical block. At
+one session nothing waits on it, and the draft, which idled half the time, fills the verification's
+shadow (docs/benchmarks.md, "the bound").
+
 Several of these are drafted side by side (``parallel``): each prepared continuation on a fork of
 the session's cache (pages shared, copied on write), the follow-up on the cache itself, one
 batched forward advancing them all. A fork is kept with its block until the verdict: the one the
@@ -180,6 +191,9 @@ class PipelinedDraft:
                 self.jobs.remove(followup)
                 self.critical = followup
                 self.critical.trigger_at = received_at
+                if followup.draft.extended and followup.draft.block.tokens:  # past its stop already: it leaves now
+                    followup.draft.done = True
+                    return self._send_critical()
             self._plan()
             return []
         prepared, self.prepared, self.agenda = self.prepared, {}, []
@@ -266,15 +280,7 @@ class PipelinedDraft:
         self.now = now
         self.timing.forward_s.update(forward_s)
         if self.critical is not None:
-            job = self.critical
-            if not job.draft.done:
-                return []
-            self.critical = None
-            item = self._outgoing(job.draft, job.started_at, None, job.trigger_at)
-            item.resolved_token = job.resolved_token
-            self.outstanding.append(item)
-            self._plan()
-            return [item]
+            return self._send_critical() if self.critical.draft.done else []
         finished = sorted((job for job in self.jobs if job.draft.done), key=lambda job: job.followup)
         self.jobs = [job for job in self.jobs if not job.draft.done]
         sent = []
@@ -293,6 +299,15 @@ class PipelinedDraft:
             if self.send_prepared:
                 sent.append(item)
         return sent
+
+    def _send_critical(self) -> list[DraftedBlock]:
+        """The critical block is done: it is sent, and the work ahead of its verdict planned."""
+        job, self.critical = self.critical, None
+        item = self._outgoing(job.draft, job.started_at, None, job.trigger_at)
+        item.resolved_token = job.resolved_token
+        self.outstanding.append(item)
+        self._plan()
+        return [item]
 
     def _plan(self) -> None:
         """What to prepare while the outstanding blocks are verified, most likely first: the
@@ -324,8 +339,17 @@ class PipelinedDraft:
         fork = prepared_for is not None and self._forking
         draft = self.session.begin(seq, min(self.limit - len(seq) - 1, self.load_cap), alternatives=True, fork=fork)
         job = Job(draft, prepared_for, self.now)
+        draft.extends = lambda: self._extends(job)
         self.jobs.append(job)
         return job
+
+    def _extends(self, job: Job) -> bool:
+        """Whether a speculative block drafts on past its policy's stop: the target is not waiting
+        for it, and another forward still ends before the verdict it waits on is due (learnt from
+        the verdicts' arrival and the draft's step times: VerdictTiming)."""
+        if job is self.critical or not self.outstanding:
+            return False
+        return self.timing.room_for_a_forward(self.now + (self.timing.forward_s.value or 0.0), self.outstanding)
 
     def _cancel(self, job: Job, drop: bool = True) -> None:
         """A speculative job no longer wanted: its fork (if any) goes back; drop: out of the jobs."""

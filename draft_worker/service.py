@@ -209,6 +209,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         place (its policy, the cap, a stop token, the budget)."""
         now = self.clock()
         batch = [(sid, session, draft) for sid, session in self.sessions.items() for draft in session.next_drafts(now)]
+        if any(session.critical is not None for _, session, _ in batch):  # a block some target waits for rides
+            batch = [item for item in batch if not item[2].extended]  # this step: nothing drafted past a stop delays it
         if not batch:
             return False
         started = self.timer()

@@ -93,7 +93,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--svip-threshold",
         type=float,
-        help="pipeline: SVIP's threshold in every mode (default: calibrated for the pair, as --threshold auto)",
+        help="pipeline, simulate: SVIP's threshold in every mode (default: calibrated for the pair, as --threshold "
+             "auto, which times this CPU, so it moves with its load)",
     )
     bench.add_argument(
         "--load-aware",

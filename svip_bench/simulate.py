@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import statistics
+import time
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,11 +21,12 @@ from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, Limits, Pol
 from svip_common.emulation import Emulation, parse_emulation
 from target_worker.verifier import Verifier
 
-MODES = ("alone", "sync", "async")
+MODES = ("alone", "inprocess", "sync", "async")
 
 
 def modes(tree: str) -> tuple[str, ...]:
-    """The rows: the target alone, each pipeline with chains and, with a tree, with that tree."""
+    """The rows: the target alone, the pair in one process (the draft on the target's devices), each
+    pipeline with chains and, with a tree, with that tree."""
     return MODES if tree == "off" else (*MODES, f"sync+{tree}", f"async+{tree}")
 
 
@@ -32,7 +34,8 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     """sessions: how many in flight at once, each in turn (1 among them: the ratios' base)."""
     emulation = parse_emulation(args.emulate_spec)
     target_step, draft_step, wire = emulation.target, emulation.draft, emulation.link
-    threshold = engine.calibration().threshold
+    fixed = getattr(args, "svip_threshold", None)
+    threshold = fixed if fixed is not None else engine.calibration().threshold  # the calibration times this CPU
     policy = PolicyConfig(name="svip", threshold=threshold)
     tree = getattr(args, "tree", "off")
     parallel = getattr(args, "draft_parallel", None) or DRAFT_PARALLEL
@@ -54,7 +57,10 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
             for _ in range(args.repeats):
                 requests = [GenerationRequest(ids, args.max_new_tokens, SamplingParams(temperature, seed=i),
                                               asked, ignore_eos=True) for i, ids in enumerate(encoded)]
-                waves = simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale, parallel)
+                if mode == "inprocess":
+                    waves = in_process_waves(engine, emulation, requests, n, args.host_scale)
+                else:
+                    waves = simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale, parallel)
                 rates.append(waves.tokens_per_s)
                 covered.append(waves.covered)
                 progress.update(1)
@@ -101,6 +107,28 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
     return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected if rejected else 0.0)
 
 
+def in_process_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int,
+                     host_scale: float = 1.0) -> Waves:
+    """The requests through the in-process engine in waves of n (batched), the draft on the target's
+    devices, their forwards taking turns (Emulation.co_located), in virtual device time; host work
+    measured here, times host_scale (0: the device alone)."""
+    engine.time_as(emulation.co_located(), virtual=True)
+    load_aware, engine.load_aware = engine.load_aware, "off"
+    try:
+        device = engine.verifier.pool.timing.device
+        started = time.perf_counter()
+        results = [r for first in range(0, len(requests), n)
+                   for r in (engine.generate_many(requests[first:first + n], n) if n > 1
+                             else [engine.generate(requests[first])])]
+        host_s = time.perf_counter() - started - device.use.real_s
+        seconds = device.use.device_s + host_scale * host_s
+    finally:
+        engine.time_as(None)
+        engine.load_aware = load_aware
+    tokens = sum(len(r.token_ids) for r in results)
+    return Waves(tokens / seconds, seconds / max(1, -(-len(requests) // n)), [r.token_ids for r in results])
+
+
 def _workers(engine, limits: Limits, with_draft: bool) -> tuple[Verifier, Drafter | None]:
     """A fresh verifier and drafter for the engine's pair: its draft model, or its feature head
     (the target then hands the head's layers over with each verdict)."""
@@ -128,15 +156,18 @@ def _report(h: dict, rows: list[dict]) -> str:
         f"{_decoding(h.get('temperature', 0.0))} SVIP at {h['svip_threshold']:.2f}, load-aware off; medians of "
         f"{h['repeats']} repeats (virtual time)",
         "",
-        "| sessions | mode | tokens/s | vs the target alone | a tree vs its chain | prepared after a rejection |",
-        "|---|---|---|---|---|---|",
+        "| sessions | mode | tokens/s | vs the target alone | vs in process | a tree vs its chain | "
+        "prepared after a rejection |",
+        "|---|---|---|---|---|---|---|",
     ]
+    inprocess = {r["sessions"]: r["tokens_per_s"] for r in rows if r["mode"] == "inprocess"}
     rate = {(r["sessions"], r["mode"]): r["tokens_per_s"] for r in rows}
     for r in rows:
         chain = r["mode"].partition("+")[0]
         versus = f"{r['tokens_per_s'] / rate[(r['sessions'], chain)]:.2f}x" if "+" in r["mode"] else ""
         covered = f"{100 * r['prepared_after_rejection']:.0f}%" if r["mode"].startswith("async") else ""
         lines.append(f"| {r['sessions']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
-                     f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x | {versus} | {covered} |")
+                     f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x | "
+                     f"{r['tokens_per_s'] / inprocess[r['sessions']]:.2f}x | {versus} | {covered} |")
     lines += ["", "Figures from: " + "; ".join(f"{k}: {v}" for k, v in h["sources"].items())]
     return "\n".join(lines)
