@@ -350,7 +350,8 @@ def _add_serve_parser(sub) -> None:
                      "its model's step on the devices SPEC names, e.g. target=llama-3.1-70b@4xh100,"
                      "draft=llama-3.1-8b@h100[,scale=2] (svip generate --emulate; measurement without GPUs)")
     srv.add_argument("--replicas", type=int, default=1, help="pipelines (draft + target pairs) to run (1)")
-    srv.add_argument("--max-in-flight", type=int, default=16, help="requests generating at once per pipeline; each of a request's n choices is a session (16)")
+    srv.add_argument("--max-in-flight", type=int, default=16,
+                     help="requests generating at once per pipeline; each of a request's n choices is a session (16)")
     srv.add_argument("--max-waiting", type=int, default=32, help="requests waiting per pipeline before 429 (32)")
     srv.add_argument(
         "--kv-cache-tokens",
