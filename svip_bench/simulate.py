@@ -53,7 +53,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
         for mode in modes(tree):
             pipeline, _, shape = mode.partition("+")
             asked = PolicyConfig(name="none") if mode == "alone" else replace(policy, tree=shape or "off")
-            rates, covered = [], []
+            rates, covered, per_forward = [], [], []
             for _ in range(args.repeats):
                 requests = [GenerationRequest(ids, args.max_new_tokens, SamplingParams(temperature, seed=i),
                                               asked, ignore_eos=True) for i, ids in enumerate(encoded)]
@@ -63,9 +63,11 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
                     waves = simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale, parallel)
                 rates.append(waves.tokens_per_s)
                 covered.append(waves.covered)
+                per_forward.append(waves.per_forward)
                 progress.update(1)
             rows.append({"sessions": n, "mode": mode, "tokens_per_s": statistics.median(rates),
-                         "prepared_after_rejection": statistics.median(covered)})
+                         "prepared_after_rejection": statistics.median(covered),
+                         "tokens_per_target_forward": statistics.median(per_forward)})
     print(_report(header, rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -81,6 +83,7 @@ class Waves:
     mean_request_s: float  # from its wave's start to its end
     outputs: list[list[int]]
     covered: float = 0.0  # of the rounds after a rejection, the share a prepared continuation started
+    per_forward: float = 0.0  # tokens settled per target forward (a batched one's for every session in it)
 
 
 def simulated_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int, mode: str,
@@ -91,7 +94,7 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
     speculative blocks an async session drafts side by side (draft_worker/service.py)."""
     target = engine.target
     limits = Limits(tokens=target.token_limit, positions=target.max_positions)
-    tokens, seconds, ends, outputs, used, rejected = 0, 0.0, [], [], 0, 0
+    tokens, seconds, ends, outputs, used, rejected, forwards = 0, 0.0, [], [], 0, 0, 0
     for first in range(0, len(requests), n):
         verifier, drafter = _workers(engine, limits, with_draft=mode != "alone")
         pair = SimulatedPair(target, verifier, drafter, limits,
@@ -99,12 +102,14 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
                              parallel=parallel)
         wave = pair.run_all(requests[first:first + n])
         tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
+        forwards += verifier.pool.forwards
         ends += wave.per_request_s
         results = [p.result() for p in pair.pending.values()]
         outputs += [r.token_ids for r in results]
         used += sum(r.stats.prepared_used for r in results)
         rejected += sum(a < d for r in results for d, a in zip(r.stats.draft_lengths, r.stats.accepted_lengths))
-    return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected if rejected else 0.0)
+    return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected if rejected else 0.0,
+                 tokens / forwards)
 
 
 def in_process_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int,
@@ -115,18 +120,20 @@ def in_process_waves(engine, emulation: Emulation, requests: list[GenerationRequ
     engine.time_as(emulation.co_located(), virtual=True)
     load_aware, engine.load_aware = engine.load_aware, "off"
     try:
-        device = engine.verifier.pool.timing.device
+        device, before = engine.verifier.pool.timing.device, engine.verifier.pool.forwards
         started = time.perf_counter()
         results = [r for first in range(0, len(requests), n)
                    for r in (engine.generate_many(requests[first:first + n], n) if n > 1
                              else [engine.generate(requests[first])])]
         host_s = time.perf_counter() - started - device.use.real_s
         seconds = device.use.device_s + host_scale * host_s
+        forwards = engine.verifier.pool.forwards - before
     finally:
         engine.time_as(None)
         engine.load_aware = load_aware
     tokens = sum(len(r.token_ids) for r in results)
-    return Waves(tokens / seconds, seconds / max(1, -(-len(requests) // n)), [r.token_ids for r in results])
+    return Waves(tokens / seconds, seconds / max(1, -(-len(requests) // n)), [r.token_ids for r in results],
+                 per_forward=tokens / forwards)
 
 
 def _workers(engine, limits: Limits, with_draft: bool) -> tuple[Verifier, Drafter | None]:
@@ -157,8 +164,8 @@ def _report(h: dict, rows: list[dict]) -> str:
         f"{h['repeats']} repeats (virtual time)",
         "",
         "| sessions | mode | tokens/s | vs the target alone | vs in process | a tree vs its chain | "
-        "prepared after a rejection |",
-        "|---|---|---|---|---|---|---|",
+        "tokens per target forward | prepared after a rejection |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     inprocess = {r["sessions"]: r["tokens_per_s"] for r in rows if r["mode"] == "inprocess"}
     rate = {(r["sessions"], r["mode"]): r["tokens_per_s"] for r in rows}
@@ -168,6 +175,7 @@ def _report(h: dict, rows: list[dict]) -> str:
         covered = f"{100 * r['prepared_after_rejection']:.0f}%" if r["mode"].startswith("async") else ""
         lines.append(f"| {r['sessions']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
                      f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x | "
-                     f"{r['tokens_per_s'] / inprocess[r['sessions']]:.2f}x | {versus} | {covered} |")
+                     f"{r['tokens_per_s'] / inprocess[r['sessions']]:.2f}x | {versus} | "
+                     f"{r['tokens_per_target_forward']:.2f} | {covered} |")
     lines += ["", "Figures from: " + "; ".join(f"{k}: {v}" for k, v in h["sources"].items())]
     return "\n".join(lines)

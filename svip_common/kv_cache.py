@@ -89,6 +89,7 @@ class KVPool:
         self.staging = StepBuffer(self.device)  # a forward's index inputs, in one copy
         self.max_forward_tokens = 0  # the most tokens any forward has held (max_batched_tokens bounds it)
         self.forward_tokens = 0  # tokens through every forward, in all
+        self.forwards = 0  # forwards run
         self.decoder = PoolDecoder.of(model) if flat else None
         self.timing = None  # device timing on this machine (svip_common/device_timing.py): None, as the model runs
 
@@ -200,6 +201,7 @@ class KVPool:
             positions += [start + d for d in depths(tree[0])] if tree else range(start, start + len(new))
         self.max_forward_tokens = max(self.max_forward_tokens, len(ids))
         self.forward_tokens += len(ids)
+        self.forwards += 1
         meta = _Ragged.plan(self, [(step[0], len(step[1]), *step[3:]) for step in steps],
                             inputs=(ids, positions, keep))
         ids_, positions_, keep_ = meta.inputs
