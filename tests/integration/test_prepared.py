@@ -310,3 +310,65 @@ def test_a_short_pool_takes_the_forks_back_and_their_blocks_still_serve(models):
     assert draft.outstanding == [prepared[0]]  # its tokens were sent: the target verifies them
     followup = next(o for o in _prepare_everything(draft) if o.prepared_for is None)  # as without forks
     assert followup.block.base == prepared[0].block.base + len(prepared[0].block)
+
+
+def test_a_followup_drafts_past_its_policys_stop_until_its_verdict_is_due(models):
+    """Issue 60: a block the target is not waiting for is off the critical path: the follow-up drafts
+    on past SVIP's stops (counted: where the draft expects a rejection) while its verdict is not due,
+    the same tokens a block of that length would hold; the critical block still stops at SVIP's."""
+    draft = _pipelined(models, 1)
+    first = _first_block(draft)
+    policy = PolicyConfig(name="svip", threshold=0.6)
+    fresh = draft.session._drafter.open(SamplingParams(), policy, ())
+    assert len(first.block) == len(fresh.propose(list(PROMPT), 40).tokens)  # critical: SVIP's own stop
+    (followup,) = [o for o in _prepare_everything(draft) if o.prepared_for is None]
+    shortest = fresh.propose(list(PROMPT) + first.block.tokens, 40)
+    assert len(followup.block) > len(shortest.tokens) and followup.block.tokens[: len(shortest)] == shortest.tokens
+    fresh.close()
+    draft.close()
+
+
+def test_a_followup_that_turns_critical_past_its_stop_leaves_at_once(models):
+    """The whole block accepted while its follow-up drafts past a stop: the target now waits for the
+    follow-up, which is sent with what it holds (not drafted on to its next stop)."""
+    draft = _pipelined(models, 3)
+    first = _first_block(draft)
+    job = None
+    while job is None or not job.draft.extended:
+        sent = work(draft, time.time())
+        assert sent is not None and all(o.prepared_for is not None for o in sent)  # the follow-up drafts on
+        job = next((j for j in draft.jobs if j.followup), None)
+    held = list(job.draft.block.tokens)
+    (sent,) = draft.on_feedback(time.time(), first.block.epoch, first.block.base, len(first.block),
+                                len(first.block), NO_TOKEN, None, False, time.time())
+    assert sent.block.tokens == held and draft.critical is None and draft.outstanding == [sent]
+    draft.close()
+
+
+def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(models, monkeypatch):
+    """At several sessions the draft's batched step is shared: a block some target waits for is in
+    it, so speculation drafted past its stop waits for a step without one (it delays nobody)."""
+    from types import SimpleNamespace
+
+    from draft_worker.service import DraftService
+    from svip_runtime.compute_loop import ManualLoop
+
+    service = DraftService(Drafter(models["close_draft"], models["target"].vocab_size), Limits(tokens=320,
+                                                                                                positions=512),
+                           compute=ManualLoop)
+    stepped = []
+    monkeypatch.setattr(service, "_step_within_pool", lambda batch: stepped.append([d.name for *_, d in batch]) or [])
+
+    def session(critical: bool, *drafts):
+        return SimpleNamespace(critical=object() if critical else None, next_drafts=lambda now: list(drafts),
+                               after_step=lambda now, s: [])
+
+    def draft(name: str, extended: int = 0):
+        return SimpleNamespace(name=name, extended=extended, error=None, pending_tokens=1)
+
+    service.sessions = {"a": session(True, draft("a-critical")),
+                        "b": session(False, draft("b-followup-past-stop", 2), draft("b-prepared"))}
+    service.idle()
+    service.sessions = {"b": session(False, draft("b-followup-past-stop", 2), draft("b-prepared"))}
+    service.idle()
+    assert stepped == [["a-critical", "b-prepared"], ["b-followup-past-stop", "b-prepared"]]
