@@ -32,7 +32,14 @@ from typing import Protocol
 from coordinator.distributed import OnTokens, error_from_proto, resolved, start_message
 from coordinator.session.host import SessionHost
 from draft_worker.service import DraftService
-from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, GenerationResult, GenerationStats, Limits
+from svip_common.contracts import (
+    DRAFT_PARALLEL,
+    PREPARED_PER_BLOCK,
+    GenerationRequest,
+    GenerationResult,
+    GenerationStats,
+    Limits,
+)
 from svip_common.models import LoadedModel, ModelInfo
 from svip_common.pair_config import PairConfig
 from svip_proto import convert
@@ -152,7 +159,8 @@ class Pending:
 
 class InMemoryPair:
     def __init__(self, target: LoadedModel | ModelInfo, verifier, drafter, limits: Limits, pipeline: str = "async",
-                 schedule: Schedule | None = None, clock: Callable[[], float] = time.time, prepare: int = 2,
+                 schedule: Schedule | None = None, clock: Callable[[], float] = time.time,
+                 prepare: int = PREPARED_PER_BLOCK,
                  draft_clock: Callable[[], float] | None = None, parallel: int = DRAFT_PARALLEL, **host_options):
         """target: the target model (its end-of-sequence ids); verifier, drafter: the workers' models
         (target_worker/verifier.py, draft_worker/drafter.py; drafter None: the target alone);

@@ -46,7 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from draft_worker.drafter import BlockDraft, DraftSession
-from svip_common.contracts import NO_TOKEN, Block
+from svip_common.contracts import NO_TOKEN, PREPARED_PER_BLOCK, Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.step_cost import UNLIMITED, Ewma
@@ -78,7 +78,7 @@ class PipelinedDraft:
     max_new_tokens: int
     stop_token_ids: frozenset[int]
     pipelined: bool  # async: work ahead while a block is verified
-    prepare: int = 2  # prepared continuations per block at most (async); 0: follow-ups only
+    prepare: int = PREPARED_PER_BLOCK  # prepared continuations per block at most (async); 0: follow-ups only
     parallel: int = 1  # speculative blocks drafted side by side, each prepared one on a fork (async)
     send_prepared: bool = True  # where the target settles a rejected place (greedy, a sampled tree): send them
     # ahead; where the draft draws the correction (a sampled chain): keep them here
@@ -298,6 +298,8 @@ class PipelinedDraft:
             self.forks.keep(job.prepared_for, job.draft.cache)
             if self.send_prepared:
                 sent.append(item)
+        if any(job.followup and len(job.draft.block.tokens) == 1 for job in self.jobs):
+            self._plan()  # the follow-up's first token is drafted: prepare for its likely rejections too
         return sent
 
     def _send_critical(self) -> list[DraftedBlock]:
@@ -323,6 +325,11 @@ class PipelinedDraft:
             self.agenda += candidates[: self.prepare]
             if position == len(self.outstanding) - 1 and item.followup and len(self.outstanding) < 2:
                 self.agenda.append((reach, None))  # the follow-up: everything outstanding accepted
+        followup = next((job for job in self.jobs if job.followup), None)
+        if followup is not None and followup.draft.alternatives:  # its first token, judged at once by the
+            # target's stored row when the block before it is accepted whole: the likeliest rejection of all
+            item = DraftedBlock(followup.draft.block, True, alternatives=followup.draft.alternatives[:1])
+            self.agenda += _candidates(item, reach, self.limit, self.stop_token_ids, self.prepared)[0][: self.prepare]
         working = {job.prepared_for for job in self.jobs}
         self.agenda = [a for a in self.agenda if a[1] not in working]
         self.agenda.sort(key=lambda c: -c[0])
@@ -395,8 +402,10 @@ class Forks:
         self.session, self.held = session, {}
 
     def keep(self, key: PreparedKey, cache) -> None:
-        """A prepared block finished on this fork (None: on the session's own cache, nothing to keep)."""
+        """A prepared block finished on this fork (None: on the session's own cache, nothing to keep);
+        one kept for the same rejection before goes back (never two forks held for one key)."""
         if cache is not None:
+            self.release(key)
             self.held[key] = cache
 
     def adopt(self, key: PreparedKey) -> None:

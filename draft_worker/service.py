@@ -15,7 +15,7 @@ from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
 from draft_worker.policies import AutoPolicy
 from svip_common.acceptance import StopRule
-from svip_common.contracts import DRAFT_PARALLEL, NO_TOKEN, check_token_ids
+from svip_common.contracts import DRAFT_PARALLEL, NO_TOKEN, PREPARED_PER_BLOCK, check_token_ids
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.kv_cache import PoolFull
 from svip_common.messages import DraftedBlock, Feedback, Resume
@@ -72,8 +72,8 @@ class _Ahead:
 class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
     role = "draft"
 
-    def __init__(self, drafter: Drafter, limits, prepare: int = 2, compute=ComputeLoop, clock=time.time,
-                 timer=time.perf_counter, parallel: int = DRAFT_PARALLEL):
+    def __init__(self, drafter: Drafter, limits, prepare: int = PREPARED_PER_BLOCK, compute=ComputeLoop,
+                 clock=time.time, timer=time.perf_counter, parallel: int = DRAFT_PARALLEL):
         """compute: the loop that owns the sessions (SessionService); clock: the time now, for the
         sessions' timestamps; timer: what a step's duration is read from (the in-memory
         transport's simulation gives both as its own clock)."""
