@@ -48,7 +48,8 @@ from dataclasses import dataclass, field
 from draft_worker.drafter import BlockDraft, DraftSession
 from svip_common.contracts import NO_TOKEN, PREPARED_PER_BLOCK, Block
 from svip_common.errors import InvalidRequest
-from svip_common.messages import DraftedBlock, PreparedKey
+from svip_common.messages import DraftedBlock, Feedback, PreparedKey
+from svip_common.outcome import DRAW, FOLLOWUP, PREPARED, SETTLED, Outcome
 from svip_common.step_cost import UNLIMITED, Ewma
 from svip_common.trees import begins_branch, children_of, node_parents, node_tokens
 
@@ -155,83 +156,89 @@ class PipelinedDraft:
         self.epoch, self.load_cap, self.paused = epoch, load_cap, False
         return self._next_block(NO_TOKEN, received_at)
 
-    def on_feedback(self, now: float, epoch: int, base: int, drafted: int, accepted: int, token: int, p_row,
-                    prepared_used: bool, received_at: float, load_cap: int | None = None,
-                    features=None, features_from: int = 0, branch: tuple[int, ...] = ()) -> list[DraftedBlock]:
-        """Apply the verdict on the oldest outstanding block (checked at once). features: the
-        target's at positions features_from.. (a feature draft's input); branch: a tree's nodes the
-        target settled from the rejected place on (token is then the place after them)."""
-        self.now = now
-        if load_cap is not None:
-            self.load_cap = load_cap
-        if not self.outstanding or self.outstanding[0].block.base != base or len(self.outstanding[0].block) != drafted:
-            raise InvalidRequest(
-                f"feedback for a block at base {base} of {drafted} tokens that this session did not send")
-        if accepted > drafted:
-            raise InvalidRequest(f"feedback accepts {accepted} of {drafted} tokens")
-        _check_branch(self.outstanding[0].block, accepted, branch)
+    def on_feedback(self, now: float, feedback: Feedback, received_at: float, features=None,
+                    features_from: int = 0) -> list[DraftedBlock]:
+        """Apply a verdict's outcome, decided on the target (svip_common/outcome.py), to the oldest
+        outstanding block (checked at once). features: the target's at positions features_from..
+        (a feature draft's input)."""
+        self.now, outcome = now, feedback.outcome
+        if feedback.load_cap is not None:
+            self.load_cap = feedback.load_cap
+        head = self.outstanding[0].block if self.outstanding else None
+        if head is None or head.base != outcome.base or len(head) != outcome.drafted:
+            raise InvalidRequest(f"feedback for a block at base {outcome.base} of {outcome.drafted} tokens that "
+                                 "this session did not send")
+        _check_branch(head, outcome.accepted, outcome.branch)
         answered = self.outstanding.pop(0)
-        block = answered.block
-        self.session.feedback(drafted, accepted)
+        self.session.feedback(outcome.drafted, outcome.accepted)
         self.session.take_features(features, features_from)
         self.timing.learn_wait(answered, received_at)
-        if self.load_cap == 0 and (token == NO_TOKEN or prepared_used):
+        if self.load_cap == 0 and outcome.next != SETTLED:
             raise InvalidRequest("a pause (load_cap 0) must settle its token at the target")
-        if accepted == drafted and token == NO_TOKEN:  # the follow-up resolves what comes next
-            if not answered.followup:
-                raise InvalidRequest("deferred feedback for a block that has no follow-up")
-            self.known += block.tokens
-            for key in [key for key in self.prepared if key[0] == base]:
-                del self.prepared[key]
-                self.forks.release(key)
-            for job in [job for job in self.jobs if not job.followup and job.prepared_for[0] == base]:
-                self._cancel(job)
-            if not self.outstanding:  # the target now waits for the follow-up: it is critical
-                followup = next((job for job in self.jobs if job.followup), None) or self._begin(None)
-                self.jobs.remove(followup)
-                self.critical = followup
-                self.critical.trigger_at = received_at
-                if followup.draft.extended and followup.draft.block.tokens:  # past its stop already: it leaves now
-                    followup.draft.done = True
-                    return self._send_critical()
-            self._plan()
-            return []
+        if outcome.next == FOLLOWUP:
+            return self._go_on(answered, received_at)
+        return self._roll_back(answered, outcome, feedback.p_row, received_at)
+
+    def _go_on(self, answered: DraftedBlock, received_at: float) -> list[DraftedBlock]:
+        """The whole block was accepted and its follow-up settles what comes next: the line goes on,
+        and the follow-up, if the target now waits for it, is critical."""
+        if not answered.followup:
+            raise InvalidRequest("deferred feedback for a block that has no follow-up")
+        base = answered.block.base
+        self.known += answered.block.tokens
+        for key in [key for key in self.prepared if key[0] == base]:
+            del self.prepared[key]
+            self.forks.release(key)
+        for job in [job for job in self.jobs if not job.followup and job.prepared_for[0] == base]:
+            self._cancel(job)
+        if not self.outstanding:  # the target now waits for the follow-up: it is critical
+            followup = next((job for job in self.jobs if job.followup), None) or self._begin(None)
+            self.jobs.remove(followup)
+            self.critical = followup
+            self.critical.trigger_at = received_at
+            if followup.draft.extended and followup.draft.block.tokens:  # past its stop already: it leaves now
+                followup.draft.done = True
+                return self._send_critical()
+        self._plan()
+        return []
+
+    def _roll_back(self, answered: DraftedBlock, outcome: Outcome, p_row, received_at: float) -> list[DraftedBlock]:
+        """A rejection (or a pause at a whole block): the line rolls back to what the outcome leaves
+        known, and goes on from the continuation prepared there, or a new block."""
+        block = answered.block
         prepared, self.prepared, self.agenda = self.prepared, {}, []
         for job in self.jobs:
             self._cancel(job, drop=False)
         self.jobs, self.critical = [], None
         resolved = NO_TOKEN
-        if token == NO_TOKEN:
+        if outcome.next == DRAW:
             if p_row is None or block.q_rows is None:
                 raise InvalidRequest("a sampled rejection needs the target's p row")
-            token = resolved = self.session.resolve_correction(block, accepted, p_row)
-        # a continuation prepared after a sibling and used: it begins with the nodes taken below
-        # the sibling, then the token after them, settled by the verdict on it
-        used_after_sibling = bool(branch) and prepared_used
-        path = block.tokens[:accepted] + list(branch[:1] if used_after_sibling else branch)
-        self.known = self.known[:base] + path + ([] if used_after_sibling else [token])
-        self.epoch = epoch
+            resolved = self.session.resolve_correction(block, outcome.accepted, p_row)
+        self.known = self.known[: outcome.base] + outcome.known(block.tokens, resolved)
+        self.epoch = outcome.epoch
         self.outstanding.clear()
-        key = (base, accepted, branch[0] if branch else token)  # prepared there: after a branch's sibling
-        usable = accepted < drafted and self.load_cap != 0 and (len(branch) <= 1 or prepared_used)
+        key = outcome.prepared_key_for(resolved)
+        used = outcome.next == PREPARED
+        usable = outcome.accepted < outcome.drafted and self.load_cap != 0 and (len(outcome.branch) <= 1 or used)
         ready = prepared.get(key) if usable else None
-        if used_after_sibling and ready is not None:
-            _check_begins_branch(ready.block, branch)
-        if ready is not None and (prepared_used or not branch):
+        if outcome.after_sibling and ready is not None:
+            _check_begins_branch(ready.block, outcome.branch)
+        if ready is not None and (used or not outcome.branch):
             self.forks.adopt(key)  # what comes next was drafted there: drafting goes on from it
         self.forks.release_all()
         if self.load_cap == 0:  # paused: the target goes on alone until a Resume
             self.paused = True
             return []
-        if prepared_used:
+        if used:
             if ready is None or ready.prepared_for is None or ready.reused:
                 raise InvalidRequest("feedback uses a prepared continuation this session did not send")
-            ready.block.epoch = epoch
+            ready.block.epoch = outcome.epoch
             self.outstanding.append(ready)
             self._plan()
             return []
-        if ready is not None and not branch:  # prepared here, not used there (late, or sampled): send it
-            ready.block.epoch, ready.prepared_for, ready.reused = epoch, None, True
+        if ready is not None and not outcome.branch:  # prepared here, not used there (late, or sampled): send it
+            ready.block.epoch, ready.prepared_for, ready.reused = outcome.epoch, None, True
             ready.resolved_token, ready.trigger_at = resolved, received_at
             self.outstanding.append(ready)
             self._plan()
@@ -312,27 +319,11 @@ class PipelinedDraft:
         return [item]
 
     def _plan(self) -> None:
-        """What to prepare while the outstanding blocks are verified, most likely first: the
-        follow-up, then continuations after a rejection at each place of each outstanding block
-        (the block being verified, then its follow-up), scored by the draft's own chance of that
-        outcome, at most ``prepare`` per block and none already made."""
-        self.agenda = []
-        if not self.pipelined or not self.outstanding:
-            return
-        reach = 1.0  # the draft's chance that every token before this place is accepted
-        for position, item in enumerate(self.outstanding):
-            candidates, reach = _candidates(item, reach, self.limit, self.stop_token_ids, self.prepared)
-            self.agenda += candidates[: self.prepare]
-            if position == len(self.outstanding) - 1 and item.followup and len(self.outstanding) < 2:
-                self.agenda.append((reach, None))  # the follow-up: everything outstanding accepted
-        followup = next((job for job in self.jobs if job.followup), None)
-        if followup is not None and followup.draft.alternatives:  # its first token, judged at once by the
-            # target's stored row when the block before it is accepted whole: the likeliest rejection of all
-            item = DraftedBlock(followup.draft.block, True, alternatives=followup.draft.alternatives[:1])
-            self.agenda += _candidates(item, reach, self.limit, self.stop_token_ids, self.prepared)[0][: self.prepare]
+        """What to prepare while the outstanding blocks are verified (``agenda``)."""
+        followup = next((job.draft for job in self.jobs if job.followup), None)
         working = {job.prepared_for for job in self.jobs}
-        self.agenda = [a for a in self.agenda if a[1] not in working]
-        self.agenda.sort(key=lambda c: -c[0])
+        self.agenda = agenda(self.outstanding, followup, self.prepared, working, self.prepare, self.limit,
+                             self.stop_token_ids) if self.pipelined else []
 
     def _begin(self, prepared_for: PreparedKey | None) -> Job:
         """A speculative job begins: the follow-up on the session's cache, a prepared
@@ -368,22 +359,12 @@ class PipelinedDraft:
     def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> DraftedBlock:
         block = draft.block
         block.epoch = self.epoch
-        followup = (
-            self.pipelined
-            and bool(block.tokens)
-            and block.tokens[-1] not in self.stop_token_ids
+        # a follow-up will come on top of it (async), unless it ends the output
+        followup = self.pipelined and bool(block.tokens) and block.tokens[-1] not in self.stop_token_ids \
             and self.limit - (block.base + len(block)) - 1 >= 1
-        )
-        return DraftedBlock(
-            block,
-            followup,
-            prepared_for=prepared_for,
-            started_at=started,
-            finished_at=self.now,
-            draft_s=draft.compute_s - draft.prefill_s,
-            trigger_at=trigger_at,
-            alternatives=draft.alternatives,
-        )
+        return DraftedBlock(block, followup, prepared_for=prepared_for, started_at=started, finished_at=self.now,
+                            draft_s=draft.compute_s - draft.prefill_s, trigger_at=trigger_at,
+                            alternatives=draft.alternatives)
 
     @property
     def _stopped(self) -> bool:
@@ -485,6 +466,29 @@ def _check_begins_branch(block: Block, branch: tuple[int, ...]) -> None:
     if not begins_branch(block.tokens, branch):
         raise InvalidRequest(f"feedback uses the continuation prepared after {branch[0]}, which does not begin "
                              f"with the branch's nodes below it {list(branch[1:])}")
+
+
+def agenda(outstanding: list[DraftedBlock], followup: BlockDraft | None, prepared: dict, working: set,
+           prepare: int, limit: int, stop_token_ids: frozenset[int]) -> list[tuple[float, PreparedKey | None]]:
+    """What to prepare while the outstanding blocks are verified, most likely first: the follow-up,
+    then continuations after a rejection at each place of each outstanding block (the block being
+    verified, then its follow-up), and at the first token of the follow-up being drafted (judged at
+    once by the target's stored row when the block before it is accepted whole: the likeliest
+    rejection of all), each scored by the draft's own chance of that outcome, at most ``prepare``
+    per block; none already made (``prepared``) or in the making (``working``)."""
+    out = []
+    if not outstanding:
+        return out
+    reach = 1.0  # the draft's chance that every token before this place is accepted
+    for position, item in enumerate(outstanding):
+        candidates, reach = _candidates(item, reach, limit, stop_token_ids, prepared)
+        out += candidates[:prepare]
+        if position == len(outstanding) - 1 and item.followup and len(outstanding) < 2:
+            out.append((reach, None))  # the follow-up: everything outstanding accepted
+    if followup is not None and followup.alternatives:
+        item = DraftedBlock(followup.block, True, alternatives=followup.alternatives[:1])
+        out += _candidates(item, reach, limit, stop_token_ids, prepared)[0][:prepare]
+    return sorted((a for a in out if a[1] not in working), key=lambda c: -c[0])
 
 
 def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: frozenset[int],

@@ -163,8 +163,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         features, first = self._features(msg, msg.base + msg.accepted + len(msg.branch))  # a branch's too
         _tune(session, msg.stop_rule)
         _price(session, msg.node_price)
-        return session.on_feedback(self.clock(), msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, msg.p_row,
-                                   msg.prepared_used, received_at, msg.load_cap, features, first, msg.branch)
+        return session.on_feedback(self.clock(), msg, received_at, features, first)
 
     def _features(self, msg: Feedback | Resume, end: int) -> tuple[torch.Tensor | None, int]:
         """A feedback's (or a resume's) target features, after the chunks of them that came ahead

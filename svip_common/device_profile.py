@@ -184,6 +184,8 @@ MODELS = {m.name: m for m in (
     # 32k vocabulary; the embedding is the target's (not counted)
     ModelShape("eagle3-llama-3.1-8b", 1, 4096, 14336, 32, 8, 32000, tied=True, extra_params=3 * 4096 * 4096,
                source=_HUB + "yuhuili/EAGLE3-LLaMA3.1-Instruct-8B"),
+    ModelShape("eagle3-llama-3.3-70b", 1, 8192, 28672, 64, 8, 32000, tied=True, extra_params=3 * 8192 * 8192,
+               source=_HUB + "yuhuili/EAGLE3-LLaMA3.3-Instruct-70B"),
 )}
 
 LINKS = {link.name: link for link in (

@@ -14,6 +14,7 @@ import torch
 
 from svip_common.acceptance import StopRule
 from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, PolicyConfig, SamplingParams
+from svip_common.outcome import PREPARED, Outcome
 
 PreparedKey = tuple[int, int, int]  # (parent base, accepted, correction): the verdict a prepared block assumes
 
@@ -53,17 +54,12 @@ class SessionStart:
 
 @dataclass
 class Feedback:
-    """The verdict on one drafted block. token: the place after the accepted tokens as the target
-    settled it (NO_TOKEN: the draft draws it from p_row, or the follow-up settles it); then: the
-    verdict on the next block, decided in the same step (a chain, earliest first)."""
+    """The verdict on one drafted block: its outcome, decided once on the target (what is settled,
+    what comes next, the epoch: svip_common/outcome.py), which the draft applies; then: the verdict
+    on the next block, decided in the same step (a chain, earliest first)."""
 
     session_id: str
-    epoch: int
-    base: int
-    drafted: int
-    accepted: int
-    token: int
-    prepared_used: bool = False
+    outcome: Outcome
     load_cap: int | None = None  # load-aware speculation's cap on the next blocks (None: no cap)
     stop_rule: StopRule | None = None  # policy auto: the rule for the next blocks
     p_row: torch.Tensor | None = field(default=None, repr=False)  # sampled rejection: the target's p there
@@ -72,8 +68,16 @@ class Feedback:
     # a feature draft's input: the target's hidden states at positions features_from.. (the verdict's)
     features: torch.Tensor | None = field(default=None, repr=False)
     features_from: int = 0
-    branch: tuple[int, ...] = ()  # a tree: the tokens settled from base + accepted on, off the spine
     node_price: float | None = None  # tree auto: a verified node's price in tokens at the target's load
+
+    # the outcome's fields, as the wire and the logs read them
+    epoch = property(lambda self: self.outcome.epoch)
+    base = property(lambda self: self.outcome.base)
+    drafted = property(lambda self: self.outcome.drafted)
+    accepted = property(lambda self: self.outcome.accepted)
+    token = property(lambda self: self.outcome.token)
+    branch = property(lambda self: self.outcome.branch)
+    prepared_used = property(lambda self: self.outcome.next == PREPARED)
 
     def chain(self) -> list[Feedback]:
         out, item = [], self

@@ -9,8 +9,9 @@ without models."""
 from __future__ import annotations
 
 from svip_common.acceptance import StopRule
-from svip_common.contracts import NO_TOKEN, Verdict
+from svip_common.contracts import Verdict
 from svip_common.messages import DraftedBlock, Feedback
+from svip_common.outcome import DRAW, outcome_of
 
 
 class FeedbackChain:
@@ -27,21 +28,16 @@ class FeedbackChain:
         speculation's cap on the next blocks; stop_rule: auto's; node_price: tree auto's."""
         feedback = Feedback(
             session_id=self.session_id,
-            epoch=epoch,
-            base=block.base,
-            drafted=len(block.tokens),
-            accepted=verdict.accepted,
-            token=token,
-            prepared_used=prepared_used,
+            outcome=outcome_of(epoch, block.base, len(block.tokens), verdict.accepted, token, verdict.branch,
+                               deferred, prepared_used),
             load_cap=cap,
             stop_rule=stop_rule,
             p_row=verdict.p_row,
             features=verdict.features,
             features_from=max(verdict.features_from, 0),
-            branch=verdict.branch,
             node_price=node_price,
         )
-        self.correction_due = token == NO_TOKEN and not deferred
+        self.correction_due = feedback.outcome.next == DRAW
         self._queued.append(feedback)
 
     def take(self) -> Feedback | None:

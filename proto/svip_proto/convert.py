@@ -36,6 +36,7 @@ from svip_common.messages import (
     Resume,
     SessionStart,
 )
+from svip_common.outcome import DRAW, FOLLOWUP, PREPARED, SETTLED, Outcome, outcome_of
 from svip_common.trees import MAX_NODE_PRICE, MAX_Q_BYTES
 from svip_proto import svip_pb2 as pb
 
@@ -226,7 +227,7 @@ def _chain_to_proto(chain: list[Feedback]) -> pb.Feedback:
     for item in reversed(chain):
         msg = pb.Feedback(session_id=item.session_id, epoch=item.epoch, base=item.base, drafted=item.drafted,
                           accepted=item.accepted, token=item.token, prepared_used=item.prepared_used,
-                          sent_at=item.sent_at)
+                          sent_at=item.sent_at, next=_NEXTS[item.outcome.next])
         msg.branch_tokens.extend(item.branch)
         if item.node_price is not None:
             msg.node_price = item.node_price
@@ -255,17 +256,35 @@ def feedback_from_proto(msg: pb.Feedback, width: int) -> Feedback:
     head = None
     for item in reversed(items):
         head = Feedback(
-            session_id=item.session_id, epoch=item.epoch, base=item.base, drafted=item.drafted,
-            accepted=item.accepted, token=item.token, prepared_used=item.prepared_used,
+            session_id=item.session_id, outcome=_outcome_from_proto(item),
             load_cap=item.load_cap if item.HasField("load_cap") else None,
             stop_rule=stop_rule_from_proto(item.stop_rule) if item.HasField("stop_rule") else None,
             p_row=p_row_from_proto(item, width), sent_at=item.sent_at, then=head,
             features=tensor_from_proto(item.features) if item.HasField("features") else None,
             features_from=item.features_from,
-            branch=tuple(item.branch_tokens),
             node_price=_node_price(item.node_price) if item.HasField("node_price") else None,
         )
     return head
+
+
+_NEXTS = {FOLLOWUP: pb.NEXT_FOLLOWUP, PREPARED: pb.NEXT_PREPARED, DRAW: pb.NEXT_DRAW, SETTLED: pb.NEXT_SETTLED}
+_NEXT_NAMES = {value: name for name, value in _NEXTS.items()}
+
+
+def _outcome_from_proto(msg: pb.Feedback) -> Outcome:
+    """The verdict's outcome as the target decided it (checked: an inconsistent one is an
+    InvalidRequest); from an older peer that sends no ``next``, read from its other fields."""
+    branch = tuple(msg.branch_tokens)
+    if msg.next == pb.NEXT_UNSET:
+        deferred = msg.accepted == msg.drafted and msg.token == NO_TOKEN
+        return outcome_of(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, branch, deferred,
+                          msg.prepared_used)
+    if msg.next not in _NEXT_NAMES:
+        raise InvalidRequest(f"feedback with an unknown outcome {msg.next}")
+    outcome = Outcome(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, _NEXT_NAMES[msg.next], branch)
+    if msg.prepared_used != (outcome.next == PREPARED):
+        raise InvalidRequest("feedback's prepared_used disagrees with its outcome")
+    return outcome
 
 
 def _node_price(price: float) -> float:

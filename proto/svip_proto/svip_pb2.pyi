@@ -12,9 +12,22 @@ class Pipeline(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     PIPELINE_UNSPECIFIED: _ClassVar[Pipeline]
     PIPELINE_SYNC: _ClassVar[Pipeline]
     PIPELINE_ASYNC: _ClassVar[Pipeline]
+
+class Next(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    NEXT_UNSET: _ClassVar[Next]
+    NEXT_FOLLOWUP: _ClassVar[Next]
+    NEXT_PREPARED: _ClassVar[Next]
+    NEXT_DRAW: _ClassVar[Next]
+    NEXT_SETTLED: _ClassVar[Next]
 PIPELINE_UNSPECIFIED: Pipeline
 PIPELINE_SYNC: Pipeline
 PIPELINE_ASYNC: Pipeline
+NEXT_UNSET: Next
+NEXT_FOLLOWUP: Next
+NEXT_PREPARED: Next
+NEXT_DRAW: Next
+NEXT_SETTLED: Next
 
 class Tensor(_message.Message):
     __slots__ = ("data", "dtype", "shape")
@@ -167,7 +180,7 @@ class Block(_message.Message):
     def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ..., sibling_counts: _Optional[_Iterable[int]] = ..., sibling_tokens: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Union[Tensor, _Mapping]] = ..., q_nonzero: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., grown_parents: _Optional[_Iterable[int]] = ..., grown_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero", "node_price", "branch_tokens")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero", "node_price", "branch_tokens", "next")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -185,6 +198,7 @@ class Feedback(_message.Message):
     P_NONZERO_FIELD_NUMBER: _ClassVar[int]
     NODE_PRICE_FIELD_NUMBER: _ClassVar[int]
     BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    NEXT_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -202,7 +216,8 @@ class Feedback(_message.Message):
     p_nonzero: SparseRow
     node_price: float
     branch_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ..., node_price: _Optional[float] = ..., branch_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    next: Next
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ..., node_price: _Optional[float] = ..., branch_tokens: _Optional[_Iterable[int]] = ..., next: _Optional[_Union[Next, str]] = ...) -> None: ...
 
 class SparseRow(_message.Message):
     __slots__ = ("ids", "values")

@@ -17,6 +17,7 @@ from coordinator.session.draft_link import DraftLink
 from draft_worker.service import FeatureChunks
 from svip_common.errors import InvalidRequest
 from svip_common.messages import Feedback
+from svip_common.outcome import SETTLED, Outcome
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -56,7 +57,7 @@ class JoiningDraft(pb_grpc.DraftWorkerServicer):
 
 def feedback(session_id: str, features: torch.Tensor) -> Feedback:
     n = features.shape[0]
-    return Feedback(session_id=session_id, epoch=1, base=n - 3, drafted=4, accepted=3, token=7,
+    return Feedback(session_id=session_id, outcome=Outcome(1, n - 3, 4, 3, 7, SETTLED),
                     features=features, features_from=0)
 
 

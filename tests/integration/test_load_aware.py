@@ -22,6 +22,7 @@ from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, Limits, Po
 from svip_common.errors import InvalidRequest
 from svip_common.step_cost import PROBE_FIRST, PROBE_TOKENS, TargetLoad
 from target_worker.verifier import Verifier
+from tests.verdicts import apply_verdict
 from tests.workers import generate_through, in_process_workers
 
 HEAVY = TargetLoad(plain_rate=1000.0, verify_token_s=0.01)  # τ = 10: no token pays
@@ -194,7 +195,7 @@ def test_the_draft_refuses_a_pause_that_leaves_the_token_to_it(models):
         work(draft, time.time())
     sent = draft.outstanding[0].block
     with pytest.raises(InvalidRequest, match="must settle its token at the target"):
-        draft.on_feedback(time.time(), 0, sent.base, len(sent), 0, NO_TOKEN, None, False, 0.0, load_cap=0)
+        apply_verdict(draft, time.time(), 0, sent.base, len(sent), 0, NO_TOKEN, None, False, 0.0, load_cap=0)
 
 
 def test_the_target_refuses_a_block_while_the_session_is_paused(models):

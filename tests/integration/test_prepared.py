@@ -25,6 +25,7 @@ from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import start_server
 from svip_runtime.wire_batch import unpack
 from target_worker.verifier import Verifier
+from tests.verdicts import apply_verdict
 
 # crafted blocks reach the verifier as sent: no load-aware pause (test_load_aware.py), no tokens of the
 # target's own settled while it waits for them (test_idle_prefill.py)
@@ -237,7 +238,7 @@ def test_feedback_naming_a_prepared_continuation_uses_it_and_any_other_correctio
     base, j, token = prepared[0].prepared_for
     assert base == first.block.base
     # the target used it: nothing new to send, the prepared block is now the one under verification
-    assert draft_session.on_feedback(time.time(), 1, base, len(first.block), j, token, None, True, 0.0) == []
+    assert apply_verdict(draft_session, time.time(), 1, base, len(first.block), j, token, None, True, 0.0) == []
     assert draft_session.outstanding[0] is prepared[0] and prepared[0].block.epoch == 1
 
 
@@ -245,7 +246,7 @@ def test_a_prepared_continuation_the_target_did_not_use_is_sent_again(draft_sess
     first = _first_block(draft_session)
     prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
     base, j, token = prepared[0].prepared_for
-    (again,) = draft_session.on_feedback(time.time(), 1, base, len(first.block), j, token, None, False, 0.0)
+    (again,) = apply_verdict(draft_session, time.time(), 1, base, len(first.block), j, token, None, False, 0.0)
     assert again is prepared[0] and again.reused and again.prepared_for is None and again.block.epoch == 1
 
 
@@ -255,7 +256,7 @@ def test_a_correction_nothing_was_prepared_for_is_drafted_from(draft_session):
     assumed = {(b, j, t) for b, j, t in (o.prepared_for for o in prepared)}
     token = next(t for t in range(300) if (first.block.base, 0, t) not in assumed and t != first.block.tokens[0])
     now = time.time()
-    assert draft_session.on_feedback(now, 1, first.block.base, len(first.block), 0, token, None, False, 0.0) == []
+    assert apply_verdict(draft_session, now, 1, first.block.base, len(first.block), 0, token, None, False, 0.0) == []
     (fresh,) = work(draft_session, time.time())  # the critical job: drafted from the correction
     assert fresh not in prepared and not fresh.reused and fresh.block.base == first.block.base + 1
     assert draft_session.known[-1] == token
@@ -281,7 +282,7 @@ def test_the_fork_the_verdict_calls_for_becomes_the_sessions_cache(models):
     assert set(draft.forks.held) == {o.prepared_for for o in prepared}  # each on its own fork
     base, j, token = prepared[0].prepared_for
     late = time.time() + 3600.0  # a slow verdict: the next one leaves time to draft ahead
-    assert draft.on_feedback(time.time(), 1, base, len(first.block), j, token, None, True, late) == []
+    assert apply_verdict(draft, time.time(), 1, base, len(first.block), j, token, None, True, late) == []
     cached, expected = draft.session._seq.tokens, draft.known + prepared[0].block.tokens
     assert len(cached) == len(expected) - 1 and cached == expected[:-1]  # its last token goes in next
     pool = draft.session._drafter.pool
@@ -306,7 +307,7 @@ def test_a_short_pool_takes_the_forks_back_and_their_blocks_still_serve(models):
     assert not draft.release_forks()  # nothing left to give
     base, j, token = prepared[0].prepared_for
     late = time.time() + 3600.0
-    assert draft.on_feedback(time.time(), 1, base, len(first.block), j, token, None, True, late) == []
+    assert apply_verdict(draft, time.time(), 1, base, len(first.block), j, token, None, True, late) == []
     assert draft.outstanding == [prepared[0]]  # its tokens were sent: the target verifies them
     followup = next(o for o in _prepare_everything(draft) if o.prepared_for is None)  # as without forks
     assert followup.block.base == prepared[0].block.base + len(prepared[0].block)
@@ -339,7 +340,7 @@ def test_a_followup_that_turns_critical_past_its_stop_leaves_at_once(models):
         assert sent is not None and all(o.prepared_for is not None for o in sent)  # the follow-up drafts on
         job = next((j for j in draft.jobs if j.followup), None)
     held = list(job.draft.block.tokens)
-    (sent,) = draft.on_feedback(time.time(), first.block.epoch, first.block.base, len(first.block),
+    (sent,) = apply_verdict(draft, time.time(), first.block.epoch, first.block.base, len(first.block),
                                 len(first.block), NO_TOKEN, None, False, time.time())
     assert sent.block.tokens == held and draft.critical is None and draft.outstanding == [sent]
     draft.close()

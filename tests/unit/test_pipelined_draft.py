@@ -16,6 +16,7 @@ import pytest
 from draft_worker.pipelined import PipelinedDraft, work
 from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
+from tests.verdicts import apply_verdict
 
 VOCAB = 50
 STOP = 0
@@ -118,7 +119,7 @@ def drain(s: PipelinedDraft, steps: int = 100) -> list:
 
 
 def feedback(s: PipelinedDraft, block: Block, accepted: int, token: int, **kw):
-    return s.on_feedback(time.time(), block.epoch, block.base, len(block), accepted, token, None,
+    return apply_verdict(s, time.time(), block.epoch, block.base, len(block), accepted, token, None,
                          kw.pop("prepared_used", False), time.time() + LATE, **kw)
 
 
@@ -146,7 +147,7 @@ def test_a_rejection_rolls_back_to_the_correction_in_the_new_epoch():
     s.start(time.time())
     (first,) = drain(s)
     correction = runner_up(first.block.tokens[1])
-    assert s.on_feedback(time.time(), 5, first.block.base, 3, 1, correction, None, False, time.time()) == []
+    assert apply_verdict(s, time.time(), 5, first.block.base, 3, 1, correction, None, False, time.time()) == []
     assert s.known == PROMPT + first.block.tokens[:1] + [correction] and s.epoch == 5
     (second,) = drain(s)
     assert second.block.epoch == 5 and second.block.base == len(s.known)
@@ -196,7 +197,7 @@ def test_feedback_on_a_block_it_did_not_send_is_refused(base, drafted, accepted,
     s.start(time.time())
     drain(s)
     with pytest.raises(InvalidRequest, match=message):
-        s.on_feedback(time.time(), 0, base, drafted, accepted, 5, None, False, time.time())
+        apply_verdict(s, time.time(), 0, base, drafted, accepted, 5, None, False, time.time())
 
 
 def test_a_pause_drafts_nothing_until_a_resume_brings_the_targets_tokens():
@@ -274,12 +275,12 @@ def test_a_used_prepared_continuation_is_the_next_block_without_drafting_again()
     key = (first.block.base, 1, runner_up(first.block.tokens[1]))
     ready = next(o for o in sent if o.prepared_for == key)
     begun = len(s.session.begun)
-    out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, key[2], None, True, time.time() + LATE)
+    out = apply_verdict(s, time.time(), 3, first.block.base, 3, 1, key[2], None, True, time.time() + LATE)
     assert out == [] and s.outstanding == [ready] and ready.block.epoch == 3
     assert s.known == PROMPT + first.block.tokens[:1] + [key[2]]
     assert len(s.session.begun) == begun  # nothing drafted for it: it was ready
     with pytest.raises(InvalidRequest, match="did not send"):
-        s.on_feedback(time.time(), 3, first.block.base, 3, 1, key[2], None, True, time.time())
+        apply_verdict(s, time.time(), 3, first.block.base, 3, 1, key[2], None, True, time.time())
 
 
 def prepared_after_a_sibling():
@@ -302,7 +303,7 @@ def test_a_continuation_prepared_after_a_sibling_follows_the_branch_that_takes_i
     that token), never sent again."""
     for used in (True, False):
         s, first, sibling, ready = prepared_after_a_sibling()
-        out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, used, time.time() + LATE,
+        out = apply_verdict(s, time.time(), 3, first.block.base, 3, 1, 42, None, used, time.time() + LATE,
                             branch=(sibling,))
         assert out == []
         if used:
@@ -325,10 +326,10 @@ def test_a_continuation_prepared_after_a_sibling_serves_a_deep_branch_that_begin
         branch = (sibling, child)
         if not child_fits:
             with pytest.raises(InvalidRequest, match="does not begin"):
-                s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, True, time.time() + LATE,
+                apply_verdict(s, time.time(), 3, first.block.base, 3, 1, 42, None, True, time.time() + LATE,
                               branch=branch)
             continue
-        out = s.on_feedback(time.time(), 3, first.block.base, 3, 1, 42, None, True, time.time() + LATE,
+        out = apply_verdict(s, time.time(), 3, first.block.base, 3, 1, 42, None, True, time.time() + LATE,
                             branch=branch)
         assert out == [] and s.outstanding == [ready] and ready.block.epoch == 3
         assert s.known == PROMPT + first.block.tokens[:1] + [sibling] and ready.block.base == len(s.known)
@@ -339,7 +340,7 @@ def test_a_prepared_continuation_it_never_made_cannot_be_used():
     s.start(time.time())
     first = drain(s)[0]
     with pytest.raises(InvalidRequest, match="prepared continuation"):
-        s.on_feedback(time.time(), 1, first.block.base, 3, 0, 33, None, True, time.time())
+        apply_verdict(s, time.time(), 1, first.block.base, 3, 0, 33, None, True, time.time())
 
 
 def test_a_pause_must_settle_its_token_at_the_target():

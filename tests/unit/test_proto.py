@@ -225,7 +225,7 @@ def test_sibling_counts_that_do_not_fit_the_block_are_invalid(counts, ids):
 
 
 def test_a_branch_and_a_node_price_travel_with_their_verdict():
-    head = Feedback("s", 1, 10, 4, 1, 7, branch=(9, 4), node_price=0.25, then=Feedback("s", 1, 13, 2, 2, 3))
+    head = verdict_feedback(1, 10, 4, 1, 7, branch=(9, 4), node_price=0.25, then=verdict_feedback(1, 13, 2, 2, 3))
     back = convert.feedback_from_proto(convert.draft_request_to_proto(head).feedback, 2)
     assert [(f.branch, f.node_price) for f in back.chain()] == [((9, 4), 0.25), ((), None)]
     for price in (-1.0, math.nan, 1e7):
@@ -236,8 +236,8 @@ def test_a_branch_and_a_node_price_travel_with_their_verdict():
 
 def test_a_feedback_chain_travels_as_one_message_earliest_first():
     rule = StopRule(PRIOR_WEIGHTS, 0.3)
-    later = Feedback("s", 1, 14, 2, 0, 7, prepared_used=True, stop_rule=rule)
-    head = Feedback("s", 1, 10, 4, 4, -1, load_cap=0, p_row=torch.tensor([0.25, 0.75], dtype=torch.float64),
+    later = verdict_feedback(1, 14, 2, 0, 7, prepared_used=True, stop_rule=rule)
+    head = verdict_feedback(1, 10, 4, 4, -1, load_cap=0, p_row=torch.tensor([0.25, 0.75], dtype=torch.float64),
                     sent_at=5.0, then=later)
     msg = convert.draft_request_to_proto(head).feedback
     assert (msg.base, msg.drafted, msg.accepted, msg.token, msg.sent_at) == (10, 4, 4, -1, 5.0)
@@ -268,10 +268,10 @@ def test_a_p_row_with_few_ids_with_mass_travels_by_them_and_comes_back_the_same_
     nucleus = warp_probs(logits, SamplingParams(temperature=0.7, top_p=0.9, seed=1))[0]  # a few ids with mass
     everywhere = torch.softmax(logits[0], dim=-1)  # every id with mass
     for row, sparse in ((nucleus, True), (everywhere, False), (nucleus.double(), True)):
-        msg = convert.draft_request_to_proto(Feedback("s", 1, 10, 4, 2, -1, p_row=row)).feedback
+        msg = convert.draft_request_to_proto(verdict_feedback(1, 10, 4, 2, -1, p_row=row)).feedback
         assert msg.HasField("p_nonzero") == sparse and msg.HasField("p_row") != sparse
         assert torch.equal(convert.p_row_from_proto(msg, 4096), row.float())
-    small = convert.draft_request_to_proto(Feedback("s", 1, 10, 4, 2, -1, p_row=nucleus)).feedback
+    small = convert.draft_request_to_proto(verdict_feedback(1, 10, 4, 2, -1, p_row=nucleus)).feedback
     assert small.ByteSize() < 4096 * 4 / 10
     assert convert.p_row_from_proto(pb.Feedback(session_id="s"), 4096) is None
 
@@ -406,3 +406,12 @@ def test_draft_events_read_in_the_projects_terms():
     bad.entropies.CopyFrom(convert.floats_to_proto([0.5]))
     with pytest.raises(InvalidRequest, match="1 entropies"):
         convert.draft_event_from_proto(pb.DraftEvent(block=bad))
+
+
+def verdict_feedback(epoch: int, base: int, drafted: int, accepted: int, token: int, prepared_used: bool = False,
+                     branch: tuple[int, ...] = (), **fields) -> Feedback:
+    """A Feedback whose outcome is what the target decides for these parts (svip_common/outcome.py)."""
+    from svip_common.outcome import outcome_of
+
+    deferred = accepted == drafted and token == -1 and not prepared_used
+    return Feedback("s", outcome_of(epoch, base, drafted, accepted, token, branch, deferred, prepared_used), **fields)
