@@ -24,7 +24,8 @@ prices a drafted token as if it sat on the critical path, and there it does. A b
 not waiting for (the follow-up, a prepared continuation) is off that path: it drafts on past the
 policy's stops while another forward fits before the verdict it waits on is due (PEARL's
 post-verify), the stops it passed marking where the draft expects a rejection; a follow-up that
-becomes critical past a stop leaves at once. What it delays is priced by the worker's step
+becomes critical past a stop leaves at once. (Greedy sessions: a sampled one's blocks end where its
+policy ends them, so that its seed reproduces whatever the timing.) What it delays is priced by the worker's step
 (service.py): a token drafted past a stop never rides a step that carries a block some target waits
 for, so at several sessions speculation ahead for one never holds up another's critical block. At
 one session nothing waits on it, and the draft, which idled half the time, fills the verification's
@@ -344,8 +345,11 @@ class PipelinedDraft:
     def _extends(self, job: Job) -> bool:
         """Whether a speculative block drafts on past its policy's stop: the target is not waiting
         for it, and another forward still ends before the verdict it waits on is due (learnt from
-        the verdicts' arrival and the draft's step times: VerdictTiming)."""
-        if job is self.critical or not self.outstanding:
+        the verdicts' arrival and the draft's step times: VerdictTiming). Greedy sessions only: a
+        sampled one's output depends on where its blocks end (a place judged against a drafted
+        token or drawn after a whole block), which must follow its tokens, never the clock, so a
+        seeded request reproduces."""
+        if job is self.critical or not self.outstanding or not self.session.sampling.greedy:
             return False
         return self.timing.room_for_a_forward(self.now + (self.timing.forward_s.value or 0.0), self.outstanding)
 

@@ -10,7 +10,7 @@ import pytest
 from coordinator.engine import SpeculativeEngine
 from coordinator.simulated import SimulatedPair
 from draft_worker.drafter import Drafter
-from svip_common.contracts import GenerationRequest, Limits, PolicyConfig
+from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, Limits, PolicyConfig
 from svip_common.device_profile import step_model
 from svip_common.emulation import parse_emulation
 from target_worker.verifier import Verifier
@@ -91,12 +91,13 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
     captured = capsys.readouterr()
     assert code == 0, captured.err
     doc = json.loads((out / "simulate.json").read_text())
-    modes = ("alone", "sync", "async", "sync+cape", "async+cape")
+    modes = ("alone", "inprocess", "sync", "async", "sync+cape", "async+cape")
     assert [(r["sessions"], r["mode"]) for r in doc["rows"]] == [(n, m) for n in (1, 2) for m in modes]
     assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
     assert doc["header"]["target_device"] == "llama-3.1-70b@4xh100" and "| 1 | alone |" in captured.out
     assert "a tree vs its chain" in captured.out and "| 2 | async+cape |" in captured.out
-    assert doc["header"]["draft_parallel"] == 3 and "prepared after a rejection" in captured.out
+    assert doc["header"]["draft_parallel"] == DRAFT_PARALLEL and "prepared after a rejection" in captured.out
+    assert "vs in process" in captured.out and all(r["tokens_per_target_forward"] >= 1 for r in doc["rows"])
     assert all(0 <= r["prepared_after_rejection"] <= 1 for r in doc["rows"])
     base = ["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
             "--dataset", str(dataset), "--categories", "qa"]

@@ -50,7 +50,7 @@ def test_a_measured_row_replaces_the_model_where_it_has_one():
 
 
 @pytest.mark.parametrize("spec, words", [
-    ("llama-9b@h100", "unknown model 'llama-9b'; known: eagle3-llama-3.1-8b, llama-3.1-70b"),
+    ("llama-9b@h100", "unknown model 'llama-9b'; known: eagle3-llama-3.1-8b, eagle3-llama-3.3-70b, llama-3.1-70b"),
     ("llama-3.1-8b@a100", "unknown device 'a100'; known: h100, h200"),
     ("llama-3.1-70b@h100", "do not fit 1 x 80 GB"),
     ("llama-3.1-8b@16xh100", "1 to 8 devices"),
