@@ -77,7 +77,7 @@ def test_n_choices_through_the_workers_share_and_equal_them_apart(models, prompt
     solo = make_pair(models, pipeline, order)  # each request alone, sharing on: a sampled one to the bit
     assert [r.token_ids for r in got] == [solo.generate_all([r])[0].token_ids for r in requests]
     shared, alone = pair.host.verifier, apart.host.verifier
-    drafter, draft_alone = pair.draft.drafter, apart.draft.drafter
+    drafter = pair.draft.drafter
     assert shared.sharing.shared_tokens > 0 and shared.pool.forward_tokens < alone.pool.forward_tokens
     if schedule != "target first":  # target first: the target fills every round, no draft runs
         # (its forward tokens in all are no measure here: how far speculation drafts past its stops
