@@ -344,11 +344,8 @@ class PipelinedDraft:
 
     def _extends(self, job: Job) -> bool:
         """Whether a speculative block drafts on past its policy's stop: the target is not waiting
-        for it, and another forward still ends before the verdict it waits on is due (learnt from
-        the verdicts' arrival and the draft's step times: VerdictTiming). Greedy sessions only: a
-        sampled one's output depends on where its blocks end (a place judged against a drafted
-        token or drawn after a whole block), which must follow its tokens, never the clock, so a
-        seeded request reproduces."""
+        for it, and another forward ends before its verdict is due (VerdictTiming). Greedy only: a
+        sampled session's blocks end by its tokens, never the clock (its seed reproduces)."""
         if job is self.critical or not self.outstanding or not self.session.sampling.greedy:
             return False
         return self.timing.room_for_a_forward(self.now + (self.timing.forward_s.value or 0.0), self.outstanding)
