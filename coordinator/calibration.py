@@ -106,15 +106,15 @@ class Calibration:
 @torch.inference_mode()
 def greedy_continuation(target: LoadedModel, prompt_ids: list[int], new_tokens: int) -> list[int]:
     """The target's own greedy continuation of the prompt (up to its first stop id)."""
-    cache = KVCache(target.model)
-    logits = cache.forward(prompt_ids, logits_to_keep=1)
-    continuation = []
-    for _ in range(new_tokens):
-        token = int(torch.argmax(logits[-1]))
-        continuation.append(token)
-        if token in target.eos_token_ids:
-            break
-        logits = cache.forward([token], logits_to_keep=1)
+    with KVCache(target.model) as cache:
+        logits = cache.forward(prompt_ids, logits_to_keep=1)
+        continuation = []
+        for _ in range(new_tokens):
+            token = int(torch.argmax(logits[-1]))
+            continuation.append(token)
+            if token in target.eos_token_ids:
+                break
+            logits = cache.forward([token], logits_to_keep=1)
     return continuation
 
 
@@ -187,7 +187,8 @@ def auto_prior(target: LoadedModel, draft: LoadedModel, settings: AutoSettings =
             drafted.append(token)
             feats.append(features(float(entropy(q)), float(q[token]), 1))  # no block here: place 1
             logits = cache.forward([token], logits_to_keep=1)
-        target_logits = target.model(input_ids=torch.tensor([ids + drafted])).logits[0, len(ids) - 1 : -1]
+        with KVCache(target.model) as target_cache:  # one forward over the text (the pool's: a shard's too)
+            target_logits = target_cache.forward(ids + drafted, logits_to_keep=len(drafted) + 1)[:-1]
         agree = (torch.argmax(target_logits[:, : target.vocab_size], dim=-1) == torch.tensor(drafted)).tolist()
         rows += feats
         labels += [1.0 if a else 0.0 for a in agree]
@@ -200,16 +201,16 @@ def auto_prior(target: LoadedModel, draft: LoadedModel, settings: AutoSettings =
 @torch.inference_mode()
 def forward_time(model, tokens: int = 1, context: int = 64, repeats: int = 15) -> float:
     """Median time of one forward of `tokens` tokens after a warm cache of `context`."""
-    cache = KVCache(model)
-    cache.forward(list(range(1, context + 1)), logits_to_keep=1)
     times = []
-    for i in range(repeats):
-        _sync(model)
-        start = time.perf_counter()
-        cache.forward([i + 1 + j for j in range(tokens)], logits_to_keep=tokens)
-        _sync(model)
-        times.append(time.perf_counter() - start)
-        cache.rollback(context)
+    with KVCache(model) as cache:
+        cache.forward(list(range(1, context + 1)), logits_to_keep=1)
+        for i in range(repeats):
+            _sync(model)
+            start = time.perf_counter()
+            cache.forward([i + 1 + j for j in range(tokens)], logits_to_keep=tokens)
+            _sync(model)
+            times.append(time.perf_counter() - start)
+            cache.rollback(context)
     return statistics.median(times)
 
 

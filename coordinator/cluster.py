@@ -140,17 +140,20 @@ def actor_options(role: str, gpus: float, placement=None, bundle: int | None = N
 PLACEMENTS = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}  # draft and target on one node, or on two
 
 
-def pair_placement_group(strategy: str, target_gpus: float, draft_gpus: float, cpus: float = 1):
+def pair_placement_group(strategy: str, target_gpus: float, draft_gpus: float, cpus: float = 1,
+                         target_cpus: float | None = None):
     """A placement group of two bundles, the target's and the draft's, on one node or two. Where
     the cluster's nodes offer the role resources, each bundle asks for its role's (the nodes an
-    operator marked for targets and for drafts)."""
+    operator marked for targets and for drafts). target_cpus: the target's bundle's (every rank's
+    of a tensor-parallel one; default cpus)."""
     import ray
     from ray.util.placement_group import placement_group
 
     offered = ray.cluster_resources()
     bundles = []
-    for gpus, role in ((target_gpus, TARGET_RESOURCE), (draft_gpus, DRAFT_RESOURCE)):
-        bundle = {"CPU": cpus, **({"GPU": gpus} if gpus else {})}
+    target_cpus = cpus if target_cpus is None else target_cpus
+    for gpus, role, bundle_cpus in ((target_gpus, TARGET_RESOURCE, target_cpus), (draft_gpus, DRAFT_RESOURCE, cpus)):
+        bundle = {"CPU": bundle_cpus, **({"GPU": gpus} if gpus else {})}
         if offered.get(TARGET_RESOURCE) and offered.get(DRAFT_RESOURCE):
             bundle[role] = 1
         bundles.append(bundle)
@@ -188,9 +191,13 @@ class WorkerPair:
         self.tls = TlsFiles.from_dir(config.grpc_tls_dir) if config.grpc_tls_dir else None
         self.start_timeout_s = config.start_timeout_s
         self.target = self.draft = self._own_placement = None
+        # a tensor-parallel target: rank 0 (this actor) takes one GPU, its other ranks one each from
+        # the same bundle (svip_runtime/ranks.py), which asks for all of them
+        tp, rank_gpus = config.target_tp, 1 if config.target_gpus else 0
+        target_gpus = config.target_gpus if tp == 1 else rank_gpus
         if config.layout is not None and placement is None:
-            placement = self._own_placement = pair_placement_group(config.layout, config.target_gpus,
-                                                                   config.draft_gpus, config.worker_cpus)
+            placement = self._own_placement = pair_placement_group(config.layout, target_gpus * tp, config.draft_gpus,
+                                                                   config.worker_cpus, config.worker_cpus * tp)
             bundles = (0, 1)
             if not placement.wait(config.placement_timeout_s):
                 self.shutdown()
@@ -211,7 +218,7 @@ class WorkerPair:
         restarts = {"max_restarts": config.recovery.max_restarts}
         self.target = (
             ray.remote(TargetActor)
-            .options(**actor_options("target", config.target_gpus, placement, bundles[0], config.worker_cpus),
+            .options(**actor_options("target", target_gpus, placement, bundles[0], config.worker_cpus),
                      **restarts)
             .remote(config, self.limits, host=host, tls=self.tls, auto_prior=stored_prior(config.draft),
                     feature_layers=feature_layers)

@@ -66,8 +66,9 @@ class SpeculativeEngine:
         self.verifier = Verifier(target, pair_limits(target, model).tokens, kv_cache_tokens, feature_layers=layers)
         self.limits = pair_limits(target, model, kv_tokens=self.verifier.pool.tokens)
         if head is not None:
-            self.drafter = FeatureDrafter(head, target.model.get_input_embeddings(), target.vocab_size,
-                                          self.limits.tokens)
+            # the head's own copy of the target's embedding where it has one (a tensor-parallel shard holds a part)
+            embedding = head.embedding if head.embedding is not None else target.model.get_input_embeddings()
+            self.drafter = FeatureDrafter(head, embedding, target.vocab_size, self.limits.tokens)
         elif model is not None:
             self.drafter = Drafter(model, target.vocab_size, self.limits.tokens, kv_cache_tokens, max_batched_tokens)
         else:
@@ -113,7 +114,7 @@ class SpeculativeEngine:
         by drafting its own blocks, coordinator/head_calibration.py)."""
         if self._calibration is None:
             if self.feature_draft:
-                self._calibration = calibrate_head(self.target, self.drafter.head)
+                self._calibration = calibrate_head(self.target, self.drafter.head, embedding=self.drafter.embedding)
             else:
                 self._calibration = calibrate(self.target, self.drafter.draft)
         return self._calibration

@@ -31,7 +31,7 @@ from coordinator.calibration import (
     greedy_continuation,
 )
 from draft_worker.feature_head import FeatureHead, HeadCache
-from svip_common.kv_cache import wait_for_device
+from svip_common.kv_cache import KVCache, wait_for_device
 from svip_common.models import LoadedModel
 from svip_common.sampling import entropy
 
@@ -56,13 +56,16 @@ class Chains:
 
 @torch.inference_mode()
 def record_chains(target: LoadedModel, head: FeatureHead, prompt_ids: list[int], new_tokens: int,
-                  depth: int = CHAIN_DEPTH) -> Chains:
-    """The target's greedy continuation of the prompt, then the head's block at each place of it."""
+                  depth: int = CHAIN_DEPTH, embedding: torch.nn.Module | None = None) -> Chains:
+    """The target's greedy continuation of the prompt, then the head's block at each place of it.
+    embedding: the target's input embedding as the head reads it (default: the target's own; a
+    tensor-parallel target's shard holds a part of it: the head's copy)."""
+    embedding = embedding if embedding is not None else target.model.get_input_embeddings()
     sequence = prompt_ids + greedy_continuation(target, prompt_ids, new_tokens)
     ids = torch.tensor([sequence], device=target.model.device)
-    hidden = target.model(input_ids=ids, output_hidden_states=True).hidden_states
-    features = head.fuse(tuple(h[0].to(head.fc.weight.dtype) for h in hidden))  # [n, h]: the fused layers
-    embeds = target.model.get_input_embeddings()(ids[0]).to(head.fc.weight.dtype)  # [n, h]
+    hidden = _hidden_states(target, sequence)
+    features = head.fuse(tuple(h.to(head.fc.weight.dtype) for h in hidden))  # [n, h]: the fused layers
+    embeds = embedding(ids[0]).to(head.fc.weight.dtype)  # [n, h]
     first = len(prompt_ids)  # the first place a block is drafted at: the token after the prompt
     head_cache = HeadCache()
     last = head(embeds[1:first], features[: first - 1], head_cache)[-1:]  # the output that predicts x_first
@@ -76,14 +79,24 @@ def record_chains(target: LoadedModel, head: FeatureHead, prompt_ids: list[int],
             entropies.append(float(entropy(probs)))
             matches.append(drafted == sequence[place + step])
             if step + 1 < min(depth, known):  # the next token reads the head's own output
-                feature = head(target.model.get_input_embeddings()(torch.tensor([drafted], device=ids.device))
-                               .to(embeds.dtype), feature, head_cache)
+                feature = head(embedding(torch.tensor([drafted], device=ids.device)).to(embeds.dtype), feature,
+                               head_cache)
         out_entropies.append(entropies)
         out_matches.append(matches)
         head_cache.rollback(place - 1)  # the own pairs go; the target's pair at place - 1 comes in
         if place + 1 < len(sequence):
             last = head(embeds[place : place + 1], features[place - 1 : place], head_cache)
     return Chains(out_entropies, out_matches)
+
+
+def _hidden_states(target: LoadedModel, sequence: list[int]) -> tuple[torch.Tensor, ...]:
+    """Every hidden state of one forward over the sequence, [n, hidden] each, indexed as
+    transformers' ``hidden_states``: through the paged pool, as the verifier computes them (a
+    tensor-parallel shard's are whole: its residual stream is summed over the ranks)."""
+    layers = target.model.config.get_text_config(decoder=True).num_hidden_layers + 1
+    with KVCache(target.model) as cache:
+        _, features = cache.forward_features(sequence, tuple(range(layers)))
+    return tuple(features.chunk(layers, dim=-1))
 
 
 @torch.inference_mode()
@@ -108,12 +121,16 @@ def head_step_time(head: FeatureHead, embedding: torch.nn.Module, context: int =
     return statistics.median(times)
 
 
-def head_costs(target: LoadedModel, head: FeatureHead, repeats: int = 15) -> CostModel:
-    return costs_beside(target, head_step_time(head, target.model.get_input_embeddings(), repeats=repeats),
-                        repeats=repeats)
+def head_costs(target: LoadedModel, head: FeatureHead, repeats: int = 15,
+               embedding: torch.nn.Module | None = None) -> CostModel:
+    embedding = embedding if embedding is not None else target.model.get_input_embeddings()
+    return costs_beside(target, head_step_time(head, embedding, repeats=repeats), repeats=repeats)
 
 
 def calibrate_head(target: LoadedModel, head: FeatureHead, prompts: tuple[str, ...] = CALIBRATION_PROMPTS,
-                   new_tokens: int = 96, entropy_scale: float = 0.15, cap: int = 40) -> Calibration:
-    chains = [record_chains(target, head, list(target.tokenizer(p)["input_ids"]), new_tokens) for p in prompts]
-    return fit_threshold(chains, head_costs(target, head), entropy_scale, cap)
+                   new_tokens: int = 96, entropy_scale: float = 0.15, cap: int = 40,
+                   embedding: torch.nn.Module | None = None) -> Calibration:
+    """embedding: the target's input embedding as the head reads it (default: the target's own)."""
+    chains = [record_chains(target, head, list(target.tokenizer(p)["input_ids"]), new_tokens, embedding=embedding)
+              for p in prompts]
+    return fit_threshold(chains, head_costs(target, head, embedding=embedding), entropy_scale, cap)

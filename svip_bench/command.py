@@ -59,6 +59,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--draft", help="draft model (default: the embedded pair)")
     bench.add_argument("--dtype", default="float32")
     bench.add_argument("--device", default="cpu")
+    bench.add_argument("--target-tp", type=int, default=1,
+                       help="the target as this many tensor-parallel ranks (in process: threads, a GPU each on cuda)")
     bench.add_argument(
         "--dataset", help="spec-bench.jsonl (default ../shared/specbench/spec-bench.jsonl, or $SVIP_SPECBENCH)"
     )

@@ -83,7 +83,8 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
     expected = full([engine.generate(r).token_ids for r in requests(PolicyConfig(name="none"), 1)], max(sessions))
     together = emulation.co_located()
     header.update(emulate=emulation.spec, emulated=emulation.describe(), in_process=together.describe(),
-                  svip_threshold=threshold, policies=policies, sessions=sessions)
+                  svip_threshold=threshold, policies=policies, sessions=sessions,
+                  target_tp=emulation.target.count)  # the step model's N devices: N tensor-parallel ranks
     progress = Progress(len(sessions) * (1 + len(policies) * len(PLACEMENTS)))
     rows, violations = [], []
 
@@ -161,7 +162,10 @@ def report(doc: dict) -> str:
         for r in sorted(at, key=lambda r: -r["tokens_per_s"]):
             lines.append(f"| {n} | {r['placement']} | {r['policy']} | {r['tokens_per_s']:.1f} | "
                          f"{r['tokens_per_s'] / alone:.2f}x | {r['mean_request_s']:.3f} |")
-    lines += ["", "Advice:"]
+    ranks = h.get("target_tp", 1)
+    runs = (f" The target runs as {ranks} tensor-parallel ranks, a GPU each (svip generate / serve / bench "
+            f"--target-tp {ranks}; the chart's model.tensorParallel), as timed here.") if ranks > 1 else ""
+    lines += ["", "Advice:" + runs]
     for n, a in doc["advice"].items():
         how = "the target alone" if a["placement"] == "target alone" else \
             f"{a['placement']}{'' if a['placement'] == 'in process' else ' (distributed)'}, policy {a['policy']}"

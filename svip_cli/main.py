@@ -30,7 +30,7 @@ from svip_common.emulation import parse_emulation
 from svip_common.errors import InvalidRequest, SvipError
 from svip_common.grammar import Grammar
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
-from svip_common.pair_config import PairConfig
+from svip_common.pair_config import PairConfig, check_tp_degree
 from svip_common.randomness import choices
 from svip_common.step_cost import IDLE_PREFILL_MODES, LOAD_AWARE_MODES
 from svip_common.trees import TREES
@@ -114,6 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=1,
         help="distributed with --device cuda: GPUs the target spans (1); the draft takes one",
     )
+    models.add_argument("--target-tp", type=int, default=1,
+                        help="the target as this many tensor-parallel ranks, a GPU each (a CPU thread or Ray actor "
+                             "without GPUs), each holding 1/N of every layer and of the KV cache (1)")
     models.add_argument(
         "--emulate",
         metavar="SPEC",
@@ -345,6 +348,8 @@ def _add_serve_parser(sub) -> None:
     srv.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16, auto")
     srv.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="cuda: each worker takes GPUs")
     srv.add_argument("--target-gpus", type=int, default=1, help="cuda: GPUs the target spans (1)")
+    srv.add_argument("--target-tp", type=int, default=1,
+                     help="the target as this many tensor-parallel ranks, a Ray actor and a GPU each (1)")
     srv.add_argument("--pipeline", choices=["sync", "async"], default="async")
     srv.add_argument("--emulate", metavar="SPEC", help="device timing on this machine: each worker's forwards last "
                      "its model's step on the devices SPEC names, e.g. target=llama-3.1-70b@4xh100,"
@@ -643,6 +648,24 @@ def _request_template(args: argparse.Namespace) -> GenerationRequest:
     return request
 
 
+def _load_target(path: str, dtype: str, device: str, tp: int):
+    """The in-process target: the whole model, or (tp > 1) rank 0 of a tensor-parallel group whose
+    other ranks are threads of this process (svip_common/tensor_parallel.py LocalRanks)."""
+    from svip_common.models import DTYPES, load_model
+
+    if tp == 1:
+        return load_model(path, dtype, device)
+    from transformers import AutoConfig
+
+    from svip_common.tensor_parallel import LocalRanks, check_degree
+
+    check_degree(AutoConfig.from_pretrained(path).get_text_config(decoder=True), tp)  # before any rank starts
+    ranks = LocalRanks(path, tp, DTYPES.get(dtype, DTYPES["float32"]), device)
+    target = load_model(path, dtype, device, group=ranks.group)
+    target.ranks = ranks  # the threads live as long as the model
+    return target
+
+
 def _load_engine(args: argparse.Namespace):
     target_path, draft_path = args.target, args.draft
     spec = getattr(args, "emulate", None)
@@ -680,6 +703,7 @@ def _load_engine(args: argparse.Namespace):
         config = PairConfig(
             target=target_path, draft=draft_path, dtype=args.dtype, device=args.device,
             target_gpus=args.target_gpus if gpus else 0, draft_gpus=1 if gpus else 0, layout=args.placement,
+            target_tp=args.target_tp,
             grpc_tls_dir=args.grpc_tls_dir, kv_cache_tokens=args.kv_cache_tokens,
             max_batched_tokens=args.max_batched_tokens, load_aware=getattr(args, "load_aware", "off"),
             insecure_workers=bool(getattr(args, "insecure_workers", False)), auto=_auto_settings(args),
@@ -687,8 +711,16 @@ def _load_engine(args: argparse.Namespace):
             draft_parallel=DRAFT_PARALLEL if getattr(args, "draft_parallel", None) is None else args.draft_parallel,
         ).checked()
         return LocalDistributed(config, args.pipeline or "async", args.ray_address)
-    target = load_model(target_path, args.dtype, args.device)
-    if head is not None:
+    tp = check_tp_degree(getattr(args, "target_tp", 1), "--target-tp")
+    if emulation is not None and tp > 1 and emulation.target.count != tp:
+        raise InvalidRequest(f"--target-tp {tp}, but --emulate times the target on {emulation.target.count} "
+                             "device(s): name as many (target=MODEL@NxDEVICE)")
+    target = _load_target(target_path, args.dtype, args.device, tp)
+    if head is not None and tp > 1:  # a shard holds part of the target's embedding: the head reads its own copy
+        from draft_worker.feature_draft import load_head_beside
+
+        draft = load_head_beside(head, target_path, args.dtype, args.device)
+    elif head is not None:
         from draft_worker.feature_draft import load_feature_draft
 
         draft = load_feature_draft(head, target)

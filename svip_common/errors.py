@@ -23,7 +23,13 @@ class Overloaded(SvipError):
     refused (gRPC RESOURCE_EXHAUSTED), every other goes on."""
 
 
-_DEVICE_FAILURES = ("CUDA error", "AcceleratorError", "device-side assert", "CUBLAS_STATUS", "cuDNN error")
+# (a tensor-parallel rank lost mid-step leaves the group's ranks apart: the whole group starts again)
+_DEVICE_FAILURES = ("CUDA error", "AcceleratorError", "device-side assert", "CUBLAS_STATUS", "cuDNN error",
+                    "RankLost")
+
+
+class RankLost(SvipError):
+    """A tensor-parallel rank stopped answering its group (svip_common/tensor_parallel.py)."""
 
 
 def exit_on_device_failure(exc: BaseException) -> None:

@@ -53,7 +53,7 @@ import torch
 from transformers import AttentionInterface, PreTrainedModel
 
 from svip_common.attention import grouped_sdpa
-from svip_common.errors import ModelLoadError, SvipError
+from svip_common.errors import InvalidRequest, ModelLoadError, SvipError
 from svip_common.kv_sizes import PAGE_SIZE
 from svip_common.pool_decoder import PoolDecoder
 from svip_common.test_hooks import forward_delay
@@ -92,6 +92,17 @@ class KVPool:
         self.forwards = 0  # forwards run
         self.decoder = PoolDecoder.of(model) if flat else None
         self.timing = None  # device timing on this machine (svip_common/device_timing.py): None, as the model runs
+        # a tensor-parallel rank's shard (svip_common/tensor_parallel.py): rank 0 plans every step and
+        # sends it with what changed in its pages since (``_sent``); the other ranks follow (``follow``)
+        self.shard = getattr(model, "svip_tp", None)
+        if self.shard is not None and self.decoder is None:
+            raise ModelLoadError(f"{config.model_type}: tensor parallel runs the flat decoder's layouts only "
+                                 "(svip_common/pool_decoder.py)")
+        self._changes: list[tuple] = []  # rank 0: page copies and slot moves since the last step
+        self._followed_as: int | None = None  # rank 0: the id the other ranks know this pool by
+        if self._leads:  # the other ranks make a pool of this one's pages (its heads alone)
+            self._followed_as = self.shard.group.new_pool_id()
+            self.shard.group.send(("pool", self._followed_as, self.pages * page_size, page_size))
 
     @property
     def tokens(self) -> int:
@@ -147,9 +158,45 @@ class KVPool:
     def _copy_page(self, source: int, dest: int) -> None:
         """Every layer's keys and values of one page into another."""
         ps = self.page_size
+        self._changed(("copy", source, dest))
         for keys, values in zip(self.keys, self.values):
             keys[dest * ps : (dest + 1) * ps] = keys[source * ps : (source + 1) * ps]
             values[dest * ps : (dest + 1) * ps] = values[source * ps : (source + 1) * ps]
+
+    def _move_slots(self, source: torch.Tensor, dest: torch.Tensor) -> None:
+        """Every layer's keys and values at the source slots into the dest slots."""
+        self._changed(("move", source.tolist(), dest.tolist()))
+        for keys, values in zip(self.keys, self.values):
+            keys.index_copy_(0, dest.to(keys.device), keys.index_select(0, source.to(keys.device)))
+            values.index_copy_(0, dest.to(values.device), values.index_select(0, source.to(values.device)))
+
+    @property
+    def _leads(self) -> bool:
+        """A tensor-parallel rank 0 of several: what changes its pages goes to the other ranks."""
+        return self.shard is not None and self.shard.group.world > 1 and self.shard.group.first
+
+    def _changed(self, change: tuple) -> None:
+        if self._leads:
+            self._changes.append(change)
+
+    def _follow(self, changes: list[tuple], steps: list[tuple], ids, positions, keep, layers) -> None:
+        """A following rank: the step rank 0 sent (``_forward_features``), after what it changed in
+        its pages since its last step."""
+        for kind, source, dest in changes:
+            if kind == "copy":
+                self._copy_page(source, dest)
+            else:
+                self._move_slots(torch.tensor(source), torch.tensor(dest))
+        followed = [(_Followed(held, slots, run), n, *tree) for held, slots, run, n, tree in steps]
+        meta = _Ragged.plan(self, followed, inputs=(ids, positions, keep))
+        self.decoder.run(*meta.inputs, meta, tuple(layers))
+
+    def close(self) -> None:
+        """A tensor-parallel rank 0: the other ranks let their pool of this one go (a pool made for a
+        one-off pass, calibration's); a pool of one model, nothing."""
+        if self._leads and self._followed_as is not None:
+            self.shard.group.send(("drop", self._followed_as))
+            self._followed_as = None
 
     def timed_forward(self, steps: Sequence[tuple[PagedSequence, Sequence[int], int]], layers: Sequence[int] = ()
                       ) -> tuple[list[torch.Tensor], list[torch.Tensor], float]:
@@ -204,6 +251,14 @@ class KVPool:
         self.forwards += 1
         meta = _Ragged.plan(self, [(step[0], len(step[1]), *step[3:]) for step in steps],
                             inputs=(ids, positions, keep))
+        if self._leads:  # the other ranks run the same step on their shards
+            if self._followed_as is None:
+                raise InvalidRequest("this tensor-parallel KV pool was closed")
+            planned = [(len(seq), seq._slots_upto(len(seq) + len(new)).tolist(), seq._run, len(new), tuple(tree))
+                       for seq, new, _, *tree in steps]
+            self.shard.group.send(("step", self._followed_as, self._changes, planned, ids, positions, keep,
+                                   tuple(layers)))
+            self._changes = []
         ids_, positions_, keep_ = meta.inputs
         if self.decoder is not None:
             logits, hidden = self.decoder.run(ids_, positions_, keep_, meta, tuple(layers))
@@ -311,9 +366,7 @@ class PagedSequence:
         slots = self._slots_upto(len(self.tokens))
         src = slots[torch.tensor([base + node for node in branch])]
         dst = slots[place : place + len(branch)]  # before every source: a node off the spine lies past it
-        for keys, values in zip(self.pool.keys, self.pool.values):
-            keys.index_copy_(0, dst.to(keys.device), keys.index_select(0, src.to(keys.device)))
-            values.index_copy_(0, dst.to(values.device), values.index_select(0, src.to(values.device)))
+        self.pool._move_slots(src, dst)
         self.tokens[place : place + len(branch)] = [self.tokens[base + node] for node in branch]
         self.rollback(place + len(branch))
 
@@ -357,6 +410,35 @@ class PagedSequence:
             offsets = torch.arange(self.pool.page_size)
             self._slots = (pages[:, None] * self.pool.page_size + offsets).reshape(-1)
             self._run = self.pages[0] * self.pool.page_size if self.pages and self.one_run else None
+        return self._slots[:length]
+
+
+def follow(model) -> None:
+    """A tensor-parallel rank past 0 (svip_common/tensor_parallel.py), to the end: the pool rank 0
+    makes, made alike on this rank's shard (its heads alone); every step rank 0 runs, run here on
+    it (the collectives inside keep the ranks in lockstep); until rank 0 sends ("stop",)."""
+    group, pools = model.svip_tp.group, {}
+    while (message := group.receive())[0] != "stop":
+        kind, pool_id, *rest = message
+        if kind == "pool":
+            pools[pool_id] = KVPool(model, *rest)
+        elif kind == "drop":
+            del pools[pool_id]
+        else:
+            pools[pool_id]._follow(*rest)
+
+
+class _Followed:
+    """A sequence as a following rank sees it: what rank 0 held before a step, its slots through
+    the step, and whether they are one run (what ``_Ragged.plan`` reads of a PagedSequence)."""
+
+    def __init__(self, held: int, slots: list[int], run: int | None):
+        self._held, self._slots, self._run = held, torch.tensor(slots, dtype=torch.long), run
+
+    def __len__(self) -> int:
+        return self._held
+
+    def _slots_upto(self, length: int) -> torch.Tensor:
         return self._slots[:length]
 
 
@@ -753,6 +835,23 @@ class KVCache:
 
     def __init__(self, model: PreTrainedModel, tokens: int = 4096):
         self.sequence = KVPool(model, tokens).sequence()
+
+    def close(self) -> None:
+        """Its pool let go (a tensor-parallel model's other ranks drop theirs)."""
+        self.sequence.pool.close()
+
+    def __enter__(self) -> KVCache:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def forward_features(self, token_ids: Sequence[int], layers: Sequence[int], logits_to_keep: int = 1
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+        """forward, and the hidden states at ``layers`` of every new token [n, len(layers) x hidden]."""
+        rows, features = self.sequence.pool.forward_features([(self.sequence, list(token_ids), logits_to_keep)],
+                                                             layers)
+        return rows[0], features[0]
 
     def __len__(self) -> int:
         return len(self.sequence)

@@ -42,9 +42,12 @@ class LoadedModel:
     token_limit: int = 0  # ids below it are real tokens the model embeds (padding columns excluded)
 
 
-def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: bool = False) -> LoadedModel:
+def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: bool = False,
+               group=None) -> LoadedModel:
     """Load model and tokenizer from a local directory (or a hub id where a hub is reachable).
-    spread: place the layers evenly across every visible GPU (a target too large for one)."""
+    spread: place the layers evenly across every visible GPU (a target too large for one); group:
+    a tensor-parallel group (svip_common/tensor_parallel.py) whose rank 0 this is: its shard alone
+    is loaded (a local directory of safetensors files), the logits still the whole vocabulary's."""
     from transformers import AutoModelForCausalLM
 
     _check_local_path(path)
@@ -53,8 +56,17 @@ def load_model(path: str, dtype: str = "float32", device: str = "cpu", spread: b
     repo, revision = split_revision(path)  # owner/name@revision: pinned
     try:
         tokenizer = AutoTokenizer.from_pretrained(repo, revision=revision)
+        if group is not None:
+            from svip_common.tensor_parallel import load_shard
+
+            model, config = load_shard(path, group, DTYPES[dtype], device)
+            return LoadedModel(path, model, tokenizer, config.vocab_size,
+                               getattr(config, "max_position_embeddings", None), _eos_ids(model, tokenizer),
+                               token_limit=min(len(tokenizer), config.vocab_size))
         placement = {"device_map": "balanced"} if spread else {}
         model = AutoModelForCausalLM.from_pretrained(repo, revision=revision, dtype=DTYPES[dtype], **placement)
+    except InvalidRequest:  # what the caller asked of the model (a degree its heads do not divide)
+        raise
     except (OSError, ValueError, KeyError) as exc:
         raise ModelLoadError(f"cannot load model from {path!r}: {_first_line(exc)}") from None
     try:

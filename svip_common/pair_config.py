@@ -19,6 +19,15 @@ from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.step_cost import check_idle_prefill, check_load_aware
 
 LAYOUTS = ("pack", "spread")
+MAX_TP_DEGREE = 8  # a tensor-parallel target's ranks at most: one node's GPUs (svip_common/tensor_parallel.py)
+
+
+def check_tp_degree(degree, flag: str = "tensor parallel degree") -> int:
+    """A tensor-parallel degree within its bounds (whether the model's heads divide by it is
+    checked at load, tensor_parallel.check_degree)."""
+    if isinstance(degree, bool) or not isinstance(degree, int) or not 1 <= degree <= MAX_TP_DEGREE:
+        raise InvalidRequest(f"{flag} must be an integer in [1, {MAX_TP_DEGREE}], got {degree!r}")
+    return degree
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,7 @@ class PairConfig:
     dtype: str = "float32"  # the models' weights: float32, bfloat16, float16, auto
     device: str = "cpu"  # "cpu", or "cuda": each worker takes GPUs
     target_gpus: int = 0  # GPUs the target spans (one node); 0 on the CPU
+    target_tp: int = 1  # the target's tensor-parallel ranks: a Ray actor and a GPU each (a CPU core without)
     draft_gpus: int = 0  # GPUs the draft takes; 0 on the CPU
     worker_cpus: float = 1.0  # logical CPUs each worker reserves
     layout: str | None = None  # "pack" / "spread": a placement group of the pair's own; None: the caller's
@@ -87,6 +97,9 @@ class PairConfig:
         for name in ("start_timeout_s", "placement_timeout_s"):
             if not getattr(self, name) > 0:
                 raise InvalidRequest(f"{name} must be > 0, got {getattr(self, name)}")
+        check_tp_degree(self.target_tp, "target_tp")
+        if self.target_tp > 1 and self.target_gpus > 1:
+            raise InvalidRequest("a tensor-parallel target takes one GPU a rank: give target_tp, not target_gpus")
         check_load_aware(self.load_aware)
         check_idle_prefill(self.idle_prefill)
         check_draft_parallel(self.draft_parallel)

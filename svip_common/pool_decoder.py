@@ -22,6 +22,10 @@ pool was built needs a new pool (as its keys and values do).
 Only the layouts this file knows run here (``PoolDecoder.of``: Llama, Mistral, Qwen2 and Qwen3
 decoder layers: RMSNorm, a gate/up/down MLP, Qwen3's per-head q/k norms, no sliding window); anything else, or a
 model spread over several devices, goes through transformers' modules and the pool's hooks.
+
+A tensor-parallel shard (svip_common/tensor_parallel.py: ``model.svip_tp``) runs here alone: its
+embedding and logits through its shard's vocabulary rows, and the o and down projections' partial
+products summed over the ranks (an all-reduce each) before their biases and the residual.
 Imports: torch only (the pool's plan is passed in; svip_common.kv_cache imports this module).
 """
 
@@ -74,6 +78,8 @@ class PoolDecoder:
         self.head_bias = getattr(model.lm_head, "bias", None)
         self.layers = [_layer(layer) for layer in base.layers[: model.config.num_hidden_layers]]
         self.head_dim = base.layers[0].self_attn.head_dim
+        self.shard = getattr(model, "svip_tp", None)  # a tensor-parallel rank's place (None: the whole model)
+        self._reduce = _identity if self.shard is None else self.shard.group.all_reduce
 
     @staticmethod
     def of(model) -> PoolDecoder | None:
@@ -97,18 +103,20 @@ class PoolDecoder:
         transformers' ``hidden_states`` (0 the embeddings, i the output of layer i, the last one
         after the final norm), each [tokens, hidden]."""
         tokens = ids.shape[0]
-        hidden = torch.nn.functional.embedding(ids, self.embed)
+        shard = self.shard
+        hidden = torch.nn.functional.embedding(ids, self.embed) if shard is None else shard.embed(ids, self.embed)
         kept = {0: hidden} if 0 in layers else {}
         cos, sin = self.rotary(hidden, positions[None])  # [1, tokens, head_dim]
         cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)  # over [1, tokens, heads, head_dim]
         for index, layer in enumerate(self.layers):
-            hidden = _block(layer, index, hidden, tokens, self.head_dim, cos, sin, plan)
+            hidden = _block(layer, index, hidden, tokens, self.head_dim, cos, sin, plan, self._reduce)
             if index + 1 in layers and index + 1 < len(self.layers):
                 kept[index + 1] = hidden
         hidden = _rms_norm(hidden, self.norm, self.norm_eps)
         if len(self.layers) in layers:
             kept[len(self.layers)] = hidden
-        return _linear(hidden[keep], self.head, self.head_bias), kept
+        logits = _linear(hidden[keep], self.head, self.head_bias)
+        return (logits if shard is None else shard.logits(logits)), kept
 
 
 def _known(layer) -> bool:
@@ -199,8 +207,9 @@ def _norm(module) -> tuple[torch.Tensor, float] | None:
 
 
 def _block(layer: _Layer, index: int, hidden: torch.Tensor, tokens: int, head_dim: int,
-           cos: torch.Tensor, sin: torch.Tensor, plan) -> torch.Tensor:
-    """One decoder layer over [tokens, hidden]: attention through the pool's plan, then the MLP."""
+           cos: torch.Tensor, sin: torch.Tensor, plan, reduce=None) -> torch.Tensor:
+    """One decoder layer over [tokens, hidden]: attention through the pool's plan, then the MLP;
+    reduce: the sum over a tensor-parallel group of a row-parallel projection's partial product."""
     x = _rms_norm(hidden, layer.norm_in, layer.eps_in)
     qkv = _linear(x, layer.qkv, layer.qkv_bias)  # [tokens, q + k + v]
     q_width, k_width, _ = layer.split
@@ -215,10 +224,24 @@ def _block(layer: _Layer, index: int, hidden: torch.Tensor, tokens: int, head_di
     v = qkv[:, q_width + k_width :].view(1, tokens, -1, head_dim).transpose(1, 2)
     plan.write(index, k, v)
     attended = plan.attend(index, q, layer.scaling)  # [1, tokens, heads, head_dim]
-    hidden = hidden + _linear(attended.view(tokens, -1), layer.o, layer.o_bias)
+    reduce = reduce or _identity
+    hidden = hidden + _row_parallel(attended.view(tokens, -1), layer.o, layer.o_bias, reduce)
     x = _rms_norm(hidden, layer.norm_mid, layer.eps_mid)
     gate, up = _linear(x, layer.gate_up, layer.gate_up_bias).chunk(2, dim=-1)
-    return hidden + _linear(layer.act(gate) * up, layer.down, layer.down_bias)
+    return hidden + _row_parallel(layer.act(gate) * up, layer.down, layer.down_bias, reduce)
+
+
+def _row_parallel(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None, reduce) -> torch.Tensor:
+    """A projection whose input columns a tensor-parallel rank holds a share of: its partial
+    product summed over the ranks, then the bias (once); the whole model's ``_linear`` otherwise."""
+    if reduce is _identity:
+        return _linear(x, weight_t, bias)
+    out = reduce(torch.mm(x, weight_t))
+    return out if bias is None else out + bias
+
+
+def _identity(x):
+    return x
 
 
 def _linear(x: torch.Tensor, weight_t: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

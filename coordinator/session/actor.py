@@ -25,6 +25,26 @@ class TargetActor(ModelActor):
         self.config = config
         self.feature_layers = tuple(feature_layers)
         self.auto = estimate_from(auto_prior, config.auto.check())
+        self.ranks: list = []  # a tensor-parallel target's ranks past 0 (its own actors: svip_runtime/ranks.py)
+
+    def load(self) -> None:
+        """The weights: the whole target, or rank 0's shard of a tensor-parallel one, whose other
+        ranks start here (this actor's own: they end with it) and join its group."""
+        if self.model is not None or self.config.target_tp == 1:
+            return super().load()
+        import ray
+
+        from svip_common.models import load_model
+        from svip_common.tensor_parallel import connect, free_port
+        from svip_runtime.ranks import start_ranks
+
+        config, gpus = self.config, self.config.device.startswith("cuda")
+        host = self.host or ray.util.get_node_ip_address()
+        port = free_port(host)
+        self.ranks = start_ranks(config.target, config.dtype, config.device, config.target_tp, host, port, gpus,
+                                 config.worker_cpus)
+        group = connect(0, config.target_tp, host, port, "cuda" if gpus else "cpu")
+        self.model = load_model(config.target, config.dtype, "cuda" if gpus else config.device, group=group)
 
     def make_service(self, draft_address: str | None = None, draft=None):
         """draft_address: the draft worker's; draft: its Ray actor (asked for the address, and

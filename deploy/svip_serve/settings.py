@@ -14,7 +14,7 @@ from svip_common.contracts import DRAFT_LENGTH_CAP, DRAFT_PARALLEL, POLICY_NAMES
 from svip_common.errors import InvalidRequest
 from svip_common.hub import split_revision
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
-from svip_common.pair_config import PairConfig, Recovery, worker_emulation
+from svip_common.pair_config import PairConfig, Recovery, check_tp_degree, worker_emulation
 from svip_common.step_cost import check_idle_prefill, check_load_aware
 from svip_serve.auth import split_name
 from svip_serve.tools import TOOL_CALL_PARSERS
@@ -34,6 +34,7 @@ class ServeSettings:
     dtype: str = "float32"
     device: str = "cpu"  # "cpu", or "cuda": the workers take GPUs from the replica's placement group
     target_gpus: int = 1  # cuda: GPUs the target spans (one node)
+    target_tp: int = 1  # the target's tensor-parallel ranks: a GPU each (svip_common/tensor_parallel.py)
     draft_gpus: int = 1
     worker_cpus: float = 1.0  # logical CPUs each worker reserves
     pipeline: str = "async"
@@ -124,6 +125,7 @@ class ServeSettings:
         check_load_aware(self.load_aware)
         check_idle_prefill(self.idle_prefill)
         check_draft_parallel(self.draft_parallel)
+        check_tp_degree(self.target_tp, "target_tp")
         if self.tool_call_parser not in TOOL_CALL_PARSERS:
             raise InvalidRequest(f"tool_call_parser must be one of {', '.join(TOOL_CALL_PARSERS)}, "
                                  f"got {self.tool_call_parser!r}")
@@ -176,7 +178,8 @@ class ServeSettings:
                             draft_recover_s=float(self.worker_start_timeout_s))  # one ask may take as long as a start
         return PairConfig(
             target=target, draft=draft, dtype=self.dtype, device=self.device,
-            target_gpus=self.target_gpus if self.gpus else 0, draft_gpus=self.draft_gpus if self.gpus else 0,
+            target_gpus=(self.target_gpus if self.target_tp == 1 else 1) if self.gpus else 0,
+            draft_gpus=self.draft_gpus if self.gpus else 0, target_tp=self.target_tp,
             worker_cpus=self.worker_cpus, packed=True, grpc_tls_dir=self.grpc_tls_dir,
             kv_cache_tokens=self.kv_cache_tokens, max_batched_tokens=self.max_batched_tokens,
             max_draft_length=self.draft_length_cap, load_aware=self.load_aware, idle_prefill=self.idle_prefill,
@@ -236,9 +239,10 @@ class ServeSettings:
     def bundles(self) -> list[dict[str, float]]:
         """The replica's placement group: the replica itself, then the target, then the draft,
         packed onto one node (the workers listen on that node's loopback)."""
-        target, draft = {"CPU": self.worker_cpus}, {"CPU": self.worker_cpus}
+        target, draft = {"CPU": self.worker_cpus * self.target_tp}, {"CPU": self.worker_cpus}  # every rank's
         if self.gpus:
-            target["GPU"], draft["GPU"] = float(self.target_gpus), float(self.draft_gpus)
+            target_gpus = self.target_gpus if self.target_tp == 1 else self.target_tp  # a GPU each rank
+            target["GPU"], draft["GPU"] = float(target_gpus), float(self.draft_gpus)
         bundles = [{"CPU": REPLICA_CPUS}, target]
         return bundles + [draft] if self.draft != "none" else bundles
 

@@ -26,6 +26,7 @@ REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "svip"
 EXAMPLE = REPO / "deploy" / "helm" / "examples" / "qwen2.5-7b-with-0.5b-draft.yaml"
 EAGLE_EXAMPLE = REPO / "deploy" / "helm" / "examples" / "llama3.1-8b-with-eagle3-head.yaml"
+TP_EXAMPLE = REPO / "deploy" / "helm" / "examples" / "llama3.1-70b-tp4-with-8b-draft.yaml"
 SCHEMA_IN_SHARED = Path("shared") / "kuberay" / "rayservice-v1.schema.json"  # ../shared beside the checkout
 KUBE_VERSION = "1.30"
 
@@ -83,6 +84,7 @@ VARIANTS = {
         "tests": {"image": "registry.example.com/python:3.12-slim"},
     },
     "eagle-head": yaml.safe_load(EAGLE_EXAMPLE.read_text()),
+    "70b-tensor-parallel": yaml.safe_load(TP_EXAMPLE.read_text()),
     "target-alone-autoscaling": {
         "model": {"draft": "none"},
         "workers": {"minReplicas": 1, "maxReplicas": 3, "gpusPerWorker": 1},
@@ -138,8 +140,9 @@ def rayservice_schema() -> dict:
 
 
 @pytest.mark.parametrize(
-    "values", [None, VARIANTS["example"], VARIANTS["eagle-head"], VARIANTS["every-option"]],
-    ids=["defaults", "example", "eagle-example", "every-option"],
+    "values", [None, VARIANTS["example"], VARIANTS["eagle-head"], VARIANTS["every-option"],
+               VARIANTS["70b-tensor-parallel"]],
+    ids=["defaults", "example", "eagle-example", "every-option", "70b-tensor-parallel"],
 )
 def test_lint_is_clean(values):
     report = helm.lint(CHART, merged(REQUIRED, values), strict=True)
@@ -234,6 +237,23 @@ def test_a_feature_head_by_hub_id_reaches_the_app_as_draft_kind_eagle():
     settings = ServeSettings.from_args(args)
     assert [b.get("GPU") for b in settings.bundles()[1:]] == [1.0, 1.0]  # target, head
     assert app_args(None)["draft_kind"] == "model"
+
+
+def test_a_70b_target_as_four_tensor_parallel_ranks_reaches_the_app():
+    """model.tensorParallel 4: the app's target_tp, a pipeline's bundle holding the four ranks'
+    GPUs (and CPUs) beside the draft's, packed in one worker pod; a pod too small, or GPUs a rank
+    given twice over (targetGpus too), are refused at render, naming the values."""
+    service = by_kind(render(VARIANTS["70b-tensor-parallel"]), "RayService")[0]
+    args = yaml.safe_load(service["spec"]["serveConfigV2"])["applications"][0]["args"]
+    settings = ServeSettings.from_args(args)
+    assert args["target_tp"] == 4 and settings.pair_config().target_tp == 4
+    target, draft = settings.bundles()[1:]
+    assert (target["GPU"], draft["GPU"], target["CPU"]) == (4.0, 1.0, 4 * args["worker_cpus"])
+    small = merged(VARIANTS["70b-tensor-parallel"], {"workers": {"gpusPerWorker": 4}})
+    with pytest.raises(Exception, match="cannot hold one pipeline: the target's 4 GPUs"):
+        render(small)
+    with pytest.raises(Exception, match="takes one GPU a rank"):
+        render(merged(VARIANTS["70b-tensor-parallel"], {"model": {"targetGpus": 2}}))
 
 
 def test_service_is_cluster_ip_by_default_and_ingress_is_optional():
@@ -751,6 +771,7 @@ CHART_TO_PAIR = [
     ({"model": {"dtype": "float16"}}, "dtype", "float16"),
     ({"model": {"targetGpus": 4}, "workers": {"gpusPerWorker": 8}}, "target_gpus", 4),
     ({"model": {"draftGpus": 2}, "workers": {"gpusPerWorker": 8}}, "draft_gpus", 2),
+    ({"model": {"tensorParallel": 2}, "workers": {"gpusPerWorker": 8}}, "target_tp", 2),
     ({"serve": {"workerCpus": 3}}, "worker_cpus", 3),
     ({"grpcTls": {"secretName": "tls"}}, "grpc_tls_dir", "/etc/svip/grpc-tls"),
     ({"serve": {"kvCacheTokens": 8192}}, "kv_cache_tokens", 8192),

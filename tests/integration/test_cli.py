@@ -408,3 +408,23 @@ def test_serve_refuses_an_open_api_on_a_network_address(capsys, monkeypatch):
     code, _, err = run_cli(capsys, "serve", "--host", "0.0.0.0")
     assert code == 2 and "--host 0.0.0.0 faces the network and no API key is set" in err
     assert "--allow-open" in err
+
+
+def test_a_tensor_parallel_target_from_the_command_line(capsys, model_dirs):
+    """--target-tp 2 in process: rank 1 a thread of the CLI's process; the target alone's greedy
+    output at degree 2 is speculation's; a degree the model does not divide, or past the bound, or one
+    the emulated devices do not match, is a one-line error before any model loads."""
+    outputs = []
+    for draft in (model_dirs.close_draft, "none"):
+        code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", *pair_args(model_dirs, draft),
+                                 "--target-tp", "2", "--policy", "svip", "--max-new-tokens", "24", "--json")
+        assert code == 0, err
+        outputs.append(json.loads(out)["token_ids"])
+    assert outputs[0] == outputs[1]
+    for degree, words in (("3", "does not divide the model's 4 attention heads"),
+                          ("9", "--target-tp must be an integer in [1, 8]")):
+        code, _, err = run_cli(capsys, "generate", "def", *pair_args(model_dirs), "--target-tp", degree)
+        assert code == 2 and words in err and err.count("\n") == 1, err
+    code, _, err = run_cli(capsys, "generate", "def", *pair_args(model_dirs), "--target-tp", "2", "--emulate",
+                           "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100")
+    assert code == 2 and "--target-tp 2, but --emulate times the target on 4 device(s)" in err

@@ -60,6 +60,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "dtype" $v.model.dtype
   "device" "cuda"
   "target_gpus" (int $v.model.targetGpus)
+  "target_tp" (int $v.model.tensorParallel)
   "draft_gpus" (int $v.model.draftGpus)
   "worker_cpus" $v.serve.workerCpus
   "worker_start_timeout_s" $v.serve.workerStartTimeoutS
@@ -223,9 +224,13 @@ prometheus.io/port: {{ .Values.metrics.port | quote }}
 {{- if and (eq .Values.model.draftKind "eagle") (eq .Values.model.draft "none") -}}
 {{- fail "model.draftKind eagle needs model.draft: a feature head's hub id or path (or draftKind model with draft none for the target alone)" -}}
 {{- end -}}
-{{- $perPipeline := add (int .Values.model.targetGpus) (ternary 0 (int .Values.model.draftGpus) (eq .Values.model.draft "none")) -}}
+{{- if and (gt (int .Values.model.tensorParallel) 1) (gt (int .Values.model.targetGpus) 1) -}}
+{{- fail "model.tensorParallel takes one GPU a rank: leave model.targetGpus at 1" -}}
+{{- end -}}
+{{- $targetGpus := ternary (int .Values.model.tensorParallel) (int .Values.model.targetGpus) (gt (int .Values.model.tensorParallel) 1) -}}
+{{- $perPipeline := add $targetGpus (ternary 0 (int .Values.model.draftGpus) (eq .Values.model.draft "none")) -}}
 {{- if lt (int .Values.workers.gpusPerWorker) (int $perPipeline) -}}
-{{- fail (printf "workers.gpusPerWorker (%d) cannot hold one pipeline: model.targetGpus + model.draftGpus = %d GPUs, packed on one node" (int .Values.workers.gpusPerWorker) (int $perPipeline)) -}}
+{{- fail (printf "workers.gpusPerWorker (%d) cannot hold one pipeline: the target's %d GPUs (model.targetGpus, or a GPU each of model.tensorParallel ranks) + model.draftGpus = %d GPUs, packed on one node" (int .Values.workers.gpusPerWorker) $targetGpus (int $perPipeline)) -}}
 {{- end -}}
 {{- $pipelines := ternary (int .Values.serve.autoscaling.maxReplicas) (int .Values.serve.replicas) .Values.serve.autoscaling.enabled -}}
 {{- $capacity := mul (int .Values.workers.maxReplicas) (div (int .Values.workers.gpusPerWorker) (int $perPipeline)) -}}
