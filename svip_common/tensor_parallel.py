@@ -33,7 +33,10 @@ from svip_common.errors import InvalidRequest, ModelLoadError, RankLost
 from svip_common.pair_config import check_tp_degree
 
 SHARD_FILES = ("config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json")
-GROUP_TIMEOUT_S = 120.0  # a collective that waits this long for a rank fails: the rank is lost
+GROUP_TIMEOUT_S = 120.0  # rank 0: a collective that waits this long for a rank fails: the rank is lost
+# the other ranks wait on rank 0's next step for as long as it idles (a gone rank 0 closes its
+# connections, which fails them at once; they are its actors and end with it besides)
+FOLLOWER_TIMEOUT_S = 30 * 24 * 3600.0
 
 
 class TPGroup:
@@ -113,17 +116,33 @@ def connect(rank: int, world: int, host: str, port: int, device: str = "cpu",
 
     if world == 1:
         return TPGroup(0, 1, None, device)
-    timeout = datetime.timedelta(seconds=timeout_s)
-    store = TCPStore(host, port, world, rank == 0, timeout=timeout)
+    timeout = datetime.timedelta(seconds=timeout_s if rank == 0 else FOLLOWER_TIMEOUT_S)
+    listener = None
+    if rank == 0:  # the rendezvous listens on host alone (TCPStore's own server listens on every address)
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind((host, port))
+        listener.listen()
+    store = TCPStore(host, port, world, rank == 0, timeout=datetime.timedelta(seconds=timeout_s),
+                     master_listen_fd=None if listener is None else listener.fileno())
     if torch.device(device).type == "cuda":
         from torch.distributed import ProcessGroupNCCL
 
-        backend = ProcessGroupNCCL(store, rank, world)
+        options = ProcessGroupNCCL.Options()
+        options._timeout = timeout  # the watchdog's: a following rank idles as long as rank 0 does
+        backend = ProcessGroupNCCL(store, rank, world, options)
     else:
         from torch.distributed import ProcessGroupGloo
 
-        backend = ProcessGroupGloo(store, rank, world, timeout)
-    return TPGroup(rank, world, backend, device)
+        options = ProcessGroupGloo._Options()
+        options._timeout = timeout
+        # gloo's pairs listen on the rendezvous host's address (127.0.0.1 where the ranks are local),
+        # not on whatever the machine's name resolves to (DESIGN.md, Placement)
+        options._devices = [ProcessGroupGloo.create_device(hostname=host)]
+        backend = ProcessGroupGloo(store, rank, world, options)
+    group = TPGroup(rank, world, backend, device)
+    group._listener = listener  # its descriptor is the store's: kept open as long as the group
+    return group
 
 
 @dataclass(frozen=True)
@@ -291,6 +310,17 @@ class LocalRanks:
         for thread in self.threads:
             thread.start()
         self.group = connect(0, world, "127.0.0.1", port, _rank_device(device, 0))
+        import atexit
+
+        atexit.register(self.close)  # at the latest when the process exits
+
+    def close(self) -> None:
+        """The other ranks stop following and their threads end (before the process exits: a thread
+        left inside a collective aborts the interpreter's exit); once."""
+        if any(thread.is_alive() for thread in self.threads) and not self.errors:
+            self.group.stop()
+        for thread in self.threads:
+            thread.join(GROUP_TIMEOUT_S)
 
     def _follow(self, *args) -> None:
         try:

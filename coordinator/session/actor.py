@@ -46,6 +46,12 @@ class TargetActor(ModelActor):
         group = connect(0, config.target_tp, host, port, "cuda" if gpus else "cpu")
         self.model = load_model(config.target, config.dtype, "cuda" if gpus else config.device, group=group)
 
+    def rank_pids(self) -> list[int]:
+        """The processes of its tensor-parallel ranks past 0 (what a fault drill signals)."""
+        import ray
+
+        return ray.get([rank.pid.remote() for rank in self.ranks], timeout=60)
+
     def make_service(self, draft_address: str | None = None, draft=None):
         """draft_address: the draft worker's; draft: its Ray actor (asked for the address, and
         for a replacement's after a loss)."""

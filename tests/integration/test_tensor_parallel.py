@@ -31,10 +31,8 @@ def tp_target(model_dirs):
     ranks = LocalRanks(model_dirs.target, 2)
     target = load_model(model_dirs.target, group=ranks.group)
     yield target
-    ranks.group.stop()
-    for thread in ranks.threads:
-        thread.join(60)
-    assert not ranks.errors
+    ranks.close()
+    assert not ranks.errors and not any(thread.is_alive() for thread in ranks.threads)
 
 
 def test_degree_two_gives_degree_ones_logits_and_tokens(models, tp_target, prompt_ids):
@@ -158,3 +156,22 @@ def test_a_feature_head_drafts_from_the_sharded_targets_features(models, model_d
     assert sum(r.stats.draft_tokens for r in results) > 0
     whole = SpeculativeEngine(models["target"], head)  # the head drafts alike beside the whole model
     assert [r.stats.accepted_lengths for r in results] == [whole.generate(r).stats.accepted_lengths for r in asked]
+
+
+def test_the_group_listens_on_loopback_alone(tp_target):
+    """The rendezvous store and gloo's pairs on 127.0.0.1, not on every address (TCPStore's server
+    would take them all, gloo the machine's name's) (DESIGN.md, Placement)."""
+    from tests.loopback import assert_loopback_listeners
+
+    assert_loopback_listeners()
+
+
+def test_the_step_bench_times_each_degree_beside_the_planner(model_dirs, capsys):
+    from svip_bench import tp_step
+
+    assert tp_step.main(["--target", model_dirs.target, "--degrees", "1,2", "--batches", "1", "--context", "32",
+                         "--repeats", "2"]) == 0
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 1 ") or line.startswith("| 2 ")]
+    assert [row.split("|")[1:4] for row in rows] == [[" 1 ", " 1 ", " decode "], [" 1 ", " 1 ", " verify "],
+                                                      [" 2 ", " 1 ", " decode "], [" 2 ", " 1 ", " verify "]]
+    assert all(float(row.split("|")[4]) > 0 and float(row.split("|")[5]) > 0 for row in rows)
