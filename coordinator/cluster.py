@@ -32,9 +32,10 @@ RAY_SLOW_STARTS = ("timed out during startup", "Timed out waiting for file")
 RAY_START_ATTEMPTS = 2
 
 
-def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
+def init_local_ray(pairs: int = 1, metrics_port: int | None = None, target_ranks: int = 1) -> None:
     """Start (or join) a Ray instance on this machine whose every listener is on 127.0.0.1.
-    metrics_port: where Ray's agent serves Prometheus metrics (None: a free port)."""
+    metrics_port: where Ray's agent serves Prometheus metrics (None: a free port); target_ranks:
+    each pair's target's tensor-parallel ranks (a logical CPU each)."""
     if metrics_port == RAY_AGENT_PORT:
         raise InvalidRequest(f"--metrics-port {RAY_AGENT_PORT} is where Ray's dashboard agent listens; choose another")
     # Read by ray when it is first imported, and inherited by the processes Ray starts
@@ -52,7 +53,8 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None) -> None:
     options = dict(
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
-        num_cpus=max(3 * pairs, os.cpu_count() or 2),  # a logical CPU per worker actor, and per Serve replica
+        # a logical CPU per worker actor (each target rank), and per Serve replica
+        num_cpus=max((2 + target_ranks) * pairs, os.cpu_count() or 2),
         resources={DRAFT_RESOURCE: pairs, TARGET_RESOURCE: pairs},
         log_to_driver=False,
         configure_logging=False,
