@@ -189,24 +189,23 @@ class WorkerPair:
             check_same_vocabulary(self.target_info, draft_info)
         # a pool holds whole pages: its capacity, rounded up to them
         kv_tokens = whole_pages(config.kv_cache_tokens)
-        self.limits = pair_limits(self.target_info, draft_info, config.max_draft_length, kv_tokens)
+        self.limits = pair_limits(self.target_info, draft_info, config.draft_length_cap, kv_tokens)
         self.tls = TlsFiles.from_dir(config.grpc_tls_dir) if config.grpc_tls_dir else None
-        self.start_timeout_s = config.start_timeout_s
+        self.start_timeout_s = config.worker_start_timeout_s
         self.target = self.draft = self._own_placement = None
         # a tensor-parallel target: rank 0 (this actor) takes one GPU, its other ranks one each from
         # the same bundle (svip_runtime/ranks.py), which asks for all of them
-        tp, rank_gpus = config.target_tp, 1 if config.target_gpus else 0
-        target_gpus = config.target_gpus if tp == 1 else rank_gpus
+        tp, target_gpus = config.target_tp, config.gpus_of("target")
         if config.layout is not None and placement is None:
-            placement = self._own_placement = pair_placement_group(config.layout, target_gpus * tp, config.draft_gpus,
-                                                                   config.worker_cpus, config.worker_cpus * tp)
+            placement = self._own_placement = pair_placement_group(
+                config.layout, target_gpus * tp, config.gpus_of("draft"), config.worker_cpus, config.worker_cpus * tp)
             bundles = (0, 1)
             if not placement.wait(config.placement_timeout_s):
                 self.shutdown()
                 spread = config.layout == "spread"
                 raise SvipError(
                     f"no room to place the pair ({config.layout}): Ray has no {'two nodes' if spread else 'node'} "
-                    f"with a free {'GPU' if config.target_gpus else 'CPU'} for each worker"
+                    f"with a free {'GPU' if config.on_gpus else 'CPU'} for each worker"
                 )
         packed = config.packed or config.layout == "pack" or ray.util.get_node_ip_address() == "127.0.0.1"
         host = "127.0.0.1" if packed else None  # None: the node's address (two nodes)
@@ -217,7 +216,7 @@ class WorkerPair:
                 "(--grpc-tls-dir), or pass --insecure-workers on a network you trust"
             )
         self.kv_cache_tokens = config.kv_cache_tokens
-        restarts = {"max_restarts": config.recovery.max_restarts}
+        restarts = {"max_restarts": config.worker_restarts}
         self.target = (
             ray.remote(TargetActor)
             .options(**actor_options("target", target_gpus, placement, bundles[0], config.worker_cpus),
@@ -229,7 +228,7 @@ class WorkerPair:
         if config.draft is not None:
             self.draft = (
                 ray.remote(DraftActor)
-                .options(**actor_options("draft", config.draft_gpus, placement, bundles[1], config.worker_cpus),
+                .options(**actor_options("draft", config.gpus_of("draft"), placement, bundles[1], config.worker_cpus),
                          **restarts)
                 .remote(config, self.limits, target_vocab_size=self.target_info.vocab_size, host=host, tls=self.tls)
             )
@@ -240,11 +239,11 @@ class WorkerPair:
         ):
             ray.get([a.placed.remote() for a in actors], timeout=config.placement_timeout_s)
         with self._starting(
-            f"the workers were placed but did not load their weights within {config.start_timeout_s:.0f} s "
+            f"the workers were placed but did not load their weights within {config.worker_start_timeout_s:.0f} s "
             f"(a first download from the hub counts): raise the start timeout (worker_start_timeout_s, "
             f"the chart's serve.workerStartTimeoutS) or mount a weights cache"
         ):  # both load their weights at once; the draft serves first, then the target dials it
-            ray.get([a.load.remote() for a in actors], timeout=config.start_timeout_s)
+            ray.get([a.load.remote() for a in actors], timeout=config.worker_start_timeout_s)
             wait_s = config.placement_timeout_s
             self.draft_address = ray.get(self.draft.start.remote(), timeout=wait_s) if self.draft is not None else None
             self.target_address = ray.get(self.target.start.remote(**self._target_start()), timeout=wait_s)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from svip_common.errors import InvalidRequest, ModelLoadError
+from svip_common.knobs import DRAFT_KINDS
 
 PAIR_DIR = Path(__file__).resolve().parent / "pair"
 HEAD_DIR = Path(__file__).resolve().parent / "head"  # the embedded target's feature head (`--draft eagle`)
@@ -31,17 +32,35 @@ def default_head() -> str:
     return str(HEAD_DIR)
 
 
-DRAFT_KINDS = ("model", "eagle")  # what a draft reference names: a draft model, or a feature head
-
-
 def check_draft_kind(draft: str | None, kind: str | None) -> None:
-    """What a draft kind allows (the serve settings and head_path check it the same way)."""
+    """What a draft kind allows (every surface checks it the same way)."""
     if kind not in (None, *DRAFT_KINDS):
         raise InvalidRequest(f"draft_kind must be one of {', '.join(DRAFT_KINDS)}, got {kind!r}")
     if kind == "eagle" and draft in (None, "none"):
-        raise InvalidRequest("draft_kind 'eagle' needs a draft: a feature head's directory or hub id")
-    if kind == "model" and draft == "eagle":
-        raise InvalidRequest("draft 'eagle' is a feature head: its draft_kind is 'eagle', not 'model'")
+        raise InvalidRequest("draft_kind 'eagle' needs a draft: a feature head's directory or hub id, or 'eagle'")
+
+
+def check_pair_models(target: str | None, draft: str | None, kind: str | None) -> None:
+    """What a surface's target, draft and draft kind may name together (no file is read): no target is the
+    embedded pair, whose draft a draft given replaces; a target needs a draft, or 'none'."""
+    check_draft_kind(draft, kind)
+    if target is not None and draft is None:
+        raise InvalidRequest("a target needs a draft: a draft model's directory or hub id, a feature head's, "
+                             "or 'none' for the target alone")
+    if target is not None and draft == "eagle":
+        raise InvalidRequest("draft 'eagle' is the embedded target's feature head; with a target give its head's "
+                             "directory")
+
+
+def pair_paths(target: str | None, draft: str | None, kind: str | None) -> tuple[str, str | None]:
+    """(the target, the draft model or feature head, or None: the target alone) as directories or hub
+    ids, from what a surface names (a head named by hub id is fetched into the hub cache)."""
+    check_pair_models(target, draft, kind)
+    if target is None:
+        target, embedded = default_pair()
+        draft = embedded if draft is None else draft
+    head = head_path(draft, kind)
+    return target, head if head is not None else None if draft == "none" else draft
 
 
 def head_path(draft: str | None, kind: str | None = None) -> str | None:

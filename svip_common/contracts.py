@@ -206,12 +206,6 @@ class GenerationRequest:
             raise InvalidRequest("the oracle policy is defined for greedy decoding only")
 
 
-def check_draft_parallel(parallel: int, name: str = "draft_parallel") -> None:
-    """A deployment's side-by-side blocks per async session: 1 (one at a time) to MAX_DRAFT_PARALLEL."""
-    if isinstance(parallel, bool) or not isinstance(parallel, int) or not 1 <= parallel <= MAX_DRAFT_PARALLEL:
-        raise InvalidRequest(f"{name} must be an integer in [1, {MAX_DRAFT_PARALLEL}], got {parallel!r}")
-
-
 def check_cache_scope(scope: str) -> None:
     """A session's sharing scope: a string of at most MAX_CACHE_SCOPE characters."""
     if not isinstance(scope, str) or len(scope) > MAX_CACHE_SCOPE:

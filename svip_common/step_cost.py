@@ -31,7 +31,6 @@ import math
 from dataclasses import dataclass
 
 from svip_common.contracts import DRAFT_LENGTH_CAP
-from svip_common.errors import InvalidRequest
 
 UNLIMITED = 1 << 30
 MIN_OBSERVATIONS = 4  # steps seen before the fit is trusted (until then: no cap)
@@ -45,19 +44,7 @@ PROBE_TOKENS = 3  # a paused session's probe block
 PROBE_FIRST, PROBE_MAX = 4, 32  # paused rounds before the first probe; the interval doubles up to the most
 
 
-def check_load_aware(mode: str) -> str:
-    if mode not in LOAD_AWARE_MODES:
-        raise InvalidRequest(f"load-aware mode must be one of {', '.join(LOAD_AWARE_MODES)}, got {mode!r}")
-    return mode
-
-
 IDLE_PREFILL_MODES = ("auto", "always", "off")  # the target, idle, takes in what waiting sessions need first
-
-
-def check_idle_prefill(mode: str) -> str:
-    if mode not in IDLE_PREFILL_MODES:
-        raise InvalidRequest(f"idle prefill must be one of {', '.join(IDLE_PREFILL_MODES)}, got {mode!r}")
-    return mode
 
 
 def load_aware_for(mode: str, greedy: bool) -> bool:

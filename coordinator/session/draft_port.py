@@ -20,8 +20,8 @@ from collections.abc import Callable
 
 from coordinator.session.draft_link import DraftLink
 from svip_common.errors import WorkerUnavailable
+from svip_common.knobs import default
 from svip_common.messages import DraftRequest
-from svip_common.pair_config import Recovery
 from svip_common.step_cost import Ewma
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -32,8 +32,8 @@ from svip_runtime.tls import TlsFiles
 log = logging.getLogger(__name__)
 
 STALL_FACTOR = 10.0  # a draft that takes this many times its usual answer time is stalled
-DEFAULT_STALL_S = Recovery.draft_stall_s  # ...and never less than this (a first block carries the prompt's prefill)
-DEFAULT_RECOVER_S = Recovery.draft_recover_s  # how long one ask for a replaced draft may take
+DEFAULT_STALL_S = default("draft_stall_s")  # ...and never less than this (a first block carries the prompt's prefill)
+DEFAULT_RECOVER_S = default("worker_start_timeout_s")  # one ask for a replaced draft may take as long as a start
 RETRY_FIRST_S, RETRY_MAX_S = 0.5, 30.0  # the pause between asks, doubling up to the most
 PROBE_EVERY_S = 15.0  # how often a connected draft's compute thread is probed
 _EWMA = 0.1

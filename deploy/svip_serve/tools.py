@@ -23,12 +23,12 @@ from dataclasses import dataclass
 
 from svip_common.errors import InvalidRequest
 from svip_common.grammar import Grammar
+from svip_common.knobs import TOOL_CALL_PARSERS  # noqa: F401 (the formats auto reads calls in; none: refused)
 from svip_serve.tool_text import ArrayCalls, HermesCalls, Llama3Calls, read_all
 
 MAX_TOOLS = 128  # OpenAI's bound on a request's tools
 TOOL_NAME = re.compile(r"[a-zA-Z0-9_-]{1,64}")  # OpenAI's rule for a function's name
 ANY_OBJECT = {"type": "object"}  # a function without parameters takes any object
-TOOL_CALL_PARSERS = ("hermes", "llama3_json", "none")  # the formats tool_choice auto reads calls in; none: refused
 AUTO_READERS = {"hermes": HermesCalls, "llama3_json": Llama3Calls}
 MAX_PARALLEL_CALLS = 16  # tool_choice required: calls in one answer at most (one without parallel_tool_calls)
 

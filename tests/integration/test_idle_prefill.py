@@ -24,7 +24,8 @@ from coordinator.session.pipeline import SessionPipeline
 from draft_worker.drafter import Drafter
 from svip_common.contracts import Block, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
-from svip_common.step_cost import SessionGate, StepCost, check_idle_prefill, prefill_pays
+from svip_common.knobs import knob
+from svip_common.step_cost import SessionGate, StepCost, prefill_pays
 from target_worker.verifier import Verifier
 from tests.workers import generate_through, in_process_workers
 
@@ -122,8 +123,8 @@ def test_when_a_prefill_pays():
             gate.record_round_trip(round_s)
     assert prefill_pays(slow_draft, cpu) and not prefill_pays(fast_draft, gpu)
     assert not prefill_pays(slow_draft, StepCost())  # nothing measured yet
-    with pytest.raises(InvalidRequest, match="idle prefill must be one of"):
-        check_idle_prefill("sometimes")
+    with pytest.raises(InvalidRequest, match="idle_prefill must be one of auto, always, off"):
+        knob("idle_prefill").check("sometimes")
 
 
 @pytest.mark.parametrize("idle_prefill", ["always", "off"])

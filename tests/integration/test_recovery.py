@@ -23,7 +23,7 @@ from coordinator.distributed import DistributedEngine
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import WorkerUnavailable
-from svip_common.pair_config import PairConfig, Recovery
+from svip_common.pair_config import PairConfig
 from tests.drills import full_drill
 from tests.gates import async_wait_until
 
@@ -41,7 +41,7 @@ def pair(model_dirs):
 
     init_local_ray(pairs=2)
     pair = WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, load_aware="off",
-                                 recovery=Recovery(draft_stall_s=STALL_S, sampled_hold_s=60.0)))
+                                 draft_stall_s=STALL_S, sampled_hold_s=60.0))
     yield pair
     pair.shutdown()
     ray.shutdown()
@@ -186,7 +186,7 @@ def test_a_worker_killed_for_good(model_dirs, models, loop, prompt_ids, target_g
     """Restarts spent: without its draft the session finishes exact on the target alone; without
     its target it ends with WorkerUnavailable, never a hang."""
     doomed = WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, load_aware="off",
-                                   recovery=Recovery(max_restarts=0)))
+                                   worker_restarts=0))
     engine = DistributedEngine.for_pair(doomed, "async")
     loop.run_until_complete(engine.connect())
     request = GenerationRequest(prompt_ids["long"], 300, policy=CONSTANT, ignore_eos=True)

@@ -48,7 +48,7 @@ def tls_dir(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def reference(models):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     return {name: engine.generate(GenerationRequest(PROMPT, MAX_NEW, policy=PolicyConfig(**p))).token_ids
             for name, p in POLICIES.items()}
 
@@ -174,7 +174,7 @@ def test_a_slow_start_says_whether_placing_or_loading_was_slow(model_dirs):
     init_local_ray()
     try:
         with pytest.raises(SvipError, match="placed but did not load their weights within 0 s"):
-            WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, start_timeout_s=0.001))
+            WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, worker_start_timeout_s=0.001))
         with pytest.raises(SvipError, match=r"no room to place the pair \(spread\)"):
             WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, layout="spread",
                                   placement_timeout_s=2))
