@@ -18,7 +18,6 @@ from draft_worker.drafter import Drafter, NullDraftSession
 from draft_worker.feature_draft import FeatureDrafter, LoadedHead
 from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.auto_prior import estimate_from, stored_prior
-from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import (
     AUTO,
     Block,
@@ -30,9 +29,9 @@ from svip_common.contracts import (
 )
 from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest, SvipError
-from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
-from svip_common.step_cost import UNLIMITED, Ewma, SessionGate, check_load_aware, load_aware_for
+from svip_common.pair_config import PairConfig
+from svip_common.step_cost import UNLIMITED, Ewma, SessionGate, load_aware_for
 from svip_common.trees import node_price
 from svip_common.trees import priced as tree_priced
 from target_worker.verifier import Verifier
@@ -44,23 +43,25 @@ OnRound = Callable[[Block, Verdict, list[int]], None]
 
 class SpeculativeEngine:
     def __init__(self, target: LoadedModel, draft: LoadedModel | LoadedHead | None = None,
-                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None,
-                 load_aware: str = "off", auto: AutoSettings = AutoSettings()):
-        """kv_cache_tokens: each model's KV pool, in tokens (every session in flight shares it);
-        max_batched_tokens: generate_many's cap on the tokens of one forward; load_aware: whose
-        blocks hold no more tokens than pay at the target's measured load, "off" / "greedy" /
-        "all" (svip_common/step_cost.py); off, each length policy runs exactly as configured (the
-        reference the paper's benchmark measures); auto: the `auto` policy's settings
-        (svip_common/acceptance.py)."""
+                 config: PairConfig | None = None, **changes):
+        """config: the pair's configuration (svip_common/pair_config.py), the distributed pair's own;
+        None: its defaults for these models; changes: fields changed from it (load_aware="off":
+        each length policy exactly as configured, the paper's reference). The engine reads its
+        kv_cache_tokens (each model's KV pool, every session in flight sharing it),
+        max_batched_tokens (a batch's cap on the tokens of one forward), load_aware (whose blocks
+        hold no more tokens than pay at the target's measured load: svip_common/step_cost.py) and
+        policy auto's knobs (svip_common/acceptance.py)."""
+        if config is None:
+            config = PairConfig(target.path, None if draft is None else draft.path)
+        self.config = config = config.replace(**changes)
+        kv_cache_tokens, max_batched_tokens = config.kv_cache_tokens, config.max_batched_tokens
         self.max_batched_tokens = max_batched_tokens
-        self.auto_settings = auto.check()
-        self.load_aware = check_load_aware(load_aware)
+        self.auto_settings = config.auto.check()
+        self.load_aware = config.load_aware
         head = draft if isinstance(draft, LoadedHead) else None
         model = None if head is not None else draft  # a token draft: a model of its own
         if model is not None:
             check_same_vocabulary(target, model)
-        if kv_cache_tokens < 1:
-            raise InvalidRequest(f"the KV cache must hold at least one token, got {kv_cache_tokens}")
         self.target = target
         layers = head.head.config.target_layers if head is not None else ()
         self.verifier = Verifier(target, pair_limits(target, model).tokens, kv_cache_tokens, feature_layers=layers)
@@ -77,6 +78,9 @@ class SpeculativeEngine:
         self._auto: AutoEstimate | None = None
         self.draft_token_s = Ewma(0.2)  # what a drafted token cost recent sessions (a new session's gate starts there)
         self.in_step = 1  # sessions the next target step verifies (generate_many's batch sets it each step)
+
+    def close(self) -> None:
+        """Nothing to stop: the models are this process's (the engine front's close, coordinator/front.py)."""
 
     def time_as(self, emulation: Emulation | None, virtual: bool = False) -> None:
         """Device timing on this machine (svip_common/device_timing.py): the target's and the draft's

@@ -11,13 +11,14 @@ from collections.abc import Awaitable, Callable
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from svip_common.contracts import GenerationRequest, GenerationResult
+from svip_common.knobs import default
 from svip_common.kv_sizes import whole_pages
 from svip_common.pair_config import PairConfig
 from svip_proto import convert
 
 
 class LocalDistributed:
-    def __init__(self, config: PairConfig, pipeline: str = "async", ray_address: str | None = None):
+    def __init__(self, config: PairConfig, pipeline: str = default("pipeline"), ray_address: str | None = None):
         """config: the pair and its workers (svip_common/pair_config.py); ray_address: an existing
         cluster's (None: a Ray of this machine's, on loopback). The pair checks the config."""
         if ray_address is None:

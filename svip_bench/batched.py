@@ -54,14 +54,14 @@ def engines(target, draft, head=None, trees: Sequence[str] = ()) -> dict:
 
     rows = {
         "target alone": (SpeculativeEngine(target, None), PolicyConfig(name="none")),
-        "svip (0.4)": (SpeculativeEngine(target, draft), PolicyConfig(name="svip", threshold=0.4)),
-        "defaults": (SpeculativeEngine(target, draft, load_aware="greedy"), PolicyConfig()),
+        "svip (0.4)": (SpeculativeEngine(target, draft, load_aware="off"), PolicyConfig(name="svip", threshold=0.4)),
+        "defaults": (SpeculativeEngine(target, draft), PolicyConfig()),  # every knob its default
     }
     for tree in trees:
-        rows[f"svip (0.4), tree {tree}"] = (SpeculativeEngine(target, draft),
+        rows[f"svip (0.4), tree {tree}"] = (SpeculativeEngine(target, draft, load_aware="off"),
                                             PolicyConfig(name="svip", threshold=0.4, tree=tree))
     if head is not None:
-        with_head = SpeculativeEngine(target, head)
+        with_head = SpeculativeEngine(target, head, load_aware="off")
         rows["head: svip (0.3)"] = (with_head, PolicyConfig(name="svip", threshold=0.3))
         rows["head: confidence (0.4)"] = (with_head, PolicyConfig(name="confidence"))
         for tree in trees:

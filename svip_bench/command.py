@@ -8,9 +8,11 @@ import shlex
 import sys
 from pathlib import Path
 
+from coordinator.front import load_inprocess
 from svip_bench.datasets import CODE, SPECBENCH_CATEGORIES, load_code_prompts, load_specbench, specbench_path
-from svip_common.contracts import MAX_CHOICES, SamplingParams, check_draft_parallel
+from svip_common.contracts import MAX_CHOICES, SamplingParams
 from svip_common.errors import InvalidRequest
+from svip_common.pair_config import PairConfig
 from svip_common.trees import TREES
 
 DEFAULT_EMULATION = "target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms"
@@ -40,7 +42,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
         f"(default {DEFAULT_EMULATION}, and for device {DEFAULT_EMULATION},scale={DEVICE_SCALE}: this CPU's "
         "forwards keep within those steps; svip_common/emulation.py)",
     )
-    bench.add_argument("--tree", choices=TREES, default="off",
+    bench.add_argument("--tree", choices=TREES, default="off", dest="sim_tree",
                        help="simulate: also each pipeline with SVIP's blocks as this token tree "
                        "(cape, auto, deep, deep-auto), beside its chains")
     bench.add_argument("--temperature", type=float, default=0.0,
@@ -51,16 +53,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        f"or apart (4; at most {MAX_CHOICES})")
     bench.add_argument("--host-scale", type=float, default=1.0,
                        help="simulate, device: the simulated host's work is this machine's times this (1; 0: none)")
-    bench.add_argument("--draft-parallel", type=int, default=None,
-                       help="simulate: speculative blocks an async session drafts side by side, each prepared "
-                       "continuation on a fork of its cache (default: the draft worker's, 3; 1: one at a time)")
     bench.add_argument("--sim-sessions", default="1,8", help="simulate, device: sessions in flight at once (1,8)")
-    bench.add_argument("--target", help="target model (default: the embedded pair)")
-    bench.add_argument("--draft", help="draft model (default: the embedded pair)")
-    bench.add_argument("--dtype", default="float32")
-    bench.add_argument("--device", default="cpu")
-    bench.add_argument("--target-tp", type=int, default=1,
-                       help="the target as this many tensor-parallel ranks (in process: threads, a GPU each on cuda)")
     bench.add_argument(
         "--dataset", help="spec-bench.jsonl (default ../shared/specbench/spec-bench.jsonl, or $SVIP_SPECBENCH)"
     )
@@ -99,20 +92,6 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
              "auto, which times this CPU, so it moves with its load)",
     )
     bench.add_argument(
-        "--load-aware",
-        choices=["off", "greedy"],
-        default="off",
-        help="pipeline: load-aware speculation in every mode that drafts, in process and on the workers "
-        "(off: the same blocks in each mode, so they compare round for round)",
-    )
-    bench.add_argument(
-        "--idle-prefill",
-        choices=["auto", "always", "off"],
-        default="auto",
-        help="pipeline, serve: what the distributed target does while no block is ready: take in what "
-        "waiting sessions need first where it pays (auto), always, or wait (off)",
-    )
-    bench.add_argument(
         "--one-core-each",
         action="store_true",
         help="pipeline: each model on a core of its own as its device: the target alone and the in-process "
@@ -135,7 +114,9 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument("--out", default="bench-out", help="directory for results.json, results.md and plots")
 
 
-def run(args: argparse.Namespace, load_engine) -> int:
+def run(args: argparse.Namespace, config: PairConfig) -> int:
+    """The bench --mode names, on the pair ``config`` says (its knobs as the flags give them: load_aware
+    off unless given, so that each policy runs as configured)."""
     import torch
 
     from svip_bench.methods import build_head_methods, build_methods
@@ -155,7 +136,7 @@ def run(args: argparse.Namespace, load_engine) -> int:
     _parse_categories(args.categories)  # a bad list named before any model loads
     _check_emulation(args)
     torch.set_num_threads(args.threads)
-    engine = load_engine(args)
+    engine = load_inprocess(config)
     if engine.drafter is None:
         raise InvalidRequest("svip bench needs a draft model")
     prompts = prompts_for(CODE if args.long else args.categories, args.dataset, args.prompts_per_category)
@@ -250,8 +231,6 @@ def _check_emulation(args: argparse.Namespace) -> None:
                              "draft=MODEL@DEVICE")
     if not 0 <= args.host_scale <= 100:
         raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
-    if args.draft_parallel is not None:
-        check_draft_parallel(args.draft_parallel, "--draft-parallel")
 
 
 def prompts_for(categories: str | None, dataset: str | None, per_category: int) -> list:
@@ -277,7 +256,7 @@ def _head_engine(engine, head: str):
     path = head_path(head)
     if path is None:
         raise InvalidRequest(f"--head: {head!r} holds no feature head (a config.json naming an EAGLE architecture)")
-    return SpeculativeEngine(engine.target, load_feature_draft(path, engine.target))
+    return SpeculativeEngine(engine.target, load_feature_draft(path, engine.target), engine.config.replace(draft=path))
 
 
 def _parse_ks(spec: str, flag: str = "--ks", what: str = "draft lengths") -> list[int]:

@@ -27,7 +27,6 @@ from svip_bench.simulate import simulated_waves
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.device_timing import use_summary
 from svip_common.emulation import Emulation, parse_emulation
-from svip_common.pair_config import PairConfig
 
 MODES = ("alone", "sync", "async")
 NONE = PolicyConfig(name="none")
@@ -35,7 +34,7 @@ NONE = PolicyConfig(name="none")
 
 def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     emulation = parse_emulation(args.emulate_spec)
-    given = getattr(args, "svip_threshold", None)
+    given = args.svip_threshold
     threshold = given if given is not None else engine.calibration().threshold
     policy = PolicyConfig(name="svip", threshold=threshold)
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
@@ -92,7 +91,7 @@ def _through_workers(engine, emulation: Emulation, requests, sessions, repeats: 
     init_local_ray()
     import ray
 
-    pair = WorkerPair(PairConfig(engine.target.path, engine.draft_path, load_aware="off", emulate=emulation.spec))
+    pair = WorkerPair(engine.config.replace(emulate=emulation.spec))  # the in-process engine's knobs
     loop = asyncio.new_event_loop()
     engines = {m: DistributedEngine.for_pair(pair, m) for m in ("sync", "async")}
     try:

@@ -22,6 +22,7 @@ import torch
 from svip_bench.runner import Progress, write_results
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
+from svip_common.knobs import default
 
 LONG_PROMPT_TOKENS = 48  # the prompt's last tokens: most of the context is left to generate
 POLICIES = {
@@ -67,7 +68,7 @@ def run(engine, prompts, args, header: dict) -> int:
     lengths = parse_lengths(args.long_lengths, engine.limits.positions)
     tok = engine.target.tokenizer
     encoded = [tuple(tok(p.text)["input_ids"][-LONG_PROMPT_TOKENS:]) for p in prompts]
-    gated = "greedy"  # the defaults row runs as `svip generate` does
+    gated = default("load_aware")  # the defaults row runs as `svip generate` does
     runs, violations = [], []
     total = len(lengths) * len(TEMPERATURES) * len(encoded) * len(POLICIES) * args.repeats
     progress = Progress(total)

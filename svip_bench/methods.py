@@ -11,6 +11,7 @@ import torch
 
 from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig
+from svip_common.knobs import default
 
 
 @dataclass(frozen=True)
@@ -67,7 +68,7 @@ def build_methods(
         Method("auto", "auto", PolicyConfig(name="auto")),
         Method("oracle", "oracle", PolicyConfig(name="oracle", oracle_tokens=(0,))),
         # exactly what `svip generate` does with no flags: its policy and load-aware mode
-        Method("defaults", "defaults", PolicyConfig(), load_aware="greedy"),
+        Method("defaults", "defaults", PolicyConfig(), load_aware=default("load_aware")),
     ]
     methods += [Method(f"svip-{t:g}", "svip", PolicyConfig(name="svip", threshold=t)) for t in thresholds]
     methods += [

@@ -58,7 +58,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     target, draft = load_model(args.target), load_model(args.draft)
-    engine = SpeculativeEngine(target, draft)
+    engine = SpeculativeEngine(target, draft, load_aware="off")  # each policy as configured
     ids = tuple(target.tokenizer(PROMPT)["input_ids"])
     print("command: python -m svip_bench.overhead " + " ".join(argv if argv is not None else sys.argv[1:]))
     print(f"machine: {machine()}")

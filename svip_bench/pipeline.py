@@ -31,7 +31,6 @@ from coordinator.distributed import DistributedEngine
 from svip_bench.runner import Progress, encode_prompts, nearest_rank
 from svip_common.contracts import ROUND_PARTS, GenerationRequest, GenerationStats, PolicyConfig
 from svip_common.emulation import Emulation, parse_emulation
-from svip_common.pair_config import PairConfig
 
 MODES = ("alone", "inprocess", "sync", "async")  # alone: the target alone, in process
 MODE_NAMES = {"alone": "target alone (in process)", "inprocess": "in-process", "sync": "distributed sync",
@@ -42,7 +41,7 @@ MODE_NAMES = {"alone": "target alone (in process)", "inprocess": "in-process", "
 def run(engine, prompts, args, header: dict) -> int:
     """engine: the in-process engine (its calibration gives the shared SVIP threshold, a feature
     head's drafted on its own blocks, unless --svip-threshold gives one)."""
-    given = getattr(args, "svip_threshold", None)
+    given = args.svip_threshold
     if given is not None:
         threshold, source = given, "given"
     else:
@@ -55,19 +54,14 @@ def run(engine, prompts, args, header: dict) -> int:
     init_local_ray()  # before ray is imported here: the local cluster stays on 127.0.0.1
     import ray
 
-    load_aware = getattr(args, "load_aware", "off")
-    header["load_aware"] = load_aware
-    engine.load_aware = load_aware
-    idle_prefill = getattr(args, "idle_prefill", "auto")
-    header["idle_prefill"] = idle_prefill
-    spec = getattr(args, "emulate_spec", None)  # device timing: the workers' GPUs each, in process the target's
+    header["load_aware"], header["idle_prefill"] = engine.config.load_aware, engine.config.idle_prefill
+    spec = args.emulate_spec  # device timing: the workers' GPUs each, in process the target's
     emulation = None if spec is None else parse_emulation(spec)
     if emulation is not None:
         header["emulated"] = f"{emulation.describe()} (distributed: a device each; in process: " \
                              f"{emulation.co_located().describe()}, one device)"
-    pair = WorkerPair(PairConfig(engine.target.path, engine.draft_path, dtype=args.dtype, device=args.device,
-                                 load_aware=load_aware, idle_prefill=idle_prefill, emulate=spec))
-    cores = one_core_each(pair) if getattr(args, "one_core_each", False) else None
+    pair = WorkerPair(engine.config.replace(emulate=spec))  # the in-process engine's knobs, on the workers
+    cores = one_core_each(pair) if args.one_core_each else None
     if cores is not None:
         header["cores"] = "target alone and in-process on core 0; target worker on core 0, draft worker on core 1"
     loop = asyncio.new_event_loop()
@@ -99,7 +93,7 @@ def run(engine, prompts, args, header: dict) -> int:
            "timeline": timeline.timeline, "timeline_stats": {k: getattr(timeline, k) for k in (
                "wall_s", "draft_busy_s", "target_busy_s", "both_busy_s", "draft_wait_s", "target_wait_s",
                "discarded_tokens", "wire_bytes_per_round", "rounds", "prepared_sent", "prepared_used")}}
-    latencies = [float(x) for x in args.latencies.split(",")] if getattr(args, "latencies", None) else []
+    latencies = [float(x) for x in args.latencies.split(",")] if args.latencies else []
     if latencies:
         doc["two_nodes"] = two_nodes(engine, requests, latencies, args.repeats)
         violations += [v for row in doc["two_nodes"] for v in row["violations"]]

@@ -52,7 +52,7 @@ def run(engine, prompts, args, header: dict) -> int:
         max_in_flight=max(levels),
         max_waiting=max(levels),
         allow_ignore_eos=True,
-        idle_prefill=getattr(args, "idle_prefill", "auto"),
+        idle_prefill=args.idle_prefill,
     )
     header["idle_prefill"] = settings.idle_prefill
     base = local.start(settings, port=port)
@@ -91,7 +91,7 @@ def _inprocess_batches(engine, encoded, reference, args, threshold: float):
     (load-aware, as `svip generate` runs it) at batch size 1 and BATCH, svip and none, interleaved."""
     from coordinator.engine import SpeculativeEngine
 
-    batched = SpeculativeEngine(engine.target, engine.drafter.draft, load_aware="greedy")
+    batched = SpeculativeEngine(engine.target, engine.drafter.draft)  # the defaults, as svip generate runs
     picks = [i % len(encoded) for i in range(BATCH)]
     runs = {(b, p): [] for b in (1, BATCH) for p in POLICIES}
     violations, rng = [], random.Random(1)

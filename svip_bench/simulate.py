@@ -34,13 +34,13 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     """sessions: how many in flight at once, each in turn (1 among them: the ratios' base)."""
     emulation = parse_emulation(args.emulate_spec)
     target_step, draft_step, wire = emulation.target, emulation.draft, emulation.link
-    fixed = getattr(args, "svip_threshold", None)
+    fixed = args.svip_threshold
     threshold = fixed if fixed is not None else engine.calibration().threshold  # the calibration times this CPU
     policy = PolicyConfig(name="svip", threshold=threshold)
-    tree = getattr(args, "tree", "off")
-    parallel = getattr(args, "draft_parallel", None) or DRAFT_PARALLEL
+    tree = args.sim_tree
+    parallel = args.draft_parallel
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
-    temperature = getattr(args, "temperature", 0.0)
+    temperature = args.temperature
     header.update(emulate=emulation.spec, emulated=emulation.describe(), target_device=target_step.name,
                   draft_device=draft_step.name, link=wire.name,
                   host_scale=args.host_scale, svip_threshold=threshold, sessions=sessions, draft_parallel=parallel,

@@ -217,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
     training["target_layers"] = tuple(head.head.config.target_layers)
     test = agreement(target.model, draft.model, head.head, corpus(target.tokenizer, "test"), 256, 32, 7)
     prompts = [tuple(target.tokenizer(p.text)["input_ids"]) for p in load_code_prompts(SPLIT_FILE, args.prompts)]
-    head_engine, draft_engine = SpeculativeEngine(target, head), SpeculativeEngine(target, draft)
+    head_engine = SpeculativeEngine(target, head, load_aware="off")  # each policy as configured
+    draft_engine = SpeculativeEngine(target, draft, load_aware="off")
     bands = entropy_bands(head_engine, prompts, args.new_tokens)
     costs = step_costs(head_engine, draft_engine, prompts[0])
     from svip_bench.runner import machine_description

@@ -119,7 +119,7 @@ def main() -> None:
     cost = measure_costs(target, draft)
     ratio = cost.draft_ratio
     here, gpu = threshold_rows(trajs, cost), threshold_rows(trajs, GPU_COST)
-    alone = SpeculativeEngine(target, None)
+    alone = SpeculativeEngine(target, None, load_aware="off")
     signatures = held_out_signatures(pair / "split.json", args.signatures)
     compiled = unfinished = 0
     for sig in signatures:
@@ -129,7 +129,7 @@ def main() -> None:
         ok = compiles(function_of(sig, text))
         compiled += ok
         unfinished += not ok and not ends_in(sig, text, result.finish_reason == "stop")
-    speculative = SpeculativeEngine(target, draft)
+    speculative = SpeculativeEngine(target, draft, load_aware="off")  # each policy as configured
     samples = []
     for prompt in SAMPLES:
         ids = tuple(target.tokenizer(prompt)["input_ids"])

@@ -60,7 +60,7 @@ def test_bf16_on_cuda_svip_equals_the_target_alone():
     target, draft = load_model(target_path, "bfloat16", "cuda"), load_model(draft_path, "bfloat16", "cuda")
     assert target.model.dtype == torch.bfloat16
     ids = tuple(target.tokenizer("def fibonacci(n):")["input_ids"])
-    engine = SpeculativeEngine(target, draft)
+    engine = SpeculativeEngine(target, draft, load_aware="off")
     alone = engine.generate(GenerationRequest(ids, 48, policy=PolicyConfig(name="none"))).token_ids
     assert engine.generate(GenerationRequest(ids, 48, policy=PolicyConfig(threshold=0.4))).token_ids == alone
     batched = engine.generate_many([GenerationRequest(ids, 48, policy=PolicyConfig(threshold=0.4))] * 4, 4)
@@ -77,7 +77,7 @@ def test_bf16_on_cuda_the_feature_head_equals_the_target_alone():
     head = load_feature_draft(default_head(), target)
     assert head.head.fc.weight.device.type == "cuda" and head.head.fc.weight.dtype == torch.bfloat16
     ids = tuple(target.tokenizer("def fibonacci(n):")["input_ids"])
-    engine = SpeculativeEngine(target, head)
+    engine = SpeculativeEngine(target, head, load_aware="off")
     alone = engine.generate(GenerationRequest(ids, 48, policy=PolicyConfig(name="none"))).token_ids
     for policy in (PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="constant", draft_length=4),
                    PolicyConfig(name="confidence"), PolicyConfig(name="auto")):
@@ -110,7 +110,7 @@ def test_a_target_spread_over_two_gpus_is_exact(model_dirs, prompt_ids):
     needs_gpus(2)
     target = load_model(model_dirs.target, "float32", "cuda", spread=True)
     draft = load_model(model_dirs.close_draft, "float32", "cuda")
-    engine = SpeculativeEngine(target, draft)
+    engine = SpeculativeEngine(target, draft, load_aware="off")
     pool_devices = {str(k.device) for k in engine.verifier.pool.keys}
     if len(pool_devices) < 2:
         pytest.skip("device_map='auto' kept this small target on one GPU")

@@ -10,7 +10,6 @@ import grpc
 import pytest
 
 from coordinator.engine import SpeculativeEngine
-from svip_common.auto_settings import AutoSettings
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -45,7 +44,7 @@ def test_in_process_greedy_is_exact_while_the_estimate_learns(models, prompt_ids
 
 
 def test_batched_greedy_is_exact_while_the_estimate_learns(models, prompt_ids):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     requests = _requests(prompt_ids, 12)
     results = engine.batch(6).generate_all(requests)
     assert engine.auto_estimate().model(True).fits >= 1
@@ -57,13 +56,13 @@ def test_a_seeded_sampled_request_reproduces_under_auto(models, prompt_ids):
     """Sampled sessions draft by the pair's fixed rule, so their seed reproduces the sample, in a
     fresh engine too, whatever the greedy traffic taught the estimate meanwhile."""
     sampled = _requests(prompt_ids, 3, SamplingParams(temperature=0.9, seed=11))
-    engine = SpeculativeEngine(models["target"], models["close_draft"], auto=AutoSettings(cost=0.3))
+    engine = SpeculativeEngine(models["target"], models["close_draft"], auto_cost=0.3, load_aware="off")
     first = [engine.generate(r).token_ids for r in sampled]
     for r in _requests(prompt_ids, 8):  # greedy traffic moves the live estimate
         engine.generate(r)
     assert engine.auto_estimate().model(True).fits >= 1
     assert [engine.generate(r).token_ids for r in sampled] == first
-    fresh = SpeculativeEngine(models["target"], models["close_draft"], auto=AutoSettings(cost=0.3))
+    fresh = SpeculativeEngine(models["target"], models["close_draft"], auto_cost=0.3, load_aware="off")
     assert [fresh.generate(r).token_ids for r in sampled] == first
 
 

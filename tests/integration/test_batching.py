@@ -43,7 +43,7 @@ def requests_for(prompt_ids, sampling=SamplingParams()):
 
 @pytest.mark.parametrize("batch_size", [1, 4, 12])
 def test_batched_greedy_equals_one_at_a_time(models, prompt_ids, batch_size):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     requests = requests_for(prompt_ids)
     alone = [engine.generate(r).token_ids for r in requests]
     batch = engine.batch(batch_size)
@@ -55,7 +55,7 @@ def test_batched_greedy_equals_one_at_a_time(models, prompt_ids, batch_size):
 
 def test_batched_sampling_equals_one_at_a_time_with_the_same_seeds(models, prompt_ids):
     """Randomness is keyed by (seed, position, purpose): a batch changes no draw."""
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     requests = [
         GenerationRequest(
             r.prompt_ids,
@@ -73,7 +73,7 @@ def test_batched_sampling_equals_one_at_a_time_with_the_same_seeds(models, promp
 def test_a_batch_mixing_greedy_and_differently_warped_sessions_equals_one_at_a_time(models, prompt_ids):
     """A step's rows are warped and drawn in groups of sessions that warp alike (draft and target
     side): greedy, two sampled settings and their seeds side by side change no session's output."""
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     settings = [SamplingParams(), SamplingParams(temperature=0.9, top_p=0.95), SamplingParams(temperature=1.3, top_k=7)]
     requests = [
         GenerationRequest(r.prompt_ids, r.max_new_tokens, dataclasses.replace(settings[i % 3], seed=11 + i),
@@ -85,7 +85,7 @@ def test_a_batch_mixing_greedy_and_differently_warped_sessions_equals_one_at_a_t
 
 
 def test_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget(models, prompt_ids):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     long = GenerationRequest(tuple(range(3, 203)), 12, policy=POLICIES[0], ignore_eos=True)
     short = requests_for(prompt_ids)[:4]
     alone = [engine.generate(r).token_ids for r in [long, *short]]
@@ -95,7 +95,7 @@ def test_a_long_prompt_is_prefilled_in_chunks_under_the_token_budget(models, pro
 
 
 def test_a_request_larger_than_the_pool_is_a_clear_error(models):
-    engine = SpeculativeEngine(models["target"], models["close_draft"], kv_cache_tokens=64)
+    engine = SpeculativeEngine(models["target"], models["close_draft"], kv_cache_tokens=64, load_aware="off")
     with pytest.raises(InvalidRequest, match=r"\+ max_new_tokens \(20\) does not fit the KV cache of 64 tokens"):
         engine.generate(GenerationRequest(tuple(range(3, 60)), 20))
     with pytest.raises(InvalidRequest, match="does not fit the KV"):
@@ -104,7 +104,7 @@ def test_a_request_larger_than_the_pool_is_a_clear_error(models):
 
 def test_a_full_pool_makes_requests_wait_not_fail(models, prompt_ids):
     """A pool that holds two sessions at a time serves twelve, each exact."""
-    engine = SpeculativeEngine(models["target"], models["close_draft"], kv_cache_tokens=2 * 96)
+    engine = SpeculativeEngine(models["target"], models["close_draft"], kv_cache_tokens=2 * 96, load_aware="off")
     requests = [
         GenerationRequest(r.prompt_ids[:20], 40, policy=r.policy, ignore_eos=True) for r in requests_for(prompt_ids)
     ]

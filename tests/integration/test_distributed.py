@@ -56,7 +56,7 @@ def engines(workers, model_dirs, loop):
 
 @pytest.fixture(scope="module")
 def inprocess(models):
-    return SpeculativeEngine(models["target"], models["close_draft"])
+    return SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])

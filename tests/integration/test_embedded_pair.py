@@ -48,7 +48,7 @@ def shipped():
 
     target_dir, draft_dir = default_pair()
     target, draft = load_model(target_dir), load_model(draft_dir)
-    return SpeculativeEngine(target, draft), SpeculativeEngine(target, None)
+    return SpeculativeEngine(target, draft, load_aware="off"), SpeculativeEngine(target, None)
 
 
 @pytest.mark.parametrize(

@@ -81,7 +81,7 @@ def reference(models, prompt_ids):
 @pytest.mark.parametrize("head", ["full", "reduced"])
 @pytest.mark.parametrize("policy", list(POLICIES))
 def test_greedy_equals_target_alone(models, heads, prompt_ids, reference, head, policy):
-    engine = SpeculativeEngine(models["target"], heads[head])
+    engine = SpeculativeEngine(models["target"], heads[head], load_aware="off")
     assert engine.feature_draft and isinstance(engine.drafter, FeatureDrafter)
     drafted = 0
     for name, ids in prompt_ids.items():
@@ -99,7 +99,7 @@ def test_batched_equals_one_at_a_time(models, heads, prompt_ids, head, monkeypat
     """Greedy and sampled sessions (each its own seed and warp) in one batch, through several
     policies, equal the same requests one at a time, token for token and block for block; the
     batch's drafted tokens went through the head's layer together."""
-    engine = SpeculativeEngine(models["target"], heads[head])
+    engine = SpeculativeEngine(models["target"], heads[head], load_aware="off")
     widths = []
     decode_rows = type(heads[head].head).decode_rows
     monkeypatch.setattr(type(heads[head].head), "decode_rows",
@@ -126,7 +126,7 @@ def test_padding_ids_of_a_wide_target_are_never_drafted(wide_pair):
     head = random_head(target, seed=3, sharpness=8.0)
     with torch.no_grad():
         head.lm_head.weight[wide_pair.tokens:] *= 100.0  # the padding rows would win if not masked
-    engine = SpeculativeEngine(target, _as_loaded(head, target))
+    engine = SpeculativeEngine(target, _as_loaded(head, target), load_aware="off")
     alone = SpeculativeEngine(target, None)
     ids = list(target.tokenizer("The quick brown fox")["input_ids"])
     seen = []
@@ -148,7 +148,7 @@ def test_a_session_carried_across_rounds_drafts_what_a_fresh_one_would(models, h
     the block a fresh session gives from the same committed sequence and the same features."""
     target, head = models["target"], heads["full"]
     layers = head.head.config.target_layers
-    engine = SpeculativeEngine(target, head)
+    engine = SpeculativeEngine(target, head, load_aware="off")
     policy = POLICIES["constant"]
     session = engine.open(GenerationRequest(prompt_ids["long"], MAX_NEW, policy=policy))
     for _ in range(6):  # rounds: empty first, then blocks and verdicts
@@ -175,7 +175,7 @@ def test_threshold_auto_is_calibrated_on_the_heads_own_blocks(models, heads, pro
     from coordinator.calibration import THRESHOLD_GRID
     from coordinator.head_calibration import CHAIN_DEPTH, record_chains
 
-    engine = SpeculativeEngine(models["target"], heads["full"])
+    engine = SpeculativeEngine(models["target"], heads["full"], load_aware="off")
     request = GenerationRequest(prompt_ids["short"], MAX_NEW, policy=PolicyConfig(name="svip", threshold="auto"))
     assert engine.generate(request).token_ids == reference["short"]
     calibration = engine.calibration()
@@ -209,7 +209,7 @@ def test_sampled_tokens_follow_the_target(models, heads, prompt_ids):
     rejected and corrected often, accepted often too: a random head, nearly uniform)."""
     sampling = SamplingParams(temperature=1.0)
     prompt = prompt_ids["medium"]
-    engine = SpeculativeEngine(models["target"], heads["flat"])
+    engine = SpeculativeEngine(models["target"], heads["flat"], load_aware="off")
     requests = [GenerationRequest(prompt, 3, sampling=SamplingParams(temperature=1.0, seed=seed), ignore_eos=True,
                                   policy=PolicyConfig(name="constant", draft_length=2)) for seed in range(SAMPLES)]
     results = engine.generate_many(requests, 50)
@@ -238,7 +238,7 @@ def test_the_cli_drafts_with_a_head_directory(models, heads, model_dirs, prompt_
     assert drafted["stats"]["config"]["draft"] == heads["full"].path
     assert drafted["stats"]["draft_tokens"] > 0
     assert main([*common, "--draft", "eagle"]) == 2
-    assert "--draft eagle is the embedded target's head" in capsys.readouterr().err
+    assert "draft 'eagle' is the embedded target's feature head" in capsys.readouterr().err
     assert main([*common, "--draft", heads["full"].path, "--policy", "svip", "--threshold", "auto"]) == 0
     calibrated = json.loads(capsys.readouterr().out)
     assert calibrated["token_ids"] == alone["token_ids"]
@@ -248,7 +248,7 @@ def test_the_cli_drafts_with_a_head_directory(models, heads, model_dirs, prompt_
 def _ready(models, head, k: int, committed):
     """A feature draft session (constant k, no stop ids) holding the target's features for
     ``committed``, as after a verdict that committed it."""
-    drafter = SpeculativeEngine(models["target"], head).drafter
+    drafter = SpeculativeEngine(models["target"], head, load_aware="off").drafter
     session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=k), ())
     session.take_features(verdict_features(models, head, committed), 0)
     return drafter, session
@@ -338,7 +338,7 @@ def test_after_features_that_never_came_the_head_starts_afresh(models, heads, pr
     carried.take_features(features[gap:], gap)
     again = carried.propose(more, 3)
     assert carried._drafter.fresh_starts == 1
-    drafter = SpeculativeEngine(models["target"], heads["full"]).drafter
+    drafter = SpeculativeEngine(models["target"], heads["full"], load_aware="off").drafter
     fresh = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=3), ())
     fresh.take_features(features[gap:], gap)
     reference = fresh.propose(more, 3)
@@ -354,7 +354,7 @@ def test_the_embedded_head_starts_auto_from_its_stored_prior():
     from svip_assets import default_head, default_pair
 
     target = load_model(default_pair()[0])
-    engine = SpeculativeEngine(target, load_feature_draft(default_head(), target))
+    engine = SpeculativeEngine(target, load_feature_draft(default_head(), target), load_aware="off")
     stored = json.loads((Path(default_head()) / "svip_auto_prior.json").read_text())
     estimate = engine.auto_estimate()
     assert estimate.prior_cost == pytest.approx(stored["cost"])
@@ -367,7 +367,7 @@ def test_a_heads_token_tree_equals_target_alone(models, heads, prompt_ids, refer
     """A feature head drafts token trees (issue 44): its runners-up at each place are the
     siblings; deep trees give the last place's a child each (the rest stay leaves); greedy output
     is the target's own, one request at a time and batched."""
-    engine = SpeculativeEngine(models["target"], heads[head])
+    engine = SpeculativeEngine(models["target"], heads[head], load_aware="off")
     # a constant block's last place is its cap, which no child may pass: deep grows below SVIP's
     policy = PolicyConfig(name="svip", threshold=0.3, tree=tree) if tree == "deep" else \
         PolicyConfig(name="constant", draft_length=3, tree=tree)
@@ -386,7 +386,7 @@ def test_a_heads_seeded_sampled_deep_tree_reproduces_one_at_a_time_and_batched(m
     children's coins too, so a request draws the same tokens alone, again, and in a batch;
     children were grown. (The walk that judges them is the draft model's: its chi-square,
     tests/integration/test_sampling_exact.py, is drafter-agnostic.)"""
-    engine = SpeculativeEngine(models["target"], heads["full"])
+    engine = SpeculativeEngine(models["target"], heads["full"], load_aware="off")
     policy = PolicyConfig(name="svip", threshold=0.3, tree="deep")
     requests = [GenerationRequest(ids, 24, SamplingParams(temperature=0.9, seed=7 + i), policy)
                 for i, ids in enumerate(prompt_ids.values())]
@@ -406,7 +406,7 @@ def test_the_embedded_heads_deep_trees_settle_children_and_stay_exact(prompt_ids
     from svip_assets import default_head, default_pair
 
     target = load_model(default_pair()[0])
-    engine = SpeculativeEngine(target, load_feature_draft(default_head(), target))
+    engine = SpeculativeEngine(target, load_feature_draft(default_head(), target), load_aware="off")
     alone = SpeculativeEngine(target, None)
     policy = PolicyConfig(name="svip", threshold=0.3, tree="deep")
     taken, grown = 0, []

@@ -37,7 +37,7 @@ def reference(models, prompt_ids):
 
 
 def _generate(target, draft, ids, policy, max_new=MAX_NEW, stop=()):
-    engine = SpeculativeEngine(target, draft)
+    engine = SpeculativeEngine(target, draft, load_aware="off")
     request = GenerationRequest(ids, max_new, policy=policy, stop_token_ids=stop)
     return engine.generate(request)
 
@@ -121,7 +121,7 @@ def test_svip_cap_of_40_reached(models, prompt_ids):
 
 
 def test_many_requests_on_one_engine_are_independent(models, prompt_ids, reference):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     for _ in range(2):
         for name, ids in prompt_ids.items():
             request = GenerationRequest(ids, MAX_NEW, policy=POLICIES["heuristic"])

@@ -137,7 +137,7 @@ def test_a_published_head_without_layer_ids_fuses_eagle3s_default_layers(tmp_pat
     assert head_layers(str(flat), layers) == (2, layers // 2, layers - 3)
     with pytest.raises(ModelLoadError, match="must name three target layers"):
         head_layers(str(flat))  # no target to take the default from
-    engine = SpeculativeEngine(target, load_feature_draft(str(flat), target))
+    engine = SpeculativeEngine(target, load_feature_draft(str(flat), target), load_aware="off")
     alone = SpeculativeEngine(target, None)
     request = GenerationRequest(tuple(range(10, 30)), 24, policy=PolicyConfig(name="constant", draft_length=3))
     result = engine.generate(request)

@@ -178,7 +178,7 @@ def check_extremes(results, reqs, at, models) -> None:
 
 
 def test_in_process_every_extreme_is_served_and_its_neighbours_are_unchanged(models, prompt_ids):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     reqs, at = extremes_with_neighbours(models, prompt_ids, engine.limits)
     assert len(reqs) > 40
     check_extremes(engine.generate_many(reqs, batch_size=8), reqs, at, models)

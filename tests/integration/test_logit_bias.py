@@ -34,7 +34,7 @@ def biased(models, prompt_ids):
 
 
 def test_in_process_one_at_a_time_and_batched(models, biased):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     requests = [request for request, _ in biased.values()]
     expected = [tokens for _, tokens in biased.values()]
     one = [engine.generate(r) for r in requests]
@@ -52,7 +52,7 @@ def test_through_the_workers(models, biased, pipeline):
 
 
 def test_a_biased_request_batched_with_plain_ones_leaves_them_alone(models, prompt_ids, biased):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     plain = [GenerationRequest(ids, MAX_NEW, policy=SVIP) for ids in prompt_ids.values()]
     mixed = [item for pair in zip(plain, (r for r, _ in biased.values())) for item in pair]
     results = engine.generate_many(mixed, len(mixed))

@@ -67,7 +67,7 @@ def test_the_target_alone_reports_its_models_log_softmax(models, prompt_ids):
 @pytest.mark.parametrize("policy", ["svip", "constant", "svip-cape"])
 @pytest.mark.parametrize("sampling", ["greedy", "sampled"])
 def test_speculation_reports_the_targets_own_in_process(models, prompt_ids, policy, sampling):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     alone = SpeculativeEngine(models["target"], None)
     params = SamplingParams() if sampling == "greedy" else SAMPLED
     accepted = 0
@@ -86,7 +86,7 @@ def test_speculation_reports_the_targets_own_in_process(models, prompt_ids, poli
 
 
 def test_batched_requests_each_report_their_own(models, prompt_ids):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     requests = [GenerationRequest(ids, MAX_NEW, policy=POLICIES["svip"], logprobs=top)
                 for top, ids in zip((0, TOP, None), prompt_ids.values())]
     results = engine.generate_many(requests, batch_size=3)
@@ -97,7 +97,7 @@ def test_batched_requests_each_report_their_own(models, prompt_ids):
 
 def test_logprobs_follow_the_requests_bias(models, prompt_ids):
     bias = ((7, 2.5), (11, -1.5))
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     request = GenerationRequest(prompt_ids["medium"], MAX_NEW, SamplingParams(logit_bias=bias), POLICIES["svip"],
                                 logprobs=TOP)
     assert_the_targets_own(models["target"], engine.generate(request), bias=bias)
@@ -173,7 +173,7 @@ def test_prompt_logprobs_cost_the_prefill_alone(models, prompt_ids):
 @pytest.mark.parametrize("where", ["in process", "sync", "async"])
 def test_prompt_logprobs_with_speculation(models, prompt_ids, where):
     if where == "in process":
-        engine = SpeculativeEngine(models["target"], models["close_draft"])
+        engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     else:
         engine = make_pair(models, where, DRAFT_FIRST)
     for ids in prompt_ids.values():

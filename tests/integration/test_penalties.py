@@ -52,7 +52,7 @@ def cases(models, prompt_ids):
 
 @pytest.mark.parametrize("tree", ["off", "cape", "deep"])
 def test_in_process_one_at_a_time_and_batched(models, cases, tree):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     requests = [dataclasses.replace(r, policy=dataclasses.replace(r.policy, tree=tree)) for _, r, _ in cases]
     expected = [tokens for _, _, tokens in cases]
     one = [engine.generate(r) for r in requests]

@@ -32,7 +32,7 @@ def choice_requests(prompt_ids, sampled: bool) -> list[GenerationRequest]:
 def batch_run(models, requests, sharing: bool):
     from coordinator.engine import SpeculativeEngine
 
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     engine.verifier.sharing.forks = engine.drafter.sharing.forks = sharing
     results = engine.batch(N).generate_all(requests)
     return results, engine.verifier, engine.drafter
@@ -42,7 +42,7 @@ def each_alone(models, requests):
     """Each request in an engine of its own, prompt sharing on as deployed: nothing to share with."""
     from coordinator.engine import SpeculativeEngine
 
-    return [SpeculativeEngine(models["target"], models["close_draft"]).generate(r) for r in requests]
+    return [SpeculativeEngine(models["target"], models["close_draft"], load_aware="off").generate(r) for r in requests]
 
 
 @pytest.mark.parametrize("sampled", [False, True])
@@ -140,7 +140,7 @@ def beside_a_holder(models, holder: GenerationRequest, request: GenerationReques
     both caches, idle, as a finished request's draft session may still be): what each side shared."""
     from coordinator.engine import SpeculativeEngine
 
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     held = engine.open(holder)
     try:
         block = held.propose()

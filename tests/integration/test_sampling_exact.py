@@ -96,7 +96,7 @@ def test_first_tokens_follow_the_target(models, prompt_ids, config, tree):
     all but certain there, and the medium prompt takes none)."""
     sampling = CONFIGS[config]
     prompt = prompt_ids["short" if (tree, config) == ("deep", "t1") else "medium"]
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     policy = PolicyConfig(name="constant", draft_length=3, tree=tree)
     requests = [
         GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
@@ -123,7 +123,7 @@ def test_a_logit_bias_is_the_targets_distribution_biased(models, prompt_ids):
     top = torch.topk(p1, 3).indices.tolist()  # ban the target's likeliest first token, favour its third
     bias = tuple({30: 2.0, top[2]: 1.5, top[0]: -100.0}.items())
     sampling = SamplingParams(temperature=1.0, logit_bias=bias)
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     policy = PolicyConfig(name="constant", draft_length=3)
     requests = [GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=seed), policy=policy)
                 for seed in range(SAMPLES)]
@@ -143,7 +143,7 @@ def test_penalties_are_the_targets_distribution_penalised(models, prompt_ids, kn
     target's marginals, the second not the plain one's."""
     sampling = SamplingParams(temperature=1.0, **knobs)
     prompt = prompt_ids["short"]  # its likeliest second token repeats the first: the penalties move it
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     policy = PolicyConfig(name="constant", draft_length=3)
     requests = [GenerationRequest(prompt, 3, sampling=dataclasses.replace(sampling, seed=seed), policy=policy)
                 for seed in range(SAMPLES)]
@@ -155,7 +155,7 @@ def test_penalties_are_the_targets_distribution_penalised(models, prompt_ids, kn
 
 
 def test_seeded_runs_reproduce(models, prompt_ids):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     sampling = SamplingParams(temperature=0.9, top_p=0.95, seed=1234)
     for policy in (PolicyConfig(name="svip", threshold=0.6), PolicyConfig(name="heuristic")):
         request = GenerationRequest(prompt_ids["long"], 40, sampling=sampling, policy=policy)
@@ -194,7 +194,8 @@ def test_sampled_tokens_follow_the_target_through_load_aware_pauses(models, prom
     engine.verifier.load = lambda sessions=None: HEAVY if next(calls) % 4 < 2 else light
     policy = PolicyConfig(name="constant", draft_length=3)
     requests = [
-        GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy)
+        GenerationRequest(prompt, 3, sampling=SamplingParams(**{**vars(sampling), "seed": seed}), policy=policy,
+                          ignore_eos=True)  # a sample that draws EOS first still has a second token
         for seed in range(SAMPLES)
     ]
     results = engine.generate_many(requests, 50)

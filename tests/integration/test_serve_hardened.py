@@ -48,7 +48,7 @@ def expected(wide_pair):
     """The in-process engine's greedy text for PROMPT (the target alone, padding never chosen)."""
     target, draft = load_model(wide_pair.target), load_model(wide_pair.draft)
     ids = tuple(target.tokenizer(PROMPT)["input_ids"])
-    result = SpeculativeEngine(target, draft).generate(GenerationRequest(ids, MAX_NEW))
+    result = SpeculativeEngine(target, draft, load_aware="off").generate(GenerationRequest(ids, MAX_NEW))
     return target.tokenizer.decode(result.token_ids, skip_special_tokens=True)
 
 

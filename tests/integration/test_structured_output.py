@@ -48,7 +48,7 @@ def _request(ids, grammar, policy=POLICIES["svip"], sampling=SamplingParams()) -
 def test_greedy_equals_the_target_alone_with_the_grammar_in_process(models, prompt_ids, alone, grammar):
     """One at a time and batched, chains, CaPE's trees and deep ones: the target alone's tokens, which the
     grammar allows (a deep tree's children drafted under it along their siblings' paths)."""
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     requests = [_request(ids, GRAMMARS[grammar], policy)
                 for ids in prompt_ids.values()
                 for policy in (POLICIES["svip"], TREE_POLICIES["constant-cape"], TREE_POLICIES["svip-deep"])]
@@ -78,7 +78,7 @@ def test_greedy_equals_the_target_alone_with_the_grammar_across_the_workers(mode
 @pytest.mark.parametrize("policy", [*POLICIES, *TREE_POLICIES])
 def test_a_json_schema_answer_parses_and_validates_for_every_policy(models, prompt_ids, policy):
     """Long enough to close (the schema bounds the answer), the text is JSON its schema accepts."""
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     tok = models["target"].tokenizer
     for ids in prompt_ids.values():
         result = engine.generate(GenerationRequest(ids, 200, SamplingParams(grammar=GRAMMARS["json_schema"]),
@@ -189,7 +189,7 @@ def test_a_feature_head_drafts_under_the_grammar_and_the_output_is_the_target_al
                                   SamplingParams(grammar=GRAMMARS[name]), POLICIES["svip"])
                 for text in ("Reply in JSON:", "def parse(argv):") for name in ("json_schema", "regex")]
     expected = [SpeculativeEngine(target, None).generate(r).token_ids for r in requests]
-    results = [SpeculativeEngine(target, head).generate(r) for r in requests]
+    results = [SpeculativeEngine(target, head, load_aware="off").generate(r) for r in requests]
     assert [r.token_ids for r in results] == expected and sum(r.stats.accepted_tokens for r in results) > 0
     for pipeline in ("sync", "async"):
         assert [r.token_ids for r in pair_for(target, head, pipeline).generate_all(requests)] == expected

@@ -76,7 +76,7 @@ def test_greedy_equals_the_target_alone_at_degree_two_in_process_and_batched(mod
     asked = requests(prompt_ids, [POLICIES["svip"], TREE_POLICIES["svip-cape"], TREE_POLICIES["svip-deep"]])
     alone = SpeculativeEngine(tp_target, None)
     expected = [alone.generate(r).token_ids for r in asked]
-    engine = SpeculativeEngine(tp_target, models["close_draft"])
+    engine = SpeculativeEngine(tp_target, models["close_draft"], load_aware="off")
     results = [engine.generate(r) for r in asked]
     assert [r.token_ids for r in results] == expected and sum(r.stats.accepted_tokens for r in results) > 0
     assert [r.token_ids for r in engine.generate_many(asked, len(asked))] == expected
@@ -106,7 +106,7 @@ def test_sampled_output_follows_the_target_at_degree_two(models, tp_target, prom
     """The first token of 1,200 seeded requests with speculation on: the target's own distribution
     at degree 2 (its first row's softmax at T 1)."""
     prompt = prompt_ids["medium"]
-    engine = SpeculativeEngine(tp_target, models["close_draft"])
+    engine = SpeculativeEngine(tp_target, models["close_draft"], load_aware="off")
     asked = [GenerationRequest(prompt, 2, SamplingParams(temperature=1.0, seed=s),
                                PolicyConfig(name="constant", draft_length=3)) for s in range(1200)]
     firsts = [r.token_ids[0] for r in engine.generate_many(asked, 32)]
@@ -149,12 +149,12 @@ def test_a_feature_head_drafts_from_the_sharded_targets_features(models, model_d
     path = save_head(random_head(models["target"], seed=7), tmp_path / "head")
     head = load_head_beside(str(path), model_dirs.target)
     asked = requests(prompt_ids, [POLICIES["svip"], TREE_POLICIES["svip-deep"]])
-    engine = SpeculativeEngine(tp_target, head)
+    engine = SpeculativeEngine(tp_target, head, load_aware="off")
     results = [engine.generate(r) for r in asked]
     alone = SpeculativeEngine(tp_target, None)
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in asked]
     assert sum(r.stats.draft_tokens for r in results) > 0
-    whole = SpeculativeEngine(models["target"], head)  # the head drafts alike beside the whole model
+    whole = SpeculativeEngine(models["target"], head, load_aware="off")  # the head drafts alike beside the whole model
     assert [r.stats.accepted_lengths for r in results] == [whole.generate(r).stats.accepted_lengths for r in asked]
 
 

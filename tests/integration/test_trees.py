@@ -29,7 +29,7 @@ def alone(models, prompt_ids):
 @pytest.mark.parametrize("draft_name", ["random_draft", "close_draft"])
 @pytest.mark.parametrize("policy", list(TREE_POLICIES))
 def test_a_tree_settles_what_the_target_alone_settles(models, prompt_ids, alone, draft_name, policy):
-    engine = SpeculativeEngine(models["target"], models[draft_name])
+    engine = SpeculativeEngine(models["target"], models[draft_name], load_aware="off")
     for name, ids in prompt_ids.items():
         result = engine.generate(GenerationRequest(ids, MAX_NEW, policy=TREE_POLICIES[policy]))
         assert result.token_ids == alone[name], (policy, draft_name, name)
@@ -38,7 +38,7 @@ def test_a_tree_settles_what_the_target_alone_settles(models, prompt_ids, alone,
 
 
 def test_siblings_cover_rejections_and_each_settles_one_more_token(models, prompt_ids, alone):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     chain = PolicyConfig(name="constant", draft_length=3)
     tree = dataclasses.replace(chain, tree="cape")
     settled = {"off": 0, "cape": 0}
@@ -59,7 +59,7 @@ def test_nodes_grown_below_siblings_settle_a_place_further(models, prompt_ids, a
     settles both and the target's token after them (a verdict's branch of two tokens), and the
     output is still the target's alone. (Tokens a round, deep against CaPE on the embedded pair:
     docs/benchmarks.md; this pair's close draft seldom has a rejection its sibling covers.)"""
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     policy = PolicyConfig(name="constant", draft_length=3, tree="deep")
     deeper, grown = 0, 0
     for name, ids in prompt_ids.items():
@@ -81,7 +81,7 @@ def test_each_grown_child_is_the_drafts_own_next_token_after_its_sibling(models,
     """A deep tree's children come from rows computed beside the spine's next token (siblings of
     earlier places) or in a forward of their own (the last place's): each is the draft's most
     likely token after its sibling's path, as a plain forward of that path gives it."""
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     draft = models["close_draft"].model
     places = set()
     for ids in prompt_ids.values():
@@ -101,7 +101,7 @@ def test_each_grown_child_is_the_drafts_own_next_token_after_its_sibling(models,
 
 @pytest.mark.parametrize("tree", ["cape", "auto", "deep"])
 def test_batched_trees_equal_one_at_a_time(models, prompt_ids, alone, tree):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     policy = PolicyConfig(name="svip", threshold=0.6, tree=tree)
     names = list(prompt_ids)
     requests = [GenerationRequest(prompt_ids[name], MAX_NEW, policy=policy) for name in names]
@@ -112,7 +112,7 @@ def test_batched_trees_equal_one_at_a_time(models, prompt_ids, alone, tree):
 def test_trees_chains_and_sampled_trees_in_one_batch_equal_each_alone(models, prompt_ids):
     """One batched step verifies a CaPE tree, a priced tree, a chain and a sampled tree side by side
     (packed together where their lengths allow): each request's output is what it makes alone."""
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     policies = [PolicyConfig(name="svip", threshold=0.6, tree="cape"), PolicyConfig(name="svip", threshold=0.6),
                 PolicyConfig(name="constant", draft_length=3, tree="auto"), PolicyConfig(name="svip", tree="cape"),
                 PolicyConfig(name="constant", draft_length=3, tree="deep"), PolicyConfig(name="svip", tree="deep")]
@@ -126,7 +126,8 @@ def test_trees_chains_and_sampled_trees_in_one_batch_equal_each_alone(models, pr
 
 @pytest.mark.parametrize("tree", ["cape", "deep"])
 def test_a_trees_nodes_are_bounded_whatever_the_request(models, prompt_ids, tree):
-    engine = SpeculativeEngine(models["target"], models["random_draft"])  # unsure everywhere: the widest trees
+    # unsure everywhere: the widest trees
+    engine = SpeculativeEngine(models["target"], models["random_draft"], load_aware="off")
     policy = PolicyConfig(name="constant", draft_length=40, max_draft_length=40, tree=tree)
     seen = []
     request = GenerationRequest(prompt_ids["short"], 60, policy=policy)
@@ -135,7 +136,7 @@ def test_a_trees_nodes_are_bounded_whatever_the_request(models, prompt_ids, tree
 
 
 def test_an_unknown_tree_is_refused_by_name(models, prompt_ids):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     with pytest.raises(InvalidRequest, match="unknown tree 'deepest'"):
         engine.generate(GenerationRequest(prompt_ids["short"], 8, policy=PolicyConfig(name="svip", tree="deepest")))
 
@@ -143,7 +144,7 @@ def test_an_unknown_tree_is_refused_by_name(models, prompt_ids):
 @pytest.mark.parametrize("tree", ["cape", "deep"])
 def test_a_seeded_sampled_tree_reproduces_one_at_a_time_and_batched(models, prompt_ids, tree):
     """Every draw of a tree's round is keyed by (seed, place, purpose): the siblings' coins too."""
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     policy = PolicyConfig(name="svip", threshold=0.6, tree=tree)
     requests = [GenerationRequest(ids, 24, SamplingParams(temperature=0.9, seed=7 + i), policy)
                 for i, ids in enumerate(prompt_ids.values())]

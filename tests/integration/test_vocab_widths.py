@@ -51,19 +51,20 @@ def reference(wide, wide_pair):
 
 
 def test_the_pair_limits_are_the_smallest_width_and_the_tokenizer(wide, wide_pair):
-    engine = SpeculativeEngine(*wide)
+    engine = SpeculativeEngine(*wide, load_aware="off")
     assert engine.limits.tokens == wide_pair.tokens
     assert wide[0].vocab_size == wide_pair.target_width and wide[1].vocab_size == wide_pair.draft_width
 
 
 @pytest.mark.parametrize("policy", POLICIES, ids=lambda p: p.name)
 def test_greedy_never_emits_padding_and_equals_the_target_alone(wide, reference, policy):
-    result = SpeculativeEngine(*wide).generate(GenerationRequest(PROMPT, MAX_NEW, policy=policy, ignore_eos=True))
+    engine = SpeculativeEngine(*wide, load_aware="off")
+    result = engine.generate(GenerationRequest(PROMPT, MAX_NEW, policy=policy, ignore_eos=True))
     assert result.token_ids == reference
 
 
 def test_sampling_never_emits_padding(wide, wide_pair):
-    engine = SpeculativeEngine(*wide)
+    engine = SpeculativeEngine(*wide, load_aware="off")
     for seed in range(30):
         request = GenerationRequest(
             PROMPT, 12, SamplingParams(temperature=1.5, seed=seed), PolicyConfig(name="constant", draft_length=3)
@@ -73,7 +74,7 @@ def test_sampling_never_emits_padding(wide, wide_pair):
 
 @pytest.mark.parametrize("bad", ["draft_width", "target_width"])
 def test_ids_past_the_smaller_embedding_are_refused(wide, wide_pair, bad):
-    engine = SpeculativeEngine(*wide)
+    engine = SpeculativeEngine(*wide, load_aware="off")
     for token in (wide_pair.tokens, wide_pair.draft_width, getattr(wide_pair, bad) - 1):
         with pytest.raises(InvalidRequest, match=f"prompt token id {token} is outside the vocabulary"):
             engine.generate(GenerationRequest((5, token), 4))

@@ -59,7 +59,7 @@ def test_threshold_is_carried_across_entropy_scales():
 
 
 def test_auto_threshold_keeps_greedy_output_exact(models, prompt_ids):
-    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
     alone = SpeculativeEngine(models["target"], None)
     request = GenerationRequest(prompt_ids["medium"], 32, policy=PolicyConfig(name="svip", threshold="auto"))
     resolved = engine.resolve(request)

@@ -205,3 +205,24 @@ def test_no_class_is_longer_than_a_reader_holds():
             if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > MAX_CLASS_LINES:
                 long.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
     assert not long, long
+
+
+MAX_PARSER_LINES = 60
+
+
+def test_the_parsers_are_built_from_declarations_not_written_out():
+    """The CLI's parsers take the knobs' flags from their declaration (svip_common/knobs.py): a
+    function that builds a parser stays short, and no product code reads a flag through
+    getattr(args, name, default), a second default."""
+    builders = []
+    fallbacks = []
+    for name, path in MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.FunctionDef) and ("parser" in node.name or node.name == "add_arguments"):
+                if node.end_lineno - node.lineno + 1 > MAX_PARSER_LINES and name.startswith("svip_cli"):
+                    builders.append(f"{name}.{node.name}: {node.end_lineno - node.lineno + 1} lines")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Name) and node.func.id == "getattr"
+                    and len(node.args) == 3 and isinstance(node.args[0], ast.Name) and node.args[0].id == "args"):
+                fallbacks.append(f"{name}:{node.lineno}")
+    assert not builders, builders
+    assert not fallbacks, f"getattr(args, ..., default) gives a knob a second default: {fallbacks}"
