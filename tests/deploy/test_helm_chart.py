@@ -779,14 +779,14 @@ CHART_TO_PAIR = [
     ({"decoding": {"loadAware": "off"}}, "load_aware", "off"),
     ({"decoding": {"idlePrefill": "always"}}, "idle_prefill", "always"),
     ({"decoding": {"draftParallel": 1}}, "draft_parallel", 1),
-    ({"decoding": {"auto": {"learn": False}}}, "auto.learn", False),
-    ({"decoding": {"auto": {"cost": 0.5}}}, "auto.cost", 0.5),
-    ({"decoding": {"auto": {"window": 1024}}}, "auto.window", 1024),
-    ({"serve": {"workerRestarts": 2}}, "recovery.max_restarts", 2),
-    ({"serve": {"draftStallS": 7}}, "recovery.draft_stall_s", 7.0),
-    ({"serve": {"sampledHoldS": 9}}, "recovery.sampled_hold_s", 9.0),
-    ({"serve": {"workerStartTimeoutS": 1200}}, "start_timeout_s", 1200),
-    ({"serve": {"workerStartTimeoutS": 1200}}, "recovery.draft_recover_s", 1200.0),
+    ({"decoding": {"auto": {"learn": False}}}, "auto_learn", False),
+    ({"decoding": {"auto": {"cost": 0.5}}}, "auto_cost", 0.5),
+    ({"decoding": {"auto": {"window": 1024}}}, "auto_window", 1024),
+    ({"serve": {"workerRestarts": 2}}, "worker_restarts", 2),
+    ({"serve": {"draftStallS": 7}}, "draft_stall_s", 7.0),
+    ({"serve": {"sampledHoldS": 9}}, "sampled_hold_s", 9.0),
+    ({"serve": {"workerStartTimeoutS": 1200}}, "worker_start_timeout_s", 1200),
+    ({"decoding": {"draftLengthCap": 16}}, "draft_length_cap", 16),
 ]
 # ... and the fields it does not, each with the reason (a field added to PairConfig must be in one
 # list or the other: the test below fails until it is)
@@ -795,7 +795,6 @@ NOT_FROM_CHART = {
     "layout": "a replica's placement group packs its pair on one node (ServeSettings.bundles)",
     "packed": "always: the pair shares its replica's node and talks over loopback",
     "insecure_workers": "never needed: packed workers talk over loopback; grpcTls covers the rest",
-    "max_draft_length": "the wire contract's cap (svip_common/contracts.py), the app's draft_length_cap default",
     "placement_timeout_s": "PairConfig's default: Serve places the replica's bundles before the workers start",
     "emulate": "device timing stands in for GPUs on a machine without them; a cluster's workers have real ones",
 }

@@ -77,6 +77,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "load_aware" $v.decoding.loadAware
   "idle_prefill" $v.decoding.idlePrefill
   "draft_parallel" (int $v.decoding.draftParallel)
+  "draft_length_cap" (int $v.decoding.draftLengthCap)
   "policy" $v.decoding.policy
   "threshold" $v.decoding.threshold
   "tree" $v.decoding.tree
@@ -90,6 +91,10 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "default_max_tokens" (int $v.serve.defaultMaxTokens)
   "drain_timeout_s" $v.serve.drainTimeoutS
   "allow_ignore_eos" $v.serve.allowIgnoreEos
+  "health_check_period_s" $v.serve.healthCheckPeriodS
+  "max_request_bytes" (int $v.serve.maxRequestBytes)
+  "body_read_timeout_s" $v.serve.bodyReadTimeoutS
+  "max_grammar_compile_ms" (int $v.serve.maxGrammarCompileMs)
 -}}
 {{- if $v.grpcTls.secretName -}}
 {{- $_ := set $args "grpc_tls_dir" "/etc/svip/grpc-tls" -}}
