@@ -116,6 +116,7 @@ class MemoryStream:
 
     def __init__(self, serialise: Callable[[list], list[bytes]]):
         self.sessions = 0
+        self.closed = False  # as a gRPC stream's: the host drops what waits on one whose peer went away
         self.emitted: list = []
         self._serialise = serialise
 

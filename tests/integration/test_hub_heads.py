@@ -100,7 +100,7 @@ def test_a_misnamed_head_is_one_line(hf_home, draft, words):
 
 def test_draft_kind_eagle_needs_a_draft(hf_home):
     proc = svip(hf_home, *GENERATE, "--draft-kind", "eagle")
-    assert proc.returncode != 0 and "--draft-kind eagle needs --draft" in proc.stderr, proc.stderr[-2000:]
+    assert proc.returncode != 0 and "draft_kind 'eagle' needs a draft" in proc.stderr, proc.stderr[-2000:]
     assert "Traceback" not in proc.stderr
 
 
