@@ -32,10 +32,11 @@ RAY_SLOW_STARTS = ("timed out during startup", "Timed out waiting for file")
 RAY_START_ATTEMPTS = 2
 
 
-def init_local_ray(pairs: int = 1, metrics_port: int | None = None, target_ranks: int = 1) -> None:
+def init_local_ray(pairs: int = 1, metrics_port: int | None = None, target_ranks: int = 1,
+                   draft_ranks: int = 1) -> None:
     """Start (or join) a Ray instance on this machine whose every listener is on 127.0.0.1.
-    metrics_port: where Ray's agent serves Prometheus metrics (None: a free port); target_ranks:
-    each pair's target's tensor-parallel ranks (a logical CPU each)."""
+    metrics_port: where Ray's agent serves Prometheus metrics (None: a free port); target_ranks,
+    draft_ranks: each pair's models' tensor-parallel ranks (a logical CPU each)."""
     if metrics_port == RAY_AGENT_PORT:
         raise InvalidRequest(f"--metrics-port {RAY_AGENT_PORT} is where Ray's dashboard agent listens; choose another")
     # Read by ray when it is first imported, and inherited by the processes Ray starts
@@ -54,7 +55,7 @@ def init_local_ray(pairs: int = 1, metrics_port: int | None = None, target_ranks
         _node_ip_address="127.0.0.1",
         include_dashboard=False,
         # a logical CPU per worker actor (each target rank), and per Serve replica
-        num_cpus=max((2 + target_ranks) * pairs, os.cpu_count() or 2),
+        num_cpus=max((1 + target_ranks + draft_ranks) * pairs, os.cpu_count() or 2),
         resources={DRAFT_RESOURCE: pairs, TARGET_RESOURCE: pairs},
         log_to_driver=False,
         configure_logging=False,
@@ -143,18 +144,20 @@ PLACEMENTS = {"pack": "STRICT_PACK", "spread": "STRICT_SPREAD"}  # draft and tar
 
 
 def pair_placement_group(strategy: str, target_gpus: float, draft_gpus: float, cpus: float = 1,
-                         target_cpus: float | None = None):
+                         target_cpus: float | None = None, draft_cpus: float | None = None):
     """A placement group of two bundles, the target's and the draft's, on one node or two. Where
     the cluster's nodes offer the role resources, each bundle asks for its role's (the nodes an
-    operator marked for targets and for drafts). target_cpus: the target's bundle's (every rank's
-    of a tensor-parallel one; default cpus)."""
+    operator marked for targets and for drafts). target_cpus, draft_cpus: a bundle's (every rank's
+    of a tensor-parallel model; default cpus)."""
     import ray
     from ray.util.placement_group import placement_group
 
     offered = ray.cluster_resources()
     bundles = []
     target_cpus = cpus if target_cpus is None else target_cpus
-    for gpus, role, bundle_cpus in ((target_gpus, TARGET_RESOURCE, target_cpus), (draft_gpus, DRAFT_RESOURCE, cpus)):
+    draft_cpus = cpus if draft_cpus is None else draft_cpus
+    for gpus, role, bundle_cpus in ((target_gpus, TARGET_RESOURCE, target_cpus),
+                                    (draft_gpus, DRAFT_RESOURCE, draft_cpus)):
         bundle = {"CPU": bundle_cpus, **({"GPU": gpus} if gpus else {})}
         if offered.get(TARGET_RESOURCE) and offered.get(DRAFT_RESOURCE):
             bundle[role] = 1
@@ -183,6 +186,8 @@ class WorkerPair:
         self.target_info: ModelInfo = load_model_info(config.target)
         draft_info, feature_layers = None, ()
         if config.draft is not None and is_feature_head(config.draft):  # the target hands its features over
+            if config.draft_tp > 1:
+                raise InvalidRequest(f"draft_tp {config.draft_tp}: a feature head runs on one device")
             feature_layers = head_layers(config.draft, self.target_info.num_layers)
         elif config.draft is not None:
             draft_info = load_model_info(config.draft)
@@ -198,7 +203,8 @@ class WorkerPair:
         tp, target_gpus = config.target_tp, config.gpus_of("target")
         if config.layout is not None and placement is None:
             placement = self._own_placement = pair_placement_group(
-                config.layout, target_gpus * tp, config.gpus_of("draft"), config.worker_cpus, config.worker_cpus * tp)
+                config.layout, target_gpus * tp, config.gpus_of("draft") * config.draft_tp, config.worker_cpus,
+                config.worker_cpus * tp, config.worker_cpus * config.draft_tp)
             bundles = (0, 1)
             if not placement.wait(config.placement_timeout_s):
                 self.shutdown()
@@ -222,7 +228,7 @@ class WorkerPair:
             .options(**actor_options("target", target_gpus, placement, bundles[0], config.worker_cpus),
                      **restarts)
             .remote(config, self.limits, host=host, tls=self.tls, auto_prior=stored_prior(config.draft),
-                    feature_layers=feature_layers)
+                    feature_layers=feature_layers, bundle=bundles[0] if placement is not None else None)
         )
         self.target_address = self.draft_address = None
         if config.draft is not None:
@@ -230,7 +236,8 @@ class WorkerPair:
                 ray.remote(DraftActor)
                 .options(**actor_options("draft", config.gpus_of("draft"), placement, bundles[1], config.worker_cpus),
                          **restarts)
-                .remote(config, self.limits, target_vocab_size=self.target_info.vocab_size, host=host, tls=self.tls)
+                .remote(config, self.limits, target_vocab_size=self.target_info.vocab_size, host=host, tls=self.tls,
+                        bundle=bundles[1] if placement is not None else None)
             )
         actors = [a for a in (self.target, self.draft) if a is not None]
         with self._starting(

@@ -52,36 +52,43 @@ def open_engine(config: PairConfig, mode: str = "inprocess", pipeline: str = def
 
 def load_inprocess(config: PairConfig) -> SpeculativeEngine:
     """Both models in this process, as ``config`` says: a tensor-parallel target's other ranks as
-    threads, a feature head beside it, device timing where it names devices."""
+    threads (the draft's too), a feature head beside it, device timing where it names devices."""
     import transformers
 
     from coordinator.engine import SpeculativeEngine
-    from svip_common.models import is_feature_head, load_model
+    from svip_common.models import is_feature_head
 
     config = config.checked()
     emulation = config.emulation()  # a bad spec named before any model loads
-    if emulation is not None and config.target_tp > 1 and emulation.target.count != config.target_tp:
-        raise InvalidRequest(f"target_tp {config.target_tp}, but emulate times the target on "
-                             f"{emulation.target.count} device(s): name as many (target=MODEL@NxDEVICE)")
+    timed = {} if emulation is None else {"target": emulation.target, "draft": emulation.draft}
+    for role, tp in (("target", config.target_tp), ("draft", config.draft_tp)):
+        devices = timed.get(role)
+        if devices is not None and tp > 1 and devices.count != tp:
+            raise InvalidRequest(f"{role}_tp {tp}, but emulate times the {role} on {devices.count} device(s): "
+                                 f"name as many ({role}=MODEL@NxDEVICE)")
+    head = config.draft is not None and is_feature_head(config.draft)
+    if head and config.draft_tp > 1:
+        raise InvalidRequest(f"draft_tp {config.draft_tp}: a feature head runs on one device")
     transformers.utils.logging.disable_progress_bar()
     transformers.utils.logging.set_verbosity_error()
-    target = load_target(config.target, config.dtype, config.device, config.target_tp)
-    if config.draft is not None and is_feature_head(config.draft):
+    target = load_sharded(config.target, config.dtype, config.device, config.target_tp)
+    if head:
         from draft_worker.feature_draft import load_feature_draft, load_head_beside
 
         # a shard holds part of the target's embedding: the head reads its own copy
         draft = (load_head_beside(config.draft, config.target, config.dtype, config.device) if config.target_tp > 1
                  else load_feature_draft(config.draft, target))
     else:
-        draft = None if config.draft is None else load_model(config.draft, config.dtype, config.device)
+        draft = None if config.draft is None else load_sharded(config.draft, config.dtype, config.device,
+                                                                 config.draft_tp)
     engine = SpeculativeEngine(target, draft, config)
     if emulation is not None:
         engine.time_as(emulation)
     return engine
 
 
-def load_target(path: str, dtype: str, device: str, tp: int):
-    """The in-process target: the whole model, or (tp > 1) rank 0 of a tensor-parallel group whose
+def load_sharded(path: str, dtype: str, device: str, tp: int):
+    """An in-process model: the whole of it, or (tp > 1) rank 0 of a tensor-parallel group whose
     other ranks are threads of this process (svip_common/tensor_parallel.py LocalRanks)."""
     from svip_common.models import DTYPES, load_model
 
@@ -93,6 +100,6 @@ def load_target(path: str, dtype: str, device: str, tp: int):
 
     check_degree(AutoConfig.from_pretrained(path).get_text_config(decoder=True), tp)  # before any rank starts
     ranks = LocalRanks(path, tp, DTYPES.get(dtype, DTYPES["float32"]), device)
-    target = load_model(path, dtype, device, group=ranks.group)
-    target.ranks = ranks  # the threads live as long as the model
-    return target
+    model = load_model(path, dtype, device, group=ranks.group)
+    model.ranks = ranks  # the threads live as long as the model
+    return model

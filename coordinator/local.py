@@ -22,7 +22,7 @@ class LocalDistributed:
         """config: the pair and its workers (svip_common/pair_config.py); ray_address: an existing
         cluster's (None: a Ray of this machine's, on loopback). The pair checks the config."""
         if ray_address is None:
-            init_local_ray(target_ranks=config.target_tp)
+            init_local_ray(target_ranks=config.target_tp, draft_ranks=config.draft_tp)
         else:
             import ray
 

@@ -18,13 +18,16 @@ from svip_runtime.actor import ModelActor
 class DraftActor(ModelActor):
     service_name = "svip.v1.DraftWorker"
 
-    def __init__(self, config: PairConfig, limits, target_vocab_size: int, host: str | None = "127.0.0.1", tls=None):
+    def __init__(self, config: PairConfig, limits, target_vocab_size: int, host: str | None = "127.0.0.1", tls=None,
+                 bundle: int | None = None):
         """config: the pair's (svip_common/pair_config.py: its draft, and the target's checkpoint,
         whose embedding table a feature head reads; max_batched_tokens caps a draft forward too,
-        a prompt prefilled in chunks under it); host: where to listen; tls: mutual TLS with the
-        target."""
+        a prompt prefilled in chunks under it; draft_tp its ranks); host: where to listen; tls:
+        mutual TLS with the target; bundle: its placement group's bundle, where a tensor-parallel
+        draft's other ranks go."""
         super().__init__(config.draft, limits, dtype=config.dtype, device=config.device, host=host, tls=tls,
-                         kv_cache_tokens=config.kv_cache_tokens, insecure=config.insecure_workers)
+                         kv_cache_tokens=config.kv_cache_tokens, insecure=config.insecure_workers,
+                         tp=config.draft_tp, bundle=bundle, rank_cpus=config.worker_cpus)
         self.target_vocab_size = target_vocab_size
         self.max_batched_tokens = config.max_batched_tokens
         self.target_path = config.target

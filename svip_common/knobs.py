@@ -88,6 +88,9 @@ KNOBS: tuple[Knob, ...] = (
          "cache (the model's attention and KV heads and MLP columns divide by N): a GPU each (a Ray actor each; "
          "in process a thread each); with emulate, the target's device count must be N",
          (GENERATE, SERVE, BENCH, SETTINGS, CHART), low=1, high=MAX_TP_DEGREE, group=M, chart="model.tensorParallel"),
+    Knob("draft_tp", int, 1, "the draft model as this many tensor-parallel ranks, as target_tp (a feature head runs "
+         "on one device)", (GENERATE, SERVE, BENCH, SETTINGS, CHART), low=1, high=MAX_TP_DEGREE, group=M,
+         chart="model.draftTensorParallel"),
     # --- where the workers go -----------------------------------------------------------------------
     Knob("target_gpus", int, 1, "with device cuda: GPUs the target spans (one node), its layers one GPU after "
          "another", ALL_DEPLOYED, low=1, high=MAX_TP_DEGREE, scope="distributed", chart="model.targetGpus"),

@@ -29,10 +29,10 @@ def check_tp_degree(degree, flag: str = "tensor parallel degree") -> int:
     return knob("target_tp").check(degree, flag)
 
 
-def check_gpus(target_tp: int, target_gpus: int) -> None:
-    """A tensor-parallel target's ranks take a GPU each: its layers are not spread over more."""
-    if target_tp > 1 and target_gpus > 1:
-        raise InvalidRequest("a tensor-parallel target takes one GPU a rank: give target_tp, not target_gpus")
+def check_gpus(tp: int, gpus: int, role: str = "target") -> None:
+    """A tensor-parallel model's ranks take a GPU each: its layers are not spread over more."""
+    if tp > 1 and gpus > 1:
+        raise InvalidRequest(f"a tensor-parallel {role} takes one GPU a rank: give {role}_tp, not {role}_gpus")
 
 
 @dataclass(frozen=True)
@@ -55,6 +55,7 @@ class PairConfig:
     target_gpus: int = _knob("target_gpus")  # read with device cuda only (gpus_of)
     target_tp: int = _knob("target_tp")
     draft_gpus: int = _knob("draft_gpus")
+    draft_tp: int = _knob("draft_tp")
     worker_cpus: float = _knob("worker_cpus")
     layout: str | None = _knob("layout")
     packed: bool = False  # the caller's placement puts both workers on one node: they talk over loopback
@@ -83,6 +84,9 @@ class PairConfig:
         if not self.placement_timeout_s > 0:
             raise InvalidRequest(f"placement_timeout_s must be > 0, got {self.placement_timeout_s}")
         check_gpus(self.target_tp, self.target_gpus)
+        check_gpus(self.draft_tp, self.draft_gpus, "draft")
+        if self.draft_tp > 1 and self.draft is None:
+            raise InvalidRequest("draft_tp needs a draft model (the pair has none)")
         self.auto.check()
         if self.emulate is not None:
             self.emulation()
@@ -93,11 +97,11 @@ class PairConfig:
         return self.device.startswith("cuda")
 
     def gpus_of(self, role: str) -> int:
-        """GPUs a worker asks Ray for: none on the CPU; a tensor-parallel target's ranks one each."""
+        """GPUs a worker (its rank 0) asks Ray for: none on the CPU; a tensor-parallel model's ranks one each."""
         if not self.on_gpus:
             return 0
         if role == "draft":
-            return self.draft_gpus
+            return self.draft_gpus if self.draft_tp == 1 else 1
         return self.target_gpus if self.target_tp == 1 else 1
 
     @property

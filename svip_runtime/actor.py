@@ -32,10 +32,13 @@ class ModelActor:
 
     def __init__(self, model_path: str, limits: Limits, dtype: str = "float32", device: str = "cpu",
                  threads: int = 1, host: str | None = "127.0.0.1", tls: TlsFiles | None = None,
-                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, insecure: bool = False):
+                 kv_cache_tokens: int = DEFAULT_KV_TOKENS, insecure: bool = False, tp: int = 1,
+                 bundle: int | None = None, rank_cpus: float = 1.0):
         """Cheap: the actor answers as soon as Ray has placed it; load() brings the weights.
         kv_cache_tokens: the worker's KV pool, in tokens, shared by its sessions; insecure: serve
-        plaintext on a non-loopback address (refused otherwise)."""
+        plaintext on a non-loopback address (refused otherwise); tp: the model's tensor-parallel
+        ranks (this actor is rank 0; the others its own actors, in its placement group's bundle,
+        rank_cpus each: svip_runtime/ranks.py)."""
         self.insecure = insecure
         self.kv_cache_tokens = kv_cache_tokens
         torch.set_num_threads(threads)
@@ -43,6 +46,8 @@ class ModelActor:
         # torch ops; hand it over every 0.5 ms instead of every 5 ms, so I/O is not held back
         sys.setswitchinterval(SWITCH_INTERVAL_S)
         self._load_args = (model_path, dtype, device)
+        self.tp, self.bundle, self.rank_cpus = tp, bundle, rank_cpus
+        self.ranks: list = []  # a tensor-parallel model's ranks past 0 (this actor's own)
         self.model: LoadedModel | None = None
         self.limits = limits  # what this worker accepts from the wire (the pair's, not only its own)
         self.host, self.tls = host, tls
@@ -64,14 +69,27 @@ class ModelActor:
                 "devices": devices}
 
     def load(self) -> None:
-        """Load the weights (from the hub's cache, or downloading them first)."""
+        """Load the weights (from the hub's cache, or downloading them first): the whole model, or
+        rank 0's shard of a tensor-parallel one, whose other ranks start here and join its group."""
         if self.model is None:
             model_path, dtype, device = self._load_args
             if device == "auto":
                 device = "cuda" if torch.cuda.is_available() else "cpu"
+            if self.tp > 1:
+                from svip_runtime.ranks import load_rank_zero
+
+                self.model, self.ranks = load_rank_zero(model_path, dtype, device, self.tp, self.host, self.bundle,
+                                                        self.rank_cpus)
+                return
             # Ray makes only this actor's GPUs visible: more than one means the model spans them
             spread = device.startswith("cuda") and torch.cuda.device_count() > 1
             self.model = load_model(model_path, dtype, device, spread=spread)
+
+    def rank_pids(self) -> list[int]:
+        """The processes of its tensor-parallel ranks past 0 (what a fault drill signals)."""
+        import ray
+
+        return ray.get([rank.pid.remote() for rank in self.ranks], timeout=60)
 
     def make_service(self, **kwargs):
         raise NotImplementedError

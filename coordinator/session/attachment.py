@@ -1,6 +1,6 @@
 """Whether a draft works on a distributed session, and what happens when that changes: a part of
-SessionPipeline (pipeline.py), which holds the state it reads and writes (mode, epoch, committed,
-verifying, reattach, ahead, feedback). The draft's session starts on the committed tokens; a draft
+SessionPipeline (pipeline.py) over the state state.py declares (mode, epoch, committed, verifying,
+reattach, ahead, feedback). The draft's session starts on the committed tokens; a draft
 lost or stalled is left behind (*detach*: the epoch advances, the target settles tokens alone; a
 sampled session first holds for it so that a seed reproduces); one back takes the session up again
 (*attach*), not before a stall's backoff; one that failed the session is given up for good. Why
@@ -8,28 +8,18 @@ each step is exact: pipeline.py's docstring, Recovery."""
 
 from __future__ import annotations
 
-import enum
 import logging
 
 from coordinator.session.effects import event
 from coordinator.session.reattach import AttachWait
+from coordinator.session.state import DraftMode, SessionState
 from svip_common.contracts import Verdict
 from svip_common.messages import Cancel, DraftedBlock, SessionStart
 
 log = logging.getLogger("coordinator.session.pipeline")
 
 
-class DraftMode(enum.Enum):
-    """Who proposes the session's blocks: one state, not a flag per situation."""
-
-    DRAFTING = "drafting"  # the draft worker proposes blocks
-    PAUSED = "paused"  # load-aware: the draft waits for a Resume; the target settles tokens alone
-    DETACHED = "detached"  # recovery: no draft works on the session; the target settles tokens alone until one is back
-    GIVEN_UP = "given up"  # the draft failed the session (an error, a bad block): the target goes on alone for good
-    CLOSED = "closed"  # the session is over: its draft session is cancelled, nothing more goes to the draft
-
-
-class DraftAttachment:
+class DraftAttachment(SessionState):
     """A part of SessionPipeline (this module's docstring)."""
 
     @event

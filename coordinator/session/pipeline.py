@@ -36,24 +36,17 @@ at the current epoch, and drafting goes on from there.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
 
-from coordinator.session.ahead import AheadBlocks, Waiting
-from coordinator.session.attachment import DraftAttachment, DraftMode
-from coordinator.session.effects import Effects, Finish, Settle, ToDraft, Verify, event
-from coordinator.session.feedback import FeedbackChain
-from coordinator.session.pausing import LoadCap, LoadPause
-from coordinator.session.reattach import Reattach
-from coordinator.session.round_log import RoundLog
+from coordinator.session.ahead import Waiting
+from coordinator.session.attachment import DraftAttachment
+from coordinator.session.effects import Finish, Settle, ToDraft, Verify, event
 from coordinator.session.speculation import SpeculationBudget
+from coordinator.session.state import DraftMode
 from coordinator.session.waiting import WhileWaiting
 from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
-from svip_common.acceptance import SessionStop
 from svip_common.contracts import (
     NO_TOKEN,
     Block,
-    GenerationRequest,
-    Limits,
     Verdict,
     clip_settled,
 )
@@ -66,70 +59,21 @@ from svip_common.messages import (
     DraftRequest,
 )
 from svip_common.sequences import common_prefix
-from svip_common.step_cost import SessionGate, TargetLoad
-from target_worker.verifier import TargetSession
 
 
-class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget, Effects):
+class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
     """One session's protocol on the target side, with no I/O: each event (a method marked
     @event) takes the time now and returns its effects (effects.py), which the host carries out.
     The round is here: a block in (on_draft_event), verified (_verify asks for it: Verify; the
     host's batched step answers verified), decided (_decide: the feedback, the blocks drafted
-    ahead, the settled tokens) and the next one started (_next_round). Its parts, each in its own
-    module over this state: whether a draft works on the session (attachment.py), what the target
-    does while it waits (waiting.py), how much the draft may draft (speculation.py)."""
-
-    def __init__(
-        self,
-        session_id: str,
-        request: GenerationRequest,
-        stop_ids: frozenset[int],
-        limits: Limits,
-        target: TargetSession,
-        with_draft: bool,
-        pipeline: str,
-        now: float,
-        load_cap: LoadCap | None = None,
-        hold_s: float = 0.0,
-        auto: SessionStop | None = None,
-        load: Callable[[], TargetLoad | None] = lambda: None,
-    ):
-        """with_draft: a draft worker drafts for the session (False: the target alone); now: the
-        time it starts; load_cap: load-aware
-        speculation (None: the policy drafts as configured at any load); hold_s: how long a sampled
-        session waits for a lost draft before the target goes on alone; auto: the session's learnt
-        stop (policy auto; svip_common/acceptance.py), its rule sent with each start, feedback and
-        resume; load: the target's load now (what a drafted token costs, for auto's tau)."""
-        self.sid, self.request, self.stop_ids, self.limits = session_id, request, stop_ids, limits
-        self.target, self.with_draft, self.pipeline = target, with_draft, pipeline
-        self.committed = list(request.prompt_ids)
-        self.generated: list[int] = []
-        self.epoch = 0
-        self.verifying: DraftedBlock | None = None  # verified, its decision not yet taken
-        self.finish_reason: str | None = None
-        self.log = RoundLog(started=now)
-        self.stats = self.log.stats
-        self.ahead = AheadBlocks(self.stats)  # async: blocks drafted ahead of the verdict in flight
-        self.reattach = Reattach(hold_s)  # recovery: when a detached session may take a draft up again
-        self._feedback_sent_at = 0.0  # of the latest feedback; its round is the last one recorded
-        self.feedback = FeedbackChain(session_id)  # verdicts' feedback not yet sent, a correction owed
-        self.gate = SessionGate(cuts=auto is None)  # load-aware speculation's estimate for this session
-        self.pausing = LoadPause(load_cap, self.gate, self.stats)  # its cap, and the tokens settled while paused
-        self.auto, self._load = (auto if with_draft else None), load
-        self.mode = DraftMode.DRAFTING
-        self.waiting_since: float | None = None  # since when the session waits on the draft (stall check)
-        # where the draft's next main-line block starts; committed tokens past it are the target's
-        # own, settled while it waited for that block (fill), which the block is checked against
-        self.draft_base = len(self.committed)
-        self.filled = 0  # tokens the target settled alone while the session waited (a round each)
+    ahead, the settled tokens) and the next one started (_next_round). Its state is declared in
+    state.py (SessionState: its fields and __init__); its parts, each in its own module over that
+    state: whether a draft works on the session (attachment.py), what the target does while it
+    waits (waiting.py), how much the draft may draft (speculation.py)."""
 
     @property
     def cached_tokens(self) -> int:
         return self.target.cached_tokens
-
-    @property
-    def done(self) -> bool:
-        return self.finish_reason is not None
 
     # --- from the draft worker ---------------------------------------------------------------------
 

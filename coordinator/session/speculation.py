@@ -1,5 +1,5 @@
 """How much a distributed session's draft may draft, and what each verdict teaches it: a part of
-SessionPipeline (pipeline.py), which holds the state it reads (gate, pausing, auto, the load).
+SessionPipeline (pipeline.py) over the state state.py declares (gate, pausing, auto, the load).
 Load-aware speculation caps the next blocks at what pays at the target's measured load and pauses
 the draft when nothing does (svip_common/step_cost.py); policy auto's stop rule is refit from
 every verdict (svip_common/acceptance.py); a block that answers a feedback times the round trip
@@ -7,15 +7,15 @@ that the gate charges a drafting round."""
 
 from __future__ import annotations
 
-from coordinator.session.attachment import DraftMode
 from coordinator.session.effects import DraftAnswered
+from coordinator.session.state import DraftMode, SessionState
 from svip_common.acceptance import StopRule
 from svip_common.messages import DraftedBlock
 from svip_common.trees import node_price
 from svip_common.trees import priced as tree_priced
 
 
-class SpeculationBudget:
+class SpeculationBudget(SessionState):
     def _record(self, block: DraftedBlock, accepted: int) -> None:
         """The verdict on a drafted block, into load-aware speculation's estimate and auto's."""
         if block.tokens:

@@ -1,17 +1,17 @@
 """What a distributed session asks of the target while it waits on its draft's block: a part of
-SessionPipeline (pipeline.py), which holds the state it reads (mode, verifying, waiting_since,
+SessionPipeline (pipeline.py) over the state state.py declares (mode, verifying, waiting_since,
 committed, feedback, gate). The host's idle work (idle_work.py) asks each session whether it wants
 its next row computed ahead (a prefill) and whether it may settle the target's own next token from
 it (a fill), and does so."""
 
 from __future__ import annotations
 
-from coordinator.session.attachment import DraftMode
 from coordinator.session.effects import event
+from coordinator.session.state import DraftMode, SessionState
 from svip_common.step_cost import StepCost, prefill_pays
 
 
-class WhileWaiting:
+class WhileWaiting(SessionState):
     def wants_prefill(self, now: float, verify: StepCost, always: bool = False) -> bool:
         """The session waits on its draft's block, and the target's cache lacks the row for the
         next place (the last verdict's token, or the prompt, not yet taken in), which it knows (not

@@ -28,7 +28,8 @@ def start(settings: ServeSettings, host: str = "127.0.0.1", port: int = 8000, me
     from coordinator.cluster import init_local_ray
 
     init_local_ray(  # first: it sets Ray's loopback switch before ray is imported
-        pairs=settings.num_replicas, metrics_port=metrics_port, target_ranks=settings.target_tp
+        pairs=settings.num_replicas, metrics_port=metrics_port, target_ranks=settings.target_tp,
+        draft_ranks=settings.draft_tp
     )
     if on_stop_signal is not None:
         for stop_signal in (signal.SIGTERM, signal.SIGINT):  # what systemd, Docker, Kubernetes and Ctrl-C send

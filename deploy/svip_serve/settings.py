@@ -43,6 +43,7 @@ class ServeSettings:
                                  f"got {self.device!r}")
         check_pair_models(self.target, self.draft, self.draft_kind)
         check_gpus(self.target_tp, self.target_gpus)
+        check_gpus(self.draft_tp, self.draft_gpus, "draft")
         self.policy_defaults().validate(self.draft_length_cap)
         self.auto().check()
         if self.emulate is not None:
@@ -98,10 +99,11 @@ class ServeSettings:
     def bundles(self) -> list[dict[str, float]]:
         """The replica's placement group: the replica itself, then the target, then the draft,
         packed onto one node (the workers listen on that node's loopback)."""
-        target, draft = {"CPU": self.worker_cpus * self.target_tp}, {"CPU": self.worker_cpus}  # every rank's
-        if self.gpus:
-            target_gpus = self.target_gpus if self.target_tp == 1 else self.target_tp  # a GPU each rank
-            target["GPU"], draft["GPU"] = float(target_gpus), float(self.draft_gpus)
+        target, draft = {"CPU": self.worker_cpus * self.target_tp}, {"CPU": self.worker_cpus * self.draft_tp}
+        if self.gpus:  # a GPU each rank of a tensor-parallel model
+            target_gpus = self.target_gpus if self.target_tp == 1 else self.target_tp
+            draft_gpus = self.draft_gpus if self.draft_tp == 1 else self.draft_tp
+            target["GPU"], draft["GPU"] = float(target_gpus), float(draft_gpus)
         bundles = [{"CPU": REPLICA_CPUS}, target]
         return bundles + [draft] if self.draft != "none" else bundles
 

@@ -254,6 +254,12 @@ def test_a_70b_target_as_four_tensor_parallel_ranks_reaches_the_app():
         render(small)
     with pytest.raises(Exception, match="takes one GPU a rank"):
         render(merged(VARIANTS["70b-tensor-parallel"], {"model": {"targetGpus": 2}}))
+    with pytest.raises(Exception, match="model.draftTensorParallel takes one GPU a rank"):
+        render(merged(VARIANTS["70b-tensor-parallel"], {"model": {"draftTensorParallel": 2, "draftGpus": 2}}))
+    with pytest.raises(Exception, match="model.draftTensorParallel needs a draft model"):
+        render(merged(VARIANTS["70b-tensor-parallel"], {"model": {"draftTensorParallel": 2, "draft": "none"}}))
+    with pytest.raises(Exception, match=r"the draft's \(model.draftGpus, or a GPU each of model.draftTensorParallel"):
+        render(merged(VARIANTS["70b-tensor-parallel"], {"model": {"draftTensorParallel": 8}}))
 
 
 def test_service_is_cluster_ip_by_default_and_ingress_is_optional():
@@ -772,6 +778,7 @@ CHART_TO_PAIR = [
     ({"model": {"targetGpus": 4}, "workers": {"gpusPerWorker": 8}}, "target_gpus", 4),
     ({"model": {"draftGpus": 2}, "workers": {"gpusPerWorker": 8}}, "draft_gpus", 2),
     ({"model": {"tensorParallel": 2}, "workers": {"gpusPerWorker": 8}}, "target_tp", 2),
+    ({"model": {"draftTensorParallel": 2}, "workers": {"gpusPerWorker": 8}}, "draft_tp", 2),
     ({"serve": {"workerCpus": 3}}, "worker_cpus", 3),
     ({"grpcTls": {"secretName": "tls"}}, "grpc_tls_dir", "/etc/svip/grpc-tls"),
     ({"serve": {"kvCacheTokens": 8192}}, "kv_cache_tokens", 8192),

@@ -419,6 +419,9 @@ def test_a_tensor_parallel_target_from_the_command_line(capsys, model_dirs):
                                  "--target-tp", "2", "--policy", "svip", "--max-new-tokens", "24", "--json")
         assert code == 0, err
         outputs.append(json.loads(out)["token_ids"])
+    code, out, err = run_cli(capsys, "generate", "def fibonacci(n):", *pair_args(model_dirs), "--target-tp", "2",
+                             "--draft-tp", "2", "--policy", "svip", "--max-new-tokens", "24", "--json")
+    assert code == 0 and json.loads(out)["token_ids"] == outputs[0], err  # the draft sharded too
     assert outputs[0] == outputs[1]
     for degree, words in (("3", "does not divide the model's 4 attention heads"),
                           ("9", "--target-tp: must be an integer in [1, 8]")):

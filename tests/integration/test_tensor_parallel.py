@@ -67,6 +67,16 @@ def test_a_rank_holds_half_the_weights_and_half_the_kv_cache(models, tp_target):
     pool_half.close()
 
 
+@pytest.fixture(scope="module")
+def tp_draft(model_dirs):
+    """Rank 0 of the close draft at degree 2 (its own group beside the target's); rank 1 a thread."""
+    ranks = LocalRanks(model_dirs.close_draft, 2)
+    draft = load_model(model_dirs.close_draft, group=ranks.group)
+    yield draft
+    ranks.close()
+    assert not ranks.errors and not any(thread.is_alive() for thread in ranks.threads)
+
+
 def requests(prompt_ids, policies, sampling=SamplingParams()) -> list[GenerationRequest]:
     return [GenerationRequest(ids, MAX_NEW, sampling, policy, ignore_eos=True)
             for ids in prompt_ids.values() for policy in policies]
@@ -175,3 +185,42 @@ def test_the_step_bench_times_each_degree_beside_the_planner(model_dirs, capsys)
     assert [row.split("|")[1:4] for row in rows] == [[" 1 ", " 1 ", " decode "], [" 1 ", " 1 ", " verify "],
                                                       [" 2 ", " 1 ", " decode "], [" 2 ", " 1 ", " verify "]]
     assert all(float(row.split("|")[4]) > 0 and float(row.split("|")[5]) > 0 for row in rows)
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_tensor_parallel_draft_keeps_every_mode_exact(models, tp_target, tp_draft, prompt_ids, pipeline):
+    """The draft at degree 2 too (--draft-tp): greedy output is the target alone's in process,
+    batched and through the workers' protocol, where an async session drafts side by side on
+    forked pages of the sharded draft's pool; the draft's logits are the whole draft's."""
+    from coordinator.in_memory import InMemoryPair
+    from draft_worker.drafter import Drafter
+    from target_worker.verifier import Verifier
+
+    asked = requests(prompt_ids, [POLICIES["svip"], TREE_POLICIES["svip-cape"]])
+    expected = [SpeculativeEngine(tp_target, None).generate(r).token_ids for r in asked]
+    engine = SpeculativeEngine(tp_target, tp_draft, load_aware="off")
+    results = [engine.generate(r) for r in asked]
+    assert [r.token_ids for r in results] == expected and sum(r.stats.accepted_tokens for r in results) > 0
+    assert [r.token_ids for r in engine.generate_many(asked, len(asked))] == expected
+    limits = Limits(tokens=tp_target.token_limit, positions=512)
+    pair = InMemoryPair(tp_target, Verifier(tp_target, limits.tokens), Drafter(tp_draft, tp_target.vocab_size,
+                        limits.tokens), limits, pipeline, DRAFT_FIRST, load_aware="off")
+    assert [r.token_ids for r in pair.generate_all(asked)] == expected
+    whole, shard = KVPool(models["close_draft"].model, 512), KVPool(tp_draft.model, 512)
+    ids = list(prompt_ids["medium"])
+    expected, got = whole.sequence().forward(ids, len(ids)), shard.sequence().forward(ids, len(ids))
+    assert (expected - got).abs().max() <= float32_tolerance(tp_draft.model.config, expected.flatten().tolist())
+    shard.close()
+
+
+def test_a_draft_degree_is_refused_for_a_feature_head_and_for_no_draft(model_dirs):
+    from coordinator.front import load_inprocess
+    from svip_assets import default_head
+    from svip_common.pair_config import PairConfig
+
+    with pytest.raises(InvalidRequest, match="draft_tp needs a draft model"):
+        PairConfig(model_dirs.target, None, draft_tp=2).checked()
+    with pytest.raises(InvalidRequest, match="a tensor-parallel draft takes one GPU a rank"):
+        PairConfig(model_dirs.target, model_dirs.close_draft, draft_tp=2, draft_gpus=2).checked()
+    with pytest.raises(InvalidRequest, match="draft_tp 2: a feature head runs on one device"):
+        load_inprocess(PairConfig(model_dirs.target, default_head(), draft_tp=2))

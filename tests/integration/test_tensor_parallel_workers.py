@@ -1,5 +1,5 @@
-"""A tensor-parallel target across the workers (issue 61): the target worker (rank 0) and its rank 1,
-a Ray actor it starts and owns, gloo on this CPU. Greedy output through both pipelines equals the
+"""A tensor-parallel target and draft across the workers (issue 61): each worker (rank 0) and its
+rank 1, a Ray actor it starts and owns, gloo on this CPU. Greedy output through both pipelines equals the
 target alone; a rank killed mid-stream is the target lost: the group starts again and every session
 goes on, exact."""
 
@@ -29,7 +29,8 @@ def pair(model_dirs):
     import ray
 
     init_local_ray(pairs=2)
-    pair = WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, target_tp=2, load_aware="off"))
+    pair = WorkerPair(PairConfig(model_dirs.target, model_dirs.close_draft, target_tp=2, draft_tp=2,
+                                 load_aware="off"))
     yield pair
     pair.shutdown()
     ray.shutdown()
@@ -59,8 +60,9 @@ def test_greedy_through_a_tensor_parallel_target_equals_the_target_alone(pair, m
     alone = SpeculativeEngine(models["target"], None)  # degree 1's tokens: degree 2 gives them (test_tensor_parallel)
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in asked]
     assert sum(r.stats.accepted_tokens for r in results) > 0
-    placement = ray.get(pair.target.rank_pids.remote(), timeout=60)
-    assert len(placement) == 1 and placement[0] != pair.pids()["target"]  # rank 1 in a process of its own
+    for role, actor in (("target", pair.target), ("draft", pair.draft)):
+        placement = ray.get(actor.rank_pids.remote(), timeout=60)
+        assert len(placement) == 1 and placement[0] != pair.pids()[role]  # rank 1 in a process of its own
     assert_loopback_listeners()
 
 

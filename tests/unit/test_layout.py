@@ -226,3 +226,41 @@ def test_the_parsers_are_built_from_declarations_not_written_out():
                 fallbacks.append(f"{name}:{node.lineno}")
     assert not builders, builders
     assert not fallbacks, f"getattr(args, ..., default) gives a knob a second default: {fallbacks}"
+
+
+def test_the_sessions_parts_read_only_the_state_it_declares():
+    """Each part of SessionPipeline (attachment.py, waiting.py, speculation.py, pipeline.py) reads
+    fields and calls steps that it defines itself or that SessionState (state.py) declares: no
+    part reads another's undeclared names."""
+    state = ast.parse(MODULES["coordinator.session.state"].read_text())
+    effects = ast.parse(MODULES["coordinator.session.effects"].read_text())
+    declared = _defined(state) | _defined(effects) | {"now", "_effects"}
+    undeclared = []
+    for part in ("attachment", "waiting", "speculation", "pipeline"):
+        tree = ast.parse(MODULES[f"coordinator.session.{part}"].read_text())
+        own = _defined(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id == "self":
+                if node.attr not in own | declared:
+                    undeclared.append(f"{part}.py:{node.lineno} self.{node.attr}")
+    assert not undeclared, undeclared
+
+
+def _defined(tree: ast.Module) -> set[str]:
+    """The names a module's classes define: their methods and properties, and the fields their
+    methods assign to self."""
+    names = set()
+    for cls in (n for n in tree.body if isinstance(n, ast.ClassDef)):
+        for item in cls.body:
+            if isinstance(item, ast.FunctionDef):
+                names.add(item.name)
+            elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                names.add(item.target.id)
+        for node in ast.walk(cls):
+            if isinstance(node, (ast.Assign, ast.AnnAssign)):
+                targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+                for target in targets:
+                    for t in ast.walk(target):
+                        if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name) and t.value.id == "self":
+                            names.add(t.attr)
+    return names

@@ -61,6 +61,7 @@ app.kubernetes.io/instance: {{ .Release.Name }}
   "device" "cuda"
   "target_gpus" (int $v.model.targetGpus)
   "target_tp" (int $v.model.tensorParallel)
+  "draft_tp" (int $v.model.draftTensorParallel)
   "draft_gpus" (int $v.model.draftGpus)
   "worker_cpus" $v.serve.workerCpus
   "worker_start_timeout_s" $v.serve.workerStartTimeoutS
@@ -232,10 +233,17 @@ prometheus.io/port: {{ .Values.metrics.port | quote }}
 {{- if and (gt (int .Values.model.tensorParallel) 1) (gt (int .Values.model.targetGpus) 1) -}}
 {{- fail "model.tensorParallel takes one GPU a rank: leave model.targetGpus at 1" -}}
 {{- end -}}
+{{- if and (gt (int .Values.model.draftTensorParallel) 1) (gt (int .Values.model.draftGpus) 1) -}}
+{{- fail "model.draftTensorParallel takes one GPU a rank: leave model.draftGpus at 1" -}}
+{{- end -}}
+{{- if and (gt (int .Values.model.draftTensorParallel) 1) (or (eq .Values.model.draft "none") (eq .Values.model.draftKind "eagle")) -}}
+{{- fail "model.draftTensorParallel needs a draft model: a feature head runs on one device, and draft none has none" -}}
+{{- end -}}
 {{- $targetGpus := ternary (int .Values.model.tensorParallel) (int .Values.model.targetGpus) (gt (int .Values.model.tensorParallel) 1) -}}
-{{- $perPipeline := add $targetGpus (ternary 0 (int .Values.model.draftGpus) (eq .Values.model.draft "none")) -}}
+{{- $draftGpus := ternary (int .Values.model.draftTensorParallel) (int .Values.model.draftGpus) (gt (int .Values.model.draftTensorParallel) 1) -}}
+{{- $perPipeline := add $targetGpus (ternary 0 $draftGpus (eq .Values.model.draft "none")) -}}
 {{- if lt (int .Values.workers.gpusPerWorker) (int $perPipeline) -}}
-{{- fail (printf "workers.gpusPerWorker (%d) cannot hold one pipeline: the target's %d GPUs (model.targetGpus, or a GPU each of model.tensorParallel ranks) + model.draftGpus = %d GPUs, packed on one node" (int .Values.workers.gpusPerWorker) $targetGpus (int $perPipeline)) -}}
+{{- fail (printf "workers.gpusPerWorker (%d) cannot hold one pipeline: the target's %d GPUs (model.targetGpus, or a GPU each of model.tensorParallel ranks) + the draft's (model.draftGpus, or a GPU each of model.draftTensorParallel ranks) = %d GPUs, packed on one node" (int .Values.workers.gpusPerWorker) $targetGpus (int $perPipeline)) -}}
 {{- end -}}
 {{- $pipelines := ternary (int .Values.serve.autoscaling.maxReplicas) (int .Values.serve.replicas) .Values.serve.autoscaling.enabled -}}
 {{- $capacity := mul (int .Values.workers.maxReplicas) (div (int .Values.workers.gpusPerWorker) (int $perPipeline)) -}}
