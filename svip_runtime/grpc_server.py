@@ -106,6 +106,7 @@ class SessionStream:
         self._read_count = 0  # requests read (the event loop counts them)
         self._handled = 0  # of them, handled (the compute thread counts them)
         self._waiting_for_room = False  # the reader waits: the compute thread wakes it when it frees room
+        self._held = 0  # events taken from the outlet's queue, not yet all sent (a burst being sent)
         self.closed = False  # the peer went away (set on the compute thread: close_owned)
 
     def emit(self, event) -> None:
@@ -119,9 +120,11 @@ class SessionStream:
         try:
             while True:
                 burst, ended = await bursts.take()
-                self._check_room()
+                self._held = len(burst) + bursts.held  # out of the queue, still the backlog's until sent
                 for message in self._service.pack(burst) if burst else ():
                     yield message
+                self._held = bursts.held
+                self._check_room()
                 if ended:
                     break
         finally:
@@ -142,7 +145,7 @@ class SessionStream:
     @property
     def _backlog(self) -> int:
         """Requests read and not yet handled, and events made and not yet sent."""
-        return self._read_count - self._handled + self.outlet.queue.qsize()
+        return self._read_count - self._handled + self.outlet.queue.qsize() + self._held
 
     def _check_room(self) -> None:
         if self._backlog < MAX_QUEUED_EVENTS // 2:

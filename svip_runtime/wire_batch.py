@@ -40,6 +40,11 @@ class Bursts:
         self.queue, self.end = queue, end
         self._next = _NOTHING  # an item taken that starts the next burst
 
+    @property
+    def held(self) -> int:
+        """Items taken from the queue for the next burst (0 or 1)."""
+        return 0 if self._next is _NOTHING else 1
+
     async def take(self) -> tuple[list, bool]:
         """The next burst (empty only at the end) and whether the end came after it."""
         first, self._next = self._next, _NOTHING
