@@ -6,6 +6,7 @@ tests/unit/test_usage_doc.py fails while the file and the parser disagree."""
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import sys
 from pathlib import Path
@@ -38,7 +39,7 @@ def knob_table() -> str:
         where = [f"`{'svip ' + s if s in COMMANDS else s}`" for s in k.on if s not in (CHART, SETTINGS)]
         where += ["Serve `args`"] if SETTINGS in k.on else []
         where += [f"chart `{k.chart}`"] if k.chart else []
-        differs = "".join(f"; {s}: `{v}` ({why})" for s, (v, why) in k.differs.items() if s in ACCOUNTED)
+        differs = "".join(f"; {s}: `{_shown(v)}` ({why})" for s, (v, why) in k.differs.items() if s in ACCOUNTED)
         default = f"`{k.default}`" if k.default not in (None, ()) else (k.unset or "none")
         must = k.describe() + (" or null" if k.optional else "")
         rows.append(f"| `{k.name}` | {_cell(default + differs)} | {_cell(must)} | {', '.join(where)} |")
@@ -71,6 +72,10 @@ def _help(action: argparse.Action) -> str:
     text = (action.help or "").replace("%%", "%")
     shown = action.default not in (None, False, (), argparse.SUPPRESS) and "default" not in text
     return text + (f" (default: {action.default})" if shown and f"({action.default})" not in text else "")
+
+
+def _shown(value) -> str:
+    return json.dumps(value) if isinstance(value, dict) or value == "" else str(value)
 
 
 def _cell(text: str) -> str:
