@@ -25,14 +25,17 @@ from tests.tolerances import float32_tolerance
 MAX_NEW = 24
 
 
-@pytest.fixture(scope="module")
-def tp_target(model_dirs):
-    """Rank 0 of the test target at degree 2; its rank 1 a thread that follows it."""
-    ranks = LocalRanks(model_dirs.target, 2)
-    target = load_model(model_dirs.target, group=ranks.group)
-    yield target
+def _at_degree_two(path: str):
+    """Rank 0 of the model at degree 2; its rank 1 a thread that follows it, stopped at the end."""
+    ranks = LocalRanks(path, 2)
+    yield load_model(path, group=ranks.group)
     ranks.close()
     assert not ranks.errors and not any(thread.is_alive() for thread in ranks.threads)
+
+
+@pytest.fixture(scope="module")
+def tp_target(model_dirs):
+    yield from _at_degree_two(model_dirs.target)
 
 
 def test_degree_two_gives_degree_ones_logits_and_tokens(models, tp_target, prompt_ids):
@@ -69,12 +72,8 @@ def test_a_rank_holds_half_the_weights_and_half_the_kv_cache(models, tp_target):
 
 @pytest.fixture(scope="module")
 def tp_draft(model_dirs):
-    """Rank 0 of the close draft at degree 2 (its own group beside the target's); rank 1 a thread."""
-    ranks = LocalRanks(model_dirs.close_draft, 2)
-    draft = load_model(model_dirs.close_draft, group=ranks.group)
-    yield draft
-    ranks.close()
-    assert not ranks.errors and not any(thread.is_alive() for thread in ranks.threads)
+    """The close draft at degree 2: its own group beside the target's."""
+    yield from _at_degree_two(model_dirs.close_draft)
 
 
 def requests(prompt_ids, policies, sampling=SamplingParams()) -> list[GenerationRequest]:
