@@ -55,9 +55,6 @@ class SpeculativeEngine:
             config = PairConfig(target.path, None if draft is None else draft.path)
         self.config = config = config.replace(**changes)
         kv_cache_tokens, max_batched_tokens = config.kv_cache_tokens, config.max_batched_tokens
-        self.max_batched_tokens = max_batched_tokens
-        self.auto_settings = config.auto.check()
-        self.load_aware = config.load_aware
         head = draft if isinstance(draft, LoadedHead) else None
         model = None if head is not None else draft  # a token draft: a model of its own
         if model is not None:
@@ -78,6 +75,15 @@ class SpeculativeEngine:
         self._auto: AutoEstimate | None = None
         self.draft_token_s = Ewma(0.2)  # what a drafted token cost recent sessions (a new session's gate starts there)
         self.in_step = 1  # sessions the next target step verifies (generate_many's batch sets it each step)
+
+    @property
+    def load_aware(self) -> str:
+        return self.config.load_aware
+
+    @load_aware.setter
+    def load_aware(self, mode: str) -> None:
+        """A bench's method runs under its own mode (svip_bench/methods.py): the configuration changed."""
+        self.config = self.config.replace(load_aware=mode)
 
     def close(self) -> None:
         """Nothing to stop: the models are this process's (the engine front's close, coordinator/front.py)."""
@@ -129,9 +135,9 @@ class SpeculativeEngine:
         if self._auto is None:
             prior = stored_prior(self.drafter.draft.path)
             if prior is not None or self.feature_draft:  # a head without a stored prior: the generic one
-                self._auto = estimate_from(prior, self.auto_settings)
+                self._auto = estimate_from(prior, self.config.auto)
             else:
-                self._auto = auto_prior(self.target, self.drafter.draft, self.auto_settings)
+                self._auto = auto_prior(self.target, self.drafter.draft, self.config.auto)
         return self._auto
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
@@ -150,7 +156,7 @@ class SpeculativeEngine:
 
     def generate_many(self, requests: list[GenerationRequest], batch_size: int) -> list[GenerationResult]:
         """Up to batch_size requests in flight at once through the batched steps (coordinator/batch.py)."""
-        return self.batch(batch_size, self.max_batched_tokens).generate_all(requests)
+        return self.batch(batch_size, self.config.max_batched_tokens).generate_all(requests)
 
     def batch(self, batch_size: int, max_batched_tokens: int | None = None) -> BatchEngine:
         """A batch over this engine's models and sessions (coordinator/batch.py)."""

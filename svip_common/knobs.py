@@ -258,14 +258,13 @@ def carried_by(surface: str) -> tuple[Knob, ...]:
     return tuple(k for k in KNOBS if surface in k.on)
 
 
-def checked(values: dict, surface: str | None = None, label=None, noun: str = "setting") -> dict:
-    """Each value checked by its knob (keys it does not know refused, naming the known ones)."""
-    known = BY_NAME if surface is None else {k.name: k for k in carried_by(surface)}
+def checked(values: dict, surface: str, noun: str = "setting") -> dict:
+    """Each value checked by its knob on ``surface`` (keys it does not carry refused, naming those it does)."""
+    known = {k.name: k for k in carried_by(surface)}
     unknown = sorted(set(values) - set(known))
     if unknown:
         raise InvalidRequest(f"unknown {noun}(s) {', '.join(unknown)}; known: {', '.join(sorted(known))}")
-    return {name: known[name].check(value, None if label is None else label(known[name]))
-            for name, value in values.items()}
+    return {name: known[name].check(value) for name, value in values.items()}
 
 
 def carrying(surface: str):

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from svip_common.auto_settings import AutoSettings
 from svip_common.emulation import Emulation, parse_emulation
 from svip_common.errors import InvalidRequest
-from svip_common.knobs import MAX_TP_DEGREE, knob
+from svip_common.knobs import knob
 
 
 def _knob(name: str):
@@ -145,6 +145,3 @@ def worker_emulation(spec: str, has_draft: bool) -> Emulation:
         raise InvalidRequest(f"--emulate {spec!r} names no draft, and the pair has one (draft=MODEL@DEVICE)")
     return emulation
 
-
-__all__ = ["MAX_TP_DEGREE", "PairConfig", "Recovery", "check_gpus", "check_tp_degree", "pair_options",
-           "worker_emulation"]
