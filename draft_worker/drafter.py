@@ -355,6 +355,14 @@ class BlockDraft:
         self.extends: Callable[[], bool] | None = None
         self.extended = 0
 
+    def cap(self, budget: int) -> bool:
+        """Hold the block to at most ``budget`` tokens from now on; False (unchanged) if it holds
+        that many already, or is a tree (its node budget was set by its spine's cap)."""
+        if self._tree or len(self.block) >= budget:
+            return False
+        self._limit = min(self._limit, budget)
+        return True
+
     def _ruled(self, row: torch.Tensor) -> torch.Tensor:
         """The draft's row for its next place under the request's logit_bias, penalties and
         min_tokens (the target's rules: what it would accept), by the block's tokens so far."""

@@ -67,6 +67,7 @@ class Job:
     started_at: float
     trigger_at: float = 0.0  # the feedback it answers arrived then (critical jobs)
     resolved_token: int = NO_TOKEN  # the sampled correction it carries (critical jobs)
+    taken_up: bool = False  # prepared for the rejection its verdict made, before it was done (critical jobs)
 
     @property
     def followup(self) -> bool:
@@ -207,22 +208,24 @@ class PipelinedDraft:
         """A rejection (or a pause at a whole block): the line rolls back to what the outcome leaves
         known, and goes on from the continuation prepared there, or a new block."""
         block = answered.block
-        prepared, self.prepared, self.agenda = self.prepared, {}, []
-        for job in self.jobs:
-            self._cancel(job, drop=False)
-        self.jobs, self.critical = [], None
         resolved = NO_TOKEN
         if outcome.next == DRAW:
             if p_row is None or block.q_rows is None:
                 raise InvalidRequest("a sampled rejection needs the target's p row")
             resolved = self.session.resolve_correction(block, outcome.accepted, p_row)
-        self.known = self.known[: outcome.base] + outcome.known(block.tokens, resolved)
-        self.epoch = outcome.epoch
-        self.outstanding.clear()
         key = outcome.prepared_key_for(resolved)
         used = outcome.next == PREPARED
         usable = outcome.accepted < outcome.drafted and self.load_cap != 0 and (len(outcome.branch) <= 1 or used)
+        prepared, self.prepared, self.agenda = self.prepared, {}, []
         ready = prepared.get(key) if usable else None
+        drafting = self._in_the_making(key) if usable and not used and ready is None and not outcome.branch else None
+        for job in self.jobs:
+            if job is not drafting:
+                self._cancel(job, drop=False)
+        self.jobs, self.critical = [], None
+        self.known = self.known[: outcome.base] + outcome.known(block.tokens, resolved)
+        self.epoch = outcome.epoch
+        self.outstanding.clear()
         if outcome.after_sibling and ready is not None:
             _check_begins_branch(ready.block, outcome.branch)
         if ready is not None and (used or not outcome.branch):
@@ -244,7 +247,34 @@ class PipelinedDraft:
             self.outstanding.append(ready)
             self._plan()
             return [ready]
+        if drafting is not None:  # half drafted already: it goes on as the block the target waits for
+            return self._take_up(drafting, resolved, received_at)
         return self._next_block(resolved, received_at)
+
+    def _in_the_making(self, key: PreparedKey) -> Job | None:
+        """The continuation being prepared for this rejection, if one is (not finished yet), and it
+        may go on under the cap the target's latest word sets. Greedy only: a sampled block's length
+        must not depend on when its verdict came (its stops before then were taken under the
+        policy's state of that time; a seeded request reproduces)."""
+        job = next((job for job in self.jobs if job.prepared_for == key), None)
+        if job is None or not self.session.sampling.greedy:
+            return None
+        budget = min(self.limit - (key[0] + key[1] + 1) - 1, self.load_cap)
+        return job if job.draft.cap(budget) else None
+
+    def _take_up(self, job: Job, resolved: int, received_at: float) -> list[DraftedBlock]:
+        """A rejection's continuation prepared in part becomes the critical block: its fork is the
+        session's cache, and it drafts on where it stands (what a new block would draft, forwards
+        already spent); past a stop of its policy already, it leaves now."""
+        if job.draft.cache is not None:
+            self.session.adopt(job.draft.cache)
+            job.draft.cache = None
+        job.prepared_for, job.trigger_at, job.resolved_token, job.taken_up = None, received_at, resolved, True
+        self.critical = job
+        if job.draft.extended:
+            job.draft.done = True
+            return self._send_critical()
+        return []
 
     def _next_block(self, resolved: int, trigger_at: float) -> list[DraftedBlock]:
         """The next main-line block after what is known: the critical job, or an empty block
@@ -314,7 +344,7 @@ class PipelinedDraft:
         """The critical block is done: it is sent, and the work ahead of its verdict planned."""
         job, self.critical = self.critical, None
         item = self._outgoing(job.draft, job.started_at, None, job.trigger_at)
-        item.resolved_token = job.resolved_token
+        item.resolved_token, item.reused = job.resolved_token, job.taken_up
         self.outstanding.append(item)
         self._plan()
         return [item]

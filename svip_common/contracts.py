@@ -360,7 +360,7 @@ class GenerationStats:
     branch_tokens: int = 0  # tokens those rounds settled off the spine: the siblings, and nodes grown below them
     prepared_sent: int = 0  # prepared continuations that reached the target in time
     prepared_used: int = 0  # of them, verified with no round trip
-    prepared_used_late: int = 0  # prepared continuations the draft sent again as the next block
+    prepared_used_late: int = 0  # prepared continuations the draft sent (or finished) as the next block, late
     pauses: int = 0  # load-aware: times drafting paused because it no longer paid at the target's load
     # recovery (distributed): the session outlived a worker (coordinator/session/pipeline.py,
     # coordinator/distributed.py)

@@ -122,7 +122,7 @@ class DraftedBlock:
     followup: bool = False  # the next block on top of this one will come (async)
     resolved_token: int = NO_TOKEN  # a sampled correction drawn by the draft, for position base - 1
     prepared_for: PreparedKey | None = None  # a prepared continuation: the verdict it assumes
-    reused: bool = False  # a prepared continuation sent again as the next block
+    reused: bool = False  # a prepared continuation sent (or finished) as the next block after its verdict
     started_at: float = 0.0
     finished_at: float = 0.0
     draft_s: float = 0.0  # compute time

@@ -262,6 +262,38 @@ def test_a_correction_nothing_was_prepared_for_is_drafted_from(draft_session):
     assert draft_session.known[-1] == token
 
 
+def test_a_rejection_whose_continuation_is_half_drafted_takes_it_up_as_the_next_block(draft_session):
+    """Issue 60: the verdict rejects where a prepared continuation is still being drafted: that job
+    goes on as the block the target waits for (its fork the session's cache, its forwards kept), and
+    sends what a block drafted afresh from the correction would hold (up to SVIP's stop; all it
+    holds if it passed one already)."""
+    first = _first_block(draft_session)
+    job = None
+    while job is None:
+        assert work(draft_session, time.time()) is not None, "no continuation was ever half drafted"
+        job = next((j for j in draft_session.jobs if j.prepared_for and j.draft.block.tokens), None)
+    base, j, token = job.prepared_for
+    fork, held = job.draft.cache, job.draft.block
+    sent = apply_verdict(draft_session, time.time(), 1, base, len(first.block), j, token, None, False, 0.0)
+    while not sent:
+        assert draft_session.critical is job  # not begun again
+        sent = work(draft_session, time.time())
+    (block,) = sent
+    assert block.block is held and block.prepared_for is None and block.block.epoch == 1 and block.reused
+    known = draft_session.known
+    assert known == list(PROMPT) + first.block.tokens[:j] + [token] and held.base == len(known)
+    if fork is not None:
+        assert draft_session.session._seq is fork
+    policy = PolicyConfig(name="svip", threshold=0.6)
+    fresh = draft_session.session._drafter.open(SamplingParams(), policy, ())
+    afresh = fresh.propose(known, 200 - len(known) + len(PROMPT) - 1).tokens
+    assert held.tokens[: len(afresh)] == afresh and (job.draft.extended or held.tokens == afresh)
+    fresh.close()
+    pool = draft_session.session._drafter.pool
+    draft_session.close()
+    assert pool.used_pages == 0
+
+
 def test_continuations_drafted_side_by_side_on_forks_are_the_ones_drafted_one_at_a_time(models):
     made = {}
     for parallel in (1, 3):
