@@ -73,6 +73,20 @@ class Job:
     def followup(self) -> bool:
         return self.prepared_for is None
 
+    def release(self, session: DraftSession) -> None:
+        """Its fork, if it drafts on one, goes back to the pool."""
+        if self.draft.cache is not None:
+            session.release(self.draft.cache)
+
+    def take_up(self, session: DraftSession, resolved: int) -> None:
+        """Prepared for the rejection a verdict made and not finished yet, it goes on as the block
+        the target waits for, where it stands (what a new block would draft, forwards already
+        spent): its fork becomes the session's cache."""
+        if self.draft.cache is not None:
+            session.adopt(self.draft.cache)
+            self.draft.cache = None
+        self.prepared_for, self.resolved_token, self.taken_up = None, resolved, True
+
 
 @dataclass
 class PipelinedDraft:
@@ -91,7 +105,6 @@ class PipelinedDraft:
     agenda: list[tuple[float, PreparedKey | None]] = field(default_factory=list)  # (score, prepared_for)
     jobs: list[Job] = field(default_factory=list)  # the speculative blocks in the making
     critical: Job | None = None  # the main-line block the target waits for, drafted before any speculation
-    prepared: dict[PreparedKey, DraftedBlock] = field(default_factory=dict)  # (base, accepted, token) -> finished
     load_cap: int = UNLIMITED  # the most tokens a block may hold at the target's load (its latest word)
     paused: bool = False  # load_cap 0: nothing is drafted until a Resume
     now: float = 0.0  # the time of the event being handled: every event takes it first (no clock is read here)
@@ -100,7 +113,7 @@ class PipelinedDraft:
         self.known = list(self.prompt)
         self.limit = len(self.prompt) + self.max_new_tokens
         self.timing = VerdictTiming()
-        self.forks = Forks(self.session)  # the forks finished prepared blocks were drafted on
+        self.prepared = Prepared(self.session)  # finished continuations, by the rejection they assume
 
     @property
     def cached_tokens(self) -> int:
@@ -109,7 +122,8 @@ class PipelinedDraft:
     def close(self) -> None:
         """The session ends: its pages go back to the draft's pool."""
         self.release_forks()
-        self.jobs, self.critical, self.agenda, self.prepared = [], None, [], {}
+        self.prepared.settle()
+        self.jobs, self.critical, self.agenda = [], None, []
         self.session.close()
 
     def release_forks(self) -> bool:
@@ -118,7 +132,7 @@ class PipelinedDraft:
         held = [job for job in self.jobs if job.draft.cache is not None]
         for job in held:
             self._cancel(job)
-        return self.forks.release_all() or bool(held)
+        return self.prepared.release_forks() or bool(held)
 
     @property
     def _forking(self) -> bool:
@@ -145,14 +159,7 @@ class PipelinedDraft:
         """Drafting pays again: take the tokens the target settled alone since the pause (and a
         feature draft's features for them), then draft the next block (checked at once)."""
         self.now = now
-        if not self.paused:
-            raise InvalidRequest("resume for a session that is not paused")
-        if base != len(self.known):
-            raise InvalidRequest(f"resume at base {base}; this session knows {len(self.known)} tokens")
-        if base + len(tokens) > self.limit:
-            raise InvalidRequest(f"resume past the session's {self.limit} tokens (prompt + max_new_tokens)")
-        if load_cap < 1:
-            raise InvalidRequest("resume with load_cap 0")
+        _check_resume(self.paused, len(self.known), self.limit, base, len(tokens), load_cap)
         self.known += tokens
         self.session.take_features(features, features_from)
         self.epoch, self.load_cap, self.paused = epoch, load_cap, False
@@ -178,6 +185,7 @@ class PipelinedDraft:
         if self.load_cap == 0 and outcome.next != SETTLED:
             raise InvalidRequest("a pause (load_cap 0) must settle its token at the target")
         if outcome.next == FOLLOWUP:
+            self.timing.learn_fresh(False)
             return self._go_on(answered, received_at)
         return self._roll_back(answered, outcome, feedback.p_row, received_at)
 
@@ -188,19 +196,13 @@ class PipelinedDraft:
             raise InvalidRequest("deferred feedback for a block that has no follow-up")
         base = answered.block.base
         self.known += answered.block.tokens
-        for key in [key for key in self.prepared if key[0] == base]:
-            del self.prepared[key]
-            self.forks.release(key)
+        self.prepared.drop(base)
         for job in [job for job in self.jobs if not job.followup and job.prepared_for[0] == base]:
             self._cancel(job)
         if not self.outstanding:  # the target now waits for the follow-up: it is critical
             followup = next((job for job in self.jobs if job.followup), None) or self._begin(None)
             self.jobs.remove(followup)
-            self.critical = followup
-            self.critical.trigger_at = received_at
-            if followup.draft.extended and followup.draft.block.tokens:  # past its stop already: it leaves now
-                followup.draft.done = True
-                return self._send_critical()
+            return self._make_critical(followup, received_at)
         self._plan()
         return []
 
@@ -216,21 +218,23 @@ class PipelinedDraft:
         key = outcome.prepared_key_for(resolved)
         used = outcome.next == PREPARED
         usable = outcome.accepted < outcome.drafted and self.load_cap != 0 and (len(outcome.branch) <= 1 or used)
-        prepared, self.prepared, self.agenda = self.prepared, {}, []
-        ready = prepared.get(key) if usable else None
-        drafting = self._in_the_making(key) if usable and not used and ready is None and not outcome.branch else None
+        ready = self.prepared.blocks.get(key) if usable else None
+        budget = min(self.limit - (key[0] + key[1] + 1) - 1, self.load_cap)
+        drafting = in_the_making(self.jobs, key, budget, self.session.sampling.greedy) \
+            if usable and not used and ready is None and not outcome.branch else None
+        # what a forward still running now would have delayed: a block to draft or send now
+        self.timing.learn_fresh(not used and drafting is None and self.load_cap != 0)
         for job in self.jobs:
             if job is not drafting:
                 self._cancel(job, drop=False)
-        self.jobs, self.critical = [], None
+        self.jobs, self.critical, self.agenda = [], None, []
         self.known = self.known[: outcome.base] + outcome.known(block.tokens, resolved)
         self.epoch = outcome.epoch
         self.outstanding.clear()
         if outcome.after_sibling and ready is not None:
             _check_begins_branch(ready.block, outcome.branch)
-        if ready is not None and (used or not outcome.branch):
-            self.forks.adopt(key)  # what comes next was drafted there: drafting goes on from it
-        self.forks.release_all()
+        # what comes next was drafted on the fork of the one that goes on: drafting goes on from it
+        self.prepared.settle(key if ready is not None and (used or not outcome.branch) else None)
         if self.load_cap == 0:  # paused: the target goes on alone until a Resume
             self.paused = True
             return []
@@ -248,30 +252,15 @@ class PipelinedDraft:
             self._plan()
             return [ready]
         if drafting is not None:  # half drafted already: it goes on as the block the target waits for
-            return self._take_up(drafting, resolved, received_at)
+            drafting.take_up(self.session, resolved)
+            return self._make_critical(drafting, received_at)
         return self._next_block(resolved, received_at)
 
-    def _in_the_making(self, key: PreparedKey) -> Job | None:
-        """The continuation being prepared for this rejection, if one is (not finished yet), and it
-        may go on under the cap the target's latest word sets. Greedy only: a sampled block's length
-        must not depend on when its verdict came (its stops before then were taken under the
-        policy's state of that time; a seeded request reproduces)."""
-        job = next((job for job in self.jobs if job.prepared_for == key), None)
-        if job is None or not self.session.sampling.greedy:
-            return None
-        budget = min(self.limit - (key[0] + key[1] + 1) - 1, self.load_cap)
-        return job if job.draft.cap(budget) else None
-
-    def _take_up(self, job: Job, resolved: int, received_at: float) -> list[DraftedBlock]:
-        """A rejection's continuation prepared in part becomes the critical block: its fork is the
-        session's cache, and it drafts on where it stands (what a new block would draft, forwards
-        already spent); past a stop of its policy already, it leaves now."""
-        if job.draft.cache is not None:
-            self.session.adopt(job.draft.cache)
-            job.draft.cache = None
-        job.prepared_for, job.trigger_at, job.resolved_token, job.taken_up = None, received_at, resolved, True
-        self.critical = job
-        if job.draft.extended:
+    def _make_critical(self, job: Job, trigger_at: float) -> list[DraftedBlock]:
+        """A speculative job is now the block the target waits for (the feedback that made it so
+        arrived at trigger_at); past a stop of its policy already, it leaves now."""
+        self.critical, job.trigger_at = job, trigger_at
+        if job.draft.extended and job.draft.block.tokens:
             job.draft.done = True
             return self._send_critical()
         return []
@@ -282,13 +271,8 @@ class PipelinedDraft:
         it lets the target settle the next position, or at least carries the correction)."""
         budget = min(self.limit - len(self.known) - 1, self.load_cap)  # the verdict's own token fills the last place
         if budget >= 1 and not self._stopped:
-            self.critical = Job(
-                self.session.begin(self.known, budget, alternatives=self.pipelined),
-                None,
-                self.now,
-                trigger_at,
-                resolved,
-            )
+            draft = self.session.begin(self.known, budget, alternatives=self.pipelined)
+            self.critical = Job(draft, None, self.now, trigger_at, resolved)
             return []
         if resolved == NO_TOKEN and self._finished():
             return []
@@ -332,8 +316,7 @@ class PipelinedDraft:
                 self._plan()  # its first places may be rejected too: prepare for them as well
                 sent.append(item)
                 continue
-            self.prepared[job.prepared_for] = item
-            self.forks.keep(job.prepared_for, job.draft.cache)
+            self.prepared.keep(job.prepared_for, item, job.draft.cache)
             if self.send_prepared:
                 sent.append(item)
         if any(job.followup and len(job.draft.block.tokens) == 1 for job in self.jobs):
@@ -382,8 +365,7 @@ class PipelinedDraft:
 
     def _cancel(self, job: Job, drop: bool = True) -> None:
         """A speculative job no longer wanted: its fork (if any) goes back; drop: out of the jobs."""
-        if job.draft.cache is not None:
-            self.session.release(job.draft.cache)
+        job.release(self.session)
         if drop:
             self.jobs.remove(job)
 
@@ -406,52 +388,81 @@ class PipelinedDraft:
         return self._stopped or len(self.known) >= self.limit
 
 
-class Forks:
-    """The forks of a session's cache that finished prepared blocks were drafted on, by the
-    rejection they assume, kept until the verdict: the one it calls for becomes the session's cache."""
+class Prepared:
+    """The prepared continuations finished and kept until their verdict, by the rejection they
+    assume (base, accepted, token), with the forks of the session's cache they were drafted on:
+    the one the verdict calls for becomes the session's cache, the rest go back to the pool."""
 
     def __init__(self, session: DraftSession):
-        self.session, self.held = session, {}
+        self.session = session
+        self.blocks: dict[PreparedKey, DraftedBlock] = {}
+        self.forks: dict[PreparedKey, object] = {}
 
-    def keep(self, key: PreparedKey, cache) -> None:
-        """A prepared block finished on this fork (None: on the session's own cache, nothing to keep);
-        one kept for the same rejection before goes back (never two forks held for one key)."""
+    def __contains__(self, key: PreparedKey) -> bool:
+        return key in self.blocks
+
+    def keep(self, key: PreparedKey, item: DraftedBlock, cache) -> None:
+        """A prepared block finished, on this fork (None: on the session's own cache, nothing to
+        keep); a fork kept for the same rejection before goes back (never two held for one key)."""
+        self.blocks[key] = item
+        self._release(key)
         if cache is not None:
-            self.release(key)
-            self.held[key] = cache
+            self.forks[key] = cache
 
-    def adopt(self, key: PreparedKey) -> None:
-        if key in self.held:
-            self.session.adopt(self.held.pop(key))
+    def drop(self, base: int) -> None:
+        """The block at base was accepted whole: the continuations for its rejections are void."""
+        for key in [key for key in self.blocks if key[0] == base]:
+            del self.blocks[key]
+            self._release(key)
 
-    def release(self, key: PreparedKey) -> None:
-        if key in self.held:
-            self.session.release(self.held.pop(key))
+    def settle(self, adopt: PreparedKey | None = None) -> None:
+        """A verdict rolled the line back (or the session ends): every one is void; the fork of
+        ``adopt``, if one is held, becomes the session's cache."""
+        if adopt in self.forks:
+            self.session.adopt(self.forks.pop(adopt))
+        self.blocks = {}
+        self.release_forks()
 
-    def release_all(self) -> bool:
-        held, self.held = self.held, {}
+    def release_forks(self) -> bool:
+        """Every fork goes back (the blocks keep their tokens); whether any was held."""
+        held, self.forks = self.forks, {}
         for cache in held.values():
             self.session.release(cache)
         return bool(held)
 
+    def _release(self, key: PreparedKey) -> None:
+        if key in self.forks:
+            self.session.release(self.forks.pop(key))
+
 
 class VerdictTiming:
-    """When is the verdict on the oldest outstanding block due? Its verification starts when it
-    reaches the target or when the verdict before it was given, whichever is later; the wait from
-    there is learnt, as is a forward's time. Speculation that would still run when the verdict is
-    due is not started: a feedback that needs a new block then finds the draft free."""
+    """When is the verdict on the oldest outstanding block due, and may a forward of speculation
+    start now? Its verification starts when it reaches the target or when the verdict before it
+    was given, whichever is later; the wait from there is learnt, as is a forward's time.
+
+    A forward still running when the verdict comes delays the block that verdict needs only if it
+    needs one drafted afresh (a rejection nothing was prepared or is being prepared for); any
+    other verdict takes up what the forward drafted (the follow-up, a continuation, finished or
+    not). So a forward is priced at its time times the learnt share of verdicts that need a fresh
+    block, and starts if that much ends before the verdict is due: with no verdict seen, every
+    forward must end before it (the draft is free when the feedback comes)."""
 
     def __init__(self):
         self.verifying_since = 0.0
         self.verdict_wait = Ewma(EMA, empty=None)
         self.forward_s = Ewma(EMA, empty=None)
+        self.fresh = Ewma(EMA, empty=1.0)  # the share of verdicts that need a block drafted afresh
 
     def room_for_a_forward(self, now: float, outstanding: list[DraftedBlock]) -> bool:
         wait, forward_s = self.verdict_wait.value, self.forward_s.value
         if wait is None or forward_s is None or not outstanding:
             return True
         due = max(self.verifying_since, outstanding[0].finished_at) + wait
-        return now + forward_s < due
+        return now + self.fresh.value * forward_s < due
+
+    def learn_fresh(self, fresh: bool) -> None:
+        """What the last verdict needed: a block drafted afresh, or what speculation made."""
+        self.fresh.update(1.0 if fresh else 0.0)
 
     def learn_wait(self, answered: DraftedBlock, received_at: float) -> None:
         self.verdict_wait.update(received_at - max(self.verifying_since, answered.finished_at))
@@ -471,6 +482,28 @@ def work(draft: PipelinedDraft, now: float) -> list[DraftedBlock] | None:
             raise d.error
     forward_s = sum(d.compute_s for d in drafts) - before
     return draft.after_step(now + forward_s, forward_s)
+
+
+def in_the_making(jobs: list[Job], key: PreparedKey, budget: int, greedy: bool) -> Job | None:
+    """The continuation being prepared for this rejection, if one is (not finished yet), and it
+    may go on under ``budget`` (the cap the target's latest word sets). Greedy only: a sampled
+    block's length must not depend on when its verdict came (its stops before then were taken
+    under the policy's state of that time; a seeded request reproduces)."""
+    job = next((job for job in jobs if job.prepared_for == key), None)
+    return job if job is not None and greedy and job.draft.cap(budget) else None
+
+
+def _check_resume(paused: bool, known: int, limit: int, base: int, tokens: int, load_cap: int) -> None:
+    """A Resume of ``tokens`` at base fits a session that is paused and knows ``known`` tokens of
+    at most ``limit``."""
+    if not paused:
+        raise InvalidRequest("resume for a session that is not paused")
+    if base != known:
+        raise InvalidRequest(f"resume at base {base}; this session knows {known} tokens")
+    if base + tokens > limit:
+        raise InvalidRequest(f"resume past the session's {limit} tokens (prompt + max_new_tokens)")
+    if load_cap < 1:
+        raise InvalidRequest("resume with load_cap 0")
 
 
 def _check_branch(block: Block, accepted: int, branch: tuple[int, ...]) -> None:
@@ -499,7 +532,7 @@ def _check_begins_branch(block: Block, branch: tuple[int, ...]) -> None:
                              f"with the branch's nodes below it {list(branch[1:])}")
 
 
-def agenda(outstanding: list[DraftedBlock], followup: BlockDraft | None, prepared: dict, working: set,
+def agenda(outstanding: list[DraftedBlock], followup: BlockDraft | None, prepared: Prepared, working: set,
            prepare: int, limit: int, stop_token_ids: frozenset[int]) -> list[tuple[float, PreparedKey | None]]:
     """What to prepare while the outstanding blocks are verified, most likely first: the follow-up,
     then continuations after a rejection at each place of each outstanding block (the block being
@@ -523,7 +556,7 @@ def agenda(outstanding: list[DraftedBlock], followup: BlockDraft | None, prepare
 
 
 def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: frozenset[int],
-                prepared: dict) -> tuple[list[tuple[float, PreparedKey]], float]:
+                prepared: Prepared) -> tuple[list[tuple[float, PreparedKey]], float]:
     """The continuations worth preparing after a rejection in this outstanding block, most
     likely first (reach: the draft's chance that every token before it is accepted), and the
     reach past it; none already prepared, none past the session's limit. After a tree's sibling

@@ -311,14 +311,14 @@ def test_the_fork_the_verdict_calls_for_becomes_the_sessions_cache(models):
     draft = _pipelined(models, 3)
     first = _first_block(draft)
     prepared = [o for o in _prepare_everything(draft) if o.prepared_for is not None]
-    assert set(draft.forks.held) == {o.prepared_for for o in prepared}  # each on its own fork
+    assert set(draft.prepared.forks) == {o.prepared_for for o in prepared}  # each on its own fork
     base, j, token = prepared[0].prepared_for
     late = time.time() + 3600.0  # a slow verdict: the next one leaves time to draft ahead
     assert apply_verdict(draft, time.time(), 1, base, len(first.block), j, token, None, True, late) == []
     cached, expected = draft.session._seq.tokens, draft.known + prepared[0].block.tokens
     assert len(cached) == len(expected) - 1 and cached == expected[:-1]  # its last token goes in next
     pool = draft.session._drafter.pool
-    assert draft.forks.held == {} and pool.used_pages == len(draft.session._seq.pages)  # the rest went back
+    assert draft.prepared.forks == {} and pool.used_pages == len(draft.session._seq.pages)  # the rest went back
     followup = next(o for o in _prepare_everything(draft) if o.prepared_for is None)  # from the adopted cache
     assert followup.block.base == len(expected)
     # (a follow-up drafts past its policy's stops while its verdict is not due: a constant length here)

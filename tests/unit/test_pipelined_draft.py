@@ -14,7 +14,7 @@ import time
 import pytest
 
 from draft_worker.pipelined import PipelinedDraft, work
-from svip_common.contracts import NO_TOKEN, Block
+from svip_common.contracts import NO_TOKEN, Block, SamplingParams
 from svip_common.errors import InvalidRequest
 from tests.verdicts import apply_verdict
 
@@ -71,6 +71,7 @@ class ScriptedSession:
     """A DraftSession stand-in: blocks of `length`, and a record of the verdicts it was told."""
 
     _drafter = ScriptedDrafter()
+    sampling = SamplingParams()  # greedy
 
     def __init__(self, length: int = 3, stop_ids: frozenset[int] = frozenset({STOP})):
         self.length, self.stop_ids = length, stop_ids
@@ -264,7 +265,7 @@ def test_a_deferred_acceptance_makes_the_follow_up_the_block_in_flight():
     first, followup = sent[0], sent[1]
     assert feedback(s, first.block, 3, NO_TOKEN) == []  # whole, and the follow-up settles what is next
     assert s.known == PROMPT + first.block.tokens and s.outstanding[0] is followup
-    assert all(key[0] != first.block.base for key in s.prepared)  # the first block's continuations are void
+    assert all(key[0] != first.block.base for key in s.prepared.blocks)  # the first block's continuations are void
 
 
 def test_a_used_prepared_continuation_is_the_next_block_without_drafting_again():
@@ -364,4 +365,45 @@ def test_close_drops_every_job_and_returns_the_pages():
     s.start(time.time())
     work(s, time.time())
     s.close()
-    assert s.session.closed and s.jobs == [] and s.critical is None and s.prepared == {}
+    assert s.session.closed and s.jobs == [] and s.critical is None and s.prepared.blocks == {}
+
+
+def _timing_after(fresh: list[bool]):
+    """A VerdictTiming that learnt a 10 s wait for each verdict, 2 s forwards, and these verdicts
+    (True: one that needed a block drafted afresh); with a block outstanding since time 0."""
+    from draft_worker.pipelined import VerdictTiming
+    from svip_common.messages import DraftedBlock
+
+    timing = VerdictTiming()
+    timing.verdict_wait.update(10.0)
+    timing.forward_s.update(2.0)
+    for each in fresh:
+        timing.learn_fresh(each)
+    block = DraftedBlock(Block(base=3, tokens=[1], probs=[0.9], entropies=[0.1]), True, finished_at=0.0)
+    return timing, [block]
+
+
+def test_a_forward_that_would_outlast_the_verdict_starts_only_when_verdicts_seldom_need_a_fresh_block():
+    """Issue 60: a forward still running at the verdict delays only a block drafted afresh; it is
+    priced at its time times the share of verdicts that needed one."""
+    timing, outstanding = _timing_after([])
+    assert timing.room_for_a_forward(7.9, outstanding) and not timing.room_for_a_forward(8.1, outstanding)
+    timing, outstanding = _timing_after([True] * 20)  # every verdict needs a fresh block: none may outlast it
+    assert not timing.room_for_a_forward(8.1, outstanding)
+    timing, outstanding = _timing_after([False] * 40)  # none does: a forward may start until the verdict is due
+    assert timing.room_for_a_forward(9.9, outstanding) and not timing.room_for_a_forward(10.0, outstanding)
+    timing, outstanding = _timing_after([False, True] * 20)  # about half: it ends within half a forward of it
+    assert timing.room_for_a_forward(8.8, outstanding) and not timing.room_for_a_forward(9.0, outstanding)
+
+
+def test_what_a_verdict_needed_is_learnt_from_its_outcome():
+    s = session(pipelined=True)
+    s.start(time.time())
+    first, followup = drain(s)[:2]
+    assert feedback(s, first.block, 3, NO_TOKEN) == []  # whole: the follow-up goes on
+    assert s.timing.fresh.value == 0.0
+    drain(s)
+    token = next(t for t in range(1, VOCAB) if (followup.block.base, 0, t) not in s.prepared
+                 and t != followup.block.tokens[0])
+    assert feedback(s, followup.block, 0, token) == []  # nothing prepared for it: a block afresh
+    assert s.timing.fresh.value == pytest.approx(0.2) and s.critical is not None
