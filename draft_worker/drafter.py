@@ -309,7 +309,7 @@ class DraftSession:
 
 
 PREFILL_TOKENS = 8  # a forward taking in more of a block's pending tokens than this is a prefill
-ALTERNATIVES = 3  # per drafted token, the next most likely tokens are kept (what a rejection may settle)
+ALTERNATIVES = 5  # per drafted token, the next most likely tokens are kept (what a rejection may settle)
 
 
 class BlockDraft:

@@ -54,7 +54,6 @@ from svip_common.outcome import DRAW, FOLLOWUP, PREPARED, SETTLED, Outcome
 from svip_common.step_cost import UNLIMITED, Ewma
 from svip_common.trees import begins_branch, children_of, node_parents, node_tokens
 
-MIN_PREPARE_SCORE = 0.02  # a continuation the draft itself gives less chance than this is not prepared
 EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
 
 
@@ -106,6 +105,8 @@ class PipelinedDraft:
     jobs: list[Job] = field(default_factory=list)  # the speculative blocks in the making
     critical: Job | None = None  # the main-line block the target waits for, drafted before any speculation
     load_cap: int = UNLIMITED  # the most tokens a block may hold at the target's load (its latest word)
+    row_price: float = 0.0  # what a speculative row costs the blocks targets wait for, as a share of a step (the
+    # worker's, learnt: service.py): a continuation is prepared only if the draft gives it more chance than that
     paused: bool = False  # load_cap 0: nothing is drafted until a Resume
     now: float = 0.0  # the time of the event being handled: every event takes it first (no clock is read here)
 
@@ -337,7 +338,7 @@ class PipelinedDraft:
         followup = next((job.draft for job in self.jobs if job.followup), None)
         working = {job.prepared_for for job in self.jobs}
         self.agenda = agenda(self.outstanding, followup, self.prepared, working, self.prepare, self.limit,
-                             self.stop_token_ids) if self.pipelined else []
+                             self.stop_token_ids, self.row_price) if self.pipelined else []
 
     def _begin(self, prepared_for: PreparedKey | None) -> Job:
         """A speculative job begins: the follow-up on the session's cache, a prepared
@@ -533,30 +534,32 @@ def _check_begins_branch(block: Block, branch: tuple[int, ...]) -> None:
 
 
 def agenda(outstanding: list[DraftedBlock], followup: BlockDraft | None, prepared: Prepared, working: set,
-           prepare: int, limit: int, stop_token_ids: frozenset[int]) -> list[tuple[float, PreparedKey | None]]:
+           prepare: int, limit: int, stop_token_ids: frozenset[int],
+           floor: float = 0.0) -> list[tuple[float, PreparedKey | None]]:
     """What to prepare while the outstanding blocks are verified, most likely first: the follow-up,
     then continuations after a rejection at each place of each outstanding block (the block being
     verified, then its follow-up), and at the first token of the follow-up being drafted (judged at
     once by the target's stored row when the block before it is accepted whole: the likeliest
     rejection of all), each scored by the draft's own chance of that outcome, at most ``prepare``
-    per block; none already made (``prepared``) or in the making (``working``)."""
+    per block, none the draft gives less chance than ``floor`` (a row's price); none already made
+    (``prepared``) or in the making (``working``)."""
     out = []
     if not outstanding:
         return out
     reach = 1.0  # the draft's chance that every token before this place is accepted
     for position, item in enumerate(outstanding):
-        candidates, reach = _candidates(item, reach, limit, stop_token_ids, prepared)
+        candidates, reach = _candidates(item, reach, limit, stop_token_ids, prepared, floor)
         out += candidates[:prepare]
         if position == len(outstanding) - 1 and item.followup and len(outstanding) < 2:
             out.append((reach, None))  # the follow-up: everything outstanding accepted
     if followup is not None and followup.alternatives:
         item = DraftedBlock(followup.block, True, alternatives=followup.alternatives[:1])
-        out += _candidates(item, reach, limit, stop_token_ids, prepared)[0][:prepare]
+        out += _candidates(item, reach, limit, stop_token_ids, prepared, floor)[0][:prepare]
     return sorted((a for a in out if a[1] not in working), key=lambda c: -c[0])
 
 
 def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: frozenset[int],
-                prepared: Prepared) -> tuple[list[tuple[float, PreparedKey]], float]:
+                prepared: Prepared, floor: float) -> tuple[list[tuple[float, PreparedKey]], float]:
     """The continuations worth preparing after a rejection in this outstanding block, most
     likely first (reach: the draft's chance that every token before it is accepted), and the
     reach past it; none already prepared, none past the session's limit. After a tree's sibling
@@ -566,7 +569,7 @@ def _candidates(item: DraftedBlock, reach: float, limit: int, stop_token_ids: fr
         fits = limit - (block.base + j + 1) - 1 >= 1
         for token, q in options:
             key = (block.base, j, token)
-            worth = reach * q >= MIN_PREPARE_SCORE and token not in stop_token_ids
+            worth = reach * q > floor and token not in stop_token_ids
             if worth and fits and key not in prepared:
                 candidates.append((reach * q, key))
         reach *= block.probs[j]

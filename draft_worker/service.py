@@ -11,7 +11,7 @@ import time
 import grpc
 import torch
 
-from draft_worker.drafter import Drafter
+from draft_worker.drafter import PREFILL_TOKENS, Drafter
 from draft_worker.pipelined import PipelinedDraft
 from draft_worker.policies import AutoPolicy
 from svip_common.acceptance import StopRule
@@ -19,6 +19,7 @@ from svip_common.contracts import DRAFT_PARALLEL, NO_TOKEN, PREPARED_PER_BLOCK, 
 from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.kv_cache import PoolFull
 from svip_common.messages import DraftedBlock, Feedback, Resume
+from svip_common.step_cost import Ewma, StepCost, row_share
 from svip_common.trees import priced as tree_priced
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -28,6 +29,7 @@ from svip_runtime.grpc_server import Refused, SessionService, SessionStream
 from svip_runtime.step_metrics import StepMetrics
 from svip_runtime.wire_batch import BadBatch, pack_events, unpack
 
+RIDING_WEIGHT = 0.05  # of the newest step, in the share of speculative steps that carry a critical block
 log = logging.getLogger(__name__)
 FEATURE_ROWS_CAP = 1 << 20  # rows of features a session may hold ahead where no context length is known
 
@@ -84,6 +86,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.parallel = parallel  # speculative blocks a session drafts side by side (async; pipelined.py)
         self.forks_released = 0  # times a short pool took the speculation held on forks back
         self.step_metrics = StepMetrics("draft")
+        self.step_cost = StepCost()  # a step's time by the tokens it takes in (prefills aside): what a row costs
+        self.riding = Ewma(RIDING_WEIGHT)  # of the steps with speculation, the share that carried a critical block
         self.shed = 0  # sessions whose draft work was given up (the KV pool full, a failed step)
         self.sent_batches = 0  # messages that carried more than one event (one step's, for several sessions)
         # target features sent ahead in chunks, per session, until the message they lead arrives
@@ -206,12 +210,19 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         """One batched step: a single draft forward advances every session that has a block to
         draft by one token, critical blocks and speculation alike; each block stops at its own
         place (its policy, the cap, a stop token, the budget)."""
-        now = self.clock()
+        # a speculative row delays only a block some target waits for in its step: priced at its share of
+        # the step times the chance it rides with one (never, at one session: a critical block steps alone)
+        now, price = self.clock(), row_share(self.step_cost) * self.riding.value
+        for session in self.sessions.values():
+            session.row_price = price
         batch = [(sid, session, draft) for sid, session in self.sessions.items() for draft in session.next_drafts(now)]
         if any(session.critical is not None for _, session, _ in batch):  # a block some target waits for rides
             batch = [item for item in batch if not item[2].extended]  # this step: nothing drafted past a stop delays it
         if not batch:
             return False
+        if any(session.critical is None for _, session, _ in batch):
+            self.riding.update(float(any(session.critical is not None for _, session, _ in batch)))
+        pending = [draft.pending_tokens for _, _, draft in batch]  # what each row takes in
         started = self.timer()
         try:
             batch = self._step_within_pool(batch)
@@ -231,6 +242,8 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             return True
         tokens = sum(draft.pending_tokens for _, _, draft in batch)
         elapsed = self.timer() - started
+        if len(batch) == len(pending) and max(pending) <= PREFILL_TOKENS:  # a prompt's forward prices no row
+            self.step_cost.observe(sum(pending), elapsed)
         now = self.clock()
         for session_id, session in {sid: session for sid, session, _ in batch}.items():
             self._send(session_id, session, session.after_step(now, elapsed))

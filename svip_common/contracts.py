@@ -28,9 +28,9 @@ DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deplo
 # speculative blocks an async session drafts side by side (the follow-up and prepared continuations): they ride
 # one batched draft forward, nearly free while it is memory-bound; 8B/1B on H100s, one session, simulated: 3 ->
 # 8 took async from 1.27x to 1.31x the in-process pair, and at 8 sessions from 0.95x to 1.02x (docs/benchmarks.md)
-DRAFT_PARALLEL = 8
-PREPARED_PER_BLOCK = 3  # prepared continuations per outstanding block (and for a follow-up's first token) at most
-MAX_DRAFT_PARALLEL = 8  # a deployment's bound on them (each side-by-side block holds forked KV pages)
+DRAFT_PARALLEL = 16
+PREPARED_PER_BLOCK = 8  # prepared continuations per outstanding block (and for a follow-up's first token) at most
+MAX_DRAFT_PARALLEL = 16  # a deployment's bound on them (each side-by-side block holds forked KV pages)
 MAX_CHOICES = 8  # a request's n at most: each choice is a session (a place in the batch, its pages past the prompt)
 GREEDY_BELOW = 1e-5  # temperatures under this are greedy: 1/T overflows and the warped q turns NaN
 AUTO = "auto"  # threshold learnt for the model pair (coordinator/calibration.py)

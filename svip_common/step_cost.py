@@ -110,6 +110,13 @@ class StepCost:
         return self.fixed + self.per_item * items
 
 
+def row_share(cost: StepCost) -> float:
+    """What one more row adds to a step of one, as a share of that step (0 until rows have
+    varied enough to tell: a step measured only at one width prices nothing)."""
+    one = cost.time(1)
+    return cost.per_item / one if cost.sloped and one > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class TargetLoad:
     """What the draft side needs to know about the target's load (sent with each verdict when the

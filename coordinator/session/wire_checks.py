@@ -14,7 +14,7 @@ from svip_common.trees import check_grown, check_siblings
 from svip_common.trees import grows as tree_grows
 
 PREPARED_REACH_BLOCKS = 3  # a prepared block's parent lies within this many blocks of the committed tokens
-MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares two per block)
+MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares 8 per outstanding block, and 8 more)
 
 
 def check_timings(block: DraftedBlock) -> None:

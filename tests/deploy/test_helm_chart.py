@@ -571,7 +571,7 @@ def test_the_charts_smoke_script_is_the_packages():
         ({"model": {"draftKind": "medusa"}}, "draftKind"),
         ({"decoding": {"idlePrefill": "sometimes"}}, "idlePrefill"),
         ({"decoding": {"draftParallel": 0}}, "draftParallel"),
-        ({"decoding": {"draftParallel": 9}}, "draftParallel"),
+        ({"decoding": {"draftParallel": 17}}, "draftParallel"),
         ({"decoding": {"tree": "deepest"}}, "tree"),
         ({"decoding": {"toolCallParser": "mistral"}}, "toolCallParser"),
         ({"decoding": {"tree": False}}, "tree"),

@@ -354,7 +354,7 @@ def test_pipeline_settings_need_distributed_mode(capsys, model_dirs, flag, value
         (["--port", "70000"], 2, "--port: must be an integer in [1, 65535], got 70000"),
         (["--metrics-port", "52365"], 2, "--metrics-port 52365 is where Ray's dashboard agent listens"),
         (["--max-in-flight", "0"], 2, "--max-in-flight: must be an integer in [1, 4096], got 0"),
-        (["--draft-parallel", "9"], 2, "--draft-parallel: must be an integer in [1, 8], got 9"),
+        (["--draft-parallel", "17"], 2, "--draft-parallel: must be an integer in [1, 16], got 17"),
         (["--policy", "fastest"], 2, "--policy: must be one of auto, svip"),
         (["--tool-call-parser", "mistral"], 2, "must be one of hermes, llama3_json, none, got 'mistral'"),
         (["--target", "/nonexistent", "--draft", "none"], 1, "no model directory at '/nonexistent'"),

@@ -405,3 +405,46 @@ def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(mo
     service.sessions = {"b": session(False, draft("b-followup-past-stop", 2), draft("b-prepared"))}
     service.idle()
     assert stepped == [["a-critical", "b-prepared"], ["b-followup-past-stop", "b-prepared"]]
+
+
+def test_the_draft_worker_prices_a_speculative_row_by_what_it_adds_to_a_step_with_a_critical_block(models,
+                                                                                                   monkeypatch):
+    """Each batched step (prompts aside) is timed by the tokens it takes in. A speculative row
+    delays only a block some target waits for in the same step: alone (one session: a critical
+    block steps alone) it is free; beside other sessions' critical blocks it costs the share one
+    more row adds to a step of one. That price (row_price) is the floor under what is prepared."""
+    from types import SimpleNamespace
+
+    from draft_worker.service import DraftService
+    from svip_common.step_cost import row_share
+    from svip_runtime.compute_loop import ManualLoop
+
+    clock = SimpleNamespace(now=0.0)
+    service = DraftService(Drafter(models["close_draft"], models["target"].vocab_size),
+                           Limits(tokens=320, positions=512), compute=ManualLoop, timer=lambda: clock.now)
+
+    def step(batch):  # 2 ms and 0.5 ms a token taken in
+        clock.now += 0.002 + 0.0005 * sum(d.pending_tokens for *_, d in batch)
+        return batch
+
+    monkeypatch.setattr(service, "_step_within_pool", step)
+    monkeypatch.setattr(service, "_send", lambda session_id, session, blocks: None)
+
+    def session(critical: bool, width: int, pending: int = 1):
+        drafts = [SimpleNamespace(extended=0, error=None, pending_tokens=pending) for _ in range(width)]
+        return SimpleNamespace(critical=object() if critical else None, row_price=None, next_drafts=lambda now: drafts,
+                               after_step=lambda now, s: [])
+
+    speculating = session(False, 1)
+    for width in [1, 6] * 10:  # one session: speculation never rides with a critical block
+        service.sessions = {"b": session(False, width)}
+        service.idle()
+    service.sessions = {"b": speculating, "prompt": session(False, 1, pending=300)}  # a prompt prices no row
+    service.idle()
+    assert row_share(service.step_cost) == pytest.approx(0.0005 / 0.0025)
+    service.idle()
+    assert speculating.row_price == 0.0
+    for _ in range(200):  # beside another session's critical block in every step
+        service.sessions = {"a": session(True, 1), "b": speculating}
+        service.idle()
+    assert speculating.row_price == pytest.approx(row_share(service.step_cost), rel=0.01)

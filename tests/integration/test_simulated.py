@@ -110,8 +110,8 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
                          (["--sim-sessions", "0"], "--sim-sessions: sessions in flight must be >= 1"),
                          (["--sim-sessions", "two"], "--sim-sessions: expected comma-separated integers"),
                          (["--host-scale", "1000"], "--host-scale must be in [0, 100]"),
-                         (["--draft-parallel", "0"], "--draft-parallel: must be an integer in [1, 8]"),
-                         (["--draft-parallel", "9"], "--draft-parallel: must be an integer in [1, 8]"),
+                         (["--draft-parallel", "0"], "--draft-parallel: must be an integer in [1, 16]"),
+                         (["--draft-parallel", "17"], "--draft-parallel: must be an integer in [1, 16]"),
                          (["--temperature", "-1"], "temperature must be a number >= 0"),
                          (["--temperature", "0.5", "--mode", "policies"], "--temperature applies to --mode simulate")):
         assert main(base + extra) == 2

@@ -407,3 +407,14 @@ def test_what_a_verdict_needed_is_learnt_from_its_outcome():
                  and t != followup.block.tokens[0])
     assert feedback(s, followup.block, 0, token) == []  # nothing prepared for it: a block afresh
     assert s.timing.fresh.value == pytest.approx(0.2) and s.critical is not None
+
+
+def test_a_continuation_less_likely_than_a_rows_share_of_the_step_is_not_prepared():
+    """The worker prices a row of its step (row_price): the scripted runner-ups (q 0.08) are
+    prepared when a row costs less than that chance, and not when it costs more."""
+    for price, prepared in ((0.05, True), (0.1, False)):
+        s = session(pipelined=True)
+        s.row_price = price
+        s.start(time.time())
+        sent = drain(s)
+        assert any(o.prepared_for is not None for o in sent) is prepared

@@ -12,6 +12,7 @@ from svip_common.step_cost import (
     Ewma,
     StepCost,
     TargetLoad,
+    row_share,
     speculation_cap,
     target_load,
 )
@@ -288,3 +289,15 @@ def test_the_gate_prices_one_more_drafted_token_at_the_slope_not_the_block_avera
         alone.record(1, 0, 0.021)
     assert alone.marginal_draft_token_s == pytest.approx(alone.draft_token_s)
     assert alone.cap(load) == 0 and alone.paused
+
+
+def test_a_rows_share_of_a_step_is_what_it_adds_to_a_step_of_one():
+    cost = StepCost()
+    assert row_share(cost) == 0.0  # nothing measured: nothing priced
+    for _ in range(10):
+        cost.observe(4, 0.004)
+    assert row_share(cost) == 0.0  # one width only: the slope is unknown, so free
+    cost = StepCost()
+    for items in [1, 16] * 20:
+        cost.observe(items, 0.001 + 0.0002 * items)
+    assert row_share(cost) == pytest.approx(0.0002 / 0.0012)
