@@ -45,6 +45,7 @@ class Timeline:
     finishing: float | None = None  # a batched step in flight ends then (its results held until)
     forward_s: float = 0.0  # simulated device time of the step running
     device_wall_s: float = 0.0  # of the step running: what this machine's forwards took (not host work)
+    step_started: float | None = None  # this machine's time the step running began (None: none runs)
     busy_s: float = 0.0
     host_s: float = 0.0
 
@@ -74,6 +75,8 @@ class SimulatedPair(InMemoryPair):
         self.arrivals: dict[str, list[float]] = {name: [] for name in self.wires}
         self.finished_at: dict[str, float] = {}
         self._device(verifier.pool, "target", emulation.target)
+        if self.draft is not None:  # the draft worker times its steps with their host work so far, as a real one
+            self.draft.timer = lambda: self._timeline_now("draft")
         if drafter is not None and drafter.pool is not None:
             self._device(drafter.pool, "draft", emulation.draft)
         elif drafter is not None:  # a feature head: no pool, its steps timed whole
@@ -176,14 +179,26 @@ class SimulatedPair(InMemoryPair):
         line = self.timelines[worker]
         start = max(line.free_at, self.now)
         line.clock.now, line.forward_s, line.device_wall_s = start, 0.0, 0.0
-        started = time.perf_counter()
-        out = fn()
+        started = line.step_started = time.perf_counter()
+        try:
+            out = fn()
+        finally:
+            line.step_started = None
         host = (time.perf_counter() - started - line.device_wall_s) * self.host_scale
         line.host_s += host
         end = start + line.forward_s + host
         line.clock.now = line.free_at = end
         line.busy_s += end - start
         return out
+
+    def _timeline_now(self, worker: str) -> float:
+        """The worker's time now, within a step too: its device time so far and its host work so far
+        (times host_scale), as a real worker's timer reads both."""
+        line = self.timelines[worker]
+        if line.step_started is None:
+            return line.clock.now
+        host = max(time.perf_counter() - line.step_started - line.device_wall_s, 0.0) * self.host_scale
+        return line.clock.now + host
 
     # --- the wire, stamped --------------------------------------------------------------------------
 

@@ -31,6 +31,8 @@ from svip_common.errors import InvalidRequest
 from svip_common.trees import TREES
 
 PLACEMENTS = ("in process", "sync", "async")
+SPLIT = ("sync", "async")  # the placements with each model on GPUs of its own
+CONTEXT = 250  # tokens cached before a forward, for the per-token costs the advice quotes
 MAX_SESSIONS = 64
 
 
@@ -84,7 +86,10 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
     together = emulation.co_located()
     header.update(emulate=emulation.spec, emulated=emulation.describe(), in_process=together.describe(),
                   svip_threshold=threshold, policies=policies, sessions=sessions,
-                  target_tp=emulation.target.count)  # the step model's N devices: N tensor-parallel ranks
+                  target_tp=emulation.target.count,  # the step model's N devices: N tensor-parallel ranks
+                  costs_ms={"target forward": 1e3 * emulation.target.forward_s([(1, CONTEXT)]),
+                            "draft token, own devices": 1e3 * emulation.draft.forward_s([(1, CONTEXT)]),
+                            "draft token, in process": 1e3 * together.draft.forward_s([(1, CONTEXT)])})
     progress = Progress(len(sessions) * (1 + len(policies) * len(PLACEMENTS)))
     rows, violations = [], []
 
@@ -133,7 +138,8 @@ def _in_process(engine, emulation: Emulation, requests, n: int) -> tuple[tuple[f
 
 
 def advice(rows: list[dict]) -> dict:
-    """At each session count: the row that makes the most tokens/s, and its ratio to the target alone."""
+    """At each session count: the row that makes the most tokens/s, and its ratio to the target alone;
+    where that is not a split placement, the best split one (``split``) and its ratio to it."""
     out = {}
     for n in sorted({r["sessions"] for r in rows}):
         at = [r for r in rows if r["sessions"] == n]
@@ -141,6 +147,11 @@ def advice(rows: list[dict]) -> dict:
         best = max(at, key=lambda r: r["tokens_per_s"])
         out[str(n)] = {"placement": best["placement"], "policy": best["policy"],
                        "tokens_per_s": best["tokens_per_s"], "over_alone": best["tokens_per_s"] / alone["tokens_per_s"]}
+        split = max((r for r in at if r["placement"] in SPLIT), key=lambda r: r["tokens_per_s"], default=None)
+        if split is not None and best["placement"] not in SPLIT:
+            out[str(n)]["split"] = {"placement": split["placement"], "policy": split["policy"],
+                                    "tokens_per_s": split["tokens_per_s"],
+                                    "over_best": split["tokens_per_s"] / best["tokens_per_s"]}
     return out
 
 
@@ -170,8 +181,20 @@ def report(doc: dict) -> str:
         how = "the target alone" if a["placement"] == "target alone" else \
             f"{a['placement']}{'' if a['placement'] == 'in process' else ' (distributed)'}, policy {a['policy']}"
         lines.append(f"- {n} session{'s' if n != '1' else ''} in flight: {how}: {a['tokens_per_s']:.1f} tokens/s, "
-                     f"{a['over_alone']:.2f}x the target alone")
+                     f"{a['over_alone']:.2f}x the target alone{_why_not_split(a.get('split'), h.get('costs_ms'))}")
     return "\n".join(lines)
+
+
+def _why_not_split(split: dict | None, costs: dict | None) -> str:
+    """Where a split placement does not lead: the best one, and what its draft and the target cost."""
+    if split is None:
+        return ""
+    why = "" if not costs else (
+        f": its draft takes {costs['draft token, own devices']:.2f} ms a token on its own devices, "
+        f"{costs['draft token, in process']:.2f} ms on the target's, against {costs['target forward']:.2f} ms a "
+        f"target forward; the host work measured here counts in every row")
+    return (f". The split pipeline at best ({split['placement']}, {split['policy']}): {split['tokens_per_s']:.1f} "
+            f"tokens/s, {split['over_best']:.2f}x that{why}")
 
 
 def _plot(path: Path, rows: list[dict], sessions: list[int]) -> None:

@@ -44,6 +44,9 @@ def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_pa
         best = max((r for r in doc["rows"] if str(r["sessions"]) == n), key=lambda r: r["tokens_per_s"])
         assert (doc["advice"][n]["placement"], doc["advice"][n]["policy"]) == (best["placement"], best["policy"])
     assert "Advice:" in captured.out and "- 2 sessions in flight: " in captured.out
+    for n, a in doc["advice"].items():  # where the split pipeline does not lead, the advice says what it makes
+        assert ("split" in a) is (a["placement"] not in ("sync", "async"))
+    assert set(doc["header"]["costs_ms"]) == {"target forward", "draft token, own devices", "draft token, in process"}
     assert (out / "plan.png").stat().st_size > 1000
 
 
@@ -112,3 +115,5 @@ def test_advice_is_the_fastest_row_at_each_count():
     got = advice(rows)
     assert (got["1"]["placement"], got["1"]["over_alone"]) == ("async", 1.5)
     assert (got["8"]["placement"], got["8"]["over_alone"]) == ("target alone", 1.0)
+    assert "split" not in got["1"] and got["8"]["split"] == {"placement": "sync", "policy": "svip",
+                                                             "tokens_per_s": 60.0, "over_best": 0.75}

@@ -144,3 +144,18 @@ def test_a_feature_head_drafts_in_virtual_time_too(pipeline):
         assert [p.result().token_ids for p in pair.pending.values()] == [expected, expected]
         assert sum(p.result().stats.draft_tokens for p in pair.pending.values()) > 0
     assert runs[0].makespan_s == runs[1].makespan_s and runs[0].busy_s["draft"] > 0
+
+
+def test_the_draft_worker_times_its_steps_with_their_host_work_at_host_scale(models):
+    """A real draft worker's timer reads a step's host work too (what it prices a row by): the
+    simulated one reads its device time so far plus its host work so far, times host_scale."""
+    import time
+
+    for host_scale in (0.0, 2.0):
+        pair = make(models, host_scale=host_scale)
+        line = pair.timelines["draft"]
+        line.clock.now = 5.0
+        assert pair.draft.timer() == 5.0  # between steps: the worker's clock
+        line.step_started, line.device_wall_s = time.perf_counter() - 0.010, 0.004  # 6 ms of host work so far
+        read = pair.draft.timer()
+        assert read == 5.0 if host_scale == 0 else read >= 5.0 + 2.0 * 0.006
