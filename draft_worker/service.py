@@ -29,7 +29,7 @@ from svip_runtime.grpc_server import Refused, SessionService, SessionStream
 from svip_runtime.step_metrics import StepMetrics
 from svip_runtime.wire_batch import BadBatch, pack_events, unpack
 
-RIDING_WEIGHT = 0.05  # of the newest step, in the share of speculative steps that carry a critical block
+RIDING_WEIGHT = 0.05  # of the newest step, in the critical blocks a speculative step carries (a running mean)
 log = logging.getLogger(__name__)
 FEATURE_ROWS_CAP = 1 << 20  # rows of features a session may hold ahead where no context length is known
 
@@ -87,7 +87,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.forks_released = 0  # times a short pool took the speculation held on forks back
         self.step_metrics = StepMetrics("draft")
         self.step_cost = StepCost()  # a step's time by the tokens it takes in (prefills aside): what a row costs
-        self.riding = Ewma(RIDING_WEIGHT)  # of the steps with speculation, the share that carried a critical block
+        self.riding = Ewma(RIDING_WEIGHT)  # critical blocks in a step that carries speculation (a running mean)
         self.shed = 0  # sessions whose draft work was given up (the KV pool full, a failed step)
         self.sent_batches = 0  # messages that carried more than one event (one step's, for several sessions)
         # target features sent ahead in chunks, per session, until the message they lead arrives
@@ -210,8 +210,9 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         """One batched step: a single draft forward advances every session that has a block to
         draft by one token, critical blocks and speculation alike; each block stops at its own
         place (its policy, the cap, a stop token, the budget)."""
-        # a speculative row delays only a block some target waits for in its step: priced at its share of
-        # the step times the chance it rides with one (never, at one session: a critical block steps alone)
+        # a speculative row delays each block some target waits for in its step by what it adds to the step:
+        # priced at its share of a step of one times how many ride with it (none at one session: a critical
+        # block steps alone)
         now, price = self.clock(), row_share(self.step_cost) * self.riding.value
         for session in self.sessions.values():
             session.row_price = price
@@ -221,7 +222,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         if not batch:
             return False
         if any(session.critical is None for _, session, _ in batch):
-            self.riding.update(float(any(session.critical is not None for _, session, _ in batch)))
+            self.riding.update(float(sum(session.critical is not None for _, session, _ in batch)))
         pending = [draft.pending_tokens for _, _, draft in batch]  # what each row takes in
         started = self.timer()
         try:

@@ -410,9 +410,10 @@ def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(mo
 def test_the_draft_worker_prices_a_speculative_row_by_what_it_adds_to_a_step_with_a_critical_block(models,
                                                                                                    monkeypatch):
     """Each batched step (prompts aside) is timed by the tokens it takes in. A speculative row
-    delays only a block some target waits for in the same step: alone (one session: a critical
+    delays each block some target waits for in the same step: alone (one session: a critical
     block steps alone) it is free; beside other sessions' critical blocks it costs the share one
-    more row adds to a step of one. That price (row_price) is the floor under what is prepared."""
+    more row adds to a step of one, once for each. That price (row_price) is the floor under what
+    is prepared."""
     from types import SimpleNamespace
 
     from draft_worker.service import DraftService
@@ -444,7 +445,7 @@ def test_the_draft_worker_prices_a_speculative_row_by_what_it_adds_to_a_step_wit
     assert row_share(service.step_cost) == pytest.approx(0.0005 / 0.0025)
     service.idle()
     assert speculating.row_price == 0.0
-    for _ in range(200):  # beside another session's critical block in every step
-        service.sessions = {"a": session(True, 1), "b": speculating}
+    for _ in range(200):  # beside two other sessions' critical blocks in every step: it delays both
+        service.sessions = {"a": session(True, 1), "c": session(True, 1), "b": speculating}
         service.idle()
-    assert speculating.row_price == pytest.approx(row_share(service.step_cost), rel=0.01)
+    assert speculating.row_price == pytest.approx(2 * row_share(service.step_cost), rel=0.01)
