@@ -357,8 +357,9 @@ class BlockDraft:
 
     def cap(self, budget: int) -> bool:
         """Hold the block to at most ``budget`` tokens from now on; False (unchanged) if it holds
-        that many already, or is a tree (its node budget was set by its spine's cap)."""
-        if self._tree or len(self.block) >= budget:
+        that many already, or is a tree that would need a lower cap (its node budget was set by
+        its spine's)."""
+        if len(self.block) >= budget or (self._tree and self._limit > budget):
             return False
         self._limit = min(self._limit, budget)
         return True

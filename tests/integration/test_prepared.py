@@ -294,6 +294,24 @@ def test_a_rejection_whose_continuation_is_half_drafted_takes_it_up_as_the_next_
     assert pool.used_pages == 0
 
 
+@pytest.mark.parametrize("tree", ["off", "cape"])
+def test_a_block_in_the_making_takes_a_cap_it_can_keep(models, tree):
+    """What a half-drafted continuation must allow to be taken up (BlockDraft.cap): a chain takes
+    any cap above what it holds; a tree keeps the node budget its spine's cap set, so it takes one
+    only as high as that."""
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size)
+    session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=8, tree=tree), ())
+    draft = session.begin(list(PROMPT), 40, alternatives=True)
+    draft.step()
+    assert not draft.cap(1)  # it holds that many already
+    assert draft.cap(8)  # its own cap: nothing changes
+    assert draft.cap(3) is (tree == "off")  # lower: a chain stops there, a tree cannot
+    while not draft.step():
+        pass
+    assert len(draft.block) == (3 if tree == "off" else 8)
+    session.close()
+
+
 def test_continuations_drafted_side_by_side_on_forks_are_the_ones_drafted_one_at_a_time(models):
     made = {}
     for parallel in (1, 3):
