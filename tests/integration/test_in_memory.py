@@ -272,3 +272,21 @@ def test_a_draft_pool_short_of_room_for_forks_takes_them_back_before_any_session
     stats = pb.WorkerStats()
     pair.draft.add_stats(stats)  # what the draft's Stats answers, and Prometheus counts up
     assert (stats.forks_released, stats.sessions_shed) == (pair.draft.forks_released, 0)
+
+
+def test_a_half_drafted_continuation_taken_up_keeps_the_output_the_targets(models, prompt_ids, alone, monkeypatch):
+    """Issue 60: under random interleavings rejections come while their continuations are still
+    being drafted; those taken up as the next block (Job.take_up) leave every output the target
+    alone's."""
+    from draft_worker.pipelined import Job
+
+    taken = []
+    take_up = Job.take_up
+    monkeypatch.setattr(Job, "take_up", lambda job, session, resolved: taken.append(job) or take_up(job, session,
+                                                                                                      resolved))
+    for seed in range(4):
+        for policy in ("svip", "heuristic", "auto"):
+            request = GenerationRequest(prompt_ids["long"], 48, policy=POLICIES[policy])
+            assert make_pair(models, "async", Seeded(seed)).generate(request).token_ids == \
+                alone.generate(request).token_ids, (seed, policy)
+    assert taken, "no rejection found its continuation half drafted"
