@@ -184,7 +184,7 @@ class SimulatedPair(InMemoryPair):
             out = fn()
         finally:
             line.step_started = None
-        host = (time.perf_counter() - started - line.device_wall_s) * self.host_scale
+        host = self._host_so_far(line, started)
         line.host_s += host
         end = start + line.forward_s + host
         line.clock.now = line.free_at = end
@@ -197,8 +197,12 @@ class SimulatedPair(InMemoryPair):
         line = self.timelines[worker]
         if line.step_started is None:
             return line.clock.now
-        host = max(time.perf_counter() - line.step_started - line.device_wall_s, 0.0) * self.host_scale
-        return line.clock.now + host
+        return line.clock.now + max(self._host_so_far(line, line.step_started), 0.0)
+
+    def _host_so_far(self, line: Timeline, started: float) -> float:
+        """The host work of the step that began at ``started`` (this machine's time), times host_scale:
+        this machine's time since, less what its forwards took."""
+        return (time.perf_counter() - started - line.device_wall_s) * self.host_scale
 
     # --- the wire, stamped --------------------------------------------------------------------------
 

@@ -113,8 +113,8 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
         used += sum(r.stats.prepared_used for r in results)
         late += sum(r.stats.prepared_used_late for r in results)
         rejected += sum(a < d for r in results for d, a in zip(r.stats.draft_lengths, r.stats.accepted_lengths))
-    share = (lambda n: n / rejected) if rejected else (lambda n: 0.0)
-    return Waves(tokens / seconds, statistics.mean(ends), outputs, share(used), tokens / forwards, share(late))
+    rejected = rejected or 1  # no rejection: none covered
+    return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected, tokens / forwards, late / rejected)
 
 
 def in_process_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int,
@@ -177,7 +177,7 @@ def _report(h: dict, rows: list[dict]) -> str:
     for r in rows:
         chain = r["mode"].partition("+")[0]
         versus = f"{r['tokens_per_s'] / rate[(r['sessions'], chain)]:.2f}x" if "+" in r["mode"] else ""
-        in_time, late = r["prepared_after_rejection"], r.get("prepared_late_after_rejection", 0.0)
+        in_time, late = r["prepared_after_rejection"], r["prepared_late_after_rejection"]
         covered = f"{100 * in_time:.0f}% + {100 * late:.0f}%" if r["mode"].startswith("async") else ""
         lines.append(f"| {r['sessions']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
                      f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x | "

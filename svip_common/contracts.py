@@ -26,8 +26,9 @@ POLICY_NAMES = ("auto", "svip", "constant", "heuristic", "confidence", "none")
 INT32_MAX = 2**31 - 1  # integer fields travel as int32
 DRAFT_LENGTH_CAP = 64  # default cap on draft_length / max_draft_length (a deployment may change it)
 # speculative blocks an async session drafts side by side (the follow-up and prepared continuations): they ride
-# one batched draft forward, nearly free while it is memory-bound; 8B/1B on H100s, one session, simulated: 3 ->
-# 8 took async from 1.27x to 1.31x the in-process pair, and at 8 sessions from 0.95x to 1.02x (docs/benchmarks.md)
+# one batched draft forward, nearly free while it is memory-bound; how many are worth it the draft worker learns
+# (a row's price, draft_worker/service.py), these are the caps. 8B/1B on H100s, one session, simulated: 8 -> 16
+# with the learnt price took async from 1.39x to 1.48x the in-process pair (docs/benchmarks.md)
 DRAFT_PARALLEL = 16
 PREPARED_PER_BLOCK = 8  # prepared continuations per outstanding block (and for a follow-up's first token) at most
 MAX_DRAFT_PARALLEL = 16  # a deployment's bound on them (each side-by-side block holds forked KV pages)

@@ -1,9 +1,9 @@
 """One typed configuration for a model pair and how its workers run: the models, where the workers
 go, their KV and batch budgets, speculation's knobs, and what happens when a worker is lost. Frozen,
-checked once (``checked``). Each field but the models, `packed` and
-placement_timeout_s is a knob: its type, default,
-bounds and help are declared in svip_common/knobs.py and nowhere else. The CLI (svip_cli/engines.py),
-the Serve app's settings (ServeSettings.pair_config) and the benches build one; the in-process engine
+checked once (``checked``). Each field but the models, `packed` and placement_timeout_s is a knob:
+its type, default, bounds and help are declared in svip_common/knobs.py and nowhere else. The CLI
+(svip_cli/main.py, through coordinator/front.py), the Serve app's settings
+(ServeSettings.pair_config) and the benches build one; the in-process engine
 (SpeculativeEngine) and the worker pair (coordinator/cluster.py) and its actors take it whole. No
 torch: the CLI checks it before loading the model stack."""
 
@@ -144,4 +144,3 @@ def worker_emulation(spec: str, has_draft: bool) -> Emulation:
     if has_draft and emulation.draft is None:
         raise InvalidRequest(f"--emulate {spec!r} names no draft, and the pair has one (draft=MODEL@DEVICE)")
     return emulation
-
