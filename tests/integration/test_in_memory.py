@@ -277,9 +277,11 @@ def test_a_draft_pool_short_of_room_for_forks_takes_them_back_before_any_session
 def test_a_half_drafted_continuation_taken_up_keeps_the_output_the_targets(models, prompt_ids, alone, monkeypatch):
     """Issue 60: under random interleavings rejections come while their continuations are still
     being drafted; those taken up as the next block (Job.take_up) leave every output the target
-    alone's."""
-    from draft_worker.pipelined import Job
+    alone's. The draft always has room before a verdict (VerdictTiming reads this machine's clock
+    here): which continuations are in the making at a verdict is the schedule's alone."""
+    from draft_worker.pipelined import Job, VerdictTiming
 
+    monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: True)
     taken = []
     take_up = Job.take_up
     monkeypatch.setattr(Job, "take_up", lambda job, session, resolved: taken.append(job) or take_up(job, session,
