@@ -84,7 +84,8 @@ class Verifier:
 
     @torch.inference_mode()
     def verify_batch(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
-                     budget: int | None = None) -> list[Verdict | None]:
+                     budget: int | None = None,
+                     riders: Sequence[tuple[TargetSession, Sequence[int]]] = ()) -> list[Verdict | None]:
         """Every job's verdict, from one target forward for all the blocks that need one (a
         follow-up whose first token the stored row rejects needs none). budget: at most this many
         tokens in the forward (the step's max_batched_tokens): a job whose uncached prompt does
@@ -92,7 +93,8 @@ class Verifier:
         long prompt never stalls the others and no forward, the first job's included, holds more
         than the budget (but a lone block that only fits past it); the first job always advances.
         A sampled job's prompt answers None too, its last token left for the next step with the
-        block (``PromptSharing.splits``)."""
+        block (``PromptSharing.splits``). riders: sessions waiting on their blocks whose next row
+        rides this forward (``prefill_next``'s, in the room the blocks leave)."""
         verdicts = self.judge_first(jobs)
         room = budget if budget is not None else float("inf")
         plans, steps, owners = {}, [], []  # owners[j]: the job step j settles (None: a prefill chunk)
@@ -126,10 +128,14 @@ class Verifier:
                 steps.append(plan.step)
                 owners.append(i)
                 room -= tokens
+        ridden = _Prefills(self, riders, room, prompts)
+        blocks, steps = len(steps), steps + ridden.steps
         self.last_step_tokens = sum(len(step[1]) for step in steps)
         rows, features, elapsed = self.pool.timed_forward(steps, self.feature_layers) if steps else ([], [], 0.0)
+        ridden.finish(rows[blocks:], elapsed)
+        prefilling |= ridden.prompted
         if features:  # a feature draft's input, per session
-            by_sequence = {id(job[0].sequence): job[0] for job in jobs}
+            by_sequence = {id(session.sequence): session for session, *_ in list(jobs) + list(riders)}
             for (seq, new, *_), feats in zip(steps, features):
                 by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
         if steps:
@@ -159,18 +165,25 @@ class Verifier:
         return verdicts
 
     def verify_apart(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
-                     budget: int | None = None) -> list[Verdict | None | Exception]:
-        """verify_batch, with a step that raised narrowed to the jobs that fail on their own: the
-        step's jobs are verified again in halves (every stored row forgotten first, so each
-        recomputes from its committed tokens, exact by construction), down to the single jobs
-        that still raise, whose place in the answer is their exception. One bad job among n costs
-        about 2·log2(n) forwards, once; everyone else's verdict is the one it would have had."""
+                     budget: int | None = None,
+                     riders: Sequence[tuple[TargetSession, Sequence[int]]] = ()) -> list[Verdict | None | Exception]:
+        """verify_batch, with a step that raised narrowed to the jobs (and riders) that fail on
+        their own: the step's items are run again in halves (every stored row forgotten first, so
+        each recomputes from its committed tokens, exact by construction), down to the single
+        ones that still raise, whose place in the answer is their exception (a rider's is
+        dropped: it only stores a row). One bad job among n costs about 2·log2(n) forwards, once;
+        everyone else's verdict is the one it would have had."""
+        def run(part):
+            blocks = [item for item in part if len(item) == 3]
+            verdicts = iter(self.verify_batch(blocks, budget, [item for item in part if len(item) == 2]))
+            return [next(verdicts) if len(item) == 3 else None for item in part]
+
         def forget_rows(failed):  # the failed step may have stored rows for some: recompute
-            for session, _, _ in failed:
+            for session, *_ in failed:
                 session.forget_row()
 
         # PoolFull changes nothing: the caller makes room (coordinator/session/host.py)
-        return narrowed(lambda part: self.verify_batch(part, budget), list(jobs), forget_rows, passing=(PoolFull,))
+        return narrowed(run, list(jobs) + list(riders), forget_rows, passing=(PoolFull,))[: len(jobs)]
 
     def _observe(self, tokens: int, seconds: float, prefilling: bool, items: int) -> None:
         """A forward's time into the cost fits; the decode-shaped ones leave out a step a prompt
@@ -192,51 +205,16 @@ class Verifier:
         and its forward holds its drafted tokens only. The same rows a verification would compute
         (nothing is decided here). budget: at most this many tokens (a long prompt goes a chunk
         at a time). Returns how many sessions it advanced."""
-        room = budget if budget is not None else float("inf")
-        steps, owners, before, prompts = [], [], [], []
-        scorers = {}  # step j -> the session whose prompt chunk it is
-        for session, committed in jobs:
-            self.sharing.take(session, committed)
-            if room < 1 or self.sharing.waits(session, committed, prompts):
-                continue
-            empty = Block(base=len(committed), tokens=[], probs=[], entropies=[])
-            plan = session.plan(committed, empty)
-            if plan.step is None or room < 1:
-                continue
-            seq, new, _ = plan.step
-            if len(new) > 1:
-                prompts.append((session, committed))
-            splits = self.sharing.splits(session, len(new)) or session.scoring_pending
-            cut = len(new) - 1 if splits else len(new)  # the last: next step
-            if len(new) > room or cut < len(new):  # a chunk of the prompt, its row later (a row stored before
-                chunk = int(min(room, cut))  # is not this one's)
-                if chunk > 0:
-                    steps.append(session.prompt_chunk(seq, new, chunk))
-                    scorers[len(steps) - 1] = session
-                    room -= chunk
-                continue
-            steps.append(plan.step)
-            owners.append(session)
-            before.append((committed, empty, plan))
-            room -= len(new)
-        if not steps:
+        part = _Prefills(self, jobs, budget if budget is not None else float("inf"), [])
+        if not part.steps:
             return 0
-        rows, features, elapsed = self.pool.timed_forward(steps, self.feature_layers)
-        self._observe(sum(len(new) for _, new, *_ in steps), elapsed, any(len(new) > 1 for _, new, *_ in steps),
-                      len(steps))
+        rows, features, elapsed = self.pool.timed_forward(part.steps, self.feature_layers)
+        self._observe(part.tokens, elapsed, part.prompted, len(part.steps))
         by_sequence = {id(session.sequence): session for session, _ in jobs}
-        for (seq, new, *_), feats in zip(steps, features):
+        for (seq, new, *_), feats in zip(part.steps, features):
             by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
-        for j, session in scorers.items():
-            session.scored_rows(steps[j], rows[j])
-        rows = [mask_padding(row, self.token_limit) for j, row in enumerate(rows) if j not in scorers and steps[j][2]]
-        rows = [session.processed(row, *job) for row, session, job in zip(rows, owners, before)]
-        greedy = [i for i, session in enumerate(owners) if session.sampling.greedy]
-        choices = torch.argmax(torch.cat([rows[i] for i in greedy]), dim=-1).tolist() if greedy else []
-        choice_of = dict(zip(greedy, choices))
-        for i, (session, row) in enumerate(zip(owners, rows)):
-            session.store_row(row, choice_of.get(i), elapsed)
-        return len(steps)
+        part.finish(rows, elapsed)
+        return len(part.steps)
 
     @torch.inference_mode()
     def judge_first(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]]) -> list[Verdict | None]:
@@ -286,6 +264,58 @@ class _Plan:
     # the forward this block needs (None: the stored row is all); a tree's carries its nodes' parents
     step: tuple[PagedSequence, list[int], int] | tuple[PagedSequence, list[int], int, list[int]] | None
     reuse: bool  # the first row is the stored one
+
+
+class _Prefills:
+    """Rows that take each session's committed tokens its cache lacks (the last verdict's token, a
+    new session's prompt: a chunk at a time past ``room`` tokens) and store the row for its next
+    place, nothing decided: planned into a forward of their own (``Verifier.prefill_next``) or
+    beside a verification's blocks (its riders). prompts: the committed tokens the forward
+    prefills already (prompt_sharing.py), added to."""
+
+    def __init__(self, verifier: Verifier, jobs: Sequence[tuple[TargetSession, Sequence[int]]], room: float,
+                 prompts: list):
+        self.token_limit = verifier.token_limit
+        self.steps, self.owners, self.before, self.scorers = [], [], [], {}  # scorers: step -> its prompt's session
+        for session, committed in jobs:
+            verifier.sharing.take(session, committed)
+            if room < 1 or verifier.sharing.waits(session, committed, prompts):
+                continue
+            empty = Block(base=len(committed), tokens=[], probs=[], entropies=[])
+            plan = session.plan(committed, empty)
+            if plan.step is None:
+                continue
+            seq, new, _ = plan.step
+            if len(new) > 1:
+                prompts.append((session, committed))
+            splits = verifier.sharing.splits(session, len(new)) or session.scoring_pending
+            cut = len(new) - 1 if splits else len(new)  # the last: next step
+            if len(new) > room or cut < len(new):  # a chunk of the prompt, its row later (a row stored before
+                chunk = int(min(room, cut))  # is not this one's)
+                if chunk > 0:
+                    self.steps.append(session.prompt_chunk(seq, new, chunk))
+                    self.scorers[len(self.steps) - 1] = session
+                    room -= chunk
+                continue
+            self.steps.append(plan.step)
+            self.owners.append(session)
+            self.before.append((committed, empty, plan))
+            room -= len(new)
+        self.tokens = sum(len(new) for _, new, *_ in self.steps)
+        self.prompted = any(len(new) > 1 for _, new, *_ in self.steps)
+
+    def finish(self, rows, elapsed: float) -> None:
+        """The forward's rows for these steps, in their order: each owner's row is stored."""
+        for j, session in self.scorers.items():
+            session.scored_rows(self.steps[j], rows[j])
+        rows = [mask_padding(row, self.token_limit) for j, row in enumerate(rows)
+                if j not in self.scorers and self.steps[j][2]]
+        rows = [session.processed(row, *job) for row, session, job in zip(rows, self.owners, self.before)]
+        greedy = [i for i, session in enumerate(self.owners) if session.sampling.greedy]
+        choices = torch.argmax(torch.cat([rows[i] for i in greedy]), dim=-1).tolist() if greedy else []
+        choice_of = dict(zip(greedy, choices))
+        for i, (session, row) in enumerate(zip(self.owners, rows)):
+            session.store_row(row, choice_of.get(i), elapsed)
 
 
 class TargetSession:

@@ -176,21 +176,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def _draft_available(self) -> bool:
         return self.draft is not None and self.draft.available
 
-    def _verify_within_pool(self, ready: list) -> tuple[list, list]:
-        """The step's verdicts for the sessions of ``ready`` still holding their place; when the
-        pool is short, the newest session yields its pages until the step fits (PoolFull changes
-        nothing). Returns (the jobs verified, their verdicts)."""
-        while True:
-            jobs = [job for job in ready if job[0] not in self.pages.waiting]
-            if not jobs:
-                return [], []
-            try:
-                return jobs, self.verifier.verify_apart([(s.target, s.committed, checked)
-                                                         for _, s, _, checked, _ in jobs], self.max_batched_tokens)
-            except PoolFull:
-                if not self.pages.evict_newest(self.sessions, [job[0] for job in jobs]):
-                    raise
-
     def add_stats(self, stats: pb.WorkerStats) -> None:
         for field, greedy in (("auto_greedy", True), ("auto_sampled", False)):
             model = self.auto.model(greedy)
@@ -242,9 +227,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             self._ready = ready  # answering every message meanwhile
             time.sleep(GATE_POLL_S)
             return True
+        riders = self.idle_work.riders(self.sessions, ready, self.pages.waiting)  # waiting sessions' rows
         started = self.clock()
         try:  # a session that fails, alone; the newest yields its pages when they run short
-            verified, verdicts = self._verify_within_pool(ready)
+            verified, verdicts = self.pages.verify(self.verifier, self.sessions, ready, self.max_batched_tokens, riders)
         except PoolFull as exc:  # no session holds a page to yield: the step cannot fit at all
             verified = [job for job in ready if job[0] not in self.pages.waiting]
             verdicts = [exc] * len(verified)
@@ -252,6 +238,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self._ready = [job for job in ready if job[0] in self.pages.waiting]  # waiting for pages
         self._ready += [job for job, verdict in zip(verified, verdicts) if verdict is None]  # prefilled a chunk
         self.step_metrics.record(len(verified), self.verifier.last_step_tokens, self.verifier.pool)
+        self.idle_work.ridden(riders, verdicts, self._step, started, ended)
         for (session_id, session, block, _, (received_at, source)), verdict in zip(verified, verdicts):
             if isinstance(verdict, Exception):
                 self._fail_alone(session_id, verdict)

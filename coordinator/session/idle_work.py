@@ -1,15 +1,22 @@
-"""What the target does while no block is ready, instead of idling: it works for the sessions
-waiting on their drafts. A greedy one settles the target's own next token where its row is stored
-(SessionPipeline.wants_fill: no forward), and one forward takes in what they need first (the last
-verdict's or that token, a new prompt) where that pays (SessionPipeline.wants_prefill), after which
-they settle the next. So a greedy session whose block is late is decoded by the target alone
-meanwhile, and the block is checked against those tokens when it comes.
+"""What the target does for the sessions waiting on their drafts, instead of idling or beside its
+steps. A greedy one settles the target's own next token where its row is stored
+(SessionPipeline.wants_fill: no forward), and a forward takes in what they need first (the last
+verdict's or that token, a new prompt) after which they settle the next. So a greedy session whose
+block is late is decoded by the target alone meanwhile, and the block is checked against those
+tokens when it comes.
 
-"auto" does it for a lone session only: with several in flight, blocks arrive one after another
-and a prefill holds up the next one's step (what that costs, measured: docs/architecture.md and
-docs/benchmarks.md, the target does not idle). Not with a feature draft, which needs the
-target's features of every token, handed over with verdicts. Runs on the target's compute thread
-(the host's batched step calls it, host.py)."""
+That forward is one of two kinds. While no block is ready, a forward of its own (a prefill),
+where that pays (SessionPipeline.wants_prefill); "auto" does it for a lone session only: with
+several in flight, blocks arrive one after another and a prefill holds up the next one's step
+(what that costs, measured: docs/architecture.md and docs/benchmarks.md, the target does not
+idle). While blocks are ready, the waiting sessions' rows ride the step that verifies them
+(riders): each settles one token (finding a block that parts from it a forward sooner) and adds
+its row's time to every session in the step, so it rides while the step's tokens per second rise,
+priced by the target's measured cost of a row and the tokens a verified block settles
+(``riders``). On a GPU, where a row is nearly free, every waiting session rides; where rows cost
+what a CPU's do, fewer. Neither with a feature draft, which
+needs the target's features of every token, handed over with verdicts. Runs on the target's
+compute thread (the host's batched step calls it, host.py)."""
 
 from __future__ import annotations
 
@@ -18,9 +25,11 @@ from collections.abc import Callable
 
 from coordinator.session.effects import Settle
 from svip_common.errors import exit_on_device_failure
+from svip_common.step_cost import Ewma
 from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
+SETTLED_WEIGHT = 0.1  # of the newest step, in the running mean of the tokens a verified block settles
 
 
 class IdleWork:
@@ -29,6 +38,8 @@ class IdleWork:
         self.verifier, self.mode, self.max_batched_tokens, self.clock = verifier, mode, max_batched_tokens, clock
         self.prefills = 0  # sessions advanced by a prefill while idle
         self.fills = 0  # tokens greedy sessions settled from the target alone while they waited on their drafts
+        self.rides = 0  # rows that rode a verification step for sessions waiting on their drafts
+        self.settled = Ewma(SETTLED_WEIGHT, empty=1.0)  # tokens a verified block settles (recent steps' mean)
 
     def run(self, sessions: dict, out_of_pages: dict, step: Callable[..., None]) -> bool:
         """One unit of it for ``sessions`` (less those waiting for KV pages, ``out_of_pages``);
@@ -75,3 +86,38 @@ class IdleWork:
         if fills:
             self._fill(sessions, step, started, ended)
         return advanced > 0
+
+    def riders(self, sessions: dict, ready: list, out_of_pages: dict) -> list:
+        """The (id, session) of the sessions waiting on their drafts whose next row rides the step
+        that verifies ``ready`` (the host's jobs): cheapest first, each while the step's tokens per
+        second rise with it. A row adding ``a`` seconds to a forward of F seconds that settles S
+        tokens, and gaining v (``ride_value``), pays when (S + v) / (F + a) > S / F: a·S < v·F."""
+        if self.mode == "off" or self.verifier.feature_layers:
+            return []
+        stepping = {job[0] for job in ready}
+        waiting = sorted(((sid, s) for sid, s in sessions.items()
+                          if sid not in stepping and sid not in out_of_pages and s.wants_ride()),
+                         key=lambda item: item[1].uncached_tokens)
+        if self.mode == "always":
+            return waiting
+        cost = self.verifier.decode_cost
+        forward = cost.time(sum(job[3].nodes + 1 for job in ready))
+        settles = len(ready) * self.settled.value
+        chosen = []
+        for sid, session in waiting:
+            adds, value = cost.per_item * session.uncached_tokens, session.ride_value
+            if adds * settles >= value * forward:
+                continue
+            chosen.append((sid, session))
+            forward, settles = forward + adds, settles + value
+        return chosen
+
+    def ridden(self, riders: list, verdicts: list, step: Callable[..., None], started: float, ended: float) -> None:
+        """After the step: the riders settle the token their rows give (fill), and the tokens the
+        step's verified blocks settled are learnt."""
+        settled = [v.accepted + 1 for v in verdicts if v is not None and not isinstance(v, Exception)]
+        if settled:
+            self.settled.update(sum(settled) / len(settled))
+        self.rides += len(riders)
+        if riders:
+            self._fill(dict(riders), step, started, ended)

@@ -14,6 +14,8 @@ from __future__ import annotations
 import itertools
 import logging
 
+from svip_common.kv_cache import PoolFull
+
 log = logging.getLogger(__name__)
 WATERMARK_DIVISOR = 50  # a session starts or resumes only while 1/50 of the pool stays free after it
 MAX_YIELDS = 3  # a session that gave its pages back this often is the last to give them back again
@@ -65,6 +67,25 @@ class PageLine:
             if not (self.room_for(need) or (alone and self.pool.pages_for(need) <= self.pool.free_pages)):
                 return  # first come, first served: nobody passes the head of the line
             del self.waiting[session_id]
+
+    def verify(self, verifier, sessions: dict, ready: list, budget: int | None, riders: list) -> tuple[list, list]:
+        """The step's verdicts for the jobs of ``ready`` still holding their place, with the rows
+        of ``riders`` (sessions waiting on their drafts, ``IdleWork.riders``) in the same forward.
+        When the pool is short the riders go first, then the newest session yields its pages
+        until the step fits (PoolFull changes nothing). Returns (the jobs verified, their
+        verdicts)."""
+        while True:
+            jobs = [job for job in ready if job[0] not in self.waiting]
+            if not jobs:
+                return [], []
+            try:
+                return jobs, verifier.verify_apart([(s.target, s.committed, checked) for _, s, _, checked, _ in jobs],
+                                                   budget, [(s.target, s.committed) for _, s in riders])
+            except PoolFull:
+                if riders:
+                    riders = []
+                elif not self.evict_newest(sessions, [job[0] for job in jobs]):
+                    raise
 
     def evict_newest(self, sessions: dict, stepping: list[str]) -> bool:
         """The newest session holding pages, or taking some in this step (sessions admitted

@@ -32,6 +32,26 @@ class WhileWaiting(SessionState):
         request must reproduce."""
         return self.request.sampling.greedy and self._waits_on_draft
 
+    def wants_ride(self) -> bool:
+        """A greedy session waiting on its draft, its prompt taken in, whose cache lacks the row for
+        its next place: a row of it in the step that verifies other sessions' blocks settles the
+        target's own next token (wants_fill; the host prices it: IdleWork.riders)."""
+        return self.wants_fill() and not self.feedback.correction_due and self.target.cached_tokens > 0 \
+            and self.target.lacks_next_row(self.committed)
+
+    @property
+    def ride_value(self) -> float:
+        """What such a row gains, in tokens: the block to come parts from the target's own token
+        there with the chance its drafted tokens are rejected (1 - the session's acceptance), and
+        the ride finds that out a forward sooner, with no forward of its own; where the block
+        agrees, it ends where it would have (its first token is the one settled here)."""
+        return 1.0 - self.gate.acceptance.value
+
+    @property
+    def uncached_tokens(self) -> int:
+        """The committed tokens the target's cache lacks (a row taking them in holds that many)."""
+        return len(self.committed) - self.target.cached_tokens
+
     @property
     def _waits_on_draft(self) -> bool:
         """The session waits for its draft's next block, with nothing being verified."""

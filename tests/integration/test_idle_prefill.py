@@ -62,6 +62,39 @@ def test_a_block_after_a_prefill_gets_the_verdict_it_gets_without_one(models, sa
     assert _verdicts(models, sampling, prefill=True) == _verdicts(models, sampling, prefill=False)
 
 
+def _ridden_verdicts(models, sampling: SamplingParams, ride: bool) -> list:
+    """Four sessions in three rounds: in each, two verify blocks and the other two wait on their
+    drafts (their rows ride the step, or nothing happens), then swap; the waiting ones' next
+    blocks are judged against what was stored."""
+    verifier = Verifier(models["target"], kv_cache_tokens=4096)
+    sessions = [verifier.open(dataclasses.replace(sampling, seed=i)) for i in range(4)]
+    committed = [list(PROMPT[: 4 + i]) for i in range(4)]
+    verifier.prefill_next(list(zip(sessions, committed)))  # every prompt in: a rider's row is one token
+    vocab = models["target"].model.config.vocab_size
+    q = None if sampling.greedy else torch.full((2, vocab), 1.0 / vocab)  # q here: the target draws corrections
+    out = []
+    for r in range(6):
+        turn = [i for i in range(4) if i % 2 == r % 2]
+        riders = [(sessions[i], committed[i]) for i in range(4) if i not in turn] if ride else []
+        jobs = [(sessions[i], committed[i], Block(base=len(committed[i]), tokens=[(7 * i + r) % 50 + 1, 3],
+                                                  probs=[0.4, 0.3], entropies=[0.1] * 2, q_rows=q)) for i in turn]
+        verdicts = verifier.verify_apart(jobs, riders=riders)
+        for (_, c, block), v in zip(jobs, verdicts):
+            c += [*block.tokens[: v.accepted], v.token]
+        out.append([(v.base, v.accepted, v.token) for v in verdicts])
+        if ride and sampling.greedy:  # a sampled session's last token waits for its block's step
+            assert not any(s.lacks_next_row(c) for s, c in riders)
+    return out
+
+
+@pytest.mark.parametrize("sampling", [SamplingParams(), SamplingParams(temperature=0.9, top_k=30)],
+                         ids=["greedy", "sampled"])
+def test_a_row_that_rode_a_verification_gives_the_verdicts_none_gives(models, sampling):
+    """idle_work.py's riders: rows computed beside other sessions' blocks are the rows a
+    verification would compute; the blocks judged after them get the verdicts they get without."""
+    assert _ridden_verdicts(models, sampling, ride=True) == _ridden_verdicts(models, sampling, ride=False)
+
+
 def test_the_targets_own_next_token_comes_from_a_row_stored_for_exactly_the_committed_tokens(models):
     """What a waiting greedy session settles alone (SessionPipeline.fill): the argmax of the row
     stored for exactly its committed tokens; nothing where the stored row is another sequence's

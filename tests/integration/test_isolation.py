@@ -119,9 +119,9 @@ def test_isolating_costs_forwards_in_halves_not_one_per_session(models, prompt_i
     calls = []
     real = verifier.verify_batch
 
-    def counted(jobs, budget=None):
+    def counted(jobs, budget=None, riders=()):
         calls.append(len(jobs))
-        return real(jobs, budget)
+        return real(jobs, budget, riders)
 
     monkeypatch.setattr(verifier, "verify_batch", counted)
     inject_warp_fault(monkeypatch, "target")
