@@ -429,16 +429,32 @@ class BlockDraft:
         if stop and self.extends is not None and self.extends():  # off the critical path: its own clock
             stop, self.extended = False, self.extended + 1
         self.done = step.index >= self._limit or token in s.stop_token_ids or stop
-        if self.done and self._q_rows:
-            block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
-        if self.done and self._grows:  # the last place's siblings still to grow: a forward of their own
-            self._spine_done, self.done = True, not self._riders
-            if self.done:
-                self._finish_tree()
+        if self.done:
+            self._ended()
         self._pending = [token]
         spent = forward_s + time.perf_counter() - started
         self.compute_s += spent
         s.compute_s += spent
+
+    def _ended(self) -> None:
+        """Its last token is in: its q rows stacked; a tree's last place's siblings still to grow
+        take a forward of their own."""
+        if self._q_rows:
+            self.block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
+        if self._grows:
+            self._spine_done, self.done = True, not self._riders
+            if self.done:
+                self._finish_tree()
+
+    def end_extension(self) -> bool:
+        """Past its policy's stop and drafted on by its own clock (``extends``), the block ends
+        where it stands once that clock says no more forward fits; returns ``done``. For a
+        forward it sits out (the worker's step carries a block some target waits for): it could
+        not grow after that one in time, so it goes now."""
+        if not self.done and self.extended and self.extends is not None and not self.extends():
+            self.done = True
+            self._ended()
+        return self.done
 
     @property
     def _room(self) -> int:

@@ -215,9 +215,10 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         # block steps alone)
         now, price = self.clock(), row_share(self.step_cost) * self.riding.value
         for session in self.sessions.values():
-            session.row_price = price
+            session.row_price, session.shared = price, len(self.sessions) > 1
         batch = [(sid, session, draft) for sid, session in self.sessions.items() for draft in session.next_drafts(now)]
         if any(session.critical is not None for _, session, _ in batch):  # a block some target waits for rides
+            self._sit_out(now, [item for item in batch if item[2].extended])
             batch = [item for item in batch if not item[2].extended]  # this step: nothing drafted past a stop delays it
         if not batch:
             return False
@@ -250,6 +251,17 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             self._send(session_id, session, session.after_step(now, elapsed))
         self.step_metrics.record(len(batch), tokens, self.pool)
         return True
+
+    def _sit_out(self, now: float, left_out: list) -> None:
+        """Blocks drafted past their stops that a step leaves out: those that cannot grow in time
+        after it are sent now (PipelinedDraft.sat_out)."""
+        by_session: dict[str, tuple[PipelinedDraft, list]] = {}
+        for session_id, session, draft in left_out:
+            by_session.setdefault(session_id, (session, []))[1].append(draft)
+        for session_id, (session, drafts) in by_session.items():
+            sent = session.sat_out(now, drafts)
+            if sent:
+                self._send(session_id, session, sent)
 
     def _step_within_pool(self, batch: list) -> list:
         """The draft forward over the batch. When the KV pool cannot hold it (nothing is changed

@@ -128,6 +128,7 @@ class DraftedBlock:
     draft_s: float = 0.0  # compute time
     trigger_at: float = 0.0  # when the feedback this block answers reached the draft
     alternatives: list = field(default_factory=list, repr=False)  # draft side only: per token, the runners-up
+    grows: int = 0  # above 0: more tokens of the follow-up sent at base, which holds this many already (async)
 
     @property
     def tokens(self) -> list[int]:

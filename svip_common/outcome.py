@@ -8,7 +8,8 @@ next (``next``):
 
 - FOLLOWUP: the whole block was accepted, and the follow-up drafted on it settles the next place
   (its first token is judged by the target's stored row): nothing is settled here, the draft's line
-  goes on.
+  goes on. A greedy chain's follow-up grows at the target until it is verified: ``next_tokens``
+  says how many of its tokens had arrived (the rest, drafted meanwhile, start the next follow-up).
 - PREPARED: a rejection whose continuation the draft prepared for ``token`` (or for the branch's
   sibling) is verified next with no round trip: the draft takes that block up as its outstanding one.
 - DRAW: a sampled rejection whose correction the draft draws from the target's p row (the block's
@@ -40,6 +41,7 @@ class Outcome:
     token: int  # settled at the place after the accepted tokens (after the branch); NO_TOKEN: FOLLOWUP, DRAW
     next: str  # one of NEXTS
     branch: tuple[int, ...] = ()  # a tree: the tokens settled from base + accepted on, off the spine
+    next_tokens: int | None = None  # FOLLOWUP: the follow-up's tokens verified next (None: all the draft sent)
 
     def __post_init__(self):
         self.check()
@@ -59,6 +61,8 @@ class Outcome:
             raise InvalidRequest(f"a {self.next} outcome settles a token")
         if self.next == PREPARED and whole:
             raise InvalidRequest("a prepared continuation follows a rejection")
+        if self.next_tokens is not None and (self.next != FOLLOWUP or self.next_tokens < 1):
+            raise InvalidRequest("only a follow-up's outcome says how many of its tokens go on, at least one")
 
     @property
     def prepared_key(self) -> tuple[int, int, int]:
@@ -87,12 +91,13 @@ class Outcome:
 
 
 def outcome_of(epoch: int, base: int, drafted: int, accepted: int, token: int, branch: tuple[int, ...],
-               deferred: bool, prepared_used: bool) -> Outcome:
+               deferred: bool, prepared_used: bool, next_tokens: int | None = None) -> Outcome:
     """The outcome of a decided verdict (the target's SessionPipeline decides deferred and
     prepared_used: _resolve_ahead); token: the place after as settled there (NO_TOKEN: the
-    follow-up settles it when deferred, else the draft draws it)."""
+    follow-up settles it when deferred, else the draft draws it); next_tokens: the follow-up's
+    tokens verified next, where it grew."""
     if deferred:
-        return Outcome(epoch, base, drafted, accepted, NO_TOKEN, FOLLOWUP)
+        return Outcome(epoch, base, drafted, accepted, NO_TOKEN, FOLLOWUP, next_tokens=next_tokens)
     if prepared_used:
         return Outcome(epoch, base, drafted, accepted, token, PREPARED, tuple(branch))
     return Outcome(epoch, base, drafted, accepted, token, DRAW if token == NO_TOKEN else SETTLED, tuple(branch))

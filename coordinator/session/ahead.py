@@ -8,6 +8,7 @@ one applies; tests/unit/test_session_pipeline.py drives it without models."""
 from __future__ import annotations
 
 from svip_common.contracts import GenerationStats
+from svip_common.errors import WorkerError
 from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.trees import begins_branch
 
@@ -22,6 +23,21 @@ class AheadBlocks:
 
     def hold_followup(self, block: DraftedBlock, received_at: float) -> None:
         self.followup = (block, received_at)
+
+    def grow(self, more: DraftedBlock) -> bool:
+        """More tokens of the follow-up held here (``more.grows``: what it holds already, as the
+        draft sent it); whether it still was (else it was verified or dropped: too late)."""
+        held = self.followup[0] if self.followup is not None else None
+        if held is None or held.base != more.base or len(held.tokens) != more.grows:
+            return False
+        block = held.block
+        if bool(block.probs) != bool(more.block.probs):
+            raise WorkerError("draft worker grew a follow-up with q(d) where it sent none, or none where it did")
+        block.tokens += more.tokens
+        block.probs += more.block.probs
+        block.entropies += more.block.entropies
+        held.followup, held.finished_at = more.followup, more.finished_at
+        return True
 
     def take_followup(self) -> Waiting | None:
         """The follow-up, for verification next (the block before it was accepted whole)."""

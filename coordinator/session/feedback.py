@@ -21,15 +21,17 @@ class FeedbackChain:
         self._queued: list[Feedback] = []  # verdicts whose feedback has not left yet
 
     def add(self, epoch: int, block: DraftedBlock, verdict: Verdict, token: int, prepared_used: bool,
-            deferred: bool, cap: int | None, stop_rule: StopRule | None, node_price: float | None = None) -> None:
+            deferred: bool, cap: int | None, stop_rule: StopRule | None, node_price: float | None = None,
+            next_tokens: int | None = None) -> None:
         """Queue a decided verdict's feedback. token: the place after the accepted tokens as
         settled here (NO_TOKEN: the follow-up settles it when deferred, else the draft draws it
         from the p row), after the verdict's branch if a tree's nodes were taken; cap: load-aware
-        speculation's cap on the next blocks; stop_rule: auto's; node_price: tree auto's."""
+        speculation's cap on the next blocks; stop_rule: auto's; node_price: tree auto's;
+        next_tokens: deferred, the follow-up's tokens verified next (as held here)."""
         feedback = Feedback(
             session_id=self.session_id,
             outcome=outcome_of(epoch, block.base, len(block.tokens), verdict.accepted, token, verdict.branch,
-                               deferred, prepared_used),
+                               deferred, prepared_used, next_tokens),
             load_cap=cap,
             stop_rule=stop_rule,
             p_row=verdict.p_row,

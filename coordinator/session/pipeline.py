@@ -43,7 +43,13 @@ from coordinator.session.effects import Finish, Settle, ToDraft, Verify, event
 from coordinator.session.speculation import SpeculationBudget
 from coordinator.session.state import DraftMode
 from coordinator.session.waiting import WhileWaiting
-from coordinator.session.wire_checks import check_block, check_correction, check_prepared, check_timings
+from coordinator.session.wire_checks import (
+    check_block,
+    check_correction,
+    check_growth,
+    check_prepared,
+    check_timings,
+)
 from svip_common.contracts import (
     NO_TOKEN,
     Block,
@@ -108,6 +114,11 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
             return
         if self.paused:
             raise WorkerError("draft worker sent a block while the session is paused")
+        if block.grows:  # more of the follow-up held here; too late for one verified already: dropped
+            check_growth(block, self.request, self.limits)
+            if not self.ahead.grow(block):
+                self.stats.discarded_tokens += len(block.tokens)
+            return
         if block.prepared_for is not None:
             parent = block.prepared_for[0]
             undecided = self.verifying.base if self.verifying is not None else self.draft_base
@@ -271,8 +282,9 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         self, block: DraftedBlock, verdict: Verdict, token: int, prepared_used: bool, deferred: bool, cap: int | None
     ) -> None:
         """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback)."""
+        held = self.ahead.followup if deferred else None  # verified next as it is held now (it grew: growth.py)
         self.feedback.add(self.epoch, block, verdict, token, prepared_used, deferred, cap, self._stop_rule(),
-                          self._node_price())
+                          self._node_price(), None if held is None else len(held[0].tokens))
 
     def _flush_feedback(self) -> None:
         """Send the queued feedback, several verdicts as one message (each the next one's ``then``)."""

@@ -63,6 +63,23 @@ def check_block(drafted: DraftedBlock, committed: int, request: GenerationReques
     return checked
 
 
+def check_growth(more: DraftedBlock, request: GenerationRequest, limits: Limits) -> None:
+    """More tokens of a greedy chain's follow-up (growth.py): ids in range, within the cap, a q
+    for each where the draft sends them, nothing of a prepared block, a tree or sampling."""
+    block = more.block
+    if more.prepared_for is not None or block.siblings is not None or not request.sampling.greedy:
+        raise WorkerError("draft worker grew a block other than a greedy chain's follow-up")
+    try:
+        check_token_ids(block.tokens, limits.tokens, "drafted token id")
+    except InvalidRequest as exc:
+        raise WorkerError(f"draft worker sent a bad block: {exc}") from None
+    if not block.tokens or more.grows + len(block) > limits.max_draft_length:
+        raise WorkerError(f"draft worker grew a follow-up of {more.grows} tokens by {len(block)}; the cap is "
+                          f"{limits.max_draft_length}")
+    if block.probs and len(block.probs) != len(block):
+        raise WorkerError("draft worker grew a follow-up with q(d) for some of its tokens")
+
+
 def _check_tree(block: Block, request: GenerationRequest, limits: Limits) -> None:
     """A tree only where the session asked for one; its siblings well formed; a sampled one's q
     rows (their shape checked as they were read), which its multi-candidate rejection reads, and

@@ -229,6 +229,8 @@ def _chain_to_proto(chain: list[Feedback]) -> pb.Feedback:
                           accepted=item.accepted, token=item.token, prepared_used=item.prepared_used,
                           sent_at=item.sent_at, next=_NEXTS[item.outcome.next])
         msg.branch_tokens.extend(item.branch)
+        if item.outcome.next_tokens is not None:
+            msg.next_tokens = item.outcome.next_tokens
         if item.node_price is not None:
             msg.node_price = item.node_price
         if item.load_cap is not None:
@@ -281,7 +283,8 @@ def _outcome_from_proto(msg: pb.Feedback) -> Outcome:
                           msg.prepared_used)
     if msg.next not in _NEXT_NAMES:
         raise InvalidRequest(f"feedback with an unknown outcome {msg.next}")
-    outcome = Outcome(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, _NEXT_NAMES[msg.next], branch)
+    outcome = Outcome(msg.epoch, msg.base, msg.drafted, msg.accepted, msg.token, _NEXT_NAMES[msg.next], branch,
+                      msg.next_tokens if msg.HasField("next_tokens") else None)
     if msg.prepared_used != (outcome.next == PREPARED):
         raise InvalidRequest("feedback's prepared_used disagrees with its outcome")
     return outcome
@@ -496,7 +499,7 @@ def drafted_to_proto(session_id: str, drafted: DraftedBlock, probs: bool = True)
     msg = block_to_proto(session_id, drafted.block, drafted.resolved_token, probs)
     msg.followup, msg.reused = drafted.followup, drafted.reused
     msg.started_at, msg.finished_at = drafted.started_at, drafted.finished_at
-    msg.draft_s, msg.trigger_at = drafted.draft_s, drafted.trigger_at
+    msg.draft_s, msg.trigger_at, msg.grows = drafted.draft_s, drafted.trigger_at, drafted.grows
     if drafted.prepared_for is not None:
         base, accepted, token = drafted.prepared_for
         msg.prepared_for.CopyFrom(pb.PreparedFor(base=base, accepted=accepted, token=token))
@@ -517,6 +520,7 @@ def drafted_from_proto(msg: pb.Block, width: int | None = None) -> DraftedBlock:
         finished_at=msg.finished_at,
         draft_s=msg.draft_s,
         trigger_at=msg.trigger_at,
+        grows=msg.grows,
     )
 
 

@@ -136,7 +136,7 @@ class PreparedFor(_message.Message):
     def __init__(self, base: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ...) -> None: ...
 
 class Block(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "prepared_for", "started_at", "finished_at", "draft_s", "trigger_at", "reused", "sibling_counts", "sibling_tokens", "q_rows", "q_nonzero", "grown_parents", "grown_tokens")
+    __slots__ = ("session_id", "epoch", "base", "tokens", "q_probs", "entropies", "resolved_token", "followup", "prepared_for", "started_at", "finished_at", "draft_s", "trigger_at", "reused", "sibling_counts", "sibling_tokens", "q_rows", "q_nonzero", "grown_parents", "grown_tokens", "grows")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -157,6 +157,7 @@ class Block(_message.Message):
     Q_NONZERO_FIELD_NUMBER: _ClassVar[int]
     GROWN_PARENTS_FIELD_NUMBER: _ClassVar[int]
     GROWN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    GROWS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -177,10 +178,11 @@ class Block(_message.Message):
     q_nonzero: _containers.RepeatedCompositeFieldContainer[SparseRow]
     grown_parents: _containers.RepeatedScalarFieldContainer[int]
     grown_tokens: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ..., sibling_counts: _Optional[_Iterable[int]] = ..., sibling_tokens: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Union[Tensor, _Mapping]] = ..., q_nonzero: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., grown_parents: _Optional[_Iterable[int]] = ..., grown_tokens: _Optional[_Iterable[int]] = ...) -> None: ...
+    grows: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., tokens: _Optional[_Iterable[int]] = ..., q_probs: _Optional[_Union[Tensor, _Mapping]] = ..., entropies: _Optional[_Union[Tensor, _Mapping]] = ..., resolved_token: _Optional[int] = ..., followup: _Optional[bool] = ..., prepared_for: _Optional[_Union[PreparedFor, _Mapping]] = ..., started_at: _Optional[float] = ..., finished_at: _Optional[float] = ..., draft_s: _Optional[float] = ..., trigger_at: _Optional[float] = ..., reused: _Optional[bool] = ..., sibling_counts: _Optional[_Iterable[int]] = ..., sibling_tokens: _Optional[_Iterable[int]] = ..., q_rows: _Optional[_Union[Tensor, _Mapping]] = ..., q_nonzero: _Optional[_Iterable[_Union[SparseRow, _Mapping]]] = ..., grown_parents: _Optional[_Iterable[int]] = ..., grown_tokens: _Optional[_Iterable[int]] = ..., grows: _Optional[int] = ...) -> None: ...
 
 class Feedback(_message.Message):
-    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero", "node_price", "branch_tokens", "next")
+    __slots__ = ("session_id", "epoch", "base", "drafted", "accepted", "token", "p_row", "prepared_used", "sent_at", "then", "load_cap", "stop_rule", "features", "features_from", "p_nonzero", "node_price", "branch_tokens", "next", "next_tokens")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     EPOCH_FIELD_NUMBER: _ClassVar[int]
     BASE_FIELD_NUMBER: _ClassVar[int]
@@ -199,6 +201,7 @@ class Feedback(_message.Message):
     NODE_PRICE_FIELD_NUMBER: _ClassVar[int]
     BRANCH_TOKENS_FIELD_NUMBER: _ClassVar[int]
     NEXT_FIELD_NUMBER: _ClassVar[int]
+    NEXT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     epoch: int
     base: int
@@ -217,7 +220,8 @@ class Feedback(_message.Message):
     node_price: float
     branch_tokens: _containers.RepeatedScalarFieldContainer[int]
     next: Next
-    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ..., node_price: _Optional[float] = ..., branch_tokens: _Optional[_Iterable[int]] = ..., next: _Optional[_Union[Next, str]] = ...) -> None: ...
+    next_tokens: int
+    def __init__(self, session_id: _Optional[str] = ..., epoch: _Optional[int] = ..., base: _Optional[int] = ..., drafted: _Optional[int] = ..., accepted: _Optional[int] = ..., token: _Optional[int] = ..., p_row: _Optional[_Union[Tensor, _Mapping]] = ..., prepared_used: _Optional[bool] = ..., sent_at: _Optional[float] = ..., then: _Optional[_Union[Feedback, _Mapping]] = ..., load_cap: _Optional[int] = ..., stop_rule: _Optional[_Union[StopRule, _Mapping]] = ..., features: _Optional[_Union[Tensor, _Mapping]] = ..., features_from: _Optional[int] = ..., p_nonzero: _Optional[_Union[SparseRow, _Mapping]] = ..., node_price: _Optional[float] = ..., branch_tokens: _Optional[_Iterable[int]] = ..., next: _Optional[_Union[Next, str]] = ..., next_tokens: _Optional[int] = ...) -> None: ...
 
 class SparseRow(_message.Message):
     __slots__ = ("ids", "values")

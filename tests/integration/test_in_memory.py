@@ -279,7 +279,7 @@ def test_a_half_drafted_continuation_taken_up_keeps_the_output_the_targets(model
     being drafted; those taken up as the next block (Job.take_up) leave every output the target
     alone's. The draft always has room before a verdict (VerdictTiming reads this machine's clock
     here): which continuations are in the making at a verdict is the schedule's alone."""
-    from draft_worker.pipelined import Job, VerdictTiming
+    from draft_worker.line_state import Job, VerdictTiming
 
     monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: True)
     taken = []
@@ -292,3 +292,28 @@ def test_a_half_drafted_continuation_taken_up_keeps_the_output_the_targets(model
             assert make_pair(models, "async", Seeded(seed)).generate(request).token_ids == \
                 alone.generate(request).token_ids, (seed, policy)
     assert taken, "no rejection found its continuation half drafted"
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_that_ride_and_follow_ups_that_grow_keep_every_output_the_targets(models, prompt_ids, alone, seed,
+                                                                              monkeypatch):
+    """Issue 60, at several sessions: the rows of sessions waiting on their drafts ride other
+    sessions' verification steps (idle_work.py, riders), and a follow-up leaves at its first stop
+    and grows at the target until it is verified (growth.py), its growths taken in as the
+    schedule delivers them (one too late for its verdict: test_session_pipeline.py). Every greedy
+    output is the target alone's, and both happen. The draft always has room before a verdict
+    (VerdictTiming reads this machine's clock)."""
+    from coordinator.session.ahead import AheadBlocks
+    from draft_worker.line_state import VerdictTiming
+
+    monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: True)
+    grown = []
+    grow = AheadBlocks.grow
+    monkeypatch.setattr(AheadBlocks, "grow", lambda ahead, more: grown.append(grow(ahead, more)) or grown[-1])
+    pair = make_pair(models, "async", Seeded(seed))
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)], 24 + 6 * i, policy=list(POLICIES.values())[i % 3])
+                for i in range(4)]
+    for request, result in zip(requests, pair.generate_all(requests)):
+        assert result.token_ids == alone.generate(request).token_ids
+    assert pair.host.idle_work.rides > 0 and any(grown)

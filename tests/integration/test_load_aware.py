@@ -17,7 +17,8 @@ import pytest
 
 from coordinator.engine import SpeculativeEngine
 from draft_worker.drafter import Drafter
-from draft_worker.pipelined import PipelinedDraft, work
+from draft_worker.pipelined import PipelinedDraft
+from draft_worker.stepping import work
 from svip_common.contracts import NO_TOKEN, Block, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.step_cost import PROBE_FIRST, PROBE_TOKENS, TargetLoad

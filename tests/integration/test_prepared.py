@@ -17,7 +17,8 @@ import torch
 
 from coordinator.session.host import SessionHost
 from draft_worker.drafter import Drafter
-from draft_worker.pipelined import PipelinedDraft, work
+from draft_worker.pipelined import PipelinedDraft
+from draft_worker.stepping import work
 from svip_common.contracts import NO_TOKEN, Limits, PolicyConfig, SamplingParams
 from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2 as pb
@@ -398,7 +399,8 @@ def test_a_followup_that_turns_critical_past_its_stop_leaves_at_once(models):
 
 def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(models, monkeypatch):
     """At several sessions the draft's batched step is shared: a block some target waits for is in
-    it, so speculation drafted past its stop waits for a step without one (it delays nobody)."""
+    it, so speculation drafted past its stop waits for a step without one (it delays nobody); the
+    session is told what sat out (PipelinedDraft.sat_out: one that cannot grow in time leaves)."""
     from types import SimpleNamespace
 
     from draft_worker.service import DraftService
@@ -410,9 +412,12 @@ def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(mo
     stepped = []
     monkeypatch.setattr(service, "_step_within_pool", lambda batch: stepped.append([d.name for *_, d in batch]) or [])
 
+    sat = []
+
     def session(critical: bool, *drafts):
         return SimpleNamespace(critical=object() if critical else None, next_drafts=lambda now: list(drafts),
-                               after_step=lambda now, s: [])
+                               after_step=lambda now, s: [],
+                               sat_out=lambda now, out: sat.append([d.name for d in out]) or [])
 
     def draft(name: str, extended: int = 0):
         return SimpleNamespace(name=name, extended=extended, error=None, pending_tokens=1)
@@ -423,6 +428,7 @@ def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(mo
     service.sessions = {"b": session(False, draft("b-followup-past-stop", 2), draft("b-prepared"))}
     service.idle()
     assert stepped == [["a-critical", "b-prepared"], ["b-followup-past-stop", "b-prepared"]]
+    assert sat == [["b-followup-past-stop"]]
 
 
 def test_the_draft_worker_prices_a_speculative_row_by_what_it_adds_to_a_step_with_a_critical_block(models,

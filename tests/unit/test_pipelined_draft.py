@@ -13,7 +13,8 @@ import time
 
 import pytest
 
-from draft_worker.pipelined import PipelinedDraft, work
+from draft_worker.pipelined import PipelinedDraft
+from draft_worker.stepping import work
 from svip_common.contracts import NO_TOKEN, Block, SamplingParams
 from svip_common.errors import InvalidRequest
 from tests.verdicts import apply_verdict
@@ -371,7 +372,7 @@ def test_close_drops_every_job_and_returns_the_pages():
 def _timing_after(fresh: list[bool]):
     """A VerdictTiming that learnt a 10 s wait for each verdict, 2 s forwards, and these verdicts
     (True: one that needed a block drafted afresh); with a block outstanding since time 0."""
-    from draft_worker.pipelined import VerdictTiming
+    from draft_worker.line_state import VerdictTiming
     from svip_common.messages import DraftedBlock
 
     timing = VerdictTiming()

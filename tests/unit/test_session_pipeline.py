@@ -501,3 +501,60 @@ def test_an_event_never_runs_inside_another():
     with pytest.raises(RuntimeError, match="attach called within another event"):
         h.start()
     assert h.session._effects is None  # the failed event left no half-collected effects behind
+
+
+def test_a_follow_up_grows_while_it_is_held_and_is_verified_as_it_stands():
+    """growth.py: more tokens of the held follow-up are appended to it; its predecessor's feedback
+    says how many go on (next_tokens), and what arrives after that is dropped unverified."""
+    h = Harness(pipeline="async")
+    h.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.deliver(h.block([13], base=5, followup=True))  # the follow-up, sent at its first stop
+    h.deliver(h.block([14, 15], base=5, followup=True, grows=1))
+    held = h.session.ahead.followup[0]
+    assert held.tokens == [13, 14, 15] and held.block.entropies == [0.3] * 3
+    h.verify(2, NO_TOKEN)
+    fb = h.draft.last("feedback")
+    assert fb.outcome.next_tokens == 3 and [b.tokens for b, _ in h.queue] == [[13, 14, 15]]
+    h.deliver(h.block([16], base=5, followup=True, grows=3))  # too late: the follow-up is being verified
+    assert h.queue[0][0].tokens == [13, 14, 15] and h.session.stats.discarded_tokens == 1
+    h.verify(2, 40)
+    assert h.tokens == [11, 12, 13, 14, 40]
+
+
+def test_a_growth_that_does_not_continue_the_held_follow_up_is_dropped():
+    h = Harness(pipeline="async")
+    h.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.deliver(h.block([13], base=5, followup=True))
+    h.deliver(h.block([14], base=5, grows=2))  # the draft says it held two: not the one held here
+    h.deliver(h.block([14], base=6, grows=1))  # another base
+    assert h.session.ahead.followup[0].tokens == [13] and h.session.stats.discarded_tokens == 2
+    h.verify(2, NO_TOKEN)
+    assert h.draft.last("feedback").outcome.next_tokens == 1
+
+
+@pytest.mark.parametrize("fields, sampling", [
+    ({"prepared_for": (3, 0, 20)}, None),
+    ({}, SamplingParams(temperature=0.8, seed=1)),
+])
+def test_a_growth_of_anything_but_a_greedy_chains_follow_up_gives_the_draft_up(fields, sampling, caplog):
+    h = Harness(pipeline="async", sampling=sampling)
+    h.start()
+    first = h.block([11, 12], followup=True)
+    first.block.probs = [0.5, 0.5]  # a sampled block carries q(d)
+    h.deliver(first)
+    assert h.session.mode is DraftMode.DRAFTING and len(h.queue) == 1
+    more = h.block([13], base=5, grows=1, **fields)
+    more.block.probs = [0.5]
+    h.deliver(more)
+    assert h.session.mode is DraftMode.GIVEN_UP
+
+
+def test_a_growth_past_the_cap_gives_the_draft_up():
+    h = Harness(pipeline="async")
+    h.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.deliver(h.block([13], base=5, followup=True))
+    h.deliver(h.block([14] * LIMITS.max_draft_length, base=5, grows=1))
+    assert h.session.mode is DraftMode.GIVEN_UP

@@ -1,0 +1,76 @@
+"""A follow-up that grows at the target until it is verified (async, greedy chains): part of the
+draft session's protocol (pipelined.py), pure, on the draft worker's compute thread.
+
+The follow-up (the block drafted on top of the one being verified) is sent at the first stop its
+policy makes, and drafted on past it: after each forward the tokens it added go to the target,
+which appends them to the follow-up it holds. When the verdict before it accepts the block whole,
+the target verifies the follow-up as it holds it then, and its feedback says how many tokens that
+was (``Outcome.next_tokens``); what the draft drafted past them (in flight, or not yet sent) is
+dropped here and drafted again as the next follow-up's start. A follow-up that reaches the target
+only after that verdict is verified as first sent: the target appends nothing to a block it does
+not hold, so then the draft counts its first length.
+
+Why: the verdict's time cannot be known here to the step (the target's forwards, other sessions'
+blocks, the queue before a forward), and a follow-up that is still being drafted when the verdict
+comes misses the target's next forward: at several sessions the target does not wait, and the
+session sits a whole forward out. Sent at its stop, the follow-up is always there; grown, it holds
+all the draft wrote in the verification's shadow (docs/benchmarks.md, the follow-up that grows)."""
+
+from __future__ import annotations
+
+from svip_common.contracts import Block
+from svip_common.errors import InvalidRequest
+from svip_common.messages import DraftedBlock
+
+
+class Growth:
+    """The follow-up sent and still drafted on, and how far the target has it."""
+
+    def __init__(self):
+        self.job = None  # the pipelined.Job drafting it on (None: none grows)
+        self.item: DraftedBlock | None = None  # as sent (its block is the job's: it grows with it)
+        self.first = 0  # its tokens when first sent
+        self.sent = 0  # its tokens sent so far
+
+    def start(self, job, item: DraftedBlock) -> None:
+        self.job, self.item, self.first = job, item, len(item.tokens)
+        self.sent = self.first
+
+    def grows(self, job) -> bool:
+        return job is not None and job is self.job
+
+    def more(self, finished_at: float, followup: bool) -> DraftedBlock | None:
+        """The tokens drafted since the last sent, as a growth of the follow-up (None: none);
+        followup: whether a block will come on top of it as it stands now."""
+        item = self.item
+        block, start = item.block, self.sent
+        if len(block.tokens) <= start:
+            return None
+        self.sent, item.followup = len(block.tokens), followup
+        tail = Block(base=block.base, tokens=block.tokens[start:], probs=block.probs[start:],
+                     entropies=block.entropies[start:], epoch=block.epoch)
+        return DraftedBlock(tail, item.followup, started_at=item.started_at, finished_at=finished_at,
+                            draft_s=0.0, grows=start)
+
+    def verified_at(self, item: DraftedBlock, next_tokens: int | None) -> bool:
+        """The verdict before ``item`` accepted that block whole: the target verifies
+        ``next_tokens`` of it (None: all it holds, which for a follow-up that grew here is what
+        was first sent). A grown follow-up is cut there and drafted on no more; whether it was
+        one (then what the draft drafted past the cut is drafted again, as the next one's)."""
+        grown = item is self.item
+        keep = next_tokens if next_tokens is not None else (self.first if grown else len(item.tokens))
+        if keep > len(item.tokens) or (not grown and keep != len(item.tokens)):
+            raise InvalidRequest(f"feedback verifies {keep} tokens of a follow-up of {len(item.tokens)} this "
+                                 "session sent")
+        if grown:
+            block = item.block
+            del block.tokens[keep:], block.probs[keep:], block.entropies[keep:], item.alternatives[keep:]
+            self.clear()
+        return grown
+
+    def finish(self) -> None:
+        """Its job is done (the cap, a stop token): nothing more grows, the block stays as sent."""
+        self.job = None
+
+    def clear(self) -> None:
+        self.job, self.item, self.first, self.sent = None, None, 0, 0
