@@ -85,5 +85,8 @@ def test_a_distributed_batch_is_exact_through_worker_faults(tmp_path, target_gat
             proc.kill()
     assert [r["token_ids"] for r in records] == reference
     stats = [r["stats"] for r in records]
-    assert sum(s["detached"] for s in stats) >= 2  # the kill and the stop
+    # the kill detaches; the stop is weathered by a request that finishes while the draft is stopped
+    # (the loop above): its session detached at its stall deadline, or was settled by the target
+    # alone, its rows riding the steps of the sessions that had detached (idle_work.py, riders)
+    assert sum(s["detached"] for s in stats) >= 1
     assert sum(s["target_restarts"] for s in stats) >= 1
