@@ -2,8 +2,9 @@
 draft session's protocol (pipelined.py), pure, on the draft worker's compute thread.
 
 The follow-up (the block drafted on top of the one being verified) is sent at the first stop its
-policy makes, and drafted on past it: after each forward the tokens it added go to the target,
-which appends them to the follow-up it holds. When the verdict before it accepts the block whole,
+policy makes, and drafted on past it while another forward ends before its verdict is due
+(``VerdictTiming``, as any block drafted past a stop): after each forward the tokens it added go to
+the target, which appends them to the follow-up it holds. When the verdict before it accepts the block whole,
 the target verifies the follow-up as it holds it then, and its feedback says how many tokens that
 was (``Outcome.next_tokens``); what the draft drafted past them (in flight, or not yet sent) is
 dropped here and drafted again as the next follow-up's start. A follow-up that reaches the target
@@ -13,8 +14,10 @@ not hold, so then the draft counts its first length.
 Why: the verdict's time cannot be known here to the step (the target's forwards, other sessions'
 blocks, the queue before a forward), and a follow-up that is still being drafted when the verdict
 comes misses the target's next forward: at several sessions the target does not wait, and the
-session sits a whole forward out. Sent at its stop, the follow-up is always there; grown, it holds
-all the draft wrote in the verification's shadow (docs/benchmarks.md, the follow-up that grows)."""
+session sits a whole forward out. Sent at its stop, the follow-up is always there, however wrong
+the estimate; grown, it holds what the draft wrote in the verification's shadow. Drafting on
+until the verdict itself measured the same on the simulated clock and cost the target CPU time
+where the draft shares its cores (docs/benchmarks.md, a follow-up that grows)."""
 
 from __future__ import annotations
 

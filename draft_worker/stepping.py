@@ -124,8 +124,6 @@ class Stepping(LineState):
         sampled session's blocks end by its tokens, never the clock (its seed reproduces)."""
         if job is self.critical or not self.outstanding or not self.session.sampling.greedy:
             return False
-        if self._grows(job):  # sent at this stop, it grows at the target
-            return True
         return self.timing.room_for_a_forward(self.now + (self.timing.forward_s.value or 0.0), self.outstanding)
 
     def _grows(self, job: Job) -> bool:
