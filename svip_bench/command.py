@@ -72,7 +72,8 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--head",
         help="policies: also draft with a feature head (its directory, or 'eagle': the embedded target's own), "
-        "every policy and the oracle as eagle-* rows beside the small draft's",
+        "every policy and the oracle as eagle-* rows beside the small draft's; simulate: the head is the draft "
+        "(--emulate its device, e.g. draft=eagle3-llama-3.3-70b@h100)",
     )
     bench.add_argument("--no-hf", action="store_true", help="skip Hugging Face's assisted generation")
     bench.add_argument("--quick", action="store_true", help="2 prompts per category, 1 repeat, 64 tokens, k in 2,4,6")
@@ -130,8 +131,8 @@ def run(args: argparse.Namespace, config: PairConfig) -> int:
         raise InvalidRequest("--prompts-per-category, --repeats and --max-new-tokens must be >= 1")
     if not 1 <= args.n <= MAX_CHOICES:
         raise InvalidRequest(f"--n must be in [1, {MAX_CHOICES}], got {args.n}")
-    if args.head is not None and (args.long or args.mode != "policies"):
-        raise InvalidRequest("--head applies to --mode policies (without --long)")
+    if args.head is not None and (args.long or args.mode not in ("policies", "simulate")):
+        raise InvalidRequest("--head applies to --mode policies and simulate (without --long)")
     ks = _parse_ks(args.ks)
     _parse_categories(args.categories)  # a bad list named before any model loads
     _check_emulation(args)
@@ -169,6 +170,9 @@ def run(args: argparse.Namespace, config: PairConfig) -> int:
         from svip_bench import device, simulate
 
         sessions = sorted({1, *_parse_ks(args.sim_sessions, "--sim-sessions", "sessions in flight")})
+        if args.head is not None:  # simulate only: the head drafts, on the device --emulate names
+            engine = _head_engine(engine, args.head)
+            header["draft"] = engine.draft_path
         return (simulate if args.mode == "simulate" else device).run(engine, prompts, args, header, sessions)
     if args.mode == "replay":
         from svip_bench import replay

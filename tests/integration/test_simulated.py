@@ -118,6 +118,31 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
         assert words in capsys.readouterr().err
 
 
+def test_the_simulate_bench_runs_a_feature_head_as_the_draft(tmp_path, capsys):
+    """--head with --mode simulate: the embedded target's head drafts (its tokens, on the device
+    --emulate names for it; test_a_feature_head_drafts_in_virtual_time_too checks a head's outputs
+    there); the other modes but policies refuse it."""
+    import json
+
+    from svip_cli.main import main
+
+    dataset = tmp_path / "spec.jsonl"
+    dataset.write_text(json.dumps({"question_id": 1, "category": "qa", "prompt": "question: def f(x):"}) + "\n")
+    out = tmp_path / "out"
+    base = ["bench", "--dataset", str(dataset), "--categories", "qa", "--prompts-per-category", "1", "--repeats",
+            "1", "--max-new-tokens", "8", "--head", "eagle"]
+    code = main(base + ["--mode", "simulate", "--sim-sessions", "1", "--host-scale", "0", "--out", str(out),
+                        "--emulate", "target=llama-3.1-70b@4xh100,draft=eagle3-llama-3.3-70b@h100,link=0.1ms"])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    doc = json.loads((out / "simulate.json").read_text())
+    assert doc["header"]["draft"].endswith("head") and doc["header"]["draft_device"] == "eagle3-llama-3.3-70b@h100"
+    assert [r["mode"] for r in doc["rows"]] == ["alone", "inprocess", "sync", "async"]
+    assert all(r["tokens_per_s"] > 0 for r in doc["rows"])
+    assert main(base + ["--mode", "pipeline"]) == 2
+    assert "--head applies to --mode policies and simulate" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_a_feature_head_drafts_in_virtual_time_too(pipeline):
     """The embedded target's head, which has no KV pool: each of its steps lasts its step model's
