@@ -313,6 +313,32 @@ def test_a_block_in_the_making_takes_a_cap_it_can_keep(models, tree):
     session.close()
 
 
+@pytest.mark.parametrize("tree", ["off", "cape"])
+def test_a_block_past_its_stop_ends_where_it_stands_once_its_clock_says_no_more(models, tree):
+    """BlockDraft.end_extension, for a forward the block sits out (PipelinedDraft.sat_out): past
+    its policy's stop and drafted on by its clock, it ends where it stands once the clock says no
+    more forward fits, a tree's last siblings with it; before its first stop, or while the clock
+    allows, it goes on."""
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size)
+    # SVIP this low stops at every token: past its first stop at once
+    session = drafter.open(SamplingParams(), PolicyConfig(name="svip", threshold=0.01, tree=tree), ())
+    draft = session.begin(list(PROMPT), 40, alternatives=True)
+    room = [True]
+    draft.extends = lambda: room[0]
+    room[0] = False
+    assert not draft.end_extension()  # nothing drafted, no stop passed: not its clock's to end
+    room[0] = True
+    assert not draft.step() and draft.extended == 1
+    assert not draft.end_extension()  # its clock allows more
+    assert not draft.step() and draft.extended == 2
+    drafted = len(draft.block)
+    room[0] = False
+    assert draft.end_extension() and len(draft.block) == drafted
+    if tree == "cape":
+        assert len(draft.block.siblings) == drafted
+    session.close()
+
+
 def test_continuations_drafted_side_by_side_on_forks_are_the_ones_drafted_one_at_a_time(models):
     made = {}
     for parallel in (1, 3):
