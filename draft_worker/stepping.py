@@ -69,7 +69,7 @@ class Stepping(LineState):
 
     def _grown(self) -> list[DraftedBlock]:
         """The follow-up past its first stop: sent then, and grown after each forward until its
-        verdict (or the cap, a stop token) ends it."""
+        clock, the cap or a stop token ends it, or its verdict comes."""
         job = next((job for job in self.jobs if job.followup), None)
         if job is None or not (self.growth.grows(job) or (self._grows(job) and job.draft.extended)):
             return []

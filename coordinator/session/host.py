@@ -230,10 +230,11 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         riders = self.idle_work.riders(self.sessions, ready, self.pages.waiting)  # waiting sessions' rows
         started = self.clock()
         try:  # a session that fails, alone; the newest yields its pages when they run short
-            verified, verdicts = self.pages.verify(self.verifier, self.sessions, ready, self.max_batched_tokens, riders)
+            verified, verdicts, riders = self.pages.verify(self.verifier, self.sessions, ready, self.max_batched_tokens,
+                                                           riders)
         except PoolFull as exc:  # no session holds a page to yield: the step cannot fit at all
             verified = [job for job in ready if job[0] not in self.pages.waiting]
-            verdicts = [exc] * len(verified)
+            verdicts, riders = [exc] * len(verified), []
         ended = self.clock()
         self._ready = [job for job in ready if job[0] in self.pages.waiting]  # waiting for pages
         self._ready += [job for job, verdict in zip(verified, verdicts) if verdict is None]  # prefilled a chunk

@@ -68,19 +68,20 @@ class PageLine:
                 return  # first come, first served: nobody passes the head of the line
             del self.waiting[session_id]
 
-    def verify(self, verifier, sessions: dict, ready: list, budget: int | None, riders: list) -> tuple[list, list]:
+    def verify(self, verifier, sessions: dict, ready: list, budget: int | None,
+               riders: list) -> tuple[list, list, list]:
         """The step's verdicts for the jobs of ``ready`` still holding their place, with the rows
         of ``riders`` (sessions waiting on their drafts, ``IdleWork.riders``) in the same forward.
         When the pool is short the riders go first, then the newest session yields its pages
         until the step fits (PoolFull changes nothing). Returns (the jobs verified, their
-        verdicts)."""
+        verdicts, the riders whose rows rode)."""
         while True:
             jobs = [job for job in ready if job[0] not in self.waiting]
             if not jobs:
-                return [], []
+                return [], [], []
             try:
                 return jobs, verifier.verify_apart([(s.target, s.committed, checked) for _, s, _, checked, _ in jobs],
-                                                   budget, [(s.target, s.committed) for _, s in riders])
+                                                   budget, [(s.target, s.committed) for _, s in riders]), riders
             except PoolFull:
                 if riders:
                     riders = []

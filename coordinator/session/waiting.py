@@ -17,7 +17,7 @@ class WhileWaiting(SessionState):
         next place (the last verdict's token, or the prompt, not yet taken in), which it knows (not
         a sampled correction the draft draws). always: whether or not it pays (prefill_pays).
         A prompt not yet taken in is always worth it: that forward is owed anyway."""
-        if not self._waits_on_draft or self.feedback.correction_due or not self.target.lacks_next_row(self.committed):
+        if not self._lacks_its_next_row:
             return False
         waited = now - self.waiting_since
         return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify, waited)
@@ -36,8 +36,7 @@ class WhileWaiting(SessionState):
         """A greedy session waiting on its draft, its prompt taken in, whose cache lacks the row for
         its next place: a row of it in the step that verifies other sessions' blocks settles the
         target's own next token (wants_fill; the host prices it: IdleWork.riders)."""
-        return self.wants_fill() and not self.feedback.correction_due and self.target.cached_tokens > 0 \
-            and self.target.lacks_next_row(self.committed)
+        return self.request.sampling.greedy and self.target.cached_tokens > 0 and self._lacks_its_next_row
 
     @property
     def ride_value(self) -> float:
@@ -51,6 +50,12 @@ class WhileWaiting(SessionState):
     def uncached_tokens(self) -> int:
         """The committed tokens the target's cache lacks (a row taking them in holds that many)."""
         return len(self.committed) - self.target.cached_tokens
+
+    @property
+    def _lacks_its_next_row(self) -> bool:
+        """It waits on its draft's block, and the target's cache lacks the row for its next place,
+        which it knows (not a sampled correction the draft draws)."""
+        return self._waits_on_draft and not self.feedback.correction_due and self.target.lacks_next_row(self.committed)
 
     @property
     def _waits_on_draft(self) -> bool:
