@@ -187,6 +187,8 @@ def block(session_id: str, base: int, tokens) -> pb.Block:
     (block("bad-3", 3, [10**6]), "drafted token id 1000000 is outside the vocabulary"),
     (block("bad-4", 3, [-1]), "drafted token id -1 is outside the vocabulary"),
     (block("bad-5", 7, [1]), "a block at base 7, committed 3"),
+    (pb.Block(session_id="bad-6", base=3, tokens=[1] * 8, grows=1), "grew a follow-up of 1 tokens by 8"),
+    (pb.Block(session_id="bad-7", base=3, tokens=[10**6], grows=1), "drafted token id 1000000 is outside"),
 ])
 def test_the_target_refuses_draft_blocks_past_its_limits(services, loop, crafted, words, caplog):
     """A draft worker that misbehaves (or a peer posing as one) cannot make the target verify
@@ -282,6 +284,38 @@ def test_a_malformed_verdict_late_in_a_chain_fails_its_session_alone_in_a_batch(
     good, events = loop.run_until_complete(scenario())
     [error] = [e.error for e in events if e.WhichOneof("kind") == "error"]
     assert error.session_id == "bad" and error.code == INVALID
+    [block] = [e.block for e in events if e.WhichOneof("kind") == "block"]
+    assert block.session_id == "good" and block.base == good.base + len(good.tokens) + 1
+
+
+def test_a_follow_up_count_on_a_settled_verdict_fails_its_session_alone_in_a_batch(services, loop):
+    """Outcome.next_tokens (how much of a grown follow-up the target verifies) belongs to a
+    follow-up's verdict only: a feedback that gives it with a settled token is INVALID_ARGUMENT for
+    its session, and its neighbour in the same batch gets its next block."""
+    async def scenario():
+        stream = Stream(services["draft"].address, "draft")
+        stream.send(pb.DraftRequest(start=start("good")))
+        stream.send(pb.DraftRequest(start=start("bad")))
+        blocks = {}
+        while len(blocks) < 2:
+            for e in events_of(await stream.read()):
+                blocks[e.block.session_id] = e.block
+        good, bad = blocks["good"], blocks["bad"]
+        ok = pb.Feedback(session_id="good", epoch=0, base=good.base, drafted=len(good.tokens),
+                         accepted=len(good.tokens), token=5, next=pb.NEXT_SETTLED)
+        wrong = pb.Feedback(session_id="bad", epoch=0, base=bad.base, drafted=len(bad.tokens),
+                            accepted=len(bad.tokens), token=5, next=pb.NEXT_SETTLED, next_tokens=3)
+        stream.send(pb.DraftRequest(batch=[pb.DraftRequest(feedback=m).SerializeToString() for m in (ok, wrong)]))
+        events = []
+        while not (any(e.WhichOneof("kind") == "error" for e in events)
+                   and any(e.WhichOneof("kind") == "block" for e in events)):
+            events += events_of(await stream.read())
+        await stream.close()
+        return good, events
+
+    good, events = loop.run_until_complete(scenario())
+    [error] = [e.error for e in events if e.WhichOneof("kind") == "error"]
+    assert error.session_id == "bad" and error.code == INVALID and "follow-up" in error.message
     [block] = [e.block for e in events if e.WhichOneof("kind") == "block"]
     assert block.session_id == "good" and block.base == good.base + len(good.tokens) + 1
 
