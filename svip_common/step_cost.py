@@ -28,6 +28,7 @@ what its drafting took per token.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from svip_common.contracts import DRAFT_LENGTH_CAP
@@ -321,19 +322,44 @@ class SessionGate:
         return cap
 
 
-def prefill_pays(gate: SessionGate, verify: StepCost, waited: float = 0.0) -> bool:
-    """Whether the target, idle while a session waits on its draft, should take the last verdict's
-    token into its cache now (``Verifier.prefill_next``) rather than with the block. With W the
-    wait for the block still to come (the session's round trip plus its drafting, less what it
-    has waited: ``waited`` seconds since the verdict), F(n) the target's forward of
-    n tokens, k the tokens a block holds and r the chance its first token is rejected: waiting
-    costs W + F(k + 1); prefilling costs max(W, F(1)) and then F(k) unless the stored row
-    rejects the first token at once. It pays when max(0, F(1) - W) < r·F(k) + F(k + 1) - F(k):
-    always when the block takes longer than a one-token forward (a CPU's drafts), rarely when it
-    comes at once (a GPU's fast draft, where the forward would hold the block up)."""
-    if not verify.observed:
-        return False
+def block_wait(gate: SessionGate, waited: float) -> float:
+    """The seconds until a session's block is due: its round trip plus its drafting (k tokens, what
+    its blocks hold on average), less what it has waited since its verdict (``waited``)."""
     k = max(1.0, gate.acceptance.drafted_per_block)
-    wait = max(0.0, gate.round_s + gate.draft_token_s * k - waited)
-    rejected_first = 1.0 - gate.acceptance.value
-    return max(0.0, verify.time(1) - wait) < rejected_first * verify.time(k) + verify.per_item
+    return max(0.0, gate.round_s + gate.draft_token_s * k - waited)
+
+
+def early_row_gain(gate: SessionGate, verify: StepCost) -> float:
+    """What a session's next row, taken in while the target idles (``Verifier.prefill_next``),
+    saves it in the target's seconds: where the stored row rejects its block's first token at
+    once (r, the chance a drafted token is rejected) the block needs no forward of its k tokens,
+    and otherwise that forward holds a token fewer: r·F(k) + F(k + 1) - F(k)."""
+    k = max(1.0, gate.acceptance.drafted_per_block)
+    return (1.0 - gate.acceptance.value) * verify.time(k) + verify.per_item
+
+
+def prefills_that_pay(candidates: Sequence[tuple[int, float]], waits: Sequence[float], verify: StepCost,
+                      owed: int = 0) -> list[int]:
+    """Which sessions a forward takes in while the target idles, waiting on blocks (indices into
+    ``candidates``: each session's (rows it takes in, early_row_gain)): of those that save the most
+    a row, the most that save more than the forward adds to the waits of the blocks due (``waits``:
+    every waiting session's block_wait, the chosen included), Σ gain > Σ_j max(0, F(rows) - W_j),
+    beyond what the ``owed`` rows (prompts not yet taken in: that forward is owed anyway) add. At
+    one session: max(0, F(1) - W) < r·F(k) + F(k + 1) - F(k), a prefill that pays where the block
+    comes later than a one-token forward (a CPU's drafts) and rarely where it comes at once. With
+    several, a forward that would hold up a block due now runs only if its rows save more; one
+    that ends before the blocks come is free. Nothing until the target's forwards are measured."""
+    if not verify.observed:
+        return []
+
+    def held(rows: int) -> float:  # what a forward of these rows adds to the blocks' waits (none: no forward)
+        return sum(max(0.0, verify.time(rows) - wait) for wait in waits) if rows else 0.0
+
+    order = sorted(range(len(candidates)), key=lambda i: -candidates[i][1] / max(candidates[i][0], 1))
+    best, best_net, rows, saved = 0, 0.0, owed, 0.0
+    for taken, i in enumerate(order, 1):
+        rows, saved = rows + candidates[i][0], saved + candidates[i][1]
+        net = saved - (held(rows) - held(owed))
+        if net > best_net:
+            best, best_net = taken, net
+    return sorted(order[:best])

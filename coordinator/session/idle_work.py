@@ -6,17 +6,18 @@ block is late is decoded by the target alone meanwhile, and the block is checked
 tokens when it comes.
 
 That forward is one of two kinds. While no block is ready, a forward of its own (a prefill),
-where that pays (SessionPipeline.wants_prefill); "auto" does it for a lone session only: with
-several in flight, blocks arrive one after another and a prefill holds up the next one's step
-(what that costs, measured: docs/architecture.md and docs/benchmarks.md, the target does not
-idle). While blocks are ready, the waiting sessions' rows ride the step that verifies them
-(riders): each settles one token (finding a block that parts from it a forward sooner) and adds
-its row's time to every session in the step, so it rides while the step's tokens per second rise,
-priced by the target's measured cost of a row and the tokens a verified block settles
-(``riders``). On a GPU, where a row is nearly free, every waiting session rides; where rows cost
-what a CPU's do, fewer. Neither with a feature draft, which
-needs the target's features of every token, handed over with verdicts. Runs on the target's
-compute thread (the host's batched step calls it, host.py)."""
+for the sessions whose rows save more than the forward holds up the blocks due meanwhile
+(``prefills_that_pay``, from each session's measured round trip, drafting and acceptance): at one
+session, where its block comes later than a one-token forward; with several, while it ends before
+the next block is due or saves more than it delays (a fill, settling a stored row, needs no
+forward and always runs). While blocks are ready, the waiting sessions' rows ride the step that
+verifies them (riders): each settles one token (finding a block that parts from it a forward
+sooner) and adds its row's time to every session in the step, so it rides while the step's tokens
+per second rise, priced by the target's measured cost of a row and the tokens a verified block
+settles (``riders``). On a GPU, where a row is nearly free, every waiting session rides; where
+rows cost what a CPU's do, fewer. Neither with a feature draft, which needs the target's features
+of every token, handed over with verdicts. Runs on the target's compute thread (the host's
+batched step calls it, host.py)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from collections.abc import Callable
 
 from coordinator.session.effects import Settle
 from svip_common.errors import exit_on_device_failure
-from svip_common.step_cost import Ewma
+from svip_common.step_cost import Ewma, prefills_that_pay
 from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
@@ -34,7 +35,7 @@ SETTLED_WEIGHT = 0.1  # of the newest step, in the running mean of the tokens a 
 
 class IdleWork:
     def __init__(self, verifier: Verifier, mode: str, max_batched_tokens: int | None, clock: Callable[[], float]):
-        """mode: "auto" (a lone session, where it pays), "always", "off" (checked already)."""
+        """mode: "auto" (where it pays), "always", "off" (checked already)."""
         self.verifier, self.mode, self.max_batched_tokens, self.clock = verifier, mode, max_batched_tokens, clock
         self.prefills = 0  # sessions advanced by a prefill while idle
         self.fills = 0  # tokens greedy sessions settled from the target alone while they waited on their drafts
@@ -46,7 +47,7 @@ class IdleWork:
         step(session_id, event, *args): runs one event of that session and carries out its
         effects, which it returns (None: the event failed, and ended the session alone).
         Returns whether it did anything."""
-        if self.mode == "off" or (self.mode == "auto" and len(sessions) != 1):
+        if self.mode == "off":
             return False
         fills = not self.verifier.feature_layers and not out_of_pages
         now = self.clock()
@@ -68,9 +69,8 @@ class IdleWork:
         """One forward that takes in what the sessions waiting on their drafts will need first,
         where that pays; then (fills) greedy ones settle the token its rows give. Returns whether
         it ran a forward."""
-        always, started = self.mode == "always", self.clock()
-        waiting = [s for sid, s in sessions.items()
-                   if sid not in out_of_pages and s.wants_prefill(started, self.verifier.cost, always)]
+        started = self.clock()
+        waiting = self._to_prefill(sessions, out_of_pages, started)
         if not waiting:
             return False
         try:
@@ -86,6 +86,20 @@ class IdleWork:
         if fills:
             self._fill(sessions, step, started, ended)
         return advanced > 0
+
+    def _to_prefill(self, sessions: dict, out_of_pages: dict, now: float) -> list:
+        """The sessions a prefill takes in now: every one lacking its next row (always), else
+        those owing their prompt and those whose rows pay (prefills_that_pay)."""
+        lacking = [s for sid, s in sessions.items() if sid not in out_of_pages and s.wants_prefill()]
+        if self.mode == "always":
+            return lacking
+        owed = [s for s in lacking if s.prompt_owed]
+        priced = [s for s in lacking if not s.prompt_owed]
+        verify = self.verifier.cost
+        waits = [w for w in (s.block_wait(now) for s in sessions.values()) if w is not None]
+        chosen = prefills_that_pay([(s.uncached_tokens, s.prefill_gain(verify)) for s in priced], waits, verify,
+                                   sum(s.uncached_tokens for s in owed))
+        return owed + [priced[i] for i in chosen]
 
     def riders(self, sessions: dict, ready: list, out_of_pages: dict) -> list:
         """The (id, session) of the sessions waiting on their drafts whose next row rides the step

@@ -8,19 +8,29 @@ from __future__ import annotations
 
 from coordinator.session.effects import event
 from coordinator.session.state import DraftMode, SessionState
-from svip_common.step_cost import StepCost, prefill_pays
+from svip_common.step_cost import StepCost, block_wait, early_row_gain
 
 
 class WhileWaiting(SessionState):
-    def wants_prefill(self, now: float, verify: StepCost, always: bool = False) -> bool:
+    def wants_prefill(self) -> bool:
         """The session waits on its draft's block, and the target's cache lacks the row for the
         next place (the last verdict's token, or the prompt, not yet taken in), which it knows (not
-        a sampled correction the draft draws). always: whether or not it pays (prefill_pays).
-        A prompt not yet taken in is always worth it: that forward is owed anyway."""
-        if not self._lacks_its_next_row:
-            return False
-        waited = now - self.waiting_since
-        return always or self.target.cached_tokens == 0 or prefill_pays(self.gate, verify, waited)
+        a sampled correction the draft draws): a forward while the target idles may take it in
+        (IdleWork prices it: prefills_that_pay, by block_wait and prefill_gain)."""
+        return self._lacks_its_next_row
+
+    @property
+    def prompt_owed(self) -> bool:
+        """Its prompt is not taken in yet: a forward that does is owed anyway, and always worth it."""
+        return self.target.cached_tokens == 0
+
+    def block_wait(self, now: float) -> float | None:
+        """The seconds until its draft's block is due (None: it waits on none)."""
+        return block_wait(self.gate, now - self.waiting_since) if self._waits_on_draft else None
+
+    def prefill_gain(self, verify: StepCost) -> float:
+        """What its next row taken in ahead saves it, in the target's seconds (early_row_gain)."""
+        return early_row_gain(self.gate, verify)
 
     def wants_fill(self) -> bool:
         """The target never idles for a block: a greedy session that waits on its draft settles
@@ -36,7 +46,7 @@ class WhileWaiting(SessionState):
         """A greedy session waiting on its draft, its prompt taken in, whose cache lacks the row for
         its next place: a row of it in the step that verifies other sessions' blocks settles the
         target's own next token (wants_fill; the host prices it: IdleWork.riders)."""
-        return self.request.sampling.greedy and self.target.cached_tokens > 0 and self._lacks_its_next_row
+        return self.request.sampling.greedy and not self.prompt_owed and self._lacks_its_next_row
 
     @property
     def ride_value(self) -> float:

@@ -8,7 +8,8 @@ output is the target's, token for token (greedy) and verdict for verdict (sample
 Verifier level: a block verified after a prefill gets the verdict it gets without one. Pipeline
 level: real gRPC on loopback, the session host and a real draft service in this process, every
 idle moment prefilled ("always"), never ("off"); the distributed tests run their Ray workers
-with "always" too (tests/integration/test_distributed.py). When it pays: prefill_pays."""
+with "always" too (tests/integration/test_distributed.py). When it pays: prefills_that_pay
+(tests/unit/test_idle_prefills.py at several sessions)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from draft_worker.drafter import Drafter
 from svip_common.contracts import Block, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.knobs import knob
-from svip_common.step_cost import SessionGate, StepCost, prefill_pays
+from svip_common.step_cost import SessionGate, StepCost, block_wait, early_row_gain, prefills_that_pay
 from target_worker.verifier import Verifier
 from tests.workers import generate_through, in_process_workers
 
@@ -154,8 +155,12 @@ def test_when_a_prefill_pays():
         for _ in range(20):
             gate.record(3, 2, draft_s * 3)
             gate.record_round_trip(round_s)
-    assert prefill_pays(slow_draft, cpu) and not prefill_pays(fast_draft, gpu)
-    assert not prefill_pays(slow_draft, StepCost())  # nothing measured yet
+
+    def pays(gate: SessionGate, verify: StepCost) -> bool:  # a lone session, its verdict just out
+        return prefills_that_pay([(1, early_row_gain(gate, verify))], [block_wait(gate, 0.0)], verify) == [0]
+
+    assert pays(slow_draft, cpu) and not pays(fast_draft, gpu)
+    assert not pays(slow_draft, StepCost())  # nothing measured yet
     with pytest.raises(InvalidRequest, match="idle_prefill must be one of auto, always, off"):
         knob("idle_prefill").check("sometimes")
 

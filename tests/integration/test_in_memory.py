@@ -317,3 +317,26 @@ def test_rows_that_ride_and_follow_ups_that_grow_keep_every_output_the_targets(m
     for request, result in zip(requests, pair.generate_all(requests)):
         assert result.token_ids == alone.generate(request).token_ids
     assert pair.host.idle_work.rides > 0 and any(grown)
+
+
+@pytest.mark.parametrize("seed", range(2))
+def test_idle_prefills_priced_at_several_sessions_keep_every_output(models, prompt_ids, alone, seed, monkeypatch):
+    """Issue 60: under ``auto`` the target, idle at several sessions, takes in the rows of those
+    waiting on their drafts where the blocks due are far enough off (prefills_that_pay; held here
+    by construction: every block an hour away) and settles greedy ones' tokens from stored rows.
+    Under random interleavings every greedy output is the target alone's, and a seeded sampled
+    one is the output with no idle work at all (the rows are the ones its verification computes)."""
+    from coordinator.session.waiting import WhileWaiting
+
+    monkeypatch.setattr(WhileWaiting, "block_wait", lambda session, now: 3600.0 if session._waits_on_draft else None)
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)], 20 + 6 * i, policy=list(POLICIES.values())[i % 3],
+                                  sampling=SamplingParams() if i % 2 else SamplingParams(temperature=0.9, seed=i))
+                for i in range(4)]
+    priced = make_pair(models, "async", Seeded(seed), idle_prefill="auto")
+    results = priced.generate_all(requests)
+    none = make_pair(models, "async", Seeded(seed), idle_prefill="off").generate_all(requests)
+    for request, result, without in zip(requests, results, none):
+        expected = alone.generate(request).token_ids if request.sampling.greedy else without.token_ids
+        assert result.token_ids == expected
+    assert priced.host.idle_work.prefills > len(requests) and priced.host.idle_work.fills > 0  # beyond the prompts
