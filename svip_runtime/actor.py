@@ -16,6 +16,7 @@ import torch
 
 from svip_common.contracts import Limits
 from svip_common.errors import WorkerUnavailable
+from svip_common.heap import freeze_heap
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, load_model
 from svip_runtime.grpc_server import check_bind, start_server
@@ -108,6 +109,7 @@ class ModelActor:
                 self.host = ray.util.get_node_ip_address()
             check_bind(self.host, self.tls, self.insecure)  # before any compute thread starts
             service = self.make_service(**kwargs)
+            freeze_heap()  # what loading left is never traversed again by a full collection mid-step
             try:
                 await self.on_start(service)
             except BaseException:
