@@ -19,6 +19,7 @@ from starlette.exceptions import HTTPException
 
 from svip_common.contracts import GenerationRequest
 from svip_common.errors import InvalidRequest, Overloaded, SvipError, WorkerUnavailable
+from svip_common.heap import freeze_heap
 from svip_common.kv_sizes import whole_pages
 from svip_common.randomness import choices
 from svip_serve.admission import RETRY_AFTER_S, Admission, Slot
@@ -241,6 +242,7 @@ class SVIPServer:
         # `svip serve` given SIGTERM or SIGINT asks its replicas to drain (svip_serve/draining.py)
         replica = serve.get_replica_context().replica_id.unique_id
         self.drain = DrainWatch(replica, lambda: self.admission.running + self.admission.waiting)
+        freeze_heap()  # the tokenizer's tables and the modules: never traversed again mid-stream (svip_common/heap.py)
 
     async def _engine(self):
         if not self._connected:
