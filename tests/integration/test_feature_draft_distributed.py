@@ -66,13 +66,14 @@ def drafter_for(target, head, limits) -> FeatureDrafter:
 
 
 def pair_for(target, head, mode: str, feature_layers=None, target_kv_tokens: int = DEFAULT_KV_TOKENS,
-             load_aware: str = "off") -> InMemoryPair:
+             load_aware: str = "off", idle_prefill: str = "auto") -> InMemoryPair:
     """The target behind a session host handing over ``feature_layers`` (the head's own by
     default), the head behind a draft service, joined in memory."""
     limits = _limits(target)
     layers = head.head.config.target_layers if feature_layers is None else feature_layers
     verifier = Verifier(target, limits.tokens, target_kv_tokens, layers)
-    return InMemoryPair(target, verifier, drafter_for(target, head, limits), limits, mode, load_aware=load_aware)
+    return InMemoryPair(target, verifier, drafter_for(target, head, limits), limits, mode, load_aware=load_aware,
+                        idle_prefill=idle_prefill)
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -108,8 +109,8 @@ def test_features_sent_ahead_in_chunks_draft_what_one_piece_drafts(embedded, alo
     ids = [tuple(target.tokenizer(p)["input_ids"]) for p in PROMPTS]
     requests = [GenerationRequest(i, MAX_NEW, policy=POLICIES["svip"], ignore_eos=True) for i in ids]
 
-    def run():
-        pair = pair_for(target, head, mode)
+    def run():  # the target's idle work at every idle moment: the same in both runs (auto's reads the clock)
+        pair = pair_for(target, head, mode, idle_prefill="always")
         added = []
         real_add = pair.draft._chunks.add
         pair.draft._chunks.add = lambda sid, first, f: (added.append(f.shape[0]), real_add(sid, first, f))
