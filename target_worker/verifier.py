@@ -231,6 +231,8 @@ class Verifier:
         for i, (session, committed, block) in enumerate(jobs):
             if not block.tokens or session.cleared(block, committed) or not session.holds_row_for(committed):
                 continue
+            if session.branches_first(block):
+                continue  # the full pass tries its first place's siblings, coin for coin
             judged.append(i)
             if session.sampling.greedy:
                 verdicts[i] = session.first_greedy(len(committed), block)
@@ -412,6 +414,14 @@ class TargetSession:
     def judge_first(self, committed: Sequence[int], block: Block) -> Verdict | None:
         """This block's early verdict, or None: it needs its forward (``Verifier.judge_first``)."""
         return self._verifier.judge_first([(self, committed, block)])[0]
+
+    def branches_first(self, block: Block) -> bool:
+        """A tree whose first place's siblings the full pass must try (judged early, its first
+        token's rejection would skip them): a sampled one's always (its siblings take the coins that
+        follow, and a seed must give the same verdict with or without the stored row), a greedy
+        one's where a sibling is the stored row's argmax (a branch, its children verified too)."""
+        options = block.siblings[0] if block.siblings else ()
+        return bool(options) and (not self.sampling.greedy or self._pending_choice in options)
 
     def first_greedy(self, base: int, block: Block) -> Verdict | None:
         """The stored row's argmax (read with its step) against the block's first token."""

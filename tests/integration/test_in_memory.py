@@ -340,3 +340,22 @@ def test_idle_prefills_priced_at_several_sessions_keep_every_output(models, prom
         expected = alone.generate(request).token_ids if request.sampling.greedy else without.token_ids
         assert result.token_ids == expected
     assert priced.host.idle_work.prefills > len(requests) and priced.host.idle_work.fills > 0  # beyond the prompts
+
+
+@pytest.mark.parametrize("tree", ["off", "cape"])
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_seed_gives_one_output_with_rows_stored_ahead_or_not(models, prompt_ids, pipeline, tree):
+    """A sampled block is judged on arrival against a row stored ahead (an idle prefill's, or the
+    verification's before a follow-up) by the coins its full pass would use; a token tree's first
+    place goes to the full pass, whose siblings take the coins after a rejection (judged early,
+    they were skipped: two outputs among ten for a CaPE tree). One output for a seed,
+    whether or when the target idled."""
+    request = GenerationRequest(prompt_ids["long"], 30, sampling=SamplingParams(temperature=0.9, seed=11),
+                                policy=dataclasses.replace(POLICIES["svip"], tree=tree))
+    outputs, prefills = set(), 0
+    for idle_prefill in ("always", "off"):
+        for schedule in (TARGET_FIRST, DRAFT_FIRST, Seeded(1), Seeded(2), Seeded(3)):
+            pair = make_pair(models, pipeline, schedule, idle_prefill=idle_prefill)
+            outputs.add(tuple(pair.generate(request).token_ids))
+            prefills += pair.host.idle_work.prefills
+    assert len(outputs) == 1 and prefills > 0
