@@ -356,10 +356,11 @@ def prefills_that_pay(candidates: Sequence[tuple[int, float]], waits: Sequence[f
         return sum(max(0.0, verify.time(rows) - wait) for wait in waits) if rows else 0.0
 
     order = sorted(range(len(candidates)), key=lambda i: -candidates[i][1] / max(candidates[i][0], 1))
+    owed_held = held(owed)
     best, best_net, rows, saved = 0, 0.0, owed, 0.0
     for taken, i in enumerate(order, 1):
         rows, saved = rows + candidates[i][0], saved + candidates[i][1]
-        net = saved - (held(rows) - held(owed))
+        net = saved - (held(rows) - owed_held)
         if net > best_net:
             best, best_net = taken, net
     return sorted(order[:best])

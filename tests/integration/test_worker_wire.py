@@ -256,10 +256,10 @@ def test_the_draft_checks_the_targets_feedback_token(services, loop, limits):
     assert event.error.code == INVALID and f"feedback token id {limits.tokens} is outside" in event.error.message
 
 
-def test_a_malformed_verdict_late_in_a_chain_fails_its_session_alone_in_a_batch(services, loop):
-    """One step's batch carries a well-formed feedback for one session and, for another, a chain
-    whose second verdict has a malformed stop rule: that session is refused (read whole before any
-    verdict of it is applied), its neighbour's verdict is applied and its next block comes."""
+def _refused_beside_a_neighbour(services, loop, bad_feedback, **good_fields) -> pb.Error:
+    """Two sessions start; one step's batch carries a well-formed feedback for "good" (accepting
+    its block whole, with ``good_fields``) and bad_feedback(bad block) for "bad". The neighbour's
+    next block comes; returns the one error, which is "bad"'s alone."""
     async def scenario():
         stream = Stream(services["draft"].address, "draft")
         stream.send(pb.DraftRequest(start=start("good")))
@@ -268,12 +268,11 @@ def test_a_malformed_verdict_late_in_a_chain_fails_its_session_alone_in_a_batch(
         while len(blocks) < 2:
             for e in events_of(await stream.read()):
                 blocks[e.block.session_id] = e.block
-        good, bad = blocks["good"], blocks["bad"]
+        good = blocks["good"]
         ok = pb.Feedback(session_id="good", epoch=0, base=good.base, drafted=len(good.tokens),
-                         accepted=len(good.tokens), token=5)
-        malformed = pb.Feedback(session_id="bad", epoch=0, base=bad.base, drafted=len(bad.tokens), accepted=0,
-                                token=5, then=pb.Feedback(session_id="bad", stop_rule=pb.StopRule(weights=[1.0])))
-        stream.send(pb.DraftRequest(batch=[pb.DraftRequest(feedback=m).SerializeToString() for m in (ok, malformed)]))
+                         accepted=len(good.tokens), token=5, **good_fields)
+        batch = [pb.DraftRequest(feedback=m).SerializeToString() for m in (ok, bad_feedback(blocks["bad"]))]
+        stream.send(pb.DraftRequest(batch=batch))
         events = []
         while not (any(e.WhichOneof("kind") == "error" for e in events)
                    and any(e.WhichOneof("kind") == "block" for e in events)):
@@ -283,41 +282,29 @@ def test_a_malformed_verdict_late_in_a_chain_fails_its_session_alone_in_a_batch(
 
     good, events = loop.run_until_complete(scenario())
     [error] = [e.error for e in events if e.WhichOneof("kind") == "error"]
-    assert error.session_id == "bad" and error.code == INVALID
     [block] = [e.block for e in events if e.WhichOneof("kind") == "block"]
+    assert error.session_id == "bad" and error.code == INVALID
     assert block.session_id == "good" and block.base == good.base + len(good.tokens) + 1
+    return error
+
+
+def test_a_malformed_verdict_late_in_a_chain_fails_its_session_alone_in_a_batch(services, loop):
+    """One step's batch carries a well-formed feedback for one session and, for another, a chain
+    whose second verdict has a malformed stop rule: that session is refused (read whole before any
+    verdict of it is applied), its neighbour's verdict is applied and its next block comes."""
+    _refused_beside_a_neighbour(services, loop, lambda bad: pb.Feedback(
+        session_id="bad", epoch=0, base=bad.base, drafted=len(bad.tokens), accepted=0, token=5,
+        then=pb.Feedback(session_id="bad", stop_rule=pb.StopRule(weights=[1.0]))))
 
 
 def test_a_follow_up_count_on_a_settled_verdict_fails_its_session_alone_in_a_batch(services, loop):
     """Outcome.next_tokens (how much of a grown follow-up the target verifies) belongs to a
     follow-up's verdict only: a feedback that gives it with a settled token is INVALID_ARGUMENT for
     its session, and its neighbour in the same batch gets its next block."""
-    async def scenario():
-        stream = Stream(services["draft"].address, "draft")
-        stream.send(pb.DraftRequest(start=start("good")))
-        stream.send(pb.DraftRequest(start=start("bad")))
-        blocks = {}
-        while len(blocks) < 2:
-            for e in events_of(await stream.read()):
-                blocks[e.block.session_id] = e.block
-        good, bad = blocks["good"], blocks["bad"]
-        ok = pb.Feedback(session_id="good", epoch=0, base=good.base, drafted=len(good.tokens),
-                         accepted=len(good.tokens), token=5, next=pb.NEXT_SETTLED)
-        wrong = pb.Feedback(session_id="bad", epoch=0, base=bad.base, drafted=len(bad.tokens),
-                            accepted=len(bad.tokens), token=5, next=pb.NEXT_SETTLED, next_tokens=3)
-        stream.send(pb.DraftRequest(batch=[pb.DraftRequest(feedback=m).SerializeToString() for m in (ok, wrong)]))
-        events = []
-        while not (any(e.WhichOneof("kind") == "error" for e in events)
-                   and any(e.WhichOneof("kind") == "block" for e in events)):
-            events += events_of(await stream.read())
-        await stream.close()
-        return good, events
-
-    good, events = loop.run_until_complete(scenario())
-    [error] = [e.error for e in events if e.WhichOneof("kind") == "error"]
-    assert error.session_id == "bad" and error.code == INVALID and "follow-up" in error.message
-    [block] = [e.block for e in events if e.WhichOneof("kind") == "block"]
-    assert block.session_id == "good" and block.base == good.base + len(good.tokens) + 1
+    error = _refused_beside_a_neighbour(services, loop, lambda bad: pb.Feedback(
+        session_id="bad", epoch=0, base=bad.base, drafted=len(bad.tokens), accepted=len(bad.tokens), token=5,
+        next=pb.NEXT_SETTLED, next_tokens=3), next=pb.NEXT_SETTLED)
+    assert "follow-up" in error.message
 
 
 def test_a_stream_that_goes_away_frees_its_sessions(services, loop):
