@@ -11,8 +11,9 @@ from svip_common.heap import freeze_heap
 def test_what_is_held_is_frozen_and_a_collection_traverses_only_what_came_after():
     held = [[i] for i in range(1000)]  # tracked containers, alive across the freeze
     try:
-        frozen = freeze_heap()
-        assert frozen >= len(held) and gc.get_freeze_count() == frozen
+        # Other threads in the test process (a gRPC pool, a Ray client) may free frozen objects
+        # at any moment, so the count can only be bounded from below.
+        assert freeze_heap() >= len(held)
         tracked = {id(o) for o in gc.get_objects()}  # every generation's, not the frozen
         assert not any(id(o) in tracked for o in held)
         later = [[i] for i in range(10)]
