@@ -28,7 +28,7 @@ from svip_bench.simulate import simulated_waves
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest
-from svip_common.heap import freeze_heap
+from svip_common.heap import frozen_heap
 from svip_common.trees import TREES
 
 PLACEMENTS = ("in process", "sync", "async")
@@ -125,10 +125,10 @@ def _in_process(engine, emulation: Emulation, requests, n: int) -> tuple[tuple[f
         tokens, seconds, ends, outputs = 0, 0.0, [], []
         for first in range(0, len(requests), n):  # waves of n, as the simulation runs them
             before_real, before_device = use.real_s, use.device_s
-            freeze_heap()  # as the simulated rows (simulate.simulated_waves)
-            started = time.perf_counter()
-            results = engine.generate_many(requests[first:first + n], n)
-            wall = time.perf_counter() - started
+            with frozen_heap():  # as the simulated rows (simulate.simulated_waves)
+                started = time.perf_counter()
+                results = engine.generate_many(requests[first:first + n], n)
+                wall = time.perf_counter() - started
             wave = wall - (use.real_s - before_real) + (use.device_s - before_device)
             tokens += sum(len(r.token_ids) for r in results)
             outputs += [r.token_ids for r in results]

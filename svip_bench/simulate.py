@@ -19,7 +19,7 @@ from draft_worker.feature_draft import FeatureDrafter
 from svip_bench.runner import Progress, encode_prompts
 from svip_common.contracts import DRAFT_PARALLEL, GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.emulation import Emulation, parse_emulation
-from svip_common.heap import freeze_heap
+from svip_common.heap import frozen_heap
 from target_worker.verifier import Verifier
 
 MODES = ("alone", "inprocess", "sync", "async")
@@ -105,8 +105,8 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
         pair = SimulatedPair(target, verifier, drafter, limits,
                              "sync" if mode == "alone" else mode, emulation, host_scale, load_aware="off",
                              parallel=parallel)
-        freeze_heap()  # no full collection of what the run before left lands in this one's host work
-        wave = pair.run_all(requests[first:first + n])
+        with frozen_heap():  # no full collection of what the run before left lands in this one's host work
+            wave = pair.run_all(requests[first:first + n])
         tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
         forwards += verifier.pool.forwards
         ends += wave.per_request_s
@@ -128,12 +128,12 @@ def in_process_waves(engine, emulation: Emulation, requests: list[GenerationRequ
     load_aware, engine.load_aware = engine.load_aware, "off"
     try:
         device, before = engine.verifier.pool.timing.device, engine.verifier.pool.forwards
-        freeze_heap()
-        started = time.perf_counter()
-        results = [r for first in range(0, len(requests), n)
-                   for r in (engine.generate_many(requests[first:first + n], n) if n > 1
-                             else [engine.generate(requests[first])])]
-        host_s = time.perf_counter() - started - device.use.real_s
+        with frozen_heap():
+            started = time.perf_counter()
+            results = [r for first in range(0, len(requests), n)
+                       for r in (engine.generate_many(requests[first:first + n], n) if n > 1
+                                 else [engine.generate(requests[first])])]
+            host_s = time.perf_counter() - started - device.use.real_s
         seconds = device.use.device_s + host_scale * host_s
         forwards = engine.verifier.pool.forwards - before
     finally:

@@ -16,7 +16,7 @@ import torch
 
 from svip_common.contracts import Limits
 from svip_common.errors import WorkerUnavailable
-from svip_common.heap import freeze_heap
+from svip_common.heap import freeze_heap, thaw_heap
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_common.models import LoadedModel, load_model
 from svip_runtime.grpc_server import check_bind, start_server
@@ -143,6 +143,7 @@ class ModelActor:
             await self._server.stop(grace=1.0)
             self._server = None
             await self.service.close()
+            thaw_heap()  # what start froze: the closed service is freed; a later start freezes afresh
 
 
 DIED_ASKS = 3  # an actor is dead for good when this many asks in a row (a second apart) find it dead
