@@ -93,9 +93,15 @@ def test_a_continuation_prepared_after_a_sibling_serves_its_deep_branch_across_t
     """async, tree deep: where the verdict takes a sibling and the child grown below it, the
     continuation prepared after that sibling begins with the child (the draft's choice after the
     sibling, both ways) and is verified next, with no round trip: some are, and the output stays
-    the target alone's."""
+    the target alone's. Nothing here reads this machine's clock: the draft always has room before
+    a verdict (VerdictTiming) and a speculative row is free (its price is the measured steps'), so
+    which continuations are prepared, and ready at their verdicts, is the schedule's alone."""
     from coordinator.session.ahead import AheadBlocks
+    from draft_worker import service
+    from draft_worker.line_state import VerdictTiming
 
+    monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: True)
+    monkeypatch.setattr(service, "row_share", lambda cost: 0.0)
     taken = []
     take = AheadBlocks.take_prepared
 
