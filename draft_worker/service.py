@@ -89,6 +89,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         self.step_cost = StepCost()  # a step's time by the tokens it takes in (prefills aside): what a row costs
         self.riding = Ewma(RIDING_WEIGHT)  # critical blocks in a step that carries speculation (a running mean)
         self.shed = 0  # sessions whose draft work was given up (the KV pool full, a failed step)
+        self.prepared_tokens = 0  # drafted for continuations prepared after a rejection, taken up or not
         self.sent_batches = 0  # messages that carried more than one event (one step's, for several sessions)
         # target features sent ahead in chunks, per session, until the message they lead arrives
         self._chunks = FeatureChunks(limits.positions or FEATURE_ROWS_CAP)
@@ -243,6 +244,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         if not batch:
             return True
         tokens = sum(draft.pending_tokens for _, _, draft in batch)
+        self.prepared_tokens += sum(session.preparing(draft) for _, session, draft in batch)  # a token each
         elapsed = self.timer() - started
         if len(batch) == len(pending) and max(pending) <= PREFILL_TOKENS:  # a prompt's forward prices no row
             self.step_cost.observe(sum(pending), elapsed)
@@ -284,6 +286,7 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
 
     def add_stats(self, stats: pb.WorkerStats) -> None:
         stats.forks_released, stats.sessions_shed = self.forks_released, self.shed
+        stats.prepared_tokens = self.prepared_tokens
 
     def _shed(self, session_id: str, why: str) -> None:
         stream = self.owner(session_id)

@@ -26,6 +26,11 @@ class Stepping(LineState):
             self._begin(prepared_for)
         return [job.draft for job in self.jobs]
 
+    def preparing(self, draft: BlockDraft) -> bool:
+        """Whether this block, one of the session's in a step, is a continuation prepared after a
+        rejection (not the critical block, not the follow-up)."""
+        return any(job.draft is draft and job.prepared_for is not None for job in self.jobs)
+
     def after_step(self, now: float, forward_s: float) -> list[DraftedBlock]:
         """What the step finished (it ended now and took forward_s): blocks to send now."""
         self.now = now

@@ -54,7 +54,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
         for mode in modes(tree):
             pipeline, _, shape = mode.partition("+")
             asked = PolicyConfig(name="none") if mode == "alone" else replace(policy, tree=shape or "off")
-            rates, covered, late, per_forward = [], [], [], []
+            rates, covered, late, per_forward, prepared = [], [], [], [], []
             for _ in range(args.repeats):
                 requests = [GenerationRequest(ids, args.max_new_tokens, SamplingParams(temperature, seed=i),
                                               asked, ignore_eos=True) for i, ids in enumerate(encoded)]
@@ -66,11 +66,13 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
                 covered.append(waves.covered)
                 late.append(waves.covered_late)
                 per_forward.append(waves.per_forward)
+                prepared.append(waves.prepared_per_token)
                 progress.update(1)
             rows.append({"sessions": n, "mode": mode, "tokens_per_s": statistics.median(rates),
                          "prepared_after_rejection": statistics.median(covered),
                          "prepared_late_after_rejection": statistics.median(late),
-                         "tokens_per_target_forward": statistics.median(per_forward)})
+                         "tokens_per_target_forward": statistics.median(per_forward),
+                         "prepared_tokens_per_token": statistics.median(prepared)})
     print(_report(header, rows))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -89,6 +91,7 @@ class Waves:
     per_forward: float = 0.0  # tokens settled per target forward (a batched one's for every session in it)
     covered_late: float = 0.0  # of the rounds after a rejection, the share a prepared continuation started late:
     # sent (or finished drafting) after its verdict
+    prepared_per_token: float = 0.0  # tokens drafted for prepared continuations (taken up or not) per token settled
 
 
 def simulated_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int, mode: str,
@@ -99,7 +102,7 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
     speculative blocks an async session drafts side by side (draft_worker/service.py)."""
     target = engine.target
     limits = Limits(tokens=target.token_limit, positions=target.max_positions)
-    tokens, seconds, ends, outputs, used, late, rejected, forwards = 0, 0.0, [], [], 0, 0, 0, 0
+    tokens, seconds, ends, outputs, used, late, rejected, forwards, prepared = 0, 0.0, [], [], 0, 0, 0, 0, 0
     for first in range(0, len(requests), n):
         verifier, drafter = _workers(engine, limits, with_draft=mode != "alone")
         pair = SimulatedPair(target, verifier, drafter, limits,
@@ -109,6 +112,7 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
             wave = pair.run_all(requests[first:first + n])
         tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
         forwards += verifier.pool.forwards
+        prepared += 0 if pair.draft is None else pair.draft.prepared_tokens
         ends += wave.per_request_s
         results = [p.result() for p in pair.pending.values()]
         outputs += [r.token_ids for r in results]
@@ -116,7 +120,8 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
         late += sum(r.stats.prepared_used_late for r in results)
         rejected += sum(a < d for r in results for d, a in zip(r.stats.draft_lengths, r.stats.accepted_lengths))
     rejected = rejected or 1  # no rejection: none covered
-    return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected, tokens / forwards, late / rejected)
+    return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected, tokens / forwards, late / rejected,
+                 prepared / tokens)
 
 
 def in_process_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int,
@@ -172,8 +177,9 @@ def _report(h: dict, rows: list[dict]) -> str:
         f"{h['repeats']} repeats (virtual time)",
         "",
         "| sessions | mode | tokens/s | vs the target alone | vs in process | a tree vs its chain | "
-        "tokens per target forward | prepared after a rejection (in time + late) |",
-        "|---|---|---|---|---|---|---|---|",
+        "tokens per target forward | prepared after a rejection (in time + late) | prepared tokens drafted per "
+        "token settled |",
+        "|---|---|---|---|---|---|---|---|---|",
     ]
     inprocess = {r["sessions"]: r["tokens_per_s"] for r in rows if r["mode"] == "inprocess"}
     rate = {(r["sessions"], r["mode"]): r["tokens_per_s"] for r in rows}
@@ -181,10 +187,12 @@ def _report(h: dict, rows: list[dict]) -> str:
         chain = r["mode"].partition("+")[0]
         versus = f"{r['tokens_per_s'] / rate[(r['sessions'], chain)]:.2f}x" if "+" in r["mode"] else ""
         in_time, late = r["prepared_after_rejection"], r["prepared_late_after_rejection"]
-        covered = f"{100 * in_time:.0f}% + {100 * late:.0f}%" if r["mode"].startswith("async") else ""
+        asynchronous = r["mode"].startswith("async")
+        covered = f"{100 * in_time:.0f}% + {100 * late:.0f}%" if asynchronous else ""
+        cost = f"{r['prepared_tokens_per_token']:.2f}" if asynchronous else ""
         lines.append(f"| {r['sessions']} | {r['mode']} | {r['tokens_per_s']:.1f} | "
                      f"{r['tokens_per_s'] / alone[r['sessions']]:.2f}x | "
                      f"{r['tokens_per_s'] / inprocess[r['sessions']]:.2f}x | {versus} | "
-                     f"{r['tokens_per_target_forward']:.2f} | {covered} |")
+                     f"{r['tokens_per_target_forward']:.2f} | {covered} | {cost} |")
     lines += ["", "Figures from: " + "; ".join(f"{k}: {v}" for k, v in h["sources"].items())]
     return "\n".join(lines)

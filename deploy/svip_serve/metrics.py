@@ -62,6 +62,8 @@ class ServeMetrics:
                                       "pages of continuations prepared side by side, before it would shed a session.")
         self.sessions_shed = counter("draft_sessions_shed", "Sessions whose draft work the draft worker gave up (its "
                                      "KV pool full, a failed step): they go on with the target alone.")
+        self.prepared_tokens = counter("draft_prepared_tokens", "Tokens the draft worker drafted for continuations "
+                                       "prepared after a rejection, taken up or not (what preparing costs).")
         self.prompt_shared = counter("prompt_tokens_shared", "Prompt tokens the target took from another session's "
                                      "KV pages (n choices, a common prefix) instead of prefilling them.")
         self.reprefilled = counter("reprefilled_tokens", "Tokens prefilled again on a replaced target worker.")
@@ -147,6 +149,7 @@ class ServeMetrics:
         if "draft" in stats:
             self._inc(self.forks_released, self._totals.delta("forks_released", stats["draft"].forks_released))
             self._inc(self.sessions_shed, self._totals.delta("sessions_shed", stats["draft"].sessions_shed))
+            self._inc(self.prepared_tokens, self._totals.delta("prepared_tokens", stats["draft"].prepared_tokens))
 
     def set_auto(self, target) -> None:
         """target: the target's WorkerStats, which carry the pair's `auto` estimate."""

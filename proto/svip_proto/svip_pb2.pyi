@@ -452,7 +452,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerStats(_message.Message):
-    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost", "auto_greedy", "auto_sampled", "auto_prior_cost", "test_hooks", "preemptions", "emulated_device", "forks_released", "sessions_shed", "prompt_tokens_shared")
+    __slots__ = ("open_sessions", "cached_tokens", "tokens_processed", "unavailable", "kv_pages_used", "kv_pages_total", "kv_page_tokens", "draft_replacements", "draft_lost", "auto_greedy", "auto_sampled", "auto_prior_cost", "test_hooks", "preemptions", "emulated_device", "forks_released", "sessions_shed", "prompt_tokens_shared", "prepared_tokens")
     OPEN_SESSIONS_FIELD_NUMBER: _ClassVar[int]
     CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TOKENS_PROCESSED_FIELD_NUMBER: _ClassVar[int]
@@ -471,6 +471,7 @@ class WorkerStats(_message.Message):
     FORKS_RELEASED_FIELD_NUMBER: _ClassVar[int]
     SESSIONS_SHED_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKENS_SHARED_FIELD_NUMBER: _ClassVar[int]
+    PREPARED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     open_sessions: int
     cached_tokens: int
     tokens_processed: int
@@ -489,7 +490,8 @@ class WorkerStats(_message.Message):
     forks_released: int
     sessions_shed: int
     prompt_tokens_shared: int
-    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ..., auto_greedy: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_sampled: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_prior_cost: _Optional[float] = ..., test_hooks: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ..., emulated_device: _Optional[_Union[EmulatedDeviceUse, _Mapping]] = ..., forks_released: _Optional[int] = ..., sessions_shed: _Optional[int] = ..., prompt_tokens_shared: _Optional[int] = ...) -> None: ...
+    prepared_tokens: int
+    def __init__(self, open_sessions: _Optional[int] = ..., cached_tokens: _Optional[int] = ..., tokens_processed: _Optional[int] = ..., unavailable: _Optional[str] = ..., kv_pages_used: _Optional[int] = ..., kv_pages_total: _Optional[int] = ..., kv_page_tokens: _Optional[int] = ..., draft_replacements: _Optional[int] = ..., draft_lost: _Optional[str] = ..., auto_greedy: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_sampled: _Optional[_Union[AutoModelState, _Mapping]] = ..., auto_prior_cost: _Optional[float] = ..., test_hooks: _Optional[_Iterable[str]] = ..., preemptions: _Optional[int] = ..., emulated_device: _Optional[_Union[EmulatedDeviceUse, _Mapping]] = ..., forks_released: _Optional[int] = ..., sessions_shed: _Optional[int] = ..., prompt_tokens_shared: _Optional[int] = ..., prepared_tokens: _Optional[int] = ...) -> None: ...
 
 class EmulatedDeviceUse(_message.Message):
     __slots__ = ("name", "scale", "forwards", "device_s", "overruns", "overrun_s", "worst_ratio")

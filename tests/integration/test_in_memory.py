@@ -274,6 +274,24 @@ def test_a_draft_pool_short_of_room_for_forks_takes_them_back_before_any_session
     assert (stats.forks_released, stats.sessions_shed) == (pair.draft.forks_released, 0)
 
 
+@pytest.mark.parametrize("prepare", [0, 2])
+def test_the_draft_worker_counts_the_tokens_it_drafts_for_prepared_continuations(models, prompt_ids, alone, prepare):
+    """Issue 60's cost of preparing: WorkerStats.prepared_tokens (Prometheus' draft_prepared_tokens)
+    counts the tokens drafted for continuations prepared after a rejection; none when the worker
+    prepares none, and the outputs are the target's either way."""
+    limits = Limits(tokens=models["target"].token_limit, positions=512)
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens)
+    pair = InMemoryPair(models["target"], Verifier(models["target"], limits.tokens), drafter, limits, "async",
+                        DRAFT_FIRST, prepare=prepare, load_aware="off")
+    for ids in prompt_ids.values():
+        request = GenerationRequest(ids, MAX_NEW, policy=POLICIES["svip"])
+        assert pair.generate(request).token_ids == alone.generate(request).token_ids
+    assert (pair.draft.prepared_tokens > 0) == (prepare > 0)
+    stats = pb.WorkerStats()
+    pair.draft.add_stats(stats)
+    assert stats.prepared_tokens == pair.draft.prepared_tokens
+
+
 def test_a_half_drafted_continuation_taken_up_keeps_the_output_the_targets(models, prompt_ids, alone, monkeypatch):
     """Issue 60: under random interleavings rejections come while their continuations are still
     being drafted; those taken up as the next block (Job.take_up) leave every output the target

@@ -233,6 +233,23 @@ def test_the_draft_prepares_continuations_for_its_likely_corrections(draft_sessi
         assert token != parent.block.tokens[j] and token in [t for t, _ in parent.alternatives[j]]
 
 
+def test_a_step_names_each_token_drafted_for_a_prepared_continuation_and_no_other(draft_session):
+    """PipelinedDraft.preparing, which DraftService counts a token by (WorkerStats.prepared_tokens):
+    the tokens it names are the prepared continuations' own, sent or still in the making; never
+    the follow-up's or the critical block's."""
+    _first_block(draft_session)
+    named, sent = 0, []
+    while drafts := draft_session.next_drafts(time.time()):
+        named += sum(map(draft_session.preparing, drafts))
+        followups = [job.draft for job in draft_session.jobs if job.followup]
+        assert not any(map(draft_session.preparing, followups))
+        draft_session.session._drafter.step(drafts)
+        sent += draft_session.after_step(time.time(), 0.0)
+    prepared = [o for o in sent if o.prepared_for is not None]
+    unsent = [job.draft for job in draft_session.jobs if not job.followup]
+    assert prepared and named == sum(len(o.block.tokens) for o in prepared) + sum(len(d.block.tokens) for d in unsent)
+
+
 def test_feedback_naming_a_prepared_continuation_uses_it_and_any_other_correction_is_drafted(draft_session, models):
     first = _first_block(draft_session)
     prepared = [o for o in _prepare_everything(draft_session) if o.prepared_for is not None]
@@ -484,7 +501,7 @@ def test_the_draft_worker_prices_a_speculative_row_by_what_it_adds_to_a_step_wit
     def session(critical: bool, width: int, pending: int = 1):
         drafts = [SimpleNamespace(extended=0, error=None, pending_tokens=pending) for _ in range(width)]
         return SimpleNamespace(critical=object() if critical else None, row_price=None, next_drafts=lambda now: drafts,
-                               after_step=lambda now, s: [])
+                               after_step=lambda now, s: [], preparing=lambda draft: False)
 
     speculating = session(False, 1)
     for width in [1, 6] * 10:  # one session: speculation never rides with a critical block

@@ -99,6 +99,8 @@ def test_the_simulate_bench_reports_every_mode_against_the_target_alone(tmp_path
     assert doc["header"]["draft_parallel"] == DRAFT_PARALLEL and "prepared after a rejection" in captured.out
     assert "vs in process" in captured.out and all(r["tokens_per_target_forward"] >= 1 for r in doc["rows"])
     assert all(0 <= r["prepared_after_rejection"] <= 1 for r in doc["rows"])
+    assert "prepared tokens drafted per token settled" in captured.out
+    assert all(r["prepared_tokens_per_token"] == 0 for r in doc["rows"] if not r["mode"].startswith("async"))
     base = ["bench", "--mode", "simulate", "--target", model_dirs.target, "--draft", model_dirs.close_draft,
             "--dataset", str(dataset), "--categories", "qa"]
     sampled = ["--prompts-per-category", "1", "--repeats", "1", "--max-new-tokens", "12", "--sim-sessions", "1",
