@@ -275,10 +275,18 @@ def test_a_draft_pool_short_of_room_for_forks_takes_them_back_before_any_session
 
 
 @pytest.mark.parametrize("prepare", [0, 2])
-def test_the_draft_worker_counts_the_tokens_it_drafts_for_prepared_continuations(models, prompt_ids, alone, prepare):
+def test_the_draft_worker_counts_the_tokens_it_drafts_for_prepared_continuations(models, prompt_ids, alone, prepare,
+                                                                                  monkeypatch):
     """Issue 60's cost of preparing: WorkerStats.prepared_tokens (Prometheus' draft_prepared_tokens)
     counts the tokens drafted for continuations prepared after a rejection; none when the worker
-    prepares none, and the outputs are the target's either way."""
+    prepares none, and the outputs are the target's either way. The draft always has room before a
+    verdict and a row is free (both read this machine's clock otherwise): what it prepares is the
+    schedule's alone."""
+    from draft_worker import service
+    from draft_worker.line_state import VerdictTiming
+
+    monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: True)
+    monkeypatch.setattr(service, "row_share", lambda cost: 0.0)
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens)
     pair = InMemoryPair(models["target"], Verifier(models["target"], limits.tokens), drafter, limits, "async",
