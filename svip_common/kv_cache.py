@@ -371,7 +371,10 @@ class PagedSequence:
         self.rollback(place + len(branch))
 
     def tokens_equal(self, sequence: Sequence[int]) -> bool:
-        return len(self.tokens) == len(sequence) and self.tokens == list(sequence)
+        """Whether this holds exactly ``sequence`` (a list is compared without a copy)."""
+        if len(self.tokens) != len(sequence):
+            return False
+        return self.tokens == (sequence if isinstance(sequence, list) else list(sequence))
 
     def close(self) -> None:
         """Give every page back."""

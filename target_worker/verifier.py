@@ -216,7 +216,6 @@ class Verifier:
         part.finish(rows, elapsed)
         return len(part.steps)
 
-    @torch.inference_mode()
     def judge_first(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]]) -> list[Verdict | None]:
         """Each job's early verdict: a block that continues a fully accepted one has its first
         token judged against the row already stored for that place, before any forward, by the
@@ -225,7 +224,9 @@ class Verifier:
         forward. Greedy sessions read nothing (the stored row's argmax came with its step);
         sampled ones are judged a warp group at a time: p at every first token in one host read,
         the corrections drawn together in a second. A block judged once and kept is not judged
-        again (the pipeline judges on arrival, then verifies in a batch)."""
+        again (the pipeline judges on arrival, then verifies in a batch). Tensors are touched only
+        for sampled groups (inference mode costs a greedy follow-up's judgement as much as the rest
+        of it: every async round on the target's host thread calls this)."""
         verdicts: list[Verdict | None] = [None] * len(jobs)
         judged, groups = [], {}
         for i, (session, committed, block) in enumerate(jobs):
@@ -239,7 +240,9 @@ class Verifier:
             else:
                 groups.setdefault(session.sampling.warp_key, []).append(i)
         for indices in groups.values():
-            for i, verdict in zip(indices, _first_sampled([jobs[i] for i in indices])):
+            with torch.inference_mode():
+                judged_group = _first_sampled([jobs[i] for i in indices])
+            for i, verdict in zip(indices, judged_group):
                 verdicts[i] = verdict
         for i in judged:
             if verdicts[i] is None:
