@@ -27,7 +27,7 @@ from svip_common.contracts import PolicyConfig
 from svip_common.errors import InvalidRequest, Overloaded, SvipError
 from svip_common.kv_cache import PoolFull
 from svip_common.kv_sizes import whole_pages
-from svip_common.messages import DraftedBlock
+from svip_common.messages import DraftedBlock, DraftEvent
 from svip_common.pair_config import PairConfig
 from svip_common.step_cost import SessionGate, load_aware_for
 from svip_common.test_hooks import StepGate
@@ -41,6 +41,7 @@ from svip_runtime.tls import TlsFiles
 from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
+ReadEvent = tuple[str | None, DraftEvent | InvalidRequest | None]  # SessionHost.read_draft_event's
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
 
@@ -114,7 +115,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     # --- the event loop hands draft events to the compute thread -----------------------------------
 
     def _draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
-        self.compute.post(self.on_draft_event, event, received_at, size)
+        self.compute.post(self.on_draft_event, self.read_draft_event(event), received_at, size)
 
     def draft_lost(self, reason: str) -> None:
         self.compute.post(self._each_session, "detach", False)
@@ -197,20 +198,30 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         drafting cost per token comes with its blocks: their share of the draft's forwards)."""
         return gate.cap(self.verifier.load())
 
-    def on_draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
-        """The draft's message, read into the project's terms here, once (the session's logic never
-        sees protobuf); one that cannot be read gives the draft up for that session."""
+    def read_draft_event(self, event: pb.DraftEvent) -> ReadEvent:
+        """The draft's message read into the project's terms (the session's logic never sees
+        protobuf), where it was parsed: on the event loop, beside the target's forward, not on the
+        compute thread, which every round's work waits for (an async session's follow-ups,
+        growths and prepared continuations are 2.5 messages a round; docs/benchmarks.md). The
+        session it names (None: none can be read) and the message, or why it cannot be read."""
         try:
             session_id = session_id_of(event)
         except InvalidRequest:
-            return
-        session = self.sessions.get(session_id)
+            return None, None
+        try:
+            return session_id, convert.draft_event_from_proto(event, self.verifier.target.vocab_size)
+        except InvalidRequest as exc:
+            return session_id, exc
+
+    def on_draft_event(self, read: ReadEvent, received_at: float, size: int) -> None:
+        """The draft's message, as ``read_draft_event`` read it, to its session; one that could
+        not be read gives the draft up for that session."""
+        session_id, message = read
+        session = self.sessions.get(session_id) if session_id is not None else None
         if session is None:  # a late event of an ended session
             return
-        try:
-            message = convert.draft_event_from_proto(event, self.verifier.target.vocab_size)
-        except InvalidRequest as exc:
-            self._step(session_id, session.on_bad_draft_message, f"draft worker sent a bad block: {exc}")
+        if isinstance(message, InvalidRequest):
+            self._step(session_id, session.on_bad_draft_message, f"draft worker sent a bad block: {message}")
             return
         self._step(session_id, session.on_draft_event, message, received_at, size, self._draft_available())
 

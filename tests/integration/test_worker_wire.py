@@ -18,6 +18,7 @@ from draft_worker.drafter import Drafter
 from draft_worker.service import DraftService
 from svip_common.contracts import Limits
 from svip_common.pair_config import PairConfig
+from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.grpc_server import MAX_QUEUED_EVENTS, SessionService, start_server
@@ -189,6 +190,9 @@ def block(session_id: str, base: int, tokens) -> pb.Block:
     (block("bad-5", 7, [1]), "a block at base 7, committed 3"),
     (pb.Block(session_id="bad-6", base=3, tokens=[1] * 8, grows=1), "grew a follow-up of 1 tokens by 8"),
     (pb.Block(session_id="bad-7", base=3, tokens=[10**6], grows=1), "drafted token id 1000000 is outside"),
+    # unreadable as a block at all (read on the target's event loop, not its compute thread)
+    (pb.Block(session_id="bad-8", base=3, tokens=[1, 1], q_probs=convert.floats_to_proto([0.5])),
+     "block of 2 tokens carries 1 probabilities"),
 ])
 def test_the_target_refuses_draft_blocks_past_its_limits(services, loop, crafted, words, caplog):
     """A draft worker that misbehaves (or a peer posing as one) cannot make the target verify
