@@ -201,9 +201,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def read_draft_event(self, event: pb.DraftEvent) -> ReadEvent:
         """The draft's message read into the project's terms (the session's logic never sees
         protobuf), where it was parsed: on the event loop, beside the target's forward, not on the
-        compute thread, which every round's work waits for (an async session's follow-ups,
-        growths and prepared continuations are 2.5 messages a round; docs/benchmarks.md). The
-        session it names (None: none can be read) and the message, or why it cannot be read."""
+        compute thread, which every round's work waits for (an async session's follow-ups, growths
+        and prepared continuations make two messages a round where sync sends one;
+        docs/benchmarks.md). The session it names (None: none can be read) and the message, or why
+        it cannot be read."""
         try:
             session_id = session_id_of(event)
         except InvalidRequest:
