@@ -306,7 +306,7 @@ class InMemoryPair:
         elif name == "to_target":
             for data in burst:
                 for event, size in unpack(pb.DraftEvent.FromString(data), pb.DraftEvent, len(data)):
-                    self.host.compute.post(self.host.on_draft_event, self.host.read_draft_event(event), now, size)
+                    self.host.draft_event_arrived(event, now, size)
         elif name == "to_draft":
             for first in range(0, len(burst), MAX_BATCH):
                 message = pb.DraftRequest.FromString(pack_requests(burst[first:first + MAX_BATCH]))

@@ -41,7 +41,7 @@ from svip_runtime.tls import TlsFiles
 from target_worker.verifier import Verifier
 
 log = logging.getLogger(__name__)
-ReadEvent = tuple[str | None, DraftEvent | InvalidRequest | None]  # SessionHost.read_draft_event's
+ReadEvent = tuple[str | None, DraftEvent | InvalidRequest | None]  # read_draft_event's (below)
 CHECK_EVERY_S = 0.2  # how often stalls and hold deadlines are checked
 GATE_POLL_S = 0.005  # how often a step that a test holds looks at its gate again
 
@@ -80,8 +80,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.draft: DraftPort | None = None
         if draft_address is not None or draft_actor is not None or draft_link is not None:
             recovery = config.recovery
-            self.draft = DraftPort(draft_address, draft_actor, self._draft_event, self.draft_lost, self.draft_back,
-                                   tls, recovery.draft_stall_s, recovery.draft_recover_s, draft_link)
+            self.draft = DraftPort(draft_address, draft_actor, self.draft_event_arrived, self.draft_lost,
+                                   self.draft_back, tls, recovery.draft_stall_s, recovery.draft_recover_s, draft_link)
         self._checker: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -114,8 +114,11 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
 
     # --- the event loop hands draft events to the compute thread -----------------------------------
 
-    def _draft_event(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
-        self.compute.post(self.on_draft_event, self.read_draft_event(event), received_at, size)
+    def draft_event_arrived(self, event: pb.DraftEvent, received_at: float, size: int) -> None:
+        """What a link to the draft calls on the event loop for each event it reads (DraftLink,
+        the in-memory transport's delivery): read here, handled on the compute thread."""
+        self.compute.post(self.on_draft_event, read_draft_event(event, self.verifier.target.vocab_size),
+                          received_at, size)
 
     def draft_lost(self, reason: str) -> None:
         self.compute.post(self._each_session, "detach", False)
@@ -197,22 +200,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         """The most tokens a session's next block should hold at the load measured here (its
         drafting cost per token comes with its blocks: their share of the draft's forwards)."""
         return gate.cap(self.verifier.load())
-
-    def read_draft_event(self, event: pb.DraftEvent) -> ReadEvent:
-        """The draft's message read into the project's terms (the session's logic never sees
-        protobuf), where it was parsed: on the event loop, beside the target's forward, not on the
-        compute thread, which every round's work waits for (an async session's follow-ups, growths
-        and prepared continuations make two messages a round where sync sends one;
-        docs/benchmarks.md). The session it names (None: none can be read) and the message, or why
-        it cannot be read."""
-        try:
-            session_id = session_id_of(event)
-        except InvalidRequest:
-            return None, None
-        try:
-            return session_id, convert.draft_event_from_proto(event, self.verifier.target.vocab_size)
-        except InvalidRequest as exc:
-            return session_id, exc
 
     def on_draft_event(self, read: ReadEvent, received_at: float, size: int) -> None:
         """The draft's message, as ``read_draft_event`` read it, to its session; one that could
@@ -345,3 +332,24 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
 
     def error_event(self, session_id: str, code: grpc.StatusCode, message: str) -> pb.GenerateEvent:
         return pb.GenerateEvent(error=pb.Error(session_id=session_id, code=code.value[0], message=message))
+
+
+def read_draft_event(event: pb.DraftEvent, vocab_size: int) -> ReadEvent:
+    """The draft's message read into the project's terms (the session's logic never sees protobuf;
+    vocab_size: the target's, which a sampled tree's q rows span), where it was parsed: on the event
+    loop, beside the target's forward, not on the compute thread, which every round's work waits
+    for (an async session's follow-ups, growths and prepared continuations make two messages a round
+    where sync sends one; docs/benchmarks.md). The session it names (None: none can be read) and the
+    message, or why it cannot be read: whatever reading it raises fails that session's draft, not
+    the link that carried it (raised on the loop, it would break the link for every session)."""
+    try:
+        session_id = session_id_of(event)
+    except InvalidRequest:
+        return None, None
+    try:
+        return session_id, convert.draft_event_from_proto(event, vocab_size)
+    except InvalidRequest as exc:
+        return session_id, exc
+    except Exception as exc:  # noqa: BLE001 - a message no rule foresaw: its session alone, never the link
+        log.exception("session %s: a draft message could not be read", session_id)
+        return session_id, InvalidRequest(f"unreadable message ({type(exc).__name__})")

@@ -1,14 +1,19 @@
 """The target-side session's parts on their own, without models or a protocol: the blocks drafted
 ahead of a verdict (coordinator/session/ahead.py), recovery's re-attach schedule
 (coordinator/session/reattach.py), on a clock the test chooses, and the feedback a session owes
-its draft (coordinator/session/feedback.py)."""
+its draft (coordinator/session/feedback.py), and the host's reading of a draft message on its event
+loop (coordinator/session/host.py)."""
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+from coordinator.session import host as host_module
 from coordinator.session.ahead import AheadBlocks
 from coordinator.session.feedback import FeedbackChain
+from coordinator.session.host import read_draft_event
 from coordinator.session.pausing import LoadPause
 from coordinator.session.reattach import (
     MAX_STALLS,
@@ -19,8 +24,11 @@ from coordinator.session.reattach import (
 )
 from svip_common.acceptance import StopRule
 from svip_common.contracts import NO_TOKEN, Block, GenerationStats, Verdict
+from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock
 from svip_common.step_cost import SessionGate
+from svip_proto import convert
+from svip_proto import svip_pb2 as pb
 
 
 def _block(base: int, n: int) -> DraftedBlock:
@@ -146,3 +154,25 @@ def test_a_pause_counts_once_gathers_what_the_target_settles_and_resumes_from_wh
     pausing.settle([5])
     pausing.forget()  # detached: the paused draft is gone, and what it was owed with it
     assert pausing.settled == [] and stats.pauses == 2
+
+
+def test_a_draft_message_is_read_to_its_session_or_to_why_not(monkeypatch, caplog):
+    """Read on the event loop, a message becomes its session and what it says, or its session and
+    why it cannot be read: a block that breaks a rule, or anything else reading it raises (which
+    on the loop would break the link every session shares). No session named: nothing."""
+    good = pb.DraftEvent(block=pb.Block(session_id="s", base=3, tokens=[1, 2]))
+    session_id, block = read_draft_event(good, 64)
+    assert session_id == "s" and isinstance(block, DraftedBlock) and block.tokens == [1, 2]
+    bad = pb.Block(session_id="s", base=3, tokens=[1, 2], q_probs=convert.floats_to_proto([0.5]))
+    session_id, why = read_draft_event(pb.DraftEvent(block=bad), 64)
+    assert session_id == "s" and isinstance(why, InvalidRequest) and "carries 1 probabilities" in str(why)
+    assert read_draft_event(pb.DraftEvent(), 64) == (None, None)
+
+    def broken(event, width=None):
+        raise ValueError("a reader's bug")
+
+    monkeypatch.setattr(host_module.convert, "draft_event_from_proto", broken)
+    with caplog.at_level(logging.ERROR):
+        session_id, why = read_draft_event(good, 64)
+    assert session_id == "s" and isinstance(why, InvalidRequest) and "ValueError" in str(why)
+    assert "could not be read" in caplog.text
