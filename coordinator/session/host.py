@@ -205,8 +205,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         """The draft's message, as ``read_draft_event`` read it, to its session; one that could
         not be read gives the draft up for that session."""
         session_id, message = read
-        session = self.sessions.get(session_id) if session_id is not None else None
-        if session is None:  # a late event of an ended session
+        session = self.sessions.get(session_id)
+        if session is None:  # none named, or a late event of an ended session
             return
         if isinstance(message, InvalidRequest):
             self._step(session_id, session.on_bad_draft_message, f"draft worker sent a bad block: {message}")
