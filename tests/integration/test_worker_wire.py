@@ -214,6 +214,45 @@ def test_the_target_refuses_draft_blocks_past_its_limits(services, loop, crafted
     assert words in caplog.text and "going on without the draft" in caplog.text
 
 
+def test_a_draft_message_that_breaks_its_reader_fails_its_session_not_the_link(services, loop, caplog,
+                                                                                monkeypatch):
+    """The target reads the draft's messages on its event loop; a message whose reading raises
+    anything (here a reader's bug, injected for one session) gives the draft up for that session
+    alone: the link stays, and the next session's block still reaches its checks through it."""
+    from coordinator.session import host
+
+    real = host.convert.draft_event_from_proto
+
+    def buggy(event, width=None):
+        if event.block.session_id == "bug-1":
+            raise ValueError("a reader's bug")
+        return real(event, width)
+
+    monkeypatch.setattr(host.convert, "draft_event_from_proto", buggy)
+    services["fake"].script["bug-1"] = [block("bug-1", 3, [1])]
+    services["fake"].script["bug-2"] = [block("bug-2", 3, [1] * 9)]
+
+    async def scenario():
+        stream = Stream(services["target"].address, "target")
+        finished = {}
+        for session_id in ("bug-1", "bug-2"):
+            stream.send(request("target", start=start(session_id, max_new_tokens=5)))
+            while session_id not in finished:  # each session's events to its end
+                event = await stream.read()
+                kind = event.WhichOneof("kind")
+                assert kind in ("settled", "finished"), event
+                if kind == "finished":
+                    finished[event.finished.session_id] = event.finished
+        await stream.close()
+        return finished
+
+    with caplog.at_level(logging.WARNING):
+        finished = loop.run_until_complete(scenario())
+    assert set(finished) == {"bug-1", "bug-2"}  # both went on, alone, to their ends
+    assert "could not be read" in caplog.text and "the cap is 8" in caplog.text  # bug-2's block came through
+    assert "draft link" not in caplog.text and services["target"].draft.available
+
+
 @pytest.mark.parametrize("role", ["target", "draft"])
 @pytest.mark.parametrize("msg, words", [
     (start("ctx", prompt=range(1, 40), max_new_tokens=30), "exceeds the model's context of 64"),
