@@ -446,6 +446,21 @@ class BlockDraft:
             if self.done:
                 self._finish_tree()
 
+    def split_off(self, keep: int) -> None:
+        """Its first ``keep`` tokens became a block of their own (a follow-up the target cut
+        there: growth.py); this one is now what it drafted past them, and drafts on from where it
+        stands: nothing is drafted again (the cache holds them), and a greedy chain's tokens after
+        the cut are the ones a block begun there would draft. A greedy chain only."""
+        block = self.block
+        if self._tree or self._q_rows or not 0 < keep < len(block.tokens):
+            raise ValueError(f"split a block of {len(block.tokens)} tokens after {keep} (a greedy chain's, "
+                             "keeping some on each side)")
+        self._context = self._context + block.tokens[:keep]
+        self.block = Block(base=block.base + keep, tokens=block.tokens[keep:], probs=block.probs[keep:],
+                           entropies=block.entropies[keep:], epoch=block.epoch)
+        self.alternatives = self.alternatives[keep:]
+        self._limit -= keep
+
     def end_extension(self) -> bool:
         """Past its policy's stop and drafted on by its own clock (``extends``), the block ends
         where it stands once that clock says no more forward fits; returns ``done``. For a

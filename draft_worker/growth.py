@@ -7,7 +7,8 @@ policy makes, and drafted on past it while another forward ends before its verdi
 the target, which appends them to the follow-up it holds. When the verdict before it accepts the block whole,
 the target verifies the follow-up as it holds it then, and its feedback says how many tokens that
 was (``Outcome.next_tokens``); what the draft drafted past them (in flight, or not yet sent) is
-dropped here and drafted again as the next follow-up's start. A follow-up that reaches the target
+the next follow-up's start, sent at once and grown on (a greedy chain drafted on from the cut
+would draft exactly those tokens again: they are kept, not redrafted). A follow-up that reaches the target
 only after that verdict is verified as first sent: the target appends nothing to a block it does
 not hold, so then the draft counts its first length.
 
@@ -55,21 +56,33 @@ class Growth:
         return DraftedBlock(tail, item.followup, started_at=item.started_at, finished_at=finished_at,
                             draft_s=0.0, grows=start)
 
-    def verified_at(self, item: DraftedBlock, next_tokens: int | None) -> bool:
+    def verified_at(self, item: DraftedBlock, next_tokens: int | None) -> tuple[bool, DraftedBlock | None]:
         """The verdict before ``item`` accepted that block whole: the target verifies
         ``next_tokens`` of it (None: all it holds, which for a follow-up that grew here is what
-        was first sent). A grown follow-up is cut there and drafted on no more; whether it was
-        one (then what the draft drafted past the cut is drafted again, as the next one's)."""
+        was first sent). A grown follow-up is cut there and grows no more. Returns whether it was
+        one, and what the draft drafted past the cut (None: nothing): the next follow-up's start,
+        the tokens a follow-up begun at the cut would draft (a greedy chain), so none is drafted
+        again. The job drafting it on, if any, goes on as that one (its block split at the cut)."""
         grown = item is self.item
         keep = next_tokens if next_tokens is not None else (self.first if grown else len(item.tokens))
         if keep > len(item.tokens) or (not grown and keep != len(item.tokens)):
             raise InvalidRequest(f"feedback verifies {keep} tokens of a follow-up of {len(item.tokens)} this "
                                  "session sent")
-        if grown:
-            block = item.block
-            del block.tokens[keep:], block.probs[keep:], block.entropies[keep:], item.alternatives[keep:]
-            self.clear()
-        return grown
+        if not grown:
+            return False, None
+        block, rest = item.block, None
+        if keep < len(block.tokens):
+            if self.job is not None:  # its block becomes the tokens past the cut, and grows on
+                self.job.draft.split_off(keep)
+                tail, alternatives = self.job.draft.block, self.job.draft.alternatives
+            else:
+                tail = Block(base=block.base + keep, tokens=block.tokens[keep:], probs=block.probs[keep:],
+                             entropies=block.entropies[keep:], epoch=block.epoch)
+                alternatives = item.alternatives[keep:]
+            rest = DraftedBlock(tail, False, started_at=item.started_at, alternatives=alternatives)
+        del block.tokens[keep:], block.probs[keep:], block.entropies[keep:], item.alternatives[keep:]
+        self.clear()
+        return True, rest
 
     def finish(self) -> None:
         """Its job is done (the cap, a stop token): nothing more grows, the block stays as sent."""

@@ -132,8 +132,11 @@ class PipelinedDraft(Stepping):
         for job in [job for job in self.jobs if not job.followup and job.prepared_for[0] == base]:
             self._cancel(job)
         growing = self.growth.job
-        if self.outstanding and self.growth.verified_at(self.outstanding[0], next_tokens):
+        grown, rest = self.growth.verified_at(self.outstanding[0], next_tokens) if self.outstanding else (False, None)
+        if grown:
             self.outstanding[0].followup = self._continues(self.outstanding[0].block)
+            if rest is not None:  # what it drafted past the cut is the next follow-up
+                return self._follow_the_cut(rest, growing)
             if growing is not None:  # it is verified as it stands there: the next follow-up drafts on after it
                 self._cancel(growing)
         elif next_tokens is not None and not self.outstanding:
@@ -144,6 +147,18 @@ class PipelinedDraft(Stepping):
             return self._make_critical(followup, received_at)
         self._plan()
         return []
+
+    def _follow_the_cut(self, rest: DraftedBlock, growing: Job | None) -> list[DraftedBlock]:
+        """A grown follow-up was cut at the target before all it holds here: the tokens past the
+        cut are the next follow-up, sent now; the job that drafted them, if it drafts on, grows it
+        (growth.py)."""
+        rest.block.epoch, rest.finished_at = self.epoch, self.now
+        rest.followup = self._continues(rest.block)
+        self.outstanding.append(rest)
+        if growing is not None:
+            self.growth.start(growing, rest)
+        self._plan()
+        return [rest]
 
     def _roll_back(self, answered: DraftedBlock, outcome: Outcome, p_row, received_at: float) -> list[DraftedBlock]:
         """A rejection (or a pause at a whole block): the line rolls back to what the outcome leaves

@@ -345,6 +345,36 @@ def test_rows_that_ride_and_follow_ups_that_grow_keep_every_output_the_targets(m
     assert pair.host.idle_work.rides > 0 and any(grown)
 
 
+def test_what_a_follow_up_drafted_past_the_targets_cut_goes_on_as_the_next_and_keeps_every_output(
+        models, prompt_ids, alone, monkeypatch):
+    """Issue 60 (growth.py): the target verifies a growing follow-up as it holds it when the block
+    before it is accepted whole; what the draft drafted past that cut (its growths in flight, or
+    the rest of a follow-up that stopped growing) goes on as the next follow-up, sent at once and
+    grown on, not drafted again. Under random interleavings every greedy output is the target
+    alone's, no session goes on without its draft, and it happens. The target's own weights draft
+    (every block accepted whole: follow-ups all the way), and a block drafts past its stop for at
+    most three tokens (in place of VerdictTiming, which reads this machine's clock), so that
+    follow-ups are still growing when their cuts come."""
+    from draft_worker.line_state import VerdictTiming
+    from draft_worker.pipelined import PipelinedDraft
+    from draft_worker.stepping import Stepping
+
+    monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: True)
+    monkeypatch.setattr(Stepping, "_extends", lambda draft, job: job is not draft.critical and bool(
+        draft.outstanding) and job.draft.extended < 3)
+    cut = []
+    follow_the_cut = PipelinedDraft._follow_the_cut
+    monkeypatch.setattr(PipelinedDraft, "_follow_the_cut",
+                        lambda draft, rest, growing: cut.append(growing) or follow_the_cut(draft, rest, growing))
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)], 40 + 4 * i, policy=POLICIES["svip"]) for i in range(4)]
+    for seed in range(3):  # no prepared continuations: no row price learnt from this machine's steps
+        pair = make_pair(models, "async", Seeded(seed), draft="target", idle_prefill="off", prepare=0)
+        for request, result in zip(requests, pair.generate_all(requests)):
+            assert result.token_ids == alone.generate(request).token_ids and not result.stats.detached, seed
+    assert cut, "no follow-up was cut before all the draft held of it"
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_idle_prefills_priced_at_several_sessions_keep_every_output(models, prompt_ids, alone, seed, monkeypatch):
     """Issue 60: under ``auto`` the target, idle at several sessions, takes in the rows of those

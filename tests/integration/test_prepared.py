@@ -356,6 +356,43 @@ def test_a_block_past_its_stop_ends_where_it_stands_once_its_clock_says_no_more(
     session.close()
 
 
+
+def test_a_block_split_after_its_cut_drafts_on_as_one_begun_there(models):
+    """BlockDraft.split_off, for a follow-up the target cut before all it holds (growth.py): the
+    tokens past the cut, with their q, entropies and runners-up, become the block, which drafts on
+    from where it stands; every token is the one a block begun at the cut drafts, with nothing
+    drafted again. A split that keeps nothing on a side, or a tree's, is refused."""
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size)
+    session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=6), ())
+    draft = session.begin(list(PROMPT), 40, alternatives=True)
+    for _ in range(4):
+        draft.step()
+    drafted, forwards = list(draft.block.tokens), session.forwards
+    with pytest.raises(ValueError, match="keeping some on each side"):
+        draft.split_off(4)
+    draft.split_off(3)
+    assert draft.block.base == len(PROMPT) + 3 and draft.block.tokens == drafted[3:]
+    while not draft.step():
+        pass
+    assert session.forwards == forwards + 2  # the 4th token was not drafted again
+    fresh_session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=3), ())
+    fresh = fresh_session.begin(list(PROMPT) + drafted[:3], 40, alternatives=True)
+    while not fresh.step():
+        pass
+    assert draft.block.tokens == fresh.block.tokens and len(draft.block.tokens) == 3
+    for ours, theirs in zip(draft.alternatives, fresh.alternatives, strict=True):  # (a prefill's rounding apart)
+        assert [t for t, _ in ours] == [t for t, _ in theirs]
+        assert [q for _, q in ours] == pytest.approx([q for _, q in theirs], rel=1e-4)
+    assert draft.block.probs == pytest.approx(fresh.block.probs, rel=1e-4)
+    assert draft.block.entropies == pytest.approx(fresh.block.entropies, rel=1e-4)
+    tree = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=6, tree="cape"), ())
+    branching = tree.begin(list(PROMPT), 40, alternatives=True)
+    branching.step(), branching.step()
+    with pytest.raises(ValueError, match="greedy chain"):
+        branching.split_off(1)
+    for s in (session, fresh_session, tree):
+        s.close()
+
 def test_continuations_drafted_side_by_side_on_forks_are_the_ones_drafted_one_at_a_time(models):
     made = {}
     for parallel in (1, 3):

@@ -2,8 +2,8 @@
 model: a scripted draft whose policy stops after ``length`` tokens and drafts on past a stop while
 the session's clock says so, driven through the target's messages. Where the draft works for other
 sessions too (``shared``) the follow-up leaves at its first stop and what it drafts after follows
-as growths; the target's feedback says how much of it is verified, and the draft cuts it there and
-drafts the next one on from the cut. A session alone on its worker sends its follow-up whole."""
+as growths; the target's feedback says how much of it is verified, the draft cuts it there, and
+what it drafted past the cut goes on as the next one (nothing drafted again). A session alone on its worker sends its follow-up whole."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ import pytest
 
 from draft_worker.pipelined import PipelinedDraft
 from draft_worker.stepping import work
-from svip_common.contracts import NO_TOKEN
+from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import Feedback
 from svip_common.outcome import outcome_of
@@ -41,6 +41,13 @@ class StoppingBlock(ScriptedBlock):
 
     def cap(self, budget: int) -> bool:
         return False
+
+    def split_off(self, keep: int) -> None:  # BlockDraft's: the tokens past the cut are the block
+        block = self.block
+        self.block = Block(base=block.base + keep, tokens=block.tokens[keep:], probs=block.probs[keep:],
+                           entropies=block.entropies[keep:])
+        self.alternatives = self.alternatives[keep:]
+        self._limit -= keep
 
 
 class StoppingSession(ScriptedSession):
@@ -84,18 +91,36 @@ def test_a_shared_sessions_follow_up_leaves_at_its_first_stop_and_its_growth_fol
     assert draft.outstanding == [first, followup]
 
 
-def test_the_targets_count_cuts_the_follow_up_and_the_next_drafts_on_from_the_cut():
+def test_the_targets_count_cuts_the_follow_up_and_what_it_drafted_past_the_cut_goes_on_as_the_next():
     draft = session(shared=True)
     draft.start(time.time())
     first, followup = steps(draft, 6)[:2]  # the follow-up holds 4 tokens here, 3 of them at the target
     assert len(followup.tokens) == 4
-    assert followup_verdict(draft, 3) == []
-    assert draft.known == PROMPT + first.tokens and draft.outstanding == [followup]
-    assert followup.tokens == script(PROMPT + first.tokens, 3) and len(followup.alternatives) == 3
-    assert draft.growth.job is None and not draft.jobs  # it grows no more
-    nxt = steps(draft, 2)
-    assert nxt[0].base == followup.base + 3 and nxt[0].grows == 0
-    assert draft.session.begun[-1][0] == tuple(PROMPT + first.tokens + followup.tokens)
+    job, begun = draft.growth.job, len(draft.session.begun)
+    drafted = script(PROMPT + first.tokens, 4)
+    rest = followup_verdict(draft, 3)  # the 4th is the next follow-up, sent now: nothing is drafted again
+    assert draft.known == PROMPT + first.tokens and followup.tokens == drafted[:3] and len(followup.alternatives) == 3
+    assert [(item.base, item.tokens, item.grows, item.followup) for item in rest] == [
+        (followup.base + 3, drafted[3:], 0, True)]
+    assert len(rest[0].alternatives) == 1
+    assert draft.outstanding == [followup, rest[0]] and draft.growth.job is job and draft.jobs == [job]
+    growths = steps(draft, 2)  # the job drafts on, as the next follow-up's growth
+    assert [(g.base, g.grows) for g in growths] == [(rest[0].base, 1), (rest[0].base, 2)]
+    assert rest[0].tokens == script(PROMPT + first.tokens, 6)[3:] and len(draft.session.begun) == begun
+
+
+def test_a_follow_up_cut_after_it_stopped_growing_sends_the_rest_as_the_next_finished():
+    """Its budget ended it: what it drafted past the cut goes as the next follow-up, whole, and the
+    one after it is drafted on top of that."""
+    draft = session(shared=True, max_new_tokens=8)
+    draft.start(time.time())
+    first, followup = steps(draft, 12)[:2]
+    assert draft.growth.job is None and len(followup.tokens) == 8 - 2 - 1  # to its budget
+    drafted = list(followup.tokens)
+    rest = followup_verdict(draft, 2)
+    assert [(item.base, item.tokens, item.grows) for item in rest] == [(followup.base + 2, drafted[2:], 0)]
+    assert not rest[0].followup  # the budget's last place is the verdict's own token
+    assert draft.outstanding == [followup, rest[0]] and followup.tokens == drafted[:2] and not draft.jobs
 
 
 def test_a_follow_up_that_reached_the_target_after_its_verdict_is_verified_as_first_sent():
