@@ -226,6 +226,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             self._ready = ready  # answering every message meanwhile
             time.sleep(GATE_POLL_S)
             return True
+        self.idle_work.fill_beside(self.sessions, self.pages.waiting, self._step)  # tokens known already
         riders = self.idle_work.riders(self.sessions, ready, self.pages.waiting)  # waiting sessions' rows
         started = self.clock()
         try:  # a session that fails, alone; the newest yields its pages when they run short

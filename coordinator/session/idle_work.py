@@ -10,14 +10,14 @@ for the sessions whose rows save more than the forward holds up the blocks due m
 (``prefills_that_pay``, from each session's measured round trip, drafting and acceptance): at one
 session, where its block comes later than a one-token forward; with several, while it ends before
 the next block is due or saves more than it delays (a fill, settling a stored row, needs no
-forward and always runs). While blocks are ready, the waiting sessions' rows ride the step that
-verifies them (riders): each settles one token (finding a block that parts from it a forward
-sooner) and adds its row's time to every session in the step, so it rides while the step's tokens
-per second rise, priced by the target's measured cost of a row and the tokens a verified block
-settles (``riders``). On a GPU, where a row is nearly free, every waiting session rides; where
-rows cost what a CPU's do, fewer. Neither with a feature draft, which needs the target's features
-of every token, handed over with verdicts. Runs on the target's compute thread (the host's
-batched step calls it, host.py)."""
+forward and always runs). While blocks are ready, those with a stored row settle its token first
+(``fill_beside``), and the waiting sessions' rows ride the step that verifies them (riders): each
+settles one token (finding a block that parts from it a forward sooner) and adds its row's time
+to every session in the step, so it rides while the step's tokens per second rise, priced by the
+target's measured cost of a row and the tokens a verified block settles (``riders``). On a GPU,
+where a row is nearly free, every waiting session rides; where rows cost what a CPU's do, fewer.
+Neither with a feature draft, which needs the target's features of every token, handed over with
+verdicts. Runs on the target's compute thread (the host's batched step calls it, host.py)."""
 
 from __future__ import annotations
 
@@ -53,6 +53,16 @@ class IdleWork:
         now = self.clock()
         filled = fills and self._fill(sessions, step, now, now)
         return self._prefill(sessions, out_of_pages, step, fills) or filled
+
+    def fill_beside(self, sessions: dict, out_of_pages: dict, step: Callable[..., None]) -> bool:
+        """Before a step that verifies blocks: the greedy sessions waiting on their drafts settle
+        the target's own token where its row is stored (a fill: no forward), so that their next
+        row may ride the step (``riders``) rather than wait for the block with a token already
+        known. Whether any settled."""
+        if self.mode == "off" or self.verifier.feature_layers or out_of_pages:
+            return False
+        now = self.clock()
+        return self._fill(sessions, step, now, now)
 
     def _fill(self, sessions: dict, step, started: float, ended: float) -> bool:
         """Greedy sessions waiting on their drafts settle the target's own next token where its

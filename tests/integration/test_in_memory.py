@@ -375,6 +375,30 @@ def test_what_a_follow_up_drafted_past_the_targets_cut_goes_on_as_the_next_and_k
     assert cut, "no follow-up was cut before all the draft held of it"
 
 
+def test_a_stored_row_settled_before_a_step_lets_its_session_ride_and_keeps_every_output(
+        models, prompt_ids, alone, monkeypatch):
+    """Issue 60, at several sessions: a greedy session waiting on its follow-up whose next token
+    the target's stored row already gives settles it before another session's verification step
+    (IdleWork.fill_beside), and its next row rides that step. Under random interleavings every
+    output is the target alone's, and it happens (the target's own weights draft: every block is
+    accepted whole, so the verdict's token waits on the follow-up's first)."""
+    from coordinator.session.idle_work import IdleWork
+
+    beside = []
+    fill_beside = IdleWork.fill_beside
+    monkeypatch.setattr(IdleWork, "fill_beside",
+                        lambda work, *args: beside.append(fill_beside(work, *args)) or beside[-1])
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)], 30 + 4 * i, policy=POLICIES["svip"]) for i in range(4)]
+    rides = 0
+    for seed in range(3):
+        pair = make_pair(models, "async", Seeded(seed), draft="target", prepare=0)
+        for request, result in zip(requests, pair.generate_all(requests)):
+            assert result.token_ids == alone.generate(request).token_ids, seed
+        rides += pair.host.idle_work.rides
+    assert any(beside) and rides
+
+
 @pytest.mark.parametrize("seed", range(2))
 def test_idle_prefills_priced_at_several_sessions_keep_every_output(models, prompt_ids, alone, seed, monkeypatch):
     """Issue 60: under ``auto`` the target, idle at several sessions, takes in the rows of those

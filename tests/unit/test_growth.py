@@ -3,7 +3,8 @@ model: a scripted draft whose policy stops after ``length`` tokens and drafts on
 the session's clock says so, driven through the target's messages. Where the draft works for other
 sessions too (``shared``) the follow-up leaves at its first stop and what it drafts after follows
 as growths; the target's feedback says how much of it is verified, the draft cuts it there, and
-what it drafted past the cut goes on as the next one (nothing drafted again). A session alone on its worker sends its follow-up whole."""
+what it drafted past the cut goes on as the next one (nothing drafted again). A session alone on
+its worker sends its follow-up whole."""
 
 from __future__ import annotations
 
