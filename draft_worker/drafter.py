@@ -9,6 +9,7 @@ many sessions by one token each in one forward; each block still stops at its ow
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -422,7 +423,7 @@ class BlockDraft:
                 q_of, place = dict(others), len(block.tokens) - 1
                 self._sibling_reach.update({(place, t): self._reach * q_of[t] for t in kept})
                 self._riders = [(place, t) for t in kept if place + 1 < self._limit and t not in s.stop_token_ids]
-            self._reach *= prob
+        self._reach *= prob
         if q is not None:
             self._q_rows.append(q)
         stop = s.policy.should_stop(step)
@@ -460,6 +461,12 @@ class BlockDraft:
                            entropies=block.entropies[keep:], epoch=block.epoch)
         self.alternatives = self.alternatives[keep:]
         self._limit -= keep
+        self._reach = math.prod(self.block.probs)
+
+    @property
+    def reach(self) -> float:
+        """The draft's chance that its tokens so far are all accepted."""
+        return self._reach
 
     def end_extension(self) -> bool:
         """Past its policy's stop and drafted on by its own clock (``extends``), the block ends

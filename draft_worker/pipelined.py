@@ -26,10 +26,11 @@ policy's stops while another forward fits before the verdict it waits on is due 
 post-verify), the stops it passed marking where the draft expects a rejection; a follow-up that
 becomes critical past a stop leaves at once. (Greedy sessions: a sampled one's blocks end where its
 policy ends them, so that its seed reproduces whatever the timing.) What it delays is priced by the worker's step
-(service.py): a token drafted past a stop never rides a step that carries a block some target waits
-for, so at several sessions speculation ahead for one never holds up another's critical block. At
-one session nothing waits on it, and the draft, which idled half the time, fills the verification's
-shadow (docs/benchmarks.md, "the bound").
+(service.py): a token drafted past a stop rides a step that carries a block some target waits for
+only if the draft gives its block more chance than the row costs those blocks (the price under
+what is prepared, learnt from the step's times), so at several sessions speculation ahead for one
+holds up another's critical block only where it pays. At one session nothing waits on it, and the
+draft, which idled half the time, fills the verification's shadow (docs/benchmarks.md, "the bound").
 
 Several of these are drafted side by side (``parallel``): each prepared continuation on a fork of
 the session's cache (pages shared, copied on write), the follow-up on the cache itself, one

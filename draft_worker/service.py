@@ -219,8 +219,10 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
             session.row_price, session.shared = price, len(self.sessions) > 1
         batch = [(sid, session, draft) for sid, session in self.sessions.items() for draft in session.next_drafts(now)]
         if any(session.critical is not None for _, session, _ in batch):  # a block some target waits for rides
-            self._sit_out(now, [item for item in batch if item[2].extended])
-            batch = [item for item in batch if not item[2].extended]  # this step: nothing drafted past a stop delays it
+            # a block drafted past a stop delays it by a row: it rides if the draft gives it more chance than that
+            left_out = [item for item in batch if item[2].extended and item[2].reach <= price]
+            self._sit_out(now, left_out)
+            batch = [item for item in batch if not (item[2].extended and item[2].reach <= price)]
         if not batch:
             return False
         if any(session.critical is None for _, session, _ in batch):

@@ -477,12 +477,17 @@ def test_a_followup_that_turns_critical_past_its_stop_leaves_at_once(models):
     draft.close()
 
 
-def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(models, monkeypatch):
+def test_a_token_drafted_past_a_stop_rides_a_step_with_a_critical_block_only_where_its_chance_pays(
+        models, monkeypatch):
     """At several sessions the draft's batched step is shared: a block some target waits for is in
-    it, so speculation drafted past its stop waits for a step without one (it delays nobody); the
-    session is told what sat out (PipelinedDraft.sat_out: one that cannot grow in time leaves)."""
+    it, and a row drafted past its stop delays that block by what a row adds to the step. It rides
+    only if the draft gives its block more chance of being accepted so far than that price (the
+    floor under what is prepared: row_share times the critical blocks riding); the rest wait for
+    a step without one, and the session is told what sat out (PipelinedDraft.sat_out: one that
+    cannot grow in time leaves)."""
     from types import SimpleNamespace
 
+    import draft_worker.service as service_module
     from draft_worker.service import DraftService
     from svip_runtime.compute_loop import ManualLoop
 
@@ -491,6 +496,8 @@ def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(mo
                            compute=ManualLoop)
     stepped = []
     monkeypatch.setattr(service, "_step_within_pool", lambda batch: stepped.append([d.name for *_, d in batch]) or [])
+    monkeypatch.setattr(service_module, "row_share", lambda cost: 0.1)  # a row: a tenth of a step of one
+    service.riding = SimpleNamespace(value=2.0, update=lambda value: None)  # two critical blocks ride: price 0.2
 
     sat = []
 
@@ -499,16 +506,17 @@ def test_a_token_drafted_past_a_stop_never_rides_a_step_with_a_critical_block(mo
                                after_step=lambda now, s: [],
                                sat_out=lambda now, out: sat.append([d.name for d in out]) or [])
 
-    def draft(name: str, extended: int = 0):
-        return SimpleNamespace(name=name, extended=extended, error=None, pending_tokens=1)
+    def draft(name: str, extended: int = 0, reach: float = 1.0):
+        return SimpleNamespace(name=name, extended=extended, reach=reach, error=None, pending_tokens=1)
 
-    service.sessions = {"a": session(True, draft("a-critical")),
-                        "b": session(False, draft("b-followup-past-stop", 2), draft("b-prepared"))}
+    speculation = (draft("b-past-stop-likely", 2, 0.5), draft("b-past-stop-doubtful", 1, 0.15), draft("b-prepared"))
+    service.sessions = {"a": session(True, draft("a-critical")), "b": session(False, *speculation)}
     service.idle()
-    service.sessions = {"b": session(False, draft("b-followup-past-stop", 2), draft("b-prepared"))}
+    service.sessions = {"b": session(False, *speculation)}
     service.idle()
-    assert stepped == [["a-critical", "b-prepared"], ["b-followup-past-stop", "b-prepared"]]
-    assert sat == [["b-followup-past-stop"]]
+    assert stepped == [["a-critical", "b-past-stop-likely", "b-prepared"],
+                       ["b-past-stop-likely", "b-past-stop-doubtful", "b-prepared"]]
+    assert sat == [["b-past-stop-doubtful"]]
 
 
 def test_the_draft_worker_prices_a_speculative_row_by_what_it_adds_to_a_step_with_a_critical_block(models,
