@@ -326,7 +326,7 @@ class BlockDraft:
         self._keep_alternatives = alternatives
         self._tree = session.tree != "off"
         self._price = session.node_price if tree_priced(session.tree) else 0.0
-        self._reach = 1.0  # the draft's chance that its tokens so far are all accepted
+        self.reach = 1.0  # the draft's chance that its tokens so far are all accepted
         self._grows = tree_grows(session.tree) and session._drafter.grows
         # a deep tree: the last place's siblings, (place, token), whose rows the next forward gives
         # (beside the spine's next token, or alone once the spine is done); their paths' probability
@@ -417,13 +417,13 @@ class BlockDraft:
         if self._keep_alternatives:
             self.alternatives.append(others[:ALTERNATIVES])
         if self._tree:  # CaPE's siblings at this place, the block's nodes bounded
-            kept = cape_siblings(prob, others, self._room, self._reach, self._price)
+            kept = cape_siblings(prob, others, self._room, self.reach, self._price)
             block.siblings.append(kept)
             if self._grows:  # their rows come with the next forward (a place after them, not a stop token)
                 q_of, place = dict(others), len(block.tokens) - 1
-                self._sibling_reach.update({(place, t): self._reach * q_of[t] for t in kept})
+                self._sibling_reach.update({(place, t): self.reach * q_of[t] for t in kept})
                 self._riders = [(place, t) for t in kept if place + 1 < self._limit and t not in s.stop_token_ids]
-        self._reach *= prob
+        self.reach *= prob
         if q is not None:
             self._q_rows.append(q)
         stop = s.policy.should_stop(step)
@@ -457,16 +457,10 @@ class BlockDraft:
             raise ValueError(f"split a block of {len(block.tokens)} tokens after {keep} (a greedy chain's, "
                              "keeping some on each side)")
         self._context = self._context + block.tokens[:keep]
-        self.block = Block(base=block.base + keep, tokens=block.tokens[keep:], probs=block.probs[keep:],
-                           entropies=block.entropies[keep:], epoch=block.epoch)
+        self.block = block.after(keep)
         self.alternatives = self.alternatives[keep:]
         self._limit -= keep
-        self._reach = math.prod(self.block.probs)
-
-    @property
-    def reach(self) -> float:
-        """The draft's chance that its tokens so far are all accepted."""
-        return self._reach
+        self.reach = math.prod(self.block.probs)
 
     def end_extension(self) -> bool:
         """Past its policy's stop and drafted on by its own clock (``extends``), the block ends

@@ -76,9 +76,7 @@ class Growth:
                 self.job.draft.split_off(keep)
                 tail, alternatives = self.job.draft.block, self.job.draft.alternatives
             else:
-                tail = Block(base=block.base + keep, tokens=block.tokens[keep:], probs=block.probs[keep:],
-                             entropies=block.entropies[keep:], epoch=block.epoch)
-                alternatives = item.alternatives[keep:]
+                tail, alternatives = block.after(keep), item.alternatives[keep:]
             rest = DraftedBlock(tail, False, started_at=item.started_at, alternatives=alternatives)
         del block.tokens[keep:], block.probs[keep:], block.entropies[keep:], item.alternatives[keep:]
         self.clear()

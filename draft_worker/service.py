@@ -220,9 +220,9 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
         batch = [(sid, session, draft) for sid, session in self.sessions.items() for draft in session.next_drafts(now)]
         if any(session.critical is not None for _, session, _ in batch):  # a block some target waits for rides
             # a block drafted past a stop delays it by a row: it rides if the draft gives it more chance than that
-            left_out = [item for item in batch if item[2].extended and item[2].reach <= price]
-            self._sit_out(now, left_out)
-            batch = [item for item in batch if not (item[2].extended and item[2].reach <= price)]
+            rides = [not draft.extended or draft.reach > price for _, _, draft in batch]
+            self._sit_out(now, [item for item, ride in zip(batch, rides) if not ride])
+            batch = [item for item, ride in zip(batch, rides) if ride]
         if not batch:
             return False
         if any(session.critical is None for _, session, _ in batch):

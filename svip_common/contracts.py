@@ -302,6 +302,12 @@ class Block:
     def __len__(self) -> int:
         return len(self.tokens)
 
+    def after(self, keep: int) -> Block:
+        """A chain's tokens past its first ``keep``, with their q and entropies, as a block of their
+        own (its base that many places on, its epoch)."""
+        return Block(base=self.base + keep, tokens=self.tokens[keep:], probs=self.probs[keep:],
+                     entropies=self.entropies[keep:], epoch=self.epoch)
+
 
 NO_TOKEN = -1
 

@@ -49,7 +49,7 @@ class IdleWork:
         Returns whether it did anything."""
         if self.mode == "off":
             return False
-        fills = not self.verifier.feature_layers and not out_of_pages
+        fills = self._fills(out_of_pages)
         now = self.clock()
         filled = fills and self._fill(sessions, step, now, now)
         return self._prefill(sessions, out_of_pages, step, fills) or filled
@@ -59,10 +59,15 @@ class IdleWork:
         the target's own token where its row is stored (a fill: no forward), so that their next
         row may ride the step (``riders``) rather than wait for the block with a token already
         known. Whether any settled."""
-        if self.mode == "off" or self.verifier.feature_layers or out_of_pages:
+        if self.mode == "off" or not self._fills(out_of_pages):
             return False
         now = self.clock()
         return self._fill(sessions, step, now, now)
+
+    def _fills(self, out_of_pages: dict) -> bool:
+        """Whether stored rows' tokens may settle now: not with a feature draft (it needs the
+        target's features of every token), nor while a session waits for KV pages."""
+        return not self.verifier.feature_layers and not out_of_pages
 
     def _fill(self, sessions: dict, step, started: float, ended: float) -> bool:
         """Greedy sessions waiting on their drafts settle the target's own next token where its
