@@ -354,12 +354,15 @@ def test_what_a_follow_up_drafted_past_the_targets_cut_goes_on_as_the_next_and_k
     alone's, no session goes on without its draft, and it happens. The target's own weights draft
     (every block accepted whole: follow-ups all the way), and a block drafts past its stop for at
     most three tokens (in place of VerdictTiming, which reads this machine's clock), so that
-    follow-ups are still growing when their cuts come."""
+    follow-ups are still growing when their cuts come; a row costs nothing (its price is learnt
+    from this machine's steps), so such a block rides every step."""
+    import draft_worker.service as service_module
     from draft_worker.line_state import VerdictTiming
     from draft_worker.pipelined import PipelinedDraft
     from draft_worker.stepping import Stepping
 
     monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: True)
+    monkeypatch.setattr(service_module, "row_share", lambda cost: 0.0)
     monkeypatch.setattr(Stepping, "_extends", lambda draft, job: job is not draft.critical and bool(
         draft.outstanding) and job.draft.extended < 3)
     cut = []
@@ -381,9 +384,16 @@ def test_a_stored_row_settled_before_a_step_lets_its_session_ride_and_keeps_ever
     the target's stored row already gives settles it before another session's verification step
     (IdleWork.fill_beside), and its next row rides that step. Under random interleavings every
     output is the target alone's, and it happens (the target's own weights draft: every block is
-    accepted whole, so the verdict's token waits on the follow-up's first)."""
+    accepted whole, so the verdict's token waits on the follow-up's first). Nothing reads this
+    machine's clock or its step times: the draft never has room before a verdict (a follow-up is
+    begun when its verdict comes, so it is late), a row costs it nothing, every waiting session
+    rides (idle_prefill "always") and nothing is prepared."""
+    import draft_worker.service as service_module
     from coordinator.session.idle_work import IdleWork
+    from draft_worker.line_state import VerdictTiming
 
+    monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: False)
+    monkeypatch.setattr(service_module, "row_share", lambda cost: 0.0)
     beside = []
     fill_beside = IdleWork.fill_beside
     monkeypatch.setattr(IdleWork, "fill_beside",
