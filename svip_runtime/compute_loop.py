@@ -167,6 +167,12 @@ class Outlet:
                 return
         self.loop.call_soon_threadsafe(self._deliver)
 
+    @property
+    def waiting(self) -> int:
+        """Items sent and not yet taken from the queue: those on it and those still on their way to
+        it (a sender's items reach the queue only when the loop runs its wake-up)."""
+        return self.queue.qsize() + len(self._pending)
+
     def _deliver(self) -> None:
         with self._lock:
             items, self._pending = self._pending, []

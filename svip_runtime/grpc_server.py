@@ -144,8 +144,9 @@ class SessionStream:
 
     @property
     def _backlog(self) -> int:
-        """Requests read and not yet handled, and events made and not yet sent."""
-        return self._read_count - self._handled + self.outlet.queue.qsize() + self._held
+        """Requests read and not yet handled, and events made and not yet sent (an event is made
+        before its request counts as handled, so the two never miss one between them)."""
+        return self._read_count - self._handled + self.outlet.waiting + self._held
 
     def _check_room(self) -> None:
         if self._backlog < MAX_QUEUED_EVENTS // 2:

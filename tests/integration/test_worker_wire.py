@@ -21,6 +21,7 @@ from svip_common.pair_config import PairConfig
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
+from svip_runtime.compute_loop import ComputeLoop, ManualLoop
 from svip_runtime.grpc_server import MAX_QUEUED_EVENTS, SessionService, start_server
 from target_worker.verifier import Verifier
 
@@ -370,8 +371,8 @@ class Chatty(SessionService):
 
     role = "chatty"
 
-    def __init__(self):
-        super().__init__(Limits(tokens=10, positions=None))
+    def __init__(self, compute=ComputeLoop):
+        super().__init__(Limits(tokens=10, positions=None), compute)
         self.made = 0
 
     async def Session(self, request_iterator, context):
@@ -408,6 +409,31 @@ def test_a_peer_that_stops_reading_stops_the_worker_producing(loop):
 
     made = loop.run_until_complete(scenario())
     assert made <= 10 * MAX_QUEUED_EVENTS  # of the 10,000 the requests ask for (10 events a request)
+
+
+def test_events_on_their_way_to_the_queue_count_against_the_backlog(loop):
+    """The compute thread's events reach the stream's queue only when the event loop turns; a
+    thread that handles requests while the loop reads more (a loaded machine) must not read as
+    room. Held by hand here: every request read is handled before the next is read, and the loop
+    never turns in between, so no event reaches the queue until the reader stops."""
+    async def scenario():
+        service = Chatty(ManualLoop)
+
+        async def requests():
+            for i in range(1000):
+                while service.compute.inbox:
+                    service.compute.run_one()
+                yield pb.DraftRequest(cancel=pb.Cancel(session_id=str(i)))
+
+        events = service.Session(requests(), None)
+        await events.__anext__()
+        for _ in range(2000):
+            await asyncio.sleep(0)
+        made = service.made
+        await events.aclose()
+        return made
+
+    assert loop.run_until_complete(scenario()) <= MAX_QUEUED_EVENTS + 10  # one request's events past the bound
 
 
 def events_of(message: pb.DraftEvent) -> list[pb.DraftEvent]:
