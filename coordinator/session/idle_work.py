@@ -49,16 +49,14 @@ class IdleWork:
         Returns whether it did anything."""
         if self.mode == "off":
             return False
-        fills = self._fills(out_of_pages)
-        now = self.clock()
-        filled = fills and self._fill(sessions, step, now, now)
-        return self._prefill(sessions, out_of_pages, step, fills) or filled
+        filled = self.fill_beside(sessions, out_of_pages, step)
+        return self._prefill(sessions, out_of_pages, step, self._fills(out_of_pages)) or filled
 
     def fill_beside(self, sessions: dict, out_of_pages: dict, step: Callable[..., None]) -> bool:
-        """Before a step that verifies blocks: the greedy sessions waiting on their drafts settle
-        the target's own token where its row is stored (a fill: no forward), so that their next
-        row may ride the step (``riders``) rather than wait for the block with a token already
-        known. Whether any settled."""
+        """The greedy sessions waiting on their drafts settle the target's own token where its row
+        is stored (a fill: no forward): while the target idles (``run``, before any prefill), and
+        before a step that verifies blocks, so that their next row may ride it (``riders``) rather
+        than wait for the block with a token already known. Whether any settled."""
         if self.mode == "off" or not self._fills(out_of_pages):
             return False
         now = self.clock()
