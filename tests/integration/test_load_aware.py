@@ -82,10 +82,12 @@ def probes_only(stats) -> bool:
 
 
 def assert_all_freed(host, draft, loop, timeout: float = 60.0) -> None:
-    """Both workers end with no session and every page free (the draft's cancel leaves after the
-    caller's finish, through the event loop the host's link runs on)."""
+    """Both workers end with no session and every page free (each frees its own on its compute
+    thread after the caller's finish, the draft's through the event loop the host's link runs on):
+    waited for as a condition, the deadline only a guard against a leak."""
     deadline = time.monotonic() + timeout
-    while (draft.sessions or draft.pool.used_pages) and time.monotonic() < deadline:
+    while (host.sessions or host.pool.used_pages or draft.sessions or draft.pool.used_pages) \
+            and time.monotonic() < deadline:
         loop.run_until_complete(asyncio.sleep(0.02))
     assert not host.sessions and not draft.sessions
     assert host.pool.used_pages == 0 and draft.pool.used_pages == 0
