@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 
 import pytest
 
@@ -16,7 +15,7 @@ from coordinator.engine import SpeculativeEngine
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.models import load_model_info
 from svip_runtime.grpc_server import draft_stats
-from tests.workers import in_process_workers
+from tests.workers import assert_all_freed, in_process_workers
 
 DRAFT_POOL_TOKENS = 128
 
@@ -55,7 +54,4 @@ def test_a_full_draft_pool_sheds_its_youngest_sessions_and_every_output_stays_ex
     assert "shed" in caplog.text and "unhandled" not in caplog.text
     # a shed session goes on alone at once: no waiting out the stall deadline or a sampled hold
     assert all(r.stats.reattached == 0 for r in results)
-    deadline = time.monotonic() + 300  # bounds a failure only
-    while (draft.sessions or draft.pool.used_pages) and time.monotonic() < deadline:
-        loop.run_until_complete(asyncio.sleep(0.02))
-    assert not draft.sessions and draft.pool.used_pages == 0 and not host.sessions and host.pool.used_pages == 0
+    assert_all_freed(host, draft, loop, timeout=300)

@@ -9,7 +9,6 @@ a schedule of caps per round, drawn from a seeded generator, with runs of 0 (pau
 
 from __future__ import annotations
 
-import asyncio
 import random
 import time
 
@@ -24,7 +23,7 @@ from svip_common.errors import InvalidRequest
 from svip_common.step_cost import PROBE_FIRST, PROBE_TOKENS, TargetLoad
 from target_worker.verifier import Verifier
 from tests.verdicts import apply_verdict
-from tests.workers import generate_through, in_process_workers
+from tests.workers import assert_all_freed, generate_through, in_process_workers
 
 HEAVY = TargetLoad(plain_rate=1000.0, verify_token_s=0.01)  # τ = 10: no token pays
 LIGHT = TargetLoad(plain_rate=100.0, verify_token_s=0.0001)  # τ = 0.01: the policy decides
@@ -79,18 +78,6 @@ def probes_only(stats) -> bool:
     or more paused rounds (svip_common/step_cost.py); its first round's block came before the pause."""
     blocks = [n for n in stats.draft_lengths[1:] if n]
     return all(n <= PROBE_TOKENS for n in blocks) and len(blocks) <= stats.rounds // PROBE_FIRST
-
-
-def assert_all_freed(host, draft, loop, timeout: float = 60.0) -> None:
-    """Both workers end with no session and every page free (each frees its own on its compute
-    thread after the caller's finish, the draft's through the event loop the host's link runs on):
-    waited for as a condition, the deadline only a guard against a leak."""
-    deadline = time.monotonic() + timeout
-    while (host.sessions or host.pool.used_pages or draft.sessions or draft.pool.used_pages) \
-            and time.monotonic() < deadline:
-        loop.run_until_complete(asyncio.sleep(0.02))
-    assert not host.sessions and not draft.sessions
-    assert host.pool.used_pages == 0 and draft.pool.used_pages == 0
 
 
 def test_greedy_mode_leaves_sampled_requests_as_their_policy_drafts_them(models, prompt_ids):
