@@ -125,9 +125,9 @@ def assert_all_freed(host, draft, loop, timeout: float = 60.0) -> None:
     """Both workers end with no session and every page free (each frees its own on its compute
     thread after the caller's finish, the draft's through the event loop the host's link runs on):
     waited for as a condition, the deadline only a guard against a leak."""
-    deadline = time.monotonic() + timeout
-    while (host.sessions or host.pool.used_pages or draft.sessions or draft.pool.used_pages) \
-            and time.monotonic() < deadline:
-        loop.run_until_complete(asyncio.sleep(0.02))
+    async def freed() -> bool:
+        return not (host.sessions or host.pool.used_pages or draft.sessions or draft.pool.used_pages)
+
+    loop.run_until_complete(async_wait_until(freed, timeout, "both workers freeing every session and page"))
     assert not host.sessions and not draft.sessions
     assert host.pool.used_pages == 0 and draft.pool.used_pages == 0
