@@ -44,6 +44,10 @@ class Drafter:
     """The draft model and its KV pool, shared by the sessions it opens."""
 
     grows = True  # trees deep and deep-auto: a block's siblings get children of their own (rows from its forwards)
+    # what a block's own work on each token (q, its entropy, the policy) is timed by, into the drafting time
+    # its block reports (draft_s); the simulated pair sets its host-scaled clock, so that none of this
+    # machine's time enters virtual time unscaled (the target prices a block's wait by it)
+    host_timer = staticmethod(time.perf_counter)
 
     def __init__(self, draft: LoadedModel, target_vocab_size: int, token_limit: int | None = None,
                  kv_cache_tokens: int = DEFAULT_KV_TOKENS, max_batched_tokens: int | None = None):
@@ -402,7 +406,7 @@ class BlockDraft:
         tokens; q itself when sampled), and whether the block ends there. forward_s: this block's
         share of the forward."""
         s, block = self._session, self.block
-        started = time.perf_counter()
+        started = s._drafter.host_timer()
         s.forwards += 1
         s.forward_s += forward_s
         if self._prefilling:  # a prompt's (or a re-attach's) prefill: not what a drafted token costs
@@ -433,7 +437,7 @@ class BlockDraft:
         if self.done:
             self._ended()
         self._pending = [token]
-        spent = forward_s + time.perf_counter() - started
+        spent = forward_s + (s._drafter.host_timer() - started)  # no host work: the forward's share, exactly
         self.compute_s += spent
         s.compute_s += spent
 
@@ -483,7 +487,7 @@ class BlockDraft:
         whose path pays (trees.grown_children), the block's nodes bounded. Once the spine is
         done, this was the block's last forward: its tree is finished."""
         s = self._session
-        started = time.perf_counter()
+        started = s._drafter.host_timer()
         for rider, options in zip(self._riders, ranked):
             kept = grown_children(options, self._sibling_reach[rider], self._price, self._room)
             if kept:
@@ -494,7 +498,7 @@ class BlockDraft:
             self._finish_tree()
             s.forwards += 1
             s.forward_s += forward_s
-        spent = forward_s + time.perf_counter() - started
+        spent = forward_s + (s._drafter.host_timer() - started)  # no host work: the forward's share, exactly
         self.compute_s += spent
         s.compute_s += spent
 

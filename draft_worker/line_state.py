@@ -102,8 +102,9 @@ class LineState:
     def _outgoing(self, draft: BlockDraft, started: float, prepared_for, trigger_at: float) -> DraftedBlock:
         block = draft.block
         block.epoch = self.epoch
+        drafting_s = max(0.0, draft.compute_s - draft.prefill_s)  # a sum less its part: rounding may go below 0
         return DraftedBlock(block, self._continues(block), prepared_for=prepared_for, started_at=started,
-                            finished_at=self.now, draft_s=draft.compute_s - draft.prefill_s, trigger_at=trigger_at,
+                            finished_at=self.now, draft_s=drafting_s, trigger_at=trigger_at,
                             alternatives=draft.alternatives)
 
     def _continues(self, block: Block) -> bool:

@@ -175,7 +175,10 @@ def test_a_feature_head_drafts_in_virtual_time_too(pipeline):
 
 def test_the_draft_worker_times_its_steps_with_their_host_work_at_host_scale(models):
     """A real draft worker's timer reads a step's host work too (what it prices a row by): the
-    simulated one reads its device time so far plus its host work so far, times host_scale."""
+    simulated one reads its device time so far plus its host work so far, times host_scale. So
+    does the drafter's timer of a block's own work on its tokens (its draft_s, by which the target
+    prices a block's wait): none of this machine's time enters virtual time unscaled, and with no
+    host work counted two runs take the same time."""
     import time
 
     for host_scale in (0.0, 2.0):
@@ -186,3 +189,5 @@ def test_the_draft_worker_times_its_steps_with_their_host_work_at_host_scale(mod
         line.step_started, line.device_wall_s = time.perf_counter() - 0.010, 0.004  # 6 ms of host work so far
         read = pair.draft.timer()
         assert read == 5.0 if host_scale == 0 else read >= 5.0 + 2.0 * 0.006
+        drafted = pair.draft.drafter.host_timer()
+        assert drafted == 5.0 if host_scale == 0 else drafted >= read
