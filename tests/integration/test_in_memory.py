@@ -327,22 +327,26 @@ def test_rows_that_ride_and_follow_ups_that_grow_keep_every_output_the_targets(m
     sessions' verification steps (idle_work.py, riders), and a follow-up leaves at its first stop
     and grows at the target until it is verified (growth.py), its growths taken in as the
     schedule delivers them (one too late for its verdict: test_session_pipeline.py). Every greedy
-    output is the target alone's, and both happen. The draft always has room before a verdict
-    (VerdictTiming reads this machine's clock)."""
+    output is the target alone's, and both happen. Nothing reads this machine's clock or its step
+    times: the draft always has room before a verdict (in place of VerdictTiming), a row costs it
+    nothing, and every waiting session rides (idle_prefill "always": the rows priced by the
+    target's timed steps rode in some runs and not in others)."""
+    import draft_worker.service as service_module
     from coordinator.session.ahead import AheadBlocks
     from draft_worker.line_state import VerdictTiming
 
     monkeypatch.setattr(VerdictTiming, "room_for_a_forward", lambda timing, now, outstanding: True)
+    monkeypatch.setattr(service_module, "row_share", lambda cost: 0.0)
     grown = []
     grow = AheadBlocks.grow
     monkeypatch.setattr(AheadBlocks, "grow", lambda ahead, more: grown.append(grow(ahead, more)) or grown[-1])
-    pair = make_pair(models, "async", Seeded(seed))
+    pair = make_pair(models, "async", Seeded(seed), idle_prefill="always")
     prompts = list(prompt_ids.values())
     requests = [GenerationRequest(prompts[i % len(prompts)], 24 + 6 * i, policy=list(POLICIES.values())[i % 3])
                 for i in range(4)]
     for request, result in zip(requests, pair.generate_all(requests)):
         assert result.token_ids == alone.generate(request).token_ids
-    assert pair.host.idle_work.rides > 0 and any(grown)
+    assert pair.host.idle_work.rides > 0 and any(grown), (pair.host.idle_work.rides, grown)
 
 
 def test_what_a_follow_up_drafted_past_the_targets_cut_goes_on_as_the_next_and_keeps_every_output(
