@@ -213,13 +213,18 @@ def test_blocks_checked_against_the_targets_own_tokens_equal_the_target_alone(mo
     settles its own next tokens (``idle_prefill`` "always": every idle moment), and each block is
     checked against them when it comes, the rest verified after them. The draft's first forward
     is held until the target has settled a token alone, so blocks come late by construction; the
-    output is the target's, token for token."""
+    output is the target's, token for token. From then on the target waits for the blocks (idle
+    work off), so that the draft's blocks count by construction too, however slow the draft runs
+    beside the target here (with every idle moment filled, a run under load once settled every
+    token alone)."""
     released = threading.Event()
     fill = SessionPipeline.fill
+    idle_work = []  # the host's, once the workers are up
 
     def releasing_fill(self, now, started, ended):
         effects = fill(self, now, started, ended)
         if any(isinstance(effect, Settle) for effect in effects):
+            idle_work[0].mode = "off"  # this is its compute thread: the next idle moment reads it
             released.set()
         return effects
 
@@ -230,6 +235,7 @@ def test_blocks_checked_against_the_targets_own_tokens_equal_the_target_alone(mo
     requests = [GenerationRequest(ids, 32, policy=svip) for ids in prompt_ids.values()]
     alone = SpeculativeEngine(models["target"], None)
     with in_process_workers(loop, models, drafter=drafter, load_aware="off", idle_prefill="always") as w:
+        idle_work.append(w.host.idle_work)
         results = generate_through(loop, w, model_dirs.target, mode, requests)
     # read once the host has closed: its compute thread counts a fill after the fill's token, which
     # may be a request's last, has gone to the caller
