@@ -15,6 +15,10 @@ from svip_common.messages import DraftedBlock, PreparedKey
 from svip_common.step_cost import UNLIMITED, Ewma
 
 EMA = 0.2  # weight of the newest sample in the running estimates of a verdict's wait and a forward's time
+# a prepared continuation drafting on past its stop is sent as it stands once this many more forwards would
+# not end before its verdict is due (docs/benchmarks.md, late prepared continuations: one a step earlier
+# than its extension ends, so that the target holds it when a verdict comes sooner than the mean wait)
+EARLY_FORWARDS = 2
 
 
 @dataclass
@@ -67,6 +71,9 @@ class LineState:
     known: list[int] = field(default_factory=list)  # committed, as the target's feedback settled it
     epoch: int = 0
     outstanding: list[DraftedBlock] = field(default_factory=list)  # main-line blocks sent, unanswered (<= 2)
+    # prepared continuations sent before they ended, as the target holds them: their jobs draft on, and what
+    # they draft past the sent tokens goes on as the next follow-up if the verdict uses one (stepping.py)
+    sent_early: dict[PreparedKey, DraftedBlock] = field(default_factory=dict)
     agenda: list[tuple[float, PreparedKey | None]] = field(default_factory=list)  # (score, prepared_for)
     jobs: list[Job] = field(default_factory=list)  # the speculative blocks in the making
     critical: Job | None = None  # the main-line block the target waits for, drafted before any speculation

@@ -14,10 +14,12 @@ one forward at a time (a feedback that arrives preempts the work):
   likely tokens there, the places and tokens ranked by the chance the draft gives them (its q
   of the tokens before, times its q of the alternative). The places span the block being
   verified and its follow-up, whose first token the target judges against a row it already
-  holds. Greedy: sent at once, tagged with the rejection they assume; the target verifies one
-  with no round trip when its correction is that token. Sampled (the correction is drawn here,
-  from the target's p row): kept, and sent as soon as the drawn correction matches. Either way
-  every token is still verified by the target.
+  holds. Greedy: sent when done, tagged with the rejection they assume; the target verifies one
+  with no round trip when its correction is that token (where the worker serves several
+  sessions, one still drafting on past its stop is sent as it stands once its verdict is near,
+  its rest as a growth when it ends: stepping.py ``_sent_now``, ``_take_sent`` below). Sampled
+  (the correction is drawn here, from the target's p row): kept, and sent as soon as the drawn
+  correction matches. Either way every token is still verified by the target.
 
 Two clocks. The block the target waits for (critical) ends where the length policy ends it: SVIP
 prices a drafted token as if it sat on the critical path, and there it does. A block the target is
@@ -64,7 +66,7 @@ class PipelinedDraft(Stepping):
         self.release_forks()
         self.prepared.settle()
         self.growth.clear()
-        self.jobs, self.critical, self.agenda = [], None, []
+        self.jobs, self.critical, self.agenda, self.sent_early = [], None, [], {}
         self.session.close()
 
     def release_forks(self) -> bool:
@@ -132,6 +134,7 @@ class PipelinedDraft(Stepping):
         self.prepared.drop(base)
         for job in [job for job in self.jobs if not job.followup and job.prepared_for[0] == base]:
             self._cancel(job)
+        self.sent_early = {key: item for key, item in self.sent_early.items() if key[0] != base}
         growing = self.growth.job
         grown, rest = self.growth.verified_at(self.outstanding[0], next_tokens) if self.outstanding else (False, None)
         if grown:
@@ -177,12 +180,15 @@ class PipelinedDraft(Stepping):
         budget = min(self.limit - (key[0] + key[1] + 1) - 1, self.load_cap)
         drafting = in_the_making(self.jobs, key, budget, self.session.sampling.greedy) \
             if usable and not used and ready is None and not outcome.branch else None
+        sent = self.sent_early.get(key) if used else None  # the target verifies it as sent before it ended
+        if sent is not None:
+            drafting = next((job for job in self.jobs if job.prepared_for == key), None)  # drafting on, if it is
         # what a forward still running now would have delayed: a block to draft or send now
         self.timing.learn_fresh(not used and drafting is None and self.load_cap != 0)
         for job in self.jobs:
             if job is not drafting:
                 self._cancel(job, drop=False)
-        self.jobs, self.critical, self.agenda = [], None, []
+        self.jobs, self.critical, self.agenda, self.sent_early = [], None, [], {}
         self.growth.clear()
         self.known = self.known[: outcome.base] + outcome.known(block.tokens, resolved)
         self.epoch = outcome.epoch
@@ -194,9 +200,12 @@ class PipelinedDraft(Stepping):
         if self.load_cap == 0:  # paused: the target goes on alone until a Resume
             self.paused = True
             return []
+        if sent is not None:
+            return self._take_sent(sent, ready, drafting, outcome.epoch, outcome.next_tokens)
         if used:
             if ready is None or ready.prepared_for is None or ready.reused:
                 raise InvalidRequest("feedback uses a prepared continuation this session did not send")
+            _check_verified(outcome.next_tokens, (len(ready.tokens),))
             ready.block.epoch = outcome.epoch
             self.outstanding.append(ready)
             self._plan()
@@ -211,6 +220,34 @@ class PipelinedDraft(Stepping):
             drafting.take_up(self.session, resolved)
             return self._make_critical(drafting, received_at)
         return self._next_block(resolved, received_at)
+
+    def _take_sent(self, sent: DraftedBlock, finished: DraftedBlock | None, job: Job | None, epoch: int,
+                   verified: int | None) -> list[DraftedBlock]:
+        """The verdict uses a prepared continuation sent before it ended (stepping.py ``_sent_now``):
+        the target verifies it as it holds it (``verified`` tokens: as sent, or grown by the rest
+        once it ended), and what its job drafted past those tokens (finished, or drafting on, which
+        then goes on as the follow-up and grows: growth.py) is the next follow-up, sent now;
+        nothing is drafted again (a greedy chain drafted on from there would draft those tokens)."""
+        n = _check_verified(verified, (len(sent.tokens),) + (() if finished is None else (len(finished.tokens),)))
+        if n > len(sent.tokens):  # its growth reached the target in time: the block as it ended is verified
+            sent = finished
+        sent.block.epoch = epoch
+        self.outstanding.append(sent)
+        if job is not None:  # its fork becomes the session's cache
+            job.take_up(self.session, NO_TOKEN)
+            if sent.followup and len(job.draft.block.tokens) > n:
+                job.draft.split_off(n)
+                rest = DraftedBlock(job.draft.block, False, started_at=job.started_at,
+                                    alternatives=job.draft.alternatives)
+                self.jobs.append(job)
+                return self._follow_the_cut(rest, job)
+            job.release(self.session)
+        elif finished is not None and sent.followup and len(finished.tokens) > n:
+            rest = DraftedBlock(finished.block.after(n), False, started_at=finished.started_at,
+                                alternatives=finished.alternatives[n:])
+            return self._follow_the_cut(rest, None)
+        self._plan()
+        return []
 
     def _make_critical(self, job: Job, trigger_at: float) -> list[DraftedBlock]:
         """A speculative job is now the block the target waits for (the feedback that made it so
@@ -245,6 +282,17 @@ def in_the_making(jobs: list[Job], key: PreparedKey, budget: int, greedy: bool) 
     under the policy's state of that time; a seeded request reproduces)."""
     job = next((job for job in jobs if job.prepared_for == key), None)
     return job if job is not None and greedy and job.draft.cap(budget) else None
+
+
+def _check_verified(verified: int | None, held: tuple[int, ...]) -> int:
+    """The tokens of a prepared continuation the target verifies: as many as it could hold of what
+    this session sent (``held``: as first sent, then as grown); None: as first sent."""
+    if verified is None:
+        return held[0]
+    if verified not in held:
+        raise InvalidRequest(f"feedback verifies {verified} tokens of a prepared continuation this session sent "
+                             f"as {' then '.join(map(str, held))} tokens")
+    return verified
 
 
 def _check_resume(paused: bool, known: int, limit: int, base: int, tokens: int, load_cap: int) -> None:

@@ -7,7 +7,7 @@ takes the time now."""
 from __future__ import annotations
 
 from draft_worker.drafter import BlockDraft
-from draft_worker.line_state import Job, LineState, Prepared
+from draft_worker.line_state import EARLY_FORWARDS, Job, LineState, Prepared
 from svip_common.messages import DraftedBlock, PreparedKey
 
 
@@ -51,7 +51,7 @@ class Stepping(LineState):
     def _finished_jobs(self) -> list[DraftedBlock]:
         """The speculative jobs done: each sent (or kept) as its kind says; then the follow-up's
         growth (growth.py): its first stop passed, it is sent, and what it adds after goes too."""
-        grown = self._grown()
+        grown = self._grown() + self._sent_now()
         finished = sorted((job for job in self.jobs if job.draft.done), key=lambda job: job.followup)
         self.jobs = [job for job in self.jobs if not job.draft.done]
         sent = []
@@ -66,8 +66,16 @@ class Stepping(LineState):
                 sent.append(item)
                 continue
             self.prepared.keep(job.prepared_for, item, job.draft.cache)
-            if self.send_prepared:
-                sent.append(item)
+            early = self.sent_early.get(job.prepared_for)
+            if early is None:
+                if self.send_prepared:
+                    sent.append(item)
+            elif len(item.tokens) > len(early.tokens):  # sent before it ended: the rest, as a growth of it
+                rest = item.block.after(len(early.tokens))
+                rest.base = item.block.base  # a growth names the block it grows (what it holds: ``grows``)
+                sent.append(DraftedBlock(rest, item.followup,
+                                         prepared_for=job.prepared_for, started_at=item.started_at,
+                                         finished_at=self.now, grows=len(early.tokens)))
         if any(job.followup and len(job.draft.block.tokens) == 1 for job in self.jobs):
             self._plan()  # the follow-up's first token is drafted: prepare for its likely rejections too
         return sent + grown
@@ -89,6 +97,31 @@ class Stepping(LineState):
         if job.draft.done:
             self.growth.finish()
             self.jobs.remove(job)
+        return sent
+
+    def _sent_now(self) -> list[DraftedBlock]:
+        """Prepared continuations drafting on past their stops, sent as they stand once their
+        verdict is near (EARLY_FORWARDS). Sent only when they ended, about half reached the target
+        after a verdict that came sooner than the mean wait, and at several sessions its next
+        forward had begun without them. Each is sent once and drafts on (the rest follows as a
+        growth of it when it ends); if the verdict uses it, what it drafted past the tokens the
+        target held goes on as the next follow-up (pipelined.py ``_take_sent``). Greedy chains,
+        where the worker drafts for several sessions (at one, the target waits for a late one)."""
+        if not (self.shared and self.send_prepared and self.outstanding):
+            return []
+        ahead = self.now + EARLY_FORWARDS * (self.timing.forward_s.value or 0.0)
+        if self.timing.room_for_a_forward(ahead, self.outstanding):
+            return []
+        sent = []
+        for job in self.jobs:
+            key, draft = job.prepared_for, job.draft
+            if key is None or draft.done or not draft.extended or key in self.sent_early \
+                    or draft.block.siblings is not None:
+                continue
+            item = self._outgoing(draft, job.started_at, key, 0.0)
+            item.block, item.alternatives = draft.block.after(0), list(draft.alternatives)  # as sent: the job goes on
+            self.sent_early[key] = item
+            sent.append(item)
         return sent
 
     def _send_critical(self) -> list[DraftedBlock]:

@@ -10,6 +10,7 @@ next (``next``):
   (its first token is judged by the target's stored row): nothing is settled here, the draft's line
   goes on. A greedy chain's follow-up grows at the target until it is verified: ``next_tokens``
   says how many of its tokens had arrived (the rest, drafted meanwhile, start the next follow-up).
+  So may a prepared continuation sent before it ended: ``next_tokens`` says how many it verifies.
 - PREPARED: a rejection whose continuation the draft prepared for ``token`` (or for the branch's
   sibling) is verified next with no round trip: the draft takes that block up as its outstanding one.
 - DRAW: a sampled rejection whose correction the draft draws from the target's p row (the block's
@@ -41,7 +42,7 @@ class Outcome:
     token: int  # settled at the place after the accepted tokens (after the branch); NO_TOKEN: FOLLOWUP, DRAW
     next: str  # one of NEXTS
     branch: tuple[int, ...] = ()  # a tree: the tokens settled from base + accepted on, off the spine
-    next_tokens: int | None = None  # FOLLOWUP: the follow-up's tokens verified next (None: all the draft sent)
+    next_tokens: int | None = None  # FOLLOWUP, PREPARED: the block's tokens verified next (None: all the draft sent)
 
     def __post_init__(self):
         self.check()
@@ -61,8 +62,9 @@ class Outcome:
             raise InvalidRequest(f"a {self.next} outcome settles a token")
         if self.next == PREPARED and whole:
             raise InvalidRequest("a prepared continuation follows a rejection")
-        if self.next_tokens is not None and (self.next != FOLLOWUP or self.next_tokens < 1):
-            raise InvalidRequest("only a follow-up's outcome says how many of its tokens go on, at least one")
+        if self.next_tokens is not None and (self.next not in (FOLLOWUP, PREPARED) or self.next_tokens < 1):
+            raise InvalidRequest("only a follow-up's or a prepared continuation's outcome says how many of its tokens "
+                                 "go on, at least one")
 
     @property
     def prepared_key(self) -> tuple[int, int, int]:
@@ -99,5 +101,5 @@ def outcome_of(epoch: int, base: int, drafted: int, accepted: int, token: int, b
     if deferred:
         return Outcome(epoch, base, drafted, accepted, NO_TOKEN, FOLLOWUP, next_tokens=next_tokens)
     if prepared_used:
-        return Outcome(epoch, base, drafted, accepted, token, PREPARED, tuple(branch))
+        return Outcome(epoch, base, drafted, accepted, token, PREPARED, tuple(branch), next_tokens)
     return Outcome(epoch, base, drafted, accepted, token, DRAW if token == NO_TOKEN else SETTLED, tuple(branch))

@@ -25,14 +25,19 @@ class AheadBlocks:
         self.followup = (block, received_at)
 
     def grow(self, more: DraftedBlock) -> bool:
-        """More tokens of the follow-up held here (``more.grows``: what it holds already, as the
-        draft sent it); whether it still was (else it was verified or dropped: too late)."""
-        held = self.followup[0] if self.followup is not None else None
+        """More tokens of the follow-up held here, or of the prepared continuation for
+        ``more.prepared_for`` (``more.grows``: what it holds already, as the draft sent it); whether
+        it still was (else it was verified or dropped: too late)."""
+        if more.prepared_for is not None:
+            waiting = self.prepared.get(more.prepared_for)
+            held = waiting[0] if waiting is not None else None
+        else:
+            held = self.followup[0] if self.followup is not None else None
         if held is None or held.base != more.base or len(held.tokens) != more.grows:
             return False
         block = held.block
         if bool(block.probs) != bool(more.block.probs):
-            raise WorkerError("draft worker grew a follow-up with q(d) where it sent none, or none where it did")
+            raise WorkerError("draft worker grew a block with q(d) where it sent none, or none where it did")
         block.tokens += more.tokens
         block.probs += more.block.probs
         block.entropies += more.block.entropies

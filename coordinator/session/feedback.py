@@ -27,7 +27,8 @@ class FeedbackChain:
         settled here (NO_TOKEN: the follow-up settles it when deferred, else the draft draws it
         from the p row), after the verdict's branch if a tree's nodes were taken; cap: load-aware
         speculation's cap on the next blocks; stop_rule: auto's; node_price: tree auto's;
-        next_tokens: deferred, the follow-up's tokens verified next (as held here)."""
+        next_tokens: deferred, the follow-up's tokens verified next (as held here); prepared_used, the
+        prepared continuation's."""
         feedback = Feedback(
             session_id=self.session_id,
             outcome=outcome_of(epoch, block.base, len(block.tokens), verdict.accepted, token, verdict.branch,

@@ -198,7 +198,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         if reason is None and self.with_draft and not was_paused:
             # a cap of 0 that cannot pause yet: the draft still writes the next block, of one token
             next_cap = cap if pause or cap is None else max(cap, 1)
-            self._send_feedback(block, verdict, token, ready is not None, deferred, next_cap)
+            self._send_feedback(block, verdict, token, ready, deferred, next_cap)
         self.log.round(block, verdict.accepted, timing, decided)
         if block.block.siblings is not None:
             self.stats.record_tree(block.block.nodes, len(verdict.branch))
@@ -279,11 +279,13 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
             self._verify(held, held_received, "followup")
 
     def _send_feedback(
-        self, block: DraftedBlock, verdict: Verdict, token: int, prepared_used: bool, deferred: bool, cap: int | None
+        self, block: DraftedBlock, verdict: Verdict, token: int, ready: Waiting | None, deferred: bool,
+        cap: int | None
     ) -> None:
-        """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback)."""
-        held = self.ahead.followup if deferred else None  # verified next as it is held now (it grew: growth.py)
-        self.feedback.add(self.epoch, block, verdict, token, prepared_used, deferred, cap, self._stop_rule(),
+        """Queue the feedback on a verdict; it leaves before the next forward (_flush_feedback).
+        ready: the prepared continuation verified next."""
+        held = self.ahead.followup if deferred else ready  # verified next as it is held now (it grew: growth.py)
+        self.feedback.add(self.epoch, block, verdict, token, ready is not None, deferred, cap, self._stop_rule(),
                           self._node_price(), None if held is None else len(held[0].tokens))
 
     def _flush_feedback(self) -> None:

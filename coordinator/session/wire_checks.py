@@ -64,20 +64,21 @@ def check_block(drafted: DraftedBlock, committed: int, request: GenerationReques
 
 
 def check_growth(more: DraftedBlock, request: GenerationRequest, limits: Limits) -> None:
-    """More tokens of a greedy chain's follow-up (growth.py): ids in range, within the cap, a q
-    for each where the draft sends them, nothing of a prepared block, a tree or sampling."""
+    """More tokens of a greedy chain's follow-up or prepared continuation (growth.py,
+    stepping.py's ``_sent_now``): ids in range, within the cap, a q for each where the draft sends
+    them, nothing of a tree or sampling."""
     block = more.block
-    if more.prepared_for is not None or block.siblings is not None or not request.sampling.greedy:
-        raise WorkerError("draft worker grew a block other than a greedy chain's follow-up")
+    if block.siblings is not None or not request.sampling.greedy:
+        raise WorkerError("draft worker grew a block other than a greedy chain")
     try:
         check_token_ids(block.tokens, limits.tokens, "drafted token id")
     except InvalidRequest as exc:
         raise WorkerError(f"draft worker sent a bad block: {exc}") from None
     if not block.tokens or more.grows + len(block) > limits.max_draft_length:
-        raise WorkerError(f"draft worker grew a follow-up of {more.grows} tokens by {len(block)}; the cap is "
+        raise WorkerError(f"draft worker grew a block of {more.grows} tokens by {len(block)}; the cap is "
                           f"{limits.max_draft_length}")
     if block.probs and len(block.probs) != len(block):
-        raise WorkerError("draft worker grew a follow-up with q(d) for some of its tokens")
+        raise WorkerError("draft worker grew a block with q(d) for some of its tokens")
 
 
 def _check_tree(block: Block, request: GenerationRequest, limits: Limits) -> None:

@@ -189,7 +189,7 @@ def block(session_id: str, base: int, tokens) -> pb.Block:
     (block("bad-3", 3, [10**6]), "drafted token id 1000000 is outside the vocabulary"),
     (block("bad-4", 3, [-1]), "drafted token id -1 is outside the vocabulary"),
     (block("bad-5", 7, [1]), "a block at base 7, committed 3"),
-    (pb.Block(session_id="bad-6", base=3, tokens=[1] * 8, grows=1), "grew a follow-up of 1 tokens by 8"),
+    (pb.Block(session_id="bad-6", base=3, tokens=[1] * 8, grows=1), "grew a block of 1 tokens by 8"),
     (pb.Block(session_id="bad-7", base=3, tokens=[10**6], grows=1), "drafted token id 1000000 is outside"),
     # unreadable as a block at all (read on the target's event loop, not its compute thread)
     (pb.Block(session_id="bad-8", base=3, tokens=[1, 1], q_probs=convert.floats_to_proto([0.5])),

@@ -397,22 +397,25 @@ def test_a_drafted_block_round_trips_with_its_place_in_the_protocol():
 
 
 def test_a_growth_and_a_follow_ups_count_travel_and_a_count_elsewhere_is_refused():
-    """growth.py on the wire: a growth says how many tokens the follow-up holds already
-    (Block.grows); a follow-up's verdict says how many of it the target verifies
-    (Feedback.next_tokens), which only a follow-up's verdict may carry, and at least one."""
+    """growth.py on the wire: a growth says how many tokens the follow-up (or a prepared
+    continuation sent before it ended) holds already (Block.grows); the verdict that goes on with
+    either says how many of it the target verifies (Feedback.next_tokens), which no other verdict
+    may carry, and at least one."""
     tail = DraftedBlock(Block(base=17, tokens=[8], probs=[], entropies=[0.5], epoch=2), followup=True, grows=3)
     assert convert.draft_event_from_proto(pb.DraftEvent(block=convert.drafted_to_proto("s", tail))) == tail
     outcome = outcome_of(1, 10, 4, 4, -1, (), True, False, next_tokens=3)
     head = Feedback("s", outcome)
     back = convert.feedback_from_proto(convert.draft_request_to_proto(head).feedback, 2)
     assert back.outcome.next_tokens == 3
+    prepared = Feedback("s", outcome_of(2, 10, 4, 1, 9, (), False, True, next_tokens=2))
+    assert convert.feedback_from_proto(convert.draft_request_to_proto(prepared).feedback, 2) == prepared
     older = dataclasses.replace(head, outcome=outcome_of(1, 10, 4, 4, -1, (), True, False))
     assert not convert.draft_request_to_proto(older).feedback.HasField("next_tokens")
     for msg in (pb.Feedback(session_id="s", base=10, drafted=4, accepted=2, token=7, next=pb.NEXT_SETTLED,
                             next_tokens=3),
                 pb.Feedback(session_id="s", base=10, drafted=4, accepted=4, token=-1, next=pb.NEXT_FOLLOWUP,
                             next_tokens=0)):
-        with pytest.raises(InvalidRequest, match="follow-up's outcome says how many"):
+        with pytest.raises(InvalidRequest, match="prepared continuation's outcome says how many"):
             convert.feedback_from_proto(msg, 2)
 
 

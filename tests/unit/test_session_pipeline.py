@@ -534,11 +534,28 @@ def test_a_growth_that_does_not_continue_the_held_follow_up_is_dropped():
     assert h.draft.last("feedback").outcome.next_tokens == 1
 
 
+def test_a_prepared_continuation_grows_while_it_is_held_and_is_verified_as_it_stands():
+    """stepping.py's _sent_now: a continuation sent before it ended grows by its rest; the verdict
+    that uses it says how many of its tokens the target verifies (next_tokens)."""
+    h = Harness(pipeline="async")
+    h.start()
+    h.deliver(h.block([11, 12, 13]))
+    h.deliver(h.block([21, 22], base=5, prepared_for=(3, 1, 20)))  # sent as it stood
+    h.deliver(h.block([23, 24], base=5, prepared_for=(3, 1, 20), grows=2))  # the rest, once it ended
+    h.deliver(h.block([29], base=5, prepared_for=(3, 1, 20), grows=3))  # not what is held: dropped
+    assert h.session.ahead.prepared[(3, 1, 20)][0].tokens == [21, 22, 23, 24]
+    assert h.session.stats.discarded_tokens == 1
+    h.verify(1, 20)
+    fb = h.draft.last("feedback")
+    assert fb.prepared_used and fb.outcome.next_tokens == 4
+    assert [list(b.tokens) for b, _ in h.queue] == [[21, 22, 23, 24]]
+
+
 @pytest.mark.parametrize("fields, sampling", [
-    ({"prepared_for": (3, 0, 20)}, None),
+    ({"prepared_for": (3, 0, 20)}, SamplingParams(temperature=0.8, seed=1)),
     ({}, SamplingParams(temperature=0.8, seed=1)),
 ])
-def test_a_growth_of_anything_but_a_greedy_chains_follow_up_gives_the_draft_up(fields, sampling, caplog):
+def test_a_growth_of_anything_but_a_greedy_chain_gives_the_draft_up(fields, sampling, caplog):
     h = Harness(pipeline="async", sampling=sampling)
     h.start()
     first = h.block([11, 12], followup=True)
