@@ -75,10 +75,9 @@ class SimulatedPair(InMemoryPair):
         self.arrivals: dict[str, list[float]] = {name: [] for name in self.wires}
         self.finished_at: dict[str, float] = {}
         self._device(verifier.pool, "target", emulation.target)
-        if self.draft is not None:  # the draft worker times its steps with their host work so far, as a real one
-            self.draft.timer = lambda: self._timeline_now("draft")
-        if drafter is not None:  # and each block's own work by the same clock (its draft_s: what the target prices)
-            drafter.host_timer = lambda: self._timeline_now("draft")
+        if drafter is not None:  # the draft worker times its steps with their host work so far, as a real one, and
+            # each block's own work by the same clock (its draft_s, by which the target prices a block's wait)
+            self.draft.timer = drafter.host_timer = lambda: self._timeline_now("draft")
         if drafter is not None and drafter.pool is not None:
             self._device(drafter.pool, "draft", emulation.draft)
         elif drafter is not None:  # a feature head: no pool, its steps timed whole

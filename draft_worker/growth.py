@@ -22,9 +22,18 @@ where the draft shares its cores (docs/benchmarks.md, a follow-up that grows).""
 
 from __future__ import annotations
 
-from svip_common.contracts import Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock
+
+
+def growth_of(item: DraftedBlock, start: int, finished_at: float) -> DraftedBlock:
+    """The tokens of item's block past its first ``start``, as a growth of the block the target
+    holds of it: named by that block's base, holding ``start`` tokens already (``grows``). A
+    follow-up's here; a prepared continuation sent before it ended (stepping.py) keeps its key."""
+    tail = item.block.after(start)
+    tail.base = item.block.base
+    return DraftedBlock(tail, item.followup, prepared_for=item.prepared_for, started_at=item.started_at,
+                        finished_at=finished_at, grows=start)
 
 
 class Growth:
@@ -51,10 +60,7 @@ class Growth:
         if len(block.tokens) <= start:
             return None
         self.sent, item.followup = len(block.tokens), followup
-        tail = Block(base=block.base, tokens=block.tokens[start:], probs=block.probs[start:],
-                     entropies=block.entropies[start:], epoch=block.epoch)
-        return DraftedBlock(tail, item.followup, started_at=item.started_at, finished_at=finished_at,
-                            draft_s=0.0, grows=start)
+        return growth_of(item, start, finished_at)
 
     def verified_at(self, item: DraftedBlock, next_tokens: int | None) -> tuple[bool, DraftedBlock | None]:
         """The verdict before ``item`` accepted that block whole: the target verifies

@@ -7,6 +7,7 @@ takes the time now."""
 from __future__ import annotations
 
 from draft_worker.drafter import BlockDraft
+from draft_worker.growth import growth_of
 from draft_worker.line_state import EARLY_FORWARDS, Job, LineState, Prepared
 from svip_common.messages import DraftedBlock, PreparedKey
 
@@ -71,11 +72,7 @@ class Stepping(LineState):
                 if self.send_prepared:
                     sent.append(item)
             elif len(item.tokens) > len(early.tokens):  # sent before it ended: the rest, as a growth of it
-                rest = item.block.after(len(early.tokens))
-                rest.base = item.block.base  # a growth names the block it grows (what it holds: ``grows``)
-                sent.append(DraftedBlock(rest, item.followup,
-                                         prepared_for=job.prepared_for, started_at=item.started_at,
-                                         finished_at=self.now, grows=len(early.tokens)))
+                sent.append(growth_of(item, len(early.tokens), self.now))
         if any(job.followup and len(job.draft.block.tokens) == 1 for job in self.jobs):
             self._plan()  # the follow-up's first token is drafted: prepare for its likely rejections too
         return sent + grown
