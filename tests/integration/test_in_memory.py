@@ -328,9 +328,9 @@ def test_rows_that_ride_and_follow_ups_that_grow_keep_every_output_the_targets(m
     and grows at the target until it is verified (growth.py), its growths taken in as the
     schedule delivers them (one too late for its verdict: test_session_pipeline.py). Every greedy
     output is the target alone's, and both happen. Nothing reads this machine's clock or its step
-    times: the draft always has room before a verdict (in place of VerdictTiming), a row costs it
-    nothing, and every waiting session rides (idle_prefill "always": the rows priced by the
-    target's timed steps rode in some runs and not in others)."""
+    times: the draft always has room before a verdict (in place of VerdictTiming), and a row costs
+    it nothing (priced by the draft's timed steps, the prepared rows left some seeds with no
+    session waiting to ride); every waiting session rides (make_pair's idle_prefill "always")."""
     import draft_worker.service as service_module
     from coordinator.session.ahead import AheadBlocks
     from draft_worker.line_state import VerdictTiming
@@ -340,13 +340,45 @@ def test_rows_that_ride_and_follow_ups_that_grow_keep_every_output_the_targets(m
     grown = []
     grow = AheadBlocks.grow
     monkeypatch.setattr(AheadBlocks, "grow", lambda ahead, more: grown.append(grow(ahead, more)) or grown[-1])
-    pair = make_pair(models, "async", Seeded(seed), idle_prefill="always")
+    pair = make_pair(models, "async", Seeded(seed))
     prompts = list(prompt_ids.values())
     requests = [GenerationRequest(prompts[i % len(prompts)], 24 + 6 * i, policy=list(POLICIES.values())[i % 3])
                 for i in range(4)]
     for request, result in zip(requests, pair.generate_all(requests)):
         assert result.token_ids == alone.generate(request).token_ids
     assert pair.host.idle_work.rides > 0 and any(grown), (pair.host.idle_work.rides, grown)
+
+
+def test_prepared_continuations_sent_before_they_end_keep_every_output_the_targets(models, prompt_ids, alone,
+                                                                                   monkeypatch):
+    """Issue 60, at several sessions (stepping.py ``_sent_now``, pipelined.py ``_take_sent``): a
+    prepared continuation drafting on past its stop is sent as it stands, its rest as a growth,
+    and a verdict that uses it verifies it as the target holds it, what the draft drafted past
+    that going on as the next follow-up. Under random interleavings every greedy output is the
+    target alone's, and verdicts use such continuations. Nothing reads this machine's clock: a
+    block drafts past its stop for at most three tokens (in place of VerdictTiming), a row costs
+    nothing, and every continuation drafting on past its stop is sent at once (its verdict is
+    always near: the margin's forwards made unbounded)."""
+    import draft_worker.service as service_module
+    import draft_worker.stepping as stepping_module
+    from draft_worker.pipelined import PipelinedDraft
+    from draft_worker.stepping import Stepping
+
+    monkeypatch.setattr(service_module, "row_share", lambda cost: 0.0)
+    monkeypatch.setattr(Stepping, "_extends", lambda draft, job: job is not draft.critical and bool(
+        draft.outstanding) and job.draft.extended < 3)
+    monkeypatch.setattr(stepping_module, "EARLY_FORWARDS", 1e9)
+    taken = []
+    take_sent = PipelinedDraft._take_sent
+    monkeypatch.setattr(PipelinedDraft, "_take_sent", lambda draft, *args: taken.append(args[4]) or take_sent(
+        draft, *args))
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)], 32 + 4 * i, policy=POLICIES["svip"]) for i in range(4)]
+    for seed in range(3):
+        pair = make_pair(models, "async", Seeded(seed))
+        for request, result in zip(requests, pair.generate_all(requests)):
+            assert result.token_ids == alone.generate(request).token_ids and not result.stats.detached, seed
+    assert taken, "no verdict used a continuation sent before it ended"
 
 
 def test_what_a_follow_up_drafted_past_the_targets_cut_goes_on_as_the_next_and_keeps_every_output(
