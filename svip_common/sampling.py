@@ -8,11 +8,13 @@ and its entropy is what SVIP reads.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from svip_common.contracts import SamplingParams
 
 FLOAT32_MAX = float(torch.finfo(torch.float32).max)
+FLOAT32_LOWEST = float(torch.finfo(torch.float32).min)
 
 
 def warp_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -104,6 +106,28 @@ def _floor_among_candidates(logits: torch.Tensor, total: torch.Tensor, top_p: fl
             return floor
         rows = beyond.nonzero()[:, 0] if rows is None else rows[beyond]
     raise AssertionError("unreachable: the last search is over the whole vocabulary")
+
+
+def greedy_top_on_host(logits: torch.Tensor, k: int) -> list[tuple[list[int], list[float], float]]:
+    """Greedy (temperature 0) rows of logits [n, vocab] on a host device, read as Python values:
+    each row's k most likely ids under q = softmax(logits) (most likely first, the lowest id
+    first among ties, as argmax chooses), their q, and the entropy of q in nats. On a CPU, torch's
+    argmax and topk over a draft step's rows cost ~10 µs a row each and entropy's log another ~10,
+    where numpy's argmax costs ~1: this takes half the torch ops' time at 11 rows. The entropy is
+    logsumexp - sum(q * logits), logsumexp read off the top id (its logit less log q); a column
+    at -inf is taken at float32's lowest first (its q is 0 either way), so it adds nothing;
+    rounding of a near-certain row is clamped at 0. Float32 logits are changed in place so."""
+    x = logits.float().clamp_min_(FLOAT32_LOWEST)
+    probs, values = torch.softmax(x, dim=-1).numpy(), x.numpy()
+    n, rows = x.shape[0], np.arange(x.shape[0])
+    weighted = (probs[:, None, :] @ values[:, :, None])[:, 0, 0]  # sum(q * logits), a row at a time
+    ids, top_q = np.empty((n, k), dtype=np.int64), np.empty((n, k), dtype=np.float64)
+    for j in range(k):  # k argmaxes, each taking its id out of q (ours): ties keep their lowest id first
+        ids[:, j] = probs.argmax(axis=1)
+        top_q[:, j] = probs[rows, ids[:, j]]
+        probs[rows, ids[:, j]] = -1.0
+    h = np.maximum(values[rows, ids[:, 0]] - np.log(top_q[:, 0]) - weighted, 0.0).astype(np.float64)
+    return list(zip(ids.tolist(), top_q.tolist(), h.tolist()))
 
 
 def entropy(probs: torch.Tensor) -> torch.Tensor:

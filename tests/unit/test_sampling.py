@@ -175,3 +175,40 @@ def test_both_top_p_searches_keep_the_top_id_at_the_smallest_top_p(monkeypatch, 
     logits = torch.randn(4, 600, generator=torch.Generator().manual_seed(1))
     out = warp_probs(logits, SamplingParams(temperature=0.5, top_k=40, top_p=5e-324))
     assert torch.equal(out > 0, logits == logits.max(dim=-1, keepdim=True).values)
+
+
+def _greedy_reference(logits: torch.Tensor, k: int):
+    """What the torch ops give: ids by q, most likely first and the lowest id first among ties,
+    their q, and entropy(softmax)."""
+    q = torch.softmax(logits.float(), dim=-1)
+    out = []
+    for row in q:
+        order = sorted(range(row.shape[0]), key=lambda i: (-float(row[i]), i))[:k]
+        out.append((order, [float(row[i]) for i in order], float(entropy(row[None])[0])))
+    return out
+
+
+@pytest.mark.parametrize("k", [1, 2, 6])
+def test_greedy_top_on_host_is_the_torch_ops_reading(k):
+    """Each row's k most likely ids (ties by lowest id, as argmax), their q and the entropy of q,
+    as softmax, topk and entropy give them: on random rows, rows of many ties, rows with columns at
+    -inf (padding, a grammar's mask) and a near-certain row whose entropy rounds below 0."""
+    torch.manual_seed(0)
+    rows = [torch.randn(40) * 3, torch.randint(-2, 3, (40,)).float(), torch.zeros(40), torch.randn(40)]
+    rows[3][10:] = float("-inf")
+    certain = torch.full((40,), -30.0)
+    certain[7] = 30.0
+    logits = torch.stack(rows + [certain])
+    got = sampling.greedy_top_on_host(logits.clone(), k)
+    for (ids, probs, h), (want_ids, want_probs, want_h) in zip(got, _greedy_reference(logits, k)):
+        assert ids == want_ids
+        assert probs == pytest.approx(want_probs, abs=1e-7)
+        assert h == pytest.approx(want_h, abs=1e-5) and h >= 0.0
+
+
+def test_greedy_top_on_host_keeps_every_finite_column_out_of_the_entropy_nan():
+    """A row where every column but one is at -inf: its token is that one, with q 1 and entropy 0."""
+    logits = torch.full((1, 8), float("-inf"))
+    logits[0, 5] = 2.0
+    [(ids, probs, h)] = sampling.greedy_top_on_host(logits, 1)
+    assert (ids, probs, h) == ([5], [1.0], 0.0)
