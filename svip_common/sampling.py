@@ -113,11 +113,11 @@ def greedy_top_on_host(logits: torch.Tensor, k: int) -> list[tuple[list[int], li
     each row's k most likely ids under q = softmax(logits) (most likely first, the lowest id
     first among ties, as argmax chooses), their q, and the entropy of q in nats. On a CPU, torch's
     argmax and topk over a draft step's rows cost ~10 µs a row each and entropy's log another ~10,
-    where numpy's argmax costs ~1: this takes half the torch ops' time at 11 rows. The entropy is
-    logsumexp - sum(q * logits), logsumexp read off the top id (its logit less log q); a column
-    at -inf is taken at float32's lowest first (its q is 0 either way), so it adds nothing;
-    rounding of a near-certain row is clamped at 0. Float32 logits are changed in place so."""
-    x = logits.float().clamp_min_(FLOAT32_LOWEST)
+    where numpy's argmax costs ~0.3: a draft step of 11 rows chose in 548 µs, now 360-420
+    (docs/benchmarks.md). The entropy is logsumexp - sum(q * logits), logsumexp read off the top
+    id (its logit less log q); a column at -inf is read at float32's lowest (its q is 0 either
+    way), so it adds nothing; rounding of a near-certain row is clamped at 0."""
+    x = torch.clamp_min(logits.float(), FLOAT32_LOWEST)  # a copy: the caller's rows stay as they are
     probs, values = torch.softmax(x, dim=-1).numpy(), x.numpy()
     n, rows = x.shape[0], np.arange(x.shape[0])
     weighted = (probs[:, None, :] @ values[:, :, None])[:, 0, 0]  # sum(q * logits), a row at a time

@@ -199,7 +199,9 @@ def test_greedy_top_on_host_is_the_torch_ops_reading(k):
     certain = torch.full((40,), -30.0)
     certain[7] = 30.0
     logits = torch.stack(rows + [certain])
-    got = sampling.greedy_top_on_host(logits.clone(), k)
+    kept = logits.clone()
+    got = sampling.greedy_top_on_host(logits, k)
+    assert torch.equal(logits, kept)  # the caller's rows as they were
     for (ids, probs, h), (want_ids, want_probs, want_h) in zip(got, _greedy_reference(logits, k)):
         assert ids == want_ids
         assert probs == pytest.approx(want_probs, abs=1e-7)
