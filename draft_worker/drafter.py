@@ -184,7 +184,7 @@ class Drafter:
         warp: (token, q(token), the entropy of q, the most likely tokens with their q, q when
         sampled), worked out for all of them at once and read to the host in one copy. A sampled
         token is drawn with the uniform keyed by its session's seed and its position; a greedy one
-        is read off the logits (``_greedy_choice``)."""
+        on a host device is read off q with numpy (``_greedy_on_host``)."""
         sampling = blocks[0]._session.sampling
         logits = mask_padding(self._widen(logits), self.token_limit)
         if any(b._session.rules.active for b in blocks):  # each request's own
@@ -545,7 +545,7 @@ class NullDraftSession:
 def _greedy_on_host(logits: torch.Tensor, runners_up: int) -> list[tuple]:
     """Greedy rows of logits [B, vocab] on a host device: each block's (token, q(token), the
     entropy of q, the most likely tokens with their q or [] where none is kept, None): what the
-    batched torch ops give, read off the logits in a quarter of their time (sampling.py)."""
+    batched torch ops give, read in about two thirds of their time here (sampling.py)."""
     top = greedy_top_on_host(logits, min(runners_up + 1, logits.shape[-1]))
     return [(ids[0], q[0], h, list(zip(ids, q)) if runners_up else [], None) for ids, q, h in top]
 
