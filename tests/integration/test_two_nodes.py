@@ -26,6 +26,7 @@ from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
 from svip_runtime.tls import TlsFiles
+from tests.gates import async_wait_until
 from tests.tls_certs import make_tls_dir
 
 pytestmark = pytest.mark.system  # the second tier (pyproject.toml markers)
@@ -86,14 +87,16 @@ def test_mutual_tls_between_the_workers(model_dirs, tls_dir, tmp_path, reference
             )
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
         trusted = TlsFiles.from_dir(str(tls_dir))  # and the right one is let in
-        stats = loop.run_until_complete(
-            stats_with(
+
+        async def draft_closed() -> bool:  # the draft frees the session once the target's link to it ends
+            stats = await stats_with(
                 lambda: grpc.aio.secure_channel(
                     pair.draft_address, trusted.channel_credentials(), options=trusted.channel_options()
                 )
             )
-        )
-        assert stats.open_sessions == 0
+            return stats.open_sessions == 0
+
+        loop.run_until_complete(async_wait_until(draft_closed, what="the draft freeing the closed session"))
     finally:
         loop.close()
         pair.shutdown()
