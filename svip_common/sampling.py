@@ -126,7 +126,7 @@ def greedy_top_on_host(logits: torch.Tensor, k: int) -> list[tuple[list[int], li
         ids[:, j] = probs.argmax(axis=1)
         top_q[:, j] = probs[rows, ids[:, j]]
         probs[rows, ids[:, j]] = -1.0
-    h = np.maximum(values[rows, ids[:, 0]] - np.log(top_q[:, 0]) - weighted, 0.0).astype(np.float64)
+    h = np.maximum(values[rows, ids[:, 0]] - np.log(top_q[:, 0]) - weighted, 0.0)  # float64, as top_q
     return list(zip(ids.tolist(), top_q.tolist(), h.tolist()))
 
 

@@ -208,7 +208,7 @@ def test_greedy_top_on_host_is_the_torch_ops_reading(k):
         assert h == pytest.approx(want_h, abs=1e-5) and h >= 0.0
 
 
-def test_greedy_top_on_host_keeps_every_finite_column_out_of_the_entropy_nan():
+def test_greedy_top_on_host_leaves_columns_at_minus_inf_out_of_the_entropy():
     """A row where every column but one is at -inf: its token is that one, with q 1 and entropy 0."""
     logits = torch.full((1, 8), float("-inf"))
     logits[0, 5] = 2.0
