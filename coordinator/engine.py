@@ -32,7 +32,7 @@ from svip_common.errors import InvalidRequest, SvipError
 from svip_common.models import LoadedModel, check_same_vocabulary, pair_limits
 from svip_common.pair_config import PairConfig
 from svip_common.step_cost import UNLIMITED, Ewma, SessionGate, load_aware_for
-from svip_common.trees import node_price
+from svip_common.trees import forward_price, node_price
 from svip_common.trees import priced as tree_priced
 from target_worker.verifier import Verifier
 
@@ -245,12 +245,20 @@ class EngineSession:
         load = engine.verifier.load(engine.in_step) if self.gated or self.stop is not None or priced else None
         if priced:
             self.draft.node_price = 0.0 if load is None else node_price(load.plain_rate, load.verify_token_s)
+            self.draft.forward_price = 0.0 if load is None else forward_price(load.plain_rate, self._draft_forward_s)
         if self.gated:
             cap = self.gate.cap(load)
         if self.stop is not None:
             self.draft.policy.tune(self.stop.rule(load))
         self._draft_mark = self.draft.compute_s - self.draft.prefill_s
         return min(self.budget - 1, cap)
+
+    @property
+    def _draft_forward_s(self) -> float:
+        """What one of this session's draft forwards has taken, with its work on the token (its
+        prompt's prefill left out), on average; 0 before the first."""
+        draft = self.draft
+        return max(0.0, draft.compute_s - draft.prefill_s) / draft.forwards if draft.forwards else 0.0
 
     def settle(self, block: Block, verdict: Verdict) -> list[int]:
         self.draft.feedback(len(block), verdict.accepted)

@@ -40,6 +40,7 @@ from svip_common.trees import (
     MAX_TREE_NODES,
     cape_siblings,
     grown_children,
+    grows_last_place,
     q_rows_within,
     sibling_nodes,
 )
@@ -229,6 +230,9 @@ class DraftSession:
     can_fork = True  # blocks drafted side by side on forks of its cache (``begin(fork=True)``)
     tree = "off"  # "cape" / "auto": each block a token tree (svip_common/trees.py); else a chain
     node_price = 0.0  # tree "auto": a verified node's price in tokens (the caller sets it from the load)
+    forward_price = 0.0  # tree "deep-auto": a draft forward of a block's own, in tokens (trees.forward_price;
+    # the caller sets it from the session's rate; 0: free)
+    drafted = accepted = 0  # tokens of its blocks the verdicts judged, and of them accepted (``feedback``)
 
     def __init__(
         self,
@@ -302,6 +306,12 @@ class DraftSession:
 
     def feedback(self, drafted: int, accepted: int) -> None:
         self.policy.update(drafted, accepted)
+        self.drafted, self.accepted = self.drafted + drafted, self.accepted + accepted
+
+    @property
+    def acceptance(self) -> float:
+        """The share of its drafted tokens the target accepted so far (1 before any verdict)."""
+        return self.accepted / self.drafted if self.drafted else 1.0
 
     def take_features(self, features: torch.Tensor | None, first: int) -> None:
         """A token draft reads no target features."""
@@ -340,6 +350,7 @@ class BlockDraft:
         self._keep_alternatives = alternatives
         self._tree = session.tree != "off"
         self._price = session.node_price if tree_priced(session.tree) else 0.0
+        self._forward_price = session.forward_price if tree_priced(session.tree) else 0.0
         self.reach = 1.0  # the draft's chance that its tokens so far are all accepted
         self._grows = tree_grows(session.tree) and session._drafter.grows
         # a deep tree: the last place's siblings, (place, token), whose rows the next forward gives
@@ -453,10 +464,13 @@ class BlockDraft:
 
     def _ended(self) -> None:
         """Its last token is in: its q rows stacked; a tree's last place's siblings still to grow
-        take a forward of their own."""
+        take a forward of their own, where it pays (trees.grows_last_place)."""
         if self._q_rows:
             self.block.q_rows = torch.stack(self._q_rows)  # [k, vocab]
         if self._grows:
+            reaches = [self._sibling_reach[rider] for rider in self._riders]
+            if not grows_last_place(reaches, self._session.acceptance, self._forward_price):  # it would not pay
+                self._riders = []
             self._spine_done, self.done = True, not self._riders
             if self.done:
                 self._finish_tree()

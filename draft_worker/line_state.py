@@ -84,6 +84,7 @@ class LineState:
     # target busy, so a follow-up late for its verdict misses a forward there (it grows: growth.py)
     paused: bool = False  # load_cap 0: nothing is drafted until a Resume
     now: float = 0.0  # the time of the event being handled: every event takes it first (no clock is read here)
+    rate_since: tuple[float, int] | None = None  # (when, tokens known) at its first verdict: its rate counts from there
 
     def __post_init__(self):
         self.known = list(self.prompt)

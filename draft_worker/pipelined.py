@@ -53,7 +53,7 @@ from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock, Feedback, PreparedKey
 from svip_common.outcome import DRAW, FOLLOWUP, PREPARED, SETTLED, Outcome
-from svip_common.trees import begins_branch, children_of, node_parents, node_tokens
+from svip_common.trees import begins_branch, children_of, forward_price, node_parents, node_tokens
 
 
 class PipelinedDraft(Stepping):
@@ -112,6 +112,7 @@ class PipelinedDraft(Stepping):
             raise InvalidRequest(f"feedback for a block at base {outcome.base} of {outcome.drafted} tokens that "
                                  "this session did not send")
         _check_branch(head, outcome.accepted, outcome.branch)
+        self._price_forward(received_at)
         answered = self.outstanding.pop(0)
         self.session.feedback(outcome.drafted, outcome.accepted)
         self.session.take_features(features, features_from)
@@ -122,6 +123,16 @@ class PipelinedDraft(Stepping):
             self.timing.learn_fresh(False)
             return self._go_on(answered, received_at, outcome.next_tokens)
         return self._roll_back(answered, outcome, feedback.p_row, received_at)
+
+    def _price_forward(self, at: float) -> None:
+        """A deep tree's draft forward of its own (deep-auto: its last place's children) priced for
+        the blocks drafted from now: the tokens a second this session has settled since its first
+        verdict, times a forward's learnt time (trees.forward_price)."""
+        if self.rate_since is None:  # the first verdict: the rate is counted from here (the prompt's prefill apart)
+            self.rate_since = (at, len(self.known))
+        elapsed, settled = at - self.rate_since[0], len(self.known) - self.rate_since[1]
+        rate = settled / elapsed if elapsed > 0 else 0.0
+        self.session.forward_price = forward_price(rate, self.timing.forward_s.value or 0.0)
 
     def _go_on(self, answered: DraftedBlock, received_at: float, next_tokens: int | None) -> list[DraftedBlock]:
         """The whole block was accepted and its follow-up settles what comes next: the line goes on,

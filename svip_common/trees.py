@@ -135,6 +135,24 @@ def node_price(plain_rate: float, verify_token_s: float) -> float:
     return plain_rate * verify_token_s
 
 
+def forward_price(rate: float, forward_s: float) -> float:
+    """What a draft forward of a deep tree's block's own costs, in tokens: the seconds it delays the
+    block (its verification waits for it) times the tokens a second the block's session makes."""
+    return rate * forward_s
+
+
+def grows_last_place(reaches: Sequence[float], acceptance: float, price: float) -> bool:
+    """Deep trees under "deep-auto": whether the last place's siblings take a draft forward of their
+    own for their children (the spine is done: nothing else rides in it). A child adds a token
+    only where the target takes its sibling (the sum of their paths' probabilities under the
+    draft: ``reaches``) and then accepts it (``acceptance``: the session's share of drafted tokens
+    accepted so far), so the forward pays if that is above its ``price`` (``forward_price``; 0:
+    free, every deep tree grows). Measured across the workers, a forward of
+    the 8B draft on its own H100 or of the 1B on its own costs a block more than its last place's
+    children bring (docs/benchmarks.md, deep trees priced by their last forward)."""
+    return price <= 0.0 or sum(reaches) * acceptance > price
+
+
 def grown_children(ranked: Sequence[tuple[int, float]], reach: float, price: float, room: int) -> list[int]:
     """Deep trees: a sibling's children, from its row's most likely tokens (ranked, with q),
     where the sibling's path had probability ``reach`` under the draft: those whose path pays at

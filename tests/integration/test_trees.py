@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from coordinator.engine import SpeculativeEngine
+from draft_worker.drafter import Drafter
 from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParams
 from svip_common.errors import InvalidRequest
 from svip_common.trees import MAX_TREE_NODES, node_paths
@@ -97,6 +98,33 @@ def test_each_grown_child_is_the_drafts_own_next_token_after_its_sibling(models,
                 places.add(len(paths[parent]) == len(block.tokens))  # True: the last place's sibling
             committed += settled
     assert places == {True, False}  # both ways of growing were seen
+
+
+@pytest.mark.parametrize("price", [0.0, 1e9])
+def test_deep_auto_grows_the_last_places_children_only_where_their_forward_pays(models, prompt_ids, price):
+    """deep-auto: the last place's siblings take a draft forward of their own for their children
+    only where the chance a child settles a token is above that forward's price
+    (trees.grows_last_place). Free, they grow in one forward more than the spine's; at a price no
+    child pays, the last place keeps its siblings as leaves and the block takes a forward per
+    spine token. Children below earlier places ride the spine's forwards either way."""
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size)
+    policy = PolicyConfig(name="svip", threshold=0.6, tree="deep-auto")  # a block SVIP ends, not its cap
+    last_siblings = last_grown = 0
+    for ids in prompt_ids.values():
+        session = drafter.open(SamplingParams(), policy, ())
+        session.forward_price = price
+        draft = session.begin(list(ids), 40)
+        while not draft.done:
+            drafter.step([draft])
+        block, spine = draft.block, len(draft.block.tokens)
+        paths = node_paths(block.tokens, block.siblings, block.grown)
+        grown = sum(len(paths[parent]) == spine for parent, _ in block.grown or ())  # below the last place
+        last_siblings += bool(block.siblings[-1])
+        last_grown += grown
+        assert session.forwards == spine + (1 if grown else 0)
+        session.close()
+    assert last_siblings > 0
+    assert (last_grown > 0) == (price == 0.0)
 
 
 @pytest.mark.parametrize("tree", ["cape", "auto", "deep"])

@@ -189,6 +189,24 @@ def test_a_deep_branch_settles_the_sibling_its_grown_child_and_the_token_after_t
     assert second.block.base == len(PROMPT) + 4 and s.session.begun[-1][0] == tuple(s.known)
 
 
+def test_a_deep_trees_own_forward_is_priced_at_the_tokens_a_second_the_session_settles():
+    """Each verdict prices a draft forward of a deep tree's own (trees.forward_price) for the blocks
+    drafted after it: the tokens settled since the first verdict over the time since, times a
+    forward's learnt time; nothing is settled yet at the first (free)."""
+    s = session()
+    s.start(0.0)
+    (first,) = drain(s)
+    s.timing.forward_s.update(0.01)
+    apply_verdict(s, 10.0, first.block.epoch, first.block.base, 3, 3, 42, None, False, 10.0)
+    assert s.session.forward_price == 0.0
+    (second,) = drain(s)
+    s.timing.forward_s.update(0.01)
+    apply_verdict(s, 12.0, second.block.epoch, second.block.base, 3, 1, 43, None, False, 12.0)
+    # the first verdict settled 4 tokens (3 and its bonus) in the 2 s since: 2 a second
+    assert s.session.forward_price == pytest.approx(2.0 * s.timing.forward_s.value)
+    assert s.known == PROMPT + first.block.tokens + [42] + second.block.tokens[:1] + [43]
+
+
 @pytest.mark.parametrize("base, drafted, accepted, message", [
     (len(PROMPT) + 1, 3, 1, "did not send"),
     (len(PROMPT), 2, 1, "did not send"),

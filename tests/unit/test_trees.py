@@ -14,8 +14,10 @@ from svip_common.trees import (
     cape_siblings,
     check_grown,
     depths,
+    forward_price,
     greedy_path,
     grown_children,
+    grows_last_place,
     node_parents,
     node_paths,
     node_tokens,
@@ -70,6 +72,14 @@ def test_grown_nodes_are_checked_and_kept_by_what_their_path_pays():
     assert grown_children(ranked, reach=0.3, price=0.2, room=5) == []  # 0.15 does not pay 0.2
     assert grown_children(ranked, reach=0.5, price=0.2, room=5) == [9]  # 0.25 pays 0.2
     assert grown_children(ranked, reach=1.0, price=0.0, room=0) == []
+
+
+def test_the_last_places_own_forward_grows_where_its_children_pay_its_price():
+    assert forward_price(rate=200.0, forward_s=0.005) == pytest.approx(1.0)  # a forward delays a token's worth
+    assert grows_last_place([0.3, 0.2], acceptance=0.8, price=0.0)  # free: it grows
+    assert grows_last_place([0.3, 0.2], acceptance=0.8, price=0.39)  # 0.5 x 0.8 = 0.4 pays 0.39
+    assert not grows_last_place([0.3, 0.2], acceptance=0.8, price=0.41)
+    assert not grows_last_place([], acceptance=1.0, price=0.01)  # no sibling there: nothing to grow
 
 
 @pytest.mark.parametrize("p, kept", [(0.1, 8), (0.29, 8), (0.3, 6), (0.59, 6), (0.6, 4), (0.79, 4), (0.8, 2), (1.0, 2)])
