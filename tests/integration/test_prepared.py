@@ -403,7 +403,12 @@ def test_continuations_drafted_side_by_side_on_forks_are_the_ones_drafted_one_at
         draft.close()
         assert pool.used_pages == 0  # forks and all
     both = made[1].keys() & made[3].keys()  # which ones depends on when the plan is redone
-    assert len(both) >= 3 and all(made[3][key] == made[1][key] for key in both)
+    # one at a time a continuation ends at its stop, its place wanted by the next (stepping.py _extends);
+    # side by side it may draft on past it: the same greedy chain, one a prefix of the other
+    assert len(both) >= 3
+    for key in both:
+        n = min(len(made[1][key]), len(made[3][key]))
+        assert n >= 1 and made[3][key][:n] == made[1][key][:n]
 
 
 def test_the_fork_the_verdict_calls_for_becomes_the_sessions_cache(models):

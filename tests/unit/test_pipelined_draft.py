@@ -257,6 +257,25 @@ def test_the_budget_ends_the_output_with_an_empty_block_for_the_last_place():
     assert empty.block.tokens == [] and empty.block.base == len(PROMPT) + 4
 
 
+def test_one_block_at_a_time_a_follow_up_drafts_past_its_stop_only_where_no_continuation_waits():
+    """A session that drafts one block at a time (no forks: ``parallel`` 1, a feature head) leaves
+    the follow-up's place to the continuations waiting for it at the follow-up's stop; one that
+    drafts them side by side on forks lets it draft on while the verdict is not due."""
+    s = session(pipelined=True)
+    s.start(time.time())
+    while not s.outstanding:  # the first block, drafted and sent
+        work(s, time.time())
+    if not s.jobs:
+        s.next_drafts(time.time())  # the follow-up begins
+    job = s.jobs[0]
+    assert job.followup and s.agenda  # continuations wait for its place
+    assert not job.draft.extends()
+    s.parallel, s.session.can_fork = 2, True  # side by side: the continuations have places of their own
+    assert job.draft.extends()
+    s.parallel, s.agenda = 1, []  # one at a time, nothing waiting
+    assert job.draft.extends()
+
+
 def test_async_sends_the_follow_up_and_prepared_continuations_while_a_block_is_verified():
     s = session(pipelined=True)
     s.start(time.time())

@@ -36,6 +36,7 @@ class Fixed:
 def session(shared: bool) -> PipelinedDraft:
     draft = PipelinedDraft(StoppingSession(2), list(PROMPT), 10, frozenset({STOP}), True, prepare=2)
     draft.shared = shared
+    draft.parallel, draft.session.can_fork = 2, True  # the worker's continuations, side by side (on forks)
     draft.timing.forward_s, draft.timing.verdict_wait = Fixed(FORWARD), Fixed(WAIT)
     return draft
 
