@@ -48,7 +48,9 @@ def test_a_full_draft_pool_sheds_its_youngest_sessions_and_every_output_stays_ex
     alone = SpeculativeEngine(models["target"], None)
     assert [r.token_ids for r in results[:-1]] == [alone.generate(r).token_ids for r in greedy]
     assert len(results[-1].token_ids) == 40 and results[-1].finish_reason == "length"
-    assert draft.shed > 0 and sum(r.stats.detached for r in results) >= draft.shed
+    # each shed that reached a session still running detached it (a target that had finished its
+    # session first has nothing to detach: the shed then ends a session the draft still held)
+    assert draft.shed > 0 and 0 < sum(r.stats.detached for r in results) <= draft.shed
     assert loop.run_until_complete(draft_stats(draft_address)).sessions_shed == draft.shed  # what Prometheus reads
     assert sum(r.stats.accepted_tokens for r in results) > 0  # the sessions that fit still speculated
     assert "shed" in caplog.text and "unhandled" not in caplog.text
