@@ -127,6 +127,39 @@ def test_deep_auto_grows_the_last_places_children_only_where_their_forward_pays(
     assert (last_grown > 0) == (price == 0.0)
 
 
+def last_forward_rule(monkeypatch, rule: str) -> list:
+    """deep-auto's last forward (trees.grows_last_place) as priced, or never taken; the prices it
+    was asked at (where the last place had siblings to grow)."""
+    from draft_worker import drafter
+
+    asked, real = [], drafter.grows_last_place
+
+    def grows(reaches, acceptance, price):
+        asked.append(price)
+        return real(reaches, acceptance, price) if rule == "priced" else False
+
+    monkeypatch.setattr(drafter, "grows_last_place", grows)
+    return asked
+
+
+@pytest.mark.parametrize("rule", ["priced", "never"])
+def test_deep_auto_settles_what_the_target_alone_settles_where_its_last_forward_is_skipped(
+        models, prompt_ids, alone, monkeypatch, rule):
+    """deep-auto under SVIP (blocks end before their cap, so their last place has siblings to
+    grow): greedy output equals the target alone's, one request at a time and batched, with the
+    last forward priced at the load and with it never taken (those siblings stay leaves)."""
+    asked = last_forward_rule(monkeypatch, rule)
+    engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")
+    policy = PolicyConfig(name="svip", threshold=0.6, tree="deep-auto")
+    names = list(prompt_ids)
+    requests = [GenerationRequest(prompt_ids[name], MAX_NEW, policy=policy) for name in names]
+    for request, name in zip(requests, names):
+        assert engine.generate(request).token_ids == alone[name], (rule, name)
+    for result, name in zip(engine.generate_many(requests, batch_size=len(requests)), names):
+        assert result.token_ids == alone[name], (rule, name)
+    assert asked and (rule == "never" or any(price > 0 for price in asked))  # the rule was asked, at a price
+
+
 @pytest.mark.parametrize("tree", ["cape", "auto", "deep"])
 def test_batched_trees_equal_one_at_a_time(models, prompt_ids, alone, tree):
     engine = SpeculativeEngine(models["target"], models["close_draft"], load_aware="off")

@@ -19,6 +19,7 @@ from svip_common.contracts import GenerationRequest, PolicyConfig, SamplingParam
 from svip_common.trees import MAX_TREE_NODES
 from tests.integration.test_in_memory import DRAFT_FIRST, TARGET_FIRST, make_pair
 from tests.integration.test_sampling_exact import assert_first_tokens_follow_the_target
+from tests.integration.test_trees import last_forward_rule
 from tests.policies import TREE_POLICIES
 
 MAX_NEW = 32
@@ -223,6 +224,36 @@ def test_a_sampled_deep_tree_across_the_workers_follows_the_target(models, promp
     results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
     assert all(r.stats.detached == 0 for r in results)
     assert sum(r.stats.branch_tokens - r.stats.branches for r in results) > 0  # a child below a sibling taken
+    assert_first_tokens_follow_the_target(models, prompt, PLAIN, results)
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+@pytest.mark.parametrize("rule", ["priced", "never"])
+def test_deep_auto_across_the_workers_settles_what_the_target_alone_settles_where_its_last_forward_is_skipped(
+        models, prompt_ids, alone, monkeypatch, pipeline, rule):
+    """deep-auto under SVIP across the workers (its last forward priced at the session's rate, or
+    never taken): greedy output equals the target alone's under random interleavings."""
+    asked = last_forward_rule(monkeypatch, rule)
+    pair = make_pair(models, pipeline, Seeded(3))
+    policy = PolicyConfig(name="svip", threshold=0.6, tree="deep-auto")
+    requests = [GenerationRequest(ids, MAX_NEW, policy=policy) for ids in prompt_ids.values()]
+    results = pair.generate_all(requests)
+    assert [r.token_ids for r in results] == [alone[r.prompt_ids] for r in requests]
+    assert all(r.stats.detached == 0 for r in results) and asked
+
+
+def test_a_sampled_deep_auto_tree_without_its_last_forward_follows_the_target(models, prompt_ids, monkeypatch):
+    """A sampled deep-auto tree whose last place keeps its siblings as leaves (the forward not
+    taken) crosses the workers and still follows the target: the first two tokens of 1,500 seeded
+    requests (async, interleaved at random, the short prompt) against the target's marginals."""
+    asked = last_forward_rule(monkeypatch, "never")
+    prompt = prompt_ids["short"]
+    pair = make_pair(models, "async", Seeded(12))
+    policy = PolicyConfig(name="svip", threshold=0.3, tree="deep-auto")  # blocks SVIP ends before their cap
+    requests = [GenerationRequest(prompt, 3, dataclasses.replace(PLAIN, seed=s), policy) for s in range(1500)]
+    results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
+    assert all(r.stats.detached == 0 for r in results) and asked
+    assert sum(r.stats.branches for r in results) > 0  # siblings were taken
     assert_first_tokens_follow_the_target(models, prompt, PLAIN, results)
 
 
