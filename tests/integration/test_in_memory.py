@@ -64,6 +64,23 @@ def test_greedy_is_exact_under_random_interleavings_of_many_sessions(models, pro
         assert result.token_ids == alone.generate(request).token_ids
 
 
+def test_greedy_is_exact_drafting_one_block_at_a_time(models, prompt_ids, alone):
+    """A draft worker without side-by-side blocks (parallel 1: no forks, as a feature head): its
+    follow-ups stop where continuations wait for the one place (stepping.py ``_extends``); greedy
+    output still equals the target alone's with the draft early, late and under random
+    interleavings, and continuations prepared one at a time are used."""
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)], 16 + 4 * i, policy=list(POLICIES.values())[i % 5])
+                for i in range(5)]
+    used = 0
+    for schedule in (DRAFT_FIRST, TARGET_FIRST, Seeded(0), Seeded(1)):
+        results = make_pair(models, "async", schedule, parallel=1).generate_all(requests)
+        for request, result in zip(requests, results):
+            assert result.token_ids == alone.generate(request).token_ids, schedule
+        used += sum(r.stats.prepared_used for r in results)
+    assert used > 0
+
+
 def test_schedules_reach_the_async_protocols_paths(models, prompt_ids):
     """What the forced orders are for: with the draft always early, follow-ups are verified with
     no round trip and prepared continuations are used; with random interleavings, blocks drafted
