@@ -53,7 +53,7 @@ from svip_common.contracts import NO_TOKEN, Block
 from svip_common.errors import InvalidRequest
 from svip_common.messages import DraftedBlock, Feedback, PreparedKey
 from svip_common.outcome import DRAW, FOLLOWUP, PREPARED, SETTLED, Outcome
-from svip_common.trees import begins_branch, children_of, forward_price, node_parents, node_tokens
+from svip_common.trees import begins_branch, children_of, forward_price, grows, node_parents, node_tokens, priced
 
 
 class PipelinedDraft(Stepping):
@@ -127,7 +127,11 @@ class PipelinedDraft(Stepping):
     def _price_forward(self, at: float) -> None:
         """A deep tree's draft forward of its own (deep-auto: its last place's children) priced for
         the blocks drafted from now: the tokens a second this session has settled since its first
-        verdict, times a forward's learnt time (trees.forward_price)."""
+        verdict, times a forward's learnt time (trees.forward_price). Only a tree that grows and is
+        priced (deep-auto) reads the price: no other session keeps it."""
+        tree = self.session.tree
+        if not (priced(tree) and grows(tree)):
+            return
         if self.rate_since is None:  # the first verdict: the rate is counted from here (the prompt's prefill apart)
             self.rate_since = (at, len(self.known))
         elapsed, settled = at - self.rate_since[0], len(self.known) - self.rate_since[1]

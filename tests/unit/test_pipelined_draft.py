@@ -73,6 +73,8 @@ class ScriptedSession:
 
     _drafter = ScriptedDrafter()
     sampling = SamplingParams()  # greedy
+    tree = "off"  # chains, as DraftSession's default
+    forward_price = 0.0  # DraftSession's: no deep tree prices its own forward
 
     def __init__(self, length: int = 3, stop_ids: frozenset[int] = frozenset({STOP})):
         self.length, self.stop_ids = length, stop_ids
@@ -192,8 +194,10 @@ def test_a_deep_branch_settles_the_sibling_its_grown_child_and_the_token_after_t
 def test_a_deep_trees_own_forward_is_priced_at_the_tokens_a_second_the_session_settles():
     """Each verdict prices a draft forward of a deep tree's own (trees.forward_price) for the blocks
     drafted after it: the tokens settled since the first verdict over the time since, times a
-    forward's learnt time; nothing is settled yet at the first (free)."""
+    forward's learnt time; nothing is settled yet at the first (free). A session of another tree
+    keeps no price."""
     s = session()
+    s.session.tree = "deep-auto"
     s.start(0.0)
     (first,) = drain(s)
     s.timing.forward_s.update(0.01)
@@ -205,6 +209,14 @@ def test_a_deep_trees_own_forward_is_priced_at_the_tokens_a_second_the_session_s
     # the first verdict settled 4 tokens (3 and its bonus) in the 2 s since: 2 a second
     assert s.session.forward_price == pytest.approx(2.0 * s.timing.forward_s.value)
     assert s.known == PROMPT + first.block.tokens + [42] + second.block.tokens[:1] + [43]
+    chains = session()
+    chains.start(0.0)
+    (first,) = drain(chains)
+    chains.timing.forward_s.update(0.01)
+    apply_verdict(chains, 10.0, first.block.epoch, first.block.base, 3, 3, 42, None, False, 10.0)
+    (second,) = drain(chains)
+    apply_verdict(chains, 12.0, second.block.epoch, second.block.base, 3, 1, 43, None, False, 12.0)
+    assert chains.session.forward_price == 0.0 and chains.rate_since is None
 
 
 @pytest.mark.parametrize("base, drafted, accepted, message", [
