@@ -253,6 +253,10 @@ class InMemoryPair:
         """One action, as the schedule picks it; None when none is possible."""
         self._flush()
         options = self.options()
+        if not options and self.host.compute.wake_in() is not None:  # only time can move the target on:
+            self.host.end_hold()  # its held step starts, as a real loop's timeout would start it
+            self._idle_spent.discard("target_idle")
+            options = self.options()
         if not options:
             return None
         action = self.schedule.next(options)

@@ -139,6 +139,8 @@ class SimulatedPair(InMemoryPair):
                 events.append((start, 2, "work", worker))
             elif f"{worker}_idle" not in self._idle_spent:
                 events.append((start, 3, "step", worker))
+            elif (wake_in := service.compute.wake_in()) is not None:  # a step held for blocks to come
+                events.append((max(line.clock.now + wake_in, start), 3, "wake", worker))
         return min(events) if events else None
 
     def _workers(self) -> list[str]:
@@ -167,6 +169,10 @@ class SimulatedPair(InMemoryPair):
         else:
             service.compute.release()
             self._idle_spent.add(f"{worker}_idle")
+
+    def _event_wake(self, worker: str) -> None:
+        """A held step's time is up: the target looks at it again (SessionHost._holds)."""
+        self._idle_spent.discard(f"{worker}_idle")
 
     def _event_finish(self, worker: str) -> None:
         line = self.timelines[worker]

@@ -125,8 +125,8 @@ KNOBS: tuple[Knob, ...] = (
     Knob("pipeline", str, "async", "async overlaps drafting with verification; sync drafts, then verifies",
          ALL_DEPLOYED, choices=("sync", "async"), group=S, scope="distributed", chart="decoding.pipeline"),
     Knob("idle_prefill", str, "auto", "while no block is ready, the target takes in what a waiting session needs "
-         "first (its last verdict's token, its prompt), and beside a step's blocks a waiting session's next row "
-         "rides: where it pays (auto), always, or off",
+         "first (its last verdict's token, its prompt), beside a step's blocks a waiting session's next row "
+         "rides, and a step may wait for blocks about to come: where it pays (auto), always (no wait), or off",
          (GENERATE, SERVE, BENCH, SETTINGS, CHART), choices=IDLE_PREFILL_MODES, group=S, scope="distributed",
          chart="decoding.idlePrefill"),
     Knob("draft_parallel", int, DRAFT_PARALLEL, "async: blocks a session drafts side by side on forked KV pages, its "

@@ -31,10 +31,12 @@ _STOP = object()
 
 
 class ComputeLoop:
-    def __init__(self, name: str, idle: Callable[[], bool] | None = None):
+    def __init__(self, name: str, idle: Callable[[], bool] | None = None,
+                 wake_in: Callable[[], float | None] | None = None):
         """idle(): called while no item waits; does one unit of work and returns True, or False
-        when there is nothing to do (the thread then sleeps until something is posted)."""
-        self._idle = idle
+        when there is nothing to do (the thread then sleeps until something is posted, or for
+        wake_in()'s seconds where it says when idle() will have work: None, until posted)."""
+        self._idle, self._wake_in = idle, wake_in
         self._inbox: queue.SimpleQueue = queue.SimpleQueue()
         self._aside = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix=f"{name}-aside")
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -63,7 +65,10 @@ class ComputeLoop:
             except queue.Empty:
                 if self._idle is not None and self._guard(self._idle):
                     continue
-                item = self._inbox.get()
+                try:
+                    item = self._inbox.get(timeout=self._wake_in() if self._wake_in is not None else None)
+                except queue.Empty:  # idle() has work now
+                    continue
             if item is _STOP:
                 return
             self._guard(item[0], *item[1])
@@ -83,11 +88,13 @@ class ManualLoop:
     and idle work only while nothing waits. ``run_idle`` can deliver what arrived while its unit
     ran (a block that reached the target during its forward) ahead of what the unit posted."""
 
-    def __init__(self, name: str, idle: Callable[[], bool] | None = None):
+    def __init__(self, name: str, idle: Callable[[], bool] | None = None,
+                 wake_in: Callable[[], float | None] | None = None):
         """An error that a handler lets escape is raised to the caller (a test sees the bug), where
-        the thread's loop logs it and goes on."""
+        the thread's loop logs it and goes on. wake_in: as ComputeLoop's; its caller reads it
+        (``wake_in``) and runs time itself."""
         self.name = name
-        self._idle = idle
+        self._idle, self._wake_in = idle, wake_in
         self.inbox: collections.deque = collections.deque()
         self._during: list | None = None  # while idle work runs: what it posts
         self.held: list = []  # what a held unit posted (run_idle's hold)
@@ -104,6 +111,10 @@ class ManualLoop:
 
     def on_thread(self) -> bool:
         return True
+
+    def wake_in(self) -> float | None:
+        """The seconds until idle() has work though nothing is posted (None: not until posted)."""
+        return self._wake_in() if self._wake_in is not None else None
 
     def run_one(self) -> None:
         """Run the oldest posted item (there is one: see ``inbox``)."""

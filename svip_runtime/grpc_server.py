@@ -200,7 +200,7 @@ class SessionService:
     role = ""
 
     def __init__(self, limits: Limits, compute: Callable[..., ComputeLoop] = ComputeLoop, grammar_tokenizer=None):
-        """compute(name, idle=): the loop that owns the sessions (a thread; the in-memory
+        """compute(name, idle=, wake_in=): the loop that owns the sessions (a thread; the in-memory
         transport's ManualLoop runs it by hand); grammar_tokenizer(): the model's tokenizer as
         structured output's matchers read it (grammar_mask.grammar_tokenizer)."""
         self._grammar_tokenizer = grammar_tokenizer
@@ -211,7 +211,7 @@ class SessionService:
         self._lock = threading.Lock()  # Stats reads the table from the event loop
         self.compute_probe_s = COMPUTE_PROBE_S
         self.max_sessions_per_stream, self.max_sessions_per_worker = MAX_SESSIONS_PER_STREAM, MAX_SESSIONS_PER_WORKER
-        self.compute = compute(f"{self.role}-compute", idle=self.idle)
+        self.compute = compute(f"{self.role}-compute", idle=self.idle, wake_in=self.idle_wake_in)
         self.grammar_waits = GrammarWaits(self.compute)
         self.test_hooks = test_hooks.announce(self.role)  # none in production; loud when set
 
@@ -400,6 +400,11 @@ class SessionService:
     def idle(self) -> bool:
         """One unit of work between messages (speculation); False when there is none."""
         return False
+
+    def idle_wake_in(self) -> float | None:
+        """Where idle() had nothing to do now but will at a known time, the seconds until then
+        (the compute loop calls it again then, posted or not); None: only when something is posted."""
+        return None
 
 
 CONNECT_TIMEOUT_S = 10.0

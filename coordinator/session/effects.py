@@ -31,6 +31,7 @@ class Verify:
     checked: Block  # what the verifier judges: the block, or its tokens after the target's own
     received_at: float
     source: str  # how it came to be verified: GenerationStats.round_sources
+    waited: float | None = None  # a block drafted after a verdict: seconds from the verdict to its arrival
 
 
 @dataclass(frozen=True)

@@ -226,6 +226,9 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             self._ready = ready  # answering every message meanwhile
             time.sleep(GATE_POLL_S)
             return True
+        if self.idle_work.holds_step(self.sessions, ready, self.pages.waiting):  # blocks about to come pay
+            self._ready = ready
+            return False
         self.idle_work.fill_beside(self.sessions, self.pages.waiting, self._step)  # tokens known already
         riders = self.idle_work.riders(self.sessions, ready, self.pages.waiting)  # waiting sessions' rows
         started = self.clock()
@@ -247,6 +250,14 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                 self.compute.post(self._step, session_id, session.verified, block, verdict, received_at, source,
                                   started, ended)
         return True
+
+    def idle_wake_in(self) -> float | None:
+        return self.idle_work.wake_in()
+
+    def end_hold(self) -> None:
+        """The held step starts at the next idle() (the in-memory transports, which run time
+        themselves, call this where a real loop's timeout would fire)."""
+        self.idle_work.end_hold()
 
     def check_sessions(self) -> None:
         """A session that waited on its draft past the stall deadline goes on without it; a
@@ -296,6 +307,8 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             if isinstance(effect, ToDraft):
                 session.log.wire_bytes += self.draft.send(session_id, effect.request)
             elif isinstance(effect, Verify):
+                if effect.waited is not None:
+                    self.idle_work.arrivals.observe(effect.waited)
                 self._ready.append((session_id, session, effect.block, effect.checked,
                                     (effect.received_at, effect.source)))
             elif isinstance(effect, Settle):

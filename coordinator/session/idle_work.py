@@ -17,14 +17,19 @@ to every session in the step, so it rides while the step's tokens per second ris
 target's measured cost of a row and the tokens a verified block settles (``riders``). On a GPU,
 where a row is nearly free, every waiting session rides; where rows cost what a CPU's do, fewer.
 Neither with a feature draft, which needs the target's features of every token, handed over with
-verdicts. Runs on the target's compute thread (the host's batched step calls it, host.py)."""
+verdicts. And while blocks are ready, the step may wait a moment for the blocks of sessions whose
+drafts are drafting them after a verdict, where what they bring outweighs the time it loses
+(``holds_step``, priced by svip_common/arrivals.py from the recent delays from a verdict to its
+next block). Runs on the target's compute thread (the host's batched step calls it, host.py)."""
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Callable
 
 from coordinator.session.effects import Settle
+from svip_common.arrivals import BlockArrivals
 from svip_common.errors import exit_on_device_failure
 from svip_common.step_cost import Ewma, prefills_that_pay
 from target_worker.verifier import Verifier
@@ -41,6 +46,10 @@ class IdleWork:
         self.fills = 0  # tokens greedy sessions settled from the target alone while they waited on their drafts
         self.rides = 0  # rows that rode a verification step for sessions waiting on their drafts
         self.settled = Ewma(SETTLED_WEIGHT, empty=1.0)  # tokens a verified block settles (recent steps' mean)
+        self.arrivals = BlockArrivals()  # delays from a verdict to its session's next block (hold_s)
+        self.holds = 0  # steps held for blocks about to come
+        self._hold_until: float | None = None  # the step with blocks ready waits for more until then
+        self._held_since: float | None = None  # since when it has waited
 
     def run(self, sessions: dict, out_of_pages: dict, step: Callable[..., None]) -> bool:
         """One unit of it for ``sessions`` (less those waiting for KV pages, ``out_of_pages``);
@@ -138,6 +147,55 @@ class IdleWork:
             chosen.append((sid, session))
             forward, settles = forward + adds, settles + value
         return chosen
+
+    def holds_step(self, sessions: dict, ready: list, out_of_pages: dict) -> bool:
+        """Whether the step that verifies ``ready`` (the host's jobs) waits for blocks about to
+        come (``hold_s``), priced again at each arrival: a block that came may make the rest worth
+        a longer wait, or none. A step waits no longer in all than its forward takes; the compute
+        loop calls again when the hold's time is up (``wake_in``)."""
+        now = self.clock()
+        if self._hold_until is not None and now >= self._hold_until:  # its time is up
+            self._hold_until = self._held_since = None
+            return False
+        held = 0.0 if self._held_since is None else now - self._held_since
+        hold = self.hold_s(sessions, ready, out_of_pages, now, held)
+        if hold <= 0.0:
+            self._hold_until = self._held_since = None
+            return False
+        if self._held_since is None:
+            self._held_since = now
+            self.holds += 1
+        self._hold_until = now + hold
+        return True
+
+    def wake_in(self) -> float | None:
+        """While a step waits for blocks about to come, the seconds left until it starts anyway
+        (whether or not they came); None otherwise."""
+        return None if self._hold_until is None else max(0.0, self._hold_until - self.clock())
+
+    def end_hold(self) -> None:
+        """The held step starts at the next look (``holds_step``): its time is up."""
+        if self._hold_until is not None:
+            self._hold_until = -math.inf
+
+    def hold_s(self, sessions: dict, ready: list, out_of_pages: dict, now: float, held: float = 0.0) -> float:
+        """How long the step that verifies ``ready`` (the host's jobs) waits for the blocks of the
+        sessions waiting on their drafts after a verdict (0: it starts now), priced by
+        svip_common/arrivals.py: each such block adds what a verified block settles, less the
+        token the target settles for a greedy one alone meanwhile (from its stored row, or its row
+        riding the step); held: the seconds the step has waited
+        already (in all it waits no longer than its forward). Only where work is priced ("auto")."""
+        if self.mode != "auto" or not self.arrivals.known or not self.verifier.decode_cost.observed:
+            return 0.0
+        stepping = {job[0] for job in ready}
+        settles = self.settled.value
+        waiting = []
+        for sid, session in sessions.items():
+            waited = session.block_waited(now) if sid not in stepping and sid not in out_of_pages else None
+            if waited is not None:
+                waiting.append((waited, settles - (1.0 if session.wants_fill() else 0.0)))
+        forward = self.verifier.decode_cost.time(sum(job[3].nodes + 1 for job in ready))
+        return self.arrivals.hold_s(waiting, forward, len(ready) * settles, forward - held)
 
     def ridden(self, riders: list, verdicts: list, step: Callable[..., None], started: float, ended: float) -> None:
         """After the step: the riders settle the token their rows give (fill), and the tokens the

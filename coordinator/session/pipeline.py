@@ -135,7 +135,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
             if self.done:
                 return
         if self.verifying is None:
-            self._verify(block, received_at, "drafted" if self.stats.rounds > self.filled else "first")
+            self._verify(block, received_at, "drafted" if self._after_a_verdict else "first")
         else:
             self.ahead.hold_followup(block, received_at)  # verified next if the block before it is accepted whole
 
@@ -147,6 +147,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         no forward, and its feedback joins the one before it; otherwise the feedback goes out
         before the forward."""
         checked = self._checked(block)
+        waited = received_at - self.waiting_since if self.waiting_since is not None and source == "drafted" else None
         self.verifying, self.waiting_since = block, None
         own = self.committed[block.base:]  # the target's own tokens, settled while it waited (fill)
         if own:
@@ -164,7 +165,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
             self._decide(block, early, (received_at, self.now, self.now, source))
             return
         self._flush_feedback()
-        self._emit(Verify(block, checked, received_at, source))
+        self._emit(Verify(block, checked, received_at, source, waited))
 
     @event
     def verified(

@@ -93,6 +93,11 @@ class SessionState(Effects):
     def done(self) -> bool:
         return self.finish_reason is not None
 
+    @property
+    def _after_a_verdict(self) -> bool:
+        """It has had a round decided by a verdict (not only tokens the target settled alone)."""
+        return self.stats.rounds > self.filled
+
     # --- the steps one part calls in another (defined where each says) ------------------------------
 
     def _verify(self, block: DraftedBlock, received_at: float, source: str) -> None:  # pipeline.py

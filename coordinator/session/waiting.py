@@ -28,6 +28,12 @@ class WhileWaiting(SessionState):
         """The seconds until its draft's block is due (None: it waits on none)."""
         return block_wait(self.gate, now - self.waiting_since) if self._waits_on_draft else None
 
+    def block_waited(self, now: float) -> float | None:
+        """The seconds since its verdict, while it waits on the block its draft sends after one
+        (None otherwise: no verdict yet, or no block awaited): what the host reads against the
+        recent delays to price holding its step for the block (IdleWork.hold_s)."""
+        return now - self.waiting_since if self._waits_on_draft and self._after_a_verdict else None
+
     def prefill_gain(self, verify: StepCost) -> float:
         """What its next row taken in ahead saves it, in the target's seconds (early_row_gain)."""
         return early_row_gain(self.gate, verify)

@@ -15,6 +15,7 @@ import pytest
 from coordinator.engine import SpeculativeEngine
 from coordinator.in_memory import DELIVERIES, STEPS, WORK, InMemoryPair, InOrder, Seeded
 from draft_worker.drafter import Drafter
+from svip_common.arrivals import BlockArrivals
 from svip_common.contracts import GenerationRequest, Limits, PolicyConfig, SamplingParams
 from svip_common.kv_sizes import DEFAULT_KV_TOKENS
 from svip_proto import svip_pb2 as pb
@@ -502,3 +503,33 @@ def test_a_seed_gives_one_output_with_rows_stored_ahead_or_not(models, prompt_id
             outputs.add(tuple(pair.generate(request).token_ids))
             prefills += pair.host.idle_work.prefills
     assert len(outputs) == 1 and prefills > 0
+
+
+class _AlwaysWorthWaiting(BlockArrivals):
+    """Arrivals that say every waiting session's block is worth any wait: a step with a session
+    waiting on its draft holds until nothing else can happen (the in-memory pair then ends the
+    hold, as a real loop's timeout would)."""
+
+    known = True
+
+    def hold_s(self, waiting, forward_s, settles, most_s=None):
+        return 3600.0 if waiting else 0.0
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_steps_held_for_blocks_about_to_come_keep_every_output_the_targets(models, prompt_ids, alone, seed):
+    """Issue 60: with blocks ready, the target's step may wait for the blocks of sessions whose
+    drafts are drafting after a verdict (svip_common/arrivals.py). Held at every chance, under
+    random interleavings, every greedy output is the target alone's and a seeded sampled one the
+    same as with no hold; and holds happen."""
+    pair = make_pair(models, "async", Seeded(seed), idle_prefill="auto")
+    pair.host.idle_work.arrivals = _AlwaysWorthWaiting()
+    prompts = list(prompt_ids.values())
+    sampled = GenerationRequest(prompts[0], 20, SamplingParams(temperature=0.9, top_p=0.95, seed=11), POLICIES["svip"])
+    requests = [GenerationRequest(prompts[i % len(prompts)], 16 + 6 * i, policy=list(POLICIES.values())[i % 3])
+                for i in range(4)] + [sampled]
+    results = pair.generate_all(requests)
+    for request, result in zip(requests[:-1], results):
+        assert result.token_ids == alone.generate(request).token_ids
+    assert results[-1].token_ids == make_pair(models, "async").generate(sampled).token_ids
+    assert pair.host.idle_work.holds > 0

@@ -19,11 +19,12 @@ TARGET, DRAFT = step_model("llama-3.1-70b@4xh100"), step_model("llama-3.1-8b@h10
 SVIP = PolicyConfig(name="svip", threshold=0.6)
 
 
-def make(models, pipeline="async", draft=True, latency="0.1ms", host_scale=0.0, scale=1, **options) -> SimulatedPair:
+def make(models, pipeline="async", draft=True, latency="0.1ms", host_scale=0.0, scale=1, draft_device=DRAFT,
+         **options) -> SimulatedPair:
     limits = Limits(tokens=models["target"].token_limit, positions=512)
     drafter = Drafter(models["close_draft"], models["target"].vocab_size, limits.tokens) if draft else None
     options = {"load_aware": "off", **options}
-    spec = f"target={TARGET.name},draft={DRAFT.name},link={latency},scale={scale}"
+    spec = f"target={TARGET.name},draft={draft_device.name},link={latency},scale={scale}"
     return SimulatedPair(models["target"], Verifier(models["target"], limits.tokens), drafter, limits, pipeline,
                          parse_emulation(spec), host_scale, **options)
 
@@ -62,6 +63,25 @@ def test_a_run_without_host_time_is_deterministic(models, prompt_ids):
     requests = [GenerationRequest(ids, 24, policy=SVIP) for ids in prompt_ids.values()]
     first, second = make(models).run_all(requests), make(models).run_all(requests)
     assert first.per_request_s == second.per_request_s and first.makespan_s == second.makespan_s
+
+
+def test_a_step_waits_for_blocks_a_quick_draft_is_about_to_send(models, prompt_ids, alone, monkeypatch):
+    """Issue 60: a 1B draft on its own H100 sends a block about a millisecond after its verdict,
+    against a 70B target's 16 ms forward: with other sessions' blocks ready the target's step
+    waits for those that pay (svip_common/arrivals.py), in virtual time, and wakes when a hold's
+    time is up without the block. Every output is the target's; holds happen; deterministic."""
+    prompts = list(prompt_ids.values())
+    requests = [GenerationRequest(prompts[i % len(prompts)], 32, policy=SVIP) for i in range(6)]
+    wakes = []
+    wake = SimulatedPair._event_wake
+    monkeypatch.setattr(SimulatedPair, "_event_wake", lambda pair, worker: wakes.append(wake(pair, worker)))
+    pair = make(models, draft_device=step_model("llama-3.2-1b@h100"), idle_prefill="auto")
+    run = pair.run_all(requests)
+    for pending, request in zip(pair.pending.values(), requests):
+        assert pending.result().token_ids == alone.generate(request).token_ids
+    assert pair.host.idle_work.holds > 0 and wakes
+    again = make(models, draft_device=step_model("llama-3.2-1b@h100"), idle_prefill="auto").run_all(requests)
+    assert again.per_request_s == run.per_request_s
 
 
 def test_a_slower_link_costs_the_synchronous_pipeline_its_round_trips(models, prompt_ids):

@@ -1,12 +1,13 @@
 """The compute thread's plumbing (svip_runtime/compute_loop.py): a burst of sends wakes the event
-loop once and arrives in order."""
+loop once and arrives in order; idle work that waits for a time is called again then, with
+nothing posted."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 
-from svip_runtime.compute_loop import Outlet
+from svip_runtime.compute_loop import ComputeLoop, Outlet
 
 
 def test_a_burst_of_sends_wakes_the_loop_once_and_keeps_its_order():
@@ -30,3 +31,26 @@ def test_a_burst_of_sends_wakes_the_loop_once_and_keeps_its_order():
         assert outlet.queue.empty() and len(wakes) == 2
     finally:
         loop.close()
+
+
+def test_idle_work_that_waits_for_a_time_is_called_again_with_nothing_posted():
+    """A target step held for blocks about to come (SessionHost._holds) returns False from idle()
+    and says when to look again (wake_in): the thread calls idle() again then, though nothing is
+    posted; with no time named it sleeps until something is."""
+    calls, again = [], threading.Event()
+
+    def idle():
+        calls.append(len(calls))
+        if len(calls) == 2:
+            again.set()
+        return False
+
+    loop = ComputeLoop("test-compute", idle=idle, wake_in=lambda: 0.0 if len(calls) < 2 else None)
+    try:
+        assert again.wait(timeout=30)  # a guard against a hang, not the condition: the second call
+        done = threading.Event()
+        loop.post(done.set)  # after the second call the thread sleeps until this is posted
+        assert done.wait(timeout=30)
+        assert len(calls) >= 2
+    finally:
+        loop.stop()
