@@ -221,6 +221,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         self.pages.resume(self.sessions, {job[0]: len(job[2].block.tokens) for job in ready})
         if not any(job[0] not in self.pages.waiting for job in ready):
             self._ready = ready  # those waiting for pages, if any
+            self.idle_work.drop_hold()  # no step to hold (its sessions ended, or wait for pages)
             return self._gate.idle_allowed() and self.idle_work.run(self.sessions, self.pages.waiting, self._step)
         if not self._gate.open():  # a test holds this worker (svip_common/test_hooks.py): look again soon,
             self._ready = ready  # answering every message meanwhile

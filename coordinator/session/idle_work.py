@@ -173,6 +173,10 @@ class IdleWork:
         (whether or not they came); None otherwise."""
         return None if self._hold_until is None else max(0.0, self._hold_until - self.clock())
 
+    def drop_hold(self) -> None:
+        """No step is held any more (none has blocks ready): nothing to wake for."""
+        self._hold_until = self._held_since = None
+
     def end_hold(self) -> None:
         """The held step starts at the next look (``holds_step``): its time is up."""
         if self._hold_until is not None:

@@ -533,3 +533,22 @@ def test_steps_held_for_blocks_about_to_come_keep_every_output_the_targets(model
         assert result.token_ids == alone.generate(request).token_ids
     assert results[-1].token_ids == make_pair(models, "async").generate(sampled).token_ids
     assert pair.host.idle_work.holds > 0
+
+
+def test_a_held_step_whose_sessions_end_leaves_nothing_to_wake_for(models, prompt_ids):
+    """A step held for blocks about to come whose ready sessions are cancelled meanwhile has no
+    step left to start: the hold is dropped, so the compute loop does not wake for it again and
+    again (a real loop would spin on a timeout of 0)."""
+    pair = make_pair(models, "async", TARGET_FIRST, idle_prefill="auto")
+    pair.host.idle_work.arrivals = _AlwaysWorthWaiting()
+    prompts = list(prompt_ids.values())
+    pending = [pair.submit(GenerationRequest(prompts[i], 40, policy=POLICIES["svip"])) for i in range(3)]
+    while pair.host.idle_work.wake_in() is None:
+        assert pair.step() is not None and not all(p.done for p in pending)
+    for p in pending:
+        pair.cancel(p)
+    pair.run()
+    for _ in range(1000):  # what is left to do after the cancels (a stale hold: the target's idle again and again)
+        if pair.step() is None:
+            break
+    assert pair.host.idle_work.wake_in() is None and pair.step() is None
