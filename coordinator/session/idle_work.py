@@ -186,18 +186,18 @@ class IdleWork:
         """How long the step that verifies ``ready`` (the host's jobs) waits for the blocks of the
         sessions waiting on their drafts after a verdict (0: it starts now), priced by
         svip_common/arrivals.py: each such block adds what a verified block settles, less the
-        token the target settles for a greedy one alone meanwhile (from its stored row, or its row
-        riding the step); held: the seconds the step has waited
-        already (in all it waits no longer than its forward). Only where work is priced ("auto")."""
+        token the target settles for a greedy one alone meanwhile where it may (from its stored
+        row, or its row riding the step); held: the seconds the step has waited already (in all
+        it waits no longer than its forward). Only where work is priced ("auto")."""
         if self.mode != "auto" or not self.arrivals.known or not self.verifier.decode_cost.observed:
             return 0.0
-        stepping = {job[0] for job in ready}
+        stepping, fills = {job[0] for job in ready}, self._fills(out_of_pages)
         settles = self.settled.value
         waiting = []
         for sid, session in sessions.items():
             waited = session.block_waited(now) if sid not in stepping and sid not in out_of_pages else None
             if waited is not None:
-                waiting.append((waited, settles - (1.0 if session.wants_fill() else 0.0)))
+                waiting.append((waited, settles - (1.0 if fills and session.wants_fill() else 0.0)))
         forward = self.verifier.decode_cost.time(sum(job[3].nodes + 1 for job in ready))
         return self.arrivals.hold_s(waiting, forward, len(ready) * settles, forward - held)
 
