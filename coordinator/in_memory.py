@@ -254,7 +254,7 @@ class InMemoryPair:
         self._flush()
         options = self.options()
         if not options and self.host.compute.wake_in() is not None:  # only time can move the target on:
-            self.host.end_hold()  # its held step starts, as a real loop's timeout would start it
+            self.host.idle_work.end_hold()  # its held step starts, as a real loop's timeout would start it
             self._idle_spent.discard("target_idle")
             options = self.options()
         if not options:

@@ -171,7 +171,7 @@ class SimulatedPair(InMemoryPair):
             self._idle_spent.add(f"{worker}_idle")
 
     def _event_wake(self, worker: str) -> None:
-        """A held step's time is up: the target looks at it again (SessionHost._holds)."""
+        """A held step's time is up: the target looks at it again (IdleWork.holds_step)."""
         self._idle_spent.discard(f"{worker}_idle")
 
     def _event_finish(self, worker: str) -> None:

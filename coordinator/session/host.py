@@ -255,11 +255,6 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
     def idle_wake_in(self) -> float | None:
         return self.idle_work.wake_in()
 
-    def end_hold(self) -> None:
-        """The held step starts at the next idle() (the in-memory transports, which run time
-        themselves, call this where a real loop's timeout would fire)."""
-        self.idle_work.end_hold()
-
     def check_sessions(self) -> None:
         """A session that waited on its draft past the stall deadline goes on without it; a
         sampled one that held for a lost draft long enough, too."""

@@ -178,7 +178,8 @@ class IdleWork:
         self._hold_until = self._held_since = None
 
     def end_hold(self) -> None:
-        """The held step starts at the next look (``holds_step``): its time is up."""
+        """The held step starts at the next look (``holds_step``): its time is up (the in-memory
+        transports, which run time themselves, call this where a real loop's timeout would fire)."""
         if self._hold_until is not None:
             self._hold_until = -math.inf
 

@@ -34,7 +34,7 @@ def test_a_burst_of_sends_wakes_the_loop_once_and_keeps_its_order():
 
 
 def test_idle_work_that_waits_for_a_time_is_called_again_with_nothing_posted():
-    """A target step held for blocks about to come (SessionHost._holds) returns False from idle()
+    """A target step held for blocks about to come (IdleWork.holds_step) returns False from idle()
     and says when to look again (wake_in): the thread calls idle() again then, though nothing is
     posted; with no time named it sleeps until something is."""
     calls, again = [], threading.Event()
