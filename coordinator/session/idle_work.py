@@ -137,7 +137,7 @@ class IdleWork:
         if self.mode == "always":
             return waiting
         cost = self.verifier.decode_cost
-        forward = cost.time(sum(job[3].nodes + 1 for job in ready))
+        forward = self._forward_s(ready)
         settles = len(ready) * self.settled.value
         chosen = []
         for sid, session in waiting:
@@ -155,12 +155,12 @@ class IdleWork:
         loop calls again when the hold's time is up (``wake_in``)."""
         now = self.clock()
         if self._hold_until is not None and now >= self._hold_until:  # its time is up
-            self._hold_until = self._held_since = None
+            self.drop_hold()
             return False
         held = 0.0 if self._held_since is None else now - self._held_since
         hold = self.hold_s(sessions, ready, out_of_pages, now, held)
         if hold <= 0.0:
-            self._hold_until = self._held_since = None
+            self.drop_hold()
             return False
         if self._held_since is None:
             self._held_since = now
@@ -199,8 +199,14 @@ class IdleWork:
             waited = session.block_waited(now) if sid not in stepping and sid not in out_of_pages else None
             if waited is not None:
                 waiting.append((waited, settles - (1.0 if fills and session.wants_fill() else 0.0)))
-        forward = self.verifier.decode_cost.time(sum(job[3].nodes + 1 for job in ready))
+        if not waiting:
+            return 0.0
+        forward = self._forward_s(ready)
         return self.arrivals.hold_s(waiting, forward, len(ready) * settles, forward - held)
+
+    def _forward_s(self, ready: list) -> float:
+        """The step that verifies ``ready`` (the host's jobs) as its measured decode cost prices it."""
+        return self.verifier.decode_cost.time(sum(job[3].nodes + 1 for job in ready))
 
     def ridden(self, riders: list, verdicts: list, step: Callable[..., None], started: float, ended: float) -> None:
         """After the step: the riders settle the token their rows give (fill), and the tokens the
