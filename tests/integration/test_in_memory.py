@@ -552,3 +552,21 @@ def test_a_held_step_whose_sessions_end_leaves_nothing_to_wake_for(models, promp
         if pair.step() is None:
             break
     assert pair.host.idle_work.wake_in() is None and pair.step() is None
+
+
+def test_the_sampling_distribution_with_steps_held_at_every_chance(models, prompt_ids):
+    """As the random-interleavings test above, with the target's step held for blocks about to
+    come at every chance (issue 60): a hold changes when a step runs, never what a verdict draws,
+    so the first two tokens still follow the target's exact marginals, not the draft's."""
+    prompt = prompt_ids["medium"]
+    pair = make_pair(models, "async", Seeded(7), idle_prefill="auto")
+    pair.host.idle_work.arrivals = _AlwaysWorthWaiting()
+    requests = [GenerationRequest(prompt, 6, dataclasses.replace(PLAIN, seed=s), POLICIES["constant"])
+                for s in range(1500)]  # long enough for blocks drafted after a verdict, the ones a step holds for
+    results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
+    firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
+    p1, p2 = exact_marginals(models["target"].model, prompt, PLAIN)
+    assert chi_square_pvalue(firsts, p1) > ALPHA and chi_square_pvalue(seconds, p2) > ALPHA
+    q1, q2 = exact_marginals(models["close_draft"].model, prompt, PLAIN)
+    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
+    assert pair.host.idle_work.holds > 0
