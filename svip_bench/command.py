@@ -20,6 +20,21 @@ DEVICE_SCALE = 3  # the default profile's steps, slowed until the embedded pair'
 QUICK = dict(prompts_per_category=2, repeats=1, max_new_tokens=64, ks="2,4,6")
 
 
+MAX_HOST_SCALE = 100
+
+
+def add_host_scale(parser: argparse.ArgumentParser, applies: str = "") -> None:
+    """--host-scale, as bench (simulate, device) and plan take it; check_host_scale bounds it."""
+    parser.add_argument("--host-scale", type=float, default=1.0,
+                        help=f"{applies}the simulated host's work is this machine's times this (1; 0: none, the "
+                        f"devices alone; at most {MAX_HOST_SCALE})")
+
+
+def check_host_scale(value: float) -> None:
+    if not 0 <= value <= MAX_HOST_SCALE:  # NaN fails too
+        raise InvalidRequest(f"--host-scale must be in [0, {MAX_HOST_SCALE}], got {value}")
+
+
 def add_arguments(bench: argparse.ArgumentParser) -> None:
     bench.add_argument(
         "--mode",
@@ -51,8 +66,7 @@ def add_arguments(bench: argparse.ArgumentParser) -> None:
                        "seed's to the bit)")
     bench.add_argument("--n", type=int, default=4, help="choices: a request's choices, its prompt's pages shared "
                        f"or apart (4; at most {MAX_CHOICES})")
-    bench.add_argument("--host-scale", type=float, default=1.0,
-                       help="simulate, device: the simulated host's work is this machine's times this (1; 0: none)")
+    add_host_scale(bench, "simulate, device: ")
     bench.add_argument("--sim-sessions", default="1,8", help="simulate, device: sessions in flight at once (1,8)")
     bench.add_argument(
         "--dataset", help="spec-bench.jsonl (default ../shared/specbench/spec-bench.jsonl, or $SVIP_SPECBENCH)"
@@ -233,8 +247,7 @@ def _check_emulation(args: argparse.Namespace) -> None:
     if parse_emulation(args.emulate_spec).draft is None:
         raise InvalidRequest(f"--mode {args.mode} compares drafting with the target alone: --emulate needs "
                              "draft=MODEL@DEVICE")
-    if not 0 <= args.host_scale <= 100:
-        raise InvalidRequest(f"--host-scale must be in [0, 100], got {args.host_scale}")
+    check_host_scale(args.host_scale)
 
 
 def prompts_for(categories: str | None, dataset: str | None, per_category: int) -> list:

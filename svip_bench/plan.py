@@ -7,7 +7,8 @@ of n requests in flight (the sample prompts again, in turn, where there are fewe
 
 - the target alone, and in process, the draft on the target's GPUs (the two models taking turns
   on them): the real engine, batched, on a virtual device (svip_common/device_timing.py: each
-  forward counted at its step model's time, nothing waited for), its host work measured here;
+  forward counted at its step model's time, nothing waited for), its host work measured here
+  (times ``--host-scale``: 0 counts the devices alone, as for a host fast enough not to matter);
 - distributed sync and async, each model on GPUs of its own: the simulated clock
   (coordinator/simulated.py), the real protocol and models in virtual time.
 
@@ -76,7 +77,8 @@ def policy_config(name: str, threshold: float) -> PolicyConfig:
 
 
 def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str], sessions: list[int],
-        max_new_tokens: int, header: dict, out: Path) -> int:
+        max_new_tokens: int, header: dict, out: Path, host_scale: float = 1.0) -> int:
+    """host_scale: this machine's host work, times this, counts in every row (0: the devices alone)."""
     threshold = engine.calibration().threshold
     def requests(policy: PolicyConfig, n: int) -> list[GenerationRequest]:
         """Full waves of n (the prompts again, in turn, where there are fewer)."""
@@ -103,12 +105,13 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
         progress.update(1)
 
     for n in sessions:
-        add(n, "target alone", "none", _in_process(engine, together, requests(PolicyConfig(name="none"), n), n))
+        alone = requests(PolicyConfig(name="none"), n)
+        add(n, "target alone", "none", _in_process(engine, together, alone, n, host_scale))
         for name in policies:
             drafting = requests(policy_config(name, threshold), n)
-            add(n, "in process", name, _in_process(engine, together, drafting, n))
+            add(n, "in process", name, _in_process(engine, together, drafting, n, host_scale))
             for mode in ("sync", "async"):  # a token tree too: greedy trees cross the workers
-                waves = simulated_waves(engine, emulation, drafting, n, mode)
+                waves = simulated_waves(engine, emulation, drafting, n, mode, host_scale)
                 add(n, mode, name, ((waves.tokens_per_s, waves.mean_request_s), waves.outputs))
     doc = {"header": header, "rows": rows, "advice": advice(rows), "exactness_violations": violations}
     status = write_results(out, "plan", doc, report(doc))
@@ -116,9 +119,10 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
     return status
 
 
-def _in_process(engine, emulation: Emulation, requests, n: int) -> tuple[tuple[float, float], list]:
+def _in_process(engine, emulation: Emulation, requests, n: int,
+                host_scale: float = 1.0) -> tuple[tuple[float, float], list]:
     """The engine batched n at a time on a virtual device shared by both models: tokens/s and the
-    mean request's time, in the device's time plus the host work measured here."""
+    mean request's time, in the device's time plus the host work measured here times host_scale."""
     engine.time_as(emulation, virtual=True)
     try:
         use = engine.verifier.pool.timing.device.use
@@ -129,7 +133,7 @@ def _in_process(engine, emulation: Emulation, requests, n: int) -> tuple[tuple[f
                 started = time.perf_counter()
                 results = engine.generate_many(requests[first:first + n], n)
                 wall = time.perf_counter() - started
-            wave = wall - (use.real_s - before_real) + (use.device_s - before_device)
+            wave = host_scale * (wall - (use.real_s - before_real)) + (use.device_s - before_device)
             tokens += sum(len(r.token_ids) for r in results)
             outputs += [r.token_ids for r in results]
             ends += [wave] * len(results)  # a batch's requests end together, near enough: its span
@@ -161,7 +165,7 @@ def report(doc: dict) -> str:
     h, rows = doc["header"], doc["rows"]
     lines = [
         f"Command: `{h['command']}`",
-        f"Machine: {h['machine']} (host work measured here; forwards at their step models' time)",
+        f"Machine: {h['machine']} ({_host_work(h)}; forwards at their step models' time)",
         f"Devices: {h['emulated']}; in process: {h['in_process']} (the models taking turns on the target's "
         f"devices). The tokens of {h['target']} and {h['draft']}: {h['prompts']} prompts, {h['max_new_tokens']} "
         f"new tokens, greedy; svip at {h['svip_threshold']:.2f} (the pair's calibration), load-aware off.",
@@ -183,18 +187,27 @@ def report(doc: dict) -> str:
         how = "the target alone" if a["placement"] == "target alone" else \
             f"{a['placement']}{'' if a['placement'] == 'in process' else ' (distributed)'}, policy {a['policy']}"
         lines.append(f"- {n} session{'s' if n != '1' else ''} in flight: {how}: {a['tokens_per_s']:.1f} tokens/s, "
-                     f"{a['over_alone']:.2f}x the target alone{_why_not_split(a.get('split'), h.get('costs_ms'))}")
+                     f"{a['over_alone']:.2f}x the target alone{_why_not_split(a.get('split'), h)}")
     return "\n".join(lines)
 
 
-def _why_not_split(split: dict | None, costs: dict | None) -> str:
+def _host_work(header: dict) -> str:
+    """What the rows count past the devices' time: this machine's host work (times --host-scale), or none."""
+    scale = header.get("host_scale", 1.0)
+    if not scale:
+        return "host work not counted (--host-scale 0: the devices alone)"
+    return "the host work measured here" + ("" if scale == 1 else f", times {scale:g},") + " counts in every row"
+
+
+def _why_not_split(split: dict | None, header: dict) -> str:
     """Where a split placement does not lead: the best one, and what its draft and the target cost."""
     if split is None:
         return ""
+    costs = header.get("costs_ms")
     why = "" if not costs else (
         f": its draft takes {costs['draft token, own devices']:.2f} ms a token on its own devices, "
         f"{costs['draft token, in process']:.2f} ms on the target's, against {costs['target forward']:.2f} ms a "
-        f"target forward; the host work measured here counts in every row")
+        f"target forward; {_host_work(header)}")
     return (f". The split pipeline at best ({split['placement']}, {split['policy']}): {split['tokens_per_s']:.1f} "
             f"tokens/s, {split['over_best']:.2f}x that{why}")
 

@@ -50,7 +50,7 @@ def _add_serve_parser(sub) -> None:
 
 
 def _add_plan_parser(sub) -> None:
-    from svip_bench.command import DEFAULT_EMULATION
+    from svip_bench.command import DEFAULT_EMULATION, add_host_scale
 
     plan = sub.add_parser("plan", help="predict a pair's tokens/s on GPUs, in process and distributed, every "
                           "policy, at each session count, and say which to use")
@@ -66,6 +66,7 @@ def _add_plan_parser(sub) -> None:
     plan.add_argument("--policies", default="svip,auto,constant-3",
                       help="svip (the pair's calibrated threshold), auto, confidence, heuristic, constant-K; "
                            "each optionally +cape, +auto, +deep or +deep-auto: a token tree")
+    add_host_scale(plan)
     plan.add_argument("--out", default="plan-out", help="directory for plan.md, plan.json and plan.png")
     add_knob_flags(plan, PLAN)
 
@@ -147,7 +148,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from coordinator.front import load_inprocess
     from svip_bench import plan
-    from svip_bench.command import prompts_for
+    from svip_bench.command import check_host_scale, prompts_for
     from svip_bench.runner import encode_prompts, machine_description
     from svip_common.emulation import parse_emulation
 
@@ -157,6 +158,7 @@ def _plan(args: argparse.Namespace) -> int:
     policies, sessions = plan.parse_plan_policies(args.policies), plan.parse_sessions(args.sessions)
     if not 1 <= args.prompts_per_category <= 100 or not 1 <= args.max_new_tokens <= 4096:
         raise InvalidRequest("--prompts-per-category must be in 1..100 and --max-new-tokens in 1..4096")
+    check_host_scale(args.host_scale)
     config = pair_config(args)
     torch.set_num_threads(1)
     engine = load_inprocess(config)
@@ -165,9 +167,10 @@ def _plan(args: argparse.Namespace) -> int:
     prompts = prompts_for(args.categories, args.dataset, args.prompts_per_category)
     header = {"command": "svip " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "machine": machine_description(),
               "target": engine.target.path, "draft": engine.draft_path, "prompts": len(prompts),
-              "max_new_tokens": args.max_new_tokens}
+              "max_new_tokens": args.max_new_tokens, "host_scale": args.host_scale}
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
-    return plan.run(engine, encoded, emulation, policies, sessions, args.max_new_tokens, header, Path(args.out))
+    return plan.run(engine, encoded, emulation, policies, sessions, args.max_new_tokens, header, Path(args.out),
+                    args.host_scale)
 
 
 if __name__ == "__main__":

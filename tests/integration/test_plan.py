@@ -50,6 +50,21 @@ def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_pa
     assert (out / "plan.png").stat().st_size > 1000
 
 
+def test_a_plan_at_host_scale_zero_counts_the_devices_alone(tmp_path, model_dirs, capsys):
+    """--host-scale 0: no row counts this machine's host work, so two plans of the same pair are
+    the same to the bit, and the report says so."""
+    docs = []
+    for run in ("a", "b"):
+        doc, captured = run_plan(capsys, "--target", model_dirs.target, "--draft", model_dirs.close_draft,
+                                 "--emulate", SPEC, "--prompts-per-category", "1", "--max-new-tokens", "6",
+                                 "--sessions", "1,2", "--policies", "svip", "--host-scale", "0",
+                                 "--out", str(tmp_path / run))
+        docs.append(doc)
+    assert docs[0]["header"]["host_scale"] == 0
+    assert [r["tokens_per_s"] for r in docs[0]["rows"]] == [r["tokens_per_s"] for r in docs[1]["rows"]]
+    assert "host work not counted (--host-scale 0: the devices alone)" in captured.out
+
+
 def test_plan_plans_a_feature_head_in_every_placement(tmp_path, capsys):
     """--draft eagle: the embedded target's head, on the devices of an EAGLE-3 head, in process
     (its steps on the virtual device beside the target's) and across the workers (the simulated
@@ -101,7 +116,10 @@ def test_bad_plan_arguments_are_named(call, words):
 def test_the_cli_refuses_a_plan_it_cannot_make(capsys):
     for args, words in ((["--emulate", "target=llama-3.1-8b@h100"], "--emulate needs draft=MODEL@DEVICE"),
                         (["--emulate", "target=gpt-5@h100,draft=llama-3.2-1b@h100"], "unknown model 'gpt-5'"),
-                        (["--sessions", "65"], "--sessions: session counts must be in [1, 64]")):
+                        (["--sessions", "65"], "--sessions: session counts must be in [1, 64]"),
+                        (["--host-scale", "1000"], "--host-scale must be in [0, 100], got 1000.0"),
+                        (["--host-scale", "-1"], "--host-scale must be in [0, 100], got -1.0"),
+                        (["--host-scale", "nan"], "--host-scale must be in [0, 100], got nan")):
         assert main(["plan", *args]) == 2
         err = capsys.readouterr().err
         assert words in err and err.count("\n") == 1
