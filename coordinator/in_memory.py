@@ -45,7 +45,7 @@ from svip_common.pair_config import PairConfig
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_runtime.compute_loop import ManualLoop
-from svip_runtime.wire_batch import MAX_BATCH, pack_requests, unpack
+from svip_runtime.wire_batch import pack_requests, split_bursts, unpack
 
 DELIVERIES = ("to_target", "to_draft", "to_caller")
 WORK = ("target", "draft")
@@ -124,10 +124,11 @@ class MemoryStream:
         self.emitted.append(event)
 
     def flush(self, wire: Wire) -> None:
-        """What was emitted goes onto the wire, a burst packed as the worker packs it."""
-        if self.emitted:
-            events, self.emitted = self.emitted, []
-            wire.in_flight += self._serialise(events)
+        """What was emitted goes onto the wire in bursts, as a worker's stream takes them from its
+        queue (wire_batch.Bursts: at most MAX_BATCH messages each), each packed as the worker packs it."""
+        events, self.emitted = self.emitted, []
+        for burst in split_bursts(events):
+            wire.in_flight += self._serialise(burst)
 
 
 @dataclasses.dataclass
@@ -312,8 +313,8 @@ class InMemoryPair:
                 for event, size in unpack(pb.DraftEvent.FromString(data), pb.DraftEvent, len(data)):
                     self.host.draft_event_arrived(event, now, size)
         elif name == "to_draft":
-            for first in range(0, len(burst), MAX_BATCH):
-                message = pb.DraftRequest.FromString(pack_requests(burst[first:first + MAX_BATCH]))
+            for part in split_bursts(burst):
+                message = pb.DraftRequest.FromString(pack_requests(part))
                 self.draft.compute.post(self.draft.receive, self._draft_stream, message, now)
         else:
             for data in burst:

@@ -57,12 +57,31 @@ class Bursts:
             item = self.queue.get_nowait()
             if item is self.end:
                 return burst, True
-            if size + wire_size(item) > MAX_BURST_BYTES:
+            if _past_bytes(size, item):
                 self._next = item
                 break
             burst.append(item)
             size += wire_size(item)
         return burst, False
+
+
+def split_bursts(items: list) -> list[list]:
+    """Items a sender has at once, as the bursts Bursts.take would make of them in a queue: at most
+    MAX_BATCH each, never past MAX_BURST_BYTES together (an item that would take a burst past it
+    starts the next one)."""
+    bursts, burst, size = [], [], 0
+    for item in items:
+        if burst and (len(burst) == MAX_BATCH or _past_bytes(size, item)):
+            bursts.append(burst)
+            burst, size = [], 0
+        burst.append(item)
+        size += wire_size(item)
+    return bursts + [burst] if burst else bursts
+
+
+def _past_bytes(size: int, item) -> bool:
+    """Whether the item takes a burst of ``size`` bytes past MAX_BURST_BYTES."""
+    return size + wire_size(item) > MAX_BURST_BYTES
 
 
 def wire_size(item) -> int:
