@@ -20,16 +20,13 @@ model. `svip bench --mode device` checks the simulated clock against device timi
 
 from __future__ import annotations
 
-import statistics
-import time
 from pathlib import Path
 
 from svip_bench.runner import Progress, full, write_results
-from svip_bench.simulate import simulated_waves
+from svip_bench.simulate import in_process_waves, simulated_waves
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest
-from svip_common.heap import frozen_heap
 from svip_common.trees import TREES
 
 PLACEMENTS = ("in process", "sync", "async")
@@ -105,11 +102,11 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
         progress.update(1)
 
     for n in sessions:
-        alone = requests(PolicyConfig(name="none"), n)
-        add(n, "target alone", "none", _in_process(engine, together, alone, n, host_scale))
+        add(n, "target alone", "none", _in_process(engine, emulation, requests(PolicyConfig(name="none"), n), n,
+                                                   host_scale))
         for name in policies:
             drafting = requests(policy_config(name, threshold), n)
-            add(n, "in process", name, _in_process(engine, together, drafting, n, host_scale))
+            add(n, "in process", name, _in_process(engine, emulation, drafting, n, host_scale))
             for mode in ("sync", "async"):  # a token tree too: greedy trees cross the workers
                 waves = simulated_waves(engine, emulation, drafting, n, mode, host_scale)
                 add(n, mode, name, ((waves.tokens_per_s, waves.mean_request_s), waves.outputs))
@@ -121,26 +118,11 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
 
 def _in_process(engine, emulation: Emulation, requests, n: int,
                 host_scale: float = 1.0) -> tuple[tuple[float, float], list]:
-    """The engine batched n at a time on a virtual device shared by both models: tokens/s and the
-    mean request's time, in the device's time plus the host work measured here times host_scale."""
-    engine.time_as(emulation, virtual=True)
-    try:
-        use = engine.verifier.pool.timing.device.use
-        tokens, seconds, ends, outputs = 0, 0.0, [], []
-        for first in range(0, len(requests), n):  # waves of n, as the simulation runs them
-            before_real, before_device = use.real_s, use.device_s
-            with frozen_heap():  # as the simulated rows (simulate.simulated_waves)
-                started = time.perf_counter()
-                results = engine.generate_many(requests[first:first + n], n)
-                wall = time.perf_counter() - started
-            wave = host_scale * (wall - (use.real_s - before_real)) + (use.device_s - before_device)
-            tokens += sum(len(r.token_ids) for r in results)
-            outputs += [r.token_ids for r in results]
-            ends += [wave] * len(results)  # a batch's requests end together, near enough: its span
-            seconds += wave
-        return (tokens / seconds, statistics.mean(ends)), outputs
-    finally:
-        engine.time_as(None)
+    """The engine batched n at a time on a virtual device the two models share
+    (simulate.in_process_waves: load-aware off, as the split rows run): tokens/s and the mean
+    request's time, in the device's time plus the host work measured here times host_scale."""
+    waves = in_process_waves(engine, emulation, requests, n, host_scale)
+    return (waves.tokens_per_s, waves.mean_request_s), waves.outputs
 
 
 def advice(rows: list[dict]) -> dict:

@@ -99,6 +99,25 @@ def test_the_virtual_device_counts_each_forward_at_its_step_not_this_machines_ti
     assert engine.verifier.pool.timing is None  # taken off again
 
 
+def test_the_in_process_rows_run_load_aware_off_as_the_split_rows_and_the_report_say(models, prompt_ids,
+                                                                                    monkeypatch):
+    """The report says load-aware off, and the split rows run so (simulated_waves): the in-process
+    rows too, whatever the engine's own setting (the knob's default, greedy, once paused every
+    in-process block at 32 sessions: those rows were the target alone's), which comes back after."""
+    from coordinator.engine import SpeculativeEngine
+    from svip_bench.plan import _in_process
+    from svip_common.contracts import GenerationRequest, PolicyConfig
+    from svip_common.emulation import parse_emulation
+
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    engine.load_aware = "greedy"
+    seen, generate = [], engine.generate
+    monkeypatch.setattr(engine, "generate", lambda request: seen.append(engine.load_aware) or generate(request))
+    requests = [GenerationRequest(prompt_ids["medium"], 4, ignore_eos=True, policy=PolicyConfig(name="svip"))]
+    _in_process(engine, parse_emulation(SPEC), requests, 1)
+    assert seen == ["off"] and engine.load_aware == "greedy"
+
+
 @pytest.mark.parametrize("call, words", [
     (lambda: parse_plan_policies("svip,fastest"), "--policies: svip, auto"),
     (lambda: parse_plan_policies("constant-99"), "constant-K (K in 1..16)"),
