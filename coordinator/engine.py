@@ -130,15 +130,19 @@ class SpeculativeEngine:
         return self._calibration
 
     def auto_estimate(self) -> AutoEstimate:
-        """The pair's `auto` estimate, from its prior on first use: stored beside the draft, or
-        measured here (about two seconds on a CPU)."""
+        """The pair's `auto` estimate, from its prior on first use (``new_auto_estimate``); it
+        learns from every request after."""
         if self._auto is None:
-            prior = stored_prior(self.drafter.draft.path)
-            if prior is not None or self.feature_draft:  # a head without a stored prior: the generic one
-                self._auto = estimate_from(prior, self.config.auto)
-            else:
-                self._auto = auto_prior(self.target, self.drafter.draft, self.config.auto)
+            self._auto = self.new_auto_estimate()
         return self._auto
+
+    def new_auto_estimate(self) -> AutoEstimate:
+        """The pair's `auto` estimate as a new deployment starts it: from the prior stored beside
+        the draft, or measured here (about two seconds on a CPU)."""
+        prior = stored_prior(self.drafter.draft.path)
+        if prior is not None or self.feature_draft:  # a head without a stored prior: the generic one
+            return estimate_from(prior, self.config.auto)
+        return auto_prior(self.target, self.drafter.draft, self.config.auto)
 
     def resolve(self, request: GenerationRequest) -> GenerationRequest:
         """The request as it will run: validated, policy 'none' when there is no draft, and

@@ -32,6 +32,7 @@ from typing import Protocol
 from coordinator.distributed import OnTokens, error_from_proto, resolved, start_message
 from coordinator.session.host import SessionHost
 from draft_worker.service import DraftService
+from svip_common.acceptance import AutoEstimate
 from svip_common.contracts import (
     DRAFT_PARALLEL,
     PREPARED_PER_BLOCK,
@@ -163,12 +164,15 @@ class InMemoryPair:
     def __init__(self, target: LoadedModel | ModelInfo, verifier, drafter, limits: Limits, pipeline: str = "async",
                  schedule: Schedule | None = None, clock: Callable[[], float] = time.time,
                  prepare: int = PREPARED_PER_BLOCK,
-                 draft_clock: Callable[[], float] | None = None, parallel: int = DRAFT_PARALLEL, **host_options):
+                 draft_clock: Callable[[], float] | None = None, parallel: int = DRAFT_PARALLEL,
+                 auto: AutoEstimate | None = None, **host_options):
         """target: the target model (its end-of-sequence ids); verifier, drafter: the workers' models
         (target_worker/verifier.py, draft_worker/drafter.py; drafter None: the target alone);
         schedule: what happens next (InOrder() by default); clock: the time now, for the host and
         its sessions; draft_clock: the draft worker's (its timestamps and its steps' durations;
-        None: the machine's); prepare, parallel: the draft worker's (draft_worker/service.py);
+        None: the machine's); prepare, parallel: the draft worker's (draft_worker/service.py); auto:
+        the pair's `auto` estimate, as a target worker keeps it across its sessions (None: the
+        generic prior);
         host_options: the pair's configuration as flat options (PairConfig.of: load_aware,
         idle_prefill, max_batched_tokens, the recovery's fields)."""
         self.target, self.limits, self.pipeline = target, limits, pipeline
@@ -182,7 +186,7 @@ class InMemoryPair:
         link = None if drafter is None else MemoryLink(self.wires["to_draft"])
         draft_path = getattr(getattr(drafter, "draft", None), "path", None)
         config = PairConfig.of(getattr(target, "path", "target"), draft_path, **host_options)
-        self.host = SessionHost(verifier, limits, config, draft_link=link, compute=ManualLoop, clock=clock)
+        self.host = SessionHost(verifier, limits, config, draft_link=link, compute=ManualLoop, clock=clock, auto=auto)
         self._caller_stream = MemoryStream(lambda events: [e.SerializeToString() for e in events])
         self._draft_stream = None
         if self.draft is not None:

@@ -99,15 +99,19 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
     """The requests in waves of n in flight together through the in-memory pair in virtual time
     (coordinator/simulated.py; mode alone: the target alone, else sync or async with the engine's
     draft), a fresh pair per wave; host work measured here, times host_scale; parallel: the
-    speculative blocks an async session drafts side by side (draft_worker/service.py)."""
+    speculative blocks an async session drafts side by side (draft_worker/service.py). Every wave's
+    target learns into one `auto` estimate, from the pair's prior as a deployment starts it (its
+    target worker keeps one across its sessions; a fresh generic one per wave once started every
+    request of a one-session run from scratch)."""
     target = engine.target
     limits = Limits(tokens=target.token_limit, positions=target.max_positions)
     tokens, seconds, ends, outputs, used, late, rejected, forwards, prepared = 0, 0.0, [], [], 0, 0, 0, 0, 0
+    auto = engine.new_auto_estimate() if mode != "alone" else None  # one, as a target worker keeps it
     for first in range(0, len(requests), n):
         verifier, drafter = _workers(engine, limits, with_draft=mode != "alone")
         pair = SimulatedPair(target, verifier, drafter, limits,
                              "sync" if mode == "alone" else mode, emulation, host_scale, load_aware="off",
-                             parallel=parallel)
+                             parallel=parallel, auto=auto)
         with frozen_heap():  # no full collection of what the run before left lands in this one's host work
             wave = pair.run_all(requests[first:first + n])
         tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s

@@ -211,3 +211,27 @@ def test_the_draft_worker_times_its_steps_with_their_host_work_at_host_scale(mod
         assert read == 5.0 if host_scale == 0 else read >= 5.0 + 2.0 * 0.006
         drafted = pair.draft.drafter.host_timer()
         assert drafted == 5.0 if host_scale == 0 else drafted >= read
+
+
+def test_every_wave_learns_into_one_auto_estimate_from_the_pairs_prior(models, prompt_ids, alone, monkeypatch):
+    """`auto` across waves: the target of every wave (a fresh pair each) keeps one estimate, as a
+    target worker does across its sessions, made as a new deployment makes it (the engine's
+    new_auto_estimate: the pair's stored prior); once each wave began from the generic prior, so a
+    one-session run's requests each started from scratch."""
+    from svip_bench.simulate import simulated_waves
+    from svip_common.acceptance import AutoEstimate
+
+    engine = SpeculativeEngine(models["target"], models["close_draft"])
+    made = []
+    monkeypatch.setattr(engine, "new_auto_estimate", lambda: made.append(AutoEstimate()) or made[-1])
+    seen = []
+    init = SimulatedPair.__init__
+    monkeypatch.setattr(SimulatedPair, "__init__",
+                        lambda self, *a, **k: init(self, *a, **k) or seen.append(self.host.auto))
+    requests = [GenerationRequest(prompt_ids[name], 8, ignore_eos=True, policy=PolicyConfig(name="auto"))
+                for name in ("short", "medium")]
+    spec = parse_emulation(f"target={TARGET.name},draft={DRAFT.name},link=0.1ms")
+    waves = simulated_waves(engine, spec, requests, 1, "async", host_scale=0.0)
+    assert len(made) == 1 and len(seen) == 2 and all(auto is made[0] for auto in seen)
+    assert made[0].model(True).observed > 0  # both waves' verdicts went into it
+    assert waves.outputs == [alone.generate(r).token_ids for r in requests]
