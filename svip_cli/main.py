@@ -59,7 +59,9 @@ def _add_plan_parser(sub) -> None:
                       f"({DEFAULT_EMULATION})")
     plan.add_argument("--dataset", help="spec-bench.jsonl for sample prompts (default ../shared/specbench/...)")
     plan.add_argument("--categories", default="code", help="sample prompts' categories (code: held-out Python)")
-    plan.add_argument("--prompts-per-category", type=int, default=4)
+    plan.add_argument("--prompts-per-category", type=int, default=4,
+                      help="sample prompts of each category at one session (4); n sessions run the first max(n, "
+                      "these) of them, distinct in a wave where there are enough")
     plan.add_argument("--max-new-tokens", type=int, default=48)
     plan.add_argument("--max-prompt-tokens", type=int, default=192)
     plan.add_argument("--sessions", default="1,8,32", help="sessions in flight at once (1,8,32; at most 64)")
@@ -148,7 +150,7 @@ def _plan(args: argparse.Namespace) -> int:
 
     from coordinator.front import load_inprocess
     from svip_bench import plan
-    from svip_bench.command import check_host_scale, prompts_for
+    from svip_bench.command import check_host_scale
     from svip_bench.runner import encode_prompts, machine_description
     from svip_common.emulation import parse_emulation
 
@@ -164,13 +166,13 @@ def _plan(args: argparse.Namespace) -> int:
     engine = load_inprocess(config)
     if engine.drafter is None:
         raise InvalidRequest("svip plan needs a draft: a model or a feature head (--draft)")
-    prompts = prompts_for(args.categories, args.dataset, args.prompts_per_category)
+    prompts, few = plan.sample_prompts(args.categories, args.dataset, args.prompts_per_category, max(sessions))
     header = {"command": "svip " + " ".join(shlex.quote(a) for a in sys.argv[1:]), "machine": machine_description(),
-              "target": engine.target.path, "draft": engine.draft_path, "prompts": len(prompts),
+              "target": engine.target.path, "draft": engine.draft_path, "prompts": few, "prompts_at_load": len(prompts),
               "max_new_tokens": args.max_new_tokens, "host_scale": args.host_scale}
     encoded = encode_prompts(engine, prompts, args.max_prompt_tokens)
     return plan.run(engine, encoded, emulation, policies, sessions, args.max_new_tokens, header, Path(args.out),
-                    args.host_scale)
+                    args.host_scale, few)
 
 
 if __name__ == "__main__":

@@ -65,6 +65,29 @@ def test_a_plan_at_host_scale_zero_counts_the_devices_alone(tmp_path, model_dirs
     assert "host work not counted (--host-scale 0: the devices alone)" in captured.out
 
 
+def test_a_count_of_n_sessions_runs_n_distinct_prompts_where_there_are_enough(tmp_path, model_dirs, capsys,
+                                                                             monkeypatch):
+    """One session runs --prompts-per-category of each category; a wave of n runs the first
+    max(n, those), interleaved by category, distinct (a prompt repeated in a wave runs in lockstep
+    with its copies), each output the target alone's."""
+    import svip_bench.command as command
+    from svip_bench.datasets import Prompt
+    from svip_bench.plan import sample_prompts
+
+    doc, captured = run_plan(capsys, "--target", model_dirs.target, "--draft", model_dirs.close_draft, "--emulate",
+                             SPEC, "--categories", "code", "--prompts-per-category", "1", "--max-new-tokens", "6",
+                             "--sessions", "1,3", "--policies", "constant-2", "--host-scale", "0",
+                             "--out", str(tmp_path / "plan"))
+    assert (doc["header"]["prompts"], doc["header"]["prompts_at_load"]) == (1, 3)
+    assert "1 prompts (n sessions run the first max(n, 1) of 3, distinct in each wave)" in captured.out
+    loaded = [Prompt(c, f"{c}{i}", f"{c} {i}") for c in ("qa", "rag") for i in range(4)]
+    monkeypatch.setattr(command, "prompts_for", lambda categories, dataset, per: loaded[:per] + loaded[4:4 + per])
+    prompts, few = sample_prompts("qa,rag", None, 1, 3)
+    assert [p.prompt_id for p in prompts] == ["qa0", "rag0", "qa1"] and few == 2
+    prompts, few = sample_prompts("qa,rag", None, 2, 1)
+    assert [p.prompt_id for p in prompts] == ["qa0", "rag0", "qa1", "rag1"] and few == 4
+
+
 def test_plan_plans_a_feature_head_in_every_placement(tmp_path, capsys):
     """--draft eagle: the embedded target's head, on the devices of an EAGLE-3 head, in process
     (its steps on the virtual device beside the target's) and across the workers (the simulated
