@@ -66,6 +66,8 @@ from svip_common.messages import (
 )
 from svip_common.sequences import common_prefix
 
+# blocks verified with no round trip: drafted while the target verified the block before them
+OVERLAPPED = ("followup", "prepared")
 
 class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
     """One session's protocol on the target side, with no I/O: each event (a method marked
@@ -188,7 +190,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
             return
         decided = self.now
         self.verifying = None
-        self._record(block, verdict.accepted)
+        self._record(block, verdict.accepted, overlapped=timing[3] in OVERLAPPED)
         cap, was_paused = self._cap(), self.paused
         token, ready, deferred, pause = self._resolve_ahead(block, verdict, cap, was_paused)
         # a tree's sibling (and nodes below it) settled from the rejected place on; one prepared

@@ -16,19 +16,26 @@ from svip_common.trees import priced as tree_priced
 
 
 class SpeculationBudget(SessionState):
-    def _record(self, block: DraftedBlock, accepted: int) -> None:
-        """The verdict on a drafted block, into load-aware speculation's estimate and auto's."""
+    def _record(self, block: DraftedBlock, accepted: int, overlapped: bool = False) -> None:
+        """The verdict on a drafted block, into load-aware speculation's estimate and auto's.
+        overlapped: drafted while the target verified the block before it (verified with no round
+        trip), so its drafting delayed nothing."""
         if block.tokens:
             self.gate.record(len(block.tokens), accepted, block.draft_s)
             if self.auto is not None:
-                self._learn(block, accepted)
+                self._learn(block, accepted, overlapped)
 
     def _cap(self) -> int | None:
         """Load-aware speculation: the most tokens the next block should hold (None: no cap)."""
         return self.pausing.cap() if self.with_draft else None
 
-    def _learn(self, block: DraftedBlock, accepted: int) -> None:
-        """auto: the verdict on a drafted block, into the pair's estimate and the session's rate."""
+    def _learn(self, block: DraftedBlock, accepted: int, overlapped: bool) -> None:
+        """auto: the verdict on a drafted block, into the pair's estimate and the session's rate.
+        An overlapped block's acceptance counts as any other's, but its drafting and round trip
+        cost nothing (SessionStop.record)."""
+        if overlapped:
+            self.auto.record(block.block.entropies, block.block.probs, accepted, overlapped=True)
+            return
         load = self._load()
         round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
         self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s, round_tokens)

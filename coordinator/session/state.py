@@ -164,7 +164,7 @@ class SessionState(Effects):
     def _resume(self, cap: int) -> None:  # speculation.py
         raise NotImplementedError
 
-    def _record(self, block: DraftedBlock, accepted: int) -> None:  # speculation.py
+    def _record(self, block: DraftedBlock, accepted: int, overlapped: bool = False) -> None:  # speculation.py
         raise NotImplementedError
 
     def _note_feedback_answered(self, block: DraftedBlock, received_at: float) -> None:  # speculation.py

@@ -570,3 +570,25 @@ def test_the_sampling_distribution_with_steps_held_at_every_chance(models, promp
     q1, q2 = exact_marginals(models["close_draft"].model, prompt, PLAIN)
     assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
     assert pair.host.idle_work.holds > 0
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_auto_learns_an_overlapped_block_as_costing_its_round_the_targets_step(models, prompt_ids, alone, pipeline,
+                                                                               monkeypatch):
+    """Policy auto across the workers: a block verified with no round trip (a follow-up held at
+    its verdict, a prepared continuation) was drafted while the target verified the one before,
+    so the target's estimate learns it as overlapped (svip_common/acceptance.py SessionStop.record);
+    every block of sync, and each one the target waited for, as before. Output exact."""
+    from svip_common.acceptance import SessionStop
+
+    seen, record = [], SessionStop.record
+    monkeypatch.setattr(SessionStop, "record",
+                        lambda self, *a, overlapped=False, **k: seen.append(overlapped) or record(
+                            self, *a, overlapped=overlapped, **k))
+    pair = make_pair(models, pipeline, DRAFT_FIRST, draft="target")  # all accepted: follow-ups held
+    request = GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=PolicyConfig(name="auto"))
+    result = pair.generate(request)
+    assert result.token_ids == alone.generate(request).token_ids
+    held = result.stats.round_sources.count("followup") + result.stats.round_sources.count("prepared")
+    assert seen.count(True) == held and (held >= 1 if pipeline == "async" else held == 0)
+    assert False in seen

@@ -123,6 +123,29 @@ def test_the_rule_scales_the_measured_tau_by_the_pairs_rate_and_frozen_sessions_
     assert first.stop_at == pytest.approx(0.25 * 1.5)
 
 
+def test_an_overlapped_block_costs_its_round_the_targets_step_alone():
+    """Across the workers a follow-up or a prepared continuation is drafted while the target
+    verifies the block before it: its acceptance is learnt as any block's, but the rate counts
+    no drafted token and no round trip against its round, and its drafting time (a share of
+    steps other rows rode) stays out of the fit of what a drafted token costs."""
+    estimate = AutoEstimate(prior_cost=0.25)
+    stop = SessionStop(estimate, True)
+    load = TargetLoad(plain_rate=100.0, verify_token_s=0.0005, batch=1.0)
+    for i in range(100):  # blocks the target waits for: 2 ms a token after 1 ms, tau 0.25 as above
+        stop.rule(load)
+        k = 3 + i % 3
+        stop.record([0.5] * k, [0.9] * k, accepted=k, draft_s=0.001 + 0.002 * k, round_tokens=0.5)
+    fit, waited_rate = (estimate.draft_token_s, estimate.drafting.fixed), estimate.rate.value
+    assert waited_rate == pytest.approx(5 / 2.5, rel=0.02)  # k + 1 tokens for 1 + k * 0.25 + 0.5
+    observed = estimate.model(True).observed
+    for _ in range(100):  # overlapped ones: 4 tokens drafted in a sixteenth of 4 steps
+        stop.record([0.5] * 4, [0.9] * 4, accepted=4, draft_s=0.0005, round_tokens=0.5, overlapped=True)
+    assert (estimate.draft_token_s, estimate.drafting.fixed) == fit  # their drafting left out of the fit
+    assert estimate.model(True).observed == observed + 400  # their acceptance learnt
+    assert estimate.rate.value == pytest.approx(5.0, rel=0.02)  # 4 + 1 tokens for the step alone
+    assert stop.rule(load).stop_at == pytest.approx(0.25 * 5.0, rel=0.02)  # the critical block's stop, stricter
+
+
 @pytest.mark.parametrize("settings, message", [
     (AutoSettings(cost=0.0), "auto cost must be a number in \\(0, 10"),
     (AutoSettings(cost=-1.0), "auto cost must be"),
