@@ -106,7 +106,8 @@ def simulated_waves(engine, emulation: Emulation, requests: list[GenerationReque
     target = engine.target
     limits = Limits(tokens=target.token_limit, positions=target.max_positions)
     tokens, seconds, ends, outputs, used, late, rejected, forwards, prepared = 0, 0.0, [], [], 0, 0, 0, 0, 0
-    auto = engine.new_auto_estimate() if mode != "alone" else None  # one, as a target worker keeps it
+    # one `auto` estimate, as a target worker keeps it (made only where a request drafts with auto)
+    auto = engine.new_auto_estimate() if any(r.policy.name == "auto" for r in requests) else None
     for first in range(0, len(requests), n):
         verifier, drafter = _workers(engine, limits, with_draft=mode != "alone")
         pair = SimulatedPair(target, verifier, drafter, limits,

@@ -52,12 +52,13 @@ def test_plan_predicts_every_placement_and_policy_and_advises_the_fastest(tmp_pa
 
 def test_a_plan_at_host_scale_zero_counts_the_devices_alone(tmp_path, model_dirs, capsys):
     """--host-scale 0: no row counts this machine's host work, so two plans of the same pair are
-    the same to the bit, and the report says so."""
+    the same to the bit, and the report says so (constant blocks: SVIP's threshold is the pair's
+    calibration, which times this machine)."""
     docs = []
     for run in ("a", "b"):
         doc, captured = run_plan(capsys, "--target", model_dirs.target, "--draft", model_dirs.close_draft,
                                  "--emulate", SPEC, "--prompts-per-category", "1", "--max-new-tokens", "6",
-                                 "--sessions", "1,2", "--policies", "svip", "--host-scale", "0",
+                                 "--sessions", "1,2", "--policies", "constant-2", "--host-scale", "0",
                                  "--out", str(tmp_path / run))
         docs.append(doc)
     assert docs[0]["header"]["host_scale"] == 0
