@@ -69,6 +69,7 @@ from svip_common.sequences import common_prefix
 # blocks verified with no round trip: drafted while the target verified the block before them
 OVERLAPPED = ("followup", "prepared")
 
+
 class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
     """One session's protocol on the target side, with no I/O: each event (a method marked
     @event) takes the time now and returns its effects (effects.py), which the host carries out.

@@ -185,9 +185,20 @@ def test_the_sampling_distribution_under_random_interleavings(models, prompt_ids
     """The first two tokens of 1,500 seeded requests, 50 in flight at a time, their steps
     interleaved at random: they follow the target's exact marginals and are told apart from the
     draft's. Warped, a rejection's p row crosses the wire by its ids with mass (p_nonzero)."""
-    prompt = prompt_ids["medium"]
     pair = make_pair(models, pipeline, Seeded(len(pipeline) + int(sampling.top_p * 10)))
-    requests = [GenerationRequest(prompt, 3, dataclasses.replace(sampling, seed=s), POLICIES["constant"])
+    results = _first_two_follow_the_target(pair, models, prompt_ids["medium"], sampling, tokens=3)
+    rejections = sum(a < d for r in results for a, d in zip(r.stats.accepted_lengths, r.stats.draft_lengths))
+    assert rejections > 0
+    if sampling.top_p < 1.0:
+        row = models["target"].vocab_size * 4  # a whole float32 p row
+        assert sum(r.stats.wire_bytes for r in results) < rejections * row / 2  # rows by ids
+
+
+def _first_two_follow_the_target(pair, models, prompt, sampling, tokens: int) -> list:
+    """1,500 seeded requests of ``tokens`` tokens, 50 in flight at a time, through the pair: their
+    first two tokens follow the target's exact marginals and are told apart from the draft's.
+    Their results."""
+    requests = [GenerationRequest(prompt, tokens, dataclasses.replace(sampling, seed=s), POLICIES["constant"])
                 for s in range(1500)]
     results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
     firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
@@ -195,11 +206,7 @@ def test_the_sampling_distribution_under_random_interleavings(models, prompt_ids
     assert chi_square_pvalue(firsts, p1) > ALPHA and chi_square_pvalue(seconds, p2) > ALPHA
     q1, q2 = exact_marginals(models["close_draft"].model, prompt, sampling)
     assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
-    rejections = sum(a < d for r in results for a, d in zip(r.stats.accepted_lengths, r.stats.draft_lengths))
-    assert rejections > 0
-    if sampling.top_p < 1.0:
-        row = models["target"].vocab_size * 4  # a whole float32 p row
-        assert sum(r.stats.wire_bytes for r in results) < rejections * row / 2  # rows by ids
+    return results
 
 
 @pytest.mark.parametrize("pipeline, seed", [("sync", 0), ("async", 1)])
@@ -558,17 +565,10 @@ def test_the_sampling_distribution_with_steps_held_at_every_chance(models, promp
     """As the random-interleavings test above, with the target's step held for blocks about to
     come at every chance (issue 60): a hold changes when a step runs, never what a verdict draws,
     so the first two tokens still follow the target's exact marginals, not the draft's."""
-    prompt = prompt_ids["medium"]
     pair = make_pair(models, "async", Seeded(7), idle_prefill="auto")
     pair.host.idle_work.arrivals = _AlwaysWorthWaiting()
-    requests = [GenerationRequest(prompt, 6, dataclasses.replace(PLAIN, seed=s), POLICIES["constant"])
-                for s in range(1500)]  # long enough for blocks drafted after a verdict, the ones a step holds for
-    results = [r for i in range(0, len(requests), 50) for r in pair.generate_all(requests[i:i + 50])]
-    firsts, seconds = [r.token_ids[0] for r in results], [r.token_ids[1] for r in results]
-    p1, p2 = exact_marginals(models["target"].model, prompt, PLAIN)
-    assert chi_square_pvalue(firsts, p1) > ALPHA and chi_square_pvalue(seconds, p2) > ALPHA
-    q1, q2 = exact_marginals(models["close_draft"].model, prompt, PLAIN)
-    assert chi_square_pvalue(firsts, q1) < ALPHA or chi_square_pvalue(seconds, q2) < ALPHA
+    # long enough for blocks drafted after a verdict, the ones a step holds for
+    _first_two_follow_the_target(pair, models, prompt_ids["medium"], PLAIN, tokens=6)
     assert pair.host.idle_work.holds > 0
 
 
