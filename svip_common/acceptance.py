@@ -30,7 +30,7 @@ import torch
 
 from svip_common.auto_settings import MAX_AUTO_COST, AutoSettings
 from svip_common.errors import InvalidRequest
-from svip_common.step_cost import StepCost, TargetLoad, token_cost
+from svip_common.step_cost import Ewma, StepCost, TargetLoad, token_cost
 
 FEATURES = ("bias", "sqrt_entropy", "entropy", "prob", "index")
 INDEX_SCALE = 16  # places in a block beyond this look alike
@@ -243,6 +243,7 @@ class SessionStop:
         self.model = estimate.model(greedy)
         self.frozen = not self.model.settings.learn
         self.tau = estimate.cost(None)
+        self.round_trip = Ewma(0.2)  # across workers: a waited-for round's time beyond its drafting (wire, queues)
 
     def rule(self, load: TargetLoad | None = None) -> StopRule:
         if self.frozen:
@@ -252,8 +253,10 @@ class SessionStop:
 
     def record(self, entropies: list[float], probs: list[float], accepted: int, draft_s: float | None = None,
                round_tokens: float = 0.0, overlapped: bool = False) -> None:
-        """A verdict on a block of len(entropies) tokens that took draft_s seconds to draft.
-        overlapped: drafted while the target verified the block before it (the split pipeline's
+        """A verdict on a block of len(entropies) tokens whose drafting cost its session draft_s
+        seconds: in one process its share of the draft's forwards, which the batch waited for;
+        across the workers the draft steps it rode over the sessions a target step serves
+        (coordinator/session/speculation.py). overlapped: drafted while the target verified the block before it (the split pipeline's
         follow-ups and prepared continuations): its round cost the target's step alone, so the
         rate counts no drafted token and no round trip against it, and its drafting time, a share
         of steps that other rows rode, is not what a token of a block the target waits for costs

@@ -135,6 +135,12 @@ class DraftedBlock:
         return self.block.tokens
 
     @property
+    def drafting_s(self) -> float:
+        """How long the block took on the draft's clock, its first forward to its last: the steps
+        it rode whole (other rows' shares too: draft_s counts its own), at least its compute."""
+        return max(self.draft_s, self.finished_at - self.started_at)
+
+    @property
     def base(self) -> int:
         return self.block.base
 

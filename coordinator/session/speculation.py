@@ -32,13 +32,22 @@ class SpeculationBudget(SessionState):
     def _learn(self, block: DraftedBlock, accepted: int, overlapped: bool) -> None:
         """auto: the verdict on a drafted block, into the pair's estimate and the session's rate.
         An overlapped block's acceptance counts as any other's, but its drafting and round trip
-        cost nothing (SessionStop.record)."""
+        cost nothing (SessionStop.record). A block the target waited for is priced by what it
+        delayed: each of its tokens held this session for a whole draft step, however many other
+        rows rode it, while the target served the batch's other sessions; so its drafting counts
+        as the steps it rode over the sessions a target step serves, in the fit that prices a
+        token as the target's rate times its time. Its compute share alone (draft_s) priced a
+        token at a sliver of a step where prepared rows ride, and at 8 sessions async auto made
+        0.80x SVIP's tokens (docs/benchmarks.md, seventeenth round)."""
         if overlapped:
             self.auto.record(block.block.entropies, block.block.probs, accepted, overlapped=True)
             return
         load = self._load()
-        round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
-        self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s, round_tokens)
+        if load is None:
+            self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s)
+            return
+        self.auto.record(block.block.entropies, block.block.probs, accepted, block.drafting_s / max(load.batch, 1.0),
+                         load.round_tokens(self.auto.round_trip.value))
 
     def _node_price(self) -> float | None:
         """trees auto and deep-auto: a verified node's price in tokens at the target's load now (None: unpriced)."""
@@ -70,6 +79,8 @@ class SpeculationBudget(SessionState):
         stats, and what load-aware speculation charges a drafting round beyond its forwards)."""
         if block.trigger_at and self._feedback_sent_at:
             self.gate.record_round_trip(max(0.0, received_at - self._feedback_sent_at - block.draft_s))
+            if self.auto is not None:  # beyond the steps it rode, which auto counts as its drafting (_learn)
+                self.auto.round_trip.update(max(0.0, received_at - self._feedback_sent_at - block.drafting_s))
             self._emit(DraftAnswered(received_at - self._feedback_sent_at))
             self.log.feedback_answered(block, self._feedback_sent_at)
             self._feedback_sent_at = 0.0

@@ -13,6 +13,7 @@ import pytest
 
 from coordinator.session.effects import Finish, Settle, ToDraft, Verify
 from coordinator.session.pipeline import DraftMode, SessionPipeline
+from svip_common.acceptance import AutoEstimate, SessionStop
 from svip_common.contracts import (
     NO_TOKEN,
     Block,
@@ -32,6 +33,7 @@ from svip_common.messages import (
     Resume,
     SessionStart,
 )
+from svip_common.step_cost import TargetLoad
 
 PROMPT = (7, 8, 9)
 STOP = 0
@@ -86,12 +88,14 @@ class Harness:
     """Plays the host: runs the session's events at its clock and carries out their effects."""
 
     def __init__(self, pipeline: str = "sync", max_new_tokens: int = 20, draft: bool = True, load_cap=None,
-                 sampling: SamplingParams | None = None):
+                 sampling: SamplingParams | None = None, auto: SessionStop | None = None, load=lambda: None):
         self.draft, self.events, self.queue, self.checked, self.target = Draft(), [], [], [], Target()
         self.clock = 1.0
+        policy = PolicyConfig(name="svip" if auto is None else "auto")
         self.session = SessionPipeline(
-            "s", GenerationRequest(PROMPT, max_new_tokens, sampling or SamplingParams(), PolicyConfig(name="svip")),
-            frozenset({STOP}), LIMITS, self.target, draft, pipeline, self.clock, load_cap=load_cap,
+            "s", GenerationRequest(PROMPT, max_new_tokens, sampling or SamplingParams(), policy),
+            frozenset({STOP}), LIMITS, self.target, draft, pipeline, self.clock, load_cap=load_cap, auto=auto,
+            load=load,
         )
         self.do = Events(self)
 
@@ -181,6 +185,24 @@ def test_a_round_verifies_the_block_settles_and_feeds_back():
     fb = h.draft.last("feedback")
     assert (fb.epoch, fb.base, fb.drafted, fb.accepted, fb.token) == (0, 3, 3, 3, 14)
     assert h.session.stats.rounds == 1 and h.session.stats.accepted_lengths == [3]
+
+
+def test_auto_prices_a_waited_for_block_by_the_draft_steps_it_rode_over_the_batch():
+    """Policy auto: a block the target waited for held its session for every draft step it rode,
+    whatever share of them its own rows took; the target served the batch's other sessions
+    meanwhile. Its drafting goes into auto's fit as those steps over the sessions a target step
+    serves, and auto's round trip is what the round took beyond them."""
+    estimate = AutoEstimate(prior_cost=0.25)
+    h = Harness(auto=SessionStop(estimate, True), load=lambda: TargetLoad(100.0, 0.0005, batch=4.0))
+    h.start()
+    # three tokens over 12 ms of the draft's steps, of which its own rows' share was 1 ms
+    h.deliver(h.block([11, 12, 13], started_at=1.0, finished_at=1.012, draft_s=0.001))
+    h.verify(1, 20)
+    assert estimate.drafting.steps == 1 and estimate.drafting.fixed == pytest.approx(0.012 / 4)
+    h.clock += 0.05  # the feedback out, 10 ms of drafting (1 ms its share), the block back
+    h.deliver(h.block([30, 31], started_at=5.0, finished_at=5.010, draft_s=0.001, trigger_at=5.0))
+    assert h.session.gate.round_s == pytest.approx(0.05 - 0.001)  # the gate's: beyond its share
+    assert h.session.auto.round_trip.value == pytest.approx(0.05 - 0.010)
 
 
 def test_a_rejection_advances_the_epoch_and_a_stale_block_is_never_verified():
