@@ -253,11 +253,11 @@ class SessionStop:
 
     def record(self, entropies: list[float], probs: list[float], accepted: int, draft_s: float | None = None,
                round_tokens: float = 0.0, overlapped: bool = False) -> None:
-        """A verdict on a block of len(entropies) tokens whose drafting cost its session draft_s
-        seconds: in one process its share of the draft's forwards, which the batch waited for;
-        across the workers the draft steps it rode over the sessions a target step serves
-        (coordinator/session/speculation.py). overlapped: drafted while the target verified the block before it (the split pipeline's
-        follow-ups and prepared continuations): its round cost the target's step alone, so the
+        """A verdict on a block of len(entropies) tokens whose drafting held its session draft_s
+        seconds: its share of the draft's forwards, or in async the draft steps it rode over the
+        sessions a target step serves (coordinator/session/speculation.py). overlapped: drafted
+        while the target verified the block before it (the split pipeline's follow-ups and
+        prepared continuations): its round cost the target's step alone, so the
         rate counts no drafted token and no round trip against it, and its drafting time, a share
         of steps that other rows rode, is not what a token of a block the target waits for costs
         (left out of that fit). Measured on the simulated clock, async auto at 32 sessions:

@@ -33,21 +33,24 @@ class SpeculationBudget(SessionState):
         """auto: the verdict on a drafted block, into the pair's estimate and the session's rate.
         An overlapped block's acceptance counts as any other's, but its drafting and round trip
         cost nothing (SessionStop.record). A block the target waited for is priced by what it
-        delayed: each of its tokens held this session for a whole draft step, however many other
-        rows rode it, while the target served the batch's other sessions; so its drafting counts
-        as the steps it rode over the sessions a target step serves, in the fit that prices a
-        token as the target's rate times its time. Its compute share alone (draft_s) priced a
-        token at a sliver of a step where prepared rows ride, and at 8 sessions async auto made
-        0.80x SVIP's tokens (docs/benchmarks.md, seventeenth round)."""
+        delayed. In sync a draft step carries only such blocks, so a block's share of the steps
+        (draft_s) is that. In async the steps also carry follow-ups and prepared continuations,
+        yet each of the waited-for block's tokens held its session for a whole step while the
+        target served the batch's other sessions: its drafting counts as the steps it rode over
+        the sessions a target step serves. Priced at its share, a token cost a sliver of a step
+        and async auto made 0.79x SVIP's tokens at 8 sessions on code (docs/benchmarks.md,
+        seventeenth round)."""
+        entropies, probs = block.block.entropies, block.block.probs
         if overlapped:
-            self.auto.record(block.block.entropies, block.block.probs, accepted, overlapped=True)
+            self.auto.record(entropies, probs, accepted, overlapped=True)
             return
         load = self._load()
-        if load is None:
-            self.auto.record(block.block.entropies, block.block.probs, accepted, block.draft_s)
+        if load is None or self.pipeline != "async":
+            round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
+            self.auto.record(entropies, probs, accepted, block.draft_s, round_tokens)
             return
-        self.auto.record(block.block.entropies, block.block.probs, accepted, block.drafting_s / max(load.batch, 1.0),
-                         load.round_tokens(self.auto.round_trip.value))
+        held_s = block.drafting_s / max(load.batch, 1.0)
+        self.auto.record(entropies, probs, accepted, held_s, load.round_tokens(self.auto.round_trip.value))
 
     def _node_price(self) -> float | None:
         """trees auto and deep-auto: a verified node's price in tokens at the target's load now (None: unpriced)."""

@@ -187,18 +187,20 @@ def test_a_round_verifies_the_block_settles_and_feeds_back():
     assert h.session.stats.rounds == 1 and h.session.stats.accepted_lengths == [3]
 
 
-def test_auto_prices_a_waited_for_block_by_the_draft_steps_it_rode_over_the_batch():
-    """Policy auto: a block the target waited for held its session for every draft step it rode,
-    whatever share of them its own rows took; the target served the batch's other sessions
-    meanwhile. Its drafting goes into auto's fit as those steps over the sessions a target step
-    serves, and auto's round trip is what the round took beyond them."""
+@pytest.mark.parametrize("pipeline, held_s", [("sync", 0.001), ("async", 0.012 / 4)])
+def test_auto_prices_a_waited_for_block_by_what_it_held_its_session(pipeline, held_s):
+    """Policy auto: a block the target waited for held its session for every draft step it rode.
+    In sync a step carries only such blocks, so its share of them (draft_s) is its price; in
+    async follow-ups and prepared continuations ride the same steps, so it counts the steps it
+    rode over the sessions a target step serves (the target served the others meanwhile). auto's
+    round trip is what the round took beyond those steps."""
     estimate = AutoEstimate(prior_cost=0.25)
-    h = Harness(auto=SessionStop(estimate, True), load=lambda: TargetLoad(100.0, 0.0005, batch=4.0))
+    h = Harness(pipeline, auto=SessionStop(estimate, True), load=lambda: TargetLoad(100.0, 0.0005, batch=4.0))
     h.start()
     # three tokens over 12 ms of the draft's steps, of which its own rows' share was 1 ms
     h.deliver(h.block([11, 12, 13], started_at=1.0, finished_at=1.012, draft_s=0.001))
     h.verify(1, 20)
-    assert estimate.drafting.steps == 1 and estimate.drafting.fixed == pytest.approx(0.012 / 4)
+    assert estimate.drafting.steps == 1 and estimate.drafting.fixed == pytest.approx(held_s)
     h.clock += 0.05  # the feedback out, 10 ms of drafting (1 ms its share), the block back
     h.deliver(h.block([30, 31], started_at=5.0, finished_at=5.010, draft_s=0.001, trigger_at=5.0))
     assert h.session.gate.round_s == pytest.approx(0.05 - 0.001)  # the gate's: beyond its share
