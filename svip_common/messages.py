@@ -135,7 +135,7 @@ class DraftedBlock:
         return self.block.tokens
 
     @property
-    def drafting_s(self) -> float:
+    def elapsed_s(self) -> float:
         """How long the block took on the draft's clock, its first forward to its last: the steps
         it rode whole (other rows' shares too: draft_s counts its own), at least its compute."""
         return max(self.draft_s, self.finished_at - self.started_at)

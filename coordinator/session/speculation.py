@@ -49,7 +49,7 @@ class SpeculationBudget(SessionState):
             round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
             self.auto.record(entropies, probs, accepted, block.draft_s, round_tokens)
             return
-        held_s = block.drafting_s / max(load.batch, 1.0)
+        held_s = block.elapsed_s / max(load.batch, 1.0)
         self.auto.record(entropies, probs, accepted, held_s, load.round_tokens(self.auto.round_trip.value))
 
     def _node_price(self) -> float | None:
@@ -83,7 +83,7 @@ class SpeculationBudget(SessionState):
         if block.trigger_at and self._feedback_sent_at:
             self.gate.record_round_trip(max(0.0, received_at - self._feedback_sent_at - block.draft_s))
             if self.auto is not None:  # beyond the steps it rode, which auto counts as its drafting (_learn)
-                self.auto.round_trip.update(max(0.0, received_at - self._feedback_sent_at - block.drafting_s))
+                self.auto.round_trip.update(max(0.0, received_at - self._feedback_sent_at - block.elapsed_s))
             self._emit(DraftAnswered(received_at - self._feedback_sent_at))
             self.log.feedback_answered(block, self._feedback_sent_at)
             self._feedback_sent_at = 0.0
