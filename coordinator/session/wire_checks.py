@@ -15,13 +15,15 @@ from svip_common.trees import grows as tree_grows
 
 PREPARED_REACH_BLOCKS = 3  # a prepared block's parent lies within this many blocks of the committed tokens
 MAX_PREPARED = 64  # prepared blocks a session keeps at once (a draft prepares 8 per outstanding block, and 8 more)
+MAX_TIMING_S = 1e12  # a draft clock's reading (time.time(): about 1.8e9 now) or a duration: 31,700 years is no clock
 
 
 def check_timings(block: DraftedBlock) -> None:
-    """Its timings go into stats and the cost model: finite and not negative."""
+    """Its timings go into stats and the cost model (auto's price of a drafted token is a fit of
+    them): finite, not negative and within MAX_TIMING_S, so no product in a fit overflows."""
     for name in ("started_at", "finished_at", "draft_s", "trigger_at"):
         value = getattr(block, name)
-        if not math.isfinite(value) or value < 0:
+        if not math.isfinite(value) or not 0 <= value <= MAX_TIMING_S:
             raise WorkerError(f"draft worker sent a block whose {name} is {value!r}")
 
 

@@ -10,6 +10,7 @@ import random
 
 import pytest
 
+from coordinator.session.wire_checks import MAX_TIMING_S
 from draft_worker.policies import AutoPolicy, make_policy
 from svip_common.acceptance import (
     FEATURES,
@@ -21,7 +22,7 @@ from svip_common.acceptance import (
     features,
 )
 from svip_common.auto_prior import PRIOR_FILE, estimate_from, stored_prior
-from svip_common.auto_settings import AutoSettings
+from svip_common.auto_settings import MAX_AUTO_COST, AutoSettings
 from svip_common.contracts import PolicyConfig, StepState
 from svip_common.errors import InvalidRequest
 from svip_common.step_cost import TargetLoad
@@ -230,3 +231,20 @@ def test_a_blocks_own_overhead_never_traps_auto_at_one_token(seed):
     assert estimate.draft_token_s == pytest.approx(0.003, rel=0.05)
     assert estimate.cost(load) == pytest.approx(60.0 * 0.004, rel=0.05)
     assert sum(lengths[-100:]) / 100 >= 4.0, lengths[-20:]
+
+
+def test_the_longest_timing_a_target_takes_keeps_tau_finite_and_capped():
+    """A draft's timings reach auto's fit (across the workers, a block's span on the draft's
+    clock): the wire checks refuse any beyond MAX_TIMING_S, and at that bound the fit stays finite
+    and tau stops at MAX_AUTO_COST (every block one token); it recovers as ordinary blocks come."""
+    estimate = AutoEstimate(prior_cost=0.25)
+    stop = SessionStop(estimate, True)
+    load = TargetLoad(plain_rate=100.0, verify_token_s=0.0005, batch=1.0)
+    for i in range(8):
+        k = 1 + i % 3
+        stop.record([0.5] * k, [0.9] * k, accepted=k, draft_s=MAX_TIMING_S * k / 3, round_tokens=0.5)
+    assert math.isfinite(estimate.draft_token_s) and estimate.cost(load) == MAX_AUTO_COST
+    for i in range(1000):  # its weight decays by 0.95 a block: 1e12 s to under a nanosecond
+        k = 1 + i % 3
+        stop.record([0.5] * k, [0.9] * k, accepted=k, draft_s=0.002 * k, round_tokens=0.5)
+    assert estimate.cost(load) == pytest.approx(0.25, rel=0.01)

@@ -31,11 +31,12 @@ def _block(tokens, base=3, probs=True) -> DraftedBlock:
 
 
 @pytest.mark.parametrize("field", ["started_at", "finished_at", "draft_s", "trigger_at"])
-@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0])
-def test_timings_must_be_finite_and_not_negative(field, value):
+@pytest.mark.parametrize("value", [math.nan, math.inf, -1.0, 1e12 * 1.001, 1e308])
+def test_timings_must_be_finite_not_negative_and_a_clocks(field, value):
     with pytest.raises(WorkerError, match=field):
         check_timings(DraftedBlock(_block([]).block, **{field: value}))
     check_timings(DraftedBlock(_block([]).block, **{field: 1.5}))
+    check_timings(DraftedBlock(_block([]).block, **{field: 2e9}))  # a wall clock's reading (time.time())
 
 
 def test_a_good_block_comes_back_as_the_projects_block():
