@@ -45,12 +45,12 @@ class SpeculationBudget(SessionState):
             self.auto.record(entropies, probs, accepted, overlapped=True)
             return
         load = self._load()
-        if load is None or self.pipeline != "async":
-            round_tokens = load.round_tokens(self.gate.round_s) if load is not None else 0.0
-            self.auto.record(entropies, probs, accepted, block.draft_s, round_tokens)
-            return
-        held_s = block.elapsed_s / max(load.batch, 1.0)
-        self.auto.record(entropies, probs, accepted, held_s, load.round_tokens(self.auto.round_trip.value))
+        if load is not None and self.pipeline == "async":
+            held_s, round_s = block.elapsed_s / max(load.batch, 1.0), self.auto.round_trip.value
+        else:
+            held_s, round_s = block.draft_s, self.gate.round_s
+        round_tokens = load.round_tokens(round_s) if load is not None else 0.0
+        self.auto.record(entropies, probs, accepted, held_s, round_tokens)
 
     def _node_price(self) -> float | None:
         """trees auto and deep-auto: a verified node's price in tokens at the target's load now (None: unpriced)."""
