@@ -592,3 +592,31 @@ def test_auto_learns_an_overlapped_block_as_costing_its_round_the_targets_step(m
     held = result.stats.round_sources.count("followup") + result.stats.round_sources.count("prepared")
     assert seen.count(True) == held and (held >= 1 if pipeline == "async" else held == 0)
     assert False in seen
+
+
+def test_a_block_timed_past_any_clock_loses_its_sessions_draft_and_not_its_neighbours(models, prompt_ids, alone,
+                                                                                     monkeypatch):
+    """A draft's timings feed auto's price (coordinator/session/wire_checks.py MAX_TIMING_S): a
+    block whose finished_at is past any clock gives the draft up for its session alone, which
+    goes on with the target and ends exact; the session beside it keeps its draft, also exact."""
+    from coordinator.session import host
+    from svip_common.messages import DraftedBlock
+
+    real, hit = host.convert.draft_event_from_proto, []
+
+    def past_any_clock(event, width=None):
+        read = real(event, width)
+        if isinstance(read, DraftedBlock) and read.tokens and not hit:
+            hit.append(event.block.session_id)
+            read.finished_at = 1e13
+        return read
+
+    monkeypatch.setattr(host.convert, "draft_event_from_proto", past_any_clock)
+    pair = make_pair(models, "async", DRAFT_FIRST)
+    requests = [GenerationRequest(prompt_ids[name], MAX_NEW, policy=PolicyConfig(name="auto"))
+                for name in ("short", "medium")]
+    results = pair.generate_all(requests)
+    assert len(hit) == 1
+    assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests]
+    assert sorted(r.stats.detached for r in results) == [0, 1]
+    assert next(r for r in results if not r.stats.detached).stats.draft_tokens > 0

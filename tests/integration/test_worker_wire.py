@@ -191,6 +191,8 @@ def block(session_id: str, base: int, tokens) -> pb.Block:
     (block("bad-5", 7, [1]), "a block at base 7, committed 3"),
     (pb.Block(session_id="bad-6", base=3, tokens=[1] * 8, grows=1), "grew a block of 1 tokens by 8"),
     (pb.Block(session_id="bad-7", base=3, tokens=[10**6], grows=1), "drafted token id 1000000 is outside"),
+    # timed past any clock: a draft's timings feed auto's price (wire_checks.MAX_TIMING_S)
+    (pb.Block(session_id="bad-9", base=3, tokens=[1], finished_at=1e13), "whose finished_at is 10000000000000.0"),
     # unreadable as a block at all (read on the target's event loop, not its compute thread)
     (pb.Block(session_id="bad-8", base=3, tokens=[1, 1], q_probs=convert.floats_to_proto([0.5])),
      "block of 2 tokens carries 1 probabilities"),
