@@ -402,6 +402,11 @@ class BlockDraft:
         return self.cache if self.cache is not None else self._session._seq
 
     @property
+    def grows_below(self) -> bool:
+        """A deep tree's block: nodes grow below its siblings (their own forward at its end)."""
+        return self._grows
+
+    @property
     def pending_tokens(self) -> int:
         """What the block's next forward takes in (tokens, or a feature draft's pairs)."""
         pending = self._pending
@@ -476,14 +481,18 @@ class BlockDraft:
                 self._finish_tree()
 
     def split_off(self, keep: int) -> None:
-        """Its first ``keep`` tokens became a block of their own (a follow-up the target cut
-        there: growth.py); this one is now what it drafted past them, and drafts on from where it
-        stands: nothing is drafted again (the cache holds them), and a greedy chain's tokens after
-        the cut are the ones a block begun there would draft. A greedy chain only."""
+        """Its first ``keep`` tokens are settled apart from it (a follow-up the target cut there:
+        growth.py; or the tokens a verdict settled below the sibling this continuation was prepared
+        after: pipelined.py); this one is now what it drafted past them, and drafts on from where
+        it stands: nothing is drafted again (the cache holds them), and a greedy block's tokens
+        after the cut are the ones a block begun there would draft. Greedy, a chain or a tree
+        that grows nothing below its siblings (they keep their places); a block still drafting
+        may keep none."""
         block = self.block
-        if self._tree or self._q_rows or not 0 < keep < len(block.tokens):
-            raise ValueError(f"split a block of {len(block.tokens)} tokens after {keep} (a greedy chain's, "
-                             "keeping some on each side)")
+        keeps_some = 0 < keep < len(block.tokens) or (keep == len(block.tokens) > 0 and not self.done)
+        if self._grows or self._q_rows or not keeps_some:
+            raise ValueError(f"split a block of {len(block.tokens)} tokens after {keep} (a greedy chain's or "
+                             "flat tree's, keeping some past the cut unless it drafts on)")
         self._context = self._context + block.tokens[:keep]
         self.block = block.after(keep)
         self.alternatives = self.alternatives[keep:]

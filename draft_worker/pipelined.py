@@ -19,7 +19,10 @@ one forward at a time (a feedback that arrives preempts the work):
   sessions, one still drafting on past its stop is sent as it stands once its verdict is near,
   its rest as a growth when it ends: stepping.py ``_sent_now``, ``_take_sent`` below). Sampled
   (the correction is drawn here, from the target's p row): kept, and sent as soon as the drawn
-  correction matches. Either way every token is still verified by the target.
+  correction matches. Either way every token is still verified by the target. A tree's sibling
+  is such a rejection's token too: where the target takes it but settles the place after it itself
+  (its continuation came late), the continuation goes on past that place if it drafted the same
+  token there (sent at once if finished, else taken up as the block the target waits for).
 
 Two clocks. The block the target waits for (critical) ends where the length policy ends it: SVIP
 prices a drafted token as if it sat on the critical path, and there it does. A block the target is
@@ -46,6 +49,8 @@ alone meanwhile.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from draft_worker.line_state import Job
 from draft_worker.stepping import Stepping
@@ -192,9 +197,13 @@ class PipelinedDraft(Stepping):
         used = outcome.next == PREPARED
         usable = outcome.accepted < outcome.drafted and self.load_cap != 0 and (len(outcome.branch) <= 1 or used)
         ready = self.prepared.blocks.get(key) if usable else None
+        # a sibling taken and the place after it settled there: its continuation goes on past what they settled
+        below = outcome.below_sibling if usable and not used and self.session.sampling.greedy else None
+        if outcome.branch and not used:
+            ready = _past(ready, below)
         budget = min(self.limit - (key[0] + key[1] + 1) - 1, self.load_cap)
-        drafting = in_the_making(self.jobs, key, budget, self.session.sampling.greedy) \
-            if usable and not used and ready is None and not outcome.branch else None
+        drafting = in_the_making(self.jobs, key, budget, self.session.sampling.greedy, below) \
+            if usable and not used and ready is None and (not outcome.branch or below is not None) else None
         sent = self.sent_early.get(key) if used else None  # the target verifies it as sent before it ended
         if sent is not None:
             drafting = next((job for job in self.jobs if job.prepared_for == key), None)  # drafting on, if it is
@@ -211,7 +220,7 @@ class PipelinedDraft(Stepping):
         if outcome.after_sibling and ready is not None:
             _check_begins_branch(ready.block, outcome.branch)
         # what comes next was drafted on the fork of the one that goes on: drafting goes on from it
-        self.prepared.settle(key if ready is not None and (used or not outcome.branch) else None)
+        self.prepared.settle(key if ready is not None else None)
         if self.load_cap == 0:  # paused: the target goes on alone until a Resume
             self.paused = True
             return []
@@ -225,13 +234,15 @@ class PipelinedDraft(Stepping):
             self.outstanding.append(ready)
             self._plan()
             return []
-        if ready is not None and not outcome.branch:  # prepared here, not used there (late, or sampled): send it
+        if ready is not None:  # prepared here, not used there (late, or sampled): send it
             ready.block.epoch, ready.prepared_for, ready.reused = outcome.epoch, None, True
             ready.resolved_token, ready.trigger_at = resolved, received_at
             self.outstanding.append(ready)
             self._plan()
             return [ready]
         if drafting is not None:  # half drafted already: it goes on as the block the target waits for
+            if below:  # past the tokens the verdict settled below the sibling it was prepared after
+                drafting.draft.split_off(len(below))
             drafting.take_up(self.session, resolved)
             return self._make_critical(drafting, received_at)
         return self._next_block(resolved, received_at)
@@ -290,13 +301,36 @@ class PipelinedDraft(Stepping):
         return [item]
 
 
-def in_the_making(jobs: list[Job], key: PreparedKey, budget: int, greedy: bool) -> Job | None:
+def in_the_making(jobs: list[Job], key: PreparedKey, budget: int, greedy: bool,
+                  settled: tuple[int, ...] | None = None) -> Job | None:
     """The continuation being prepared for this rejection, if one is (not finished yet), and it
     may go on under ``budget`` (the cap the target's latest word sets). Greedy only: a sampled
     block's length must not depend on when its verdict came (its stops before then were taken
-    under the policy's state of that time; a seeded request reproduces)."""
+    under the policy's state of that time; a seeded request reproduces). settled: the tokens
+    the verdict settled past the sibling it is prepared after, which it must have drafted (it
+    goes on past them: a chain, or a tree that grows nothing below its siblings)."""
     job = next((job for job in jobs if job.prepared_for == key), None)
-    return job if job is not None and greedy and job.draft.cap(budget) else None
+    if job is None or not greedy:
+        return None
+    if settled is not None and not _begins_with(job.draft.block, settled, job.draft.grows_below):
+        return None
+    return job if job.draft.cap(budget) else None
+
+
+def _begins_with(block: Block, settled: tuple[int, ...], grows: bool) -> bool:
+    """Whether a continuation can go on past these settled tokens: it drafted them, and its
+    siblings hold no nodes grown below them (a flat tree's or a chain's)."""
+    return not grows and not block.grown and tuple(block.tokens[: len(settled)]) == settled
+
+
+def _past(ready: DraftedBlock | None, settled: tuple[int, ...] | None) -> DraftedBlock | None:
+    """A continuation finished after a sibling the verdict took, as it goes on past the tokens the
+    verdict settled below that sibling: the rest, if it drafted them and holds more; else None."""
+    if ready is None or settled is None or len(ready.tokens) <= len(settled) \
+            or not _begins_with(ready.block, settled, False):
+        return None
+    n = len(settled)
+    return replace(ready, block=ready.block.after(n), alternatives=ready.alternatives[n:])
 
 
 def _check_verified(verified: int | None, held: tuple[int, ...]) -> int:

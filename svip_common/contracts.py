@@ -303,10 +303,14 @@ class Block:
         return len(self.tokens)
 
     def after(self, keep: int) -> Block:
-        """A chain's tokens past its first ``keep``, with their q and entropies, as a block of their
-        own (its base that many places on, its epoch)."""
+        """Its tokens past its first ``keep``, with their q and entropies (and a tree's siblings at
+        each place), as a block of their own (its base that many places on, its epoch). Not a
+        tree with nodes grown below its siblings: they hang from the places cut off."""
+        if self.grown:
+            raise ValueError(f"cut a tree with {len(self.grown)} nodes grown below its siblings")
+        siblings = None if self.siblings is None else [list(s) for s in self.siblings[keep:]]
         return Block(base=self.base + keep, tokens=self.tokens[keep:], probs=self.probs[keep:],
-                     entropies=self.entropies[keep:], epoch=self.epoch)
+                     entropies=self.entropies[keep:], epoch=self.epoch, siblings=siblings)
 
 
 NO_TOKEN = -1

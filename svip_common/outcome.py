@@ -78,6 +78,16 @@ class Outcome:
         return self.base, self.accepted, self.branch[0] if self.branch else token
 
     @property
+    def below_sibling(self) -> tuple[int, ...] | None:
+        """What a verdict that took a tree's sibling settled past it, the target deciding the place
+        after (SETTLED): the nodes it took below the sibling, then its token. A continuation
+        prepared after that sibling goes on past them where it drafted the same. None: no sibling
+        taken, one whose continuation is verified next (PREPARED), or the token left to the draft."""
+        if not self.branch or self.next != SETTLED:
+            return None
+        return tuple(self.branch[1:]) + (self.token,)
+
+    @property
     def after_sibling(self) -> bool:
         """A continuation prepared after a tree's sibling is verified next: it begins with the
         nodes the branch took below that sibling, and its own verdict settles them."""

@@ -19,7 +19,7 @@ from coordinator.session.host import SessionHost
 from draft_worker.drafter import Drafter
 from draft_worker.pipelined import PipelinedDraft
 from draft_worker.stepping import work
-from svip_common.contracts import NO_TOKEN, Limits, PolicyConfig, SamplingParams
+from svip_common.contracts import NO_TOKEN, Block, Limits, PolicyConfig, SamplingParams
 from svip_common.pair_config import PairConfig
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -184,9 +184,9 @@ def test_a_stale_or_parentless_prepared_block_is_never_verified(host, models, lo
     assert finished.stats.prepared_used == 0 and finished.stats.discarded_tokens == 1
 
 
-def _pipelined(models, parallel: int) -> PipelinedDraft:
+def _pipelined(models, parallel: int, tree: str = "off") -> PipelinedDraft:
     drafter = Drafter(models["close_draft"], models["target"].vocab_size)
-    policy = PolicyConfig(name="svip", threshold=0.6)
+    policy = PolicyConfig(name="svip", threshold=0.6, tree=tree)
     session = drafter.open(SamplingParams(), policy, ())
     return PipelinedDraft(
         session=session,
@@ -312,6 +312,46 @@ def test_a_rejection_whose_continuation_is_half_drafted_takes_it_up_as_the_next_
     assert pool.used_pages == 0
 
 
+def test_a_branch_whose_continuation_is_half_drafted_takes_it_up_past_the_token_settled_after_it(models):
+    """Issue 60: a tree's verdict takes a sibling and the target settles the place after it (the
+    continuation prepared after that sibling was not in time), while that continuation is still
+    being drafted and drafted that very token: the job goes on past it as the block the target
+    waits for (its fork the session's cache, nothing drafted again), and sends the tree a block
+    begun there holds."""
+    draft = _pipelined(models, 3, tree="cape")
+    first = _first_block(draft)
+    job = None
+    while job is None:
+        assert work(draft, time.time()) is not None, "no continuation after a sibling was ever half drafted"
+        job = next((j for j in draft.jobs if j.prepared_for and j.prepared_for[0] == first.block.base
+                    and j.prepared_for[2] in first.block.siblings[j.prepared_for[1]]
+                    and len(j.draft.block.tokens) >= 2), None)
+    base, j, sibling = job.prepared_for
+    held = list(job.draft.block.tokens)
+    fork, forwards = job.draft.cache, draft.session.forwards
+    sent = apply_verdict(draft, time.time(), 1, base, len(first.block), j, held[0], None, False, 0.0,
+                         branch=(sibling,))
+    while not sent:
+        assert draft.critical is job  # not begun again
+        sent = work(draft, time.time())
+    (block,) = sent
+    known = draft.known
+    assert known == list(PROMPT) + first.block.tokens[:j] + [sibling, held[0]]
+    assert block.block.base == len(known) and block.tokens[: len(held) - 1] == held[1:]
+    assert block.reused and block.prepared_for is None and block.block.epoch == 1
+    assert len(block.block.siblings) == len(block.tokens)
+    assert draft.session.forwards - forwards == len(block.tokens) - (len(held) - 1)  # only what it added
+    if fork is not None:
+        assert draft.session._seq is fork
+    fresh = draft.session._drafter.open(SamplingParams(), PolicyConfig(name="svip", threshold=0.6, tree="cape"), ())
+    afresh = fresh.propose(known, 200 - len(known) + len(PROMPT) - 1).tokens
+    assert block.tokens[: len(afresh)] == afresh and (job.draft.extended or block.tokens == afresh)
+    fresh.close()
+    pool = draft.session._drafter.pool
+    draft.close()
+    assert pool.used_pages == 0
+
+
 @pytest.mark.parametrize("tree", ["off", "cape"])
 def test_a_block_in_the_making_takes_a_cap_it_can_keep(models, tree):
     """What a half-drafted continuation must allow to be taken up (BlockDraft.cap): a chain takes
@@ -361,15 +401,17 @@ def test_a_block_split_after_its_cut_drafts_on_as_one_begun_there(models):
     """BlockDraft.split_off, for a follow-up the target cut before all it holds (growth.py): the
     tokens past the cut, with their q, entropies and runners-up, become the block, which drafts on
     from where it stands; every token is the one a block begun at the cut drafts, with nothing
-    drafted again. A split that keeps nothing on a side, or a tree's, is refused."""
+    drafted again. A split that keeps nothing before the cut, or more than the block holds, is
+    refused; one that keeps nothing past it, only while the block drafts on."""
     drafter = Drafter(models["close_draft"], models["target"].vocab_size)
     session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=6), ())
     draft = session.begin(list(PROMPT), 40, alternatives=True)
     for _ in range(4):
         draft.step()
     drafted, forwards = list(draft.block.tokens), session.forwards
-    with pytest.raises(ValueError, match="keeping some on each side"):
-        draft.split_off(4)
+    for keep in (0, 5):
+        with pytest.raises(ValueError, match="keeping some past the cut"):
+            draft.split_off(keep)
     draft.split_off(3)
     assert draft.block.base == len(PROMPT) + 3 and draft.block.tokens == drafted[3:]
     while not draft.step():
@@ -385,12 +427,46 @@ def test_a_block_split_after_its_cut_drafts_on_as_one_begun_there(models):
         assert [q for _, q in ours] == pytest.approx([q for _, q in theirs], rel=1e-4)
     assert draft.block.probs == pytest.approx(fresh.block.probs, rel=1e-4)
     assert draft.block.entropies == pytest.approx(fresh.block.entropies, rel=1e-4)
-    tree = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=6, tree="cape"), ())
+    while not draft.step():  # done: a split must keep some past the cut now
+        pass
+    with pytest.raises(ValueError, match="keeping some past the cut"):
+        draft.split_off(len(draft.block.tokens))
+    for s in (session, fresh_session):
+        s.close()
+
+
+def test_a_flat_tree_split_after_its_cut_keeps_its_siblings_and_drafts_on_as_one_begun_there(models):
+    """BlockDraft.split_off of a CaPE tree (a continuation prepared after a sibling, past the token
+    the verdict settled after it: pipelined.py): its places past the cut keep their siblings, and
+    it drafts on to the tree a block begun at the cut drafts under the same cap. A deep tree's
+    (nodes grow below its siblings, hanging from places cut off) is refused, and so is a cut of a
+    block with grown nodes (Block.after)."""
+    drafter = Drafter(models["close_draft"], models["target"].vocab_size)
+    policy = PolicyConfig(name="constant", draft_length=6, tree="cape")
+    tree = drafter.open(SamplingParams(), policy, ())
     branching = tree.begin(list(PROMPT), 40, alternatives=True)
     branching.step(), branching.step()
-    with pytest.raises(ValueError, match="greedy chain"):
-        branching.split_off(1)
-    for s in (session, fresh_session, tree):
+    spine, siblings, forwards = list(branching.block.tokens), list(branching.block.siblings), tree.forwards
+    branching.split_off(1)
+    assert branching.block.base == len(PROMPT) + 1 and branching.block.tokens == spine[1:]
+    assert branching.block.siblings == siblings[1:]
+    while not branching.step():
+        pass
+    assert tree.forwards == forwards + 4 and len(branching.block.tokens) == 5  # six in all, one cut off
+    fresh_session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=5, tree="cape"), ())
+    fresh = fresh_session.begin(list(PROMPT) + spine[:1], 40, alternatives=True)
+    while not fresh.step():
+        pass
+    assert branching.block.tokens == fresh.block.tokens and branching.block.siblings == fresh.block.siblings
+    deep_session = drafter.open(SamplingParams(), PolicyConfig(name="constant", draft_length=6, tree="deep"), ())
+    deep = deep_session.begin(list(PROMPT), 40, alternatives=True)
+    deep.step(), deep.step()
+    with pytest.raises(ValueError, match="flat tree"):
+        deep.split_off(1)
+    grown = Block(base=3, tokens=[5, 6], probs=[0.9, 0.9], entropies=[0.1, 0.1], siblings=[[7], []], grown=[(2, 8)])
+    with pytest.raises(ValueError, match="grown below its siblings"):
+        grown.after(1)
+    for s in (tree, fresh_session, deep_session):
         s.close()
 
 def test_continuations_drafted_side_by_side_on_forks_are_the_ones_drafted_one_at_a_time(models):

@@ -235,3 +235,46 @@ def test_every_wave_learns_into_one_auto_estimate_from_the_pairs_prior(models, p
     assert len(made) == 1 and len(seen) == 2 and all(auto is made[0] for auto in seen)
     assert made[0].model(True).observed > 0  # both waves' verdicts went into it
     assert waves.outputs == [alone.generate(r).token_ids for r in requests]
+
+
+
+def test_a_tree_goes_on_from_the_continuation_after_the_sibling_its_verdict_took(monkeypatch):
+    """Issue 60: across the workers, a verdict that takes a CaPE sibling and settles the place
+    after it at the target goes on from the continuation prepared after that sibling where it
+    drafted that token: the rest of a finished one is sent at once, one in the making is taken up
+    past it. With a 70B target and an 8B draft on its own device such continuations are often
+    late for their verdict. The shipped pair on two held-out code prompts (the test models seldom
+    take a sibling): both happen, in virtual time, and each output is the target alone's."""
+    import draft_worker.pipelined as pipelined
+    from draft_worker.drafter import BlockDraft
+    from svip_assets import SPLIT_FILE, default_pair
+    from svip_bench.datasets import load_code_prompts
+    from svip_common.models import load_model
+
+    went_on = {"finished": 0, "in the making": 0}
+    past, split_off = pipelined._past, BlockDraft.split_off
+
+    def counted_past(ready, settled):
+        rest = past(ready, settled)
+        went_on["finished"] += rest is not None
+        return rest
+
+    def counted_split_off(draft, keep):
+        went_on["in the making"] += draft.block.siblings is not None
+        return split_off(draft, keep)
+
+    monkeypatch.setattr(pipelined, "_past", counted_past)
+    monkeypatch.setattr(BlockDraft, "split_off", counted_split_off)
+    target, draft = (load_model(path) for path in default_pair())
+    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
+    spec = parse_emulation("target=llama-3.1-70b@4xh100,draft=llama-3.1-8b@h100,link=0.1ms")
+    policy = PolicyConfig(name="svip", threshold=0.4, tree="cape")
+    for prompt in load_code_prompts(SPLIT_FILE, 2):
+        ids = tuple(target.tokenizer(prompt.text)["input_ids"][-192:])
+        request = GenerationRequest(ids, 48, policy=policy, ignore_eos=True)
+        pair = SimulatedPair(target, Verifier(target, limits.tokens), Drafter(draft, target.vocab_size, limits.tokens),
+                             limits, "async", spec, 0.0, load_aware="off")
+        pair.run_all([request])
+        (pending,) = pair.pending.values()
+        assert pending.result().token_ids == SpeculativeEngine(target, None).generate(request).token_ids
+    assert went_on["finished"] > 0 and went_on["in the making"] > 0, went_on

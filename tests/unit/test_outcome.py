@@ -28,6 +28,17 @@ def test_each_kind_leaves_known_what_its_verdict_settled():
     assert after.next == PREPARED and after.after_sibling and after.known(TOKENS) == [11, 12, 5]
 
 
+def test_past_a_sibling_a_verdict_settled_its_nodes_below_it_and_the_targets_token():
+    """Outcome.below_sibling: what a continuation prepared after the sibling goes on past where it
+    drafted the same; nothing where no sibling was taken, its continuation goes on (PREPARED), or
+    the draft draws the token (DRAW)."""
+    assert outcome_of(2, 10, 4, 2, 77, (5, 6), False, False).below_sibling == (6, 77)
+    assert outcome_of(2, 10, 4, 2, 77, (5,), False, False).below_sibling == (77,)
+    assert outcome_of(2, 10, 4, 2, 77, (), False, False).below_sibling is None
+    assert outcome_of(2, 10, 4, 2, 77, (5,), False, True).below_sibling is None
+    assert outcome_of(2, 10, 4, 2, NO_TOKEN, (5,), False, False).below_sibling is None
+
+
 @pytest.mark.parametrize("fields, words", [
     ((1, 10, 4, 5, 7, SETTLED), "accepts 5 of 4"),
     ((1, 10, 4, 3, 7, FOLLOWUP), "accepts the whole block"),

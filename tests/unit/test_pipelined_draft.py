@@ -350,10 +350,11 @@ def prepared_after_a_sibling():
 def test_a_continuation_prepared_after_a_sibling_follows_the_branch_that_takes_it():
     """A tree's verdict takes the sibling a continuation was prepared after: that continuation is
     the block in flight, its first place the token the target settled after the sibling (so the
-    draft does not know that token yet); unused, it is dropped (the target's next block starts past
-    that token), never sent again."""
+    draft does not know that token yet); unused, and the target's token there another than its
+    first, it is dropped (the target's next block starts past that token), never sent again."""
     for used in (True, False):
         s, first, sibling, ready = prepared_after_a_sibling()
+        assert ready.block.tokens[0] != 42
         out = apply_verdict(s, time.time(), 3, first.block.base, 3, 1, 42, None, used, time.time() + LATE,
                             branch=(sibling,))
         assert out == []
@@ -362,6 +363,31 @@ def test_a_continuation_prepared_after_a_sibling_follows_the_branch_that_takes_i
         else:
             assert s.outstanding == [] and s.known == PROMPT + first.block.tokens[:1] + [sibling, 42]
             assert s.critical is not None and s.critical.draft.block.base == len(s.known)
+
+
+@pytest.mark.parametrize("holds", ["more", "only that token", "another token"])
+def test_a_continuation_prepared_after_a_sibling_goes_on_past_the_token_settled_after_it(holds):
+    """Issue 60: the verdict takes the sibling and settles the place after it at the target (the
+    continuation came late, or was not used). Where the continuation drafted that very token, the
+    rest of it is the next block, sent now in the new epoch: nothing is drafted again. Where it
+    holds nothing past that token, or drafted another there, the draft begins afresh past it."""
+    s, first, sibling, ready = prepared_after_a_sibling()
+    drafted = list(ready.block.tokens)
+    settled = runner_up(drafted[0]) if holds == "another token" else drafted[0]
+    if holds == "only that token":
+        del ready.block.tokens[1:], ready.block.probs[1:], ready.block.entropies[1:]
+    begun = len(s.session.begun)
+    out = apply_verdict(s, time.time(), 3, first.block.base, 3, 1, settled, None, False, time.time() + LATE,
+                        branch=(sibling,))
+    assert s.known == PROMPT + first.block.tokens[:1] + [sibling, settled]
+    if holds != "more":
+        assert out == [] and s.outstanding == [] and s.critical.draft.block.base == len(s.known)
+        assert s.session.begun[begun:] == [(tuple(s.known), 20 + len(PROMPT) - len(s.known) - 1)]
+        return
+    (rest,) = out
+    assert rest.block.base == len(s.known) and rest.block.tokens == drafted[1:] and rest.block.epoch == 3
+    assert rest.alternatives == ready.alternatives[1:] and rest.reused and rest.prepared_for is None
+    assert s.outstanding == [rest] and len(s.session.begun) == begun
 
 
 def test_a_continuation_prepared_after_a_sibling_serves_a_deep_branch_that_begins_it():
