@@ -22,7 +22,8 @@ one forward at a time (a feedback that arrives preempts the work):
   correction matches. Either way every token is still verified by the target. A tree's sibling
   is such a rejection's token too: where the target takes it but settles the place after it itself
   (its continuation came late), the continuation goes on past that place if it drafted the same
-  token there (sent at once if finished, else taken up as the block the target waits for).
+  token there (sent at once if finished, else taken up as the block the target waits for, ending
+  at the first stop it drafted on past after that token).
 
 Two clocks. The block the target waits for (critical) ends where the length policy ends it: SVIP
 prices a drafted token as if it sat on the critical path, and there it does. A block the target is
@@ -242,7 +243,7 @@ class PipelinedDraft(Stepping):
             return [ready]
         if drafting is not None:  # half drafted already: it goes on as the block the target waits for
             if below:  # past the tokens the verdict settled below the sibling it was prepared after
-                drafting.draft.split_off(len(below))
+                drafting.draft.go_on_past(len(below))
             drafting.take_up(self.session, resolved)
             return self._make_critical(drafting, received_at)
         return self._next_block(resolved, received_at)
