@@ -41,6 +41,7 @@ from svip_common.trees import (
     cape_siblings,
     grown_children,
     grows_last_place,
+    kept_places,
     q_rows_within,
     sibling_nodes,
 )
@@ -229,7 +230,8 @@ class Drafter:
 class DraftSession:
     can_fork = True  # blocks drafted side by side on forks of its cache (``begin(fork=True)``)
     tree = "off"  # "cape" / "auto": each block a token tree (svip_common/trees.py); else a chain
-    node_price = 0.0  # tree "auto": a verified node's price in tokens (the caller sets it from the load)
+    node_price = 0.0  # a tree's: a verified node's price in tokens (the caller sets it from the load; "auto"
+    # prices its siblings by it, any tree the places a continuation taken up past a sibling keeps)
     forward_price = 0.0  # tree "deep-auto": a draft forward of a block's own, in tokens (trees.forward_price;
     # the caller sets it from the session's rate; 0: free)
     drafted = accepted = 0  # tokens of its blocks the verdicts judged, and of them accepted (``feedback``)
@@ -505,15 +507,20 @@ class BlockDraft:
     def go_on_past(self, keep: int) -> bool:
         """Taken up as the block the target waits for past its first ``keep`` tokens, which a
         verdict settled (a continuation prepared after the sibling it took: pipelined.py). Past a
-        stop of its policy after them, it ends at the first such stop, holding what a block begun
-        there would (a tree's places past it carry siblings, a row each in the target's forward:
-        sending them all cost 8% at 8B/1B with 32 sessions). Past a stop only before them, what it
-        holds leaves as it stands (the caller sends a block past a stop at once); holding nothing
-        yet, it drafts on to a stop of its own. Returns ``done``."""
+        stop of its policy after them, it ends where its places stop paying for their nodes at the
+        target's node price (trees.kept_places: a tree's places carry siblings, a row each in the
+        target's forward; sending them all cost 8% at 8B/1B with 32 sessions), never before that
+        stop. Past a stop only before them, what it holds leaves as it stands (the caller sends a
+        block past a stop at once); holding nothing yet, it drafts on to a stop of its own.
+        Returns ``done``."""
         self.split_off(keep)
         if self.stops_passed:
-            end = self.stops_passed[0]
             block = self.block
+            siblings = block.siblings or [[] for _ in block.tokens]
+            q = [dict(self.alternatives[i]) if i < len(self.alternatives) else {} for i in range(len(block.tokens))]
+            mass = [sum(q[i].get(t, 0.0) for t in place) for i, place in enumerate(siblings)]
+            end = kept_places(block.probs, mass, list(map(len, siblings)), self.stops_passed[0],
+                              self._session.node_price)
             del block.tokens[end:], block.probs[end:], block.entropies[end:], self.alternatives[end:]
             if block.siblings is not None:
                 del block.siblings[end:]

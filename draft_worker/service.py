@@ -20,7 +20,6 @@ from svip_common.errors import InvalidRequest, exit_on_device_failure
 from svip_common.kv_cache import PoolFull
 from svip_common.messages import DraftedBlock, Feedback, Resume
 from svip_common.step_cost import Ewma, StepCost, row_share
-from svip_common.trees import priced as tree_priced
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
 from svip_proto import svip_pb2_grpc as pb_grpc
@@ -309,13 +308,14 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
 
 
 def _price(session: PipelinedDraft, price: float | None) -> None:
-    """tree auto: a verified node's price at the target's load, for the session's next trees; a
-    price for a session of another tree is INVALID_ARGUMENT."""
+    """A tree's: a verified node's price at the target's load, for the session's next trees (auto
+    and deep-auto price their siblings by it, any tree the places of a continuation taken up past a
+    sibling); a price for a chain's session is INVALID_ARGUMENT."""
     if price is None:
         return
     tree = getattr(session.session, "tree", "off")
-    if not tree_priced(tree):
-        raise InvalidRequest(f"a node price for a session of tree {tree!r} (only auto and deep-auto take one)")
+    if tree == "off":
+        raise InvalidRequest("a node price for a session of tree 'off' (only a tree's session takes one)")
     session.session.node_price = price
 
 

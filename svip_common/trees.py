@@ -44,6 +44,7 @@ plus its depth.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from svip_common.errors import InvalidRequest
@@ -126,6 +127,20 @@ def cape_siblings(token_prob: float, ranked: Sequence[tuple[int, float]], room: 
     price of a verified node, in tokens the target alone makes meanwhile (``node_price``)."""
     kept = ranked[: min(cape_candidates(token_prob) - 1, max(room, 0))]
     return [token for token, q in kept if reach * q > price]
+
+
+def kept_places(probs: Sequence[float], sibling_mass: Sequence[float], sibling_counts: Sequence[int], first: int,
+                price: float) -> int:
+    """How many places a continuation taken up past a sibling keeps, having drafted on past its
+    policy's stop after ``first`` places: those, then each next place while the draft's chance
+    that it settles a token (that the spine holds up to it, times its token's q plus its siblings'
+    ``sibling_mass``) is above what its nodes cost (its token and ``sibling_counts`` siblings, a row
+    each, at ``price``: node_price; 0, free, keeps them all)."""
+    reach, end = math.prod(probs[:first]), first
+    while end < len(probs) and reach * (probs[end] + sibling_mass[end]) > price * (1 + sibling_counts[end]):
+        reach *= probs[end]
+        end += 1
+    return end
 
 
 def node_price(plain_rate: float, verify_token_s: float) -> float:

@@ -12,7 +12,6 @@ from coordinator.session.state import DraftMode, SessionState
 from svip_common.acceptance import StopRule
 from svip_common.messages import DraftedBlock
 from svip_common.trees import node_price
-from svip_common.trees import priced as tree_priced
 
 
 class SpeculationBudget(SessionState):
@@ -53,8 +52,10 @@ class SpeculationBudget(SessionState):
         self.auto.record(entropies, probs, accepted, held_s, round_tokens)
 
     def _node_price(self) -> float | None:
-        """trees auto and deep-auto: a verified node's price in tokens at the target's load now (None: unpriced)."""
-        if not tree_priced(self.request.policy.tree):
+        """A tree's: a verified node's price in tokens at the target's load now (None: a chain's).
+        Trees auto and deep-auto price their siblings by it; any tree, the places a continuation
+        taken up past a sibling keeps (draft_worker/drafter.py, ``go_on_past``)."""
+        if self.request.policy.tree == "off":
             return None
         load = self._load()
         return 0.0 if load is None else node_price(load.plain_rate, load.verify_token_s)

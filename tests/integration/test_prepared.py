@@ -339,17 +339,14 @@ def test_a_branch_whose_continuation_is_half_drafted_takes_it_up_past_the_token_
     assert known == list(PROMPT) + first.block.tokens[:j] + [sibling, held[0]]
     assert block.block.base == len(known) and block.reused and block.prepared_for is None and block.block.epoch == 1
     assert len(block.block.siblings) == len(block.tokens)
-    if own_stops:  # it drafted on past a stop after the settled token: it ends at the first
-        assert block.tokens == held[1: 1 + own_stops[0]]
-    else:
-        assert block.tokens[: len(held) - 1] == held[1:]
+    assert block.tokens[: len(held) - 1] == held[1:]  # the node price is 0 here: every place it held pays
     assert draft.session.forwards - forwards == max(0, len(block.tokens) - (len(held) - 1))  # only what it added
     if fork is not None:
         assert draft.session._seq is fork
     fresh = draft.session._drafter.open(SamplingParams(), PolicyConfig(name="svip", threshold=0.6, tree="cape"), ())
     afresh = fresh.propose(known, 200 - len(known) + len(PROMPT) - 1).tokens
     assert block.tokens[: len(afresh)] == afresh and (job.draft.extended or block.tokens == afresh)
-    assert not own_stops or block.tokens == afresh  # past its own stop, it holds what a fresh block does
+    assert not own_stops or block.tokens == held[1:]  # past its own stop: it leaves at once
     fresh.close()
     pool = draft.session._drafter.pool
     draft.close()
@@ -357,23 +354,28 @@ def test_a_branch_whose_continuation_is_half_drafted_takes_it_up_past_the_token_
 
 
 @pytest.mark.parametrize("tree", ["off", "cape"])
-def test_a_block_taken_up_past_settled_tokens_ends_at_its_first_stop_past_them(models, tree):
+@pytest.mark.parametrize("price", [0.0, 1e9])
+def test_a_block_taken_up_past_settled_tokens_keeps_the_places_past_its_stop_that_pay(models, tree, price):
     """BlockDraft.go_on_past (a continuation after a sibling, taken up past the tokens its verdict
     settled): the policy's stops it drafted on past before the cut are no longer its own; past one
-    after it, it ends there (with its siblings and runners-up to there, nothing drafted again);
-    holding nothing past the cut, it drafts on to a stop of its own."""
+    after it, it keeps the places that pay for their nodes at the target's node price (all when
+    nodes are free; at a price none pays, it ends at that stop), with their siblings and runners-up,
+    nothing drafted again; holding nothing past the cut, it drafts on to a stop of its own."""
     drafter = Drafter(models["close_draft"], models["target"].vocab_size)
     policy = PolicyConfig(name="svip", threshold=0.01, tree=tree)  # SVIP this low stops at every token
     session = drafter.open(SamplingParams(), policy, ())
+    session.node_price = price
     draft = session.begin(list(PROMPT), 40, alternatives=True)
     draft.extends = lambda: True  # off the critical path: it drafts on past each stop
     for _ in range(4):
         assert not draft.step()
     assert draft.stops_passed == [1, 2, 3, 4] and draft.extended == 4
     tokens, siblings, forwards = list(draft.block.tokens), draft.block.siblings, session.forwards
+    kept = 4 if price == 0.0 else 3
     assert draft.go_on_past(2)
-    assert draft.block.base == len(PROMPT) + 2 and draft.block.tokens == tokens[2:3] and len(draft.alternatives) == 1
-    assert draft.block.siblings == (None if siblings is None else siblings[2:3]) and session.forwards == forwards
+    assert draft.block.base == len(PROMPT) + 2 and draft.block.tokens == tokens[2:kept]
+    assert len(draft.alternatives) == kept - 2 and session.forwards == forwards
+    assert draft.block.siblings == (None if siblings is None else siblings[2:kept])
     session.close()
     session = drafter.open(SamplingParams(), policy, ())
     draft = session.begin(list(PROMPT), 40, alternatives=True)

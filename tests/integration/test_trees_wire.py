@@ -134,6 +134,23 @@ def test_auto_prices_nodes_at_the_load_the_target_sends(models, prompt_ids, alon
     assert dear.stats.rounds > 1 and dear.stats.branches == 0
 
 
+def test_a_cape_session_takes_the_node_price_and_keeps_its_width(models, prompt_ids, alone, monkeypatch):
+    """Every tree's session gets the node price now (a continuation taken up past a sibling keeps
+    the places that pay: BlockDraft.go_on_past); CaPE's siblings are not priced by it: at a price
+    no sibling would pay, its trees keep their width, and the output stays the target alone's."""
+    from draft_worker import service
+
+    taken, price = [], service._price
+    monkeypatch.setattr(service, "_price", lambda session, p: (taken.append(p), price(session, p))[1])
+    request = GenerationRequest(prompt_ids["medium"], MAX_NEW, policy=PolicyConfig(name="svip", threshold=0.6,
+                                                                                   tree="cape"))
+    pair = make_pair(models, "async", DRAFT_FIRST)
+    pair.host.verifier.load = lambda *a, **k: _Load(1.0)
+    dear = pair.generate(request)
+    assert dear.token_ids == alone[request.prompt_ids] and dear.stats.tree_nodes > dear.stats.draft_tokens
+    assert 1000.0 in taken  # the price the target's load sets reached the draft's CaPE session
+
+
 class _Load:
     """The target's load as the test sets it (not as the wall clock measures it): verify_token_s 1
     makes a node cost 1000 tokens, 0 nothing."""

@@ -494,3 +494,17 @@ def test_a_continuation_less_likely_than_a_rows_share_of_the_step_is_not_prepare
         s.start(time.time())
         sent = drain(s)
         assert any(o.prepared_for is not None for o in sent) is prepared
+
+
+def test_a_node_price_is_taken_by_a_trees_session_only():
+    """The target's node price reaches every tree's session (CaPE's too: a continuation taken up
+    past a sibling keeps the places that pay); a price for a chain's session is refused by name."""
+    from draft_worker.service import _price
+
+    s = session(pipelined=True)
+    with pytest.raises(InvalidRequest, match="tree 'off'"):
+        _price(s, 0.5)
+    s.session.tree = "cape"
+    _price(s, 0.5)
+    _price(s, None)  # no word: the last price stands
+    assert s.session.node_price == 0.5

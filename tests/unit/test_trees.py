@@ -18,6 +18,7 @@ from svip_common.trees import (
     greedy_path,
     grown_children,
     grows_last_place,
+    kept_places,
     node_parents,
     node_paths,
     node_tokens,
@@ -80,6 +81,20 @@ def test_the_last_places_own_forward_grows_where_its_children_pay_its_price():
     assert grows_last_place([0.3, 0.2], acceptance=0.8, price=0.39)  # 0.5 x 0.8 = 0.4 pays 0.39
     assert not grows_last_place([0.3, 0.2], acceptance=0.8, price=0.41)
     assert not grows_last_place([], acceptance=1.0, price=0.01)  # no sibling there: nothing to grow
+
+
+def test_a_taken_up_continuation_keeps_the_places_past_its_stop_that_pay_their_nodes():
+    """kept_places: never fewer than the places up to the policy's stop; past it, each place while
+    the draft's chance it settles a token (the spine's chance up to it, times its token's q plus
+    its siblings') is above its nodes at the price; free (0), all of them."""
+    probs, mass, counts = [0.9, 0.5, 0.8, 0.5], [0.05, 0.3, 0.1, 0.2], [1, 3, 1, 2]
+    assert kept_places(probs, mass, counts, 1, 0.0) == 4
+    assert kept_places(probs, mass, counts, 1, 1e9) == 1
+    # place 1: 0.9 x (0.5 + 0.3) = 0.72 over 4 nodes; place 2: 0.45 x 0.9 = 0.405 over 2; place 3: 0.36 x 0.7
+    # = 0.252 over 3
+    assert kept_places(probs, mass, counts, 1, 0.17) == 3 and kept_places(probs, mass, counts, 1, 0.19) == 1
+    assert kept_places(probs, mass, counts, 1, 0.2) == 1 and kept_places(probs, mass, counts, 2, 0.2) == 3
+    assert kept_places(probs, [0.0] * 4, [0] * 4, 4, 1e9) == 4  # nothing past the stop to price
 
 
 @pytest.mark.parametrize("p, kept", [(0.1, 8), (0.29, 8), (0.3, 6), (0.59, 6), (0.6, 4), (0.79, 4), (0.8, 2), (1.0, 2)])
