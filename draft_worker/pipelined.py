@@ -22,8 +22,8 @@ one forward at a time (a feedback that arrives preempts the work):
   correction matches. Either way every token is still verified by the target. A tree's sibling
   is such a rejection's token too: where the target takes it but settles the place after it itself
   (its continuation came late), the continuation goes on past that place if it drafted the same
-  token there (sent at once if finished, else taken up as the block the target waits for, ending
-  at the first stop it drafted on past after that token).
+  token there (sent at once if finished, else taken up as the block the target waits for, keeping
+  past its stop the places that pay for their nodes at the target's node price).
 
 Two clocks. The block the target waits for (critical) ends where the length policy ends it: SVIP
 prices a drafted token as if it sat on the critical path, and there it does. A block the target is
