@@ -517,13 +517,12 @@ class BlockDraft:
         if self.stops_passed:
             block = self.block
             siblings = block.siblings or [[] for _ in block.tokens]
-            q = [dict(self.alternatives[i]) if i < len(self.alternatives) else {} for i in range(len(block.tokens))]
-            mass = [sum(q[i].get(t, 0.0) for t in place) for i, place in enumerate(siblings)]
+            ranked = self.alternatives or [[] for _ in block.tokens]  # kept per token, or none at all
+            mass = [sum(q for token, q in at if token in place) for at, place in zip(ranked, siblings, strict=True)]
             end = kept_places(block.probs, mass, list(map(len, siblings)), self.stops_passed[0],
                               self._session.node_price)
-            del block.tokens[end:], block.probs[end:], block.entropies[end:], self.alternatives[end:]
-            if block.siblings is not None:
-                del block.siblings[end:]
+            block.keep_first(end)
+            del self.alternatives[end:]
             self.stops_passed, self.done = [], True
             self._ended()
         elif not self.block.tokens:

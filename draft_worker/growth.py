@@ -84,7 +84,8 @@ class Growth:
             else:
                 tail, alternatives = block.after(keep), item.alternatives[keep:]
             rest = DraftedBlock(tail, False, started_at=item.started_at, alternatives=alternatives)
-        del block.tokens[keep:], block.probs[keep:], block.entropies[keep:], item.alternatives[keep:]
+        block.keep_first(keep)
+        del item.alternatives[keep:]
         self.clear()
         return True, rest
 

@@ -313,22 +313,22 @@ def in_the_making(jobs: list[Job], key: PreparedKey, budget: int, greedy: bool,
     job = next((job for job in jobs if job.prepared_for == key), None)
     if job is None or not greedy:
         return None
-    if settled is not None and not _begins_with(job.draft.block, settled, job.draft.grows_below):
+    if settled is not None and (job.draft.grows_below or not _begins_with(job.draft.block, settled)):
         return None
     return job if job.draft.cap(budget) else None
 
 
-def _begins_with(block: Block, settled: tuple[int, ...], grows: bool) -> bool:
+def _begins_with(block: Block, settled: tuple[int, ...]) -> bool:
     """Whether a continuation can go on past these settled tokens: it drafted them, and its
     siblings hold no nodes grown below them (a flat tree's or a chain's)."""
-    return not grows and not block.grown and tuple(block.tokens[: len(settled)]) == settled
+    return not block.grown and tuple(block.tokens[: len(settled)]) == settled
 
 
 def _past(ready: DraftedBlock | None, settled: tuple[int, ...] | None) -> DraftedBlock | None:
     """A continuation finished after a sibling the verdict took, as it goes on past the tokens the
     verdict settled below that sibling: the rest, if it drafted them and holds more; else None."""
     if ready is None or settled is None or len(ready.tokens) <= len(settled) \
-            or not _begins_with(ready.block, settled, False):
+            or not _begins_with(ready.block, settled):
         return None
     n = len(settled)
     return replace(ready, block=ready.block.after(n), alternatives=ready.alternatives[n:])

@@ -312,6 +312,17 @@ class Block:
         return Block(base=self.base + keep, tokens=self.tokens[keep:], probs=self.probs[keep:],
                      entropies=self.entropies[keep:], epoch=self.epoch, siblings=siblings)
 
+    def keep_first(self, n: int) -> None:
+        """It ends after its first ``n`` places, in place: the rest go, with their q, entropies,
+        q rows and a tree's siblings. Not a tree with nodes grown below its siblings."""
+        if self.grown:
+            raise ValueError(f"cut a tree with {len(self.grown)} nodes grown below its siblings")
+        del self.tokens[n:], self.probs[n:], self.entropies[n:]
+        if self.siblings is not None:
+            del self.siblings[n:]
+        if self.q_rows is not None:
+            self.q_rows = self.q_rows[:n]
+
 
 NO_TOKEN = -1
 
