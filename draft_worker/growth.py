@@ -1,5 +1,6 @@
-"""A follow-up that grows at the target until it is verified (async, greedy chains): part of the
-draft session's protocol (pipelined.py), pure, on the draft worker's compute thread.
+"""A follow-up that grows at the target until it is verified (async, greedy chains and flat trees,
+each growth's places with their siblings): part of the draft session's protocol (pipelined.py),
+pure, on the draft worker's compute thread.
 
 The follow-up (the block drafted on top of the one being verified) is sent at the first stop its
 policy makes, and drafted on past it while another forward ends before its verdict is due

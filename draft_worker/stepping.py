@@ -10,6 +10,7 @@ from draft_worker.drafter import BlockDraft
 from draft_worker.growth import growth_of
 from draft_worker.line_state import EARLY_FORWARDS, Job, LineState, Prepared
 from svip_common.messages import DraftedBlock, PreparedKey
+from svip_common.trees import grows as tree_grows
 
 
 class Stepping(LineState):
@@ -102,8 +103,9 @@ class Stepping(LineState):
         after a verdict that came sooner than the mean wait, and at several sessions its next
         forward had begun without them. Each is sent once and drafts on (the rest follows as a
         growth of it when it ends); if the verdict uses it, what it drafted past the tokens the
-        target held goes on as the next follow-up (pipelined.py ``_take_sent``). Greedy chains,
-        where the worker drafts for several sessions (at one, the target waits for a late one)."""
+        target held goes on as the next follow-up (pipelined.py ``_take_sent``). Greedy chains and
+        flat trees, where the worker drafts for several sessions (at one, the target waits for a
+        late one)."""
         if not (self.shared and self.send_prepared and self.outstanding):
             return []
         ahead = self.now + EARLY_FORWARDS * (self.timing.forward_s.value or 0.0)
@@ -112,8 +114,7 @@ class Stepping(LineState):
         sent = []
         for job in self.jobs:
             key, draft = job.prepared_for, job.draft
-            if key is None or draft.done or not draft.extended or key in self.sent_early \
-                    or draft.block.siblings is not None:
+            if key is None or draft.done or not draft.extended or key in self.sent_early or self._grows_below:
                 continue
             item = self._outgoing(draft, job.started_at, key, 0.0)
             item.block, item.alternatives = draft.block.after(0), list(draft.alternatives)  # as sent: the job goes on
@@ -168,10 +169,17 @@ class Stepping(LineState):
         return self.timing.room_for_a_forward(self.now + (self.timing.forward_s.value or 0.0), self.outstanding)
 
     def _grows(self, job: Job) -> bool:
-        """A greedy chain's follow-up grows at the target where other sessions keep it busy: at one
-        session the target waits for a late follow-up, filling its first place itself (measured:
-        docs/benchmarks.md, the follow-up that grows)."""
-        return self.shared and job.followup and job.draft.block.siblings is None and self.session.sampling.greedy
+        """A greedy chain's or flat tree's follow-up grows at the target where other sessions keep
+        it busy: at one session the target waits for a late follow-up, filling its first place
+        itself (measured: docs/benchmarks.md, the follow-up that grows)."""
+        return self.shared and job.followup and not self._grows_below and self.session.sampling.greedy
+
+    @property
+    def _grows_below(self) -> bool:
+        """The session's trees grow nodes below their siblings (deep, deep-auto): its blocks are
+        sent whole, as they end (their grown nodes follow the spine in the layout: a longer spine
+        would move them; the target refuses a growth of such a session, wire_checks.py)."""
+        return tree_grows(self.session.tree)
 
 
 def work(draft: Stepping, now: float) -> list[DraftedBlock] | None:

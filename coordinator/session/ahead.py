@@ -7,10 +7,10 @@ one applies; tests/unit/test_session_pipeline.py drives it without models."""
 
 from __future__ import annotations
 
-from svip_common.contracts import GenerationStats
+from svip_common.contracts import Block, GenerationStats
 from svip_common.errors import WorkerError
 from svip_common.messages import DraftedBlock, PreparedKey
-from svip_common.trees import begins_branch
+from svip_common.trees import MAX_TREE_NODES, begins_branch
 
 Waiting = tuple[DraftedBlock, float]  # a block and when it was received
 
@@ -27,7 +27,9 @@ class AheadBlocks:
     def grow(self, more: DraftedBlock) -> bool:
         """More tokens of the follow-up held here, or of the prepared continuation for
         ``more.prepared_for`` (``more.grows``: what it holds already, as the draft sent it); whether
-        it still was (else it was verified or dropped: too late)."""
+        it still was (else it was verified or dropped: too late). A flat tree's places come with
+        their siblings (a tree's block whose places kept none travels as a chain), its nodes
+        MAX_TREE_NODES at most with what is held."""
         if more.prepared_for is not None:
             waiting = self.prepared.get(more.prepared_for)
             held = waiting[0] if waiting is not None else None
@@ -38,6 +40,11 @@ class AheadBlocks:
         block = held.block
         if bool(block.probs) != bool(more.block.probs):
             raise WorkerError("draft worker grew a block with q(d) where it sent none, or none where it did")
+        if more.block.siblings is not None or block.siblings is not None:
+            if block.nodes + more.block.nodes > MAX_TREE_NODES:
+                raise WorkerError(f"draft worker grew a tree of {block.nodes} nodes by {more.block.nodes}; "
+                                  f"the cap is {MAX_TREE_NODES}")
+            block.siblings = _places(block) + _places(more.block)
         block.tokens += more.tokens
         block.probs += more.block.probs
         block.entropies += more.block.entropies
@@ -76,3 +83,8 @@ class AheadBlocks:
     def drop_all(self) -> None:
         self.drop_followup()
         self.drop_prepared()
+
+
+def _places(block: Block) -> list[list[int]]:
+    """A block's siblings place by place (a chain's: none at each)."""
+    return block.siblings if block.siblings is not None else [[] for _ in block.tokens]

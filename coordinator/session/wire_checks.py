@@ -66,12 +66,14 @@ def check_block(drafted: DraftedBlock, committed: int, request: GenerationReques
 
 
 def check_growth(more: DraftedBlock, request: GenerationRequest, limits: Limits) -> None:
-    """More tokens of a greedy chain's follow-up or prepared continuation (growth.py,
+    """More tokens of a greedy chain's or flat tree's follow-up or prepared continuation (growth.py,
     stepping.py's ``_sent_now``): ids in range, within the cap, a q for each where the draft sends
-    them, nothing of a tree or sampling."""
+    them, a tree's siblings well formed, nothing sampled, nothing of a deep tree's session (its grown
+    nodes follow the spine in the layout: a longer spine would move them). The tree's nodes with
+    what is held: AheadBlocks.grow."""
     block = more.block
-    if block.siblings is not None or not request.sampling.greedy:
-        raise WorkerError("draft worker grew a block other than a greedy chain")
+    if not request.sampling.greedy or tree_grows(request.policy.tree):
+        raise WorkerError("draft worker grew a block other than a greedy chain or flat tree")
     try:
         check_token_ids(block.tokens, limits.tokens, "drafted token id")
     except InvalidRequest as exc:
@@ -81,6 +83,8 @@ def check_growth(more: DraftedBlock, request: GenerationRequest, limits: Limits)
                           f"{limits.max_draft_length}")
     if block.probs and len(block.probs) != len(block):
         raise WorkerError("draft worker grew a block with q(d) for some of its tokens")
+    if block.siblings is not None:
+        _check_tree(block, request, limits)
 
 
 def _check_tree(block: Block, request: GenerationRequest, limits: Limits) -> None:

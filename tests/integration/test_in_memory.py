@@ -406,6 +406,45 @@ def test_prepared_continuations_sent_before_they_end_keep_every_output_the_targe
     assert taken, "no verdict used a continuation sent before it ended"
 
 
+def test_flat_trees_grow_at_the_target_and_send_continuations_early_keeping_every_output(
+        models, prompt_ids, alone, monkeypatch):
+    """Issue 60, trees at several sessions: a flat tree's follow-up leaves at its first stop and
+    grows at the target, its growths carrying their places' siblings (growth.py, AheadBlocks.grow),
+    and a tree continuation drafting on past its stop is sent as it stands (stepping.py
+    ``_sent_now``), as a chain's do. Under random interleavings every greedy output is the target
+    alone's, no session goes on without its draft, growths with siblings reach the target in time,
+    and verdicts use continuations sent early. Nothing reads this machine's clock: a block drafts
+    past its stop for at most three tokens, a row costs nothing, and a continuation past its stop
+    is sent at once."""
+    import draft_worker.service as service_module
+    import draft_worker.stepping as stepping_module
+    from coordinator.session.ahead import AheadBlocks
+    from draft_worker.pipelined import PipelinedDraft
+    from draft_worker.stepping import Stepping
+    from tests.policies import TREE_POLICIES
+
+    monkeypatch.setattr(service_module, "row_share", lambda cost: 0.0)
+    monkeypatch.setattr(Stepping, "_extends", lambda draft, job: job is not draft.critical and bool(
+        draft.outstanding) and job.draft.extended < 3)
+    monkeypatch.setattr(stepping_module, "EARLY_FORWARDS", 1e9)
+    grown, taken = [], []
+    grow = AheadBlocks.grow
+    monkeypatch.setattr(AheadBlocks, "grow", lambda ahead, more: grown.append(
+        (grow(ahead, more), more.block.siblings is not None)) or grown[-1][0])
+    take_sent = PipelinedDraft._take_sent
+    monkeypatch.setattr(PipelinedDraft, "_take_sent", lambda draft, *args: taken.append(args[0]) or take_sent(
+        draft, *args))
+    prompts = list(prompt_ids.values())
+    policies = [TREE_POLICIES[name] for name in ("svip-cape", "svip-auto", "constant-cape")]
+    requests = [GenerationRequest(prompts[i % len(prompts)], 32 + 4 * i, policy=policies[i % 3]) for i in range(4)]
+    for seed in range(3):
+        pair = make_pair(models, "async", Seeded(seed))
+        for request, result in zip(requests, pair.generate_all(requests)):
+            assert result.token_ids == alone.generate(request).token_ids and not result.stats.detached, seed
+    assert (True, True) in grown, "no growth with siblings reached the target in time"
+    assert taken, "no verdict used a tree continuation sent before it ended"
+
+
 def test_what_a_follow_up_drafted_past_the_targets_cut_goes_on_as_the_next_and_keeps_every_output(
         models, prompt_ids, alone, monkeypatch):
     """Issue 60 (growth.py): the target verifies a growing follow-up as it holds it when the block

@@ -88,10 +88,11 @@ class Harness:
     """Plays the host: runs the session's events at its clock and carries out their effects."""
 
     def __init__(self, pipeline: str = "sync", max_new_tokens: int = 20, draft: bool = True, load_cap=None,
-                 sampling: SamplingParams | None = None, auto: SessionStop | None = None, load=lambda: None):
+                 sampling: SamplingParams | None = None, auto: SessionStop | None = None, load=lambda: None,
+                 tree: str = "off"):
         self.draft, self.events, self.queue, self.checked, self.target = Draft(), [], [], [], Target()
         self.clock = 1.0
-        policy = PolicyConfig(name="svip" if auto is None else "auto")
+        policy = PolicyConfig(name="svip" if auto is None else "auto", tree=tree)
         self.session = SessionPipeline(
             "s", GenerationRequest(PROMPT, max_new_tokens, sampling or SamplingParams(), policy),
             frozenset({STOP}), LIMITS, self.target, draft, pipeline, self.clock, load_cap=load_cap, auto=auto,
@@ -590,6 +591,54 @@ def test_a_growth_of_anything_but_a_greedy_chain_gives_the_draft_up(fields, samp
     more.block.probs = [0.5]
     h.deliver(more)
     assert h.session.mode is DraftMode.GIVEN_UP
+
+
+def tree_block(h: Harness, tokens: list[int], siblings: list[list[int]] | None, **fields) -> DraftedBlock:
+    item = h.block(tokens, **fields)
+    item.block.siblings = siblings
+    return item
+
+
+def test_a_flat_trees_growth_brings_its_places_siblings():
+    """A flat tree's follow-up grows as a chain's does; each place comes with its siblings, and a
+    part whose places kept none (a chain on the wire) counts none at each."""
+    h = Harness(pipeline="async", tree="cape")
+    h.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.deliver(h.block([13], base=5, followup=True))  # no sibling kept: sent as a chain
+    h.deliver(tree_block(h, [14, 15], [[], [31, 32]], base=5, followup=True, grows=1))
+    h.deliver(h.block([16], base=5, followup=True, grows=3))
+    held = h.session.ahead.followup[0].block
+    assert held.tokens == [13, 14, 15, 16] and held.siblings == [[], [], [31, 32], []]
+    h.verify(2, NO_TOKEN)
+    assert h.draft.last("feedback").outcome.next_tokens == 4
+    assert [(b.tokens, b.block.siblings) for b, _ in h.queue] == [([13, 14, 15, 16], [[], [], [31, 32], []])]
+
+
+@pytest.mark.parametrize("tree, siblings, why", [
+    ("off", [[31]], "token tree for a session that drafts chains"),  # a chain's session
+    ("deep", [[31]], "other than a greedy chain or flat tree"),  # its grown nodes follow the spine
+    ("deep", None, "other than a greedy chain or flat tree"),
+    ("cape", [[14]], "repeat a token there"),  # a sibling equal to its place's token
+    ("cape", [[31, 31]], "repeat a token there"),
+    ("cape", [[1 << 20]], "sibling token id"),  # out of the vocabulary
+])
+def test_a_tree_growth_that_is_not_a_flat_trees_well_formed_places_gives_the_draft_up(tree, siblings, why, caplog):
+    h = Harness(pipeline="async", tree=tree)
+    h.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.deliver(h.block([13], base=5, followup=True))
+    h.deliver(tree_block(h, [14], siblings, base=5, followup=True, grows=1))
+    assert h.session.mode is DraftMode.GIVEN_UP and why in caplog.text
+
+
+def test_a_tree_growth_past_the_node_cap_with_what_is_held_gives_the_draft_up(caplog):
+    h = Harness(pipeline="async", tree="cape")
+    h.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.deliver(tree_block(h, [13], [[t for t in range(50) if t != 13][:40]], base=5, followup=True))  # 41 nodes held
+    h.deliver(tree_block(h, [14], [[t for t in range(50) if t != 14][:30]], base=5, followup=True, grows=1))  # 31 more
+    assert h.session.mode is DraftMode.GIVEN_UP and "grew a tree of 41 nodes by 31; the cap is 64" in caplog.text
 
 
 def test_a_growth_past_the_cap_gives_the_draft_up():
