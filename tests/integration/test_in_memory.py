@@ -413,9 +413,9 @@ def test_flat_trees_grow_at_the_target_and_send_continuations_early_keeping_ever
     and a tree continuation drafting on past its stop is sent as it stands (stepping.py
     ``_sent_now``), as a chain's do. Under random interleavings every greedy output is the target
     alone's, no session goes on without its draft, growths with siblings reach the target in time,
-    and verdicts use continuations sent early. Nothing reads this machine's clock: a block drafts
-    past its stop for at most three tokens, a row costs nothing, and a continuation past its stop
-    is sent at once."""
+    and verdicts use continuations sent early; a deep tree's session beside them never grows (its
+    draft is never given up). Nothing reads this machine's clock: a block drafts past its stop for
+    at most three tokens, a row costs nothing, and a continuation past its stop is sent at once."""
     import draft_worker.service as service_module
     import draft_worker.stepping as stepping_module
     from coordinator.session.ahead import AheadBlocks
@@ -435,8 +435,9 @@ def test_flat_trees_grow_at_the_target_and_send_continuations_early_keeping_ever
     monkeypatch.setattr(PipelinedDraft, "_take_sent", lambda draft, *args: taken.append(args[0]) or take_sent(
         draft, *args))
     prompts = list(prompt_ids.values())
-    policies = [TREE_POLICIES[name] for name in ("svip-cape", "svip-auto", "constant-cape")]
-    requests = [GenerationRequest(prompts[i % len(prompts)], 32 + 4 * i, policy=policies[i % 3]) for i in range(4)]
+    # and a deep tree beside them, which never grows (the target would give its draft up: detached)
+    policies = [TREE_POLICIES[name] for name in ("svip-cape", "svip-auto", "constant-cape", "svip-deep")]
+    requests = [GenerationRequest(prompts[i % len(prompts)], 32 + 4 * i, policy=policies[i]) for i in range(4)]
     for seed in range(3):
         pair = make_pair(models, "async", Seeded(seed))
         for request, result in zip(requests, pair.generate_all(requests)):
