@@ -106,7 +106,7 @@ class Stepping(LineState):
         target held goes on as the next follow-up (pipelined.py ``_take_sent``). Greedy chains and
         flat trees, where the worker drafts for several sessions (at one, the target waits for a
         late one)."""
-        if not (self.shared and self.send_prepared and self.outstanding):
+        if not (self.shared and self.send_prepared and self.outstanding) or self._sent_whole:
             return []
         ahead = self.now + EARLY_FORWARDS * (self.timing.forward_s.value or 0.0)
         if self.timing.room_for_a_forward(ahead, self.outstanding):
@@ -114,7 +114,7 @@ class Stepping(LineState):
         sent = []
         for job in self.jobs:
             key, draft = job.prepared_for, job.draft
-            if key is None or draft.done or not draft.extended or key in self.sent_early or self._grows_below:
+            if key is None or draft.done or not draft.extended or key in self.sent_early:
                 continue
             item = self._outgoing(draft, job.started_at, key, 0.0)
             item.block, item.alternatives = draft.block.after(0), list(draft.alternatives)  # as sent: the job goes on
@@ -172,13 +172,14 @@ class Stepping(LineState):
         """A greedy chain's or flat tree's follow-up grows at the target where other sessions keep
         it busy: at one session the target waits for a late follow-up, filling its first place
         itself (measured: docs/benchmarks.md, the follow-up that grows)."""
-        return self.shared and job.followup and not self._grows_below and self.session.sampling.greedy
+        return self.shared and job.followup and not self._sent_whole and self.session.sampling.greedy
 
     @property
-    def _grows_below(self) -> bool:
-        """The session's trees grow nodes below their siblings (deep, deep-auto): its blocks are
-        sent whole, as they end (their grown nodes follow the spine in the layout: a longer spine
-        would move them; the target refuses a growth of such a session, wire_checks.py)."""
+    def _sent_whole(self) -> bool:
+        """The session's blocks are sent whole, as they end, never grown at the target: its trees
+        grow nodes below their siblings (deep, deep-auto), which follow the spine in the layout, so
+        a longer spine would move them; the target refuses a growth of such a session
+        (wire_checks.py). Whether one block may be cut is the block's own: ``BlockDraft.grows_below``."""
         return tree_grows(self.session.tree)
 
 
