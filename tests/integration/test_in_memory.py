@@ -660,3 +660,41 @@ def test_a_block_timed_past_any_clock_loses_its_sessions_draft_and_not_its_neigh
     assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests]
     assert sorted(r.stats.detached for r in results) == [0, 1]
     assert next(r for r in results if not r.stats.detached).stats.draft_tokens > 0
+
+
+def test_a_bad_tree_growth_loses_its_sessions_draft_and_not_its_neighbours(models, prompt_ids, alone, monkeypatch):
+    """A flat tree's growth whose siblings are not well formed (here one equal to its place's token,
+    wire_checks.py ``check_growth``) gives the draft up for its session alone, which goes on with
+    the target and ends exact; the session beside it keeps its draft and its growths, also exact.
+    Growth runs as in the flat-tree test above (nothing reads this machine's clock)."""
+    import draft_worker.service as service_module
+    from coordinator.session import host
+    from draft_worker.stepping import Stepping
+    from svip_common.messages import DraftedBlock
+    from tests.policies import TREE_POLICIES
+
+    monkeypatch.setattr(service_module, "row_share", lambda cost: 0.0)
+    monkeypatch.setattr(Stepping, "_extends", lambda draft, job: job is not draft.critical and bool(
+        draft.outstanding) and job.draft.extended < 3)
+    real, hit = host.convert.draft_event_from_proto, []
+
+    def a_sibling_equal_to_its_token(event, width=None):
+        read = real(event, width)
+        if isinstance(read, DraftedBlock) and read.grows and read.block.siblings is not None \
+                and event.block.session_id in (hit or [event.block.session_id]):  # one session's, each
+            hit.append(event.block.session_id)  # (one on a rolled-back base is dropped unchecked)
+            read.block.siblings[0] = [read.block.tokens[0]]
+        return read
+
+    monkeypatch.setattr(host.convert, "draft_event_from_proto", a_sibling_equal_to_its_token)
+    requests = [GenerationRequest(prompt_ids[name], 40, policy=TREE_POLICIES["svip-cape"])
+                for name in ("short", "medium")]
+    for seed in range(3):
+        hit.clear()
+        results = make_pair(models, "async", Seeded(seed)).generate_all(requests)
+        assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests], seed
+        if hit:
+            assert sorted(r.stats.detached for r in results) == [0, 1], seed
+            assert next(r for r in results if not r.stats.detached).stats.draft_tokens > 0
+            break
+    assert hit, "no tree growth reached the target"
