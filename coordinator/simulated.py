@@ -59,6 +59,7 @@ class SimulatedRun:
     per_request_s: list[float] = field(default_factory=list)
     busy_s: dict = field(default_factory=dict)
     host_s: dict = field(default_factory=dict)
+    pending: list = field(default_factory=list)  # the run's requests (in_memory.Pending), in order
 
 
 class SimulatedPair(InMemoryPair):
@@ -103,13 +104,18 @@ class SimulatedPair(InMemoryPair):
     # --- running ------------------------------------------------------------------------------------
 
     def run_all(self, requests) -> SimulatedRun:
-        """Every request in flight from time 0, to the last one's end."""
+        """Every request in flight from when the pair is next quiet (time 0 when new; after the
+        last run's end, the workers keeping what they learnt as deployed ones do), to the last
+        one's end; the times are from that start."""
+        start = self.now = max(self.now, *(line.free_at for line in self.timelines.values()))
+        busy = {w: t.busy_s for w, t in self.timelines.items()}
+        host = {w: t.host_s for w, t in self.timelines.items()}
         pending = [self.submit(r) for r in requests]
         self.run()
-        ends = [self.finished_at[p.session_id] for p in pending]
+        ends = [self.finished_at[p.session_id] - start for p in pending]
         return SimulatedRun(max(ends), sum(len(p.result().token_ids) for p in pending), ends,
-                            {w: t.busy_s for w, t in self.timelines.items()},
-                            {w: t.host_s for w, t in self.timelines.items()})
+                            {w: t.busy_s - busy[w] for w, t in self.timelines.items()},
+                            {w: t.host_s - host[w] for w, t in self.timelines.items()}, pending)
 
     def step(self) -> str | None:
         self._stamp()

@@ -50,6 +50,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
                            "device": target_step.device.source, "link": wire.source})
     rows = []
     progress = Progress(len(modes(tree)) * len(sessions) * args.repeats)
+    pairs = SplitPairs(engine, emulation, args.host_scale, parallel)  # kept, as the engine is
     for n in sessions:
         for mode in modes(tree):
             pipeline, _, shape = mode.partition("+")
@@ -61,7 +62,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
                 if mode == "inprocess":
                     waves = in_process_waves(engine, emulation, requests, n, args.host_scale)
                 else:
-                    waves = simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale, parallel)
+                    waves = simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale, parallel, pairs)
                 rates.append(waves.tokens_per_s)
                 covered.append(waves.covered)
                 late.append(waves.covered_late)
@@ -94,36 +95,55 @@ class Waves:
     prepared_per_token: float = 0.0  # tokens drafted for prepared continuations (taken up or not) per token settled
 
 
+class SplitPairs:
+    """The split pairs a benchmark runs through, each kept from wave to wave and from run to run as a
+    deployment keeps its workers (their fits of the devices' steps, the host's estimates, the draft
+    worker's step cost, the `auto` estimate), as the in-process engine keeps its own: one per
+    pipeline (and per `auto` or not), made when first asked for."""
+
+    def __init__(self, engine, emulation: Emulation, host_scale: float = 1.0, parallel: int = DRAFT_PARALLEL):
+        self.engine, self.emulation, self.host_scale, self.parallel = engine, emulation, host_scale, parallel
+        self.pairs: dict[tuple[str, bool], SimulatedPair] = {}
+
+    def pair(self, mode: str, auto: bool) -> SimulatedPair:
+        """mode: alone (the target alone), sync or async; auto: whether its requests draft with
+        `auto` (the pair then learns into one estimate, from the pair's prior as a deployment makes it)."""
+        if (mode, auto) not in self.pairs:
+            engine, limits = self.engine, Limits(tokens=self.engine.target.token_limit,
+                                                 positions=self.engine.target.max_positions)
+            verifier, drafter = _workers(engine, limits, with_draft=mode != "alone")
+            self.pairs[(mode, auto)] = SimulatedPair(
+                engine.target, verifier, drafter, limits, "sync" if mode == "alone" else mode, self.emulation,
+                self.host_scale, load_aware="off", parallel=self.parallel,
+                auto=engine.new_auto_estimate() if auto else None)
+        return self.pairs[(mode, auto)]
+
+
 def simulated_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int, mode: str,
-                    host_scale: float = 1.0, parallel: int = DRAFT_PARALLEL) -> Waves:
+                    host_scale: float = 1.0, parallel: int = DRAFT_PARALLEL, pairs: SplitPairs | None = None) -> Waves:
     """The requests in waves of n in flight together through the in-memory pair in virtual time
     (coordinator/simulated.py; mode alone: the target alone, else sync or async with the engine's
-    draft), a fresh pair per wave; host work measured here, times host_scale; parallel: the
-    speculative blocks an async session drafts side by side (draft_worker/service.py). Every wave's
-    target learns into one `auto` estimate, from the pair's prior as a deployment starts it (its
-    target worker keeps one across its sessions; a fresh generic one per wave once started every
-    request of a one-session run from scratch)."""
-    target = engine.target
-    limits = Limits(tokens=target.token_limit, positions=target.max_positions)
-    tokens, seconds, ends, outputs, used, late, rejected, forwards, prepared = 0, 0.0, [], [], 0, 0, 0, 0, 0
-    # one `auto` estimate, as a target worker keeps it (made only where a request drafts with auto)
-    auto = engine.new_auto_estimate() if any(r.policy.name == "auto" for r in requests) else None
+    draft), one after another on one pair; host work measured here, times host_scale; parallel: the
+    speculative blocks an async session drafts side by side (draft_worker/service.py); pairs: where
+    the pair is kept between calls, as the in-process engine is (None: a new one for these waves;
+    once a fresh pair per wave measured the split pair cold against a warm engine)."""
+    pairs = pairs or SplitPairs(engine, emulation, host_scale, parallel)
+    pair = pairs.pair(mode, any(r.policy.name == "auto" for r in requests))
+    tokens, seconds, ends, outputs, used, late, rejected = 0, 0.0, [], [], 0, 0, 0
+    forwards = pair.host.verifier.pool.forwards
+    prepared = 0 if pair.draft is None else pair.draft.prepared_tokens
     for first in range(0, len(requests), n):
-        verifier, drafter = _workers(engine, limits, with_draft=mode != "alone")
-        pair = SimulatedPair(target, verifier, drafter, limits,
-                             "sync" if mode == "alone" else mode, emulation, host_scale, load_aware="off",
-                             parallel=parallel, auto=auto)
         with frozen_heap():  # no full collection of what the run before left lands in this one's host work
             wave = pair.run_all(requests[first:first + n])
         tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
-        forwards += verifier.pool.forwards
-        prepared += 0 if pair.draft is None else pair.draft.prepared_tokens
         ends += wave.per_request_s
-        results = [p.result() for p in pair.pending.values()]
+        results = [p.result() for p in wave.pending]
         outputs += [r.token_ids for r in results]
         used += sum(r.stats.prepared_used for r in results)
         late += sum(r.stats.prepared_used_late for r in results)
         rejected += sum(a < d for r in results for d, a in zip(r.stats.draft_lengths, r.stats.accepted_lengths))
+    forwards = pair.host.verifier.pool.forwards - forwards
+    prepared = 0 if pair.draft is None else pair.draft.prepared_tokens - prepared
     rejected = rejected or 1  # no rejection: none covered
     return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected, tokens / forwards, late / rejected,
                  prepared / tokens)

@@ -213,29 +213,46 @@ def test_the_draft_worker_times_its_steps_with_their_host_work_at_host_scale(mod
         assert drafted == 5.0 if host_scale == 0 else drafted >= read
 
 
-def test_every_wave_learns_into_one_auto_estimate_from_the_pairs_prior(models, prompt_ids, alone, monkeypatch):
-    """`auto` across waves: the target of every wave (a fresh pair each) keeps one estimate, as a
-    target worker does across its sessions, made as a new deployment makes it (the engine's
-    new_auto_estimate: the pair's stored prior); once each wave began from the generic prior, so a
-    one-session run's requests each started from scratch."""
-    from svip_bench.simulate import simulated_waves
+def test_every_wave_runs_on_one_kept_pair_learning_into_one_auto_estimate(models, prompt_ids, alone, monkeypatch):
+    """The split pair across waves and calls (svip_bench.simulate.SplitPairs), as a deployment's
+    workers serve one session after another and as the in-process engine is kept: one pair, whose
+    verifier times its steps from the first wave on and whose target keeps one `auto` estimate, made
+    as a new deployment makes it (the engine's new_auto_estimate). Once each wave had a fresh pair,
+    so the split pair was measured cold against a warm engine."""
+    from svip_bench.simulate import SplitPairs, simulated_waves
     from svip_common.acceptance import AutoEstimate
 
     engine = SpeculativeEngine(models["target"], models["close_draft"])
     made = []
     monkeypatch.setattr(engine, "new_auto_estimate", lambda: made.append(AutoEstimate()) or made[-1])
     seen = []
-    init = SimulatedPair.__init__
-    monkeypatch.setattr(SimulatedPair, "__init__",
-                        lambda self, *a, **k: init(self, *a, **k) or seen.append(self.host.auto))
+    run_all = SimulatedPair.run_all
+    monkeypatch.setattr(SimulatedPair, "run_all", lambda self, requests: seen.append(
+        (self, self.host.verifier.cost.steps)) or run_all(self, requests))
     requests = [GenerationRequest(prompt_ids[name], 8, ignore_eos=True, policy=PolicyConfig(name="auto"))
                 for name in ("short", "medium")]
     spec = parse_emulation(f"target={TARGET.name},draft={DRAFT.name},link=0.1ms")
-    waves = simulated_waves(engine, spec, requests, 1, "async", host_scale=0.0)
-    assert len(made) == 1 and len(seen) == 2 and all(auto is made[0] for auto in seen)
-    assert made[0].model(True).observed > 0  # both waves' verdicts went into it
-    assert waves.outputs == [alone.generate(r).token_ids for r in requests]
+    pairs = SplitPairs(engine, spec, host_scale=0.0)
+    waves = simulated_waves(engine, spec, requests, 1, "async", host_scale=0.0, pairs=pairs)
+    again = simulated_waves(engine, spec, requests[:1], 1, "async", host_scale=0.0, pairs=pairs)
+    assert len(made) == 1 and len(seen) == 3 and all(pair is seen[0][0] for pair, _ in seen)
+    assert seen[0][0].host.auto is made[0] and made[0].model(True).observed > 0  # every wave's verdicts in it
+    assert seen[0][1] == 0 < seen[1][1] < seen[2][1]  # each wave after the first starts with the steps timed
+    expected = [alone.generate(r).token_ids for r in requests]
+    assert waves.outputs == expected and again.outputs == expected[:1]
 
+
+def test_a_kept_pair_times_each_run_from_its_own_start(models, prompt_ids):
+    """SimulatedPair.run_all on a pair that ran before: the run starts when the pair is quiet and
+    its times count from there. The target alone learns nothing its times depend on, so with no
+    host work counted a second run takes exactly what the first took."""
+    pair = make(models, "sync", draft=False)
+    request = GenerationRequest(prompt_ids["medium"], 12, ignore_eos=True, policy=PolicyConfig(name="none"))
+    first, second = pair.run_all([request, request]), pair.run_all([request, request])
+    assert second.makespan_s == first.makespan_s > 0 and second.per_request_s == first.per_request_s
+    assert second.busy_s == first.busy_s and second.tokens == first.tokens == 24
+    assert [p.result().token_ids for p in second.pending] == [p.result().token_ids for p in first.pending]
+    assert pair.now == 2 * first.makespan_s
 
 
 def test_a_tree_goes_on_from_the_continuation_after_the_sibling_its_verdict_took(monkeypatch):
