@@ -230,8 +230,9 @@ class Drafter:
 class DraftSession:
     can_fork = True  # blocks drafted side by side on forks of its cache (``begin(fork=True)``)
     tree = "off"  # "cape" / "auto": each block a token tree (svip_common/trees.py); else a chain
-    node_price = 0.0  # a tree's: a verified node's price in tokens (the caller sets it from the load; "auto"
-    # prices its siblings by it, any tree the places a continuation taken up past a sibling keeps)
+    node_price = 0.0  # a verified node's price in tokens (the caller sets it from the load; "auto" prices its
+    # siblings by it, any tree the places a continuation taken up past a sibling keeps, an async session
+    # each token a block drafts past its stop)
     forward_price = 0.0  # tree "deep-auto": a draft forward of a block's own, in tokens (trees.forward_price;
     # the caller sets it from the session's rate; 0: free)
     drafted = accepted = 0  # tokens of its blocks the verdicts judged, and of them accepted (``feedback``)

@@ -308,15 +308,11 @@ class DraftService(SessionService, pb_grpc.DraftWorkerServicer):
 
 
 def _price(session: PipelinedDraft, price: float | None) -> None:
-    """A tree's: a verified node's price at the target's load, for the session's next trees (auto
-    and deep-auto price their siblings by it, any tree the places of a continuation taken up past a
-    sibling); a price for a chain's session is INVALID_ARGUMENT."""
-    if price is None:
-        return
-    tree = getattr(session.session, "tree", "off")
-    if tree == "off":
-        raise InvalidRequest("a node price for a session of tree 'off' (only a tree's session takes one)")
-    session.session.node_price = price
+    """A verified node's price at the target's load (its range checked on the wire), for the
+    session's next blocks: trees auto and deep-auto price their siblings by it, any tree the places
+    of a continuation taken up past a sibling, and a block drafted past its stop each token more."""
+    if price is not None:
+        session.session.node_price = price
 
 
 def _tune(session: PipelinedDraft, rule: StopRule | None) -> None:

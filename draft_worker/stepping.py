@@ -157,14 +157,21 @@ class Stepping(LineState):
     def _extends(self, job: Job) -> bool:
         """Whether a speculative block drafts on past its policy's stop: the target is not waiting
         for it, no continuation waits for its place (a session that drafts one block at a time,
-        without forks: a feature head, ``parallel`` 1), and another forward ends before its
-        verdict is due (VerdictTiming). Greedy only: a sampled session's blocks end by its tokens,
-        never the clock (its seed reproduces). Measured with the EAGLE-3 head on emulated H100s:
-        a follow-up drafting on held the one place, continuations were prepared after 7% of the
-        rejections, and async made 0.91x sync (docs/benchmarks.md, one block at a time)."""
+        without forks: a feature head, ``parallel`` 1), where sessions share the target its next
+        token's chance to settle (at most the block's reach) beats what a verified node costs every
+        session in the target's step (the target's ``node_price``; at one session the row rides
+        free), and another forward ends before its verdict is due (VerdictTiming). Greedy only: a
+        sampled session's blocks end by its tokens, never the clock (its seed reproduces). Measured
+        with the EAGLE-3 head on emulated H100s: a follow-up drafting on held the one place,
+        continuations were prepared after 7% of the rejections, and async made 0.91x sync
+        (docs/benchmarks.md, one block at a time); at 32 sessions, 70B/1B, unpriced tokens past a
+        stop carried six times sync's rows into each target forward (docs/benchmarks.md, a token
+        drafted past a stop pays for its node)."""
         if job is self.critical or not self.outstanding or not self.session.sampling.greedy:
             return False
         if not self._forking and self.agenda:  # its place is wanted: the likeliest continuations go first
+            return False
+        if self.shared and job.draft.reach <= self.session.node_price:
             return False
         return self.timing.room_for_a_forward(self.now + (self.timing.forward_s.value or 0.0), self.outstanding)
 

@@ -37,7 +37,7 @@ class SessionStart:
     epoch: int = 0
     load_cap: int | None = None  # the first block's cap (0: start paused); None: the policy's own
     stop_rule: StopRule | None = None  # policy auto: the rule for the first blocks
-    node_price: float | None = None  # a tree's: a verified node's price in tokens, for the first blocks
+    node_price: float | None = None  # a verified node's price in tokens, for the first blocks
     logprobs: int | None = None  # the caller's: each settled token's log-probability and this many top ones
     prompt_logprobs: bool = False  # the caller's: the prompt's too, from its prefill (needs logprobs)
     cache_scope: str = ""  # the caller's: sessions share KV pages only within one scope (prompt_sharing.py)
@@ -68,7 +68,7 @@ class Feedback:
     # a feature draft's input: the target's hidden states at positions features_from.. (the verdict's)
     features: torch.Tensor | None = field(default=None, repr=False)
     features_from: int = 0
-    node_price: float | None = None  # a tree's: a verified node's price in tokens at the target's load
+    node_price: float | None = None  # a verified node's price in tokens at the target's load
 
     # the outcome's fields, as the wire and the logs read them
     epoch = property(lambda self: self.outcome.epoch)

@@ -26,7 +26,7 @@ class FeedbackChain:
         """Queue a decided verdict's feedback. token: the place after the accepted tokens as
         settled here (NO_TOKEN: the follow-up settles it when deferred, else the draft draws it
         from the p row), after the verdict's branch if a tree's nodes were taken; cap: load-aware
-        speculation's cap on the next blocks; stop_rule: auto's; node_price: a tree's;
+        speculation's cap on the next blocks; stop_rule: auto's; node_price: a node's price at the load;
         next_tokens: deferred, the follow-up's tokens verified next (as held here); prepared_used, the
         prepared continuation's."""
         feedback = Feedback(

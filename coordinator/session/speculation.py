@@ -52,10 +52,11 @@ class SpeculationBudget(SessionState):
         self.auto.record(entropies, probs, accepted, held_s, round_tokens)
 
     def _node_price(self) -> float | None:
-        """A tree's: a verified node's price in tokens at the target's load now (None: a chain's).
-        Trees auto and deep-auto price their siblings by it; any tree, the places a continuation
-        taken up past a sibling keeps (draft_worker/drafter.py, ``go_on_past``)."""
-        if self.request.policy.tree == "off":
+        """A verified node's price in tokens at the target's load now (None: a sync chain's, which
+        nothing prices). Trees auto and deep-auto price their siblings by it; any tree, the places
+        a continuation taken up past a sibling keeps (draft_worker/drafter.py, ``go_on_past``); an
+        async session, each token a block drafts past its stop (draft_worker/stepping.py, ``_extends``)."""
+        if self.request.policy.tree == "off" and self.pipeline != "async":
             return None
         load = self._load()
         return 0.0 if load is None else node_price(load.plain_rate, load.verify_token_s)

@@ -92,6 +92,32 @@ def test_a_shared_sessions_follow_up_leaves_at_its_first_stop_and_its_growth_fol
     assert draft.outstanding == [first, followup]
 
 
+@pytest.mark.parametrize("price, grown", [(0.0, 15), (0.7, 2), (0.85, 0), (0.95, 0)])
+def test_a_shared_follow_up_drafts_past_its_stop_while_its_chance_beats_the_targets_node_price(price, grown):
+    """Where sessions share the target, a token drafted past the policy's stop costs every session
+    in the target's step a verified node; the follow-up drafts on while the chance that the block
+    holds up to its last token (each q 0.9: 0.81 at its stop, 0.729, 0.656, ...) beats that price."""
+    draft = session(shared=True)
+    draft.session.node_price = price
+    draft.start(time.time())
+    sent = steps(draft, 30)
+    followup = sent[1]
+    assert followup.grows == 0 and len(followup.tokens) == 2 + grown
+    assert [g.grows for g in sent[2:]] == list(range(2, 2 + grown))
+    assert draft.growth.job is None  # it ended: at its budget (20 new tokens, less the first block's 2
+    # and the verdict's own) or its price
+
+
+def test_a_follow_up_alone_on_its_worker_drafts_past_its_stop_whatever_a_node_costs():
+    """At one session a critical block steps alone and the follow-up's rows ride for free: the
+    target's node price does not end it (the verdict's timing does)."""
+    draft = session(shared=False)
+    draft.session.node_price = 0.95
+    draft.start(time.time())
+    sent = steps(draft, 30)
+    assert [(len(item.tokens), item.grows) for item in sent[1:]] == [(17, 0)]  # sent whole, to its budget
+
+
 def test_the_targets_count_cuts_the_follow_up_and_what_it_drafted_past_the_cut_goes_on_as_the_next():
     draft = session(shared=True)
     draft.start(time.time())

@@ -9,6 +9,7 @@ when a verdict is due never stops it preparing (no test depends on how fast this
 
 from __future__ import annotations
 
+import math
 import time
 
 import pytest
@@ -58,6 +59,11 @@ class ScriptedBlock:
         self.done = len(self.block) >= self._limit or token in self._stop_ids
         return self.done
 
+    @property
+    def reach(self) -> float:
+        """BlockDraft's: the draft's chance that the block holds up to its last token."""
+        return math.prod(self.block.probs)
+
 
 class ScriptedDrafter:
     """A Drafter stand-in: a step advances each block by its script's next token."""
@@ -75,6 +81,7 @@ class ScriptedSession:
     sampling = SamplingParams()  # greedy
     tree = "off"  # chains, as DraftSession's default
     forward_price = 0.0  # DraftSession's: no deep tree prices its own forward
+    node_price = 0.0  # DraftSession's until the target sends one: a verified node is free
 
     def __init__(self, length: int = 3, stop_ids: frozenset[int] = frozenset({STOP})):
         self.length, self.stop_ids = length, stop_ids
@@ -496,15 +503,16 @@ def test_a_continuation_less_likely_than_a_rows_share_of_the_step_is_not_prepare
         assert any(o.prepared_for is not None for o in sent) is prepared
 
 
-def test_a_node_price_is_taken_by_a_trees_session_only():
+def test_a_node_price_is_taken_by_every_session():
     """The target's node price reaches every tree's session (CaPE's too: a continuation taken up
-    past a sibling keeps the places that pay); a price for a chain's session is refused by name."""
+    past a sibling keeps the places that pay) and an async chain's (its blocks drafted past a stop
+    pay for their nodes); no word leaves the last price standing."""
     from draft_worker.service import _price
 
     s = session(pipelined=True)
-    with pytest.raises(InvalidRequest, match="tree 'off'"):
-        _price(s, 0.5)
-    s.session.tree = "cape"
     _price(s, 0.5)
-    _price(s, None)  # no word: the last price stands
     assert s.session.node_price == 0.5
+    s.session.tree = "cape"
+    _price(s, 0.25)
+    _price(s, None)
+    assert s.session.node_price == 0.25
