@@ -666,10 +666,14 @@ def test_a_bad_tree_growth_loses_its_sessions_draft_and_not_its_neighbours(model
     """A flat tree's growth whose siblings are not well formed (here one equal to its place's token,
     wire_checks.py ``check_growth``) gives the draft up for its session alone, which goes on with
     the target and ends exact; the session beside it keeps its draft and its growths, also exact.
-    Growth runs as in the flat-tree test above (nothing reads this machine's clock)."""
+    Growth runs as in the flat-tree test above. A growth on a rolled-back base is dropped
+    unchecked, and whether one is depends on the target's timed forwards (its node price), so the
+    schedules are tried until the target refused one (``check_growth`` raised); every run is exact."""
+    import coordinator.session.pipeline as pipeline_module
     import draft_worker.service as service_module
     from coordinator.session import host
     from draft_worker.stepping import Stepping
+    from svip_common.errors import WorkerError
     from svip_common.messages import DraftedBlock
     from tests.policies import TREE_POLICIES
 
@@ -687,14 +691,25 @@ def test_a_bad_tree_growth_loses_its_sessions_draft_and_not_its_neighbours(model
         return read
 
     monkeypatch.setattr(host.convert, "draft_event_from_proto", a_sibling_equal_to_its_token)
+    checked, refused = pipeline_module.check_growth, []
+
+    def counted_check(block, request, limits):
+        try:
+            checked(block, request, limits)
+        except WorkerError:
+            refused.append(block.base)
+            raise
+
+    monkeypatch.setattr(pipeline_module, "check_growth", counted_check)
     requests = [GenerationRequest(prompt_ids[name], 40, policy=TREE_POLICIES["svip-cape"])
                 for name in ("short", "medium")]
-    for seed in range(3):
+    for seed in range(12):
         hit.clear()
         results = make_pair(models, "async", Seeded(seed)).generate_all(requests)
         assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests], seed
-        if hit:
+        if refused:
             assert sorted(r.stats.detached for r in results) == [0, 1], seed
             assert next(r for r in results if not r.stats.detached).stats.draft_tokens > 0
             break
-    assert hit, "no tree growth reached the target"
+        assert not any(r.stats.detached for r in results), seed  # no growth refused: none gave its draft up
+    assert refused, "no bad tree growth reached the target's check"
