@@ -23,7 +23,7 @@ from pathlib import Path
 from coordinator.cluster import WorkerPair, init_local_ray
 from coordinator.distributed import DistributedEngine
 from svip_bench.runner import Progress, encode_prompts, full, write_results
-from svip_bench.simulate import SplitPairs, simulated_waves
+from svip_bench.simulate import SplitPairs
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.device_timing import use_summary
 from svip_common.emulation import Emulation, parse_emulation
@@ -60,8 +60,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
     for _ in range(args.repeats):
         for n in sessions:
             for mode in MODES:
-                waves = simulated_waves(engine, emulation, full(_as(base, mode), n), n, mode, args.host_scale,
-                                        pairs=pairs)
+                waves = pairs.waves(full(_as(base, mode), n), n, mode)
                 record((n, mode), "simulated", waves.tokens_per_s, waves.outputs)
     table = [{k: (statistics.median(v) if isinstance(v, list) else v) for k, v in row.items()}
              for row in rows.values()]

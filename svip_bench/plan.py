@@ -24,7 +24,7 @@ from itertools import zip_longest
 from pathlib import Path
 
 from svip_bench.runner import Progress, full, write_results
-from svip_bench.simulate import SplitPairs, in_process_waves, simulated_waves
+from svip_bench.simulate import SplitPairs, in_process_waves
 from svip_common.contracts import GenerationRequest, PolicyConfig
 from svip_common.emulation import Emulation
 from svip_common.errors import InvalidRequest
@@ -132,7 +132,7 @@ def run(engine, encoded_prompts: list, emulation: Emulation, policies: list[str]
             drafting = requests(policy_config(name, threshold), n)
             add(n, "in process", name, _in_process(engine, emulation, drafting, n, host_scale))
             for mode in ("sync", "async"):  # a token tree too: greedy trees cross the workers
-                waves = simulated_waves(engine, emulation, drafting, n, mode, host_scale, pairs=pairs)
+                waves = pairs.waves(drafting, n, mode)
                 add(n, mode, name, ((waves.tokens_per_s, waves.mean_request_s), waves.outputs))
     doc = {"header": header, "rows": rows, "advice": advice(rows), "exactness_violations": violations}
     status = write_results(out, "plan", doc, report(doc))

@@ -62,7 +62,7 @@ def run(engine, prompts, args, header: dict, sessions: list[int]) -> int:
                 if mode == "inprocess":
                     waves = in_process_waves(engine, emulation, requests, n, args.host_scale)
                 else:
-                    waves = simulated_waves(engine, emulation, requests, n, pipeline, args.host_scale, parallel, pairs)
+                    waves = pairs.waves(requests, n, pipeline)
                 rates.append(waves.tokens_per_s)
                 covered.append(waves.covered)
                 late.append(waves.covered_late)
@@ -99,9 +99,12 @@ class SplitPairs:
     """The split pairs a benchmark runs through, each kept from wave to wave and from run to run as a
     deployment keeps its workers (their fits of the devices' steps, the host's estimates, the draft
     worker's step cost, the `auto` estimate), as the in-process engine keeps its own: one per
-    pipeline (and per `auto` or not), made when first asked for."""
+    pipeline (and per `auto` or not), made when first asked for. Once a fresh pair per wave
+    measured the split pair cold against a warm engine."""
 
     def __init__(self, engine, emulation: Emulation, host_scale: float = 1.0, parallel: int = DRAFT_PARALLEL):
+        """host_scale: host work measured here, times this; parallel: the speculative blocks an
+        async session drafts side by side (draft_worker/service.py)."""
         self.engine, self.emulation, self.host_scale, self.parallel = engine, emulation, host_scale, parallel
         self.pairs: dict[tuple[str, bool], SimulatedPair] = {}
 
@@ -118,35 +121,29 @@ class SplitPairs:
                 auto=engine.new_auto_estimate() if auto else None)
         return self.pairs[(mode, auto)]
 
-
-def simulated_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int, mode: str,
-                    host_scale: float = 1.0, parallel: int = DRAFT_PARALLEL, pairs: SplitPairs | None = None) -> Waves:
-    """The requests in waves of n in flight together through the in-memory pair in virtual time
-    (coordinator/simulated.py; mode alone: the target alone, else sync or async with the engine's
-    draft), one after another on one pair; host work measured here, times host_scale; parallel: the
-    speculative blocks an async session drafts side by side (draft_worker/service.py); pairs: where
-    the pair is kept between calls, as the in-process engine is (None: a new one for these waves;
-    once a fresh pair per wave measured the split pair cold against a warm engine)."""
-    pairs = pairs or SplitPairs(engine, emulation, host_scale, parallel)
-    pair = pairs.pair(mode, any(r.policy.name == "auto" for r in requests))
-    tokens, seconds, ends, outputs, used, late, rejected = 0, 0.0, [], [], 0, 0, 0
-    forwards = pair.host.verifier.pool.forwards
-    prepared = 0 if pair.draft is None else pair.draft.prepared_tokens
-    for first in range(0, len(requests), n):
-        with frozen_heap():  # no full collection of what the run before left lands in this one's host work
-            wave = pair.run_all(requests[first:first + n])
-        tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
-        ends += wave.per_request_s
-        results = [p.result() for p in wave.pending]
-        outputs += [r.token_ids for r in results]
-        used += sum(r.stats.prepared_used for r in results)
-        late += sum(r.stats.prepared_used_late for r in results)
-        rejected += sum(a < d for r in results for d, a in zip(r.stats.draft_lengths, r.stats.accepted_lengths))
-    forwards = pair.host.verifier.pool.forwards - forwards
-    prepared = 0 if pair.draft is None else pair.draft.prepared_tokens - prepared
-    rejected = rejected or 1  # no rejection: none covered
-    return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected, tokens / forwards, late / rejected,
-                 prepared / tokens)
+    def waves(self, requests: list[GenerationRequest], n: int, mode: str) -> Waves:
+        """The requests in waves of n in flight together through the mode's kept pair in virtual
+        time (coordinator/simulated.py; mode alone: the target alone, else sync or async with the
+        engine's draft), one after another."""
+        pair = self.pair(mode, any(r.policy.name == "auto" for r in requests))
+        tokens, seconds, ends, outputs, used, late, rejected = 0, 0.0, [], [], 0, 0, 0
+        forwards = pair.host.verifier.pool.forwards
+        prepared = 0 if pair.draft is None else pair.draft.prepared_tokens
+        for first in range(0, len(requests), n):
+            with frozen_heap():  # no full collection of what the run before left lands in this one's host work
+                wave = pair.run_all(requests[first:first + n])
+            tokens, seconds = tokens + wave.tokens, seconds + wave.makespan_s
+            ends += wave.per_request_s
+            results = [p.result() for p in wave.pending]
+            outputs += [r.token_ids for r in results]
+            used += sum(r.stats.prepared_used for r in results)
+            late += sum(r.stats.prepared_used_late for r in results)
+            rejected += sum(a < d for r in results for d, a in zip(r.stats.draft_lengths, r.stats.accepted_lengths))
+        forwards = pair.host.verifier.pool.forwards - forwards
+        prepared = 0 if pair.draft is None else pair.draft.prepared_tokens - prepared
+        rejected = rejected or 1  # no rejection: none covered
+        return Waves(tokens / seconds, statistics.mean(ends), outputs, used / rejected, tokens / forwards,
+                     late / rejected, prepared / tokens)
 
 
 def in_process_waves(engine, emulation: Emulation, requests: list[GenerationRequest], n: int,

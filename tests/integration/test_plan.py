@@ -125,7 +125,7 @@ def test_the_virtual_device_counts_each_forward_at_its_step_not_this_machines_ti
 
 def test_the_in_process_rows_run_load_aware_off_as_the_split_rows_and_the_report_say(models, prompt_ids,
                                                                                     monkeypatch):
-    """The report says load-aware off, and the split rows run so (simulated_waves): the in-process
+    """The report says load-aware off, and the split rows run so (SplitPairs): the in-process
     rows too, whatever the engine's own setting (the knob's default, greedy, once paused every
     in-process block at 32 sessions: those rows were the target alone's), which comes back after."""
     from coordinator.engine import SpeculativeEngine

@@ -219,7 +219,7 @@ def test_every_wave_runs_on_one_kept_pair_learning_into_one_auto_estimate(models
     verifier times its steps from the first wave on and whose target keeps one `auto` estimate, made
     as a new deployment makes it (the engine's new_auto_estimate). Once each wave had a fresh pair,
     so the split pair was measured cold against a warm engine."""
-    from svip_bench.simulate import SplitPairs, simulated_waves
+    from svip_bench.simulate import SplitPairs
     from svip_common.acceptance import AutoEstimate
 
     engine = SpeculativeEngine(models["target"], models["close_draft"])
@@ -233,8 +233,8 @@ def test_every_wave_runs_on_one_kept_pair_learning_into_one_auto_estimate(models
                 for name in ("short", "medium")]
     spec = parse_emulation(f"target={TARGET.name},draft={DRAFT.name},link=0.1ms")
     pairs = SplitPairs(engine, spec, host_scale=0.0)
-    waves = simulated_waves(engine, spec, requests, 1, "async", host_scale=0.0, pairs=pairs)
-    again = simulated_waves(engine, spec, requests[:1], 1, "async", host_scale=0.0, pairs=pairs)
+    waves = pairs.waves(requests, 1, "async")
+    again = pairs.waves(requests[:1], 1, "async")
     assert len(made) == 1 and len(seen) == 3 and all(pair is seen[0][0] for pair, _ in seen)
     assert seen[0][0].host.auto is made[0] and made[0].model(True).observed > 0  # every wave's verdicts in it
     assert seen[0][1] == 0 < seen[1][1] < seen[2][1]  # each wave after the first starts with the steps timed
