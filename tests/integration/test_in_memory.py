@@ -662,6 +662,39 @@ def test_a_block_timed_past_any_clock_loses_its_sessions_draft_and_not_its_neigh
     assert next(r for r in results if not r.stats.detached).stats.draft_tokens > 0
 
 
+@pytest.mark.parametrize("price", [0.0, 0.5, 1.5])
+def test_async_chains_at_load_draft_past_a_stop_only_while_the_targets_node_price_pays(
+        models, prompt_ids, alone, monkeypatch, price):
+    """Issue 60: where sessions share the target, the target's node price reaches each async chain's
+    draft, and a block drafts past its stop only while its reach beats it (stepping.py
+    ``_extends``). The price is pinned here once the target has timed its forwards (0 before: its fits
+    read this machine's clock): at 0 the drafts go on past their stops, at 1.5 none does (a reach is
+    at most 1), and under three random interleavings every output is the target alone's, no
+    session giving its draft up."""
+    import coordinator.session.speculation as speculation_module
+    from draft_worker.stepping import Stepping
+
+    monkeypatch.setattr(speculation_module, "node_price", lambda rate, token_s: price)
+    real, seen = Stepping._extends, []
+
+    def watched(draft, job):
+        extends = real(draft, job)
+        seen.append((draft.shared, draft.session.node_price, job.draft.reach, extends))
+        return extends
+
+    monkeypatch.setattr(Stepping, "_extends", watched)
+    requests = [GenerationRequest(prompt_ids[name], 24) for name in ("short", "medium", "long", "short")]
+    for seed in range(3):
+        results = make_pair(models, "async", Seeded(seed)).generate_all(requests)
+        assert [r.token_ids for r in results] == [alone.generate(r).token_ids for r in requests], seed
+        assert not any(r.stats.detached for r in results), seed
+    shared = [(node_price, reach, extends) for is_shared, node_price, reach, extends in seen if is_shared]
+    assert shared and {node_price for node_price, _, _ in shared} <= {0.0, price}  # 0 until the load is timed
+    assert not any(extends and reach <= node_price for node_price, reach, extends in shared)  # never unpaid
+    priced = [extends for node_price, _, extends in shared if node_price == price]
+    assert priced and (any(priced) if price == 0.0 else not any(priced) if price == 1.5 else True)
+
+
 def test_a_bad_tree_growth_loses_its_sessions_draft_and_not_its_neighbours(models, prompt_ids, alone, monkeypatch):
     """A flat tree's growth whose siblings are not well formed (here one equal to its place's token,
     wire_checks.py ``check_growth``) gives the draft up for its session alone, which goes on with
