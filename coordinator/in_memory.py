@@ -187,7 +187,7 @@ class InMemoryPair:
         draft_path = getattr(getattr(drafter, "draft", None), "path", None)
         config = PairConfig.of(getattr(target, "path", "target"), draft_path, **host_options)
         self.host = SessionHost(verifier, limits, config, draft_link=link, compute=ManualLoop, clock=clock, auto=auto)
-        self._caller_stream = MemoryStream(lambda events: [e.SerializeToString() for e in events])
+        self._caller_stream = MemoryStream(lambda events: [e.SerializeToString() for e in self.host.pack(events)])
         self._draft_stream = None
         if self.draft is not None:
             self._draft_stream = MemoryStream(lambda events: [m.SerializeToString() for m in self.draft.pack(events)])

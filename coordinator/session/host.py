@@ -17,6 +17,7 @@ import time
 
 import grpc
 
+from coordinator.session.caller_events import FinishedEvent, SettledEvent, wire
 from coordinator.session.draft_port import DraftPort
 from coordinator.session.effects import DraftAnswered, Effect, Finish, Settle, ToDraft, Verify
 from coordinator.session.idle_work import IdleWork
@@ -169,6 +170,11 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             session_id = request.cancel.session_id
             self._step(session_id, self.session(session_id, stream).cancel)
 
+    def pack(self, events: list) -> list:
+        """The caller's stream's events as it sends them (on the event loop): a session's settled
+        tokens and its end made into their messages there (caller_events.py)."""
+        return wire(events)
+
     def close_session(self, session_id: str, owner) -> None:
         super().close_session(session_id, owner)
         if session_id not in self.sessions:  # closed (and not another stream's session of that id)
@@ -307,14 +313,10 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
                     self.idle_work.arrivals.observe(effect.waited)
                 self._ready.append((session_id, session, effect.block, effect.checked,
                                     (effect.received_at, effect.source)))
-            elif isinstance(effect, Settle):
-                settled = pb.Settled(session_id=session_id, tokens=effect.tokens,
-                                     logprobs=convert.logprobs_to_proto(effect.logprobs))
-                self.owner(session_id).emit(pb.GenerateEvent(settled=settled))
+            elif isinstance(effect, Settle):  # made into its message where the stream sends it (caller_events.py)
+                self.owner(session_id).emit(SettledEvent(session_id, effect.tokens, effect.logprobs))
             elif isinstance(effect, Finish):
-                stats = convert.stats_to_proto(effect.stats)
-                finished = pb.Finished(session_id=session_id, finish_reason=effect.reason, stats=stats)
-                self.owner(session_id).emit(pb.GenerateEvent(finished=finished))
+                self.owner(session_id).emit(FinishedEvent(session_id, effect.reason, effect.stats))
             elif isinstance(effect, DraftAnswered):
                 self.draft.answered(effect.seconds)
 
