@@ -37,7 +37,8 @@ ALLOWED = {  # package -> the packages it may import (besides itself)
 SESSION = "coordinator.session"
 IN_PROCESS = ("coordinator.engine", "coordinator.batch")
 EDGES = ("coordinator.session.host", "coordinator.session.draft_port", "coordinator.session.draft_link",
-         "coordinator.session.actor")  # where the session package meets the wire and Ray
+         "coordinator.session.caller_events", "coordinator.session.actor")  # where the session package meets
+# the wire and Ray
 FORBIDDEN_IN_CORE = ("grpc", "ray", "svip_proto", "google.protobuf")
 
 
@@ -119,7 +120,8 @@ def test_the_session_package_stays_apart_from_the_rest_of_the_coordinator():
 
 def test_the_sessions_protocol_logic_speaks_the_domain():
     """Both sides' session logic reads and writes svip_common.messages; protobuf, gRPC and Ray stay
-    at the services' edges (host.py and draft_port.py on the target side, service.py on the draft's)."""
+    at the services' edges (host.py, draft_port.py and caller_events.py on the target side,
+    service.py on the draft's)."""
     logic = [m for m in MODULES if m.startswith(SESSION + ".") and m not in EDGES] + ["draft_worker.pipelined"]
     wrong = sorted(
         f"{m} imports {name}"
