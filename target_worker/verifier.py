@@ -11,7 +11,7 @@ session with its own prefix and its own block length.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +29,9 @@ from svip_common.row_rules import RowRules
 from svip_common.sampling import mask_padding, sample_indices, warp_probs
 from svip_common.step_cost import Ewma, StepCost, TargetLoad, target_load
 from svip_common.trees import children_of, greedy_path, node_parents, node_paths, node_tokens
+from target_worker.features import HeldFeatures
 from target_worker.logprobs import LogprobRows, PromptScores, block_rows
+from target_worker.lookahead import Lookahead, judged
 
 
 class Verifier:
@@ -46,6 +48,8 @@ class Verifier:
         self.sharing = PromptSharing(self.pool.page_size, enabled=not self.feature_layers)  # prompt_sharing.py
         self.tokens_verified = 0  # drafted tokens, every session
         self.last_step_tokens = 0  # tokens in the last batched forward
+        self.fed_ahead = 0  # follow-up tokens fed after their blocks, rows stored (Lookahead)
+        self.judged_ahead = 0  # blocks decided past their first token by such rows, with no forward of their own
         # a forward's time by its tokens (load-aware speculation): over every step (cost), over
         # decode-shaped steps only (decode_cost: no prompt in them), over plain ones alone
         # (plain_cost: one token per session)
@@ -85,7 +89,8 @@ class Verifier:
     @torch.inference_mode()
     def verify_batch(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
                      budget: int | None = None,
-                     riders: Sequence[tuple[TargetSession, Sequence[int]]] = ()) -> list[Verdict | None]:
+                     riders: Sequence[tuple[TargetSession, Sequence[int]]] = (),
+                     lookahead: Mapping[TargetSession, Sequence[int]] | None = None) -> list[Verdict | None]:
         """Every job's verdict, from one target forward for all the blocks that need one (a
         follow-up whose first token the stored row rejects needs none). budget: at most this many
         tokens in the forward (the step's max_batched_tokens): a job whose uncached prompt does
@@ -94,8 +99,12 @@ class Verifier:
         than the budget (but a lone block that only fits past it); the first job always advances.
         A sampled job's prompt answers None too, its last token left for the next step with the
         block (``PromptSharing.splits``). riders: sessions waiting on their blocks whose next row
-        rides this forward (``prefill_next``'s, in the room the blocks leave)."""
+        rides this forward (``prefill_next``'s, in the room the blocks leave). lookahead: per
+        session, the tokens held after its block (its follow-up, drafted on the block accepted
+        whole): they ride the block's forward where room is left, and their rows are stored, so
+        that the follow-up is judged with no forward of its own (``TargetSession.first_greedy``)."""
         verdicts = self.judge_first(jobs)
+        lookahead = lookahead or {}
         room = budget if budget is not None else float("inf")
         plans, steps, owners = {}, [], []  # owners[j]: the job step j settles (None: a prefill chunk)
         scorers = {}  # step j -> the session whose prompt chunk it is
@@ -109,7 +118,7 @@ class Verifier:
                 continue  # an earlier job prefills its prompt: the next step forks it
             plan = session.plan(committed, block)
             tokens = len(plan.step[1]) if plan.step is not None else 0
-            prefill = tokens - block.nodes - 1  # uncached committed tokens, but the last one
+            prefill = tokens - (block.nodes - plan.stored) - 1  # uncached committed tokens, but the last one
             prefilling |= prefill > 0
             if prefill > 0:
                 prompts.append((session, committed))
@@ -123,6 +132,12 @@ class Verifier:
                     scorers[len(steps) - 1] = session
                     room -= chunk
                 continue
+            ahead = lookahead.get(session, ())
+            fits = plan.step is not None and prefill <= 0 and tokens + len(ahead) <= room
+            if ahead and fits and self._looks_ahead(session, block):
+                plan = plan.fed(ahead)
+                tokens += len(ahead)
+                self.fed_ahead += len(ahead)
             plans[i] = plan
             if plan.step is not None:
                 steps.append(plan.step)
@@ -137,7 +152,7 @@ class Verifier:
         if features:  # a feature draft's input, per session
             by_sequence = {id(session.sequence): session for session, *_ in list(jobs) + list(riders)}
             for (seq, new, *_), feats in zip(steps, features):
-                by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
+                by_sequence[id(seq)].features.take(len(seq) - len(new), feats)
         if steps:
             self._observe(self.last_step_tokens, elapsed, prefilling, len(steps))
             self._sessions_per_step.update(len(jobs))
@@ -161,12 +176,14 @@ class Verifier:
             for (i, *_), verdict in zip(group, _judge_sampled(group)):
                 verdicts[i] = verdict
         if self.feature_layers:
-            verdicts = [v if v is None else session.hand_features(v) for (session, _, _), v in zip(jobs, verdicts)]
+            verdicts = [v if v is None else session.features.hand(v) for (session, _, _), v in zip(jobs, verdicts)]
         return verdicts
 
     def verify_apart(self, jobs: Sequence[tuple[TargetSession, Sequence[int], Block]],
                      budget: int | None = None,
-                     riders: Sequence[tuple[TargetSession, Sequence[int]]] = ()) -> list[Verdict | None | Exception]:
+                     riders: Sequence[tuple[TargetSession, Sequence[int]]] = (),
+                     lookahead: Mapping[TargetSession, Sequence[int]] | None = None,
+                     ) -> list[Verdict | None | Exception]:
         """verify_batch, with a step that raised narrowed to the jobs (and riders) that fail on
         their own: the step's items are run again in halves (every stored row forgotten first, so
         each recomputes from its committed tokens, exact by construction), down to the single
@@ -175,7 +192,7 @@ class Verifier:
         everyone else's verdict is the one it would have had."""
         def run(part):
             blocks = [item for item in part if len(item) == 3]
-            verdicts = iter(self.verify_batch(blocks, budget, [item for item in part if len(item) == 2]))
+            verdicts = iter(self.verify_batch(blocks, budget, [item for item in part if len(item) == 2], lookahead))
             return [next(verdicts) if len(item) == 3 else None for item in part]
 
         def forget_rows(failed):  # the failed step may have stored rows for some: recompute
@@ -184,6 +201,13 @@ class Verifier:
 
         # PoolFull changes nothing: the caller makes room (coordinator/session/host.py)
         return narrowed(run, list(jobs) + list(riders), forget_rows, passing=(PoolFull,))[: len(jobs)]
+
+    def _looks_ahead(self, session: TargetSession, block: Block) -> bool:
+        """Whether tokens fed after this block may have their rows stored (``Lookahead``): a greedy
+        chain's, whose rows the request reads no other way (no rules by place, no logprobs, no
+        prompt scores, no features for a feature draft)."""
+        return (session.sampling.greedy and not block.is_tree and not session.rules.by_place and not self.feature_layers
+                and session.logprob_rows is None and not session.scoring_pending)
 
     def _observe(self, tokens: int, seconds: float, prefilling: bool, items: int) -> None:
         """A forward's time into the cost fits; the decode-shaped ones leave out a step a prompt
@@ -212,7 +236,7 @@ class Verifier:
         self._observe(part.tokens, elapsed, part.prompted, len(part.steps))
         by_sequence = {id(session.sequence): session for session, _ in jobs}
         for (seq, new, *_), feats in zip(part.steps, features):
-            by_sequence[id(seq)].take_computed(len(seq) - len(new), feats)
+            by_sequence[id(seq)].features.take(len(seq) - len(new), feats)
         part.finish(rows, elapsed)
         return len(part.steps)
 
@@ -269,6 +293,14 @@ class _Plan:
     # the forward this block needs (None: the stored row is all); a tree's carries its nodes' parents
     step: tuple[PagedSequence, list[int], int] | tuple[PagedSequence, list[int], int, list[int]] | None
     reuse: bool  # the first row is the stored one
+    stored: int = 0  # reused: the block's first tokens whose rows were stored past the first (Lookahead)
+    reused: Lookahead | None = None  # those rows and their choices
+    ahead: tuple[int, ...] = ()  # tokens fed after the block, their rows stored for a follow-up (Lookahead)
+
+    def fed(self, ahead: Sequence[int]) -> _Plan:
+        """The plan with ``ahead`` fed after the block (a chain's), their rows kept past its own."""
+        seq, new, rows = self.step
+        return dataclasses.replace(self, step=(seq, [*new, *ahead], rows + len(ahead)), ahead=tuple(ahead))
 
 
 class _Prefills:
@@ -336,9 +368,8 @@ class TargetSession:
         self._pending_at = -1
         self._pending_choice: int | None = None  # greedy: the argmax of _pending, read with its step
         self._passed: tuple[Block, int] | None = None  # a block and its base whose first token passed judge_first
-        self._features: torch.Tensor | None = None  # feature_layers at positions _features_from.. not yet handed over
-        self._features_from = 0
-        self._handed = 0  # positions whose features a verdict has handed over (the draft holds them)
+        self._ahead: Lookahead | None = None  # rows stored past _pending's (the sequence holds their tokens)
+        self.features = HeldFeatures()  # what a feature draft is handed with the verdicts (features.py)
         self.forwards = 0
         self.forward_s = 0.0
 
@@ -359,12 +390,13 @@ class TargetSession:
         not handed over again."""
         self.sequence.rollback(0)
         self.forget_row()
-        self._features, self._features_from = None, self._handed
+        self.features.evicted()
 
     def store_row(self, row: torch.Tensor, choice: int | None, forward_s: float) -> None:
         """A prefill (Verifier.prefill_next) computed the row for the place after the cached
         tokens; choice: its argmax, for a greedy session; forward_s: the forward's time."""
         self._pending, self._pending_at, self._passed, self._pending_choice = row, len(self.sequence), None, choice
+        self._ahead = None
         if self.logprob_rows is not None:
             self.logprob_rows.keep([(len(self.sequence), len(self.sequence), (), row[0])])
         self.forwards += 1
@@ -403,6 +435,7 @@ class TargetSession:
     def forget_row(self) -> None:
         """No row is stored: the sequence it was computed on is changing (a prompt chunk) or gone."""
         self._pending, self._pending_at, self._pending_choice, self._passed = None, -1, None, None
+        self._ahead = None
 
     def verify(self, committed: Sequence[int], block: Block) -> Verdict:
         """Settle the block. When the block's q rows live on the draft side (distributed
@@ -428,39 +461,22 @@ class TargetSession:
         return not self.sampling.greedy and bool(block.siblings) and bool(block.siblings[0])
 
     def first_greedy(self, base: int, block: Block) -> Verdict | None:
-        """The stored row's argmax (read with its step) against the block's first token."""
-        if self._pending_choice == block.tokens[0]:
+        """The stored rows' argmax (read with their step) against the block's first tokens: the
+        next place's row, then those stored past it (``Lookahead``) while the block's tokens are
+        the ones they were computed on. A rejection among them, or the whole block where they reach
+        past it, is the verdict (no forward); None: its forward judges the rest."""
+        ahead = self._ahead
+        choices = [self._pending_choice, *(ahead.choices if ahead is not None else ())]
+        accepted = judged(block.tokens, choices, ahead.tokens if ahead is not None else ())
+        if accepted is None:
             return None
         self._verifier.tokens_verified += len(block)
-        return Verdict(base=base, accepted=0, token=self._pending_choice, epoch=block.epoch)
-
-    def take_computed(self, first: int, features: torch.Tensor) -> None:
-        """A forward's features from position ``first`` on (a prefill chunk's, or a block's): kept,
-        after those still kept before ``first`` (a chunk continued), until a verdict hands over
-        those of committed positions; what was kept from ``first`` on is stale (a rollback)."""
-        if first < self._handed:  # recomputed after an eviction: the draft holds these already
-            skip = min(self._handed - first, features.shape[0])
-            features, first = features[skip:], first + skip
-            if not features.shape[0]:
-                return
-        if self._features is not None:
-            before = first - self._features_from
-            if 0 < before <= self._features.shape[0]:
-                features, first = torch.cat([self._features[:before], features]), self._features_from
-        self._features, self._features_from = features, first
-
-    def hand_features(self, verdict: Verdict) -> Verdict:
-        """The verdict with the features of the positions it leaves committed and computed: up to
-        the last accepted drafted token, or a tree's nodes taken after them (the verdict's own
-        token has none yet)."""
-        taken = verdict.base + verdict.accepted + len(verdict.branch)
-        end = -1 if self._features is None else taken - self._features_from
-        if end <= 0:
-            return verdict
-        handed, rest, at = self._features[:end], self._features[end:], self._features_from
-        self._features, self._features_from = (rest if rest.shape[0] else None), at + end
-        self._handed = at + end
-        return dataclasses.replace(verdict, features=handed, features_from=at)
+        self._verifier.judged_ahead += accepted > 0
+        self._ahead = None
+        if accepted == len(block):  # the row after them is the next place's now; what lies past it stays stored
+            self._pending, self._pending_at = ahead.rows[accepted - 1 : accepted], base + accepted
+            self._pending_choice, self._ahead = choices[accepted], ahead.after(accepted)
+        return Verdict(base=base, accepted=accepted, token=choices[accepted], epoch=block.epoch)
 
     def next_token(self, committed: Sequence[int]) -> int | None:
         """Greedy: the target's own token for the place after ``committed``, read from the row
@@ -498,12 +514,13 @@ class TargetSession:
         return self._passed is not None and self._passed[0] is block and self._passed[1] == len(committed)
 
     def holds_row_for(self, committed: Sequence[int]) -> bool:
-        """The pool holds exactly ``committed`` and the row for the next place is stored (the
-        block continues a fully accepted one)."""
+        """The pool holds exactly ``committed`` (and the tokens whose rows are stored past it) and
+        the row for the next place is stored (the block continues a fully accepted one)."""
+        ahead = self._ahead.tokens if self._ahead is not None else ()
         return (
             self._pending is not None
-            and self._pending_at == len(committed) == len(self.sequence)
-            and self.sequence.tokens_equal(committed)
+            and self._pending_at == len(committed) == len(self.sequence) - len(ahead)
+            and self.sequence.tokens_equal([*committed, *ahead] if ahead else committed)
         )
 
     def processed(self, rows: torch.Tensor, committed: Sequence[int], block: Block, plan: _Plan) -> torch.Tensor:
@@ -522,10 +539,16 @@ class TargetSession:
     def plan(self, committed: Sequence[int], block: Block) -> _Plan:
         """Target logits are needed for positions len(committed) .. len(committed) + len(block):
         roll back to what the pool still shares, and reuse the stored row for the first of them
-        when the pool holds exactly ``committed``."""
-        base, drafted = len(committed), block.tokens
-        kept = self.sequence.rollback_to_prefix_of(committed)
-        reuse = kept == base and self._pending_at == base and self._pending is not None
+        when the pool holds exactly ``committed``, and those stored past it (``Lookahead``) for the
+        block's first tokens when it begins with theirs and runs past them."""
+        base, drafted, reused = len(committed), block.tokens, self._ahead
+        if reused is not None and not (len(drafted) > len(reused.tokens) and not block.is_tree
+                                       and tuple(drafted[: len(reused.tokens)]) == reused.tokens
+                                       and self.holds_row_for(committed)):
+            reused = self._ahead = None
+        stored = len(reused.tokens) if reused is not None else 0
+        kept = self.sequence.rollback_to_prefix_of([*committed, *reused.tokens] if stored else committed)
+        reuse = kept == base + stored and self._pending_at == base and self._pending is not None
         if not reuse and kept == base:
             self.sequence.rollback(base - 1)
             kept = base - 1
@@ -539,7 +562,7 @@ class TargetSession:
                         for p in node_parents(len(drafted), block.siblings, block.grown)]
             return _Plan((self.sequence, before + nodes, len(nodes) + (not reuse), parents), reuse)
         if reuse:
-            return _Plan((self.sequence, list(drafted), len(drafted)), True)
+            return _Plan((self.sequence, list(drafted[stored:]), len(drafted) - stored), True, stored, reused)
         return _Plan((self.sequence, [*committed[kept:], *drafted], len(drafted) + 1), False)
 
     def step_logits(self, block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float) -> torch.Tensor:
@@ -549,10 +572,16 @@ class TargetSession:
         if plan.step is None:
             logits = self._pending
         else:
-            logits = torch.cat([self._pending, rows]) if plan.reuse else rows  # [k + 1, vocab]
+            stored = [self._pending, plan.reused.rows] if plan.reused is not None else [self._pending]
+            logits = torch.cat([*stored, rows]) if plan.reuse else rows  # [k + 1 (+ fed after it), vocab]
             self.forwards += 1
             self.forward_s += elapsed
-        self._pending, self._pending_at, self._passed = logits[-1:], len(self.sequence), None
+        fed = len(plan.ahead)
+        if fed:  # the rows at the tokens fed after the block: stored past its last (their choices: judge_greedy)
+            logits, self._ahead = logits[:-fed], Lookahead(plan.ahead, logits[-fed:])
+        else:
+            self._ahead = None
+        self._pending, self._pending_at, self._passed = logits[-1:], len(self.sequence) - fed, None
         self._verifier.tokens_verified += block.nodes
         if self.logprob_rows is not None:
             self.logprob_rows.keep(block_rows(block.base, block.tokens, block.siblings, logits, block.grown))
@@ -562,7 +591,10 @@ class TargetSession:
         """choices: the argmax of each row the step computed for this block (read with the step's
         others); the stored row's argmax goes first when the plan reuses it. logits: the rows
         (step_logits), the place before the block first."""
-        target_tokens = ([self._pending_choice] if plan.step is None or plan.reuse else []) + choices  # [1 + nodes]
+        stored = [self._pending_choice, *(plan.reused.choices if plan.reused is not None else ())]
+        target_tokens = (stored if plan.step is None or plan.reuse else []) + choices  # [1 + nodes (+ fed after)]
+        if plan.ahead:
+            target_tokens, self._ahead.choices = target_tokens[: -len(plan.ahead)], target_tokens[-len(plan.ahead):]
         if block.is_tree:
             return self._judge_tree(base, block, target_tokens, logits)
         self._pending_choice = target_tokens[-1]
@@ -575,19 +607,9 @@ class TargetSession:
         last row is (logits: the step's rows, the place before the block first)."""
         k = len(block.tokens)
         self.sequence.keep_path(base, k, accepted, branch)
-        self._keep_path_features(base, list(range(accepted)) + branch)
+        self.features.keep_path(base, list(range(accepted)) + branch)
         last = branch[-1] if branch else k - 1  # the path's last node: its row is the next place's
         self._pending, self._pending_at = logits[1 + last : 2 + last], len(self.sequence)
-
-    def _keep_path_features(self, base: int, path: list[int]) -> None:
-        """A feature draft's input after a tree's verdict: of the features the step computed (a
-        row per node from ``base`` on, the tree's layout), those of the accepted path, at its
-        places; the other nodes' go."""
-        at = None if self._features is None else base - self._features_from
-        if at is None or not 0 <= at < len(self._features):
-            return
-        rows = torch.tensor([at + node for node in path], dtype=torch.long, device=self._features.device)
-        self._features = torch.cat([self._features[:at], self._features[rows]])
 
     def _judge_tree(self, base: int, block: Block, target_tokens: list[int], logits: torch.Tensor) -> Verdict:
         """A tree's verdict: from the token before the block, each node whose token is the

@@ -51,6 +51,14 @@ class AheadBlocks:
         held.followup, held.finished_at = more.followup, more.finished_at
         return True
 
+    def followup_on(self, block: DraftedBlock) -> tuple[int, ...]:
+        """The follow-up's tokens as held now, if it was drafted on ``block`` accepted whole (else
+        none): what the block's forward may feed after it (Verifier.verify_batch's lookahead)."""
+        held = self.followup[0] if self.followup is not None else None
+        if held is None or held.epoch != block.epoch or held.base != block.base + len(block.tokens):
+            return ()
+        return tuple(held.tokens)
+
     def take_followup(self) -> Waiting | None:
         """The follow-up, for verification next (the block before it was accepted whole)."""
         followup, self.followup = self.followup, None

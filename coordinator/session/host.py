@@ -240,8 +240,9 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
         riders = self.idle_work.riders(self.sessions, ready, self.pages.waiting)  # waiting sessions' rows
         started = self.clock()
         try:  # a session that fails, alone; the newest yields its pages when they run short
+            lookahead = {s.target: tokens for _, s, block, _, _ in ready if (tokens := s.ahead.followup_on(block))}
             verified, verdicts, riders = self.pages.verify(self.verifier, self.sessions, ready, self.max_batched_tokens,
-                                                           riders)
+                                                           riders, lookahead)
         except PoolFull as exc:  # no session holds a page to yield: the step cannot fit at all
             verified = [job for job in ready if job[0] not in self.pages.waiting]
             verdicts, riders = [exc] * len(verified), []

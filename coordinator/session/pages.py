@@ -69,21 +69,25 @@ class PageLine:
             del self.waiting[session_id]
 
     def verify(self, verifier, sessions: dict, ready: list, budget: int | None,
-               riders: list) -> tuple[list, list, list]:
+               riders: list, lookahead: dict | None = None) -> tuple[list, list, list]:
         """The step's verdicts for the jobs of ``ready`` still holding their place, with the rows
-        of ``riders`` (sessions waiting on their drafts, ``IdleWork.riders``) in the same forward.
-        When the pool is short the riders go first, then the newest session yields its pages
-        until the step fits (PoolFull changes nothing). Returns (the jobs verified, their
-        verdicts, the riders whose rows rode)."""
+        of ``riders`` (sessions waiting on their drafts, ``IdleWork.riders``) and the follow-ups
+        of ``lookahead`` (Verifier.verify_batch's) in the same forward. When the pool is short the
+        follow-ups go first, then the riders, then the newest session yields its pages until the
+        step fits (PoolFull changes nothing). Returns (the jobs verified, their verdicts, the
+        riders whose rows rode)."""
         while True:
             jobs = [job for job in ready if job[0] not in self.waiting]
             if not jobs:
                 return [], [], []
             try:
                 return jobs, verifier.verify_apart([(s.target, s.committed, checked) for _, s, _, checked, _ in jobs],
-                                                   budget, [(s.target, s.committed) for _, s in riders]), riders
+                                                   budget, [(s.target, s.committed) for _, s in riders],
+                                                   lookahead), riders
             except PoolFull:
-                if riders:
+                if lookahead:
+                    lookahead = None
+                elif riders:
                     riders = []
                 elif not self.evict_newest(sessions, [job[0] for job in jobs]):
                     raise

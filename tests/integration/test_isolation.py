@@ -119,9 +119,9 @@ def test_isolating_costs_forwards_in_halves_not_one_per_session(models, prompt_i
     calls = []
     real = verifier.verify_batch
 
-    def counted(jobs, budget=None, riders=()):
+    def counted(jobs, budget=None, riders=(), lookahead=None):
         calls.append(len(jobs))
-        return real(jobs, budget, riders)
+        return real(jobs, budget, riders, lookahead)
 
     monkeypatch.setattr(verifier, "verify_batch", counted)
     inject_warp_fault(monkeypatch, "target")
