@@ -14,6 +14,7 @@ actors and the in-memory transport alike; a test reads them as they are.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from svip_common.contracts import Block, GenerationStats
@@ -43,7 +44,12 @@ class Settle:
 @dataclass(frozen=True)
 class Finish:
     reason: str
-    stats: GenerationStats
+    final: Callable[[], GenerationStats]  # its statistics, worked out when read (RoundLog.final: on the event
+    # loop, where the caller's stream makes its message; nothing writes them after the end)
+
+    @functools.cached_property
+    def stats(self) -> GenerationStats:
+        return self.final()
 
 
 @dataclass(frozen=True)

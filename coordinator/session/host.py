@@ -317,7 +317,7 @@ class SessionHost(SessionService, pb_grpc.TargetWorkerServicer):
             elif isinstance(effect, Settle):  # made into its message where the stream sends it (caller_events.py)
                 self.owner(session_id).emit(SettledEvent(session_id, effect.tokens, effect.logprobs))
             elif isinstance(effect, Finish):
-                self.owner(session_id).emit(FinishedEvent(session_id, effect.reason, effect.stats))
+                self.owner(session_id).emit(FinishedEvent(session_id, effect))
             elif isinstance(effect, DraftAnswered):
                 self.draft.answered(effect.seconds)
 

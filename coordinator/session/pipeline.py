@@ -36,6 +36,7 @@ at the current epoch, and drafting goes on from there.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 from coordinator.session.ahead import Waiting
 from coordinator.session.attachment import DraftAttachment
@@ -326,7 +327,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
     def _finish(self, reason: str) -> None:
         self.finish_reason = reason
         self.ahead.drop_all()
-        self._emit(Finish(reason, self.log.final(self.with_draft, self.now)))
+        self._emit(Finish(reason, functools.partial(self.log.final, self.with_draft, self.now)))
         self._close()
 
     def _to_draft(self, request: DraftRequest) -> None:

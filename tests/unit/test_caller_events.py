@@ -2,6 +2,7 @@
 (coordinator/session/caller_events.py), in order with the rest and sized for the stream's bursts."""
 
 from coordinator.session.caller_events import FinishedEvent, SettledEvent, wire
+from coordinator.session.effects import Finish
 from svip_common.contracts import GenerationStats, TokenLogprob
 from svip_proto import convert
 from svip_proto import svip_pb2 as pb
@@ -29,7 +30,7 @@ def test_the_events_become_the_messages_the_host_built_on_its_compute_thread_in_
     logprobs = (TokenLogprob(7, -0.5, ((7, -0.5), (9, -1.25))),)
     stats = _stats(4)
     error = pb.GenerateEvent(error=pb.Error(session_id="s", code=3, message="bad"))
-    events = [SettledEvent("s", (7,), logprobs), error, FinishedEvent("s", "length", stats)]
+    events = [SettledEvent("s", (7,), logprobs), error, FinishedEvent("s", Finish("length", lambda: stats))]
     made = wire(events)
     settled = pb.GenerateEvent(settled=pb.Settled(session_id="s", tokens=[7],
                                                   logprobs=convert.logprobs_to_proto(logprobs)))
@@ -41,9 +42,24 @@ def test_the_events_become_the_messages_the_host_built_on_its_compute_thread_in_
 
 def test_an_event_is_sized_and_sent_as_its_message_made_once():
     stats = _stats(50)
-    ends = [FinishedEvent(f"s{i}", "stop", stats) for i in range(MAX_BATCH + 44)]
+    ends = [FinishedEvent(f"s{i}", Finish("stop", lambda: stats)) for i in range(MAX_BATCH + 44)]
     size = ends[0].ByteSize()
     assert size == ends[0].message.ByteSize() > 0 and ends[0].message is wire(ends[:1])[0]  # made once
     bursts = split_bursts(ends)
     assert [len(b) for b in bursts] == [len(b) for b in split_bursts([e.message for e in ends])]
     assert [len(b) for b in bursts] == [MAX_BATCH, 44]
+
+
+def test_a_sessions_end_works_out_its_statistics_where_its_message_is_made_once():
+    """The session's last step only says it ended; its figures (RoundLog.final) are worked out when
+    the stream makes the message, on the event loop, and once however often it is read."""
+    worked = []
+
+    def final():
+        worked.append(1)
+        return _stats(3)
+
+    end = FinishedEvent("s", Finish("stop", final))
+    assert worked == []
+    assert end.ByteSize() == end.message.ByteSize() and wire([end])[0] is end.message
+    assert end.end.stats.rounds == 3 and worked == [1]
