@@ -78,8 +78,9 @@ def test_n_choices_through_the_workers_share_and_equal_them_apart(models, prompt
     assert [r.token_ids for r in got] == [solo.generate_all([r])[0].token_ids for r in requests]
     shared, alone = pair.host.verifier, apart.host.verifier
     drafter = pair.draft.drafter
-    assert shared.sharing.shared_tokens > 0  # a follow-up fed after its block (Lookahead) as the schedule lets it:
-    assert shared.pool.forward_tokens - shared.fed_ahead < alone.pool.forward_tokens - alone.fed_ahead  # not sharing's
+    assert shared.sharing.shared_tokens > 0
+    # forward tokens net of the follow-ups' fed after their blocks (Lookahead): those follow the schedule
+    assert shared.pool.forward_tokens - shared.fed_ahead < alone.pool.forward_tokens - alone.fed_ahead
     if schedule != "target first":  # target first: the target fills every round, no draft runs
         # (its forward tokens in all are no measure here: how far speculation drafts past its stops
         # follows when each verdict comes, which sharing moves)
