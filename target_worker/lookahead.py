@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from svip_common.rejection import accept_greedy
 from svip_common.sequences import common_prefix
 
 
@@ -34,7 +35,5 @@ def judged(tokens: Sequence[int], choices: Sequence[int], fed: Sequence[int]) ->
     where the rows decide the block (a rejection among them, or every token judged, the row after
     the last one stored too), else None: a forward judges the rest."""
     reach = 1 + common_prefix(tokens, fed)  # the places whose rows hold for this block
-    for i, token in enumerate(tokens[:reach]):
-        if token != choices[i]:
-            return i
-    return len(tokens) if len(tokens) < reach else None
+    accepted = accept_greedy(choices, tokens[:reach])
+    return accepted if accepted < min(reach, len(tokens)) or len(tokens) < reach else None

@@ -293,9 +293,13 @@ class _Plan:
     # the forward this block needs (None: the stored row is all); a tree's carries its nodes' parents
     step: tuple[PagedSequence, list[int], int] | tuple[PagedSequence, list[int], int, list[int]] | None
     reuse: bool  # the first row is the stored one
-    stored: int = 0  # reused: the block's first tokens whose rows were stored past the first (Lookahead)
-    reused: Lookahead | None = None  # those rows and their choices
+    reused: Lookahead | None = None  # reused: rows stored past the first, at the block's first tokens
     ahead: tuple[int, ...] = ()  # tokens fed after the block, their rows stored for a follow-up (Lookahead)
+
+    @property
+    def stored(self) -> int:
+        """The block's first tokens whose rows were stored past the first (Lookahead)."""
+        return len(self.reused.tokens) if self.reused is not None else 0
 
     def fed(self, ahead: Sequence[int]) -> _Plan:
         """The plan with ``ahead`` fed after the block (a chain's), their rows kept past its own."""
@@ -562,7 +566,7 @@ class TargetSession:
                         for p in node_parents(len(drafted), block.siblings, block.grown)]
             return _Plan((self.sequence, before + nodes, len(nodes) + (not reuse), parents), reuse)
         if reuse:
-            return _Plan((self.sequence, list(drafted[stored:]), len(drafted) - stored), True, stored, reused)
+            return _Plan((self.sequence, list(drafted[stored:]), len(drafted) - stored), True, reused)
         return _Plan((self.sequence, [*committed[kept:], *drafted], len(drafted) + 1), False)
 
     def step_logits(self, block: Block, plan: _Plan, rows: torch.Tensor | None, elapsed: float) -> torch.Tensor:
