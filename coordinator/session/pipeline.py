@@ -48,6 +48,7 @@ from coordinator.session.wire_checks import (
     check_block,
     check_correction,
     check_growth,
+    check_held,
     check_prepared,
     check_timings,
 )
@@ -141,6 +142,7 @@ class SessionPipeline(DraftAttachment, WhileWaiting, SpeculationBudget):
         if self.verifying is None:
             self._verify(block, received_at, "drafted" if self._after_a_verdict else "first")
         else:
+            check_held(block, self.request, self.limits)  # as it comes: its block's forward may feed it (Lookahead)
             self.ahead.hold_followup(block, received_at)  # verified next if the block before it is accepted whole
 
     # --- a round: verify, then decide ---------------------------------------------------------------

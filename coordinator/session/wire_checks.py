@@ -38,12 +38,18 @@ def check_prepared(base: int, committed: int, kept: int, limits: Limits) -> None
 
 
 def check_block(drafted: DraftedBlock, committed: int, request: GenerationRequest, limits: Limits) -> Block:
-    """A block to verify: on the committed sequence, ids in range, within the cap and within the
+    """A block to verify: on the committed sequence, and as ``check_held`` says."""
+    if drafted.base != committed:
+        raise WorkerError(f"draft worker sent a block at base {drafted.base}, committed {committed}")
+    return check_held(drafted, request, limits)
+
+
+def check_held(drafted: DraftedBlock, request: GenerationRequest, limits: Limits) -> Block:
+    """A block as it arrives to be held (a follow-up, whose tokens its predecessor's forward may
+    feed: target_worker/lookahead.py) or verified: ids in range, within the cap and within the
     session's budget (hence the context); a sampled one with q(d) for every token. (Its shape, a q
     and an entropy per token or none, the service's edge checked when it read it.)"""
     checked = drafted.block
-    if checked.base != committed:
-        raise WorkerError(f"draft worker sent a block at base {checked.base}, committed {committed}")
     try:
         check_token_ids(checked.tokens, limits.tokens, "drafted token id")
     except InvalidRequest as exc:
@@ -81,6 +87,10 @@ def check_growth(more: DraftedBlock, request: GenerationRequest, limits: Limits)
     if not block.tokens or more.grows + len(block) > limits.max_draft_length:
         raise WorkerError(f"draft worker grew a block of {more.grows} tokens by {len(block)}; the cap is "
                           f"{limits.max_draft_length}")
+    limit = len(request.prompt_ids) + request.max_new_tokens
+    if more.base + more.grows + len(block) + 1 > limit:
+        raise WorkerError(f"draft worker grew a block at base {more.base} to {more.grows + len(block)} tokens, "
+                          f"past the session's {limit} tokens (prompt + max_new_tokens)")
     if block.probs and len(block.probs) != len(block):
         raise WorkerError("draft worker grew a block with q(d) for some of its tokens")
     if block.siblings is not None:

@@ -301,6 +301,22 @@ def test_a_bad_block_gives_the_draft_up_and_the_target_goes_on_alone(bad, why, c
     assert h.session.mode is DraftMode.GIVEN_UP and h.draft.count("start") == 1
 
 
+@pytest.mark.parametrize("tokens, why", [([13, 99], "token id"), (list(range(13, 22)), "cap is 8")])
+def test_a_bad_follow_up_gives_the_draft_up_as_it_comes_and_the_block_in_flight_stands(tokens, why, caplog):
+    """A follow-up is checked before it is held (its block's forward may feed its tokens,
+    target_worker/lookahead.py): a bad one gives the draft up at once; the block being verified
+    is decided as it would have been, and the target goes on alone."""
+    h = Harness(pipeline="async")
+    h.start()
+    h.deliver(h.block([11, 12], followup=True))
+    h.deliver(h.block(tokens, base=5))
+    assert h.session.mode is DraftMode.GIVEN_UP and h.session.ahead.followup is None and why in caplog.text
+    h.verify(2, 40)  # the block in flight, accepted whole: the target's own token follows it
+    assert h.tokens == [11, 12, 40] and not h.session.done
+    (block, _), = h.queue
+    assert len(block.tokens) == 0  # the target settles the next token alone
+
+
 def test_a_message_the_edge_could_not_read_gives_the_draft_up_and_cancels_its_session(caplog):
     h = Harness()
     h.start()

@@ -13,6 +13,8 @@ from coordinator.session.wire_checks import (
     MAX_PREPARED,
     check_block,
     check_correction,
+    check_growth,
+    check_held,
     check_prepared,
     check_timings,
 )
@@ -117,3 +119,24 @@ def test_a_correction_only_when_asked_and_in_range():
         check_correction(7, False, LIMITS)
     with pytest.raises(WorkerError, match="correction token id"):
         check_correction(50, True, LIMITS)
+
+
+@pytest.mark.parametrize("block, message", [
+    (_block([5, 50], base=9), "token id"),
+    (_block([5, 6, 7, 8, 9], base=9), "the cap is 4"),
+    (_block([5, 6, 7], base=11), "past the session's 13 tokens"),
+])
+def test_a_follow_up_is_checked_as_it_comes_wherever_it_starts(block, message):
+    """A follow-up held while its block waits: its tokens may ride that block's forward
+    (target_worker/lookahead.py), so ids, cap and budget are checked before it is held; its base
+    only once it is verified."""
+    assert check_held(_block([5, 6], base=9), GREEDY, LIMITS).tokens == [5, 6]
+    with pytest.raises(WorkerError, match=message):
+        check_held(block, GREEDY, LIMITS)
+
+
+def test_a_growth_past_the_sessions_budget_is_refused():
+    grown = DraftedBlock(_block([5, 6], base=9).block, grows=1)
+    check_growth(grown, GREEDY, LIMITS)  # 9 + 1 + 2 tokens, the next place the 13th
+    with pytest.raises(WorkerError, match="past the session's 13 tokens"):
+        check_growth(DraftedBlock(_block([5, 6], base=9).block, grows=2), GREEDY, LIMITS)
